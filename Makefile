@@ -1,0 +1,40 @@
+# GPUFlex developer entry points. Works on a fresh machine with Python 3.11+ and make:
+# the first target that needs it creates .venv and installs torch and the project.
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.gpuflex-installed
+
+.PHONY: test demo bench lint install clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/gpuflex-hub demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy --strict protocol/
+
+bench: $(STAMP)
+	$(PY) bench/codec.py
+	$(PY) bench/trainer.py
+	$(PY) bench/aggregate.py
+	$(PY) bench/hub_load.py
+	$(PY) bench/robustness.py
+	$(PY) bench/vs_flower.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

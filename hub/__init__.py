@@ -1,0 +1,1 @@
+"""GPUFlex hub package."""

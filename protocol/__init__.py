@@ -1,0 +1,1 @@
+"""GPUFlex protocol package."""
