@@ -1,0 +1,1 @@
+"""The benchmark job as a Flower app (used by bench/vs_flower.py)."""

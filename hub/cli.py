@@ -1,0 +1,369 @@
+"""`gpuflex-hub`: serve, tokens, and the owner's job commands.
+
+Other areas add subcommands (`audit ...`, `demo`) without editing this file: a
+module listed in PLUGIN_MODULES that exists and defines
+`register(subparsers: argparse._SubParsersAction) -> None` gets called; each
+parser it adds must `set_defaults(func=callable(args) -> int)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import ipaddress
+import json
+import os
+import signal
+import ssl
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuflex.protocol.version import SOFTWARE_VERSION
+
+PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.cli_demo", "gpuflex.hub.demo")
+ENV_HUB = "GPUFLEX_HUB"
+ENV_TOKEN = "GPUFLEX_TOKEN"
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .app import create_app
+    from .appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+    from .config import HubConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("error: give both --tls-cert and --tls-key", file=sys.stderr)
+        return 2
+    config = HubConfig(
+        data_dir=Path(args.data), host=args.host, port=args.port,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        long_poll_max_s=args.long_poll_max, min_deadline_s=args.min_deadline,
+    )
+    app = create_app(config)
+    print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
+    if app[FIRST_ADMIN_TOKEN]:
+        print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
+    ssl_ctx = None
+    if config.tls_cert and config.tls_key:
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    elif not _is_loopback(config.host):
+        print(f"WARNING: binding {config.host} without TLS: tokens and data travel in clear text. "
+              "Use --tls-cert/--tls-key or a TLS-terminating proxy.", file=sys.stderr, flush=True)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_ctx, reuse_address=True)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    port = sockets[0].getsockname()[1] if sockets else config.port
+    scheme = "https" if ssl_ctx else "http"
+    host = config.host if ":" not in config.host else f"[{config.host}]"
+    url = f"{scheme}://{host}:{port}"
+    tmp = config.url_path.with_suffix(".tmp")
+    tmp.write_text(url + "\n")
+    os.replace(tmp, config.url_path)
+    print(f"gpuflex-hub listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("gpuflex-hub shutting down", flush=True)
+        await runner.cleanup()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(args))
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    from .tokens import create_token
+
+    print(create_token(Path(args.data), args.role, args.name))
+    return 0
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    from .tokens import list_tokens
+
+    for t in list_tokens(Path(args.data)):
+        state = "revoked" if t["revoked_at"] else "live"
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(t["created_at"])))  # type: ignore[arg-type]
+        print(f"{t['id']:>4}  {t['role']:<8} {t['name']:<24} {created}  {state}")
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    from .tokens import revoke_token
+
+    revoke_token(Path(args.data), args.id)
+    print(f"token {args.id} revoked")
+    return 0
+
+
+# -- owner client --------------------------------------------------------------------------------
+
+
+class ClientError(Exception):
+    pass
+
+
+def _hub_and_token(args: argparse.Namespace) -> tuple[str, str]:
+    hub = args.hub or os.environ.get(ENV_HUB)
+    token = args.token or os.environ.get(ENV_TOKEN)
+    if not hub:
+        raise ClientError(f"no hub URL: pass --hub URL or set {ENV_HUB}")
+    if not token:
+        raise ClientError(f"no token: pass --token T or set {ENV_TOKEN}")
+    return hub.rstrip("/"), token
+
+
+async def _request(args: argparse.Namespace, method: str, path: str, *, data: Any = None,
+                   raw: bool = False) -> Any:
+    import aiohttp
+
+    hub, token = _hub_and_token(args)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
+        method, hub + path, data=data, headers={"Authorization": f"Bearer {token}"}
+    ) as resp:
+        body = await resp.read()
+        if resp.status >= 400:
+            try:
+                doc = json.loads(body)
+                raise ClientError(f"{resp.status} {doc.get('error')}: {doc.get('detail')}")
+            except ValueError:
+                raise ClientError(f"{resp.status}: {body[:200]!r}") from None
+        if raw:
+            return body, dict(resp.headers)
+        return json.loads(body)
+
+
+def _call(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def cmd_job_submit(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    async def go() -> Any:
+        with contextlib.ExitStack() as stack:
+            form = aiohttp.FormData()
+            form.add_field("spec", Path(args.spec).read_bytes(), filename=Path(args.spec).name,
+                           content_type="application/toml")
+            form.add_field("train", stack.enter_context(open(args.train, "rb")), filename=Path(args.train).name,
+                           content_type="application/octet-stream")
+            if args.val:
+                form.add_field("val", stack.enter_context(open(args.val, "rb")), filename=Path(args.val).name,
+                               content_type="application/octet-stream")
+            return await _request(args, "POST", "/v1/jobs", data=form)
+
+    doc = _call(go())
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(doc["id"])
+    return 0
+
+
+def cmd_job_list(args: argparse.Namespace) -> int:
+    doc = _call(_request(args, "GET", "/v1/jobs"))
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("id", "name", "owner", "state", "round", title="jobs")
+    for j in doc["jobs"]:
+        table.add_row(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}")
+    Console().print(table)
+    return 0
+
+
+def _status_view(doc: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    prog = doc.get("progress") or {}
+    head = Text(f"{doc['id']}  {doc['name']}  state={doc['state']}  round {doc['round']}/{doc['rounds']}")
+    if prog:
+        head.append(f"  chunks {prog['chunks_covered']}/{prog['chunks_total']} covered,"
+                    f" {prog['assignments_live']} assignments live")
+    if doc.get("error"):
+        head.append(f"\nerror: {doc['error']}", style="red")
+    table = Table("round", "val loss", "accuracy", "train loss", "updates", "flags")
+
+    def fmt(v: Any, spec: str = ".4f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    for h in doc["history"]:
+        table.add_row(str(h["round"]), fmt(h["loss"]), fmt(h["accuracy"], ".3f"), fmt(h["train_loss"]),
+                      str(sum(1 for u in h["updates"] if u["status"] == "included")), str(len(h["flags"])))
+    return Group(head, table)
+
+
+def cmd_job_status(args: argparse.Namespace) -> int:
+    path = f"/v1/jobs/{args.id}"
+    if args.json:
+        print(json.dumps(_call(_request(args, "GET", path))))
+        return 0
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    doc = _call(_request(args, "GET", path))
+    if not args.watch:
+        console.print(_status_view(doc))
+        return 0
+    with Live(_status_view(doc), console=console, refresh_per_second=2) as live:
+        while doc["state"] in ("queued", "running"):
+            time.sleep(args.interval)
+            doc = _call(_request(args, "GET", path))
+            live.update(_status_view(doc))
+    return 0
+
+
+def cmd_job_download(args: argparse.Namespace) -> int:
+    path = f"/v1/jobs/{args.id}/model" + (f"?round={args.round}" if args.round is not None else "")
+    body, headers = _call(_request(args, "GET", path, raw=True))
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_bytes(body)
+    os.replace(tmp, out)
+    print(f"wrote {out} ({len(body)} bytes, model version {headers.get('X-GPUFlex-Model-Version')})")
+    return 0
+
+
+def cmd_job_cancel(args: argparse.Namespace) -> int:
+    doc = _call(_request(args, "POST", f"/v1/jobs/{args.id}/cancel"))
+    print(f"{doc['id']}: {doc['state']}")
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hub", help=f"hub URL (default ${ENV_HUB})")
+    p.add_argument("--token", help=f"bearer token (default ${ENV_TOKEN})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuflex-hub", description="GPUFlex hub: serve, tokens, jobs.")
+    parser.add_argument("--version", action="version", version=f"gpuflex-hub {SOFTWARE_VERSION}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the hub")
+    p.add_argument("--data", required=True, help="data directory (key, database, blobs)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--long-poll-max", type=float, default=30.0, metavar="S", help="longest work long-poll")
+    p.add_argument("--min-deadline", type=float, default=30.0, metavar="S", help="shortest assignment deadline")
+    p.set_defaults(func=cmd_serve)
+
+    tok = sub.add_parser("token", help="manage owner/auditor/admin tokens").add_subparsers(
+        dest="token_command", metavar="ACTION", required=True)
+    p = tok.add_parser("create", help="create a token and print it (once)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--role", required=True, choices=("owner", "auditor", "admin"))
+    p.add_argument("--name", required=True)
+    p.set_defaults(func=cmd_token_create)
+    p = tok.add_parser("list", help="list tokens (never their values)")
+    p.add_argument("--data", required=True)
+    p.set_defaults(func=cmd_token_list)
+    p = tok.add_parser("revoke", help="revoke a token by id")
+    p.add_argument("--data", required=True)
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_token_revoke)
+
+    job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(
+        dest="job_command", metavar="ACTION", required=True)
+    p = job.add_parser("submit", help="submit SPEC.toml with a training set")
+    p.add_argument("spec")
+    p.add_argument("--train", required=True, help=".npz with x and y, or CSV")
+    p.add_argument("--val", help="validation set (optional)")
+    _client_args(p)
+    p.set_defaults(func=cmd_job_submit)
+    p = job.add_parser("list", help="list your jobs")
+    _client_args(p)
+    p.set_defaults(func=cmd_job_list)
+    p = job.add_parser("status", help="progress and per-round loss/accuracy")
+    p.add_argument("id")
+    p.add_argument("--watch", action="store_true", help="refresh until the job ends")
+    p.add_argument("--interval", type=float, default=1.0)
+    _client_args(p)
+    p.set_defaults(func=cmd_job_status)
+    p = job.add_parser("download", help="download the model as .safetensors")
+    p.add_argument("id")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--round", type=int, help="model after this many rounds (default: latest)")
+    _client_args(p)
+    p.set_defaults(func=cmd_job_download)
+    p = job.add_parser("cancel", help="cancel a job")
+    p.add_argument("id")
+    _client_args(p)
+    p.set_defaults(func=cmd_job_cancel)
+
+    for name in PLUGIN_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        register = getattr(mod, "register", None)
+        if callable(register):
+            register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    from .errors import HubError
+
+    try:
+        return int(func(args) or 0)
+    except (ClientError, HubError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

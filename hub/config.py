@@ -1,0 +1,59 @@
+"""Hub configuration: one frozen, keyword-only dataclass built by the CLI or by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class HubConfig:
+    """Everything a hub needs to start. Paths live under `data_dir`.
+
+    Times are seconds. Sizes are bytes.
+    """
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8470
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    long_poll_max_s: float = 30.0
+    #: an assignment deadline is max(min_deadline_s, expected_s * deadline_slack)
+    min_deadline_s: float = 30.0
+    #: a heartbeat never pushes a deadline past issued_at + max_assignment_s
+    max_assignment_s: float = 6 * 3600.0
+    #: what a node is told to wait between polls when there is nothing to do
+    node_poll_s: float = 5.0
+    #: how often expired assignments and settled replicas are swept
+    sweep_interval_s: float = 1.0
+    replay_window_s: float = 300.0
+    #: body limit for signed control messages (register, work, heartbeat, abandon)
+    max_message_bytes: int = 1 << 20
+    #: limit for one uploaded dataset file and for a whole job submission
+    max_dataset_bytes: int = 2 << 30
+    max_spec_bytes: int = 64 << 10
+    #: a node counts as online when seen within this many seconds
+    online_window_s: float = 90.0
+    #: EMA weight of the newest throughput observation
+    throughput_alpha: float = 0.3
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "hub.sqlite3"
+
+    @property
+    def key_path(self) -> Path:
+        return self.data_dir / "hub.key"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def audit_log_path(self) -> Path:
+        return self.data_dir / "audit.jsonl"
+
+    @property
+    def url_path(self) -> Path:
+        return self.data_dir / "hub.url"

@@ -1,0 +1,303 @@
+"""SQLite storage: schema, migrations and the single writer.
+
+One connection, owned by one thread. Every statement runs on that thread, so the
+event loop never blocks on SQLite. Writes queued while a transaction runs are
+committed together (group commit: one fsync for many requests); a caller's future
+resolves only after COMMIT, so a 2xx built on it survives kill -9 (WAL,
+synchronous=FULL). Each write runs inside a SAVEPOINT: one failing write rolls
+back alone.
+
+Tables (see /work/notes/hub.md for the columns tests rely on):
+jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
+nodes, flags, tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tokens (
+    id INTEGER PRIMARY KEY,
+    hash TEXT NOT NULL UNIQUE,          -- sha256 hex of the token
+    role TEXT NOT NULL CHECK (role IN ('owner', 'auditor', 'admin')),
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,                -- token name of the submitter
+    name TEXT NOT NULL,
+    spec_toml TEXT NOT NULL,
+    state TEXT NOT NULL,                -- queued|running|done|cancelled|failed
+    round INTEGER NOT NULL DEFAULT 0,   -- current (open) round, 0-based
+    rounds INTEGER NOT NULL,
+    model_sha TEXT NOT NULL,            -- current global model blob
+    model_size INTEGER NOT NULL,
+    opt_state_sha TEXT,                 -- server optimizer state blob
+    val_sha TEXT,                       -- validation set blob (never served)
+    train_samples INTEGER NOT NULL,
+    val_samples INTEGER NOT NULL,
+    error TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chunks (
+    job_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    sha TEXT NOT NULL,
+    samples INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE IF NOT EXISTS models (
+    job_id TEXT NOT NULL,
+    version INTEGER NOT NULL,           -- 0 = initial, N = after round N-1 closed
+    sha TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, version)
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    model_sha TEXT NOT NULL,            -- model trained in this round
+    new_model_sha TEXT,                 -- result of aggregation
+    opened_at REAL NOT NULL,
+    closed_at REAL,
+    train_loss REAL,
+    loss REAL,
+    accuracy REAL,
+    metrics TEXT,                       -- JSON
+    evidence TEXT,                      -- JSON from verification
+    PRIMARY KEY (job_id, round)
+);
+CREATE TABLE IF NOT EXISTS shards (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    seq INTEGER NOT NULL,               -- carve order within the round
+    seed INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    replica_group TEXT NOT NULL,        -- '' when not replicated
+    wanted INTEGER NOT NULL,            -- replicas wanted
+    state TEXT NOT NULL,                -- open|settled|dropped
+    first_update_at REAL,
+    outcome TEXT                        -- JSON evidence of the replica comparison
+);
+CREATE INDEX IF NOT EXISTS shards_round ON shards (job_id, round);
+CREATE TABLE IF NOT EXISTS shard_chunks (
+    shard_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,               -- order inside the assignment
+    chunk_idx INTEGER NOT NULL,
+    chunk_sha TEXT NOT NULL,
+    PRIMARY KEY (shard_id, pos)
+);
+CREATE TABLE IF NOT EXISTS assignments (
+    id TEXT PRIMARY KEY,
+    shard_id TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    issued_at REAL NOT NULL,
+    expected_s REAL NOT NULL,
+    deadline REAL NOT NULL,
+    state TEXT NOT NULL,                -- live|done|expired|abandoned|cancelled
+    sealed BLOB NOT NULL                -- the signed Assignment as sent
+);
+CREATE INDEX IF NOT EXISTS assignments_live ON assignments (state);
+CREATE TABLE IF NOT EXISTS updates (
+    id TEXT PRIMARY KEY,
+    assignment_id TEXT NOT NULL UNIQUE, -- one update per assignment, ever
+    shard_id TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    sha TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    sample_count INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    train_s REAL NOT NULL,
+    metrics TEXT NOT NULL,
+    timings TEXT NOT NULL,
+    status TEXT NOT NULL,               -- accepted|included|quarantined|redundant|excluded
+    received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS updates_round ON updates (job_id, round);
+CREATE TABLE IF NOT EXISTS nodes (
+    id TEXT PRIMARY KEY,                -- fingerprint of the public key
+    public_key BLOB NOT NULL,
+    software_version TEXT NOT NULL,
+    device TEXT NOT NULL,               -- JSON
+    benchmark TEXT NOT NULL,            -- JSON
+    bench_sps REAL NOT NULL,
+    ema_sps REAL NOT NULL,
+    registered_at REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    agreed INTEGER NOT NULL DEFAULT 0,
+    disagreed INTEGER NOT NULL DEFAULT 0,
+    consecutive_valid INTEGER NOT NULL DEFAULT 0,
+    flags_confirmed INTEGER NOT NULL DEFAULT 0,
+    flags_dismissed INTEGER NOT NULL DEFAULT 0,
+    updates_accepted INTEGER NOT NULL DEFAULT 0,
+    banned INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS flags (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    update_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    evidence TEXT NOT NULL,             -- JSON
+    status TEXT NOT NULL DEFAULT 'open',  -- open|confirmed|dismissed
+    verdict_note TEXT,
+    auditor TEXT,
+    created_at REAL NOT NULL,
+    decided_at REAL
+);
+CREATE INDEX IF NOT EXISTS flags_job ON flags (job_id, status);
+"""
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open (creating and migrating) the hub database with durable settings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA busy_timeout=10000")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version < SCHEMA_VERSION:
+        conn.execute("BEGIN IMMEDIATE")
+        for stmt in _SCHEMA.split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    return conn
+
+
+class _Op:
+    __slots__ = ("fn", "future", "write")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> None:
+        self.fn = fn
+        self.write = write
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+
+class Database:
+    """The hub's single SQLite connection behind one thread, with group commit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn = connect(path)
+        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="gpuflex-hub-db", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- callers -------------------------------------------------------------------------
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(conn)` in a transaction; resolves after COMMIT."""
+        return await asyncio.wrap_future(self._submit(fn, True))
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn, False))
+
+    def write_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """From a worker thread (never from the event loop)."""
+        return self._submit(fn, True).result()
+
+    def read_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return self._submit(fn, False).result()
+
+    def _submit(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise RuntimeError("database is closed")
+        op = _Op(fn, write)
+        self._queue.put(op)
+        return op.future
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self._conn.close()
+
+    # -- the thread ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < 512:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Op]) -> None:
+        conn = self._conn
+        results: list[tuple[_Op, bool, Any]] = []
+        writes = any(op.write for op in batch)
+        try:
+            if writes:
+                conn.execute("BEGIN IMMEDIATE")
+            for i, op in enumerate(batch):
+                if op.write:
+                    conn.execute(f"SAVEPOINT w{i}")
+                    try:
+                        value = op.fn(conn)
+                    except BaseException as exc:
+                        conn.execute(f"ROLLBACK TO w{i}")
+                        conn.execute(f"RELEASE w{i}")
+                        results.append((op, False, exc))
+                    else:
+                        conn.execute(f"RELEASE w{i}")
+                        results.append((op, True, value))
+                else:
+                    try:
+                        results.append((op, True, op.fn(conn)))
+                    except BaseException as exc:
+                        results.append((op, False, exc))
+            if writes:
+                conn.execute("COMMIT")
+        except BaseException as exc:  # the transaction itself failed: nothing is durable
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            for op in batch:
+                if not op.future.done():
+                    op.future.set_exception(exc)
+            return
+        for op, ok, value in results:
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)

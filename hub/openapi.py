@@ -1,0 +1,165 @@
+"""The hub's HTTP API as an OpenAPI 3.1 document (a plain data structure, served at /v1/openapi.json).
+
+Keep it in step with the route modules: tests check every served route is listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuflex.protocol.version import SOFTWARE_VERSION
+
+_ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_MSGPACK_IN = {"required": True, "content": {"application/x-msgpack": {"schema": {
+    "type": "string", "format": "binary", "description": "sealed envelope {payload, signer, sig}"}}}}
+
+
+def _sealed(kind: str) -> dict[str, Any]:
+    return {"description": f"sealed {kind} (signed by the hub key)",
+            "content": {"application/x-msgpack": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def _json(schema: dict[str, Any], description: str = "ok") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _node_op(summary: str, request_kind: str, response_kinds: str, errors: tuple[int, ...]) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary, "tags": ["node"], "requestBody": _MSGPACK_IN | {"description": f"sealed {request_kind}"},
+        "responses": {"200": _sealed(response_kinds)} | {str(c): _ERROR for c in errors},
+    }
+    return op
+
+
+_BEARER = [{"bearer": []}]
+_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_FLAG_ID = {"name": "flag_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_OBJ = {"type": "object"}
+
+
+def openapi_document() -> dict[str, Any]:
+    paths: dict[str, Any] = {
+        "/healthz": {"get": {"summary": "liveness and database check", "tags": ["ops"],
+                             "responses": {"200": _json(_OBJ)}}},
+        "/metrics": {"get": {"summary": "Prometheus text metrics", "tags": ["ops"],
+                             "responses": {"200": {"description": "text/plain; version=0.0.4"}}}},
+        "/v1/openapi.json": {"get": {"summary": "this document", "tags": ["ops"],
+                                     "responses": {"200": _json(_OBJ)}}},
+        "/v1/hub": {"get": {"summary": "hub public key and fingerprint (pin or trust on first use)",
+                            "tags": ["node"], "responses": {"200": _json({"type": "object", "properties": {
+                                "public_key": {"type": "string", "description": "hex"},
+                                "fingerprint": {"type": "string"},
+                                "protocol_version": {"type": "integer"}}})}}},
+        "/v1/nodes/register": {"post": _node_op("register a node (hello + benchmark)", "Hello", "Welcome",
+                                                (400, 401, 403, 409, 413))},
+        "/v1/work": {"post": _node_op(
+            "long-poll for work (at most min(wait_s, long_poll_max_s)); a node holding a live assignment gets it again",
+            "WorkRequest", "Assignment or NoWork", (400, 401, 403, 409, 413))},
+        "/v1/heartbeat": {"post": _node_op("extend a live assignment's deadline", "Heartbeat",
+                                           "Ack (deadline = new deadline; ok=false when no longer live)",
+                                           (400, 401, 403, 404, 409))},
+        "/v1/abandon": {"post": _node_op("give an assignment back to the pool", "Abandon", "Ack",
+                                         (400, 401, 403, 404, 409))},
+        "/v1/blobs/{sha256}": {"get": {
+            "summary": "a model or chunk blob named by a live assignment of the caller; supports Range",
+            "tags": ["node"],
+            "parameters": [
+                {"name": "sha256", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+                {"name": "X-GPUFlex-Auth", "in": "header", "required": True,
+                 "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed BlobRequest"},
+                {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}},
+            ],
+            "responses": {"200": {"description": "blob bytes"}, "206": {"description": "partial blob"},
+                          **{str(c): _ERROR for c in (400, 401, 403, 404, 409, 416)}}}},
+        "/v1/updates": {"post": {
+            "summary": "upload a trained update: signed header + raw update blob, streamed and hashed",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-Update", "in": "header", "required": True, "schema": {"type": "string"},
+                            "description": "urlsafe base64 of a sealed UpdateHeader"},
+                           {"name": "Content-Length", "in": "header", "required": True,
+                            "schema": {"type": "integer"}, "description": "== update_size <= model size"}],
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": _sealed("Ack"), **{str(c): _ERROR for c in (400, 401, 403, 404, 409, 411, 413, 422)}},
+            "description": "409 late_update / duplicate_update / replay; 422 bad_manifest / non_finite / hash_mismatch"}},
+        "/v1/jobs": {
+            "post": {"summary": "submit a job (owner)", "tags": ["owner"], "security": _BEARER,
+                     "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+                         "type": "object", "required": ["spec", "train"], "properties": {
+                             "spec": {"type": "string", "description": "job spec TOML"},
+                             "train": {"type": "string", "format": "binary", "description": ".npz (x, y) or CSV"},
+                             "val": {"type": "string", "format": "binary", "description": "optional validation set"}}}}}},
+                     "responses": {"201": _json({"$ref": "#/components/schemas/JobCreated"}),
+                                   **{str(c): _ERROR for c in (400, 401, 403, 413, 422)}}},
+            "get": {"summary": "list jobs (owners see their own)", "tags": ["owner"], "security": _BEARER,
+                    "responses": {"200": _json(_OBJ), "401": _ERROR}}},
+        "/v1/jobs/{job_id}": {"get": {"summary": "job status with per-round history", "tags": ["owner"],
+                                      "security": _BEARER, "parameters": [_JOB_ID],
+                                      "responses": {"200": _json({"$ref": "#/components/schemas/JobStatus"}),
+                                                    "401": _ERROR, "404": _ERROR}}},
+        "/v1/jobs/{job_id}/model": {"get": {
+            "summary": "current model, or the model after `round` rounds, as .safetensors", "tags": ["owner"],
+            "security": _BEARER,
+            "parameters": [_JOB_ID, {"name": "round", "in": "query", "required": False, "schema": {"type": "integer"},
+                                     "description": "0 = initial model, N = after N rounds"}],
+            "responses": {"200": {"description": "safetensors bytes"}, "400": _ERROR, "401": _ERROR, "404": _ERROR}}},
+        "/v1/jobs/{job_id}/cancel": {"post": {"summary": "cancel a job", "tags": ["owner"], "security": _BEARER,
+                                              "parameters": [_JOB_ID],
+                                              "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR,
+                                                            "404": _ERROR}}},
+        "/v1/flags": {"get": {"summary": "flags (auditors: all; owners: their jobs)", "tags": ["audit"],
+                              "security": _BEARER, "parameters": [
+                                  {"name": "status", "in": "query", "schema": {"enum": ["open", "confirmed", "dismissed"]}},
+                                  {"name": "job", "in": "query", "schema": {"type": "string"}}],
+                              "responses": {"200": _json(_OBJ), "400": _ERROR, "401": _ERROR}}},
+        "/v1/flags/{flag_id}": {"get": {"summary": "one flag with its evidence", "tags": ["audit"],
+                                        "security": _BEARER, "parameters": [_FLAG_ID],
+                                        "responses": {"200": _json({"$ref": "#/components/schemas/Flag"}),
+                                                      "401": _ERROR, "404": _ERROR}}},
+        "/v1/flags/{flag_id}/verdict": {"post": {
+            "summary": "confirm or dismiss a flag (auditor)", "tags": ["audit"], "security": _BEARER,
+            "parameters": [_FLAG_ID],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["verdict"], "properties": {
+                    "verdict": {"enum": ["confirm", "dismiss"]}, "note": {"type": "string", "maxLength": 2000}}}}}},
+            "responses": {"200": _json(_OBJ), **{str(c): _ERROR for c in (400, 401, 403, 404, 409)}}}},
+        "/v1/audit-log": {"get": {"summary": "the hash-chained, hub-signed audit log (JSONL)", "tags": ["audit"],
+                                  "security": _BEARER,
+                                  "responses": {"200": {"description": "application/jsonl"}, "401": _ERROR,
+                                                "403": _ERROR}}},
+        "/v1/nodes": {"get": {"summary": "registered nodes with throughput and reputation (auditor/admin)",
+                              "tags": ["audit"], "security": _BEARER,
+                              "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
+                 "description": "Node-facing routes speak signed msgpack (see CONTRACT.md); "
+                                "owner/auditor routes speak JSON with a bearer token."},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error", "detail"], "properties": {
+                    "error": {"type": "string"}, "detail": {"type": "string"}}},
+                "JobCreated": {"type": "object", "properties": {
+                    "id": {"type": "string"}, "name": {"type": "string"}, "state": {"type": "string"},
+                    "rounds": {"type": "integer"}, "chunks": {"type": "integer"}, "model_hash": {"type": "string"}}},
+                "JobStatus": {"type": "object", "properties": {
+                    "id": {"type": "string"}, "state": {"enum": ["queued", "running", "done", "cancelled", "failed"]},
+                    "round": {"type": "integer"}, "rounds": {"type": "integer"},
+                    "progress": {"type": "object"},
+                    "history": {"type": "array", "items": {"type": "object", "properties": {
+                        "round": {"type": "integer"}, "loss": {"type": ["number", "null"]},
+                        "accuracy": {"type": ["number", "null"]}, "train_loss": {"type": ["number", "null"]},
+                        "model_hash": {"type": "string"}, "updates": {"type": "array"}, "flags": {"type": "array"},
+                        "replication_overhead": {"type": "number"}}}}}},
+                "Flag": {"type": "object", "properties": {
+                    "id": {"type": "string"}, "job_id": {"type": "string"}, "round": {"type": "integer"},
+                    "update_id": {"type": "string"}, "node_id": {"type": "string"},
+                    "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible"]},
+                    "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed"]},
+                    "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]}}},
+            },
+        },
+    }

@@ -1,0 +1,418 @@
+"""Rounds: settle replicated shards, close a covered round, aggregate, evaluate.
+
+One `RoundEngine` per hub. Its `advance(job)` is serialized by a lock (aggregation
+never runs twice at once) and does the heavy work (opening update blobs with
+mmap, comparing replicas, aggregating, evaluating) in a worker thread. Updates are
+visited in a fixed order (update sha, then id), so the same accepted updates give
+the same model bytes, across restarts too.
+
+Verification (hub/verification.py: compare_replicas, review_round, reputation
+transitions) decides what is aggregated; every aggregation is appended to the
+audit log (hub/auditlog.py) before its round is committed, so a crash between the
+two repeats the (deterministic, identical) entry rather than losing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import mmap
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gpuflex.protocol.tensors import decode_state, encode_state
+from torch import Tensor
+
+from . import verification as vf
+from .aggregation import AggregationError, ServerOptimizer, aggregate
+from .auditlog import AuditLog, aggregation_body
+from .blobs import BlobStore
+from .db import Database
+from .evaluation import evaluate
+from .jobs import JobState, ShardState, UpdateState, new_id
+from .metrics import HubMetrics
+from .scheduler import REPUTATION_SQL, Scheduler, WorkSignal
+
+log = logging.getLogger("gpuflex.hub.rounds")
+
+
+@contextlib.contextmanager
+def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str, Tensor]]]:
+    """Zero-copy views of update blobs (read-only mmaps), closed on exit."""
+    maps: list[mmap.mmap] = []
+    files = []
+    states: list[dict[str, Tensor]] = []
+    try:
+        for sha in shas:
+            fh = open(blobs.path(sha), "rb")
+            files.append(fh)
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            maps.append(mm)
+            states.append(decode_state(mm))
+        yield states
+    finally:
+        del states  # drop tensor views before closing their buffers
+        for mm in maps:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        for fh in files:
+            fh.close()
+
+
+@dataclass
+class FlagRow:
+    update_id: str
+    node_id: str
+    reason: str
+    evidence: dict[str, Any]
+
+
+@dataclass
+class Settlement:
+    representative: str | None
+    statuses: dict[str, str]
+    flags: list[FlagRow]
+    evidence: dict[str, Any]
+    needs_more: bool = False
+    agreed_nodes: list[str] = field(default_factory=list)
+    flagged_nodes: list[str] = field(default_factory=list)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class RoundEngine:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        blobs: BlobStore,
+        scheduler: Scheduler,
+        metrics: HubMetrics,
+        signal: WorkSignal,
+        audit: AuditLog,
+    ) -> None:
+        self.db = db
+        self.blobs = blobs
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.signal = signal
+        self.audit = audit
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._pending: set[str] = set()
+        self.last_close_ms: float | None = None
+
+    # -- driving ---------------------------------------------------------------------------
+    def poke(self, job_id: str) -> None:
+        self._pending.add(job_id)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Background loop: advance jobs that something happened to."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                job = self.scheduler.jobs.get(self._pending.pop())
+                if job is None or job.state != "running":
+                    continue
+                try:
+                    await self.advance(job)
+                except Exception as exc:  # one job's failure must not stop the others
+                    log.exception("advancing job %s failed", job.id)
+                    await self.fail_job(job, f"round {job.round} failed: {exc}")
+
+    async def advance(self, job: JobState, now: float | None = None) -> None:
+        async with self._lock:
+            now = time.time() if now is None else now
+            rwait = float(job.spec.verification.replica_wait_s)
+            for shard in sorted(job.shards.values(), key=lambda s: s.seq):
+                if shard.state != "open" or not shard.accepted:
+                    continue
+                timed_out = shard.first_update_at is not None and now - shard.first_update_at >= rwait
+                if len(shard.accepted) >= shard.wanted or timed_out:
+                    await self._settle(job, shard, timed_out)
+            if job.state == "running" and job.round_complete():
+                await self._close(job)
+
+    # -- replicas --------------------------------------------------------------------------
+    async def _settle(self, job: JobState, shard: ShardState, timed_out: bool) -> None:
+        ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
+        if len(ups) == 1:
+            # a lone update (no replica came in time): used unverified, no agreement credit
+            result = Settlement(ups[0].id, {}, [], {"replicas": 1, "unverified": shard.wanted > 1})
+        else:
+            result = await asyncio.to_thread(self._compare, job, shard, ups)
+            if result.needs_more:
+                if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out:
+                    shard.wanted += 1
+                    await self.db.write(lambda c: c.execute(
+                        "UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
+                        (shard.wanted, _json(result.evidence), shard.id)))
+                    self.signal.notify()
+                    return
+                # no further replica can come: nobody is vindicated, everyone is flagged
+                result = Settlement(None, {u.id: "quarantined" for u in ups}, [
+                    FlagRow(u.id, u.node_id, "replica_mismatch", result.evidence | {"resolved": "replica_wait"})
+                    for u in ups], result.evidence, flagged_nodes=sorted({u.node_id for u in ups}))
+        cancelled = list(shard.live.values())
+        for a in cancelled:
+            self.scheduler.detach(a)
+        dropped = result.representative is None
+        shard.state = "dropped" if dropped else "settled"
+        shard.representative = result.representative
+        for u in shard.accepted:
+            if u.id in result.statuses:
+                u.status = result.statuses[u.id]
+        touched = self._apply_reputation(result.agreed_nodes, result.flagged_nodes)
+        now = time.time()
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE shards SET state = ?, outcome = ? WHERE id = ?",
+                         (shard.state, _json(result.evidence), shard.id))
+            for uid, status in result.statuses.items():
+                conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
+            for a in cancelled:
+                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
+            self._insert_flags(conn, job, result.flags, now)
+            conn.executemany(REPUTATION_SQL, touched)
+
+        await self.db.write(write)
+        if dropped:
+            job.shards.pop(shard.id, None)
+            job.free.update(shard.chunk_idxs)
+        if dropped or cancelled:
+            self.signal.notify()
+
+    def _apply_reputation(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Move reputations (verification's transitions); returns rows for REPUTATION_SQL."""
+        rows = []
+        for nid, step in [(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]:
+            node = self.scheduler.nodes.get(nid)
+            if node is None:
+                continue
+            node.set_reputation(step(node.reputation))
+            rows.append(node.reputation_row())
+        return rows
+
+    def _records(self, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
+                 deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
+        out = []
+        for u, d in zip(ups, deltas, strict=True):
+            node = self.scheduler.nodes.get(u.node_id)
+            out.append(vf.UpdateRecord(
+                update_id=u.id, node_id=u.node_id, shard_id=u.shard_id,
+                samples_claimed=u.sample_count, shard_samples=shard_of[u.id].samples,
+                loss=u.loss, train_s=u.train_s,
+                node_samples_per_s=node.ema_sps if node else 0.0, delta=d, elapsed_s=u.elapsed_s,
+            ))
+        return out
+
+    def _compare(self, job: JobState, shard: ShardState, ups: list[UpdateState]) -> Settlement:
+        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
+            records = self._records({u.id: shard for u in ups}, ups, deltas)
+            out = vf.compare_replicas(records, job.spec.verification)
+            del records
+        flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
+        evidence = dict(out.evidence)
+        if out.needs_more:
+            return Settlement(None, {}, [], evidence, needs_more=True)
+        flagged = {f.update_id for f in flags}
+        statuses = {u.id: "quarantined" for u in ups if u.id in flagged}
+        rep: str | None = None
+        agreed_nodes: list[str] = []
+        if out.agreed:
+            rep = out.canonical or min(out.majority)
+            by_id = {u.id: u for u in ups}
+            agreed_nodes = sorted({by_id[m].node_id for m in out.majority if m in by_id})
+            for u in ups:
+                if u.id != rep and u.id not in flagged:
+                    statuses[u.id] = "redundant"
+        return Settlement(rep, statuses, flags, evidence, agreed_nodes=agreed_nodes,
+                          flagged_nodes=sorted({f.node_id for f in flags}))
+
+    @staticmethod
+    def _insert_flags(conn: sqlite3.Connection, job: JobState, flags: Sequence[FlagRow], now: float) -> None:
+        for f in flags:
+            conn.execute(
+                "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
+                (new_id("f"), job.id, job.round, f.update_id, f.node_id, f.reason, _json(f.evidence), now),
+            )
+
+    # -- closing a round -------------------------------------------------------------------
+    async def _close(self, job: JobState) -> None:
+        t0 = time.perf_counter()
+        job.closing = True
+        try:
+            shards = [s for s in job.shards.values() if s.state == "settled" and s.representative]
+            reps: list[UpdateState] = []
+            shard_of: dict[str, ShardState] = {}
+            for s in shards:
+                for u in s.accepted:
+                    if u.id == s.representative:
+                        reps.append(u)
+                        shard_of[u.id] = s
+            reps.sort(key=lambda u: (u.sha, u.id))
+            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of)
+        except BaseException:
+            job.closing = False
+            raise
+        # live assignments of a finished round are void (replicas of settled shards were already cancelled)
+        leftovers = [a for s in job.shards.values() for a in s.live.values()]
+        for a in leftovers:
+            self.scheduler.detach(a)
+        now = time.time()
+        last = job.round + 1 >= job.rounds
+        next_round = job.round + 1
+        new_state = "done" if last else "running"
+        touched = self._apply_reputation([], result["flagged_nodes"])
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.executemany(REPUTATION_SQL, touched)
+            for uid, status in result["statuses"].items():
+                conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
+            self._insert_flags(conn, job, result["flags"], now)
+            for a in leftovers:
+                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
+            conn.execute(
+                "UPDATE rounds SET new_model_sha = ?, closed_at = ?, train_loss = ?, loss = ?, accuracy = ?,"
+                " metrics = ?, evidence = ? WHERE job_id = ? AND round = ?",
+                (result["model_sha"], now, result["train_loss"], result["metrics"].get("loss"),
+                 result["metrics"].get("accuracy"), _json(result["metrics"]), _json(result["evidence"]),
+                 job.id, job.round),
+            )
+            conn.execute("INSERT OR REPLACE INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)",
+                         (job.id, next_round, result["model_sha"], now))
+            conn.execute(
+                "UPDATE jobs SET round = ?, model_sha = ?, opt_state_sha = ?, state = ?, updated_at = ?"
+                " WHERE id = ?",
+                (next_round if not last else job.round + 1, result["model_sha"], result["opt_state_sha"],
+                 new_state, now, job.id),
+            )
+            if not last:
+                conn.execute("INSERT OR REPLACE INTO rounds (job_id, round, model_sha, opened_at)"
+                             " VALUES (?, ?, ?, ?)", (job.id, next_round, result["model_sha"], now))
+
+        try:
+            await self.db.write(write)
+        finally:
+            job.closing = False
+        job.model_sha = result["model_sha"]
+        job.opt_state_sha = result["opt_state_sha"]
+        job.round = next_round
+        self.metrics.rounds_closed += 1
+        if last:
+            job.state = "done"
+            job.shards = {}
+            job.free = set()
+        else:
+            job.open_round(now)
+        self.last_close_ms = (time.perf_counter() - t0) * 1000
+        self.signal.notify()
+
+    def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState]) -> dict[str, Any]:
+        """Review, aggregate, step the server optimizer, evaluate, log. Worker thread; no DB writes."""
+        spec = job.spec
+        global_state = decode_state(bytearray(self.blobs.read(job.model_sha)))
+        statuses: dict[str, str] = {}
+        flags: list[FlagRow] = []
+        evidence: dict[str, Any] = {}
+        with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
+            included: list[int] = []
+            if reps:
+                gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
+                                      if t.is_floating_point()))
+                records = self._records(shard_of, reps, deltas)
+                review = vf.review_round(records, gnorm, spec.verification)
+                del records
+                keep = set(review.included)
+                included = [i for i, u in enumerate(reps) if u.id in keep]
+                flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in review.flags]
+                evidence = dict(review.evidence)
+            flagged = {f.update_id: f.reason for f in flags}
+            for i, u in enumerate(reps):
+                statuses[u.id] = "included" if i in included else ("quarantined" if u.id in flagged else "excluded")
+            use = [deltas[i] for i in included]
+            weights = [float(shard_of[reps[i].id].samples) for i in included]
+            opt = ServerOptimizer.from_spec(spec.aggregation)
+            if job.opt_state_sha:
+                opt.load_state_dict(decode_state(bytearray(self.blobs.read(job.opt_state_sha))))
+            if use:
+                agg = aggregate(use, weights, spec.aggregation)
+                new_state = opt.step(global_state, agg)
+                del agg
+            else:
+                new_state = {k: v.clone() for k, v in global_state.items()}
+                evidence["empty"] = "no update was included; the model is unchanged"
+            del use
+        for k, t in new_state.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise AggregationError(f"aggregated model tensor {k!r} is not finite")
+        model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
+        model_sha = self.blobs.put(model_blob)
+        opt_sha = self.blobs.put(encode_state(opt.state_dict())) if opt.kind != "none" else None
+        metrics: dict[str, float] = {}
+        if job.val_sha:
+            val = decode_state(bytearray(self.blobs.read(job.val_sha)))
+            metrics = evaluate(spec, new_state, val)
+        tot = sum(shard_of[reps[i].id].samples for i in included)
+        train_loss = (sum(reps[i].loss * shard_of[reps[i].id].samples for i in included) / tot) if tot else None
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        if train_loss is not None and math.isfinite(train_loss):
+            metrics["train_loss"] = train_loss
+        self.audit.append("aggregation", aggregation_body(
+            job_id=job.id, round=job.round, model_hash=model_sha, method=spec.aggregation.method,
+            included=[reps[i].sha for i in included],
+            excluded=[(u.sha, flagged.get(u.id, "excluded")) for i, u in enumerate(reps) if i not in included],
+            server_optimizer=spec.aggregation.server_optimizer, samples=tot,
+            metrics={k: round(v, 6) for k, v in metrics.items()},
+        ))
+        return {
+            "model_sha": model_sha, "opt_state_sha": opt_sha, "statuses": statuses, "flags": flags,
+            "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
+            "flagged_nodes": sorted({f.node_id for f in flags}),
+        }
+
+    # -- failure / cancel ------------------------------------------------------------------
+    async def fail_job(self, job: JobState, reason: str) -> None:
+        await self.end_job(job, "failed", reason)
+
+    async def end_job(self, job: JobState, state: str, reason: str | None = None) -> None:
+        async with self._lock:
+            await self._end_job(job, state, reason)
+
+    async def _end_job(self, job: JobState, state: str, reason: str | None) -> None:
+        if job.state not in ("queued", "running"):
+            return
+        leftovers = [a for s in job.shards.values() for a in s.live.values()]
+        for a in leftovers:
+            self.scheduler.detach(a)
+        job.state = state
+        job.shards = {}
+        job.free = set()
+        now = time.time()
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE jobs SET state = ?, error = ?, updated_at = ? WHERE id = ?",
+                         (state, reason, now, job.id))
+            for a in leftovers:
+                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
+
+        await self.db.write(write)
+        self.signal.notify()

@@ -1,0 +1,256 @@
+"""The scheduler: who trains what next.
+
+Each work request gets, in this order of preference:
+1. a replica of a shard that still needs one (never twice to the same node),
+2. a new shard carved from the chunks the round still needs, sized to the node's
+   throughput so it takes about `round_target_s`, cached chunks first,
+3. nothing ("retry after").
+Jobs share nodes fairly: the job with the fewest live assignments goes first.
+All state here lives on the event loop; the caller persists what it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from .jobs import AssignmentState, JobState, ShardState, shard_seed
+from .verification import Reputation, should_replicate
+
+MAX_CHUNKS_PER_ASSIGNMENT = 4096
+
+
+@dataclass
+class NodeState:
+    id: str
+    public_key: bytes
+    bench_sps: float
+    ema_sps: float
+    last_seen: float
+    banned: bool = False
+    agreed: int = 0  # agreements_total
+    disagreed: int = 0  # flags_total
+    consecutive_valid: int = 0  # consecutive_agreements
+    flags_confirmed: int = 0
+    flags_dismissed: int = 0
+    updates_accepted: int = 0
+    live: set[str] = field(default_factory=set)  # live assignment ids
+
+    @property
+    def throughput(self) -> float:
+        return max(1e-3, self.ema_sps)
+
+    @property
+    def reputation(self) -> Reputation:
+        return Reputation(consecutive_agreements=self.consecutive_valid, agreements_total=self.agreed,
+                          flags_total=self.disagreed, confirmed_flags=self.flags_confirmed,
+                          dismissed_flags=self.flags_dismissed, banned=self.banned)
+
+    def set_reputation(self, rep: Reputation) -> None:
+        self.consecutive_valid = rep.consecutive_agreements
+        self.agreed = rep.agreements_total
+        self.disagreed = rep.flags_total
+        self.flags_confirmed = rep.confirmed_flags
+        self.flags_dismissed = rep.dismissed_flags
+        self.banned = rep.banned
+
+    def reputation_row(self) -> tuple[int, int, int, int, int, int, str]:
+        """Parameters for REPUTATION_SQL."""
+        return (self.agreed, self.disagreed, self.consecutive_valid, self.flags_confirmed,
+                self.flags_dismissed, int(self.banned), self.id)
+
+
+REPUTATION_SQL = (
+    "UPDATE nodes SET agreed = ?, disagreed = ?, consecutive_valid = ?, flags_confirmed = ?,"
+    " flags_dismissed = ?, banned = ? WHERE id = ?"
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the scheduler decided; the caller signs and persists it."""
+
+    job: JobState
+    shard: ShardState
+    new_shard: bool
+    expected_s: float
+    deadline: float
+
+
+def clamp_sps(value: float) -> float:
+    if not math.isfinite(value) or value <= 0:
+        return 1.0
+    return min(value, 1e9)
+
+
+class Scheduler:
+    def __init__(self, *, min_deadline_s: float, online_window_s: float, rng: random.Random | None = None) -> None:
+        self.jobs: dict[str, JobState] = {}
+        self.nodes: dict[str, NodeState] = {}
+        self.assignments: dict[str, AssignmentState] = {}
+        self.min_deadline_s = min_deadline_s
+        self.online_window_s = online_window_s
+        self._rng = rng or random.Random(0)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def add_job(self, job: JobState) -> None:
+        self.jobs[job.id] = job
+        for shard in job.shards.values():
+            for a in shard.live.values():
+                self.assignments[a.id] = a
+                node = self.nodes.get(a.node_id)
+                if node is not None:
+                    node.live.add(a.id)
+
+    def online_nodes(self, now: float) -> int:
+        return sum(1 for n in self.nodes.values() if now - n.last_seen <= self.online_window_s and not n.banned)
+
+    def in_flight(self) -> int:
+        return len(self.assignments)
+
+    def live_for(self, node_id: str) -> list[AssignmentState]:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return []
+        return [self.assignments[a] for a in node.live if a in self.assignments]
+
+    def deadline_for(self, job: JobState, expected_s: float, now: float) -> float:
+        return now + max(self.min_deadline_s, expected_s * job.spec.train.deadline_slack)
+
+    def expected_s(self, job: JobState, samples: int, node: NodeState) -> float:
+        return samples * max(1, job.spec.train.local_epochs) / node.throughput
+
+    # -- choosing work -------------------------------------------------------------------
+    def plan(self, node: NodeState, cached: frozenset[str], now: float | None = None) -> Plan | None:
+        now = time.time() if now is None else now
+        jobs = [j for j in self.jobs.values() if j.state == "running" and not j.closing]
+        jobs.sort(key=lambda j: (j.live_count(), j.created_at, j.id))
+        for job in jobs:
+            shard = self._pending_replica(job, node)
+            if shard is not None:
+                exp = self.expected_s(job, shard.samples, node)
+                return Plan(job, shard, False, exp, self.deadline_for(job, exp, now))
+        for job in jobs:
+            if job.free:
+                shard = self._carve(job, node, cached, now)
+                exp = self.expected_s(job, shard.samples, node)
+                return Plan(job, shard, True, exp, self.deadline_for(job, exp, now))
+        return None
+
+    def _pending_replica(self, job: JobState, node: NodeState) -> ShardState | None:
+        for shard in sorted(job.shards.values(), key=lambda s: s.seq):
+            if shard.state == "open" and shard.replicas_needed() > 0 and node.id not in shard.nodes:
+                return shard
+        return None
+
+    def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
+        """Cut a shard sized to the node: throughput x round_target_s samples, cached first."""
+        train = job.spec.train
+        want_samples = node.throughput * train.round_target_s / max(1, train.local_epochs)
+        by_idx = {c.idx: c for c in job.chunks}
+        free = sorted(job.free)
+        hot = [i for i in free if by_idx[i].sha in cached]
+        cold = [i for i in free if by_idx[i].sha not in cached]
+        picked: list[int] = []
+        samples = 0
+        for i in hot + cold:
+            if picked and (samples >= want_samples or len(picked) >= MAX_CHUNKS_PER_ASSIGNMENT):
+                break
+            picked.append(i)
+            samples += by_idx[i].samples
+        picked.sort()  # stable chunk order inside the assignment
+        seq = job.next_seq
+        job.next_seq += 1
+        wanted = 1
+        if self._replicate(job, node, now):
+            wanted = max(2, int(job.spec.verification.quorum))
+        shard = ShardState(
+            id=f"{job.id}-r{job.round}-s{seq}", job_id=job.id, round=job.round, seq=seq,
+            seed=shard_seed(train.seed, job.round, seq), chunk_idxs=tuple(picked), samples=samples,
+            replica_group="", wanted=wanted,
+        )
+        if wanted > 1:
+            shard.replica_group = shard.id
+        job.shards[shard.id] = shard
+        job.free.difference_update(picked)
+        return shard
+
+    def _replicate(self, job: JobState, node: NodeState, now: float) -> bool:
+        """Replicate only when another node could take the replica: nothing waits for absent nodes."""
+        others = sum(
+            1 for n in self.nodes.values()
+            if n.id != node.id and not n.banned and now - n.last_seen <= self.online_window_s
+        )
+        if others < 1:
+            return False
+        return should_replicate(node.reputation, job.spec.verification, self._rng)
+
+    # -- lifecycle of an assignment ---------------------------------------------------------
+    def attach(self, a: AssignmentState, shard: ShardState) -> None:
+        shard.live[a.id] = a
+        shard.nodes.add(a.node_id)
+        self.assignments[a.id] = a
+        node = self.nodes.get(a.node_id)
+        if node is not None:
+            node.live.add(a.id)
+
+    def detach(self, a: AssignmentState) -> ShardState | None:
+        """Forget a live assignment; returns its shard (None when the job or shard is gone)."""
+        self.assignments.pop(a.id, None)
+        node = self.nodes.get(a.node_id)
+        if node is not None:
+            node.live.discard(a.id)
+        job = self.jobs.get(a.job_id)
+        if job is None or job.round != a.round:
+            return None
+        shard = job.shards.get(a.shard_id)
+        if shard is None:
+            return None
+        shard.live.pop(a.id, None)
+        return shard
+
+    def release_if_empty(self, shard: ShardState) -> bool:
+        """A shard nobody holds and nobody delivered goes back to the pool."""
+        job = self.jobs.get(shard.job_id)
+        if job is None or shard.state != "open" or shard.live or shard.accepted:
+            return False
+        shard.state = "dropped"
+        job.shards.pop(shard.id, None)
+        job.free.update(shard.chunk_idxs)
+        return True
+
+    def expired(self, now: float) -> list[AssignmentState]:
+        return [a for a in self.assignments.values() if a.deadline < now and not a.uploading]
+
+    def observe_throughput(self, node: NodeState, samples: int, epochs: int, elapsed_s: float, alpha: float) -> None:
+        if elapsed_s <= 0 or samples <= 0:
+            return
+        seen = clamp_sps(samples * max(1, epochs) / elapsed_s)
+        node.ema_sps = (1 - alpha) * node.ema_sps + alpha * seen
+
+
+class WorkSignal:
+    """Wakes every waiting long-poll at once when work may have appeared.
+
+    Each notify() sets the current event and starts a fresh one, so a waiter that
+    grabbed the event before the change is woken and one that arrives later waits.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, within_s: float) -> bool:
+        event = self._event
+        try:
+            async with asyncio.timeout(max(0.0, within_s)):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,115 @@
+"""Bearer tokens for owners, auditors and admins.
+
+A token is shown once; the hub keeps only its sha256 (a token carries 256 bits of
+entropy, so a plain hash is enough) and compares hashes in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .db import connect
+from .errors import BadRequest, Forbidden, NotFound, Unauthorized
+
+Role = Literal["owner", "auditor", "admin"]
+ROLES: tuple[Role, ...] = ("owner", "auditor", "admin")
+TOKEN_PREFIX = "gft_"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's row id, role and name (the owner identity of jobs)."""
+
+    token_id: int
+    role: Role
+    name: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    def require(self, *roles: Role) -> None:
+        if self.role not in roles and not self.is_admin:
+            raise Forbidden(f"this needs a {' or '.join(roles)} token; yours is {self.role}", code="wrong_role")
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _check_role_name(role: str, name: str) -> None:
+    if role not in ROLES:
+        raise BadRequest(f"role must be one of {', '.join(ROLES)}", code="bad_role")
+    if not name or len(name) > 64 or not name.isprintable():
+        raise BadRequest("token name must be 1..64 printable characters", code="bad_name")
+
+
+def insert_token(conn: sqlite3.Connection, role: str, name: str) -> str:
+    _check_role_name(role, name)
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    conn.execute(
+        "INSERT INTO tokens (hash, role, name, created_at) VALUES (?, ?, ?, ?)",
+        (hash_token(token), role, name, time.time()),
+    )
+    return token
+
+
+def create_token(data_dir: Path, role: str, name: str) -> str:
+    """Create a token (same path as `gpuflex-hub token create`); returns it. Works while a hub runs."""
+    conn = connect(Path(data_dir) / "hub.sqlite3")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        token = insert_token(conn, role, name)
+        conn.execute("COMMIT")
+        return token
+    finally:
+        conn.close()
+
+
+def list_tokens(data_dir: Path) -> list[dict[str, object]]:
+    conn = connect(Path(data_dir) / "hub.sqlite3")
+    try:
+        rows = conn.execute(
+            "SELECT id, role, name, created_at, revoked_at FROM tokens ORDER BY id"
+        ).fetchall()
+        return [dict(r) for r in rows]
+    finally:
+        conn.close()
+
+
+def revoke_token(data_dir: Path, token_id: int) -> None:
+    conn = connect(Path(data_dir) / "hub.sqlite3")
+    try:
+        cur = conn.execute(
+            "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+            (time.time(), token_id),
+        )
+        if cur.rowcount != 1:
+            raise NotFound(f"no live token with id {token_id} (see `gpuflex-hub token list`)")
+    finally:
+        conn.close()
+
+
+def lookup(conn: sqlite3.Connection, authorization: str | None) -> Principal:
+    """Resolve an `Authorization: Bearer <token>` header to a Principal or raise 401."""
+    if not authorization:
+        raise Unauthorized("missing Authorization: Bearer <token> header", code="missing_token")
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > 256:
+        raise Unauthorized("Authorization header must be 'Bearer <token>'", code="bad_token")
+    digest = hash_token(token)
+    row = conn.execute(
+        "SELECT id, hash, role, name, revoked_at FROM tokens WHERE hash = ?", (digest,)
+    ).fetchone()
+    # The indexed lookup finds the row; the final comparison is constant time.
+    if row is None or not hmac.compare_digest(row["hash"], digest) or row["revoked_at"] is not None:
+        raise Unauthorized("token is unknown or revoked", code="bad_token")
+    return Principal(token_id=int(row["id"]), role=row["role"], name=str(row["name"]))

@@ -1,0 +1,592 @@
+"""Verification of contributed updates: replicas, outlier scores, reputation.
+
+Pure functions (STYLE.md): records in, verdicts out; no I/O, no clocks, no
+global state, inputs never mutated. The hub decides *when* to call them and
+persists what they return; an auditor later confirms or dismisses each `Flag`.
+
+How the pieces fit in one round (the hub's side is in hub/rounds):
+
+1. When a node gets a shard the hub asks ``should_replicate(rep, spec, rng)``
+   with the node's `Reputation`. If true the shard gets a ``replica_group`` and
+   is handed out again, with the same seed and chunks, to a *distinct* node.
+2. When a group has ``quorum`` updates, ``compare_replicas`` runs. Updates that
+   agree (relative distance within ``tolerance``) form clusters; a cluster of at
+   least ``quorum`` that is a strict majority of the group stands and the rest
+   are flagged ``replica_mismatch``. Without such a majority it asks for another
+   replica (``needs_more``) until ``max_replicas``; at ``max_replicas`` with no
+   majority every update in the group is flagged (an auditor decides).
+   One update of an agreeing group (``ReplicaOutcome.canonical``) represents the
+   shard in the aggregate, so replication never double-counts a shard.
+3. ``review_round`` scores every candidate update of the round (the canonical
+   update of each replicated shard plus the unreplicated ones):
+   ``free_rider`` (near-zero update), ``implausible`` (claims that do not fit the
+   shard or the node's measured speed), ``outlier`` (cosine to the round's
+   coordinate-wise median below ``cosine_min``, or norm above ``norm_ratio_max``
+   times the median update norm). Flagged updates are quarantined: kept, shown
+   to auditors, left out of the aggregate.
+4. Reputation transitions (``record_agreement``, ``record_flag``,
+   ``record_verdict``) are pure: they return a new `Reputation`.
+
+Calibration (measured, see /work/notes/verification.md): honest replicas on the
+same device type and thread count are bit-identical (relative distance 0.0). On
+the digits MLP at the contract's defaults, CPU with torch threads 1 vs 2 differ
+by a relative distance of at most ~1e-6 (float32 reduction order in matmul);
+the default ``tolerance = 1e-4`` leaves a margin of about 100x above that
+while every attack in tests/tooling/attacks.py sits at >= 1e-2.
+
+Honest false positives: with fewer than ``MIN_OUTLIER_N`` (3) candidate updates
+the median is not a robust centre (with 2 it is their mean, so each is "half
+the distance" from it), so outlier scoring is skipped and only free_rider and
+implausible checks run; the skip is stated in ``RoundReview.evidence``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from .aggregation import DEFAULT_SLICE_ELEMS, coordinate_median, floating_keys
+from .errors import HubError
+
+__all__ = [
+    "BAN_AFTER_CONFIRMED",
+    "MIN_OUTLIER_N",
+    "MIN_REPLICATION",
+    "REASONS",
+    "Flag",
+    "ReplicaOutcome",
+    "Reputation",
+    "RoundReview",
+    "UpdateRecord",
+    "VerificationError",
+    "compare_replicas",
+    "cosine_and_norms",
+    "record_agreement",
+    "record_flag",
+    "record_verdict",
+    "relative_distance",
+    "replication_probability",
+    "review_round",
+    "should_replicate",
+]
+
+REASONS = ("replica_mismatch", "outlier", "free_rider", "implausible")
+MIN_OUTLIER_N = 3  # below this the round's median is no robust centre
+MIN_REPLICATION = 0.05  # floor of a trusted node's replication probability
+BAN_AFTER_CONFIRMED = 3  # confirmed flags that ban a node
+FAST_FACTOR = 20.0  # an update is implausible when it claims to be this much faster than measured
+EPS = 1e-12
+TOP_TENSORS = 5  # per-tensor evidence kept for a replica pair
+
+
+class VerificationError(HubError):
+    """The hub called verification with inputs that cannot be judged (a bug upstream)."""
+
+    status = 500
+    code = "verification_error"
+
+
+class _Rng(Protocol):
+    def random(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One accepted update as verification sees it.
+
+    ``samples_claimed`` is the header's sample_count, ``shard_samples`` what the
+    hub's shard actually holds; ``loss``/``train_s`` are the node's claims;
+    ``node_samples_per_s`` is the node's measured throughput as the hub knows it
+    (the EMA of delivered samples/s; 0 = unknown, skips the timing check).
+    ``elapsed_s`` (optional) is the hub-observed wall time from assignment issue
+    to upload: a node cannot have trained longer than that.
+    ``delta`` may be zero-copy views; it is only read.
+    """
+
+    update_id: str
+    node_id: str
+    shard_id: str
+    samples_claimed: int
+    shard_samples: int
+    loss: float
+    train_s: float
+    node_samples_per_s: float
+    delta: Mapping[str, Tensor]
+    elapsed_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A suspicion with its evidence (JSON-serializable: str, int, float, list, dict)."""
+
+    update_id: str
+    node_id: str
+    reason: str
+    evidence: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReplicaOutcome:
+    """Result of comparing one replica group.
+
+    ``agreed``: a majority cluster of >= quorum stands (``majority`` = its update ids,
+    ``canonical`` = the one to aggregate). ``needs_more``: issue another replica.
+    Neither: the group is resolved without agreement (everything flagged).
+    """
+
+    agreed: bool
+    majority: list[str]
+    flags: list[Flag]
+    needs_more: bool
+    evidence: dict[str, Any]
+    canonical: str = ""
+
+
+@dataclass(frozen=True)
+class RoundReview:
+    """``included``: update ids to aggregate, in input order. ``flags``: the rest."""
+
+    included: list[str]
+    flags: list[Flag]
+    evidence: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Reputation:
+    """A node's track record. Transitions are the ``record_*`` functions."""
+
+    consecutive_agreements: int = 0
+    agreements_total: int = 0
+    flags_total: int = 0
+    confirmed_flags: int = 0
+    dismissed_flags: int = 0
+    banned: bool = False
+
+    @property
+    def trusted_run(self) -> int:
+        return self.consecutive_agreements
+
+
+# --------------------------------------------------------------------------- distances
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1)
+
+
+def _pair_sums(a: Tensor, b: Tensor, slice_elems: int) -> tuple[float, float, float, float]:
+    """(||a-b||^2, ||a||^2, ||b||^2, a.b) of two same-shape tensors, float64, sliced."""
+    fa, fb = _flat(a), _flat(b)
+    dd = aa = bb = ab = 0.0
+    for s in range(0, fa.numel(), slice_elems):
+        xa = fa[s : s + slice_elems].to(torch.float64)
+        xb = fb[s : s + slice_elems].to(torch.float64)
+        diff = xa - xb
+        dd += float(torch.dot(diff, diff))
+        aa += float(torch.dot(xa, xa))
+        bb += float(torch.dot(xb, xb))
+        ab += float(torch.dot(xa, xb))
+    return dd, aa, bb, ab
+
+
+def _same_layout(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> list[str] | None:
+    keys = floating_keys(a)
+    if set(keys) != set(floating_keys(b)):
+        return None
+    for k in keys:
+        if tuple(a[k].shape) != tuple(b[k].shape):
+            return None
+    return keys
+
+
+def relative_distance(
+    a: Mapping[str, Tensor],
+    b: Mapping[str, Tensor],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> tuple[float, dict[str, float]]:
+    """||a-b|| / max(||a||, ||b||, eps) over all floating tensors, and the same
+    ratio per tensor. Updates with different layouts are infinitely far apart."""
+    keys = _same_layout(a, b)
+    if keys is None:
+        return math.inf, {}
+    dd = aa = bb = 0.0
+    per: dict[str, float] = {}
+    for k in keys:
+        d, x, y, _ = _pair_sums(a[k], b[k], slice_elems)
+        dd, aa, bb = dd + d, aa + x, bb + y
+        per[k] = math.sqrt(d) / max(math.sqrt(x), math.sqrt(y), EPS)
+    return math.sqrt(dd) / max(math.sqrt(aa), math.sqrt(bb), EPS), per
+
+
+def cosine_and_norms(
+    a: Mapping[str, Tensor],
+    b: Mapping[str, Tensor],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> tuple[float, float, float]:
+    """(cosine(a, b), ||a||, ||b||) over the floating tensors; cosine 0 if either is 0."""
+    aa = bb = ab = 0.0
+    for k in floating_keys(a):
+        _, x, y, z = _pair_sums(a[k], b[k], slice_elems)
+        aa, bb, ab = aa + x, bb + y, ab + z
+    na, nb = math.sqrt(aa), math.sqrt(bb)
+    cos = ab / (na * nb) if na > EPS and nb > EPS else 0.0
+    return cos, na, nb
+
+
+def _norm(delta: Mapping[str, Tensor], slice_elems: int) -> float:
+    total = 0.0
+    for k in floating_keys(delta):
+        _, x, _, _ = _pair_sums(delta[k], delta[k], slice_elems)
+        total += x
+    return math.sqrt(total)
+
+
+def _spec(spec: Any, name: str, default: Any) -> Any:
+    return getattr(spec, name, default)
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def compare_replicas(
+    records: Sequence[UpdateRecord],
+    spec: Any,
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> ReplicaOutcome:
+    """Decide one replica group (updates of the same shard, seed and chunks).
+
+    ``spec`` is a VerificationSpec (quorum, max_replicas, tolerance). Two updates
+    agree when their relative distance is <= tolerance. For each update, its
+    cluster is the set of updates that agree with it; the largest cluster wins
+    when it has >= quorum members AND is a strict majority of the group. Ties
+    and too-small clusters ask for another replica while the group is smaller
+    than ``max_replicas``; after that every update is flagged.
+    Updates that claim a different shard than the first are rejected as a group
+    error (the hub must not mix shards).
+    """
+    quorum = int(_spec(spec, "quorum", 2))
+    max_replicas = int(_spec(spec, "max_replicas", 3))
+    tolerance = float(_spec(spec, "tolerance", 1e-4))
+    n = len(records)
+    ids = [r.update_id for r in records]
+    base: dict[str, Any] = {"tolerance": tolerance, "quorum": quorum, "replicas": n}
+    if n == 0:
+        return ReplicaOutcome(False, [], [], True, {**base, "why": "no replicas yet"})
+    shards = {r.shard_id for r in records}
+    if len(shards) != 1:
+        raise VerificationError(
+            f"replica group mixes shards {sorted(shards)}: compare one shard at a time"
+        )
+    nodes = [r.node_id for r in records]
+    if len(set(nodes)) != n:
+        # The scheduler hands replicas to distinct nodes; a node's second copy
+        # proves nothing, so only its first update counts as a replica.
+        raise VerificationError(
+            "replica group has two updates from one node: replicas must be distinct nodes"
+        )
+
+    dist = [[0.0] * n for _ in range(n)]
+    pairs: list[dict[str, Any]] = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            d, per = relative_distance(records[i].delta, records[j].delta, slice_elems=slice_elems)
+            dist[i][j] = dist[j][i] = d
+            worst = sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS]
+            pairs.append(
+                {
+                    "a": ids[i],
+                    "b": ids[j],
+                    "relative_distance": _jsonable(d),
+                    "agree": d <= tolerance,
+                    "tensors": {k: _jsonable(v) for k, v in worst},
+                }
+            )
+    clusters = [[j for j in range(n) if dist[i][j] <= tolerance] for i in range(n)]
+    best_size = max(len(c) for c in clusters)
+    # Distinct largest clusters (as sets): more than one means a tie, no majority.
+    largest = {tuple(c) for c in clusters if len(c) == best_size}
+    evidence = {**base, "pairs": pairs}
+    if best_size >= quorum and 2 * best_size > n and len(largest) == 1:
+        members = next(iter(largest))
+        majority = [ids[i] for i in members]
+        # Canonical: the medoid of the cluster (ties by update id) - any member would do
+        # for bit-identical replicas, the medoid is the safest under tiny noise.
+        canonical_idx = min(members, key=lambda i: (sum(dist[i][j] for j in members), ids[i]))
+        flags = [
+            Flag(
+                ids[i],
+                nodes[i],
+                "replica_mismatch",
+                {
+                    "shard_id": records[i].shard_id,
+                    "majority": majority,
+                    "relative_distance_to_canonical": _jsonable(dist[i][canonical_idx]),
+                    "tolerance": tolerance,
+                    "pairs": [p for p in pairs if ids[i] in (p["a"], p["b"])],
+                },
+            )
+            for i in range(n)
+            if i not in members
+        ]
+        return ReplicaOutcome(True, majority, flags, False, evidence, ids[canonical_idx])
+    if n < max_replicas:
+        why = "fewer than quorum replicas" if n < quorum else "no majority yet"
+        return ReplicaOutcome(False, [], [], True, {**evidence, "why": why})
+    flags = [
+        Flag(
+            ids[i],
+            nodes[i],
+            "replica_mismatch",
+            {
+                "shard_id": records[i].shard_id,
+                "majority": [],
+                "why": f"no {quorum} of {n} replicas agree within tolerance",
+                "tolerance": tolerance,
+                "pairs": [p for p in pairs if ids[i] in (p["a"], p["b"])],
+            },
+        )
+        for i in range(n)
+    ]
+    return ReplicaOutcome(
+        False, [], flags, False, {**evidence, "why": "no majority at max_replicas"}
+    )
+
+
+# --------------------------------------------------------------------------- round review
+
+
+def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
+    problems: list[str] = []
+    if r.samples_claimed != r.shard_samples:
+        problems.append(f"claims {r.samples_claimed} samples, shard holds {r.shard_samples}")
+    if not math.isfinite(r.loss) or r.loss < 0:
+        problems.append(f"loss {r.loss!r} is not a finite non-negative number")
+    if not math.isfinite(r.train_s) or r.train_s <= 0:
+        problems.append(f"train_s {r.train_s!r} is not a positive number")
+    else:
+        if r.node_samples_per_s > 0 and r.shard_samples > 0:
+            floor_s = r.shard_samples / (r.node_samples_per_s * FAST_FACTOR)
+            if r.train_s < floor_s:
+                problems.append(
+                    f"train_s {r.train_s:.4g} s is below {floor_s:.4g} s, "
+                    f"{FAST_FACTOR:g}x faster than the node's measured {r.node_samples_per_s:.4g} samples/s"
+                )
+        if r.elapsed_s is not None and r.train_s > r.elapsed_s + 1.0:
+            problems.append(
+                f"train_s {r.train_s:.4g} s exceeds the {r.elapsed_s:.4g} s between assignment and upload"
+            )
+    if not problems:
+        return None
+    return {
+        "problems": problems,
+        "samples_claimed": r.samples_claimed,
+        "shard_samples": r.shard_samples,
+        "loss": _jsonable(r.loss),
+        "train_s": _jsonable(r.train_s),
+        "node_samples_per_s": _jsonable(r.node_samples_per_s),
+    }
+
+
+def review_round(
+    records: Sequence[UpdateRecord],
+    global_norm: float,
+    spec: Any,
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> RoundReview:
+    """Score every candidate update of a round; flag and quarantine the suspicious.
+
+    ``global_norm`` is the L2 norm of the global model's floating tensors (the
+    free-rider threshold is relative to it). ``spec`` is a VerificationSpec
+    (cosine_min, norm_ratio_max, free_rider_norm).
+
+    Order: free_rider and implausible first (they do not need the others); the
+    robust centre (coordinate-wise median) and the median update norm are then
+    computed over the remaining updates only, so zeros do not drag the centre;
+    with fewer than MIN_OUTLIER_N of them outlier scoring is skipped.
+    An update gets at most one flag (the first reason found).
+    """
+    cosine_min = float(_spec(spec, "cosine_min", 0.0))
+    norm_ratio_max = float(_spec(spec, "norm_ratio_max", 4.0))
+    free_rider_norm = float(_spec(spec, "free_rider_norm", 1e-7))
+    rider_floor = free_rider_norm * max(float(global_norm), 1.0)
+
+    flags: list[Flag] = []
+    flagged: set[str] = set()
+    norms: dict[str, float] = {}
+    scores: dict[str, dict[str, Any]] = {}
+    for r in records:
+        nrm = _norm(r.delta, slice_elems)
+        norms[r.update_id] = nrm
+        scores[r.update_id] = {"node_id": r.node_id, "norm": _jsonable(nrm)}
+        if not math.isfinite(nrm) or nrm <= rider_floor:
+            flags.append(
+                Flag(
+                    r.update_id,
+                    r.node_id,
+                    "free_rider",
+                    {
+                        "update_norm": _jsonable(nrm),
+                        "threshold": rider_floor,
+                        "global_norm": global_norm,
+                    },
+                )
+            )
+            flagged.add(r.update_id)
+            continue
+        bad = _implausible(r)
+        if bad is not None:
+            flags.append(Flag(r.update_id, r.node_id, "implausible", bad))
+            flagged.add(r.update_id)
+
+    rest = [r for r in records if r.update_id not in flagged]
+    evidence: dict[str, Any] = {
+        "n": len(records),
+        "scored": len(rest),
+        "cosine_min": cosine_min,
+        "norm_ratio_max": norm_ratio_max,
+        "free_rider_threshold": rider_floor,
+        "scores": scores,
+    }
+    if len(rest) < MIN_OUTLIER_N:
+        evidence["outlier_scoring"] = (
+            f"skipped: {len(rest)} updates < {MIN_OUTLIER_N}, median unreliable"
+        )
+    else:
+        # Shards differ in size (the scheduler sizes them to each node's speed) and an
+        # update's norm grows with the steps taken: compare norms per sample of the
+        # shard (hub-known, not the claim), and take the centre of per-sample updates.
+        per_sample = [1.0 / max(r.shard_samples, 1) for r in rest]
+        centre = coordinate_median(
+            [r.delta for r in rest], factors=per_sample, slice_elems=slice_elems
+        )
+        unit = {r.update_id: norms[r.update_id] * f for r, f in zip(rest, per_sample, strict=True)}
+        med_unit = _median(list(unit.values()))
+        evidence["outlier_scoring"] = "coordinate-wise median of per-sample updates"
+        evidence["median_norm_per_sample"] = med_unit
+        for r in rest:
+            cos, nrm, cnorm = cosine_and_norms(r.delta, centre, slice_elems=slice_elems)
+            ratio = unit[r.update_id] / max(med_unit, EPS)
+            scores[r.update_id].update({"cosine": _jsonable(cos), "norm_ratio": _jsonable(ratio)})
+            evidence["centre_norm"] = cnorm
+            why = []
+            if cos < cosine_min:
+                why.append(f"cosine {cos:.3f} to the round's median < {cosine_min:g}")
+            if ratio > norm_ratio_max:
+                why.append(f"norm per sample {ratio:.2f}x the round's median > {norm_ratio_max:g}")
+            if why:
+                flags.append(
+                    Flag(
+                        r.update_id,
+                        r.node_id,
+                        "outlier",
+                        {
+                            "problems": why,
+                            "cosine": _jsonable(cos),
+                            "norm_ratio": _jsonable(ratio),
+                            "update_norm": _jsonable(nrm),
+                            "shard_samples": r.shard_samples,
+                            "median_norm_per_sample": med_unit,
+                            "scored_updates": len(rest),
+                        },
+                    )
+                )
+                flagged.add(r.update_id)
+    included = [r.update_id for r in records if r.update_id not in flagged]
+    return RoundReview(included, flags, evidence)
+
+
+# --------------------------------------------------------------------------- reputation
+
+
+def record_agreement(rep: Reputation) -> Reputation:
+    """The node's update was in an agreeing replica majority."""
+    return replace(
+        rep,
+        consecutive_agreements=rep.consecutive_agreements + 1,
+        agreements_total=rep.agreements_total + 1,
+    )
+
+
+def record_flag(rep: Reputation) -> Reputation:
+    """Any flag (before any verdict) resets the run of agreements: trust is re-earned."""
+    return replace(rep, consecutive_agreements=0, flags_total=rep.flags_total + 1)
+
+
+def record_verdict(
+    rep: Reputation, verdict: str, *, ban_after: int = BAN_AFTER_CONFIRMED
+) -> Reputation:
+    """An auditor's verdict on one of the node's flags.
+
+    ``confirm`` counts against the node and bans it at ``ban_after`` confirmed
+    flags; ``dismiss`` is recorded but does not restore the reset run (the run
+    measures verified agreement, which a dismissed flag is not).
+    """
+    if verdict == "confirm":
+        confirmed = rep.confirmed_flags + 1
+        return replace(rep, confirmed_flags=confirmed, banned=rep.banned or confirmed >= ban_after)
+    if verdict == "dismiss":
+        return replace(rep, dismissed_flags=rep.dismissed_flags + 1)
+    raise VerificationError(f"verdict must be 'confirm' or 'dismiss', got {verdict!r}")
+
+
+def replication_probability(rep: Reputation, spec: Any) -> float:
+    """Probability that a shard given to this node is replicated.
+
+    ``replication`` a float in [0, 1]: that fixed fraction. ``"adaptive"`` (BOINC's
+    adaptive replication applied to updates): 1.0 until the node has
+    ``trust_after`` consecutive agreeing replicas, then max(MIN_REPLICATION, 1/run)
+    so trusted nodes still get spot-checked and overhead stays bounded.
+    """
+    mode = _spec(spec, "replication", "adaptive")
+    if rep.banned:
+        return 1.0
+    if isinstance(mode, str):
+        if mode != "adaptive":
+            raise VerificationError(
+                f"verification.replication must be 'adaptive' or 0..1, got {mode!r}"
+            )
+        run = rep.consecutive_agreements
+        if run < int(_spec(spec, "trust_after", 10)):
+            return 1.0
+        return max(MIN_REPLICATION, 1.0 / run)
+    p = float(mode)
+    if not (0.0 <= p <= 1.0):
+        raise VerificationError(
+            f"verification.replication must be 'adaptive' or 0..1, got {mode!r}"
+        )
+    return p
+
+
+def should_replicate(rep: Reputation, spec: Any, rng: _Rng) -> bool:
+    """Draw once from ``rng`` (e.g. random.Random seeded by the hub) against
+    ``replication_probability``. A new node (run 0) is always replicated in
+    adaptive mode, without consuming a draw."""
+    p = replication_probability(rep, spec)
+    if p >= 1.0:
+        return True
+    if p <= 0.0:
+        return False
+    return rng.random() < p
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    m = len(v)
+    return v[m // 2] if m % 2 else 0.5 * (v[m // 2 - 1] + v[m // 2])
+
+
+def _jsonable(x: float) -> float | str:
+    """Evidence goes to JSON: non-finite floats become strings."""
+    return x if math.isfinite(x) else repr(x)

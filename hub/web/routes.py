@@ -1,0 +1,558 @@
+"""Console pages: thin handlers (parse -> hub domain / read-only query -> template).
+
+Authorisation mirrors the API: an owner sees only jobs whose owner is their
+token name; auditors and admins see every job, the nodes and the audit queue;
+only auditors and admins give verdicts (through the hub's verdict function).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp_jinja2
+from aiohttp import web
+from markupsafe import Markup
+
+from . import bridge, charts, queries
+from .keys import SESSION, SESSIONS, TEMPLATES
+from .security import (
+    CONSOLE_PREFIX,
+    LOGIN_CSRF_COOKIE,
+    SESSION_COOKIE,
+    clear_session_cookie,
+    login_csrf_ok,
+    same_origin,
+    set_login_csrf_cookie,
+    set_session_cookie,
+)
+from .sessions import Session, csrf_matches, new_secret
+
+__all__ = ["add_routes"]
+
+AUDIT_ROLES = ("auditor", "admin")
+POLL_S = 5
+MAX_FORM_BYTES = 16 << 10
+MAX_NOTE = 1000
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _session(request: web.Request) -> Session:
+    s = request.get(SESSION)
+    if s is None:  # the auth middleware guarantees a session on protected routes
+        raise web.HTTPFound(f"{CONSOLE_PREFIX}/login")
+    return s
+
+
+def _require_audit(request: web.Request) -> Session:
+    s = _session(request)
+    if s.role not in AUDIT_ROLES:
+        raise web.HTTPForbidden(text="this page needs an auditor or admin token")
+    return s
+
+
+def render(request: web.Request, template: str, ctx: Mapping[str, Any], *, status: int = 200) -> web.Response:
+    context = {"session": request.get(SESSION), **ctx}
+    return aiohttp_jinja2.render_template(
+        template, request, context, status=status, app_key=TEMPLATES
+    )
+
+
+async def _form(request: web.Request) -> Mapping[str, Any]:
+    if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_FORM_BYTES, actual_size=request.content_length)
+    return await request.post()
+
+
+def _field(form: Mapping[str, Any], name: str) -> str | None:
+    v = form.get(name)
+    return v if isinstance(v, str) else None
+
+
+def _safe_next(value: str | None) -> str:
+    """Only redirect to a console path on this host (no open redirect)."""
+    if (
+        value
+        and value.startswith(CONSOLE_PREFIX + "/")
+        and not value.startswith("//")
+        and "\\" not in value
+        and all(ch.isprintable() for ch in value)
+    ):
+        return value
+    return f"{CONSOLE_PREFIX}/jobs"
+
+
+# --------------------------------------------------------------------------- login
+
+
+async def root(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPFound(f"{CONSOLE_PREFIX}/")
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPFound(f"{CONSOLE_PREFIX}/jobs")
+
+
+async def login_page(request: web.Request) -> web.StreamResponse:
+    if request.get(SESSION) is not None:
+        raise web.HTTPFound(f"{CONSOLE_PREFIX}/jobs")
+    token = new_secret()
+    resp = render(
+        request,
+        "login.html",
+        {"login_csrf": token, "next_url": _safe_next(request.query.get("next"))},
+    )
+    set_login_csrf_cookie(request, resp, token)
+    return resp
+
+
+async def login_submit(request: web.Request) -> web.StreamResponse:
+    form = await _form(request)
+    if not same_origin(request) or not login_csrf_ok(request, _field(form, "csrf_token")):
+        raise web.HTTPForbidden(text="login form expired or came from another site: reload the page")
+    token = (_field(form, "token") or "").strip()
+    principal = await bridge.authenticate(request.app, token)
+    if principal is None:
+        fresh = new_secret()
+        resp = render(
+            request,
+            "login.html",
+            {
+                "login_csrf": fresh,
+                "next_url": _safe_next(_field(form, "next")),
+                "flash": "That token is unknown or revoked.",
+                "flash_kind": "error",
+            },
+            status=401,
+        )
+        set_login_csrf_cookie(request, resp, fresh)
+        return resp
+    # A new session id on every login (no fixation); the old one, if any, ends.
+    store = request.app[SESSIONS]
+    store.delete(request.cookies.get(SESSION_COOKIE))
+    sid, _ = store.create(token_id=str(principal.token_id), role=principal.role, name=principal.name)
+    resp = web.HTTPSeeOther(_safe_next(_field(form, "next")))
+    set_session_cookie(request, resp, sid)
+    resp.del_cookie(LOGIN_CSRF_COOKIE, path=CONSOLE_PREFIX)
+    raise resp
+
+
+async def logout(request: web.Request) -> web.StreamResponse:
+    request.app[SESSIONS].delete(request.cookies.get(SESSION_COOKIE))
+    resp = web.HTTPSeeOther(f"{CONSOLE_PREFIX}/login")
+    clear_session_cookie(resp)
+    raise resp
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def _series(history: list[dict[str, Any]], key: str) -> list[tuple[float, float | None]]:
+    return [(float(h["round"]), h.get(key)) for h in history]
+
+
+async def jobs_page(request: web.Request) -> web.StreamResponse:
+    s = _session(request)
+    owner = queries.visible_owner(s.role, s.name)
+    jobs = await bridge.read(request.app, lambda c: queries.jobs_list(c, owner))
+    return render(request, "jobs.html", {"jobs": jobs, "nav": "jobs", "poll": POLL_S})
+
+
+async def job_page(request: web.Request) -> web.StreamResponse:
+    s = _session(request)
+    d = await bridge.job_view(request.app, bridge.principal(s), request.match_info["job_id"])
+    doc = d["doc"]
+    hist = doc["history"]
+    loss_chart = charts.line_chart(
+        [
+            charts.Series("validation loss", _series(hist, "loss")),
+            charts.Series("train loss", _series(hist, "train_loss")),
+        ],
+        title="Loss per round",
+        y_label="loss",
+    )
+    acc_chart = charts.line_chart(
+        [charts.Series("validation accuracy", _series(hist, "accuracy"))],
+        title="Accuracy per round",
+        y_label="accuracy",
+        y_min=0.0,
+        y_max=1.0,
+    )
+    can_audit = s.role in AUDIT_ROLES
+    for sh in d["shards"]:
+        for a in sh["assignments"]:
+            a["node_href"] = f"{CONSOLE_PREFIX}/nodes#node-{a['node_id']}" if can_audit else "#"
+    rounds = []
+    overheads = []
+    for h in hist:
+        ups = h.get("updates") or []
+        ov = _num(h.get("replication_overhead"))
+        if ov is not None:
+            overheads.append(ov)
+        rounds.append(
+            {
+                "round": h["round"],
+                "loss": h.get("loss"),
+                "accuracy": h.get("accuracy"),
+                "train_loss": h.get("train_loss"),
+                "closed_at": h.get("closed_at"),
+                "updates": len(ups),
+                "included": sum(1 for u in ups if u.get("status") == "included"),
+                "quarantined": sum(1 for u in ups if u.get("status") == "quarantined"),
+                "overhead": ov,
+            }
+        )
+    job = {
+        **doc,
+        "model_sha": doc.get("model_sha") or doc.get("model_hash") or "",
+        "chunks": d["chunks"],
+        "closed": d["closed"],
+        "loss": d["loss"],
+        "accuracy": d["accuracy"],
+        "train_loss": d["train_loss"],
+    }
+    overhead = {
+        # every round trains the same chunks, so the mean of the rounds is the overall ratio
+        "total": sum(overheads) / len(overheads) if overheads else None,
+        "rounds": len(overheads),
+        **d["shard_counts"],
+    }
+    return render(
+        request,
+        "job.html",
+        {
+            "job": job,
+            "history": rounds,
+            "overhead": overhead,
+            "shard_round": d["shard_round"],
+            "shards": d["shards"],
+            "flags": d["flags"],
+            "loss_chart": Markup(loss_chart),  # noqa: S704 - built from escaped parts in charts.py
+            "acc_chart": Markup(acc_chart),  # noqa: S704
+            "can_audit": can_audit,
+            "nav": "jobs",
+            "poll": POLL_S if job["state"] in ("queued", "running") else None,
+        },
+    )
+
+
+async def job_model(request: web.Request) -> web.StreamResponse:
+    s = _session(request)
+    job_id = request.match_info["job_id"]
+    filename, data = await bridge.export_model(request.app, bridge.principal(s), job_id)
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in filename)[:128]
+    return web.Response(
+        body=data,
+        content_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{safe}"'},
+    )
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+async def nodes_page(request: web.Request) -> web.StreamResponse:
+    _require_audit(request)
+    window = bridge.online_window_s(request.app)
+    now = time.time()
+    nodes = await bridge.read(
+        request.app, lambda c: queries.nodes_list(c, online_window_s=window, now=now)
+    )
+    return render(request, "nodes.html", {"nodes": nodes, "nav": "nodes", "poll": POLL_S})
+
+
+# --------------------------------------------------------------------------- audit
+
+
+FLAG_STATUSES = ("open", "confirmed", "dismissed", "all")
+
+
+async def flags_page(request: web.Request) -> web.StreamResponse:
+    _require_audit(request)
+    status = request.query.get("status", "open")
+    if status not in FLAG_STATUSES:
+        raise web.HTTPBadRequest(text=f"status must be one of {', '.join(FLAG_STATUSES)}")
+    flags = await bridge.read(request.app, lambda c: queries.flags_list(c, status))
+    auditlog = await bridge.audit_log_status(request.app)
+    return render(
+        request,
+        "flags.html",
+        {"flags": flags, "status": status, "auditlog": auditlog, "nav": "flags", "poll": POLL_S},
+    )
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a flag's evidence (hub/verification.py shapes) into rows and charts."""
+    ev: Mapping[str, Any] = flag.get("evidence") or {}
+    rev: Mapping[str, Any] = flag.get("round_evidence") or {}
+    scores: list[dict[str, Any]] = []
+
+    def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:
+        v, th = _num(value), _num(threshold)
+        if v is None:
+            return
+        ok = None if th is None else (v <= th if bad_when == "above" else v >= th)
+        scores.append(
+            {
+                "name": name,
+                "value": v,
+                "rule": rule.format(th=charts._fmt(th) if th is not None else "n/a"),
+                "ok": ok,
+                "gauge": Markup(  # noqa: S704 - escaped in charts.score_gauge
+                    charts.score_gauge(v, th, bad_when=bad_when, title=name)
+                ),
+            }
+        )
+
+    score("cosine to round centre", ev.get("cosine"), rev.get("cosine_min", 0.0), "below",
+          "must be ≥ {th}")
+    score("norm ratio to median", ev.get("norm_ratio"), rev.get("norm_ratio_max", 4.0), "above",
+          "must be ≤ {th}")
+    if flag.get("reason") == "free_rider":
+        score("update norm", ev.get("update_norm"), ev.get("threshold"), "below",
+              "must be > {th} (free-rider floor)")
+    elif _num(ev.get("norm_ratio")) is None:
+        score("update norm", ev.get("update_norm"), None, "above", "")
+    if "relative_distance_to_canonical" in ev:
+        score("replica distance", ev.get("relative_distance_to_canonical"), ev.get("tolerance"),
+              "above", "must be ≤ {th} (tolerance)")
+    if "samples_claimed" in ev:
+        score("samples claimed", ev.get("samples_claimed"), ev.get("shard_samples"), "above",
+              "shard holds {th}")
+    if "train_s" in ev:
+        score("train time (s)", ev.get("train_s"), None, "above", "node claims")
+
+    # Per-layer bars: preferred "layers" evidence; else the replica pair's worst tensors.
+    layer_chart = ""
+    layers = ev.get("layers")
+    if isinstance(layers, list) and layers:
+        bars = [
+            charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
+            for x in layers
+            if isinstance(x, Mapping)
+        ]
+        layer_chart = charts.bar_chart(
+            bars, title="Per-layer norm: this update vs. the round's centre",
+            legend=["this update", "round centre"],
+        )
+        cos_bars = [
+            charts.Bar(str(x.get("name", "?")), [_num(x.get("cosine"))])
+            for x in layers
+            if isinstance(x, Mapping) and _num(x.get("cosine")) is not None
+        ]
+        if cos_bars:
+            layer_chart += charts.bar_chart(
+                cos_bars, title="Per-layer cosine to the round's centre",
+                legend=["cosine"], threshold=_num(rev.get("cosine_min", 0.0)),
+                threshold_label="min",
+            )
+    replica: dict[str, Any] | None = None
+    pairs = ev.get("pairs")
+    if isinstance(pairs, list):
+        rows = []
+        worst: dict[str, float] = {}
+        for p in pairs:
+            if not isinstance(p, Mapping):
+                continue
+            tensors = p.get("tensors") if isinstance(p.get("tensors"), Mapping) else {}
+            items = sorted(
+                ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
+                key=lambda kv: -float(kv[1]),
+            )
+            if flag.get("update_id") in (p.get("a"), p.get("b")):
+                for k, v in items:
+                    worst[k] = max(worst.get(k, 0.0), float(v))
+            rows.append(
+                {
+                    "a": str(p.get("a", "")),
+                    "b": str(p.get("b", "")),
+                    "relative_distance": _num(p.get("relative_distance")),
+                    "agree": bool(p.get("agree")),
+                    "tensors": items,
+                }
+            )
+        replica = {
+            "tolerance": _num(ev.get("tolerance")),
+            "majority": [str(m) for m in ev.get("majority") or []],
+            "distance": _num(ev.get("relative_distance_to_canonical")),
+            "why": str(ev.get("why", "")),
+            "pairs": rows,
+        }
+        if not layer_chart and worst:
+            layer_chart = charts.bar_chart(
+                [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
+                title="Per-tensor relative distance to the other replicas",
+                legend=["relative distance"],
+                threshold=_num(ev.get("tolerance")),
+                threshold_label="tolerance",
+            )
+    if not layer_chart:
+        layer_chart = charts.bar_chart(
+            [], title="Per-layer evidence", legend=[]
+        )
+    problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
+    if not problems and ev.get("why"):
+        problems = [str(ev["why"])]
+    return {
+        "scores": scores,
+        "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
+        "replica": replica,
+        "problems": problems,
+        "evidence_json": json.dumps(ev, indent=2, sort_keys=True, default=str),
+    }
+
+
+async def flag_page(request: web.Request) -> web.StreamResponse:
+    s = _session(request)
+    auditor = s.role in AUDIT_ROLES
+    flag_id = request.match_info["flag_id"]
+    window = bridge.online_window_s(request.app)
+    now = time.time()
+    owner = queries.visible_owner(s.role, s.name)
+
+    def q(c: Any) -> dict[str, Any] | None:
+        f = queries.flag_detail(c, flag_id)
+        if f is None or (owner is not None and f.get("job_owner") != owner):
+            return None  # as the API: a flag is visible to auditors and to its job's owner
+        if not auditor:  # node histories span other owners' jobs: auditors only
+            return {"flag": f, "node": None, "node_flags": [], "node_updates": []}
+        return {
+            "flag": f,
+            "node": queries.node_detail(c, f["node_id"], online_window_s=window, now=now),
+            "node_flags": queries.node_flags(c, f["node_id"]),
+            "node_updates": queries.node_updates(c, f["node_id"]),
+        }
+
+    d = await bridge.read(request.app, q)
+    if d is None:
+        raise web.HTTPNotFound(text=f"no flag {flag_id} visible to you")
+    flash = None
+    kind = "info"
+    done = request.query.get("done")
+    if done in ("confirm", "dismiss"):
+        flash, kind = f"Verdict recorded: {done}ed.", "ok"
+    return render(
+        request,
+        "flag.html",
+        {
+            **d,
+            **evidence_view(d["flag"]),
+            "can_decide": auditor,
+            "nav": "flags" if auditor else "jobs",
+            "flash": flash,
+            "flash_kind": kind,
+        },
+    )
+
+
+async def flag_verdict(request: web.Request) -> web.StreamResponse:
+    s = _require_audit(request)
+    flag_id = request.match_info["flag_id"]
+    form = await _form(request)
+    verdict = _field(form, "verdict")
+    note = (_field(form, "note") or "").strip()
+    if verdict not in ("confirm", "dismiss"):
+        raise web.HTTPBadRequest(text="verdict must be confirm or dismiss")
+    if not note or len(note) > MAX_NOTE:
+        raise web.HTTPBadRequest(text=f"a note of 1..{MAX_NOTE} characters is required")
+    await bridge.give_verdict(request.app, bridge.principal(s), flag_id, verdict, note)
+    raise web.HTTPSeeOther(f"{CONSOLE_PREFIX}/flags/{quote(flag_id)}?done={verdict}")
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/", root, name="console-root")
+    r.add_get(CONSOLE_PREFIX, index)
+    r.add_get(CONSOLE_PREFIX + "/", index, name="console-index")
+    r.add_get(CONSOLE_PREFIX + "/login", login_page, name="console-login")
+    r.add_post(CONSOLE_PREFIX + "/login", login_submit)
+    r.add_post(CONSOLE_PREFIX + "/logout", logout)
+    r.add_get(CONSOLE_PREFIX + "/jobs", jobs_page, name="console-jobs")
+    r.add_get(CONSOLE_PREFIX + "/jobs/{job_id}", job_page, name="console-job")
+    r.add_get(CONSOLE_PREFIX + "/jobs/{job_id}/model", job_model)
+    r.add_get(CONSOLE_PREFIX + "/nodes", nodes_page, name="console-nodes")
+    r.add_get(CONSOLE_PREFIX + "/flags", flags_page, name="console-flags")
+    r.add_get(CONSOLE_PREFIX + "/flags/{flag_id}", flag_page, name="console-flag")
+    r.add_post(CONSOLE_PREFIX + "/flags/{flag_id}/verdict", flag_verdict)
+
+
+PUBLIC_PATHS = frozenset({"/", CONSOLE_PREFIX, CONSOLE_PREFIX + "/login"})
+
+
+@web.middleware
+async def console_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Session + CSRF for /console/*; HTML error pages for console paths."""
+    path = request.path
+    if not (path == "/" or path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/")):
+        return await handler(request)
+    if path.startswith(CONSOLE_PREFIX + "/static/"):
+        return await handler(request)
+    try:
+        session = await _load_session(request)
+        if session is not None:
+            request[SESSION] = session
+        if request.method not in ("GET", "HEAD", "OPTIONS") and path != CONSOLE_PREFIX + "/login":
+            await _check_csrf(request, session)
+        elif session is None and path not in PUBLIC_PATHS and path != CONSOLE_PREFIX + "/":
+            raise web.HTTPFound(f"{CONSOLE_PREFIX}/login?next={quote(path)}")
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_page(request, exc.status, exc.reason, exc.text or "")
+    except bridge.HubError as exc:
+        return _error_page(request, exc.status, exc.code, exc.detail)
+
+
+async def _load_session(request: web.Request) -> Session | None:
+    sid = request.cookies.get(SESSION_COOKIE)
+    if not sid:
+        return None
+    store = request.app[SESSIONS]
+    session = store.get(sid)
+    if session is None:
+        return None
+    # The token behind a session must still be live (revocation ends sessions).
+    alive = await bridge.read(request.app, lambda c: queries.token_alive(c, session.token_id))
+    if alive is None or alive != (session.role, session.name):
+        store.delete_for_token(session.token_id)
+        return None
+    return session
+
+
+async def _check_csrf(request: web.Request, session: Session | None) -> None:
+    if session is None:
+        raise web.HTTPForbidden(text="log in first: no console session")
+    if not same_origin(request):
+        raise web.HTTPForbidden(text="cross-origin form post refused")
+    given = request.headers.get("X-CSRF-Token")
+    if given is None:
+        form = await _form(request)
+        given = _field(form, "csrf_token")
+    if not csrf_matches(session.csrf, given):
+        raise web.HTTPForbidden(text="missing or wrong CSRF token: reload the page and try again")
+
+
+def _error_page(request: web.Request, status: int, reason: str, detail: str) -> web.Response:
+    text = detail if detail and not detail.startswith(f"{status}:") else reason
+    return render(
+        request,
+        "error.html",
+        {"status": status, "reason": reason, "detail": text},
+        status=status,
+    )

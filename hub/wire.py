@@ -1,0 +1,124 @@
+"""Edge helpers shared by the route modules: reading signed bodies, replying, error mapping."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any, TypeVar
+
+from aiohttp import web
+from gpuflex.protocol.errors import (
+    DecodeError,
+    ProtocolError,
+    ReplayError,
+    SignatureError,
+    SpecError,
+    TensorError,
+    VersionError,
+)
+from gpuflex.protocol.signing import open_sealed, seal
+
+from .appkeys import CONFIG, DB, HUB_KEY, METRICS, REPLAY, SCHEDULER
+from .errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    HubError,
+    PayloadTooLarge,
+    Unauthorized,
+    Unprocessable,
+)
+from .scheduler import NodeState
+from .tokens import Principal, lookup
+
+M = TypeVar("M")
+MSGPACK = "application/x-msgpack"
+
+
+def protocol_to_hub(exc: ProtocolError) -> HubError:
+    """Map the protocol's error tree onto HTTP-carrying hub errors (the edge's one table)."""
+    detail = str(exc) or exc.__class__.__name__
+    if isinstance(exc, VersionError):
+        return Conflict(detail, code="version_mismatch")
+    if isinstance(exc, SignatureError):
+        return Unauthorized(detail, code="bad_signature")
+    if isinstance(exc, ReplayError):
+        return Conflict(detail, code="replay")
+    if isinstance(exc, TensorError):
+        return Unprocessable(detail, code="bad_tensor")
+    if isinstance(exc, SpecError):
+        return Unprocessable(detail, code="bad_spec")
+    if isinstance(exc, DecodeError):
+        return BadRequest(detail, code="bad_message")
+    return BadRequest(detail, code="bad_message")
+
+
+def error_response(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"error": code, "detail": " ".join(detail.split())[:500]}, status=status)
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, default=str, allow_nan=False), status=status,
+                        content_type="application/json")
+
+
+def sealed_response(request: web.Request, msg: object) -> web.Response:
+    body = seal(request.app[HUB_KEY], msg)
+    request.app[METRICS].bytes_out += len(body)
+    return web.Response(body=body, content_type=MSGPACK)
+
+
+def b64_header(request: web.Request, name: str, *, limit: int = 16384) -> bytes:
+    raw = request.headers.get(name)
+    if not raw:
+        raise Unauthorized(f"missing {name} header (urlsafe base64 of a sealed message)", code="missing_auth")
+    if len(raw) > limit:
+        raise BadRequest(f"{name} header is longer than {limit} characters", code="bad_message")
+    raw = raw.strip()
+    try:
+        return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{name} header is not urlsafe base64", code="bad_message") from None
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the {limit}-byte limit")
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+    request.app[METRICS].bytes_in += len(body)
+    return body
+
+
+def open_node_message(request: web.Request, data: bytes, cls: type[M]) -> tuple[M, bytes]:
+    """Verify signature, then freshness (timestamp window + nonce); returns (message, signer)."""
+    try:
+        msg, signer = open_sealed(data, cls)
+        request.app[REPLAY].check(signer, msg.timestamp, msg.nonce)  # type: ignore[attr-defined]
+    except ProtocolError as exc:
+        raise protocol_to_hub(exc) from None
+    return msg, signer
+
+
+def known_node(request: web.Request, signer: bytes) -> NodeState:
+    from gpuflex.protocol.signing import fingerprint
+
+    node = request.app[SCHEDULER].nodes.get(fingerprint(signer))
+    if node is None:
+        raise Unauthorized("this node is not registered with the hub; register again", code="unknown_node")
+    if node.public_key != signer:
+        raise Unauthorized("node key does not match its registration", code="unknown_node")
+    if node.banned:
+        raise Forbidden("this node is banned from the hub after confirmed flags", code="banned")
+    return node
+
+
+async def principal(request: web.Request) -> Principal:
+    header = request.headers.get("Authorization")
+    return await request.app[DB].read(lambda conn: lookup(conn, header))
+
+
+def max_message_bytes(request: web.Request) -> int:
+    return request.app[CONFIG].max_message_bytes

@@ -1,0 +1,177 @@
+"""An honest benchmark of this machine, as the hub sizes shards by it.
+
+Honest means: every figure is the median of several timed repeats after a warm-up run,
+CUDA work is synchronized before a clock is read, and the training throughput is the
+node's real training path (``train_assignment``) on two reference MLPs, not a guess
+from peak FLOP/s. On this 2-core CPU the whole run stays well under 10 s.
+
+Results are cached in DIR/bench.json keyed by the hardware fingerprint (CPU model, core
+count, torch version, device, threads) and measured again when any part changes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpuflex.protocol.messages import Benchmark, TrainConfig
+from gpuflex.protocol.modelspec import ModelSpec, build_model
+
+from .device import describe, hardware_fingerprint
+from .identity import write_private_file
+from .trainer import train_assignment
+
+CACHE_FILE = "bench.json"
+REFERENCE_MODEL = "mlp-64-128-10/b32"
+BIG_MODEL = "mlp-784-1024-1024-10/b128"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: allocator, kernels, lazy init
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float | None:
+    try:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        t = _median_time(lambda: a @ b, device, repeats)
+    except (RuntimeError, TypeError):  # dtype not supported on this device
+        return None
+    return 2 * n**3 / t / 1e12
+
+
+def mem_bandwidth_gbs(device: torch.device, mbytes: int, repeats: int) -> float:
+    x = torch.empty(mbytes << 18, device=device)  # float32: 4 bytes each
+    y = torch.empty_like(x)
+    t = _median_time(lambda: y.copy_(x), device, repeats)
+    return 2 * x.numel() * 4 / t / 1e9  # read + write
+
+
+def host_device_gbs(device: torch.device, mbytes: int, repeats: int) -> tuple[float, float]:
+    host = torch.empty(mbytes << 18).pin_memory()
+    dev = torch.empty(mbytes << 18, device=device)
+    nbytes = host.numel() * 4
+    h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), device, repeats)
+    d2h = _median_time(lambda: host.copy_(dev, non_blocking=True), device, repeats)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+
+
+def training_samples_per_s(
+    device: torch.device, spec_dict: dict[str, Any], samples: int, batch: int, repeats: int
+) -> float:
+    spec = ModelSpec.from_dict(spec_dict)
+    state = build_model(spec, seed=0).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, *spec.input_shape, generator=gen)
+    y = torch.randint(0, spec.outputs, (samples,), generator=gen)
+    cfg = TrainConfig(
+        local_epochs=1, batch_size=batch, optimizer="sgd", lr=0.01, momentum=0.9,
+        weight_decay=0.0, beta1=0.9, beta2=0.999, loss="cross_entropy", grad_clip=0.0,
+    )
+    chunks = [{"x": x, "y": y}]
+    times = []
+    for i in range(repeats + 1):
+        result = train_assignment(spec, state, chunks, cfg, seed=i, device=device)
+        if i:  # the first run is the warm-up
+            times.append(result.train_s)
+    return samples / statistics.median(times)
+
+
+def run_benchmark(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
+    """Measure; ``quick`` (~1 s) is what a first ``run`` uses before a full ``bench``."""
+    started = time.perf_counter()
+    desc = describe(device)
+    gpu = device.type in ("cuda", "mps")
+    n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 512)
+    reps = 5 if not quick else 3
+    out: dict[str, Any] = {
+        "fingerprint": hardware_fingerprint(device),
+        "quick": quick,
+        "device": {"kind": desc.kind, "name": desc.name, "memory_bytes": desc.memory_bytes,
+                   "threads": desc.threads, "torch": torch.__version__},
+    }
+    out["matmul_tflops_fp32"] = matmul_tflops(device, torch.float32, n, reps) or 0.0
+    out["matmul_tflops_bf16"] = None if quick else matmul_tflops(device, torch.bfloat16, n, reps)
+    out["matmul_tflops_fp16"] = None if quick else matmul_tflops(device, torch.float16, n, reps)
+    out["mem_bandwidth_gbs"] = mem_bandwidth_gbs(device, (256 if gpu else 64) // (4 if quick else 1), reps)
+    out["h2d_gbs"], out["d2h_gbs"] = (None, None)
+    if device.type == "cuda":
+        out["h2d_gbs"], out["d2h_gbs"] = host_device_gbs(device, 64 if not quick else 16, reps)
+    digits = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
+    out["training"] = {
+        REFERENCE_MODEL: training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, 3),
+    }
+    if not quick:
+        big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
+        out["training"][BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 1024, 128, 3)
+    out["samples_per_s"] = out["training"][REFERENCE_MODEL]
+    out["reference_model"] = REFERENCE_MODEL
+    out["duration_s"] = time.perf_counter() - started
+    out["measured_at"] = time.time()
+    return out
+
+
+def to_message(results: dict[str, Any]) -> Benchmark:
+    def opt(key: str) -> float | None:
+        v = results.get(key)
+        return None if v is None else float(v)
+
+    return Benchmark(
+        samples_per_s=float(results["samples_per_s"]),
+        matmul_tflops_fp32=float(results["matmul_tflops_fp32"]),
+        matmul_tflops_bf16=opt("matmul_tflops_bf16"),
+        matmul_tflops_fp16=opt("matmul_tflops_fp16"),
+        mem_bandwidth_gbs=float(results["mem_bandwidth_gbs"]),
+        h2d_gbs=opt("h2d_gbs"),
+        d2h_gbs=opt("d2h_gbs"),
+        reference_model=str(results["reference_model"]),
+    )
+
+
+def load_cached(device: torch.device, data_dir: Path) -> dict[str, Any] | None:
+    try:
+        cached = json.loads((data_dir / CACHE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cached, dict) or cached.get("fingerprint") != hardware_fingerprint(device):
+        return None
+    try:
+        to_message(cached)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return cached
+
+
+def measure_and_cache(device: torch.device, data_dir: Path, *, quick: bool = False) -> dict[str, Any]:
+    results = run_benchmark(device, quick=quick)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_private_file(data_dir / CACHE_FILE, json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def benchmark_for_registration(device: torch.device, data_dir: Path) -> Benchmark:
+    """The cached figures for this hardware, or a quick measurement (cached too)."""
+    cached = load_cached(device, data_dir)
+    if cached is None:
+        cached = measure_and_cache(device, data_dir, quick=True)
+    return to_message(cached)

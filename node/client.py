@@ -1,0 +1,305 @@
+"""HubClient: the node's thin HTTP adapter around the sans-I/O protocol.
+
+Every request body is sealed with the node key; every 200 response must be sealed by
+the pinned hub key (``open_sealed(..., signer=hub key)``), so a man in the middle can
+neither forge work nor answers. HTTP failures map onto the node's error tree:
+
+* connection errors, timeouts, 5xx, 429  -> HubUnavailable (retry with backoff)
+* 401 unknown_node                        -> UnknownNode (re-register)
+* 403 banned                              -> Banned (stop)
+* any other 4xx                           -> HubError(code, status)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import aiohttp
+from gpuflex.protocol.errors import ProtocolError, SignatureError
+from gpuflex.protocol.messages import (
+    Abandon,
+    Ack,
+    Assignment,
+    BlobRequest,
+    Heartbeat,
+    Hello,
+    NoWork,
+    UpdateHeader,
+    Welcome,
+    WorkRequest,
+)
+from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
+
+from .cache import BlobWriter
+from .errors import (
+    AssignmentRejected,
+    Banned,
+    BlobError,
+    HubError,
+    HubUnavailable,
+    UnknownNode,
+)
+
+M = TypeVar("M")
+
+MAX_RESPONSE_BYTES = 2 << 20  # sealed control messages are <= 1 MiB
+_NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)
+
+
+class Backoff:
+    """Exponential backoff with jitter: base * 2**n capped, half fixed, half random."""
+
+    def __init__(self, base: float = 0.5, cap: float = 30.0, rng: random.Random | None = None) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        ceiling = min(self.cap, self.base * (2 ** min(self.attempt, 30)))
+        self.attempt += 1
+        return ceiling / 2 + self._rng.uniform(0, ceiling / 2)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def _read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    if resp.content_length is not None and resp.content_length > limit:
+        raise HubError(f"hub answer of {resp.content_length} bytes exceeds {limit}", code="too_large")
+    buf = bytearray()
+    async for block in resp.content.iter_chunked(1 << 16):
+        buf += block
+        if len(buf) > limit:
+            raise HubError(f"hub answer exceeds {limit} bytes", code="too_large")
+    return bytes(buf)
+
+
+def _error_from(status: int, body: bytes, what: str) -> Exception:
+    code, detail = "", ""
+    try:
+        obj = json.loads(body.decode("utf-8", "replace"))
+        if isinstance(obj, dict):
+            code = str(obj.get("error", ""))[:64]
+            detail = str(obj.get("detail", ""))[:300]
+    except ValueError:
+        detail = body[:200].decode("utf-8", "replace")
+    message = f"{what}: hub answered {status} {code or ''} {detail}".strip()
+    if status >= 500 or status in (408, 429):
+        return HubUnavailable(message)
+    if status == 401 and code in ("unknown_node", ""):
+        return UnknownNode(message, code=code or "unknown_node", status=status)
+    if status == 403 and code == "banned":
+        return Banned(message, code=code, status=status)
+    return HubError(message, code=code, status=status)
+
+
+class HubClient:
+    def __init__(
+        self,
+        base_url: str,
+        key: SigningKey,
+        session: aiohttp.ClientSession,
+        *,
+        hub_public_key: bytes | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.key = key
+        self.session = session
+        self.hub_public_key = hub_public_key
+        self.clock_offset = 0.0  # hub time - our time, learned at registration
+        self.requests = 0
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time() + self.clock_offset
+
+    def _url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    def _open(self, data: bytes, expected: type[M]) -> M:
+        if self.hub_public_key is None:
+            raise HubError("hub key not pinned yet")
+        msg, _ = open_sealed(data, expected, signer=self.hub_public_key)
+        return msg
+
+    async def _post(self, path: str, msg: object, *, limit_s: float = 30.0) -> bytes:
+        body = seal(self.key, msg)
+        self.requests += 1
+        try:
+            async with self.session.post(
+                self._url(path),
+                data=body,
+                headers={"Content-Type": "application/x-msgpack"},
+                timeout=aiohttp.ClientTimeout(total=limit_s),
+            ) as resp:
+                data = await _read_limited(resp, MAX_RESPONSE_BYTES)
+                if resp.status != 200:
+                    raise _error_from(resp.status, data, f"POST {path}")
+                return data
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"POST {path}: {type(exc).__name__}: {exc}"[:300]) from exc
+
+    def _signed_answer(self, data: bytes, expected: type[M], what: str) -> M:
+        try:
+            return self._open(data, expected)
+        except ProtocolError as exc:
+            raise HubError(f"{what}: answer not valid from the pinned hub: {exc}", code="bad_answer") from exc
+
+    # -- calls ------------------------------------------------------------------------------
+
+    async def hub_info(self) -> tuple[bytes, str, int]:
+        """GET /v1/hub -> (public key, claimed fingerprint, protocol version)."""
+        self.requests += 1
+        try:
+            async with self.session.get(
+                self._url("/v1/hub"), timeout=aiohttp.ClientTimeout(total=15)
+            ) as resp:
+                data = await _read_limited(resp, 64 << 10)
+                if resp.status != 200:
+                    raise _error_from(resp.status, data, "GET /v1/hub")
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"GET /v1/hub: {type(exc).__name__}: {exc}"[:300]) from exc
+        try:
+            obj = json.loads(data)
+            pk = bytes.fromhex(str(obj["public_key"]))
+            return pk, str(obj["fingerprint"]), int(obj["protocol_version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HubError(f"GET /v1/hub: malformed answer ({exc})", code="bad_answer") from exc
+
+    async def register(self, hello: Hello) -> Welcome:
+        sent = time.time()
+        data = await self._post("/v1/nodes/register", hello)
+        welcome = self._signed_answer(data, Welcome, "register")
+        rtt = time.time() - sent
+        self.clock_offset = welcome.server_time - (sent + rtt / 2)
+        return welcome
+
+    async def request_work(self, wait_s: float, cached: list[str]) -> Assignment | NoWork:
+        req = WorkRequest(
+            timestamp=self.now(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=tuple(cached[:4096])
+        )
+        data = await self._post("/v1/work", req, limit_s=wait_s + 30.0)
+        if self.hub_public_key is None:
+            raise HubError("hub key not pinned yet")
+        # The signature's domain names the kind, so try both kinds against the pinned key.
+        try:
+            msg, _ = open_sealed(data, Assignment, signer=self.hub_public_key)
+            return msg
+        except SignatureError:
+            pass
+        except ProtocolError as exc:
+            raise AssignmentRejected(f"assignment refused: {exc}") from exc
+        try:
+            nowork, _ = open_sealed(data, NoWork, signer=self.hub_public_key)
+            return nowork
+        except ProtocolError as exc:
+            raise AssignmentRejected(
+                f"work answer refused: its signature does not verify with the pinned hub key ({exc})"
+            ) from exc
+
+    async def heartbeat(self, assignment_id: str, progress: float) -> Ack:
+        msg = Heartbeat(
+            assignment_id=assignment_id, progress=max(0.0, min(1.0, progress)),
+            timestamp=self.now(), nonce=new_nonce(),
+        )
+        return self._signed_answer(await self._post("/v1/heartbeat", msg, limit_s=15), Ack, "heartbeat")
+
+    async def abandon(self, assignment_id: str, reason: str, *, limit_s: float = 10.0) -> Ack:
+        msg = Abandon(assignment_id=assignment_id, reason=reason[:256], timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/abandon", msg, limit_s=limit_s), Ack, "abandon")
+
+    async def download_blob(
+        self,
+        sha256: str,
+        writer: BlobWriter,
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        """Stream one blob into ``writer`` (resuming at writer.offset with Range).
+
+        Never holds more than one network block in memory; the writer refuses any byte
+        beyond the declared size. Raises HubUnavailable on network errors (the partial
+        file stays for a resume), BlobError on size/hash failure.
+        """
+        req = BlobRequest(sha256=sha256, timestamp=self.now(), nonce=new_nonce())
+        auth = base64.urlsafe_b64encode(seal(self.key, req)).decode("ascii")
+        headers = {"X-GPUFlex-Auth": auth}
+        if writer.offset:
+            headers["Range"] = f"bytes={writer.offset}-"
+        self.requests += 1
+        try:
+            async with self.session.get(
+                self._url(f"/v1/blobs/{sha256}"),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60),
+            ) as resp:
+                if resp.status == 200 and writer.offset:
+                    writer.restart()  # the hub ignored Range: take the whole blob
+                elif resp.status == 206:
+                    start = _range_start(resp.headers.get("Content-Range", ""))
+                    if start != writer.offset:
+                        writer.restart()
+                        raise HubUnavailable(f"blob {sha256[:12]}…: unexpected Content-Range; restarting")
+                elif resp.status == 416:
+                    writer.restart()
+                    raise HubUnavailable(f"blob {sha256[:12]}…: range not satisfiable; restarting")
+                elif resp.status != 200:
+                    raise _error_from(resp.status, await _read_limited(resp, 64 << 10), f"GET blob {sha256[:12]}")
+                remaining = writer.size - writer.offset
+                if resp.content_length is not None and resp.content_length > remaining:
+                    writer.abort(keep_partial=False)
+                    raise BlobError(
+                        f"blob {sha256[:12]}… is larger than declared: the hub sends "
+                        f"{resp.content_length} bytes, {remaining} expected; refused"
+                    )
+                async for block in resp.content.iter_chunked(1 << 20):
+                    writer.write(block)
+                    if on_bytes is not None:
+                        on_bytes(len(block))
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"GET blob {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
+
+    async def upload_update(self, header: UpdateHeader, body: bytes) -> Ack:
+        token = base64.urlsafe_b64encode(seal(self.key, header)).decode("ascii")
+        self.requests += 1
+        try:
+            async with self.session.post(
+                self._url("/v1/updates"),
+                data=body,
+                headers={"X-GPUFlex-Update": token, "Content-Type": "application/octet-stream"},
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=120),
+            ) as resp:
+                data = await _read_limited(resp, MAX_RESPONSE_BYTES)
+                if resp.status != 200:
+                    raise _error_from(resp.status, data, "POST /v1/updates")
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"POST /v1/updates: {type(exc).__name__}: {exc}"[:300]) from exc
+        return self._signed_answer(data, Ack, "upload")
+
+
+def _range_start(content_range: str) -> int:
+    # "bytes START-END/TOTAL"
+    try:
+        unit, rest = content_range.split(" ", 1)
+        if unit != "bytes":
+            return -1
+        return int(rest.split("-", 1)[0])
+    except ValueError:
+        return -1
+
+
+def json_error_detail(exc: BaseException) -> dict[str, Any]:
+    """Fields describing an exception for an event line."""
+    out: dict[str, Any] = {"error": type(exc).__name__, "detail": str(exc)[:300]}
+    code = getattr(exc, "code", "")
+    if code:
+        out["code"] = code
+    return out

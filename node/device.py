@@ -1,0 +1,181 @@
+"""Choosing and describing the compute device; noticing when a GPU gets busy.
+
+``auto`` picks CUDA, then Apple MPS, then the CPU. The hardware fingerprint (CPU model,
+core count, torch version, device name) keys the benchmark cache so a new GPU or a
+torch upgrade is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def prepare_cuda_determinism() -> None:
+    """Deterministic cuBLAS needs this before its first handle is created."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def select_device(choice: str = "auto") -> torch.device:
+    """Map a ``--device`` value to a torch.device, refusing devices that are not there."""
+    choice = choice.strip().lower()
+    if choice == "auto":
+        if torch.cuda.is_available():
+            prepare_cuda_determinism()
+            return torch.device("cuda", 0)
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "mps":
+        if not _mps_available():
+            raise ConfigError("--device mps: Apple MPS is not available on this machine")
+        return torch.device("mps")
+    m = _CUDA_RE.match(choice)
+    if m:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {choice}: CUDA is not available (torch {torch.__version__})")
+        index = int(m.group(1) or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {choice}: only {torch.cuda.device_count()} CUDA device(s) present"
+            )
+        prepare_cuda_determinism()
+        return torch.device("cuda", index)
+    raise ConfigError(f"--device {choice!r}: allowed values are auto, cpu, cuda, cuda:N, mps")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    kind: str  # "cpu" | "cuda" | "mps"
+    name: str
+    memory_bytes: int
+    threads: int
+
+
+def describe(device: torch.device) -> DeviceDescription:
+    threads = torch.get_num_threads()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceDescription("cuda", str(props.name)[:200], int(props.total_memory), threads)
+    if device.type == "mps":
+        return DeviceDescription("mps", f"Apple MPS ({platform.machine()})", host_memory_bytes(), threads)
+    return DeviceDescription("cpu", cpu_model()[:200], host_memory_bytes(), threads)
+
+
+def hardware_fingerprint(device: torch.device) -> str:
+    """Stable id of what the benchmark measured: re-measure when any part changes."""
+    d = describe(device)
+    parts = [cpu_model(), str(cpu_count()), torch.__version__, d.kind, d.name, str(d.threads)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def apply_limits(device: torch.device, *, threads: int | None, max_gpu_memory_gb: float | None) -> None:
+    """Honour --threads and --max-gpu-memory."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError("--threads must be >= 1")
+        torch.set_num_threads(threads)
+    if max_gpu_memory_gb is not None:
+        if max_gpu_memory_gb <= 0:
+            raise ConfigError("--max-gpu-memory must be > 0 (GB)")
+        if device.type != "cuda":
+            log.info("--max-gpu-memory ignored: device is %s", device.type)
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, max_gpu_memory_gb * 1e9 / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+class GpuWatcher:
+    """Tells whether another process is using our GPU (NVML), so the node can yield.
+
+    ``available`` is False (with a logged note) where nvidia-ml-py is not installed or
+    NVML does not start; the node then simply does not yield.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.available = False
+        self._nvml = None
+        self._handle = None
+        self._own_pid = os.getpid()
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml  # optional extra "gpu"
+        except ImportError:
+            log.info("GPU yielding off: nvidia-ml-py (pynvml) is not installed (pip install gpuflex[gpu])")
+            return
+        try:
+            pynvml.nvmlInit()
+            index = device.index or 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible:
+                ids = [v.strip() for v in visible.split(",") if v.strip()]
+                if index < len(ids) and ids[index].isdigit():
+                    index = int(ids[index])
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+            self.available = True
+        except Exception as exc:  # NVML missing driver library, permissions...
+            log.info("GPU yielding off: NVML unavailable (%s)", exc)
+
+    def others_busy(self) -> bool:
+        """True when a process other than this one has a context on our GPU."""
+        if not self.available or self._nvml is None:
+            return False
+        nvml = self._nvml
+        pids: set[int] = set()
+        for query in (
+            nvml.nvmlDeviceGetComputeRunningProcesses,
+            nvml.nvmlDeviceGetGraphicsRunningProcesses,
+        ):
+            try:
+                pids.update(int(p.pid) for p in query(self._handle))
+            except Exception:  # noqa: S112 - one query unsupported on this GPU: use the other
+                continue
+        pids.discard(self._own_pid)
+        return bool(pids)

@@ -1,0 +1,79 @@
+"""The node's exception tree.
+
+Every failure the node can explain to a volunteer is a ``NodeError`` with a one-line
+message a person can act on. The CLI maps them to a non-zero exit and a clear line;
+the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
+
+    NodeError
+    ├── ConfigError          bad command-line value, unusable data dir
+    ├── IdentityError        node key unreadable / wrong permissions
+    ├── HubKeyMismatch       the hub's key is not the pinned one (refuse to work)
+    ├── HubError             the hub answered with an error we cannot retry past
+    │   ├── UnknownNode      401 unknown_node: re-register
+    │   └── Banned           403 banned: stop
+    ├── HubUnavailable       network error / 5xx: retry with backoff
+    ├── AssignmentRejected   signature or fields of an assignment are wrong
+    ├── BlobError            download failed verification (size / hash)
+    ├── TrainError           the data or model does not fit the spec
+    ├── TrainingStopped      should_stop() returned True between batches
+    └── ControlError         the local control endpoint is unreachable / refused
+"""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    """Root of every error the node raises on purpose."""
+
+
+class ConfigError(NodeError):
+    """A command-line value or the data directory is unusable."""
+
+
+class IdentityError(NodeError):
+    """The node's own key cannot be created or loaded."""
+
+
+class HubKeyMismatch(NodeError):
+    """The hub presents a key other than the pinned one."""
+
+
+class HubError(NodeError):
+    """The hub refused a request; ``code`` is its error code, ``status`` the HTTP status."""
+
+    def __init__(self, message: str, *, code: str = "", status: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class UnknownNode(HubError):
+    """The hub does not know us (it restarted with a fresh database, or forgot us)."""
+
+
+class Banned(HubError):
+    """The hub has banned this node."""
+
+
+class HubUnavailable(NodeError):
+    """The hub could not be reached or answered 5xx; retry later."""
+
+
+class AssignmentRejected(NodeError):
+    """An assignment failed its signature check or its field checks; it is not trained."""
+
+
+class BlobError(NodeError):
+    """A downloaded blob is larger than declared or its sha256 does not match."""
+
+
+class TrainError(NodeError):
+    """The assignment's data or state does not fit its model spec."""
+
+
+class TrainingStopped(NodeError):
+    """Training stopped between batches because the node is pausing or exiting."""
+
+
+class ControlError(NodeError):
+    """The local control endpoint refused the request or is not running."""

@@ -1,0 +1,223 @@
+"""Deterministic local training of one assignment.
+
+The contract (CONTRACT.md, "Data formats"): build the module from the declarative spec
+(shape only, seed 0), load the global state, concatenate the chunks in assignment order,
+shuffle every epoch with ``torch.Generator().manual_seed(seed + epoch)``, use a fresh
+optimizer, seed dropout from ``seed``, and return the DELTA (trained - global for floating
+tensors, the node's value otherwise) as CPU tensors.
+
+Same inputs on the same kind of device give bit-identical deltas: every source of
+randomness is derived from ``seed``, the shuffle is drawn on the CPU whatever the device,
+and on CUDA deterministic algorithms are requested.
+
+Speed: the whole shard lives in one tensor on the device; a batch is one ``index_select``
+with a slice of the epoch's permutation; the loop does nothing per step beyond the step
+itself, a flag check and (in the last epoch) one tensor add for the loss.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from gpuflex.protocol.modelspec import build_model
+from torch import Tensor, nn
+
+from .errors import TrainError, TrainingStopped
+
+if TYPE_CHECKING:
+    from gpuflex.protocol.messages import TrainConfig
+    from gpuflex.protocol.modelspec import ModelSpec
+
+__all__ = ["TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one assignment's training produced. ``delta`` holds CPU tensors."""
+
+    delta: dict[str, Tensor]
+    sample_count: int
+    loss: float
+    train_s: float
+    steps: int
+
+
+def make_optimizer(params: Sequence[Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """A fresh optimizer for ``cfg``; the same choice of implementation on every call."""
+    name = cfg.optimizer
+    # foreach keeps the step to a handful of kernels for models with many tensors; it is
+    # deterministic and numerically identical run to run on one device.
+    foreach = True
+    if name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
+    if name == "adam":
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
+    if name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
+    raise TrainError(f"unknown optimizer {name!r}; allowed: sgd, adam, adamw")
+
+
+def stack_chunks(
+    spec: ModelSpec, chunks: Sequence[Mapping[str, Tensor]]
+) -> tuple[Tensor, Tensor]:
+    """Concatenate the chunks in order into (x, y), checking them against the spec.
+
+    x: float32 (n, *input_shape) (int64 for Embedding-first models); y: int64 (n,) with labels in [0, outputs) for
+    classification, float32 (n, outputs) for regression.
+    """
+    if not chunks:
+        raise TrainError("assignment has no chunks")
+    input_shape = tuple(spec.input_shape)
+    x_dtype = getattr(spec, "input_dtype", torch.float32)  # int64 token ids for Embedding models
+    classification = spec.task == "classification"
+    xs: list[Tensor] = []
+    ys: list[Tensor] = []
+    for i, chunk in enumerate(chunks):
+        if set(chunk) != {"x", "y"}:
+            raise TrainError(f"chunk {i} must hold exactly tensors 'x' and 'y', has {sorted(chunk)}")
+        x, y = chunk["x"], chunk["y"]
+        if x.dtype != x_dtype or tuple(x.shape[1:]) != input_shape:
+            raise TrainError(
+                f"chunk {i}: x is {x.dtype} {tuple(x.shape)}, expected {x_dtype} (n, {input_shape})"
+            )
+        n = x.shape[0]
+        if classification:
+            if y.dtype != torch.int64 or tuple(y.shape) != (n,):
+                raise TrainError(f"chunk {i}: y is {y.dtype} {tuple(y.shape)}, expected int64 ({n},)")
+            if n and (int(y.min()) < 0 or int(y.max()) >= spec.outputs):
+                raise TrainError(f"chunk {i}: labels outside [0, {spec.outputs})")
+        elif y.dtype != torch.float32 or tuple(y.shape) != (n, spec.outputs):
+            raise TrainError(
+                f"chunk {i}: y is {y.dtype} {tuple(y.shape)}, expected float32 ({n}, {spec.outputs})"
+            )
+        xs.append(x)
+        ys.append(y)
+    x_all = xs[0] if len(xs) == 1 else torch.cat(xs)
+    y_all = ys[0] if len(ys) == 1 else torch.cat(ys)
+    if x_all.shape[0] == 0:
+        raise TrainError("assignment has no samples")
+    return x_all, y_all
+
+
+def _prepare_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        # Must be set before cuBLAS creates its handle; the CLI sets it at start-up too.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor]) -> nn.Module:
+    model = build_model(spec, seed=0)  # shapes only: every value is overwritten below
+    try:
+        model.load_state_dict(dict(global_state), strict=True)
+    except RuntimeError as exc:  # missing/unexpected keys or shape mismatch
+        first = str(exc).strip().splitlines()
+        raise TrainError(f"global model does not fit the spec: {' '.join(first)[:300]}") from exc
+    return model
+
+
+def train_assignment(
+    spec: ModelSpec,
+    global_state: Mapping[str, Tensor],
+    chunks: Sequence[Mapping[str, Tensor]],
+    cfg: TrainConfig,
+    seed: int,
+    *,
+    device: torch.device,
+    progress: Callable[[float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> TrainResult:
+    """Train ``cfg.local_epochs`` epochs on the concatenated chunks; return the delta.
+
+    Raises TrainError when the data or the state does not fit the spec, TrainingStopped
+    when ``should_stop()`` turns true (checked between batches).
+    """
+    if cfg.local_epochs < 1 or cfg.batch_size < 1:
+        raise TrainError("local_epochs and batch_size must be >= 1")
+    if cfg.loss not in ("cross_entropy", "mse"):
+        raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
+    _prepare_device(device)
+    x_cpu, y_cpu = stack_chunks(spec, chunks)
+    n = int(x_cpu.shape[0])
+    bs = int(cfg.batch_size)
+    epochs = int(cfg.local_epochs)
+    steps_per_epoch = math.ceil(n / bs)
+    total_steps = steps_per_epoch * epochs
+    report_every = max(1, total_steps // 100)
+
+    model = _load_model(spec, global_state).to(device)
+    model.train()
+    x = x_cpu.to(device)
+    y = y_cpu.to(device)
+    if cfg.loss == "cross_entropy":
+        if spec.task != "classification":
+            raise TrainError("loss cross_entropy needs a classification model")
+        loss_fn: nn.Module = nn.CrossEntropyLoss()
+    else:
+        loss_fn = nn.MSELoss()
+        if spec.task == "classification":
+            raise TrainError("loss mse needs a regression model")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg)
+    clip = float(cfg.grad_clip)
+    stop = should_stop if should_stop is not None else (lambda: False)
+
+    fork_devices = [device] if device.type == "cuda" else []
+    started = time.perf_counter()
+    step = 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
+        torch.manual_seed(seed)  # dropout and any other in-model randomness
+        for epoch in range(epochs):
+            gen = torch.Generator().manual_seed(seed + epoch)
+            perm = torch.randperm(n, generator=gen).to(device)
+            last_epoch = epoch == epochs - 1
+            for start in range(0, n, bs):
+                if stop():
+                    raise TrainingStopped("training stopped between batches")
+                idx = perm[start : start + bs]
+                xb = x.index_select(0, idx)  # (batch, *input_shape)
+                yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(xb), yb)
+                loss.backward()
+                if clip > 0:
+                    nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                optimizer.step()
+                if last_epoch:
+                    loss_sum += loss.detach() * idx.shape[0]
+                step += 1
+                if progress is not None and step % report_every == 0:
+                    progress(step / total_steps)
+    mean_loss = float(loss_sum) / n  # synchronizes on CUDA
+    train_s = time.perf_counter() - started
+    if progress is not None and step % report_every != 0:
+        progress(1.0)
+
+    delta: dict[str, Tensor] = {}
+    trained = model.state_dict()
+    for name, ref in global_state.items():
+        value = trained[name].detach().to("cpu")
+        if ref.is_floating_point():
+            delta[name] = value.to(ref.dtype) - ref
+        else:
+            delta[name] = value.clone()
+    return TrainResult(delta=delta, sample_count=n, loss=mean_loss, train_s=train_s, steps=step)

@@ -1,0 +1,312 @@
+"""Job specs: a TOML file validated into frozen dataclasses.
+
+Sections: ``[job]``, ``[model]`` (see :mod:`.modelspec`), ``[train]``,
+``[data]``, ``[aggregation]``, ``[verification]``. Unknown sections or keys and
+bad values raise SpecError naming ``section.key`` and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from .errors import SpecError
+from .messages import TrainConfig
+from .modelspec import ModelSpec
+
+MAX_SPEC_BYTES: Final = 1 << 20
+MAX_SEED: Final = (1 << 63) - 1
+
+OPTIMIZERS: Final = ("sgd", "adam", "adamw")
+LOSSES: Final = ("cross_entropy", "mse")
+SPLITS: Final = ("random", "stratified")
+METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
+SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    rounds: int = 10
+    local_epochs: int = 1
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    loss: str = "cross_entropy"
+    seed: int = 0
+    grad_clip: float = 0.0
+    round_target_s: float = 10.0
+    deadline_slack: float = 3.0
+
+    def train_config(self) -> TrainConfig:
+        """The per-assignment training settings sent to nodes."""
+        return TrainConfig(
+            local_epochs=self.local_epochs,
+            batch_size=self.batch_size,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            loss=self.loss,
+            grad_clip=self.grad_clip,
+        )
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    chunk_size: int = 64
+    split: str = "stratified"
+    validation_fraction: float = 0.0
+    label_column: str = "label"
+
+
+@dataclass(frozen=True)
+class AggregationSpec:
+    method: str = "fedavg"
+    trim_beta: float = 0.1
+    krum_f: int = 1
+    krum_m: int = 1
+    clip_norm: float = 0.0
+    server_optimizer: str = "none"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_eps: float = 1e-3
+
+
+@dataclass(frozen=True)
+class VerificationSpec:
+    replication: str | float = "adaptive"
+    quorum: int = 2
+    max_replicas: int = 3
+    tolerance: float = 1e-4
+    trust_after: int = 10
+    cosine_min: float = 0.0
+    norm_ratio_max: float = 4.0
+    free_rider_norm: float = 1e-7
+    replica_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: ModelSpec
+    train: TrainSpec = field(default_factory=TrainSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    verification: VerificationSpec = field(default_factory=VerificationSpec)
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Section:
+    def __init__(self, table: object, name: str) -> None:
+        if not isinstance(table, Mapping):
+            raise SpecError(f"{name}: expected a [{name}] table, got {type(table).__name__}")
+        self.table: Mapping[str, Any] = table
+        self.name = name
+        self.used: set[str] = set()
+
+    def _value(self, key: str, default: object) -> object:
+        self.used.add(key)
+        return self.table.get(key, default)
+
+    def get_int(self, key: str, default: int, lo: int, hi: int) -> int:
+        value = self._value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise SpecError(f"{self.name}.{key}: expected an integer {lo}..{hi}, got {_short(value)}")
+        return value
+
+    def get_float(
+        self, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+    ) -> float:
+        value = self._value(key, default)
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{self.name}.{key}: expected a number in {bounds}, got {_short(value)}")
+        number = float(value)
+        ok = math.isfinite(number) and (lo < number if lo_open else lo <= number) and number <= hi
+        if not ok:
+            raise SpecError(f"{self.name}.{key}: expected a number in {bounds}, got {number}")
+        return number
+
+    def get_choice(self, key: str, default: str, allowed: Sequence[str]) -> str:
+        value = self._value(key, default)
+        if not isinstance(value, str) or value not in allowed:
+            raise SpecError(f"{self.name}.{key}: expected one of {', '.join(allowed)}, got {_short(value)}")
+        return value
+
+    def get_text(self, key: str, default: str | None, max_len: int = 128) -> str:
+        value = self._value(key, default)
+        if value is None:
+            raise SpecError(f"{self.name}.{key}: required")
+        if not isinstance(value, str) or not 1 <= len(value) <= max_len or not value.isprintable():
+            raise SpecError(f"{self.name}.{key}: expected text of 1..{max_len} printable characters, got {_short(value)}")
+        return value
+
+    def finish(self) -> None:
+        for key in self.table:
+            if key not in self.used:
+                raise SpecError(
+                    f"{self.name}.{_short(key)}: unknown key; allowed: {', '.join(sorted(self.used))}"
+                )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _train(s: _Section, task: str) -> TrainSpec:
+    spec = TrainSpec(
+        rounds=s.get_int("rounds", 10, 1, 1_000_000),
+        local_epochs=s.get_int("local_epochs", 1, 1, 1000),
+        batch_size=s.get_int("batch_size", 32, 1, 1 << 20),
+        optimizer=s.get_choice("optimizer", "sgd", OPTIMIZERS),
+        lr=s.get_float("lr", 0.05, 0.0, 100.0, lo_open=True),
+        momentum=s.get_float("momentum", 0.0, 0.0, 0.999),
+        weight_decay=s.get_float("weight_decay", 0.0, 0.0, 10.0),
+        beta1=s.get_float("beta1", 0.9, 0.0, 0.9999),
+        beta2=s.get_float("beta2", 0.999, 0.0, 0.99999),
+        loss=s.get_choice("loss", "mse" if task == "regression" else "cross_entropy", LOSSES),
+        seed=s.get_int("seed", 0, 0, MAX_SEED),
+        grad_clip=s.get_float("grad_clip", 0.0, 0.0, 1e6),
+        round_target_s=s.get_float("round_target_s", 10.0, 0.0, 86_400.0, lo_open=True),
+        deadline_slack=s.get_float("deadline_slack", 3.0, 1.0, 100.0),
+    )
+    if task == "classification" and spec.loss != "cross_entropy":
+        raise SpecError("train.loss: a classification model trains with cross_entropy")
+    if task == "regression" and spec.loss != "mse":
+        raise SpecError("train.loss: a regression model trains with mse")
+    return spec
+
+
+def _data(s: _Section) -> DataSpec:
+    return DataSpec(
+        chunk_size=s.get_int("chunk_size", 64, 1, 1_000_000),
+        split=s.get_choice("split", "stratified", SPLITS),
+        validation_fraction=s.get_float("validation_fraction", 0.0, 0.0, 0.9),
+        label_column=s.get_text("label_column", "label", 64),
+    )
+
+
+def _aggregation(s: _Section) -> AggregationSpec:
+    spec = AggregationSpec(
+        method=s.get_choice("method", "fedavg", METHODS),
+        trim_beta=s.get_float("trim_beta", 0.1, 0.0, 0.49),
+        krum_f=s.get_int("krum_f", 1, 0, 10_000),
+        krum_m=s.get_int("krum_m", 1, 1, 10_000),
+        clip_norm=s.get_float("clip_norm", 0.0, 0.0, 1e12),
+        server_optimizer=s.get_choice("server_optimizer", "none", SERVER_OPTIMIZERS),
+        server_lr=s.get_float("server_lr", 1.0, 0.0, 100.0, lo_open=True),
+        server_momentum=s.get_float("server_momentum", 0.9, 0.0, 0.999),
+        server_beta1=s.get_float("server_beta1", 0.9, 0.0, 0.9999),
+        server_beta2=s.get_float("server_beta2", 0.99, 0.0, 0.99999),
+        server_eps=s.get_float("server_eps", 1e-3, 0.0, 1.0, lo_open=True),
+    )
+    return spec
+
+
+def _verification(s: _Section) -> VerificationSpec:
+    s.used.add("replication")
+    raw = s.table.get("replication", "adaptive")
+    replication: str | float
+    if raw == "adaptive":
+        replication = "adaptive"
+    elif not isinstance(raw, bool) and isinstance(raw, (int, float)) and math.isfinite(raw) and 0.0 <= raw <= 1.0:
+        replication = float(raw)
+    else:
+        raise SpecError(
+            f"verification.replication: expected \"adaptive\" or a number in [0, 1], got {_short(raw)}"
+        )
+    quorum = s.get_int("quorum", 2, 2, 16)
+    max_replicas = s.get_int("max_replicas", 3, 2, 32)
+    if max_replicas < quorum:
+        raise SpecError(f"verification.max_replicas: must be at least quorum ({quorum}), got {max_replicas}")
+    return VerificationSpec(
+        replication=replication,
+        quorum=quorum,
+        max_replicas=max_replicas,
+        tolerance=s.get_float("tolerance", 1e-4, 0.0, 1.0, lo_open=True),
+        trust_after=s.get_int("trust_after", 10, 0, 1_000_000),
+        cosine_min=s.get_float("cosine_min", 0.0, -1.0, 1.0),
+        norm_ratio_max=s.get_float("norm_ratio_max", 4.0, 1.0, 1e6),
+        free_rider_norm=s.get_float("free_rider_norm", 1e-7, 0.0, 1.0),
+        replica_wait_s=s.get_float("replica_wait_s", 30.0, 0.0, 86_400.0, lo_open=True),
+    )
+
+
+SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification")
+
+
+def parse_job_spec(text: str | bytes) -> JobSpec:
+    """Parse and validate a job spec TOML document."""
+    if isinstance(text, (bytes, bytearray)):
+        if len(text) > MAX_SPEC_BYTES:
+            raise SpecError(f"job spec is larger than {MAX_SPEC_BYTES} bytes")
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError("job spec is not UTF-8 text") from None
+    if not isinstance(text, str):
+        raise SpecError(f"job spec must be TOML text, got {type(text).__name__}")
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"job spec is larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"job spec is not valid TOML: {exc}") from None
+    for key in doc:
+        if key not in SECTIONS:
+            raise SpecError(f"{_short(key)}: unknown section; allowed: {', '.join(SECTIONS)}")
+    if "job" not in doc:
+        raise SpecError("job.name: required (add a [job] section with name = \"...\")")
+    if "model" not in doc:
+        raise SpecError("model.kind: required (add a [model] section; kind = mlp, cnn or sequential)")
+    job = _Section(doc["job"], "job")
+    name = job.get_text("name", None)
+    job.finish()
+    model = ModelSpec.from_dict(_Section(doc["model"], "model").table, where="model")
+    sections: dict[str, _Section] = {
+        key: _Section(doc.get(key, {}), key) for key in ("train", "data", "aggregation", "verification")
+    }
+    train = _train(sections["train"], model.task)
+    data = _data(sections["data"])
+    aggregation = _aggregation(sections["aggregation"])
+    verification = _verification(sections["verification"])
+    for section in sections.values():
+        section.finish()
+    return JobSpec(name, model, train, data, aggregation, verification)
+
+
+def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and parse a job spec file."""
+    target = Path(path)
+    try:
+        data = target.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"cannot read job spec {target}: {exc.strerror}") from None
+    return parse_job_spec(data)
+
+
+__all__ = [
+    "AggregationSpec",
+    "DataSpec",
+    "JobSpec",
+    "TrainSpec",
+    "VerificationSpec",
+    "load_job_spec",
+    "parse_job_spec",
+]

@@ -1,0 +1,611 @@
+"""Control messages: typed frozen dataclasses and their strict msgpack form.
+
+A message travels as a msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND,
+<fields>}``. Decoding is strict: the map must carry exactly the declared fields,
+every value has the declared type and lies inside its bounds, floats are finite,
+``bool`` is never accepted as an ``int``, and nothing may follow the map. Every
+rule lives next to its field as ``Annotated[type, Rule]`` so the encoder and the
+decoder apply the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Final, TypeVar
+
+import msgpack
+
+from .errors import DecodeError, EncodeError, ProtocolError, VersionError
+from .modelspec import ModelSpec
+from .version import PROTOCOL_VERSION
+
+MAX_MESSAGE_BYTES: Final = 1 << 20
+MAX_TEXT: Final = 256
+MAX_LIST: Final = 4096
+MAX_MAP: Final = 64
+MAX_DEPTH: Final = 8
+MAX_INT: Final = (1 << 63) - 1
+
+ID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+BLOB_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
+METRIC_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+
+_UNPACK_LIMITS: Final[dict[str, int]] = {
+    "max_str_len": 4 * MAX_TEXT * 4,  # bytes; per-field char limits are checked afterwards
+    "max_bin_len": 1024,
+    "max_array_len": MAX_LIST,
+    "max_map_len": MAX_MAP,
+    "max_ext_len": 0,
+}
+
+
+class _Fail(Exception):
+    """Internal: a rule failed; carries the text, the caller adds where and direction."""
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+# ---------------------------------------------------------------------------
+# Field rules. Each rule turns a wire value into the Python value (decode) and a
+# Python value into a wire value (encode), raising _Fail with a short reason.
+
+
+class Rule:
+    def decode(self, value: object) -> object:
+        raise NotImplementedError
+
+    def encode(self, value: object) -> object:
+        return self.decode(value)
+
+
+class Text(Rule):
+    def __init__(
+        self,
+        max_len: int = MAX_TEXT,
+        *,
+        pattern: re.Pattern[str] | None = None,
+        choices: tuple[str, ...] = (),
+        allow_empty_pattern: bool = False,
+    ) -> None:
+        self.max_len = max_len
+        self.pattern = pattern
+        self.choices = choices
+        self.allow_empty_pattern = allow_empty_pattern
+
+    def decode(self, value: object) -> str:
+        if not isinstance(value, str):
+            raise _Fail(f"expected a string, got {_describe(value)}")
+        if len(value) > self.max_len:
+            raise _Fail(f"string longer than {self.max_len} characters")
+        if self.choices and value not in self.choices:
+            raise _Fail(f"expected one of {', '.join(self.choices)}, got {value[:40]!r}")
+        if self.pattern is not None and not (self.allow_empty_pattern and value == ""):
+            if self.pattern.fullmatch(value) is None:
+                raise _Fail(f"{value[:40]!r} does not match {self.pattern.pattern}")
+        return value
+
+
+class Int(Rule):
+    def __init__(self, lo: int = 0, hi: int = MAX_INT) -> None:
+        self.lo = lo
+        self.hi = hi
+
+    def decode(self, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Fail(f"expected an integer, got {_describe(value)}")
+        if not self.lo <= value <= self.hi:
+            raise _Fail(f"integer {value} outside {self.lo}..{self.hi}")
+        return value
+
+
+class Float(Rule):
+    def __init__(self, lo: float = 0.0, hi: float = 1e300, *, optional: bool = False) -> None:
+        self.lo = lo
+        self.hi = hi
+        self.optional = optional
+
+    def decode(self, value: object) -> float | None:
+        if value is None and self.optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            kind = "a float or nil" if self.optional else "a float"
+            raise _Fail(f"expected {kind}, got {_describe(value)}")
+        result = float(value)
+        if not math.isfinite(result):
+            raise _Fail(f"expected a finite float, got {result}")
+        if not self.lo <= result <= self.hi:
+            raise _Fail(f"{result} outside {self.lo}..{self.hi}")
+        return result
+
+
+class Bool(Rule):
+    def decode(self, value: object) -> bool:
+        if not isinstance(value, bool):
+            raise _Fail(f"expected true or false, got {_describe(value)}")
+        return value
+
+
+class Blob(Rule):
+    """Bytes of an exact length."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def decode(self, value: object) -> bytes:
+        if not isinstance(value, bytes):
+            raise _Fail(f"expected {self.size} bytes, got {_describe(value)}")
+        if len(value) != self.size:
+            raise _Fail(f"expected {self.size} bytes, got {len(value)}")
+        return value
+
+
+class Seq(Rule):
+    def __init__(self, item: Rule, max_len: int = MAX_LIST) -> None:
+        self.item = item
+        self.max_len = max_len
+
+    def _walk(self, value: object, encode: bool) -> tuple[object, ...] | list[object]:
+        if not isinstance(value, (list, tuple)):
+            raise _Fail(f"expected a list, got {_describe(value)}")
+        if len(value) > self.max_len:
+            raise _Fail(f"list longer than {self.max_len} items")
+        out: list[object] = []
+        for index, item in enumerate(value):
+            try:
+                out.append(self.item.encode(item) if encode else self.item.decode(item))
+            except _Fail as exc:
+                raise _Fail(f"[{index}]: {exc}") from None
+        return out if encode else tuple(out)
+
+    def decode(self, value: object) -> tuple[object, ...] | list[object]:
+        return self._walk(value, encode=False)
+
+    def encode(self, value: object) -> tuple[object, ...] | list[object]:
+        return self._walk(value, encode=True)
+
+
+class FloatMap(Rule):
+    """``dict[str, float]`` with bounded size, key charset and required keys."""
+
+    def __init__(self, max_keys: int = 32, *, required: tuple[str, ...] = ()) -> None:
+        self.max_keys = max_keys
+        self.required = required
+
+    def decode(self, value: object) -> dict[str, float]:
+        if not isinstance(value, dict):
+            raise _Fail(f"expected a map of name to float, got {_describe(value)}")
+        if len(value) > self.max_keys:
+            raise _Fail(f"more than {self.max_keys} entries")
+        out: dict[str, float] = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or METRIC_KEY_RE.fullmatch(key) is None:
+                raise _Fail(f"key {key!r:.40} does not match {METRIC_KEY_RE.pattern}")
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                raise _Fail(f"[{key!r}]: expected a float, got {_describe(item)}")
+            number = float(item)
+            if not math.isfinite(number):
+                raise _Fail(f"[{key!r}]: expected a finite float, got {number}")
+            out[key] = number
+        for key in self.required:
+            if key not in out:
+                raise _Fail(f"required key {key!r} is missing")
+        return out
+
+
+def _check_plain(value: object, depth: int) -> None:
+    """A free-form msgpack value: str/int/float/bool/nil/list/map only, bounded depth."""
+    if depth > MAX_DEPTH:
+        raise _Fail(f"nested deeper than {MAX_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _Fail(f"expected a finite float, got {value}")
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(item, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _Fail(f"map key {key!r:.40} is not a string")
+            _check_plain(item, depth + 1)
+        return
+    raise _Fail(f"unsupported value {_describe(value)}")
+
+
+class ModelSpecDict(Rule):
+    """A ``ModelSpec.to_dict()``; validated with ``ModelSpec.from_dict``."""
+
+    def decode(self, value: object) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise _Fail(f"expected a model spec map, got {_describe(value)}")
+        _check_plain(value, 1)
+        try:
+            ModelSpec.from_dict(value)
+        except ProtocolError as exc:
+            raise _Fail(str(exc)) from None
+        return value
+
+    def encode(self, value: object) -> dict[str, Any]:
+        if isinstance(value, ModelSpec):
+            return value.to_dict()
+        if isinstance(value, Mapping):
+            return self.decode(dict(value))
+        raise _Fail(f"expected a model spec map, got {_describe(value)}")
+
+
+class Nested(Rule):
+    def __init__(self, cls: type[Any]) -> None:
+        self.cls = cls
+
+    def decode(self, value: object) -> object:
+        if not isinstance(value, dict):
+            raise _Fail(f"expected a {self.cls.__name__} map, got {_describe(value)}")
+        return _from_wire(self.cls, value)
+
+    def encode(self, value: object) -> dict[str, object]:
+        if not isinstance(value, self.cls):
+            raise _Fail(f"expected {self.cls.__name__}, got {_describe(value)}")
+        return _to_wire(value)
+
+
+# Shorthands used in the field declarations below.
+IdStr = Annotated[str, Text(64, pattern=ID_RE)]
+BlobIdStr = Annotated[str, Text(64, pattern=BLOB_ID_RE)]
+ShortText = Annotated[str, Text()]
+Timestamp = Annotated[float, Float(0.0, 1e11)]
+Nonce = Annotated[bytes, Blob(16)]
+Count = Annotated[int, Int()]
+NonNegFloat = Annotated[float, Float()]
+OptFloat = Annotated[float | None, Float(optional=True)]
+
+
+# ---------------------------------------------------------------------------
+# Messages.
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: Annotated[str, Text(choices=("cpu", "cuda", "mps"))]
+    name: ShortText
+    memory_bytes: Count
+    threads: Annotated[int, Int(0, 1 << 20)]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    samples_per_s: NonNegFloat
+    matmul_tflops_fp32: NonNegFloat
+    matmul_tflops_bf16: OptFloat
+    matmul_tflops_fp16: OptFloat
+    mem_bandwidth_gbs: NonNegFloat
+    h2d_gbs: OptFloat
+    d2h_gbs: OptFloat
+    reference_model: ShortText
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    sha256: BlobIdStr
+    size: Count
+    samples: Count
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    local_epochs: Annotated[int, Int(1, 100_000)]
+    batch_size: Annotated[int, Int(1, 1 << 24)]
+    optimizer: Annotated[str, Text(choices=("sgd", "adam", "adamw"))]
+    lr: Annotated[float, Float(0.0, 1e6)]
+    momentum: Annotated[float, Float(0.0, 1.0)]
+    weight_decay: Annotated[float, Float(0.0, 1e6)]
+    beta1: Annotated[float, Float(0.0, 1.0)]
+    beta2: Annotated[float, Float(0.0, 1.0)]
+    loss: Annotated[str, Text(choices=("cross_entropy", "mse"))]
+    grad_clip: Annotated[float, Float(0.0, 1e12)]
+
+
+@dataclass(frozen=True)
+class Hello:
+    KIND: ClassVar[str] = "hello"
+    software_version: Annotated[str, Text(64)]
+    protocol_version: Annotated[int, Int(0, 1 << 31)]
+    device: Annotated[DeviceInfo, Nested(DeviceInfo)]
+    benchmark: Annotated[Benchmark, Nested(Benchmark)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class Welcome:
+    KIND: ClassVar[str] = "welcome"
+    node_id: IdStr
+    hub_fingerprint: IdStr
+    server_time: Timestamp
+    poll_s: Annotated[float, Float(0.0, 86_400.0)]
+
+
+@dataclass(frozen=True)
+class WorkRequest:
+    KIND: ClassVar[str] = "work_request"
+    timestamp: Timestamp
+    nonce: Nonce
+    wait_s: Annotated[float, Float(0.0, 60.0)]
+    cached_chunks: Annotated[tuple[str, ...], Seq(Text(64, pattern=BLOB_ID_RE), MAX_LIST)]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    KIND: ClassVar[str] = "assignment"
+    assignment_id: IdStr
+    job_id: IdStr
+    round: Annotated[int, Int(0, 1 << 31)]
+    node_id: IdStr
+    model_hash: BlobIdStr
+    model_size: Count
+    model_spec: Annotated[dict[str, Any], ModelSpecDict()]
+    chunks: Annotated[tuple[ChunkRef, ...], Seq(Nested(ChunkRef), MAX_LIST)]
+    seed: Count
+    train: Annotated[TrainConfig, Nested(TrainConfig)]
+    issued_at: Timestamp
+    deadline: Timestamp
+    replica_group: Annotated[str, Text(64, pattern=ID_RE, allow_empty_pattern=True)]
+
+
+@dataclass(frozen=True)
+class NoWork:
+    KIND: ClassVar[str] = "no_work"
+    retry_after_s: Annotated[float, Float(0.0, 86_400.0)]
+    reason: ShortText
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    KIND: ClassVar[str] = "heartbeat"
+    assignment_id: IdStr
+    progress: Annotated[float, Float(0.0, 1.0)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class Abandon:
+    KIND: ClassVar[str] = "abandon"
+    assignment_id: IdStr
+    reason: ShortText
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class BlobRequest:
+    KIND: ClassVar[str] = "blob_request"
+    sha256: BlobIdStr
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    KIND: ClassVar[str] = "update"
+    assignment_id: IdStr
+    update_sha256: BlobIdStr
+    update_size: Count
+    sample_count: Count
+    metrics: Annotated[dict[str, float], FloatMap(32, required=("loss",))]
+    timings: Annotated[dict[str, float], FloatMap(32, required=("train_s",))]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class Ack:
+    KIND: ClassVar[str] = "ack"
+    ok: Annotated[bool, Bool()]
+    detail: ShortText
+    deadline: Timestamp
+
+
+Message = Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
+MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
+    Hello,
+    Welcome,
+    WorkRequest,
+    Assignment,
+    NoWork,
+    Heartbeat,
+    Abandon,
+    BlobRequest,
+    UpdateHeader,
+    Ack,
+)
+MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
+
+M = TypeVar("M")
+
+
+# ---------------------------------------------------------------------------
+# Schema plumbing.
+
+_SCHEMAS: dict[type[Any], tuple[tuple[str, Rule], ...]] = {}
+
+
+def _schema(cls: type[Any]) -> tuple[tuple[str, Rule], ...]:
+    cached = _SCHEMAS.get(cls)
+    if cached is not None:
+        return cached
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields: list[tuple[str, Rule]] = []
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        rules = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Rule)]
+        if len(rules) != 1:
+            raise TypeError(f"{cls.__name__}.{field.name} needs exactly one Rule annotation")
+        fields.append((field.name, rules[0]))
+    result = tuple(fields)
+    _SCHEMAS[cls] = result
+    return result
+
+
+def _from_wire(cls: type[M], data: Mapping[object, object]) -> M:
+    schema = _schema(cls)
+    names = {name for name, _ in schema}
+    for key in data:
+        if key not in names and key not in ("v", "kind"):
+            raise _Fail(f"unknown field {key!r:.40} in {cls.__name__}")
+    values: dict[str, object] = {}
+    for name, rule in schema:
+        if name not in data:
+            raise _Fail(f"missing field {name!r} in {cls.__name__}")
+        try:
+            values[name] = rule.decode(data[name])
+        except _Fail as exc:
+            raise _Fail(f"{name}: {exc}") from None
+    return cls(**values)
+
+
+def _to_wire(msg: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, rule in _schema(type(msg)):
+        try:
+            out[name] = rule.encode(getattr(msg, name))
+        except _Fail as exc:
+            raise _Fail(f"{name}: {exc}") from None
+    return out
+
+
+def _unpack(data: object, what: str, limits: Mapping[str, int], max_bytes: int) -> object:
+    """msgpack-decode ``data`` with hard limits; any failure becomes DecodeError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"{what}: expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise DecodeError(f"{what}: {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    if len(data) == 0:
+        raise DecodeError(f"{what}: empty input")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            timestamp=0,
+            **limits,
+        )
+    except msgpack.ExtraData:
+        raise DecodeError(f"{what}: trailing bytes after the msgpack value") from None
+    except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DecodeError(f"{what}: malformed msgpack ({reason[:80]})") from None
+    except Exception as exc:  # msgpack's C unpacker may raise other types on garbage
+        raise DecodeError(f"{what}: malformed msgpack ({type(exc).__name__})") from None
+
+
+def unpack_strict(data: object, what: str = "message", *, max_bytes: int = MAX_MESSAGE_BYTES,
+                  max_bin_len: int = 1024) -> object:
+    """Strictly decode one msgpack value (helper shared with ``signing``)."""
+    limits = dict(_UNPACK_LIMITS)
+    limits["max_bin_len"] = max_bin_len
+    return _unpack(data, what, limits, max_bytes)
+
+
+# ---------------------------------------------------------------------------
+# Public API.
+
+
+def encode_message(msg: object) -> bytes:
+    """Validate ``msg`` against its schema and return its msgpack bytes."""
+    cls = type(msg)
+    kind = getattr(cls, "KIND", None)
+    if not isinstance(kind, str) or MESSAGE_KINDS.get(kind) is not cls:
+        raise EncodeError(f"{cls.__name__} is not a protocol message type")
+    try:
+        body = _to_wire(msg)
+    except _Fail as exc:
+        raise EncodeError(f"{kind}.{exc}") from None
+    wire: dict[str, object] = {"v": PROTOCOL_VERSION, "kind": kind}
+    wire.update(body)
+    packed: bytes = msgpack.packb(wire, use_bin_type=True)
+    return packed
+
+
+def peek_kind(data: bytes | bytearray | memoryview) -> str:
+    """Return the ``kind`` of an encoded message after the version check (no field checks)."""
+    obj = unpack_strict(data)
+    return _header(obj)[1]
+
+
+def _header(obj: object) -> tuple[dict[object, object], str]:
+    if not isinstance(obj, dict):
+        raise DecodeError(f"message: expected a msgpack map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise DecodeError("message: missing or non-integer protocol version field 'v'")
+    if version != PROTOCOL_VERSION:
+        raise VersionError(
+            f"peer speaks protocol version {version}, this software speaks {PROTOCOL_VERSION}; "
+            "upgrade the older side"
+        )
+    kind = obj.get("kind")
+    if not isinstance(kind, str):
+        raise DecodeError("message: missing or non-string field 'kind'")
+    if kind not in MESSAGE_KINDS:
+        raise DecodeError(f"message: unknown kind {kind[:40]!r}")
+    return obj, kind
+
+
+def decode_message(data: bytes | bytearray | memoryview, expected: type[M]) -> M:
+    """Strictly decode ``data`` as a message of type ``expected``.
+
+    Raises VersionError for another protocol version and DecodeError for
+    everything else that is wrong, naming the field.
+    """
+    expected_kind = getattr(expected, "KIND", None)
+    if not isinstance(expected_kind, str) or MESSAGE_KINDS.get(expected_kind) is not expected:
+        raise DecodeError(f"{getattr(expected, '__name__', expected)!r} is not a message type")
+    obj, kind = _header(unpack_strict(data))
+    if kind != expected_kind:
+        raise DecodeError(f"message: expected kind {expected_kind!r}, got {kind!r}")
+    try:
+        return _from_wire(expected, obj)
+    except _Fail as exc:
+        raise DecodeError(f"{kind}.{exc}") from None
+
+
+__all__ = [
+    "BLOB_ID_RE",
+    "ID_RE",
+    "MAX_MESSAGE_BYTES",
+    "MESSAGE_KINDS",
+    "MESSAGE_TYPES",
+    "Abandon",
+    "Ack",
+    "Assignment",
+    "Benchmark",
+    "BlobRequest",
+    "ChunkRef",
+    "DeviceInfo",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "NoWork",
+    "TrainConfig",
+    "UpdateHeader",
+    "Welcome",
+    "WorkRequest",
+    "decode_message",
+    "encode_message",
+    "peek_kind",
+    "unpack_strict",
+]

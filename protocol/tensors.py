@@ -1,0 +1,448 @@
+"""The GFT1 tensor codec: one contiguous, aligned byte layout for state dicts.
+
+Layout (little-endian)::
+
+    0   4 bytes  magic b"GFT1"
+    4   u16      codec version (1)
+    6   u16      flags (0)
+    8   u32      header length H
+    12  u32      reserved (0)
+    16  H bytes  msgpack header {"tensors": [[name, dtype, shape, offset, nbytes], ...],
+                                 "data_bytes": D}
+        pad      zeros up to data_start = align64(16 + H)
+        D bytes  tensor data; each tensor at data_start + offset, offset % 64 == 0
+
+``offset`` is relative to ``data_start`` so the header never depends on its own
+length. The buffer ends exactly at ``data_start + D``. Everything in the header
+is validated before any data is touched; decoding is zero-copy
+(``torch.frombuffer`` views over the caller's buffer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import mmap
+import os
+import re
+import struct
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, cast
+
+import msgpack
+import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer as _BufferProto
+
+from .errors import DecodeError, TensorError
+
+MAGIC: Final = b"GFT1"
+CODEC_VERSION: Final = 1
+PREFIX: Final = struct.Struct("<4sHHII")
+ALIGN: Final = 64
+MAX_TENSORS: Final = 16_384
+MAX_HEADER_BYTES: Final = 4 << 20
+MAX_NAME_LEN: Final = 256
+MAX_NDIM: Final = 16
+DEFAULT_MAX_TOTAL_BYTES: Final = 8 << 30
+NAME_RE: Final = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
+BLOB_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: Final[dict[torch.dtype, str]] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: Final[dict[str, int]] = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor must look like: name, dtype name (``"float32"``), shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+Manifest = tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry: where a tensor's bytes live, relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def sha256_hex(data: Buffer) -> str:
+    """Lowercase hex sha256 of ``data``: the blob id of content-addressed bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_blob_id(s: object) -> bool:
+    """True for 64 lowercase hex characters."""
+    return isinstance(s, str) and BLOB_ID_RE.fullmatch(s) is not None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The codec's name for a torch dtype; TensorError if it is not on the whitelist."""
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise TensorError(f"dtype {dtype} is not supported; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or NAME_RE.fullmatch(name) is None:
+        raise TensorError(
+            f"tensor name {name!r:.60} is invalid: use 1..{MAX_NAME_LEN} chars of [A-Za-z0-9_.:/-]"
+        )
+    return name
+
+
+# ---------------------------------------------------------------------------
+# Encode.
+
+
+def _wire_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TensorError(f"tensor {name!r}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided or value.is_quantized:
+        raise TensorError(f"tensor {name!r}: only dense tensors can be encoded")
+    dtype_name(value.dtype)
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous()
+
+
+def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Encode a state dict as GFT1 bytes (one copy of each tensor's data)."""
+    if len(state) > MAX_TENSORS:
+        raise TensorError(f"{len(state)} tensors exceeds the limit of {MAX_TENSORS}")
+    tensors: list[torch.Tensor] = []
+    entries: list[list[object]] = []
+    spans: list[tuple[int, int]] = []  # (offset, nbytes) relative to the data section
+    end = 0
+    for name, value in state.items():
+        _check_name(name)
+        t = _wire_tensor(name, value)
+        shape = [int(d) for d in t.shape]
+        if len(shape) > MAX_NDIM:
+            raise TensorError(f"tensor {name!r}: more than {MAX_NDIM} dimensions")
+        offset = _align(end)
+        nbytes = t.numel() * t.element_size()
+        entries.append([name, DTYPE_NAMES[t.dtype], shape, offset, nbytes])
+        spans.append((offset, nbytes))
+        tensors.append(t)
+        end = offset + nbytes
+    header: bytes = msgpack.packb({"tensors": entries, "data_bytes": end}, use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise TensorError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    data_start = _align(PREFIX.size + len(header))
+    parts: list[bytes | memoryview] = [
+        PREFIX.pack(MAGIC, CODEC_VERSION, 0, len(header), 0),
+        header,
+        bytes(data_start - PREFIX.size - len(header)),
+    ]
+    position = 0
+    for (offset, nbytes), t in zip(spans, tensors, strict=True):
+        if offset > position:
+            parts.append(bytes(offset - position))
+        if nbytes:
+            # A flat uint8 view of the tensor's own memory (bf16 included): no copy here.
+            array = t.reshape(-1).view(torch.uint8).numpy()
+            parts.append(memoryview(cast("_BufferProto", array)))
+        position = offset + nbytes
+    # bytes.join sizes the result once and copies each part into it: one pass.
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Decode.
+
+
+def _parse(buf: Buffer, max_total_bytes: int) -> tuple[int, list[TensorInfo]]:
+    """Validate prefix and header; returns (data_start, entries). Touches no tensor data."""
+    if not isinstance(buf, (bytes, bytearray, memoryview, mmap.mmap)):
+        raise DecodeError(f"tensor blob: expected bytes, got {type(buf).__name__}")
+    view = memoryview(buf)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    total = view.nbytes
+    if total > max_total_bytes:
+        raise TensorError(f"tensor blob of {total} bytes exceeds the limit of {max_total_bytes}")
+    if total < PREFIX.size:
+        raise DecodeError(f"tensor blob: {total} bytes is shorter than the {PREFIX.size}-byte prefix")
+    magic, version, flags, header_len, reserved = PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise DecodeError("tensor blob: bad magic (not a GFT1 blob)")
+    if version != CODEC_VERSION:
+        raise DecodeError(f"tensor blob: codec version {version}, this software reads {CODEC_VERSION}")
+    if flags != 0 or reserved != 0:
+        raise DecodeError("tensor blob: unknown flags set")
+    if header_len > MAX_HEADER_BYTES:
+        raise DecodeError(f"tensor blob: header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    if PREFIX.size + header_len > total:
+        raise DecodeError("tensor blob: truncated header")
+    try:
+        header = msgpack.unpackb(
+            view[PREFIX.size : PREFIX.size + header_len],
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_NAME_LEN * 4,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=MAX_TENSORS,
+            max_map_len=2,
+        )
+    except Exception:  # any msgpack failure on hostile bytes
+        raise DecodeError("tensor blob: malformed msgpack header") from None
+    if not isinstance(header, dict) or set(header) != {"tensors", "data_bytes"}:
+        raise DecodeError("tensor blob: header must be a map with keys tensors, data_bytes")
+    raw_entries, data_bytes = header["tensors"], header["data_bytes"]
+    if not isinstance(raw_entries, list):
+        raise DecodeError("tensor blob: header.tensors must be a list")
+    if isinstance(data_bytes, bool) or not isinstance(data_bytes, int) or data_bytes < 0:
+        raise DecodeError("tensor blob: header.data_bytes must be a non-negative integer")
+    data_start = _align(PREFIX.size + header_len)
+    if any(view[PREFIX.size + header_len : min(data_start, total)]):
+        raise DecodeError("tensor blob: non-zero padding after the header")
+    if data_start + data_bytes != total:
+        raise DecodeError(
+            f"tensor blob: length {total} does not match header (expected {data_start + data_bytes})"
+        )
+    infos: list[TensorInfo] = []
+    names: set[str] = set()
+    for index, raw in enumerate(raw_entries):
+        info = _parse_entry(index, raw, data_bytes)
+        if info.name in names:
+            raise TensorError(f"tensor {info.name!r} appears twice in the header")
+        names.add(info.name)
+        infos.append(info)
+    end = 0
+    for info in sorted(infos, key=lambda i: i.offset):
+        if info.nbytes and info.offset < end:
+            raise TensorError(f"tensor {info.name!r} overlaps the previous tensor")
+        end = max(end, info.offset + info.nbytes)
+    return data_start, infos
+
+
+def _parse_entry(index: int, raw: object, data_bytes: int) -> TensorInfo:
+    if not isinstance(raw, list) or len(raw) != 5:
+        raise DecodeError(f"tensor blob: header entry {index} is not [name, dtype, shape, offset, nbytes]")
+    name, dtype, shape, offset, nbytes = raw
+    try:
+        name = _check_name(name)
+    except TensorError as exc:
+        raise DecodeError(f"tensor blob: entry {index}: {exc}") from None
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise TensorError(f"tensor {name!r}: dtype {dtype!r:.30} not allowed; allowed: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise TensorError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} sizes")
+    dims: list[int] = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < (1 << 48):
+            raise TensorError(f"tensor {name!r}: shape has an invalid size {d!r:.30}")
+        dims.append(d)
+    offset = _entry_int(name, "offset", offset, data_bytes)
+    nbytes = _entry_int(name, "nbytes", nbytes, data_bytes)
+    if offset % ALIGN:
+        raise TensorError(f"tensor {name!r}: offset {offset} is not {ALIGN}-byte aligned")
+    numel = math.prod(dims)
+    if numel * ITEMSIZE[dtype] != nbytes:
+        raise TensorError(
+            f"tensor {name!r}: {nbytes} bytes does not match shape {dims} of {dtype}"
+        )
+    if offset + nbytes > data_bytes:
+        raise TensorError(f"tensor {name!r}: data runs past the end of the blob")
+    return TensorInfo(name, dtype, tuple(dims), offset, nbytes)
+
+
+def _entry_int(name: str, what: str, value: object, data_bytes: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= data_bytes:
+        raise TensorError(f"tensor {name!r}: {what} {value!r:.30} outside the data section")
+    return value
+
+
+def read_header(buf: Buffer, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> list[TensorInfo]:
+    """Validate a GFT1 blob's header and return its entries, without touching data."""
+    return _parse(buf, max_total_bytes)[1]
+
+
+def decode_state(
+    buf: Buffer, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+) -> dict[str, torch.Tensor]:
+    """Decode GFT1 bytes into tensors that VIEW ``buf`` (no copy).
+
+    The tensors share memory with ``buf``; when ``buf`` is read-only (bytes,
+    read-only mmap) they must not be written to: ``clone()`` first, or use
+    ``module.load_state_dict`` which copies.
+    """
+    data_start, infos = _parse(buf, max_total_bytes)
+    view = memoryview(buf)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # frombuffer warns about read-only buffers; we document the no-write rule instead.
+        warnings.simplefilter("ignore", UserWarning)
+        for info in infos:
+            dtype = DTYPES[info.dtype]
+            if info.nbytes == 0:
+                out[info.name] = torch.empty(info.shape, dtype=dtype)
+                continue
+            start = data_start + info.offset
+            if dtype == torch.bool:
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=info.nbytes, offset=start)
+                if bool((raw > 1).any()):
+                    raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
+            flat = torch.frombuffer(view, dtype=dtype, count=info.nbytes // ITEMSIZE[info.dtype], offset=start)
+            out[info.name] = flat.view(info.shape)
+    return out
+
+
+def load_state_file(
+    path: str | os.PathLike[str], *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+) -> dict[str, torch.Tensor]:
+    """Decode a GFT1 file through a read-only mmap (the tensors keep the map alive)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            raise DecodeError(f"tensor file {path} is empty")
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    return decode_state(mapped, max_total_bytes=max_total_bytes)
+
+
+# ---------------------------------------------------------------------------
+# Manifests and checks.
+
+
+def manifest_of(state: Mapping[str, torch.Tensor]) -> Manifest:
+    """The manifest (names, dtypes, shapes) of a state dict, in its order."""
+    return tuple(
+        TensorSpec(_check_name(name), dtype_name(t.dtype), tuple(int(d) for d in t.shape))
+        for name, t in state.items()
+    )
+
+
+def check_manifest(state_or_buf: Mapping[str, torch.Tensor] | Buffer, manifest: Manifest) -> None:
+    """TensorError naming the first tensor whose name, dtype or shape is not as expected.
+
+    Given bytes, only the header is read.
+    """
+    if isinstance(state_or_buf, (bytes, bytearray, memoryview, mmap.mmap)):
+        actual = tuple(info.spec for info in read_header(state_or_buf))
+    else:
+        actual = manifest_of(state_or_buf)
+    _compare(actual, manifest)
+
+
+def _compare(actual: Iterable[TensorSpec], expected: Iterable[TensorSpec]) -> None:
+    have = {spec.name: spec for spec in actual}
+    want = {spec.name: spec for spec in expected}
+    for name, spec in want.items():
+        got = have.get(name)
+        if got is None:
+            raise TensorError(f"tensor {name!r} is missing")
+        if got.dtype != spec.dtype:
+            raise TensorError(f"tensor {name!r} has dtype {got.dtype}, expected {spec.dtype}")
+        if got.shape != spec.shape:
+            raise TensorError(f"tensor {name!r} has shape {list(got.shape)}, expected {list(spec.shape)}")
+    for name in have:
+        if name not in want:
+            raise TensorError(f"tensor {name!r} is not part of the model")
+
+
+def check_finite(state: Mapping[str, torch.Tensor]) -> None:
+    """TensorError naming the first floating tensor holding NaN or infinity."""
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise TensorError(f"tensor {name!r} contains NaN or infinite values")
+
+
+# ---------------------------------------------------------------------------
+# safetensors export/import (for owners: any tool can load these).
+
+
+def state_to_safetensors(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialise a state dict as .safetensors bytes."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        _check_name(name)
+        # clone() gives each tensor its own storage: safetensors refuses shared memory.
+        tensors[name] = _wire_tensor(name, value).clone()
+    data: bytes = save(tensors)
+    return data
+
+
+def state_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Load .safetensors bytes; dtypes and names must pass the codec's whitelist."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if not isinstance(data, (bytes, bytearray)):
+        raise DecodeError("safetensors: expected bytes")
+    try:
+        state: dict[str, torch.Tensor] = load(bytes(data))
+    except (SafetensorError, ValueError, RuntimeError, TypeError) as exc:
+        raise DecodeError(f"safetensors: {str(exc).splitlines()[0][:100] if str(exc) else 'malformed'}") from None
+    if len(state) > MAX_TENSORS:
+        raise TensorError(f"{len(state)} tensors exceeds the limit of {MAX_TENSORS}")
+    for name, t in state.items():
+        _check_name(name)
+        dtype_name(t.dtype)
+    return state
+
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_MAX_TOTAL_BYTES",
+    "DTYPES",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
+    "Manifest",
+    "TensorInfo",
+    "TensorSpec",
+    "check_finite",
+    "check_manifest",
+    "decode_state",
+    "dtype_name",
+    "encode_state",
+    "is_blob_id",
+    "load_state_file",
+    "manifest_of",
+    "read_header",
+    "sha256_hex",
+    "state_from_safetensors",
+    "state_to_safetensors",
+]

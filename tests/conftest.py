@@ -1,0 +1,86 @@
+"""Shared fixtures (hub area owns this file; others may append fixtures, carefully)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import RunningHub, start_hub, write_digits
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def digits_npz(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(train.npz, val.npz, spec.toml) for the digits MLP job (2 rounds, 1 shard per node per round)."""
+    return write_digits(tmp_path / "digits")
+
+
+@pytest.fixture
+async def running_hub(tmp_path: Path) -> AsyncIterator[RunningHub]:
+    """The real hub app on 127.0.0.1 (aiohttp AppRunner), data in tmp_path/hub."""
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        yield hub
+    finally:
+        await hub.stop()
+
+
+@dataclass
+class HubProcess:
+    url: str
+    data_dir: Path
+    admin_token: str
+    fingerprint: str
+    proc: subprocess.Popen[str]
+    output: list[str]
+
+    def token(self, role: str, name: str) -> str:
+        from gpuflex.hub.tokens import create_token
+
+        return create_token(self.data_dir, role, name)
+
+
+@pytest.fixture
+def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
+    """`gpuflex-hub serve` as a real subprocess on a free port; SIGTERM on teardown."""
+    data = tmp_path / "hubproc"
+    cmd = [sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(data), "--port", "0",
+           "--long-poll-max", "2", "--min-deadline", "5"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    url = fingerprint = admin = ""
+    deadline = time.monotonic() + 60
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("hub key fingerprint: "):
+            fingerprint = line.split(": ", 1)[1].strip()
+        elif line.startswith("admin token (shown once): "):
+            admin = line.split(": ", 1)[1].strip()
+        elif line.startswith("gpuflex-hub listening on "):
+            url = line.rsplit(" ", 1)[1].strip()
+            break
+    if not url:
+        proc.kill()
+        raise RuntimeError("hub did not start:\n" + "\n".join(lines))
+    try:
+        yield HubProcess(url=url, data_dir=data, admin_token=admin, fingerprint=fingerprint, proc=proc, output=lines)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

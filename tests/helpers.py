@@ -1,0 +1,305 @@
+"""Shared test helpers: digits data, an in-process hub, and a simulated node.
+
+The simulated node signs with gpuflex.protocol and trains with
+gpuflex.node.trainer.train_assignment (the node's real trainer), so hub tests
+exercise the real wire without importing hub code into the node or vice versa.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import torch
+from aiohttp import web
+
+from gpuflex.protocol.messages import (
+    Abandon,
+    Ack,
+    Assignment,
+    Benchmark,
+    BlobRequest,
+    DeviceInfo,
+    Heartbeat,
+    Hello,
+    NoWork,
+    UpdateHeader,
+    Welcome,
+    WorkRequest,
+)
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
+from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
+
+MSGPACK = {"Content-Type": "application/x-msgpack"}
+
+DIGITS_SPEC = """
+[job]
+name = "digits-mlp"
+
+[model]
+kind = "mlp"
+input = 64
+hidden = [128]
+outputs = 10
+activation = "relu"
+
+[train]
+rounds = {rounds}
+local_epochs = 1
+batch_size = 32
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+seed = 0
+round_target_s = {round_target_s}
+
+[data]
+chunk_size = {chunk_size}
+split = "stratified"
+
+[verification]
+replication = {replication}
+replica_wait_s = {replica_wait_s}
+"""
+
+
+def digits_spec(*, rounds: int = 2, round_target_s: float = 86400.0, chunk_size: int = 64,
+                replication: str = "0.0", replica_wait_s: float = 30.0, extra: str = "") -> str:
+    return DIGITS_SPEC.format(rounds=rounds, round_target_s=round_target_s, chunk_size=chunk_size,
+                              replication=replication, replica_wait_s=replica_wait_s) + extra
+
+
+_DIGITS: tuple[np.ndarray, ...] | None = None
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """sklearn digits, stratified 80/20 split (random_state=0), features / 16."""
+    global _DIGITS
+    if _DIGITS is None:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        d = load_digits()
+        x = (d.data / 16.0).astype(np.float32)
+        y = d.target.astype(np.int64)
+        _DIGITS = tuple(train_test_split(x, y, test_size=0.2, stratify=y, random_state=0))
+    xtr, xva, ytr, yva = _DIGITS
+    return xtr, ytr, xva, yva
+
+
+def write_digits(directory: Path, **spec_kw: Any) -> tuple[Path, Path, Path]:
+    xtr, ytr, xva, yva = digits_arrays()
+    directory.mkdir(parents=True, exist_ok=True)
+    train, val, spec = directory / "train.npz", directory / "val.npz", directory / "spec.toml"
+    np.savez(train, x=xtr, y=ytr)
+    np.savez(val, x=xva, y=yva)
+    spec.write_text(digits_spec(**spec_kw))
+    return train, val, spec
+
+
+# -- in-process hub -------------------------------------------------------------------------------
+
+
+@dataclass
+class RunningHub:
+    url: str
+    data_dir: Path
+    owner_token: str
+    auditor_token: str
+    admin_token: str
+    fingerprint: str
+    app: web.Application
+    runner: web.AppRunner
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    def auth(self, token: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token or self.owner_token}"}
+
+
+async def start_hub(data_dir: Path, tokens: dict[str, str] | None = None, **config_kw: Any) -> RunningHub:
+    """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir."""
+    from gpuflex.hub.app import create_app
+    from gpuflex.hub.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+    from gpuflex.hub.config import HubConfig
+    from gpuflex.hub.tokens import create_token
+
+    config_kw.setdefault("long_poll_max_s", 2.0)
+    config_kw.setdefault("sweep_interval_s", 0.2)
+    app = create_app(HubConfig(data_dir=data_dir, port=0, **config_kw))
+    if tokens is None:
+        tokens = {
+            "owner": create_token(data_dir, "owner", "alice"),
+            "auditor": create_token(data_dir, "auditor", "audrey"),
+            "admin": app[FIRST_ADMIN_TOKEN] or create_token(data_dir, "admin", "root"),
+        }
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return RunningHub(url=f"http://127.0.0.1:{port}", data_dir=data_dir, owner_token=tokens["owner"],
+                      auditor_token=tokens["auditor"], admin_token=tokens["admin"],
+                      fingerprint=app[HUB_KEY].fingerprint, app=app, runner=runner)
+
+
+async def submit_job(session: aiohttp.ClientSession, hub: RunningHub, spec: Path | str | bytes, train: Path,
+                     val: Path | None = None, token: str | None = None) -> aiohttp.ClientResponse:
+    form = aiohttp.FormData()
+    spec_bytes = spec.read_bytes() if isinstance(spec, Path) else (spec.encode() if isinstance(spec, str) else spec)
+    form.add_field("spec", spec_bytes, filename="spec.toml")
+    form.add_field("train", train.read_bytes(), filename=train.name)
+    if val is not None:
+        form.add_field("val", val.read_bytes(), filename=val.name)
+    return await session.post(f"{hub.url}/v1/jobs", data=form, headers=hub.auth(token))
+
+
+async def wait_job(session: aiohttp.ClientSession, hub: RunningHub, job_id: str, states: tuple[str, ...] = ("done",),
+                   timeout: float = 60.0) -> dict[str, Any]:
+    import asyncio
+
+    give_up = time.monotonic() + timeout
+    while True:
+        async with session.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token)) as r:
+            doc = await r.json()
+        if doc["state"] in states:
+            return doc
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"job {job_id} still {doc['state']} (round {doc['round']})")
+        await asyncio.sleep(0.05)
+
+
+# -- simulated node -------------------------------------------------------------------------------
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode()
+
+
+class SimNode:
+    """A minimal node: signs requests, fetches blobs, trains with the real trainer, uploads."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, hub_public: bytes | None = None,
+                 key: SigningKey | None = None, samples_per_s: float = 1e6) -> None:
+        self.session = session
+        self.url = url
+        self.key = key or SigningKey.generate()
+        self.hub_public = hub_public
+        self.samples_per_s = samples_per_s
+        self.cache: dict[str, bytes] = {}
+
+    @property
+    def node_id(self) -> str:
+        return self.key.fingerprint
+
+    def hello(self, **over: Any) -> Hello:
+        h = Hello(
+            software_version=SOFTWARE_VERSION, protocol_version=PROTOCOL_VERSION,
+            device=DeviceInfo(kind="cpu", name="test-cpu", memory_bytes=1 << 30, threads=1),
+            benchmark=Benchmark(samples_per_s=self.samples_per_s, matmul_tflops_fp32=0.1, matmul_tflops_bf16=None,
+                                matmul_tflops_fp16=None, mem_bandwidth_gbs=10.0, h2d_gbs=None, d2h_gbs=None,
+                                reference_model="mlp-64-128-10"),
+            timestamp=time.time(), nonce=new_nonce(),
+        )
+        return dataclasses.replace(h, **over)
+
+    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
+        return await self.session.post(self.url + path, data=body, headers=MSGPACK)
+
+    async def open_response(self, resp: aiohttp.ClientResponse, *kinds: type) -> Any:
+        body = await resp.read()
+        if resp.status != 200:
+            raise AssertionError(f"{resp.status}: {body[:300]!r}")
+        from gpuflex.protocol.messages import peek_kind
+
+        payload_kind = None
+        from gpuflex.protocol.signing import open_envelope
+
+        payload, _, _ = open_envelope(body)
+        payload_kind = peek_kind(payload)
+        for cls in kinds:
+            if cls.KIND == payload_kind:
+                msg, signer = open_sealed(body, cls, signer=self.hub_public)
+                return msg
+        raise AssertionError(f"unexpected kind {payload_kind}")
+
+    async def register(self) -> Welcome:
+        if self.hub_public is None:
+            async with self.session.get(self.url + "/v1/hub") as r:
+                self.hub_public = bytes.fromhex((await r.json())["public_key"])
+        resp = await self.post("/v1/nodes/register", seal(self.key, self.hello()))
+        return await self.open_response(resp, Welcome)
+
+    async def work(self, wait_s: float = 1.0, cached: tuple[str, ...] = ()) -> Assignment | NoWork:
+        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=cached)
+        resp = await self.post("/v1/work", seal(self.key, req))
+        return await self.open_response(resp, Assignment, NoWork)
+
+    def blob_auth(self, sha: str) -> dict[str, str]:
+        return {"X-GPUFlex-Auth": b64(seal(self.key, BlobRequest(sha256=sha, timestamp=time.time(), nonce=new_nonce())))}
+
+    async def blob(self, sha: str) -> bytes:
+        if sha in self.cache:
+            return self.cache[sha]
+        async with self.session.get(f"{self.url}/v1/blobs/{sha}", headers=self.blob_auth(sha)) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise AssertionError(f"blob {r.status}: {data[:200]!r}")
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise AssertionError("blob hash mismatch")
+        self.cache[sha] = data
+        return data
+
+    async def train(self, a: Assignment) -> tuple[bytes, int, float]:
+        """Returns (update blob, sample_count, loss)."""
+        from gpuflex.node.trainer import train_assignment
+
+        torch.set_num_threads(1)
+        global_state = decode_state(bytearray(await self.blob(a.model_hash)))
+        chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
+        res = train_assignment(ModelSpec.from_dict(a.model_spec), global_state, chunks, a.train, a.seed,
+                               device=torch.device("cpu"))
+        return encode_state(res.delta), res.sample_count, res.loss
+
+    def update_header(self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any) -> UpdateHeader:
+        h = UpdateHeader(assignment_id=a.assignment_id, update_sha256=hashlib.sha256(blob).hexdigest(),
+                         update_size=len(blob), sample_count=samples, metrics={"loss": loss},
+                         timings={"train_s": 0.01}, timestamp=time.time(), nonce=new_nonce())
+        return dataclasses.replace(h, **over)
+
+    async def upload_raw(self, header: UpdateHeader | bytes, blob: bytes) -> aiohttp.ClientResponse:
+        sealed = header if isinstance(header, bytes) else seal(self.key, header)
+        return await self.session.post(self.url + "/v1/updates", data=blob,
+                                       headers={"X-GPUFlex-Update": b64(sealed),
+                                                "Content-Type": "application/octet-stream"})
+
+    async def upload(self, a: Assignment, blob: bytes, samples: int, loss: float) -> Ack:
+        resp = await self.upload_raw(self.update_header(a, blob, samples, loss), blob)
+        return await self.open_response(resp, Ack)
+
+    async def heartbeat(self, assignment_id: str, progress: float = 0.5) -> aiohttp.ClientResponse:
+        hb = Heartbeat(assignment_id=assignment_id, progress=progress, timestamp=time.time(), nonce=new_nonce())
+        return await self.post("/v1/heartbeat", seal(self.key, hb))
+
+    async def abandon(self, assignment_id: str) -> aiohttp.ClientResponse:
+        ab = Abandon(assignment_id=assignment_id, reason="test", timestamp=time.time(), nonce=new_nonce())
+        return await self.post("/v1/abandon", seal(self.key, ab))
+
+    async def step(self, wait_s: float = 2.0) -> Assignment | None:
+        """Ask for work once; train and upload it. Returns the assignment done (None if no work)."""
+        a = await self.work(wait_s)
+        if isinstance(a, NoWork):
+            return None
+        blob, samples, loss = await self.train(a)
+        await self.upload(a, blob, samples, loss)
+        return a

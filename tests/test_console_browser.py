@@ -1,0 +1,194 @@
+"""The web console in a real browser (Debian chromium via playwright) against a
+real hub on loopback that ran a small real job with a sign-flipping node.
+
+Screenshots go to tests/artifacts/ (git-ignored). Skipped only when
+/usr/bin/chromium is absent (CI installs it: see /work/notes/console.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import pytest_asyncio
+from gpuflex.hub.tokens import create_token
+
+from tests.test_console_helpers import (
+    ARTIFACTS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    EVIL_NAME,
+    first_flag_of,
+    run_job_with_attacker,
+    with_console,
+)
+
+pytestmark = [
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason=f"{CHROMIUM} is absent (apt-get install -y chromium)"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SimpleNamespace]:
+    """Hub + finished job (2 honest nodes, 1 sign-flipper) + one chromium."""
+    from playwright.async_api import async_playwright
+
+    from tests.helpers import start_hub
+
+    base = tmp_path_factory.mktemp("console-browser")
+    mp = pytest.MonkeyPatch()
+    with_console(mp)
+    hub = await start_hub(base / "hub")
+    pw = browser = None
+    try:
+        bob = create_token(hub.data_dir, "owner", "bob")
+        scenario = await run_job_with_attacker(hub, base / "digits", other_owner_token=bob)
+        flag = await first_flag_of(hub, scenario.attacker)
+        pw = await async_playwright().start()
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        ARTIFACTS.mkdir(exist_ok=True)
+        yield SimpleNamespace(hub=hub, scenario=scenario, flag=flag, browser=browser)
+    finally:
+        if browser is not None:
+            await browser.close()
+        if pw is not None:
+            await pw.stop()
+        await hub.stop()
+        mp.undo()
+
+
+async def new_page(world: SimpleNamespace, token: str):
+    """A fresh browser context (own cookies) logged in through the form."""
+    ctx = await world.browser.new_context(viewport={"width": 1280, "height": 900})
+    page = await ctx.new_page()
+    page.problems = []  # console errors (a CSP violation shows up here)
+    page.on("console", lambda m: page.problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.problems.append(str(e)))
+    await page.goto(world.hub.url + "/")
+    assert page.url.endswith("/console/login?next=/console/jobs") or "/console/login" in page.url
+    await page.fill("#token", token)
+    await page.click("button[type=submit]")
+    await page.wait_for_url(re.compile(r".*/console/jobs$"))
+    return ctx, page
+
+
+async def test_auditor_confirms_a_flag_and_reputation_changes(world):
+    hub, sc, flag = world.hub, world.scenario, world.flag
+    ctx, page = await new_page(world, hub.auditor_token)
+    try:
+        # Before: the attacker is on the Nodes page with no confirmed flag.
+        await page.click("nav >> text=Nodes")
+        row = page.locator(f'tr[data-node="{sc.attacker}"]')
+        rep_before = await row.locator("td.reputation").inner_text()
+        assert "0 confirmed" in rep_before
+
+        # The audit queue lists the flag; its page shows the evidence.
+        await page.click("nav >> text=Audit queue")
+        assert "verified" in await page.locator('[data-live="auditlog"]').inner_text()
+        await page.click(f'a[href="/console/flags/{flag["id"]}"]')
+        await page.wait_for_url(re.compile(rf".*/console/flags/{flag['id']}$"))
+        body = await page.locator("main").inner_text()
+        assert flag["reason"] in body and sc.attacker in body
+        assert "Scores against thresholds" in body and "Node history" in body
+        if flag["reason"] == "replica_mismatch":
+            assert "Replica comparison" in body
+            assert await page.locator("table >> text=no").count() >= 1
+        assert await page.locator("svg.chart").count() >= 1
+        await page.screenshot(path=str(ARTIFACTS / "console_flag.png"), full_page=True)
+
+        # Confirm with a note.
+        await page.fill("#note", "sign-flipped update: replicas disagree by far more than tolerance")
+        await page.click("button[value=confirm]")
+        await page.wait_for_url(re.compile(r".*\?done=confirm$"))
+        assert "Verdict recorded" in await page.locator(".flash").inner_text()
+        assert "confirmed" in await page.locator("h1").inner_text()
+        await page.screenshot(path=str(ARTIFACTS / "console_flag_confirmed.png"), full_page=True)
+
+        # After: the Nodes page shows the reputation change.
+        await page.click("nav >> text=Nodes")
+        rep_after = await page.locator(f'tr[data-node="{sc.attacker}"] td.reputation').inner_text()
+        assert "1 confirmed" in rep_after and "suspect" in rep_after
+        for honest in sc.honest:
+            txt = await page.locator(f'tr[data-node="{honest}"] td.reputation').inner_text()
+            assert "0 confirmed" in txt
+        await page.screenshot(path=str(ARTIFACTS / "console_nodes.png"), full_page=True)
+        assert page.problems == []
+    finally:
+        await ctx.close()
+
+
+async def test_owner_sees_own_job_chart_not_another_owners(world):
+    hub, sc = world.hub, world.scenario
+    ctx, page = await new_page(world, hub.owner_token)  # alice
+    try:
+        jobs = await page.locator("main").inner_text()
+        assert "digits-mlp" in jobs and "<script>" not in jobs
+        assert await page.locator(f'a[href="/console/jobs/{sc.other_job_id}"]').count() == 0
+        assert await page.locator("nav >> text=Audit queue").count() == 0
+        await page.click(f'a[href="/console/jobs/{sc.job_id}"]')
+        await page.wait_for_url(re.compile(rf".*/console/jobs/{sc.job_id}$"))
+        # Loss and accuracy charts with one point per round, the shard map, the overhead.
+        charts = page.locator("svg.chart")
+        assert await charts.count() == 2
+        assert await charts.nth(0).locator("circle").count() >= 3
+        assert await page.locator("table.shardmap tbody tr").count() >= 1
+        text = await page.locator("main").inner_text()
+        assert "Replication overhead" in text and "Download model" in text
+        await page.screenshot(path=str(ARTIFACTS / "console_job.png"), full_page=True)
+        async with page.expect_download() as dl_info:
+            await page.click("text=Download model (.safetensors)")
+        dl = await dl_info.value
+        assert dl.suggested_filename.endswith(".safetensors")
+
+        # Another owner's job: not found, and its name never reaches the page.
+        resp = await page.goto(f"{hub.url}/console/jobs/{sc.other_job_id}")
+        assert resp.status == 404
+        assert EVIL_NAME not in await page.content()
+        resp = await page.goto(f"{hub.url}/console/nodes")
+        assert resp.status == 403
+        assert page.problems == []
+    finally:
+        await ctx.close()
+
+
+async def test_admin_sees_script_named_job_escaped(world):
+    hub, sc = world.hub, world.scenario
+    ctx, page = await new_page(world, hub.admin_token)
+    try:
+        dialogs: list[str] = []
+        page.on("dialog", lambda d: dialogs.append(d.message))
+        await page.goto(f"{hub.url}/console/jobs/{sc.other_job_id}")
+        assert EVIL_NAME in await page.locator("h1").inner_text()  # shown as text
+        assert dialogs == []
+        await page.screenshot(path=str(ARTIFACTS / "console_jobs_admin.png"), full_page=True)
+    finally:
+        await ctx.close()
+
+
+async def test_form_post_without_csrf_token_is_refused(world):
+    hub = world.hub
+    ctx, page = await new_page(world, hub.auditor_token)
+    try:
+        await page.goto(f"{hub.url}/console/flags?status=open")
+        link = page.locator('table.flags a[href^="/console/flags/"]').first
+        href = await link.get_attribute("href")
+        await page.goto(hub.url + href)
+        # Strip the hidden CSRF field, then submit the real form.
+        await page.evaluate("document.querySelector('input[name=csrf_token]').remove()")
+        await page.fill("#note", "forged")
+        async with page.expect_response(lambda r: r.request.method == "POST") as info:
+            await page.click("button[value=dismiss]")
+        assert (await info.value).status == 403
+        # And a scripted post with the session cookie but no token.
+        resp = await page.request.post(hub.url + href + "/verdict",
+                                       form={"verdict": "dismiss", "note": "forged"})
+        assert resp.status == 403
+        await page.goto(hub.url + href)
+        assert "open" in await page.locator("h1").inner_text()
+    finally:
+        await ctx.close()

@@ -1,0 +1,231 @@
+"""Support for the console tests (no tests here): a hub with the console, a
+cookie-keeping client that logs in like a browser, and a small real job with a
+misbehaving node.
+
+The job runs on the real wire: nodes sign with gpuflex.protocol, train with the
+node's real trainer (gpuflex.node.trainer via tests/tooling/attacks.contribute)
+and one of them uploads a sign-flipped update (tests/tooling/attacks.py). The
+steps are driven one at a time so which node holds which shard is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from gpuflex.protocol.messages import Assignment, NoWork
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import RunningHub, SimNode, digits_spec, start_hub, submit_job, write_digits
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-quic",
+]
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+EVIL_NAME = "<script>alert('pwned')</script>"
+
+
+def with_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make create_app include the console (a no-op once the hub calls setup_console itself)."""
+    import gpuflex.hub.app as hub_app
+    from gpuflex.hub.web import setup_console
+    from gpuflex.hub.web.keys import TEMPLATES
+
+    original = hub_app.create_app
+
+    def create_app(config: Any) -> Any:
+        app = original(config)
+        if TEMPLATES not in app:
+            setup_console(app)
+        return app
+
+    monkeypatch.setattr(hub_app, "create_app", create_app)
+
+
+async def start_console_hub(data_dir: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> RunningHub:
+    with_console(monkeypatch)
+    return await start_hub(data_dir, **kw)
+
+
+class Browserish:
+    """An aiohttp session that keeps cookies and logs in through the login form."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # unsafe=True: keep cookies for an IP address host (127.0.0.1)
+        self.session = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def get(self, path: str, **kw: Any) -> tuple[int, str, aiohttp.ClientResponse]:
+        kw.setdefault("allow_redirects", False)
+        async with self.session.get(self.url + path, **kw) as r:
+            return r.status, await r.text(), r
+
+    async def post(self, path: str, data: dict[str, str], *, origin: bool = True,
+                   **kw: Any) -> tuple[int, str, aiohttp.ClientResponse]:
+        headers = kw.pop("headers", {})
+        if origin:
+            headers.setdefault("Origin", self.url)
+        async with self.session.post(self.url + path, data=data, headers=headers,
+                                     allow_redirects=False, **kw) as r:
+            return r.status, await r.text(), r
+
+    @staticmethod
+    def csrf_in(html: str) -> str:
+        m = re.search(r'name="csrf_token" value="([^"]+)"', html)
+        assert m, "no CSRF field in the page"
+        return m.group(1)
+
+    async def login(self, token: str) -> aiohttp.ClientResponse:
+        status, html, _ = await self.get("/console/login")
+        assert status == 200, html
+        status, body, r = await self.post(
+            "/console/login", {"csrf_token": self.csrf_in(html), "token": token, "next": "/console/jobs"}
+        )
+        assert status == 303, (status, body[:500])
+        return r
+
+    async def page_csrf(self, path: str = "/console/jobs") -> str:
+        status, html, _ = await self.get(path)
+        assert status == 200, html[:500]
+        return self.csrf_in(html)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+class TrainingNode(SimNode):
+    """SimNode that reports its real training time, optionally misbehaving.
+
+    Training is gpuflex.node.trainer via tests/tooling/attacks.contribute (honest
+    when attack is None)."""
+
+    def __init__(self, *args: Any, attack: str | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        from tests.tooling.attacks import make_attack
+
+        self.attack = make_attack(attack) if attack else None
+        self.last_train_s = 0.01
+
+    async def train(self, a: Assignment) -> tuple[bytes, int, float]:
+        from tests.tooling.attacks import contribute
+
+        torch.set_num_threads(1)
+        global_state = decode_state(bytearray(await self.blob(a.model_hash)))
+        chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
+        res = contribute(self.attack, ModelSpec.from_dict(a.model_spec), global_state, chunks,
+                         a.train, a.seed, device=torch.device("cpu"))
+        self.last_train_s = max(float(res.train_s), 1e-3)
+        return encode_state(res.delta), res.sample_count, res.loss
+
+    def update_header(self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any) -> Any:
+        over.setdefault("timings", {"train_s": self.last_train_s})
+        return super().update_header(a, blob, samples, loss, **over)
+
+
+@dataclass
+class Scenario:
+    job_id: str
+    other_job_id: str
+    attacker: str
+    honest: list[str]
+
+
+async def job_doc(s: aiohttp.ClientSession, hub: RunningHub, job_id: str) -> dict[str, Any]:
+    async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token)) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def run_job_with_attacker(hub: RunningHub, work_dir: Path, *, other_owner_token: str,
+                                rounds: int = 3, timeout: float = 45.0) -> Scenario:
+    """alice's digits job trained by two honest nodes and one sign-flipping node
+    (which contributes to the first shard only, then leaves); plus a job of
+    another owner, named like a script tag, that nobody trains."""
+    train, val, _ = write_digits(work_dir)
+    # ~450 samples per shard at the claimed throughput: several shards per round.
+    spec = digits_spec(rounds=rounds, round_target_s=0.09, chunk_size=64, replication='"adaptive"')
+    evil = digits_spec(rounds=1).replace('name = "digits-mlp"', f'name = "{EVIL_NAME}"')
+    async with aiohttp.ClientSession() as s:
+        r = await submit_job(s, hub, spec, train, val)
+        assert r.status == 201, await r.text()
+        job_id = (await r.json())["id"]
+        r = await submit_job(s, hub, evil, train, val, token=other_owner_token)
+        assert r.status == 201, await r.text()
+        other_id = (await r.json())["id"]
+        # The untrained job must not take work from alice's: cancel it (it stays listed).
+        async with s.post(f"{hub.url}/v1/jobs/{other_id}/cancel",
+                          headers=hub.auth(other_owner_token)) as cr:
+            assert cr.status == 200, await cr.text()
+
+        x = TrainingNode(s, hub.url, attack="sign_flip", samples_per_s=5000.0)
+        a = TrainingNode(s, hub.url, samples_per_s=5000.0)
+        b = TrainingNode(s, hub.url, samples_per_s=5000.0)
+        for n in (x, a, b):
+            await n.register()
+        # The attacker asks first: it carves shard 0 (replicated for a new node);
+        # a and b replicate it, agree with each other, and outvote it.
+        first = await x.step(wait_s=1.0)
+        assert isinstance(first, Assignment) and first.job_id == job_id
+        give_up = time.monotonic() + timeout
+        while True:
+            doc = await job_doc(s, hub, job_id)
+            if doc["state"] != "running":
+                break
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"job still {doc['state']} at round {doc['round']}")
+            progressed = False
+            for n in (a, b):
+                got = await n.step(wait_s=0.3)
+                progressed = progressed or got is not None
+            if not progressed:
+                await asyncio.sleep(0.05)
+        assert doc["state"] == "done", doc
+        return Scenario(job_id=job_id, other_job_id=other_id, attacker=x.node_id,
+                        honest=[a.node_id, b.node_id])
+
+
+async def first_flag_of(hub: RunningHub, node_id: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(
+        f"{hub.url}/v1/flags", headers=hub.auth(hub.auditor_token)
+    ) as r:
+        flags = (await r.json())["flags"]
+    mine = [f for f in flags if f["node_id"] == node_id]
+    assert mine, f"no flag raised against {node_id}: {flags}"
+    return mine[0]
+
+
+__all__ = [
+    "ARTIFACTS",
+    "CHROMIUM",
+    "CHROMIUM_ARGS",
+    "EVIL_NAME",
+    "Browserish",
+    "NoWork",
+    "Scenario",
+    "TrainingNode",
+    "first_flag_of",
+    "job_doc",
+    "run_job_with_attacker",
+    "start_console_hub",
+    "with_console",
+]

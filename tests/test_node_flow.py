@@ -1,0 +1,128 @@
+"""End to end against a real hub over loopback: caching, determinism across nodes,
+surviving a hub restart, pause/resume through the local control endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import torch
+from test_node_support import EventLog, Hub, agent, dataset, spec_toml, wait_for
+
+from gpuflex.node.control import TOKEN_FILE, URL_FILE, call_control
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+async def test_cached_chunks_are_not_downloaded_again(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    try:
+        job_id = await hub.submit(spec_toml(rounds=3), dataset())  # 8 chunks of 32
+        events = EventLog()
+        code = await agent(tmp_path / "node", hub.url, events, max_assignments=2).run()
+        assert code == 0 and len(events.of("uploaded")) == 2
+        # round 0: model + 8 chunks; round 1: only the new model
+        assert hub.blob_requests() == 9 + 1
+        assert events.of("uploaded")[1]["fetched_bytes"] < events.of("uploaded")[0]["fetched_bytes"]
+        # A restarted node keeps its cache too.
+        events2 = EventLog()
+        assert await agent(tmp_path / "node", hub.url, events2, once=True).run() == 0
+        assert hub.blob_requests() == 11
+        doc = await hub.job(job_id)
+        assert doc["round"] >= 2 or doc["state"] == "done"
+    finally:
+        await hub.stop()
+
+
+async def test_two_nodes_same_shard_give_byte_identical_updates(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    try:
+        await hub.submit(spec_toml(rounds=1, replication=1.0), dataset())
+        ev_a, ev_b = EventLog(), EventLog()
+        a = agent(tmp_path / "a", hub.url, ev_a, once=True)
+        b = agent(tmp_path / "b", hub.url, ev_b, once=True)
+        codes = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 60)
+        assert codes == [0, 0]
+        ua, ub = ev_a.of("uploaded")[0], ev_b.of("uploaded")[0]
+        rows = hub.db_rows("SELECT shard_id, sha, node_id FROM updates ORDER BY node_id")
+        assert len(rows) == 2 and rows[0]["shard_id"] == rows[1]["shard_id"]
+        assert rows[0]["node_id"] != rows[1]["node_id"]
+        assert ua["update_sha256"] == ub["update_sha256"] == rows[0]["sha"] == rows[1]["sha"]
+    finally:
+        await hub.stop()
+
+
+async def test_hub_restart_mid_job_node_carries_on(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    events = EventLog()
+    node = agent(tmp_path / "node", hub.url, events, max_assignments=3)
+    try:
+        await hub.submit(spec_toml(rounds=3), dataset())
+        task = asyncio.create_task(node.run())
+        await wait_for(lambda: events.of("uploaded"), timeout=30)
+        await hub.stop()  # the hub goes away between rounds
+        await wait_for(lambda: any(e.get("error") == "HubUnavailable" for e in events.of("error")), timeout=15)
+        assert not task.done()
+        await asyncio.sleep(0.5)
+        await hub.start()  # same data dir, same port
+        code = await asyncio.wait_for(task, 60)
+        assert code == 0
+        assert len(events.of("uploaded")) == 3
+        rows = hub.db_rows("SELECT round FROM updates ORDER BY round")
+        assert [r["round"] for r in rows] == [0, 1, 2]
+    finally:
+        node.request_exit("test")
+        await hub.stop()
+
+
+def _status_url(data_dir):
+    return (data_dir / URL_FILE).read_text().strip()
+
+
+async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    events = EventLog()
+    data = tmp_path / "node"
+    node = agent(data, hub.url, events, control=True)
+    task = asyncio.create_task(node.run())
+    try:
+        # Long training so that pausing lands mid-assignment.
+        await hub.submit(spec_toml(rounds=1, epochs=1000), dataset())
+        await wait_for(lambda: (data / URL_FILE).exists(), timeout=10)
+        assert (data / TOKEN_FILE).stat().st_mode & 0o077 == 0
+        url = _status_url(data)
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer nope"}):
+                async with s.get(url + "/v1/status", headers=headers) as r:
+                    assert r.status == 401
+                async with s.post(url + "/v1/pause", headers=headers) as r:
+                    assert r.status == 401
+        assert not node.paused
+
+        await wait_for(lambda: node.state == "training" and node.current and node.current.progress > 0, timeout=30)
+        status = await asyncio.to_thread(call_control, data, "GET", "/v1/status")
+        assert status["assignment"]["phase"] == "training" and status["node_id"] == node.node_id
+        res = await asyncio.to_thread(call_control, data, "POST", "/v1/pause")
+        assert res == {"paused": True, "changed": True}
+        ab = await wait_for(lambda: events.of("abandoned"), timeout=10)
+        assert ab[0]["reason"] == "paused" and ab[0]["hub_told"] is True
+        rows = hub.db_rows("SELECT state FROM assignments")
+        assert [r["state"] for r in rows] == ["abandoned"]
+        await wait_for(lambda: node.state == "paused", timeout=5)
+        status = await asyncio.to_thread(call_control, data, "GET", "/v1/status")
+        assert status["paused"] and status["assignment"] is None
+
+        await asyncio.to_thread(call_control, data, "POST", "/v1/resume")
+        await wait_for(lambda: len(events.of("assignment")) == 2, timeout=15)  # the shard comes back
+    finally:
+        node.request_exit("test")
+        code = await asyncio.wait_for(task, 15)
+        await hub.stop()
+    assert code == 0
+    assert not (data / URL_FILE).exists()
+    assert json.loads((data / "totals.json").read_text())["abandoned"] >= 1

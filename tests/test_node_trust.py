@@ -1,0 +1,141 @@
+"""The node refuses forged work: tampered assignment signatures, a hub with the wrong key,
+tampered or oversized blobs. It reports and does not train. Real hub over loopback,
+a man-in-the-middle proxy for the tampering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_node_support import EventLog, Hub, TamperProxy, agent, dataset, flip_signature, spec_toml, wait_for
+
+from gpuflex.node.agent import NodeAgent
+from gpuflex.node.errors import HubKeyMismatch
+from gpuflex.node.identity import check_hub_key
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+async def _run_until(node: NodeAgent, events: EventLog, pred, timeout: float = 20.0):
+    import asyncio
+
+    task = asyncio.create_task(node.run())
+    try:
+        await wait_for(lambda: pred() or task.done(), timeout=timeout)
+    finally:
+        node.request_exit("test")
+        code = await asyncio.wait_for(task, 15)
+    return code
+
+
+async def test_tampered_assignment_signature_is_refused(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    await hub.submit(spec_toml(rounds=1), dataset())
+
+    def mutate(path: str, body: bytes) -> bytes:
+        return flip_signature(body) if path == "/v1/work" else body
+
+    proxy = await TamperProxy(hub.url, mutate).start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", proxy.url, events)
+        await _run_until(node, events, lambda: events.of("rejected"))
+        rejected = events.of("rejected")
+        assert rejected and "signature" in rejected[0]["detail"]
+        assert "trained" not in events.names() and "uploaded" not in events.names()
+        assert not any("/v1/blobs/" in p for p in proxy.seen)  # nothing downloaded
+        assert hub.blob_requests() == 0
+    finally:
+        await proxy.stop()
+        await hub.stop()
+
+
+async def test_wrong_hub_key_refuses_loudly(tmp_path):
+    hub = await Hub(tmp_path / "hub").start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", hub.url, events, hub_key="gf1-aaaa-bbbb-cccc-dddd-eeee")
+        code = await node.run()
+        assert code == 3
+        err = events.of("error")[0]
+        assert err["fatal"] and "REFUSING TO WORK" in err["detail"] and "gf1-aaaa" in err["detail"]
+        assert "registered" not in events.names()
+        assert not (tmp_path / "node" / "hub.pin").exists()
+    finally:
+        await hub.stop()
+
+
+async def test_pinned_key_mismatch_after_hub_key_change(tmp_path):
+    """Trust on first use: the pin is written once; a hub that later shows another key is refused."""
+    hub = await Hub(tmp_path / "hub").start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", hub.url, events, once=True)
+        await _run_until(node, events, lambda: events.of("registered"))
+        pin = json.loads((tmp_path / "node" / "hub.pin").read_text())
+        assert (tmp_path / "node" / "hub.pin").stat().st_mode & 0o077 == 0
+        assert pin["fingerprint"] == events.of("registered")[0]["hub_fingerprint"]
+    finally:
+        await hub.stop()
+    # A different hub (fresh key) on another data dir: the pinned node refuses it.
+    other = await Hub(tmp_path / "hub2").start()
+    try:
+        events = EventLog()
+        code = await agent(tmp_path / "node", other.url, events).run()
+        assert code == 3
+        assert "hub.pin" in events.of("error")[0]["detail"]
+    finally:
+        await other.stop()
+
+
+def test_check_hub_key_rejects_a_lying_fingerprint(tmp_path):
+    from gpuflex.protocol.signing import SigningKey
+
+    key = SigningKey.generate()
+    with pytest.raises(HubKeyMismatch, match="claims fingerprint"):
+        check_hub_key(tmp_path, "http://x", key.public_bytes, "gf1-aaaa-aaaa-aaaa-aaaa-aaaa", None)
+    pin = check_hub_key(tmp_path, "http://x", key.public_bytes, key.fingerprint, key.fingerprint)
+    assert pin.fingerprint == key.fingerprint
+
+
+@pytest.mark.parametrize("attack", ["flip", "grow"])
+async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
+    hub = await Hub(tmp_path / "hub").start()
+    await hub.submit(spec_toml(rounds=1), dataset())
+    blob_gets: list[str] = []
+
+    def mutate(path: str, body: bytes) -> bytes:
+        if not path.startswith("/v1/blobs/"):
+            return body
+        blob_gets.append(path)
+        if len(blob_gets) != 2:  # the first blob is the model; tamper with the first chunk
+            return body
+        if attack == "flip":
+            b = bytearray(body)
+            b[-1] ^= 0x55
+            return bytes(b)
+        return body + b"\0" * 4096
+
+    proxy = await TamperProxy(hub.url, mutate).start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", proxy.url, events)
+        await _run_until(node, events, lambda: events.of("rejected"))
+        rejected = events.of("rejected")
+        assert rejected, events.names()
+        assert ("sha256" in rejected[0]["detail"]) if attack == "flip" else ("larger" in rejected[0]["detail"])
+        assert "trained" not in events.names()
+        # Nothing unverified is visible in the cache.
+        blobs = list((tmp_path / "node" / "cache" / "blobs").iterdir())
+        tampered = blob_gets[1].rsplit("/", 1)[1]
+        assert tampered not in {p.name for p in blobs}
+        # The hub was told, so the shard is free again.
+        rows = hub.db_rows("SELECT state FROM assignments")
+        assert rows and rows[0]["state"] == "abandoned"
+    finally:
+        await proxy.stop()
+        await hub.stop()

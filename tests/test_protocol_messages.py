@@ -1,0 +1,376 @@
+"""Control messages: round-trips for every kind and strict decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuflex.protocol import (
+    PROTOCOL_VERSION,
+    Abandon,
+    Ack,
+    Assignment,
+    Benchmark,
+    BlobRequest,
+    ChunkRef,
+    DecodeError,
+    DeviceInfo,
+    EncodeError,
+    Heartbeat,
+    Hello,
+    ModelSpec,
+    NoWork,
+    ProtocolError,
+    TrainConfig,
+    UpdateHeader,
+    VersionError,
+    Welcome,
+    WorkRequest,
+    decode_message,
+    encode_message,
+)
+from gpuflex.protocol.messages import MESSAGE_TYPES, peek_kind
+
+# ---------------------------------------------------------------------------
+# Strategies producing valid messages.
+
+ids = st.text(string.ascii_letters + string.digits + "_-", min_size=1, max_size=64)
+blob_ids = st.text("0123456789abcdef", min_size=64, max_size=64)
+texts = st.text(max_size=256)
+nonces = st.binary(min_size=16, max_size=16)
+timestamps = st.floats(0.0, 1e11, allow_nan=False)
+counts = st.integers(0, 2**63 - 1)
+pos_floats = st.floats(0.0, 1e300, allow_nan=False, allow_infinity=False)
+opt_floats = st.none() | pos_floats
+metric_keys = st.text(string.ascii_letters + string.digits + "_.:/-", min_size=1, max_size=64)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+
+device_infos = st.builds(
+    DeviceInfo,
+    kind=st.sampled_from(["cpu", "cuda", "mps"]),
+    name=texts,
+    memory_bytes=counts,
+    threads=st.integers(0, 1 << 20),
+)
+benchmarks = st.builds(
+    Benchmark,
+    samples_per_s=pos_floats,
+    matmul_tflops_fp32=pos_floats,
+    matmul_tflops_bf16=opt_floats,
+    matmul_tflops_fp16=opt_floats,
+    mem_bandwidth_gbs=pos_floats,
+    h2d_gbs=opt_floats,
+    d2h_gbs=opt_floats,
+    reference_model=texts,
+)
+train_configs = st.builds(
+    TrainConfig,
+    local_epochs=st.integers(1, 100),
+    batch_size=st.integers(1, 4096),
+    optimizer=st.sampled_from(["sgd", "adam", "adamw"]),
+    lr=st.floats(0.0, 1.0),
+    momentum=st.floats(0.0, 1.0),
+    weight_decay=st.floats(0.0, 1.0),
+    beta1=st.floats(0.0, 1.0),
+    beta2=st.floats(0.0, 1.0),
+    loss=st.sampled_from(["cross_entropy", "mse"]),
+    grad_clip=st.floats(0.0, 100.0),
+)
+model_specs = st.builds(
+    lambda i, h, o, a, d: ModelSpec.from_dict(
+        {"kind": "mlp", "input": i, "hidden": h, "outputs": o, "activation": a, "dropout": d}
+    ).to_dict(),
+    st.integers(1, 256),
+    st.lists(st.integers(1, 64), max_size=3),
+    st.integers(1, 20),
+    st.sampled_from(["relu", "gelu", "tanh", "sigmoid"]),
+    st.sampled_from([0.0, 0.1, 0.5]),
+)
+
+MESSAGES = {
+    Hello: st.builds(
+        Hello,
+        software_version=st.text(max_size=64),
+        protocol_version=st.integers(0, 2**31),
+        device=device_infos,
+        benchmark=benchmarks,
+        timestamp=timestamps,
+        nonce=nonces,
+    ),
+    Welcome: st.builds(Welcome, node_id=ids, hub_fingerprint=ids, server_time=timestamps,
+                       poll_s=st.floats(0.0, 86400.0)),
+    WorkRequest: st.builds(
+        WorkRequest,
+        timestamp=timestamps,
+        nonce=nonces,
+        wait_s=st.floats(0.0, 60.0),
+        cached_chunks=st.lists(blob_ids, max_size=8).map(tuple),
+    ),
+    Assignment: st.builds(
+        Assignment,
+        assignment_id=ids,
+        job_id=ids,
+        round=st.integers(0, 2**31),
+        node_id=ids,
+        model_hash=blob_ids,
+        model_size=counts,
+        model_spec=model_specs,
+        chunks=st.lists(st.builds(ChunkRef, sha256=blob_ids, size=counts, samples=counts), max_size=5).map(tuple),
+        seed=counts,
+        train=train_configs,
+        issued_at=timestamps,
+        deadline=timestamps,
+        replica_group=st.just("") | ids,
+    ),
+    NoWork: st.builds(NoWork, retry_after_s=st.floats(0.0, 86400.0), reason=texts),
+    Heartbeat: st.builds(Heartbeat, assignment_id=ids, progress=st.floats(0.0, 1.0), timestamp=timestamps, nonce=nonces),
+    Abandon: st.builds(Abandon, assignment_id=ids, reason=texts, timestamp=timestamps, nonce=nonces),
+    BlobRequest: st.builds(BlobRequest, sha256=blob_ids, timestamp=timestamps, nonce=nonces),
+    UpdateHeader: st.builds(
+        UpdateHeader,
+        assignment_id=ids,
+        update_sha256=blob_ids,
+        update_size=counts,
+        sample_count=counts,
+        metrics=st.dictionaries(metric_keys, finite, max_size=8).map(lambda d: {**d, "loss": 0.5}),
+        timings=st.dictionaries(metric_keys, finite, max_size=8).map(lambda d: {**d, "train_s": 1.0}),
+        timestamp=timestamps,
+        nonce=nonces,
+    ),
+    Ack: st.builds(Ack, ok=st.booleans(), detail=texts, deadline=timestamps),
+}
+
+
+def test_every_message_type_has_a_strategy() -> None:
+    assert set(MESSAGES) == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("cls", list(MESSAGES), ids=lambda c: c.KIND)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_round_trip(cls: type, data: st.DataObject) -> None:
+    msg = data.draw(MESSAGES[cls])
+    wire = encode_message(msg)
+    assert decode_message(wire, cls) == msg
+    assert peek_kind(wire) == cls.KIND
+    # encoding is deterministic
+    assert encode_message(decode_message(wire, cls)) == wire
+
+
+# ---------------------------------------------------------------------------
+# Fixed examples and hand-made hostile maps.
+
+
+def _hb() -> Heartbeat:
+    return Heartbeat(assignment_id="a-1", progress=0.5, timestamp=1000.0, nonce=b"n" * 16)
+
+
+def _raw(**over: object) -> bytes:
+    wire = msgpack.unpackb(encode_message(_hb()), raw=False)
+    for key, value in over.items():
+        if value is _DELETE:
+            del wire[key]
+        else:
+            wire[key] = value
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+_DELETE = object()
+
+
+def _fails(data: bytes, cls: type = Heartbeat, exc: type[Exception] = DecodeError) -> str:
+    with pytest.raises(exc) as info:
+        decode_message(data, cls)
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_unknown_field_named() -> None:
+    assert "surprise" in _fails(_raw(surprise=1))
+
+
+def test_missing_field_named() -> None:
+    assert "progress" in _fails(_raw(progress=_DELETE))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("progress", "half"),
+        ("progress", True),
+        ("progress", 1.5),
+        ("progress", -0.1),
+        ("timestamp", None),
+        ("nonce", "x" * 16),
+        ("nonce", b"short"),
+        ("assignment_id", "has space"),
+        ("assignment_id", "x" * 65),
+        ("assignment_id", ""),
+        ("assignment_id", 7),
+    ],
+)
+def test_wrong_type_or_range_named(field: str, value: object) -> None:
+    assert field in _fails(_raw(**{field: value}))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_float_refused(bad: float) -> None:
+    assert "finite" in _fails(_raw(progress=bad))
+
+
+def test_bool_is_not_an_int() -> None:
+    good = Welcome(node_id="n", hub_fingerprint="h", server_time=1.0, poll_s=1.0)
+    raw = msgpack.unpackb(encode_message(good), raw=False)
+    raw["poll_s"] = True
+    assert "poll_s" in _fails(msgpack.packb(raw), Welcome)
+    a = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    a["seed"] = True
+    assert "seed" in _fails(msgpack.packb(a), Assignment)
+
+
+def test_int_bounds() -> None:
+    a = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    a["seed"] = -1
+    assert "seed" in _fails(msgpack.packb(a), Assignment)
+    a["seed"] = 2**64 - 1
+    assert "seed" in _fails(msgpack.packb(a), Assignment)
+
+
+def test_trailing_bytes_refused() -> None:
+    assert "trailing" in _fails(encode_message(_hb()) + b"\x00")
+
+
+def test_wrong_kind_refused() -> None:
+    text = _fails(encode_message(_hb()), Abandon)
+    assert "abandon" in text and "heartbeat" in text
+
+
+def test_unknown_kind_refused() -> None:
+    assert "unknown kind" in _fails(_raw(kind="nope"))
+
+
+def test_version_mismatch_names_both() -> None:
+    text = _fails(_raw(v=PROTOCOL_VERSION + 1), exc=VersionError)
+    assert str(PROTOCOL_VERSION) in text and str(PROTOCOL_VERSION + 1) in text
+
+
+def test_missing_version_refused() -> None:
+    _fails(_raw(v=_DELETE))
+    _fails(_raw(v="1"))
+
+
+def test_not_a_map_refused() -> None:
+    _fails(msgpack.packb([1, 2, 3]))
+    _fails(b"")
+    _fails(b"\xc1")
+
+
+def test_over_long_string_refused() -> None:
+    raw = msgpack.unpackb(encode_message(Abandon("a", "r", 1.0, b"n" * 16)), raw=False)
+    raw["reason"] = "x" * 257
+    assert "reason" in _fails(msgpack.packb(raw), Abandon)
+    raw["reason"] = "x" * 100_000  # over the unpacker's byte limit
+    _fails(msgpack.packb(raw), Abandon)
+
+
+def test_over_long_list_refused() -> None:
+    msg = WorkRequest(1.0, b"n" * 16, 1.0, ())
+    raw = msgpack.unpackb(encode_message(msg), raw=False)
+    raw["cached_chunks"] = ["0" * 64] * 4097
+    _fails(msgpack.packb(raw), WorkRequest)
+
+
+def test_too_many_metrics_refused() -> None:
+    msg = _update()
+    raw = msgpack.unpackb(encode_message(msg), raw=False)
+    raw["metrics"] = {f"m{i}": 1.0 for i in range(33)} | {"loss": 1.0}
+    assert "metrics" in _fails(msgpack.packb(raw), UpdateHeader)
+    raw["metrics"] = {"acc": 1.0}
+    assert "loss" in _fails(msgpack.packb(raw), UpdateHeader)
+
+
+def test_nested_too_deep_refused() -> None:
+    raw = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    deep: object = 1
+    for _ in range(20):
+        deep = [deep]
+    raw["model_spec"]["extra"] = deep
+    assert "model_spec" in _fails(msgpack.packb(raw), Assignment)
+
+
+def test_model_spec_validated_on_decode() -> None:
+    raw = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    raw["model_spec"]["activation"] = "exec"
+    text = _fails(msgpack.packb(raw), Assignment)
+    assert "model_spec" in text and "activation" in text
+
+
+def test_ext_types_and_bytes_keys_refused() -> None:
+    raw = msgpack.unpackb(encode_message(_hb()), raw=False)
+    raw["progress"] = msgpack.ExtType(5, b"x")
+    _fails(msgpack.packb(raw))
+    raw = msgpack.unpackb(encode_message(_hb()), raw=False)
+    raw[b"kind"] = 1
+    _fails(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_nested_unknown_field_named() -> None:
+    raw = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    raw["train"]["schedule"] = "cosine"
+    assert "schedule" in _fails(msgpack.packb(raw), Assignment)
+
+
+def test_encode_refuses_bad_values() -> None:
+    with pytest.raises(EncodeError, match="progress"):
+        encode_message(dataclasses.replace(_hb(), progress=2.0))
+    with pytest.raises(EncodeError, match="nonce"):
+        encode_message(dataclasses.replace(_hb(), nonce=b"x"))
+    with pytest.raises(EncodeError):
+        encode_message(DeviceInfo("cpu", "x", 1, 1))  # nested type, not a message
+
+
+def test_encode_accepts_lists_and_ints() -> None:
+    msg = WorkRequest(timestamp=5, nonce=b"n" * 16, wait_s=1, cached_chunks=["a" * 64])  # type: ignore[arg-type]
+    back = decode_message(encode_message(msg), WorkRequest)
+    assert back.cached_chunks == ("a" * 64,) and isinstance(back.timestamp, float)
+
+
+def test_decode_accepts_memoryview_and_bytearray() -> None:
+    wire = encode_message(_hb())
+    assert decode_message(memoryview(wire), Heartbeat) == _hb()
+    assert decode_message(bytearray(wire), Heartbeat) == _hb()
+
+
+def test_decode_refuses_non_bytes() -> None:
+    with pytest.raises(ProtocolError):
+        decode_message("text", Heartbeat)  # type: ignore[arg-type]
+
+
+def _assignment() -> Assignment:
+    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10})
+    return Assignment(
+        assignment_id="as-1",
+        job_id="job-1",
+        round=3,
+        node_id="gf1-aaaa-bbbb-cccc-dddd-eeee",
+        model_hash="0" * 64,
+        model_size=1234,
+        model_spec=spec.to_dict(),
+        chunks=(ChunkRef("1" * 64, 100, 64),),
+        seed=7,
+        train=TrainConfig(1, 32, "sgd", 0.05, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0),
+        issued_at=1000.0,
+        deadline=1030.0,
+        replica_group="",
+    )
+
+
+def _update() -> UpdateHeader:
+    return UpdateHeader("as-1", "f" * 64, 10, 64, {"loss": 0.5}, {"train_s": 1.0}, 1000.0, b"n" * 16)

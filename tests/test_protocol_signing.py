@@ -1,0 +1,275 @@
+"""Signatures over exact bytes, envelopes, key files and replay protection."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuflex.protocol import (
+    Abandon,
+    DecodeError,
+    Heartbeat,
+    KeyFileError,
+    ProtocolError,
+    ReplayError,
+    ReplayGuard,
+    SignatureError,
+    SigningKey,
+    domain,
+    encode_message,
+    fingerprint,
+    new_nonce,
+    open_sealed,
+    seal,
+)
+from gpuflex.protocol.signing import open_envelope, seal_bytes, verify
+
+KEY = SigningKey.from_seed(bytes(range(32)))
+OTHER = SigningKey.from_seed(bytes(range(1, 33)))
+HB = Heartbeat(assignment_id="a-1", progress=0.25, timestamp=1000.0, nonce=b"\x01" * 16)
+SEALED = seal(KEY, HB)
+PAYLOAD, SIGNER, SIG = open_envelope(SEALED)
+
+
+def _envelope(payload: bytes, signer: bytes, sig: bytes) -> bytes:
+    return msgpack.packb({"payload": payload, "signer": signer, "sig": sig}, use_bin_type=True)
+
+
+def test_round_trip_returns_signer() -> None:
+    msg, signer = open_sealed(SEALED, Heartbeat)
+    assert msg == HB and signer == KEY.public_bytes
+    assert open_sealed(SEALED, Heartbeat, signer=KEY.public_bytes)[0] == HB
+
+
+def test_payload_is_the_exact_encoded_message() -> None:
+    assert PAYLOAD == encode_message(HB)
+    assert SIGNER == KEY.public_bytes and len(SIG) == 64
+    verify(KEY.public_bytes, "heartbeat", PAYLOAD, SIG)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, len(PAYLOAD) - 1), flip=st.integers(1, 255))
+def test_flipping_any_payload_byte_fails(index: int, flip: int) -> None:
+    bad = bytearray(PAYLOAD)
+    bad[index] ^= flip
+    with pytest.raises(SignatureError):
+        open_sealed(_envelope(bytes(bad), SIGNER, SIG), Heartbeat)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, 63), flip=st.integers(1, 255))
+def test_flipping_any_signature_byte_fails(index: int, flip: int) -> None:
+    bad = bytearray(SIG)
+    bad[index] ^= flip
+    with pytest.raises(SignatureError):
+        open_sealed(_envelope(PAYLOAD, SIGNER, bytes(bad)), Heartbeat)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, len(SEALED) - 1), flip=st.integers(1, 255))
+def test_flipping_any_envelope_byte_fails(index: int, flip: int) -> None:
+    bad = bytearray(SEALED)
+    bad[index] ^= flip
+    with pytest.raises(ProtocolError):
+        open_sealed(bytes(bad), Heartbeat)
+
+
+def test_cross_kind_signature_fails() -> None:
+    # A heartbeat's signature never verifies as an abandon, and vice versa.
+    with pytest.raises(SignatureError):
+        open_sealed(SEALED, Abandon)
+    # Same payload bytes signed under another kind's domain are refused.
+    forged = seal_bytes(KEY, "abandon", PAYLOAD)
+    with pytest.raises(SignatureError):
+        open_sealed(forged, Heartbeat)
+    assert domain("heartbeat") == b"gpuflex/v1/heartbeat\0"
+
+
+def test_wrong_signer_refused() -> None:
+    with pytest.raises(SignatureError, match="gf1-"):
+        open_sealed(SEALED, Heartbeat, signer=OTHER.public_bytes)
+    # Swapping in another public key breaks the signature.
+    with pytest.raises(SignatureError):
+        open_sealed(_envelope(PAYLOAD, OTHER.public_bytes, SIG), Heartbeat)
+
+
+def test_envelope_strict() -> None:
+    for bad in (
+        msgpack.packb({"payload": PAYLOAD, "signer": SIGNER}),
+        msgpack.packb({"payload": PAYLOAD, "signer": SIGNER, "sig": SIG, "x": 1}, use_bin_type=True),
+        msgpack.packb({"payload": "text", "signer": SIGNER, "sig": SIG}, use_bin_type=True),
+        _envelope(PAYLOAD, SIGNER[:31], SIG),
+        _envelope(PAYLOAD, SIGNER, SIG[:63]),
+        SEALED + b"\x00",
+        b"",
+        msgpack.packb([PAYLOAD, SIGNER, SIG], use_bin_type=True),
+    ):
+        with pytest.raises(DecodeError):
+            open_sealed(bad, Heartbeat)
+
+
+def test_invalid_public_key_point_refused() -> None:
+    with pytest.raises(ProtocolError):
+        open_sealed(_envelope(PAYLOAD, b"\xff" * 32, SIG), Heartbeat)
+
+
+def test_fingerprint_format() -> None:
+    fpr = KEY.fingerprint
+    assert re.fullmatch(r"gf1-[a-z2-7]{4}(-[a-z2-7]{4}){4}", fpr)
+    assert fpr == fingerprint(KEY.public_bytes)
+    assert fpr != OTHER.fingerprint
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,64}", fpr)  # usable as a node id
+    with pytest.raises(ProtocolError):
+        fingerprint(b"short")
+
+
+def test_new_nonce() -> None:
+    a, b = new_nonce(), new_nonce()
+    assert len(a) == 16 and a != b
+
+
+# ---------------------------------------------------------------------------
+# Key files.
+
+
+def test_key_file_created_0600_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "node.key"
+    key = SigningKey.generate()
+    key.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    loaded = SigningKey.load(path)
+    assert loaded.public_bytes == key.public_bytes
+    assert loaded.private_bytes() == key.private_bytes()
+    assert [p.name for p in path.parent.iterdir()] == ["node.key"]  # no temp files left
+
+
+def test_key_file_overwrite_is_atomic_and_0600(tmp_path: Path) -> None:
+    path = tmp_path / "node.key"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o644)
+    KEY.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert SigningKey.load(path).public_bytes == KEY.public_bytes
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660, 0o666])
+def test_group_or_world_readable_key_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "node.key"
+    KEY.save(path)
+    os.chmod(path, mode)
+    with pytest.raises(KeyFileError) as info:
+        SigningKey.load(path)
+    assert f"chmod 600 {path}" in str(info.value)
+
+
+def test_load_or_create(tmp_path: Path) -> None:
+    path = tmp_path / "hub.key"
+    first = SigningKey.load_or_create(path)
+    assert SigningKey.load_or_create(path).public_bytes == first.public_bytes
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"])
+def test_malformed_key_file_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "node.key"
+    path.write_bytes(content)
+    os.chmod(path, 0o600)
+    with pytest.raises(KeyFileError):
+        SigningKey.load(path)
+
+
+def test_missing_key_file(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="does not exist"):
+        SigningKey.load(tmp_path / "absent.key")
+
+
+def test_key_repr_has_no_secret() -> None:
+    assert KEY.fingerprint in repr(KEY)
+    assert KEY.private_bytes().hex() not in repr(KEY)
+
+
+# ---------------------------------------------------------------------------
+# Replay guard.
+
+
+class Clock:
+    def __init__(self, now: float = 10_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_replay_fresh_then_repeat_refused() -> None:
+    clock = Clock()
+    guard = ReplayGuard(window_s=60, clock=clock)
+    guard.check(b"s" * 32, clock.now, b"n" * 16)
+    with pytest.raises(ReplayError, match="already used"):
+        guard.check(b"s" * 32, clock.now, b"n" * 16)
+    guard.check(b"t" * 32, clock.now, b"n" * 16)  # nonces are per signer
+
+
+def test_replay_stale_and_future_refused() -> None:
+    clock = Clock()
+    guard = ReplayGuard(window_s=60, clock=clock)
+    with pytest.raises(ReplayError, match="old"):
+        guard.check(b"s", clock.now - 61, new_nonce())
+    with pytest.raises(ReplayError, match="future"):
+        guard.check(b"s", clock.now + 61, new_nonce())
+    guard.check(b"s", clock.now - 59, new_nonce())
+    guard.check(b"s", clock.now + 59, new_nonce())
+    for bad in (float("nan"), float("inf"), True):
+        with pytest.raises(ReplayError):
+            guard.check(b"s", bad, new_nonce())
+    with pytest.raises(ReplayError):
+        guard.check(b"s", clock.now, b"")
+
+
+def test_replay_guard_full_fails_closed_then_recovers() -> None:
+    clock = Clock()
+    guard = ReplayGuard(window_s=60, max_entries=3, clock=clock)
+    for i in range(3):
+        guard.check(b"s", clock.now, bytes([i]) * 16)
+    with pytest.raises(ReplayError, match="full"):
+        guard.check(b"s", clock.now, b"\x09" * 16)
+    # A nonce still inside its window is never forgotten.
+    with pytest.raises(ReplayError):
+        guard.check(b"s", clock.now, b"\x00" * 16)
+    clock.now += 61  # the old entries leave the window
+    guard.check(b"s", clock.now, b"\x09" * 16)
+    assert len(guard) == 1
+
+
+def test_replay_nonce_remembered_while_timestamp_valid() -> None:
+    clock = Clock()
+    guard = ReplayGuard(window_s=60, clock=clock)
+    ts = clock.now + 50  # future-dated within the window: valid until now + 110
+    guard.check(b"s", ts, b"x" * 16)
+    clock.now += 100
+    with pytest.raises(ReplayError, match="already used"):
+        guard.check(b"s", ts, b"x" * 16)
+    clock.now += 20
+    with pytest.raises(ReplayError, match="old"):
+        guard.check(b"s", ts, b"x" * 16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-100, 100), st.binary(min_size=16, max_size=16)), max_size=40))
+def test_replay_guard_never_accepts_twice(events: list[tuple[int, float, bytes]]) -> None:
+    clock = Clock()
+    guard = ReplayGuard(window_s=30, max_entries=10, clock=clock)
+    accepted: set[tuple[int, bytes]] = set()
+    for signer, offset, nonce in events:
+        try:
+            guard.check(bytes([signer]), clock.now + offset, nonce)
+        except ReplayError:
+            continue
+        assert (signer, nonce) not in accepted
+        accepted.add((signer, nonce))
+        assert len(guard) <= 10

@@ -1,0 +1,267 @@
+"""The GFT1 tensor codec: round-trips, zero-copy decode, header validation."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuflex.protocol import (
+    DecodeError,
+    ProtocolError,
+    TensorError,
+    TensorSpec,
+    check_finite,
+    check_manifest,
+    decode_state,
+    encode_state,
+    is_blob_id,
+    load_state_file,
+    manifest_of,
+    read_header,
+    sha256_hex,
+    state_from_safetensors,
+    state_to_safetensors,
+)
+from gpuflex.protocol.tensors import ALIGN, DTYPES, MAX_TENSORS, PREFIX
+
+torch.set_num_threads(1)
+
+NAMES = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:/-", min_size=1, max_size=40)
+SHAPES = st.lists(st.integers(0, 5), max_size=4).map(tuple)
+
+
+def _tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[dtype_name]
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -(2**62)), min(info.max, 2**62)
+    return torch.randint(low, high, shape, generator=g, dtype=dtype)
+
+
+states = st.dictionaries(
+    NAMES,
+    st.tuples(st.sampled_from(sorted(DTYPES)), SHAPES, st.integers(0, 2**31)),
+    max_size=6,
+).map(lambda d: {k: _tensor(*v) for k, v in d.items()})
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+@settings(max_examples=150, deadline=None)
+@given(states)
+def test_round_trip(state: dict[str, torch.Tensor]) -> None:
+    blob = encode_state(state)
+    assert isinstance(blob, bytes)
+    _same(decode_state(blob), state)
+    _same(decode_state(bytearray(blob)), state)
+    _same(decode_state(memoryview(blob)), state)
+    assert [i.spec for i in read_header(blob)] == list(manifest_of(state))
+    for info in read_header(blob):
+        assert info.offset % ALIGN == 0
+    assert encode_state(decode_state(blob)) == blob  # deterministic
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,), (7,), (3, 5, 2), (1, 1, 1, 1, 1)])
+def test_every_dtype_and_odd_shapes(dtype: str, shape: tuple[int, ...]) -> None:
+    state = {"t": _tensor(dtype, shape, 1), "u": _tensor(dtype, (3,), 2)}
+    _same(decode_state(encode_state(state)), state)
+
+
+def test_bf16_bits_preserved() -> None:
+    t = torch.tensor([1.0, -2.5, float("inf"), 3.0e38], dtype=torch.bfloat16)
+    back = decode_state(encode_state({"b": t}))["b"]
+    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+
+
+def test_non_contiguous_and_grad_inputs() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    w = torch.nn.Parameter(torch.ones(3))
+    state = {"t": base.t(), "s": base[:, ::2], "w": w}
+    back = decode_state(encode_state(state))
+    assert torch.equal(back["t"], base.t()) and torch.equal(back["s"], base[:, ::2])
+    assert not back["w"].requires_grad
+
+
+def test_decode_is_zero_copy_and_silent() -> None:
+    state = {"a": torch.randn(1000), "b": torch.arange(10, dtype=torch.int64)}
+    blob = encode_state(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = decode_state(blob)
+    base = np.frombuffer(blob, dtype=np.uint8).ctypes.data
+    for t in out.values():
+        assert base <= t.data_ptr() < base + len(blob)
+    # a writable buffer shows writes through the view
+    buf = bytearray(blob)
+    view = decode_state(buf)["a"]
+    view[0] = 42.0
+    assert decode_state(buf)["a"][0] == 42.0
+
+
+def test_decoded_state_exports_to_safetensors() -> None:
+    state = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16), "n": torch.tensor(5)}
+    back = state_from_safetensors(state_to_safetensors(decode_state(encode_state(state))))
+    assert set(back) == set(state)
+    for k in state:
+        assert torch.equal(back[k], state[k])
+
+
+def test_safetensors_refuses_garbage() -> None:
+    with pytest.raises(DecodeError):
+        state_from_safetensors(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+
+
+def test_load_state_file_uses_mmap(tmp_path: Path) -> None:
+    state = {"w": torch.randn(64, 64)}
+    path = tmp_path / "model.gft"
+    path.write_bytes(encode_state(state))
+    _same(load_state_file(path), state)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with pytest.raises(DecodeError):
+        load_state_file(empty)
+
+
+def test_unsupported_inputs_refused() -> None:
+    with pytest.raises(TensorError, match="dtype"):
+        encode_state({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(TensorError, match="name"):
+        encode_state({"bad name": torch.zeros(2)})
+    with pytest.raises(TensorError):
+        encode_state({"x": [1, 2]})  # type: ignore[dict-item]
+    with pytest.raises(TensorError):
+        encode_state({"s": torch.zeros(3).to_sparse()})
+
+
+# ---------------------------------------------------------------------------
+# Hostile headers, crafted by hand.
+
+
+def _blob(entries: list[object], data: bytes, *, data_bytes: int | None = None, header: object = None) -> bytes:
+    head = msgpack.packb(
+        header if header is not None else {"tensors": entries, "data_bytes": len(data) if data_bytes is None else data_bytes},
+        use_bin_type=True,
+    )
+    start = (PREFIX.size + len(head) + ALIGN - 1) // ALIGN * ALIGN
+    return PREFIX.pack(b"GFT1", 1, 0, len(head), 0) + head + bytes(start - PREFIX.size - len(head)) + data
+
+
+def _refused(blob: bytes, match: str | None = None) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode_state(blob)
+    with pytest.raises(ProtocolError, match=match):
+        read_header(blob)
+
+
+def test_handmade_blob_decodes() -> None:
+    blob = _blob([["x", "float32", [2], 0, 8]], struct.pack("<2f", 1.0, 2.0))
+    assert decode_state(blob)["x"].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("entries", "data", "match"),
+    [
+        ([["x", "float32", [2], 4, 8]], bytes(12), "aligned"),
+        ([["x", "float32", [3], 0, 8]], bytes(8), "does not match shape"),
+        ([["x", "float32", [2], 0, 16]], bytes(8), "outside"),
+        ([["x", "complex64", [1], 0, 8]], bytes(8), "not allowed"),
+        ([["x", "float32", [2], 0, 8], ["x", "float32", [2], 64, 8]], bytes(72), "twice"),
+        ([["x", "float32", [32], 0, 128], ["y", "float32", [2], 64, 8]], bytes(128), "overlaps"),
+        ([["bad name", "float32", [2], 0, 8]], bytes(8), "name"),
+        ([["x", "float32", [-1], 0, 0]], b"", "shape"),
+        ([["x", "float32", [True], 0, 4]], bytes(4), "shape"),
+        ([["x", "float32", [2], 0]], bytes(8), "entry"),
+        ([["x", "float32", [1] * 17, 0, 4]], bytes(4), "dimensions|shape"),
+    ],
+)
+def test_bad_header_entries_refused(entries: list[object], data: bytes, match: str) -> None:
+    _refused(_blob(entries, data), match)
+
+
+def test_bool_data_must_be_0_or_1() -> None:
+    blob = _blob([["x", "bool", [2], 0, 2]], b"\x00\x07")
+    read_header(blob)  # the header alone is fine; the data is checked on decode
+    with pytest.raises(TensorError, match="0/1"):
+        decode_state(blob)
+
+
+def test_bad_framing_refused() -> None:
+    good = _blob([["x", "float32", [2], 0, 8]], bytes(8))
+    _refused(good + b"\x00", "length")
+    _refused(good[:-1], "length")
+    _refused(b"GFT2" + good[4:], "magic")
+    _refused(good[:4] + struct.pack("<H", 2) + good[6:], "version")
+    _refused(good[:6] + struct.pack("<H", 1) + good[8:], "flags")
+    _refused(good[:8] + struct.pack("<I", 1 << 30) + good[12:], "header")
+    _refused(good[:10], "shorter")
+    _refused(_blob([], b"", header=[1, 2]), "header")
+    _refused(_blob([], b"", header={"tensors": [], "data_bytes": -1}), "data_bytes")
+    _refused(_blob([], b"", header={"tensors": {}, "data_bytes": 0}), "tensors")
+    padded = bytearray(good)
+    padded[PREFIX.size + len(msgpack.packb({"tensors": [["x", "float32", [2], 0, 8]], "data_bytes": 8}))] = 1
+    _refused(bytes(padded), "padding")
+
+
+def test_limits() -> None:
+    blob = encode_state({"x": torch.zeros(100)})
+    with pytest.raises(TensorError, match="limit"):
+        decode_state(blob, max_total_bytes=len(blob) - 1)
+    entries = [[f"t{i}", "uint8", [0], 0, 0] for i in range(MAX_TENSORS + 1)]
+    _refused(_blob(entries, b""))
+    with pytest.raises(ProtocolError):
+        decode_state("not bytes")  # type: ignore[arg-type]
+
+
+def test_empty_state() -> None:
+    assert decode_state(encode_state({})) == {}
+
+
+# ---------------------------------------------------------------------------
+# Manifests and finiteness.
+
+
+def test_check_manifest_names_the_tensor() -> None:
+    state = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    manifest = manifest_of(state)
+    check_manifest(state, manifest)
+    check_manifest(encode_state(state), manifest)
+    with pytest.raises(TensorError, match="'b' is missing"):
+        check_manifest({"w": state["w"]}, manifest)
+    with pytest.raises(TensorError, match="'extra'"):
+        check_manifest({**state, "extra": torch.zeros(1)}, manifest)
+    with pytest.raises(TensorError, match="'w' has shape"):
+        check_manifest(encode_state({"w": torch.zeros(3, 2), "b": state["b"]}), manifest)
+    with pytest.raises(TensorError, match="'b' has dtype"):
+        check_manifest({"w": state["w"], "b": torch.zeros(3, dtype=torch.float64)}, manifest)
+    assert manifest[0] == TensorSpec("w", "float32", (2, 3))
+
+
+def test_check_finite_names_the_tensor() -> None:
+    check_finite({"a": torch.ones(3), "i": torch.tensor([1, 2]), "e": torch.zeros(0)})
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(TensorError, match="'b'"):
+            check_finite({"a": torch.ones(3), "b": torch.tensor([0.0, bad], dtype=torch.bfloat16)})
+
+
+def test_blob_ids() -> None:
+    h = sha256_hex(b"abc")
+    assert is_blob_id(h) and h == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert not is_blob_id(h.upper()) and not is_blob_id(h[:-1]) and not is_blob_id(None)

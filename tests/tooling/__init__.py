@@ -1,0 +1,1 @@
+"""Test tooling shared by tests and benches (attack catalogue)."""

@@ -1,0 +1,367 @@
+"""Attack catalogue: misbehaving contributors built on the real node code.
+
+Test tooling only - none of this ships in the node. Three layers:
+
+1. Pure transforms (tensors in, new tensors out; nothing mutated) usable in unit
+   tests and benches without any agent: ``sign_flip``, ``scale``,
+   ``gaussian_noise``, ``zero_update`` (free rider), ``flip_labels`` (data
+   poisoning), ``half_of_chunks``.
+2. `Attack` objects that apply them around one assignment's training (some
+   keep state: stale replay remembers its first update). ``contribute`` runs the
+   real ``gpuflex.node.trainer.train_assignment`` with an attack in the loop -
+   what the benches and the unit tests use as "a node".
+3. ``agent_class(name)``: a subclass of ``gpuflex.node.agent.NodeAgent`` that
+   overrides ``train`` / ``transform_update`` (the contract's hooks), and a CLI:
+
+       python -m tests.tooling.attacks --attack sign_flip <gpuflex-node run args>
+
+Catalogue (``ATTACKS``):
+
+- ``sign_flip``: uploads -delta.
+- ``scale``: uploads 10 x delta.
+- ``gaussian_noise``: delta + Gaussian noise whose norm is 10 x ||delta||.
+- ``label_flip``: trains honestly on poisoned labels y -> C-1-y.
+- ``free_rider``: uploads an all-zero delta, claims the shard.
+- ``stale_replay``: uploads the first update it ever computed, for every later
+  assignment (with a hair of noise so the blob hash differs and the hub's
+  duplicate check does not trivially catch it).
+- ``colluding``: a pair that returns the same wrong update (-delta, derived
+  deterministically from the assignment, so both members agree bit for bit
+  without communicating) for a replicated shard.
+- ``half_shard``: trains honestly on the first half of its chunks and claims
+  all of them (sample count and a doubled train_s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ATTACKS",
+    "Attack",
+    "agent_class",
+    "contribute",
+    "flip_labels",
+    "gaussian_noise",
+    "half_of_chunks",
+    "main",
+    "make_attack",
+    "scale",
+    "sign_flip",
+    "zero_update",
+]
+
+
+# --------------------------------------------------------------------------- pure transforms
+
+
+def _map_float(delta: Mapping[str, Tensor], fn: Any) -> dict[str, Tensor]:
+    """New dict: fn applied to floating tensors, others copied."""
+    return {k: fn(k, t) if t.is_floating_point() else t.clone() for k, t in delta.items()}
+
+
+def _norm(delta: Mapping[str, Tensor]) -> float:
+    return math.sqrt(
+        sum(float(t.double().pow(2).sum()) for t in delta.values() if t.is_floating_point())
+    )
+
+
+def sign_flip(delta: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return _map_float(delta, lambda _k, t: -t)
+
+
+def scale(delta: Mapping[str, Tensor], factor: float = 10.0) -> dict[str, Tensor]:
+    return _map_float(delta, lambda _k, t: t * factor)
+
+
+def gaussian_noise(
+    delta: Mapping[str, Tensor], *, relative: float = 10.0, seed: int = 0
+) -> dict[str, Tensor]:
+    """delta + N(0, s^2) with s chosen so the noise norm is ``relative`` x ||delta||."""
+    numel = sum(t.numel() for t in delta.values() if t.is_floating_point())
+    std = relative * _norm(delta) / math.sqrt(max(numel, 1))
+    gen = torch.Generator().manual_seed(seed)
+    return _map_float(
+        delta, lambda _k, t: t + torch.randn(t.shape, generator=gen, dtype=t.dtype) * std
+    )
+
+
+def zero_update(delta: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return _map_float(delta, lambda _k, t: torch.zeros_like(t))
+
+
+def flip_labels(chunk: Mapping[str, Tensor], num_classes: int) -> dict[str, Tensor]:
+    """Label-flip poisoning of one classification chunk: y -> C - 1 - y."""
+    return {"x": chunk["x"], "y": (num_classes - 1) - chunk["y"]}
+
+
+def half_of_chunks(chunks: Sequence[Mapping[str, Tensor]]) -> list[Mapping[str, Tensor]]:
+    """The first half (rounded up) of the chunks: what a lazy node trains on."""
+    return list(chunks[: max(1, math.ceil(len(chunks) / 2))])
+
+
+# --------------------------------------------------------------------------- attack objects
+
+
+@dataclasses.dataclass
+class Attack:
+    """One misbehaviour applied around a real training run.
+
+    ``prepare`` changes the data before training; ``finish`` changes the result
+    after it. ``claimed_samples`` is what the shard holds (what a cheat claims).
+    """
+
+    name: str
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def prepare(
+        self, chunks: Sequence[Mapping[str, Tensor]], num_classes: int
+    ) -> list[Mapping[str, Tensor]]:
+        if self.name == "label_flip":
+            return [flip_labels(c, num_classes) for c in chunks]
+        if self.name == "half_shard":
+            return half_of_chunks(chunks)
+        return list(chunks)
+
+    def finish(self, result: Any, *, claimed_samples: int, seed: int) -> Any:
+        """``result`` is a node TrainResult; returns a new one."""
+        delta = result.delta
+        rep = dataclasses.replace
+        if self.name == "sign_flip":
+            return rep(result, delta=sign_flip(delta))
+        if self.name == "scale":
+            return rep(result, delta=scale(delta, 10.0))
+        if self.name == "gaussian_noise":
+            return rep(result, delta=gaussian_noise(delta, relative=10.0, seed=seed))
+        if self.name == "free_rider":
+            return rep(result, delta=zero_update(delta), sample_count=claimed_samples)
+        if self.name == "stale_replay":
+            first = self.state.setdefault("first", {k: t.clone() for k, t in delta.items()})
+            count = self.state["count"] = self.state.get("count", 0) + 1
+            if count == 1:
+                return result
+            # A hair of noise: a byte-identical replay would be refused by the hub's
+            # duplicate check already; this one must be caught by verification.
+            return rep(result, delta=gaussian_noise(first, relative=1e-6, seed=seed))
+        if self.name == "colluding":
+            return rep(result, delta=sign_flip(delta))
+        if self.name == "half_shard":
+            return rep(result, sample_count=claimed_samples, train_s=result.train_s * 2)
+        if self.name in ("label_flip", "honest"):
+            return result
+        raise ValueError(f"unknown attack {self.name!r}")
+
+
+ATTACKS = (
+    "sign_flip",
+    "scale",
+    "gaussian_noise",
+    "label_flip",
+    "free_rider",
+    "stale_replay",
+    "colluding",
+    "half_shard",
+)
+
+
+def make_attack(name: str) -> Attack:
+    if name not in ATTACKS and name != "honest":
+        raise ValueError(f"unknown attack {name!r}; one of {', '.join(ATTACKS)}")
+    return Attack(name)
+
+
+def contribute(
+    attack: Attack | None,
+    spec: Any,
+    global_state: Mapping[str, Tensor],
+    chunks: Sequence[Mapping[str, Tensor]],
+    cfg: Any,
+    seed: int,
+    *,
+    device: torch.device | None = None,
+) -> Any:
+    """One node's work on one assignment: real training, with ``attack`` (None =
+    honest) applied before and after. Returns a node TrainResult."""
+    from gpuflex.node.trainer import train_assignment
+
+    dev = device if device is not None else torch.device("cpu")
+    claimed = sum(int(c["x"].shape[0]) for c in chunks)
+    if attack is None:
+        return train_assignment(spec, global_state, chunks, cfg, seed, device=dev)
+    data = attack.prepare(chunks, int(spec.outputs))
+    result = train_assignment(spec, global_state, data, cfg, seed, device=dev)
+    return attack.finish(result, claimed_samples=claimed, seed=seed)
+
+
+# --------------------------------------------------------------------------- digits scenario
+
+
+def digits_data() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scikit-learn digits, stratified 80/20 split (random_state=0), x / 16.
+
+    Returns (x_train float32 (n, 64), y_train int64 (n,), x_val, y_val)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+
+    def tx(a: Any) -> Tensor:
+        return torch.tensor(a / 16.0, dtype=torch.float32)
+
+    def ty(a: Any) -> Tensor:
+        return torch.tensor(a, dtype=torch.int64)
+
+    return tx(xtr), ty(ytr), tx(xva), ty(yva)
+
+
+def digits_spec() -> Any:
+    """The digits MLP 64-128-10 (ReLU) of the peers' comparison."""
+    from gpuflex.protocol.modelspec import ModelSpec
+
+    return ModelSpec.from_dict(
+        {
+            "kind": "mlp",
+            "input": 64,
+            "hidden": [128],
+            "outputs": 10,
+            "activation": "relu",
+            "dropout": 0.0,
+            "task": "classification",
+        }
+    )
+
+
+def train_config(**overrides: Any) -> Any:
+    """The contract's training defaults as used on digits: SGD lr 0.05, momentum 0.9,
+    batch 32, 1 local epoch."""
+    from gpuflex.protocol.messages import TrainConfig
+
+    base: dict[str, Any] = {
+        "local_epochs": 1,
+        "batch_size": 32,
+        "optimizer": "sgd",
+        "lr": 0.05,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "loss": "cross_entropy",
+        "grad_clip": 0.0,
+    }
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def make_chunks(
+    x: Tensor, y: Tensor, *, chunk_size: int = 64, split: str = "stratified", seed: int = 0
+) -> list[dict[str, Tensor]]:
+    """Cut (x, y) into chunks. ``stratified``: every class spread evenly over the
+    order (each chunk holds all labels, like the hub's split); ``random``: a random
+    order; ``sorted``: grouped by label (strongly non-IID shards)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(y.shape[0])
+    if split == "random":
+        order = torch.randperm(n, generator=gen)
+    elif split == "sorted":
+        order = torch.argsort(y * n + torch.randperm(n, generator=gen))
+    elif split == "stratified":
+        keys = torch.empty(n, dtype=torch.float64)
+        for label in torch.unique(y):
+            idx = torch.nonzero(y == label).flatten()
+            idx = idx[torch.randperm(idx.numel(), generator=gen)]
+            offset = float(torch.rand((), generator=gen, dtype=torch.float64))
+            keys[idx] = (torch.arange(idx.numel(), dtype=torch.float64) + offset) / idx.numel()
+        order = torch.argsort(keys, stable=True)
+    else:
+        raise ValueError(f"split must be stratified, random or sorted, got {split!r}")
+    return [
+        {
+            "x": x[order[s : s + chunk_size]].contiguous(),
+            "y": y[order[s : s + chunk_size]].contiguous(),
+        }
+        for s in range(0, n, chunk_size)
+    ]
+
+
+def initial_state(spec: Any, seed: int = 0) -> dict[str, Tensor]:
+    from gpuflex.protocol.modelspec import build_model
+
+    return {k: v.detach().clone() for k, v in build_model(spec, seed).state_dict().items()}
+
+
+def accuracy(spec: Any, state: Mapping[str, Tensor], x: Tensor, y: Tensor) -> float:
+    from gpuflex.protocol.modelspec import build_model
+
+    model = build_model(spec, 0)
+    model.load_state_dict(dict(state))
+    model.eval()
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).double().mean())
+
+
+def apply_delta(state: Mapping[str, Tensor], delta: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {
+        k: (v + delta[k]) if k in delta and v.is_floating_point() else v.clone()
+        for k, v in state.items()
+    }
+
+
+# --------------------------------------------------------------------------- node agent
+
+
+def agent_class(name: str) -> type:
+    """A ``gpuflex.node.agent.NodeAgent`` subclass that misbehaves as ``name``."""
+    from gpuflex.node.agent import NodeAgent
+
+    attack_name = name
+    make_attack(attack_name)  # validate early
+
+    class AttackAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        """Real node, wrong contributions (see tests/tooling/attacks.py)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.attack = make_attack(attack_name)
+
+        def train(self, assignment: Any, chunks: Any, global_state: Any) -> Any:
+            spec_outputs = int(assignment.model_spec.get("outputs", 0) or 0)
+            return super().train(
+                assignment, self.attack.prepare(chunks, spec_outputs), global_state
+            )
+
+        def transform_update(self, assignment: Any, result: Any) -> Any:
+            claimed = sum(int(c.samples) for c in assignment.chunks)
+            return self.attack.finish(result, claimed_samples=claimed, seed=int(assignment.seed))
+
+    AttackAgent.__name__ = AttackAgent.__qualname__ = (
+        "".join(p.title() for p in attack_name.split("_")) + "Agent"
+    )
+    return AttackAgent
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tests.tooling.attacks --attack NAME <gpuflex-node run args>``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.tooling.attacks",
+        description="Run a real gpuflex node that misbehaves on purpose (test tooling).",
+    )
+    parser.add_argument("--attack", required=True, choices=ATTACKS)
+    args, rest = parser.parse_known_args(argv)
+    if rest and rest[0] == "run":
+        rest = rest[1:]
+    from gpuflex.node import cli
+
+    return int(cli.main(["run", *rest], agent_cls=agent_class(args.attack)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
