@@ -148,6 +148,7 @@ class ProcMonitor(threading.Thread):
         self.peak_breakdown: dict[str, int] = {}
         self.samples = 0
         self.lock = threading.Lock()
+        self.sample_lock = threading.Lock()
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -160,6 +161,10 @@ class ProcMonitor(threading.Thread):
         self.join(timeout=5)
 
     def sample(self) -> None:
+        with self.sample_lock:
+            self._sample()
+
+    def _sample(self) -> None:
         total = 0
         breakdown: dict[str, int] = {}
         now = time.time()
@@ -228,10 +233,18 @@ class ProcMonitor(threading.Thread):
             self.peak_at = now
             self.peak_breakdown = breakdown
 
-    def live_pids(self) -> list[int]:
-        out = []
+    def seen_alive(self, label: str) -> tuple[int, int]:
+        """(how many processes with this label were seen, how many are alive now)."""
         with self.lock:
-            keys = list(self.procs)
+            keys = [k for k, p in self.procs.items() if _proc_label(p) == label]
+        alive = set(self.live_pids(keys))
+        return len(keys), sum(1 for k in keys if k[0] in alive)
+
+    def live_pids(self, keys: list[tuple[int, int]] | None = None) -> list[int]:
+        out = []
+        if keys is None:
+            with self.lock:
+                keys = list(self.procs)
         for pid, start in keys:
             try:
                 with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -296,32 +309,26 @@ class Tagged:
         return subprocess.run(args, capture_output=True, text=True, env=self.env, timeout=timeout,
                               stdin=subprocess.DEVNULL, check=False)
 
-    def shutdown(self, grace: float = 15.0) -> None:
+    def shutdown(self, grace: float = 10.0) -> None:
+        """SIGTERM every process carrying our tag, then SIGKILL what is left, until none is."""
         for p in self.children:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         end = time.time() + grace
-        for p in self.children:
-            try:
-                p.wait(timeout=max(0.1, end - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        # Anything of ours still alive (children's children included): by pid, after a grace.
-        for _ in range(2):
+        while time.time() < end and any(p.poll() is None for p in self.children):
+            time.sleep(0.2)
+        for attempt in range(8):
+            self.monitor.sample()
             left = self.monitor.live_pids()
             if not left:
                 break
+            sig = signal.SIGTERM if attempt == 0 else signal.SIGKILL
             for pid in left:
                 try:
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, sig)
                 except OSError:
                     pass
-            time.sleep(2)
-        for pid in self.monitor.live_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+            time.sleep(2 if attempt == 0 else 0.5)
         for p in self.children:
             try:
                 p.wait(timeout=5)
@@ -466,11 +473,19 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
         if cp.returncode != 0:
             raise RuntimeError(f"flwr run failed ({cp.returncode}): {(cp.stdout + cp.stderr)[-800:]}")
 
+        app_label = "flwr-simulation" if mode == "simulation" else "flwr-serverapp"
+        gone_since: list[float] = []
+
         def done() -> bool:
             if result_path.exists():
                 return True
             if procs.children[0].poll() is not None:
                 raise RuntimeError("flower-superlink exited early; see " + str(sl_log))
+            seen, alive = procs.monitor.seen_alive(app_label)
+            if seen and not alive:
+                gone_since.append(time.time())
+                if time.time() - gone_since[0] > 10:
+                    raise RuntimeError(f"{app_label} exited without a result (run failed); see {run_dir}")
             return False
 
         wait_for(done, timeout, "the Flower run to finish")
@@ -483,7 +498,8 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
         durs = [b - a for a, b in itertools.pairwise(stamps)]
         res["round_s"] = durs
         res["round_stats"] = round_stats(durs)
-        res["accuracy_curve"] = out["accuracy"]  # index 0 = initial model
+        res["initial_accuracy"] = out["accuracy"][0]
+        res["accuracy_curve"] = out["accuracy"][1:]  # after rounds 1..N
         res["final_accuracy"] = out["accuracy"][-1]
         nm = out.get("node_metrics", {})
         train_s = [sum(m["train_s"] for m in nm.get(str(r), [])) for r in range(1, job.rounds + 1)]
@@ -847,6 +863,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="keep logs here (default: a temp dir)")
     ap.add_argument("--setup-help", action="store_true", help="print how to build the Flower venv")
     args = ap.parse_args(argv)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     if args.setup_help:
         print(SETUP_HELP)
         return 0

@@ -39,7 +39,11 @@ aggregated and are omitted from the result: the hub keeps the global value.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import math
+import mmap
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +58,7 @@ __all__ = [
     "SERVER_OPTIMIZERS",
     "Aggregation",
     "AggregationError",
+    "PageReleaser",
     "ServerOptimizer",
     "aggregate",
     "aggregate_detailed",
@@ -146,13 +151,79 @@ def _slices(numel: int, slice_elems: int) -> Iterator[tuple[int, int]]:
         yield start, min(numel, start + slice_elems)
 
 
+class PageReleaser:
+    """Keeps the resident set flat while reading zero-copy mmap views of update blobs.
+
+    Pages of a file mapping that a process has read count in its RSS until it
+    unmaps them, so summing N mmap'd 100 MB updates would show N x 100 MB of RSS
+    even though every slice is touched once. After a slice is consumed this
+    drops its pages from our page tables with ``madvise(MADV_DONTNEED)``; the data
+    stays in the page cache and a later read simply faults it back in.
+
+    Only ranges inside SHARED, READ-ONLY, FILE-backed mappings (as listed in
+    /proc/self/maps when the releaser is made) are ever touched: for those
+    DONTNEED cannot lose data. Any other tensor (ordinary memory) is left alone;
+    on systems without /proc or madvise this is a no-op.
+    """
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+        self._madvise: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+                for line in fh:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) < 6 or not parts[5].startswith("/"):
+                        continue
+                    perms = parts[1]
+                    if "w" in perms or not perms.endswith("s"):
+                        continue
+                    lo, hi = parts[0].split("-")
+                    self._ranges.append((int(lo, 16), int(hi, 16)))
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            self._madvise = libc.madvise
+        except (OSError, AttributeError, ValueError):
+            self._ranges = []
+        self._ranges.sort()
+        self._starts = [lo for lo, _ in self._ranges]
+
+    def release(self, flat: Tensor, start: int, end: int) -> None:
+        """Drop the whole pages of ``flat[start:end]`` if they lie in a read-only file mapping."""
+        if not self._ranges or end <= start:
+            return
+        item = flat.element_size()
+        addr = flat.data_ptr() + start * item
+        lo = -(-addr // _PAGE) * _PAGE
+        hi = (addr + (end - start) * item) // _PAGE * _PAGE
+        if hi <= lo:
+            return
+        i = bisect.bisect_right(self._starts, lo) - 1
+        if i < 0 or hi > self._ranges[i][1]:
+            return
+        self._madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
 def _stack(
-    flats: Sequence[Tensor], start: int, end: int, factors: Sequence[float] | None
+    flats: Sequence[Tensor],
+    start: int,
+    end: int,
+    factors: Sequence[float] | None,
+    pages: PageReleaser | None = None,
 ) -> Tensor:
     """(N, end-start) float64 copy of one slice of every update, clipped if asked."""
     out = torch.empty((len(flats), end - start), dtype=torch.float64)
     for i, f in enumerate(flats):
         out[i].copy_(f[start:end])
+        if pages is not None:
+            pages.release(f, start, end)
         if factors is not None and factors[i] != 1.0:
             out[i].mul_(factors[i])
     return out
@@ -161,12 +232,14 @@ def _stack(
 def update_norm(delta: Mapping[str, Tensor], *, slice_elems: int = DEFAULT_SLICE_ELEMS) -> float:
     """L2 norm over all floating tensors of one update, streaming, float64."""
     _check_slice(slice_elems)
+    pages = PageReleaser()
     total = 0.0
     for k in floating_keys(delta):
         flat = _flat(delta[k])
         for s, e in _slices(flat.numel(), slice_elems):
             part = flat[s:e].to(torch.float64)
             total += float(torch.dot(part, part))
+            pages.release(flat, s, e)
     return math.sqrt(total)
 
 
@@ -225,6 +298,7 @@ def fedavg(
     keys = _check_layout(deltas)
     _check_slice(slice_elems)
     w = _normalized_weights(weights, len(deltas))
+    pages = PageReleaser()
     if factors is not None:
         w = [wi * fi for wi, fi in zip(w, factors, strict=True)]
     out: dict[str, Tensor] = {}
@@ -237,7 +311,8 @@ def fedavg(
             acc = torch.zeros(e - s, dtype=torch.float64)
             for wi, f in zip(w, flats, strict=True):
                 if wi != 0.0:
-                    acc.add_(f[s:e].to(torch.float64), alpha=wi)
+                    acc.add_(f[s:e], alpha=wi)  # promoted to float64 inside the kernel
+                    pages.release(f, s, e)
             _finite_or_raise(k, acc)
             rflat[s:e].copy_(acc)
         out[k] = result
@@ -257,6 +332,7 @@ def coordinate_median(
     """
     keys = _check_layout(deltas)
     _check_slice(slice_elems)
+    pages = PageReleaser()
     n = len(deltas)
     out: dict[str, Tensor] = {}
     for k in keys:
@@ -265,7 +341,7 @@ def coordinate_median(
         rflat = result.view(-1)
         flats = [_flat(d[k]) for d in deltas]
         for s, e in _slices(rflat.numel(), slice_elems):
-            srt = _stack(flats, s, e, factors).sort(dim=0).values
+            srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
             if n % 2 == 1:
                 med = srt[n // 2]
             else:
@@ -290,6 +366,7 @@ def trimmed_mean(
     """
     keys = _check_layout(deltas)
     _check_slice(slice_elems)
+    pages = PageReleaser()
     n = len(deltas)
     if not (0.0 <= beta < 0.5):
         raise AggregationError(f"trim_beta must be in [0, 0.5), got {beta}")
@@ -305,7 +382,7 @@ def trimmed_mean(
         rflat = result.view(-1)
         flats = [_flat(d[k]) for d in deltas]
         for s, e in _slices(rflat.numel(), slice_elems):
-            srt = _stack(flats, s, e, factors).sort(dim=0).values
+            srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
             # Fixed-order float64 sum, row by row: independent of slice boundaries.
             acc = srt[k_trim].clone()
             for j in range(k_trim + 1, n - k_trim):
@@ -326,12 +403,13 @@ def pairwise_sq_distances(
     """(N, N) float64 matrix of squared L2 distances, accumulated slice by slice."""
     keys = _check_layout(deltas)
     _check_slice(slice_elems)
+    pages = PageReleaser()
     n = len(deltas)
     dist = torch.zeros((n, n), dtype=torch.float64)
     for k in keys:
         flats = [_flat(d[k]) for d in deltas]
         for s, e in _slices(flats[0].numel(), slice_elems):
-            x = _stack(flats, s, e, factors)  # (N, slice)
+            x = _stack(flats, s, e, factors, pages)  # (N, slice)
             # Exact differences, not the Gram identity: no cancellation for near-equal updates.
             for i in range(n):
                 diff = x[i + 1 :] - x[i]

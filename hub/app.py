@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -40,7 +41,7 @@ from .keys import load_or_create_hub_key
 from .metrics import HubMetrics
 from .openapi import openapi_document
 from .rounds import RoundEngine
-from .scheduler import NodeState, Scheduler, WorkSignal
+from .scheduler import NodeState, Scheduler, WorkSignal, peak_flops
 from .tokens import insert_token
 from .wire import error_response, json_response, protocol_to_hub
 
@@ -173,6 +174,7 @@ async def _load_state(app: web.Application) -> None:
             last_seen=r["last_seen"], banned=bool(r["banned"]), agreed=r["agreed"], disagreed=r["disagreed"],
             consecutive_valid=r["consecutive_valid"], flags_confirmed=r["flags_confirmed"],
             flags_dismissed=r["flags_dismissed"], updates_accepted=r["updates_accepted"],
+            peak_flops=peak_flops(json.loads(r["benchmark"])),
         )
     for job in jobs:
         sched.add_job(job)

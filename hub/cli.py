@@ -22,11 +22,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuflex.protocol.version import SOFTWARE_VERSION
+from . import owner_client as oc
+from .owner_client import OwnerClientError
 
 PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.cli_demo", "gpuflex.hub.demo")
 ENV_HUB = "GPUFLEX_HUB"
-ENV_TOKEN = "GPUFLEX_TOKEN"
+ENV_TOKEN = "GPUFLEX_TOKEN"  # noqa: S105 - an environment variable name
+
+
+def _software_version() -> str:
+    """The package version without importing gpuflex.protocol (which pulls in torch): keeps --help fast."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpuflex")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+source"
 
 
 # -- serve ---------------------------------------------------------------------------------------
@@ -129,78 +140,35 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
 # -- owner client --------------------------------------------------------------------------------
 
 
-class ClientError(Exception):
-    pass
-
-
 def _hub_and_token(args: argparse.Namespace) -> tuple[str, str]:
     hub = args.hub or os.environ.get(ENV_HUB)
     token = args.token or os.environ.get(ENV_TOKEN)
     if not hub:
-        raise ClientError(f"no hub URL: pass --hub URL or set {ENV_HUB}")
+        raise OwnerClientError(f"no hub URL: pass --hub URL or set {ENV_HUB}")
     if not token:
-        raise ClientError(f"no token: pass --token T or set {ENV_TOKEN}")
+        raise OwnerClientError(f"no token: pass --token T or set {ENV_TOKEN}")
     return hub.rstrip("/"), token
 
 
-async def _request(args: argparse.Namespace, method: str, path: str, *, data: Any = None,
-                   raw: bool = False) -> Any:
-    import aiohttp
-
-    hub, token = _hub_and_token(args)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-        method, hub + path, data=data, headers={"Authorization": f"Bearer {token}"}
-    ) as resp:
-        body = await resp.read()
-        if resp.status >= 400:
-            try:
-                doc = json.loads(body)
-                raise ClientError(f"{resp.status} {doc.get('error')}: {doc.get('detail')}")
-            except ValueError:
-                raise ClientError(f"{resp.status}: {body[:200]!r}") from None
-        if raw:
-            return body, dict(resp.headers)
-        return json.loads(body)
-
-
-def _call(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 def cmd_job_submit(args: argparse.Namespace) -> int:
-    import aiohttp
-
-    async def go() -> Any:
-        with contextlib.ExitStack() as stack:
-            form = aiohttp.FormData()
-            form.add_field("spec", Path(args.spec).read_bytes(), filename=Path(args.spec).name,
-                           content_type="application/toml")
-            form.add_field("train", stack.enter_context(open(args.train, "rb")), filename=Path(args.train).name,
-                           content_type="application/octet-stream")
-            if args.val:
-                form.add_field("val", stack.enter_context(open(args.val, "rb")), filename=Path(args.val).name,
-                               content_type="application/octet-stream")
-            return await _request(args, "POST", "/v1/jobs", data=form)
-
-    doc = _call(go())
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(doc["id"])
+    hub, token = _hub_and_token(args)
+    doc = asyncio.run(oc.submit_job(hub, token, Path(args.spec), Path(args.train),
+                                    Path(args.val) if args.val else None))
+    print(json.dumps(doc) if args.json else doc["id"])
     return 0
 
 
 def cmd_job_list(args: argparse.Namespace) -> int:
-    doc = _call(_request(args, "GET", "/v1/jobs"))
+    hub, token = _hub_and_token(args)
+    jobs = asyncio.run(oc.list_jobs(hub, token))
     if args.json:
-        print(json.dumps(doc))
+        print(json.dumps({"jobs": jobs}))
         return 0
     from rich.console import Console
     from rich.table import Table
 
     table = Table("id", "name", "owner", "state", "round", title="jobs")
-    for j in doc["jobs"]:
+    for j in jobs:
         table.add_row(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}")
     Console().print(table)
     return 0
@@ -230,39 +198,36 @@ def _status_view(doc: dict[str, Any]) -> Any:
 
 
 def cmd_job_status(args: argparse.Namespace) -> int:
-    path = f"/v1/jobs/{args.id}"
+    hub, token = _hub_and_token(args)
+    doc = asyncio.run(oc.job_status(hub, token, args.id))
     if args.json:
-        print(json.dumps(_call(_request(args, "GET", path))))
+        print(json.dumps(doc))
         return 0
     from rich.console import Console
     from rich.live import Live
 
     console = Console()
-    doc = _call(_request(args, "GET", path))
     if not args.watch:
         console.print(_status_view(doc))
         return 0
     with Live(_status_view(doc), console=console, refresh_per_second=2) as live:
         while doc["state"] in ("queued", "running"):
             time.sleep(args.interval)
-            doc = _call(_request(args, "GET", path))
+            doc = asyncio.run(oc.job_status(hub, token, args.id))
             live.update(_status_view(doc))
     return 0
 
 
 def cmd_job_download(args: argparse.Namespace) -> int:
-    path = f"/v1/jobs/{args.id}/model" + (f"?round={args.round}" if args.round is not None else "")
-    body, headers = _call(_request(args, "GET", path, raw=True))
-    out = Path(args.output)
-    tmp = out.with_name(out.name + ".part")
-    tmp.write_bytes(body)
-    os.replace(tmp, out)
-    print(f"wrote {out} ({len(body)} bytes, model version {headers.get('X-GPUFlex-Model-Version')})")
+    hub, token = _hub_and_token(args)
+    version, body = asyncio.run(oc.download_model(hub, token, args.id, Path(args.output), args.round))
+    print(f"wrote {args.output} ({len(body)} bytes, model version {version})")
     return 0
 
 
 def cmd_job_cancel(args: argparse.Namespace) -> int:
-    doc = _call(_request(args, "POST", f"/v1/jobs/{args.id}/cancel"))
+    hub, token = _hub_and_token(args)
+    doc = asyncio.run(oc.cancel_job(hub, token, args.id))
     print(f"{doc['id']}: {doc['state']}")
     return 0
 
@@ -278,7 +243,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuflex-hub", description="GPUFlex hub: serve, tokens, jobs.")
-    parser.add_argument("--version", action="version", version=f"gpuflex-hub {SOFTWARE_VERSION}")
+    parser.add_argument("--version", action="version", version=f"gpuflex-hub {_software_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the hub")
@@ -358,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(func(args) or 0)
-    except (ClientError, HubError) as exc:
+    except (OwnerClientError, HubError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

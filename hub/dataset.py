@@ -170,7 +170,7 @@ def split_validation(data: Arrays, fraction: float, *, stratified: bool, seed: i
     if fraction <= 0:
         return data, None
     n = len(data)
-    n_val = int(round(n * fraction))
+    n_val = round(n * fraction)
     if n_val < 1 or n_val >= n:
         raise _bad(f"validation_fraction {fraction} leaves no training or no validation samples")
     order = _order(data.y, stratified, np.random.default_rng([seed, 1]))

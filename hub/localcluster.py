@@ -283,18 +283,20 @@ class LocalCluster:
         return (p for p in self.procs if p.name != "hub")
 
     # ---------------------------------------------------------------- HTTP
-    def get_json(self, path: str, token: str | None = None, timeout_s: float = 10.0) -> Any:
-        request = urllib.request.Request(self.url + path)
+    def _request(self, path: str, token: str | None) -> urllib.request.Request:
+        if not self.url.startswith("http://127.0.0.1:"):
+            raise RuntimeError(f"refusing to talk to {self.url!r}: the local cluster is loopback only")
+        request = urllib.request.Request(self.url + path)  # noqa: S310 (scheme checked above)
         if token:
             request.add_header("Authorization", f"Bearer {token}")
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (loopback URL we started)
+        return request
+
+    def get_json(self, path: str, token: str | None = None, timeout_s: float = 10.0) -> Any:
+        with urllib.request.urlopen(self._request(path, token), timeout=timeout_s) as response:  # noqa: S310
             return json.loads(response.read())
 
     def get_bytes(self, path: str, token: str | None = None, timeout_s: float = 30.0) -> bytes:
-        request = urllib.request.Request(self.url + path)
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
+        with urllib.request.urlopen(self._request(path, token), timeout=timeout_s) as response:  # noqa: S310
             return bytes(response.read())
 
     def wait_job(

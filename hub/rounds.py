@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
@@ -210,22 +211,33 @@ class RoundEngine:
             rows.append(node.reputation_row())
         return rows
 
-    def _records(self, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
+    def _records(self, job: JobState, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
                  deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
+        """Verification's view of updates. Speed: max(benchmark, delivered EMA) is an upper bound of
+        the node's training speed; peak FLOP/s and the model size go along when UpdateRecord takes them."""
+        fields = getattr(vf.UpdateRecord, "__dataclass_fields__", {})
         out = []
         for u, d in zip(ups, deltas, strict=True):
             node = self.scheduler.nodes.get(u.node_id)
+            extra: dict[str, Any] = {}
+            if "peak_flops" in fields:
+                extra["peak_flops"] = node.peak_flops if node else 0.0
+            if "param_count" in fields:
+                extra["param_count"] = param_count(job.spec.model)
+            if "local_epochs" in fields:
+                extra["local_epochs"] = int(job.spec.train.local_epochs)
             out.append(vf.UpdateRecord(
                 update_id=u.id, node_id=u.node_id, shard_id=u.shard_id,
                 samples_claimed=u.sample_count, shard_samples=shard_of[u.id].samples,
                 loss=u.loss, train_s=u.train_s,
-                node_samples_per_s=node.ema_sps if node else 0.0, delta=d, elapsed_s=u.elapsed_s,
+                node_samples_per_s=max(node.bench_sps, node.ema_sps) if node else 0.0, delta=d,
+                elapsed_s=u.elapsed_s, **extra,
             ))
         return out
 
     def _compare(self, job: JobState, shard: ShardState, ups: list[UpdateState]) -> Settlement:
         with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
-            records = self._records({u.id: shard for u in ups}, ups, deltas)
+            records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
             out = vf.compare_replicas(records, job.spec.verification)
             del records
         flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
@@ -338,7 +350,7 @@ class RoundEngine:
             if reps:
                 gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
                                       if t.is_floating_point()))
-                records = self._records(shard_of, reps, deltas)
+                records = self._records(job, shard_of, reps, deltas)
                 review = vf.review_round(records, gnorm, spec.verification)
                 del records
                 keep = set(review.included)

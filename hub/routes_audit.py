@@ -11,10 +11,10 @@ from aiohttp import web
 
 from .appkeys import AUDIT, CONFIG, DB, SCHEDULER
 from .auditlog import verdict_body
-from .scheduler import REPUTATION_SQL
-from .verification import record_verdict
 from .errors import BadRequest, Conflict, NotFound
+from .scheduler import REPUTATION_SQL
 from .tokens import Principal
+from .verification import record_verdict
 from .wire import json_response, principal, read_body
 
 routes = web.RouteTableDef()

@@ -45,7 +45,7 @@ from .errors import (
     Unprocessable,
 )
 from .jobs import AssignmentState, JobState, UpdateState, new_id
-from .scheduler import NodeState, Plan, clamp_sps
+from .scheduler import NodeState, Plan, clamp_sps, peak_flops
 from .wire import (
     b64_header,
     json_response,
@@ -84,9 +84,10 @@ async def register(request: web.Request) -> web.Response:
         raise Forbidden("this node is banned from the hub after confirmed flags", code="banned")
     device = json.dumps({"kind": hello.device.kind, "name": hello.device.name,
                          "memory_bytes": hello.device.memory_bytes, "threads": hello.device.threads})
-    bench = json.dumps({k: getattr(hello.benchmark, k) for k in (
+    bench_doc = {k: getattr(hello.benchmark, k) for k in (
         "samples_per_s", "matmul_tflops_fp32", "matmul_tflops_bf16", "matmul_tflops_fp16",
-        "mem_bandwidth_gbs", "h2d_gbs", "d2h_gbs", "reference_model")})
+        "mem_bandwidth_gbs", "h2d_gbs", "d2h_gbs", "reference_model")}
+    bench = json.dumps(bench_doc)
 
     def write(conn: sqlite3.Connection) -> None:
         conn.execute(
@@ -103,6 +104,7 @@ async def register(request: web.Request) -> web.Response:
         node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=bench_sps, last_seen=now)
         sched.nodes[node_id] = node
     node.bench_sps = bench_sps
+    node.peak_flops = peak_flops(bench_doc)
     node.last_seen = now
     return sealed_response(request, Welcome(node_id=node_id, hub_fingerprint=app[HUB_KEY].fingerprint,
                                             server_time=now, poll_s=app[CONFIG].node_poll_s))
@@ -358,7 +360,8 @@ async def _update(request: web.Request) -> web.Response:
     try:
         digest = hashlib.sha256()
         received = 0
-        with open(tmp, "wb") as fh:
+        # page-cache writes of received pieces are fast; the fsync happens in a worker thread
+        with open(tmp, "wb") as fh:  # noqa: ASYNC230
             while True:
                 piece = await request.content.read(UPLOAD_READ)
                 if not piece:

@@ -37,6 +37,7 @@ class NodeState:
     flags_confirmed: int = 0
     flags_dismissed: int = 0
     updates_accepted: int = 0
+    peak_flops: float = 0.0  # from the benchmark: the fastest matmul dtype, FLOP/s
     live: set[str] = field(default_factory=set)  # live assignment ids
 
     @property
@@ -78,6 +79,16 @@ class Plan:
     new_shard: bool
     expected_s: float
     deadline: float
+
+
+def peak_flops(benchmark: dict[str, object]) -> float:
+    """The fastest matmul throughput a node's benchmark reported, in FLOP/s (0 when unknown)."""
+    best = 0.0
+    for key in ("matmul_tflops_fp32", "matmul_tflops_bf16", "matmul_tflops_fp16"):
+        v = benchmark.get(key)
+        if isinstance(v, int | float) and math.isfinite(v) and v > best:
+            best = float(v)
+    return best * 1e12
 
 
 def clamp_sps(value: float) -> float:

@@ -20,7 +20,7 @@ from .errors import BadRequest, Forbidden, NotFound, Unauthorized
 
 Role = Literal["owner", "auditor", "admin"]
 ROLES: tuple[Role, ...] = ("owner", "auditor", "admin")
-TOKEN_PREFIX = "gft_"
+TOKEN_PREFIX = "gft_"  # noqa: S105 - a prefix, not a secret
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,14 @@ def revoke_token(data_dir: Path, token_id: int) -> None:
             raise NotFound(f"no live token with id {token_id} (see `gpuflex-hub token list`)")
     finally:
         conn.close()
+
+
+def lookup_token(conn: sqlite3.Connection, token: str) -> Principal:
+    """Resolve a raw token (e.g. from the console's login form); 401 when unknown or revoked.
+
+    Tokens can be revoked at any time (`gpuflex-hub token revoke`): check per request.
+    """
+    return lookup(conn, f"Bearer {token}")
 
 
 def lookup(conn: sqlite3.Connection, authorization: str | None) -> Principal:

@@ -59,11 +59,15 @@ export PIP_NO_COMPILE=1
 export GPUFLEX_TORCH_SPEC=${GPUFLEX_TORCH_SPEC:-torch==2.13.0}
 export GPUFLEX_TORCH_INDEX=${GPUFLEX_TORCH_INDEX-}
 
+# Tools keep their own homes: pip asks rustc for its version (user agent), and a
+# rustup proxy would otherwise write ~/.rustup into the throw-away HOME.
+export RUSTUP_HOME=${RUSTUP_HOME:-$HOME/.rustup} CARGO_HOME=${CARGO_HOME:-$HOME/.cargo}
+
 FAKE_HOME=$TMP/home
 mkdir -p "$FAKE_HOME/.config" "$FAKE_HOME/.local/share" "$FAKE_HOME/.local/bin" "$FAKE_HOME/.cache"
 mkdir -m 700 "$TMP/run"
 export HOME=$FAKE_HOME XDG_RUNTIME_DIR=$TMP/run
-unset XDG_DATA_HOME XDG_CONFIG_HOME XDG_CACHE_HOME
+unset XDG_DATA_HOME XDG_CONFIG_HOME XDG_CACHE_HOME DBUS_SESSION_BUS_ADDRESS
 snapshot() { (cd "$FAKE_HOME" && find . | LC_ALL=C sort); }
 snapshot >"$TMP/before.txt"
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -266,6 +267,14 @@ class NodeAgent:
         self.output.event("resumed")
         return True
 
+    def _on_signal(self, name: str) -> None:
+        if self._exiting and name == "SIGINT":
+            # A second Ctrl-C: the volunteer wants out now. Only verified blobs are ever
+            # visible in the cache, so leaving mid-way cannot corrupt it.
+            self.output.event("exit", code=130, detail="second interrupt: leaving at once")
+            os._exit(130)
+        self.request_exit(name)
+
     def request_exit(self, reason: str = "signal") -> None:
         if self._exiting:
             return
@@ -291,7 +300,7 @@ class NodeAgent:
         installed: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self.request_exit, signal.Signals(sig).name)
+                loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
                 installed.append(sig)
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
         connector = aiohttp.TCPConnector(limit=8)
@@ -590,13 +599,18 @@ class NodeAgent:
 
     async def _fetch_all(self, a: Assignment) -> int:
         """Download the model and the chunks we lack; return bytes fetched."""
-        wanted = [(a.model_hash, a.model_size)] + [(c.sha256, c.size) for c in a.chunks]
-        fetched = 0
-        for sha, size in wanted:
+        wanted = [(a.model_hash, a.model_size, "model")] + [(c.sha256, c.size, "chunk") for c in a.chunks]
+        missing = [(sha, size, kind) for sha, size, kind in wanted if not self.cache.has(sha, size)]
+        for sha, size, _ in wanted:
             if self.cache.has(sha, size):
                 self.cache.touch(sha)
-                continue
-            fetched += await self._download(sha, size)
+        self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
+                          misses=len(missing))
+        fetched = 0
+        for sha, size, kind in missing:
+            got = await self._download(sha, size)
+            fetched += got
+            self.output.event("download", assignment_id=a.assignment_id, sha256=sha, kind=kind, bytes=got)
         return fetched
 
     async def _download(self, sha: str, size: int) -> int:

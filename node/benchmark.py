@@ -123,7 +123,7 @@ def run_benchmark(device: torch.device, *, quick: bool = False) -> dict[str, Any
     }
     if not quick:
         big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
-        out["training"][BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 1024, 128, 3)
+        out["training"][BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 384, 128, 3)
     out["samples_per_s"] = out["training"][REFERENCE_MODEL]
     out["reference_model"] = REFERENCE_MODEL
     out["duration_s"] = time.perf_counter() - started

@@ -16,11 +16,13 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
-
-from gpuflex.protocol.version import SOFTWARE_VERSION
+from typing import TYPE_CHECKING, Any
 
 from .errors import NodeError
+from .files import software_version
+
+if TYPE_CHECKING:
+    from .agent import NodeAgent
 
 EXIT_ERROR = 1
 EXIT_KEY_MISMATCH = 3
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpuflex-node",
         description="Contribute this machine's GPU or CPU to GPUFlex training jobs.",
     )
-    parser.add_argument("--version", action="version", version=f"gpuflex-node {SOFTWARE_VERSION}")
+    parser.add_argument("--version", action="version", version=f"gpuflex-node {software_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None) -> int:
     from .agent import NodeAgent, NodeConfig
     from .output import Output
 
@@ -104,7 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         control=not args.no_control,
     )
     output = Output(json_lines=True if args.json else None)
-    agent = NodeAgent(config, output=output)
+    agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
     if agent.fatal is not None:
         print(f"gpuflex-node: error: {agent.fatal}", file=sys.stderr)
@@ -190,7 +192,8 @@ def _cmd_id(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = None) -> int:
+    """The CLI. ``agent_cls`` lets test tooling run ``run`` with a NodeAgent subclass."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": _cmd_run, "bench": _cmd_bench, "status": _cmd_control,
                 "pause": _cmd_control, "resume": _cmd_control, "id": _cmd_id}
     try:
+        if args.command == "run":
+            return _cmd_run(args, agent_cls)
         return handlers[args.command](args)
     except NodeError as exc:
         print(f"gpuflex-node: error: {exc}", file=sys.stderr)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from .errors import ControlError
-from .identity import write_private_file
+from .files import write_private_file
 
 if TYPE_CHECKING:
     from .agent import NodeAgent

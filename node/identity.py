@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +16,9 @@ from gpuflex.protocol.errors import KeyFileError
 from gpuflex.protocol.signing import SigningKey, fingerprint
 
 from .errors import HubKeyMismatch, IdentityError
+from .files import write_private_file
+
+__all__ = ["HubPin", "check_hub_key", "load_or_create_key", "write_private_file"]
 
 KEY_FILE = "node.key"
 PIN_FILE = "hub.pin"
@@ -37,21 +38,6 @@ def load_or_create_key(data_dir: Path) -> SigningKey:
     except (OSError, KeyFileError) as exc:
         raise IdentityError(f"cannot write the node key to {path}: {exc}") from exc
     return key
-
-
-def write_private_file(path: Path, text: str) -> None:
-    """Atomically write ``text`` to ``path`` readable by the owner only (0600)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates the file 0600 already.
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)

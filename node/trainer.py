@@ -29,6 +29,7 @@ from gpuflex.protocol.modelspec import build_model
 from torch import Tensor, nn
 
 from .errors import TrainError, TrainingStopped
+from .optim import SGD, Adam, LocalOptimizer, clip_grad_norm
 
 if TYPE_CHECKING:
     from gpuflex.protocol.messages import TrainConfig
@@ -48,27 +49,14 @@ class TrainResult:
     steps: int
 
 
-def make_optimizer(params: Sequence[Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """A fresh optimizer for ``cfg``; the same choice of implementation on every call."""
+def make_optimizer(params: Sequence[Tensor], cfg: TrainConfig) -> LocalOptimizer:
+    """A fresh optimizer for ``cfg`` (torch.optim's update rules; see node/optim.py)."""
     name = cfg.optimizer
-    # foreach keeps the step to a handful of kernels for models with many tensors; it is
-    # deterministic and numerically identical run to run on one device.
-    foreach = True
     if name == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-            foreach=foreach,
-        )
-    if name == "adam":
-        return torch.optim.Adam(
-            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-            foreach=foreach,
-        )
-    if name == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-            foreach=foreach,
-        )
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if name in ("adam", "adamw"):
+        return Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                    decoupled=name == "adamw")
     raise TrainError(f"unknown optimizer {name!r}; allowed: sgd, adam, adamw")
 
 
@@ -161,7 +149,7 @@ def train_assignment(
     epochs = int(cfg.local_epochs)
     steps_per_epoch = math.ceil(n / bs)
     total_steps = steps_per_epoch * epochs
-    report_every = max(1, total_steps // 100)
+    report_every = max(1, min(total_steps // 100, 16))
 
     model = _load_model(spec, global_state).to(device)
     model.train()
@@ -196,11 +184,11 @@ def train_assignment(
                 idx = perm[start : start + bs]
                 xb = x.index_select(0, idx)  # (batch, *input_shape)
                 yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()
                 loss = loss_fn(model(xb), yb)
                 loss.backward()
                 if clip > 0:
-                    nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                    clip_grad_norm(params, clip)
                 optimizer.step()
                 if last_epoch:
                     loss_sum += loss.detach() * idx.shape[0]

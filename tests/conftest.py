@@ -53,10 +53,24 @@ class HubProcess:
 def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
     """`gpuflex-hub serve` as a real subprocess on a free port; SIGTERM on teardown."""
     data = tmp_path / "hubproc"
-    cmd = [sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(data), "--port", "0",
-           "--long-poll-max", "2", "--min-deadline", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpuflex.hub",
+        "serve",
+        "--data",
+        str(data),
+        "--port",
+        "0",
+        "--long-poll-max",
+        "2",
+        "--min-deadline",
+        "5",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines: list[str] = []
     url = fingerprint = admin = ""
     deadline = time.monotonic() + 60
@@ -77,7 +91,14 @@ def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
         proc.kill()
         raise RuntimeError("hub did not start:\n" + "\n".join(lines))
     try:
-        yield HubProcess(url=url, data_dir=data, admin_token=admin, fingerprint=fingerprint, proc=proc, output=lines)
+        yield HubProcess(
+            url=url,
+            data_dir=data,
+            admin_token=admin,
+            fingerprint=fingerprint,
+            proc=proc,
+            output=lines,
+        )
     finally:
         proc.terminate()
         try:

@@ -19,7 +19,6 @@ import aiohttp
 import numpy as np
 import torch
 from aiohttp import web
-
 from gpuflex.protocol.messages import (
     Abandon,
     Ack,
@@ -72,28 +71,53 @@ replica_wait_s = {replica_wait_s}
 """
 
 
-def digits_spec(*, rounds: int = 2, round_target_s: float = 86400.0, chunk_size: int = 64,
-                replication: str = "0.0", replica_wait_s: float = 30.0, extra: str = "") -> str:
-    return DIGITS_SPEC.format(rounds=rounds, round_target_s=round_target_s, chunk_size=chunk_size,
-                              replication=replication, replica_wait_s=replica_wait_s) + extra
+def digits_spec(
+    *,
+    rounds: int = 2,
+    round_target_s: float = 86400.0,
+    chunk_size: int = 64,
+    replication: str = "0.0",
+    replica_wait_s: float = 30.0,
+    extra: str = "",
+) -> str:
+    return (
+        DIGITS_SPEC.format(
+            rounds=rounds,
+            round_target_s=round_target_s,
+            chunk_size=chunk_size,
+            replication=replication,
+            replica_wait_s=replica_wait_s,
+        )
+        + extra
+    )
 
 
 _DIGITS: tuple[np.ndarray, ...] | None = None
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """sklearn digits, stratified 80/20 split (random_state=0), features / 16."""
+    """sklearn's digits (read from its bundled CSV without importing sklearn: fast),
+    stratified 80/20 split with a fixed seed, features / 16. Returns (x_train, y_train, x_val, y_val)."""
     global _DIGITS
     if _DIGITS is None:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        import importlib.util
 
-        d = load_digits()
-        x = (d.data / 16.0).astype(np.float32)
-        y = d.target.astype(np.int64)
-        _DIGITS = tuple(train_test_split(x, y, test_size=0.2, stratify=y, random_state=0))
-    xtr, xva, ytr, yva = _DIGITS
-    return xtr, ytr, xva, yva
+        spec = importlib.util.find_spec("sklearn")
+        assert spec is not None and spec.origin is not None
+        raw = np.loadtxt(
+            Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz", delimiter=","
+        )
+        x = (raw[:, :-1] / 16.0).astype(np.float32)
+        y = raw[:, -1].astype(np.int64)
+        rng = np.random.default_rng(0)
+        val_idx = []
+        for label in range(10):
+            idx = np.flatnonzero(y == label)
+            val_idx.extend(rng.choice(idx, size=round(idx.size * 0.2), replace=False).tolist())
+        mask = np.zeros(y.size, dtype=bool)
+        mask[val_idx] = True
+        _DIGITS = (x[~mask], y[~mask], x[mask], y[mask])
+    return _DIGITS  # type: ignore[return-value]
 
 
 def write_digits(directory: Path, **spec_kw: Any) -> tuple[Path, Path, Path]:
@@ -127,7 +151,9 @@ class RunningHub:
         return {"Authorization": f"Bearer {token or self.owner_token}"}
 
 
-async def start_hub(data_dir: Path, tokens: dict[str, str] | None = None, **config_kw: Any) -> RunningHub:
+async def start_hub(
+    data_dir: Path, tokens: dict[str, str] | None = None, **config_kw: Any
+) -> RunningHub:
     """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir."""
     from gpuflex.hub.app import create_app
     from gpuflex.hub.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
@@ -148,15 +174,32 @@ async def start_hub(data_dir: Path, tokens: dict[str, str] | None = None, **conf
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return RunningHub(url=f"http://127.0.0.1:{port}", data_dir=data_dir, owner_token=tokens["owner"],
-                      auditor_token=tokens["auditor"], admin_token=tokens["admin"],
-                      fingerprint=app[HUB_KEY].fingerprint, app=app, runner=runner)
+    return RunningHub(
+        url=f"http://127.0.0.1:{port}",
+        data_dir=data_dir,
+        owner_token=tokens["owner"],
+        auditor_token=tokens["auditor"],
+        admin_token=tokens["admin"],
+        fingerprint=app[HUB_KEY].fingerprint,
+        app=app,
+        runner=runner,
+    )
 
 
-async def submit_job(session: aiohttp.ClientSession, hub: RunningHub, spec: Path | str | bytes, train: Path,
-                     val: Path | None = None, token: str | None = None) -> aiohttp.ClientResponse:
+async def submit_job(
+    session: aiohttp.ClientSession,
+    hub: RunningHub,
+    spec: Path | str | bytes,
+    train: Path,
+    val: Path | None = None,
+    token: str | None = None,
+) -> aiohttp.ClientResponse:
     form = aiohttp.FormData()
-    spec_bytes = spec.read_bytes() if isinstance(spec, Path) else (spec.encode() if isinstance(spec, str) else spec)
+    spec_bytes = (
+        spec.read_bytes()
+        if isinstance(spec, Path)
+        else (spec.encode() if isinstance(spec, str) else spec)
+    )
     form.add_field("spec", spec_bytes, filename="spec.toml")
     form.add_field("train", train.read_bytes(), filename=train.name)
     if val is not None:
@@ -164,13 +207,20 @@ async def submit_job(session: aiohttp.ClientSession, hub: RunningHub, spec: Path
     return await session.post(f"{hub.url}/v1/jobs", data=form, headers=hub.auth(token))
 
 
-async def wait_job(session: aiohttp.ClientSession, hub: RunningHub, job_id: str, states: tuple[str, ...] = ("done",),
-                   timeout: float = 60.0) -> dict[str, Any]:
+async def wait_job(
+    session: aiohttp.ClientSession,
+    hub: RunningHub,
+    job_id: str,
+    states: tuple[str, ...] = ("done",),
+    timeout: float = 60.0,
+) -> dict[str, Any]:
     import asyncio
 
     give_up = time.monotonic() + timeout
     while True:
-        async with session.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token)) as r:
+        async with session.get(
+            f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token)
+        ) as r:
             doc = await r.json()
         if doc["state"] in states:
             return doc
@@ -189,8 +239,14 @@ def b64(data: bytes) -> str:
 class SimNode:
     """A minimal node: signs requests, fetches blobs, trains with the real trainer, uploads."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, hub_public: bytes | None = None,
-                 key: SigningKey | None = None, samples_per_s: float = 1e6) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        hub_public: bytes | None = None,
+        key: SigningKey | None = None,
+        samples_per_s: float = 1e6,
+    ) -> None:
         self.session = session
         self.url = url
         self.key = key or SigningKey.generate()
@@ -204,12 +260,21 @@ class SimNode:
 
     def hello(self, **over: Any) -> Hello:
         h = Hello(
-            software_version=SOFTWARE_VERSION, protocol_version=PROTOCOL_VERSION,
+            software_version=SOFTWARE_VERSION,
+            protocol_version=PROTOCOL_VERSION,
             device=DeviceInfo(kind="cpu", name="test-cpu", memory_bytes=1 << 30, threads=1),
-            benchmark=Benchmark(samples_per_s=self.samples_per_s, matmul_tflops_fp32=0.1, matmul_tflops_bf16=None,
-                                matmul_tflops_fp16=None, mem_bandwidth_gbs=10.0, h2d_gbs=None, d2h_gbs=None,
-                                reference_model="mlp-64-128-10"),
-            timestamp=time.time(), nonce=new_nonce(),
+            benchmark=Benchmark(
+                samples_per_s=self.samples_per_s,
+                matmul_tflops_fp32=0.1,
+                matmul_tflops_bf16=None,
+                matmul_tflops_fp16=None,
+                mem_bandwidth_gbs=10.0,
+                h2d_gbs=None,
+                d2h_gbs=None,
+                reference_model="mlp-64-128-10",
+            ),
+            timestamp=time.time(),
+            nonce=new_nonce(),
         )
         return dataclasses.replace(h, **over)
 
@@ -229,7 +294,7 @@ class SimNode:
         payload_kind = peek_kind(payload)
         for cls in kinds:
             if cls.KIND == payload_kind:
-                msg, signer = open_sealed(body, cls, signer=self.hub_public)
+                msg, _ = open_sealed(body, cls, signer=self.hub_public)
                 return msg
         raise AssertionError(f"unexpected kind {payload_kind}")
 
@@ -241,12 +306,18 @@ class SimNode:
         return await self.open_response(resp, Welcome)
 
     async def work(self, wait_s: float = 1.0, cached: tuple[str, ...] = ()) -> Assignment | NoWork:
-        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=cached)
+        req = WorkRequest(
+            timestamp=time.time(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=cached
+        )
         resp = await self.post("/v1/work", seal(self.key, req))
         return await self.open_response(resp, Assignment, NoWork)
 
     def blob_auth(self, sha: str) -> dict[str, str]:
-        return {"X-GPUFlex-Auth": b64(seal(self.key, BlobRequest(sha256=sha, timestamp=time.time(), nonce=new_nonce())))}
+        return {
+            "X-GPUFlex-Auth": b64(
+                seal(self.key, BlobRequest(sha256=sha, timestamp=time.time(), nonce=new_nonce()))
+            )
+        }
 
     async def blob(self, sha: str) -> bytes:
         if sha in self.cache:
@@ -267,32 +338,53 @@ class SimNode:
         torch.set_num_threads(1)
         global_state = decode_state(bytearray(await self.blob(a.model_hash)))
         chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
-        res = train_assignment(ModelSpec.from_dict(a.model_spec), global_state, chunks, a.train, a.seed,
-                               device=torch.device("cpu"))
+        res = train_assignment(
+            ModelSpec.from_dict(a.model_spec),
+            global_state,
+            chunks,
+            a.train,
+            a.seed,
+            device=torch.device("cpu"),
+        )
         return encode_state(res.delta), res.sample_count, res.loss
 
-    def update_header(self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any) -> UpdateHeader:
-        h = UpdateHeader(assignment_id=a.assignment_id, update_sha256=hashlib.sha256(blob).hexdigest(),
-                         update_size=len(blob), sample_count=samples, metrics={"loss": loss},
-                         timings={"train_s": 0.01}, timestamp=time.time(), nonce=new_nonce())
+    def update_header(
+        self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any
+    ) -> UpdateHeader:
+        h = UpdateHeader(
+            assignment_id=a.assignment_id,
+            update_sha256=hashlib.sha256(blob).hexdigest(),
+            update_size=len(blob),
+            sample_count=samples,
+            metrics={"loss": loss},
+            timings={"train_s": 0.01},
+            timestamp=time.time(),
+            nonce=new_nonce(),
+        )
         return dataclasses.replace(h, **over)
 
     async def upload_raw(self, header: UpdateHeader | bytes, blob: bytes) -> aiohttp.ClientResponse:
         sealed = header if isinstance(header, bytes) else seal(self.key, header)
-        return await self.session.post(self.url + "/v1/updates", data=blob,
-                                       headers={"X-GPUFlex-Update": b64(sealed),
-                                                "Content-Type": "application/octet-stream"})
+        return await self.session.post(
+            self.url + "/v1/updates",
+            data=blob,
+            headers={"X-GPUFlex-Update": b64(sealed), "Content-Type": "application/octet-stream"},
+        )
 
     async def upload(self, a: Assignment, blob: bytes, samples: int, loss: float) -> Ack:
         resp = await self.upload_raw(self.update_header(a, blob, samples, loss), blob)
         return await self.open_response(resp, Ack)
 
     async def heartbeat(self, assignment_id: str, progress: float = 0.5) -> aiohttp.ClientResponse:
-        hb = Heartbeat(assignment_id=assignment_id, progress=progress, timestamp=time.time(), nonce=new_nonce())
+        hb = Heartbeat(
+            assignment_id=assignment_id, progress=progress, timestamp=time.time(), nonce=new_nonce()
+        )
         return await self.post("/v1/heartbeat", seal(self.key, hb))
 
     async def abandon(self, assignment_id: str) -> aiohttp.ClientResponse:
-        ab = Abandon(assignment_id=assignment_id, reason="test", timestamp=time.time(), nonce=new_nonce())
+        ab = Abandon(
+            assignment_id=assignment_id, reason="test", timestamp=time.time(), nonce=new_nonce()
+        )
         return await self.post("/v1/abandon", seal(self.key, ab))
 
     async def step(self, wait_s: float = 2.0) -> Assignment | None:

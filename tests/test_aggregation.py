@@ -8,9 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gpuflex.hub.aggregation import (
     METHODS,
     AggregationError,
@@ -24,6 +21,8 @@ from gpuflex.hub.aggregation import (
     trimmed_mean,
     update_norm,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch.set_num_threads(1)
 
@@ -137,7 +136,9 @@ def test_robust_rules_resist_a_scaled_attacker(method):
     centre, ups = honest_plus_attacker(n_honest=8, n_bad=1, factor=-50.0)
     robust = aggregate(ups, [1] * 9, spec(method, trim_beta=0.2, krum_f=1, krum_m=4))
     plain = aggregate(ups, [1] * 9, spec("fedavg"))
-    assert dist(robust, centre) < 0.1 * dist(centre, {k: torch.zeros_like(v) for k, v in centre.items()})
+    assert dist(robust, centre) < 0.1 * dist(
+        centre, {k: torch.zeros_like(v) for k, v in centre.items()}
+    )
     assert dist(plain, centre) > 10 * dist(robust, centre)
 
 
@@ -225,7 +226,11 @@ def test_property_median_and_trimmed_mean_stay_within_range(n, seed, slice_elems
 
 def model_state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "n": torch.tensor(5)}
+    return {
+        "w": torch.randn(4, 3, generator=g),
+        "b": torch.randn(3, generator=g),
+        "n": torch.tensor(5),
+    }
 
 
 def test_server_optimizer_none_is_plain_fedavg_and_pure():
@@ -241,7 +246,9 @@ def test_server_optimizer_none_is_plain_fedavg_and_pure():
 
 def test_fedavgm_and_fedadam_follow_their_formulas():
     g = model_state()
-    ds = [{"w": torch.full((4, 3), float(i + 1)), "b": torch.full((3,), -float(i))} for i in range(3)]
+    ds = [
+        {"w": torch.full((4, 3), float(i + 1)), "b": torch.full((3,), -float(i))} for i in range(3)
+    ]
     opt = ServerOptimizer(kind="fedavgm", lr=0.1, momentum=0.5)
     state, v = g, torch.zeros(3)
     for d in ds:

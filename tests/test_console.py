@@ -7,12 +7,10 @@ logs in through the login form with its own cookie jar.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
@@ -20,8 +18,6 @@ import pytest
 import pytest_asyncio
 from gpuflex.hub.appkeys import DB
 from gpuflex.hub.tokens import create_token
-from gpuflex.hub.web import charts
-from gpuflex.hub.web.sessions import SessionStore, csrf_matches
 
 from tests.helpers import RunningHub, digits_spec, submit_job, write_digits
 from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode, with_console
@@ -37,8 +33,9 @@ def module_monkeypatch() -> pytest.MonkeyPatch:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def hub(tmp_path_factory: pytest.TempPathFactory,
-              module_monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SimpleNamespace]:
+async def hub(
+    tmp_path_factory: pytest.TempPathFactory, module_monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[SimpleNamespace]:
     """alice's job, bob's job named like a script tag, a registered node with one open flag."""
     from gpuflex.hub.rounds import FlagRow, RoundEngine
 
@@ -63,19 +60,40 @@ async def hub(tmp_path_factory: pytest.TempPathFactory,
     # Flags as verification raises them: through the round engine's own insert.
     def insert(conn: sqlite3.Connection) -> list[str]:
         job = SimpleNamespace(id=alice_job, round=0)
-        ev = {"problems": ["cosine -0.99 to the round's median < 0"], "cosine": -0.99,
-              "norm_ratio": 1.1, "update_norm": 2.0, "median_update_norm": 1.8, "scored_updates": 3}
-        RoundEngine._insert_flags(conn, job, [
-            FlagRow("u-test-1", node.node_id, "outlier", ev),
-            FlagRow("u-test-2", node.node_id, "outlier", ev),
-            FlagRow("u-test-3", node.node_id, "free_rider", {"update_norm": 0.0, "threshold": 1e-7}),
-        ], time.time())
+        ev = {
+            "problems": ["cosine -0.99 to the round's median < 0"],
+            "cosine": -0.99,
+            "norm_ratio": 1.1,
+            "update_norm": 2.0,
+            "median_update_norm": 1.8,
+            "scored_updates": 3,
+        }
+        RoundEngine._insert_flags(
+            conn,
+            job,
+            [
+                FlagRow("u-test-1", node.node_id, "outlier", ev),
+                FlagRow("u-test-2", node.node_id, "outlier", ev),
+                FlagRow(
+                    "u-test-3", node.node_id, "free_rider", {"update_norm": 0.0, "threshold": 1e-7}
+                ),
+            ],
+            time.time(),
+        )
         return [r[0] for r in conn.execute("SELECT id FROM flags ORDER BY update_id")]
 
     flag_ids = await h.app[DB].write(insert)
     try:
-        yield SimpleNamespace(hub=h, url=h.url, bob=bob, alice_job=alice_job, bob_job=bob_job,
-                              node_id=node.node_id, flags=flag_ids, data_dir=h.data_dir)
+        yield SimpleNamespace(
+            hub=h,
+            url=h.url,
+            bob=bob,
+            alice_job=alice_job,
+            bob_job=bob_job,
+            node_id=node.node_id,
+            flags=flag_ids,
+            data_dir=h.data_dir,
+        )
     finally:
         await h.stop()
 
@@ -102,9 +120,16 @@ async def test_root_redirects_and_pages_need_login(hub, browser):
 
 
 async def test_security_headers_and_no_inline_code(hub, browser):
+    status, _, r = await browser.get("/console/login")
+    assert status == 200 and r.headers["X-Frame-Options"] == "DENY"
     await browser.login(hub.hub.auditor_token)
-    for path in ("/console/login", "/console/jobs", f"/console/jobs/{hub.alice_job}",
-                 "/console/nodes", "/console/flags", f"/console/flags/{hub.flags[0]}"):
+    for path in (
+        "/console/jobs",
+        f"/console/jobs/{hub.alice_job}",
+        "/console/nodes",
+        "/console/flags",
+        f"/console/flags/{hub.flags[0]}",
+    ):
         status, html, r = await browser.get(path)
         assert status == 200, (path, html[:300])
         csp = r.headers["Content-Security-Policy"]
@@ -146,7 +171,9 @@ async def test_login_cookie_is_opaque_httponly_strict(hub, browser):
 async def test_bad_token_and_forged_login_are_refused(hub, browser):
     status, html, _ = await browser.get("/console/login")
     csrf = browser.csrf_in(html)
-    status, html, r = await browser.post("/console/login", {"csrf_token": csrf, "token": "gft_nope"})
+    status, html, r = await browser.post(
+        "/console/login", {"csrf_token": csrf, "token": "gft_nope"}
+    )
     assert status == 401 and "unknown or revoked" in html
     assert "gpuflex_console" not in r.cookies
     # A login post without the double-submit token, or from another origin, is refused.
@@ -154,8 +181,10 @@ async def test_bad_token_and_forged_login_are_refused(hub, browser):
     assert status == 403
     status, html, _ = await browser.get("/console/login")
     status, _, _ = await browser.post(
-        "/console/login", {"csrf_token": browser.csrf_in(html), "token": hub.hub.owner_token},
-        headers={"Origin": "http://evil.example"})
+        "/console/login",
+        {"csrf_token": browser.csrf_in(html), "token": hub.hub.owner_token},
+        headers={"Origin": "http://evil.example"},
+    )
     assert status == 403
 
 
@@ -178,8 +207,10 @@ async def test_owner_sees_only_own_jobs(hub, browser):
     assert status == 200 and "Only auditors and admins give verdicts" in html
     assert 'action="/console/flags/' not in html
     csrf = await browser.page_csrf()
-    status, _, _ = await browser.post(f"/console/flags/{hub.flags[0]}/verdict",
-                                      {"csrf_token": csrf, "verdict": "confirm", "note": "x"})
+    status, _, _ = await browser.post(
+        f"/console/flags/{hub.flags[0]}/verdict",
+        {"csrf_token": csrf, "verdict": "confirm", "note": "x"},
+    )
     assert status == 403
 
 
@@ -206,17 +237,21 @@ async def test_script_job_name_is_escaped(hub, browser):
 async def test_form_posts_need_the_session_csrf_token(hub, browser):
     await browser.login(hub.hub.auditor_token)
     flag = hub.flags[1]
-    for data in ({"verdict": "dismiss", "note": "n"},
-                 {"verdict": "dismiss", "note": "n", "csrf_token": "wrong"}):
+    for data in (
+        {"verdict": "dismiss", "note": "n"},
+        {"verdict": "dismiss", "note": "n", "csrf_token": "wrong"},
+    ):
         status, html, _ = await browser.post(f"/console/flags/{flag}/verdict", data)
         assert status == 403, html[:300]
     status, _, _ = await browser.post("/console/logout", {})
     assert status == 403
     # Right token, wrong origin: refused too.
     csrf = await browser.page_csrf()
-    status, _, _ = await browser.post(f"/console/flags/{flag}/verdict",
-                                      {"csrf_token": csrf, "verdict": "dismiss", "note": "n"},
-                                      headers={"Origin": "http://evil.example"})
+    status, _, _ = await browser.post(
+        f"/console/flags/{flag}/verdict",
+        {"csrf_token": csrf, "verdict": "dismiss", "note": "n"},
+        headers={"Origin": "http://evil.example"},
+    )
     assert status == 403
     status, html, _ = await browser.get(f"/console/flags/{flag}")
     assert ">open<" in html  # nothing changed
@@ -238,7 +273,8 @@ async def test_auditor_verdict_moves_reputation_and_audit_log(hub, browser):
     csrf = await browser.page_csrf(f"/console/flags/{flag}")
     status, body, r = await browser.post(
         f"/console/flags/{flag}/verdict",
-        {"csrf_token": csrf, "verdict": "confirm", "note": "sign flipped <b>clearly</b>"})
+        {"csrf_token": csrf, "verdict": "confirm", "note": "sign flipped <b>clearly</b>"},
+    )
     assert status == 303, body[:500]
     status, html, _ = await browser.get(r.headers["Location"])
     assert "Verdict recorded" in html and "confirmed" in html
@@ -246,17 +282,20 @@ async def test_auditor_verdict_moves_reputation_and_audit_log(hub, browser):
     status, html, _ = await browser.get("/console/nodes")
     assert "suspect (1 confirmed)" in html
     # The same path as the API: the verdict is in the hub's flag row and audit log.
-    async with aiohttp.ClientSession() as s, s.get(
-        f"{hub.url}/v1/flags/{flag}", headers=hub.hub.auth(hub.hub.auditor_token)
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{hub.url}/v1/flags/{flag}", headers=hub.hub.auth(hub.hub.auditor_token)) as resp,
+    ):
         doc = await resp.json()
     assert doc["status"] == "confirmed" and doc["auditor"] == "audrey"
     status, html, _ = await browser.get("/console/flags?status=confirmed")
     assert flag in html and "verified" in html
     # A second verdict on the same flag is refused by the hub's function.
     csrf = await browser.page_csrf()
-    status, html, _ = await browser.post(f"/console/flags/{flag}/verdict",
-                                         {"csrf_token": csrf, "verdict": "dismiss", "note": "again"})
+    status, html, _ = await browser.post(
+        f"/console/flags/{flag}/verdict",
+        {"csrf_token": csrf, "verdict": "dismiss", "note": "again"},
+    )
     assert status == 409
 
 
@@ -280,59 +319,3 @@ async def test_logout_ends_the_session(hub, browser):
     assert status == 303
     status, _, _ = await browser.get("/console/jobs")
     assert status == 302
-
-
-# --------------------------------------------------------------------------- pure parts
-
-
-def test_line_chart_escapes_and_skips_gaps():
-    svg = charts.line_chart(
-        [charts.Series("<b>loss</b>", [(0, 1.0), (1, None), (2, math.nan), (3, 0.5)]),
-         charts.Series("acc", [(0, 0.1), (3, 0.9)])],
-        title='t"<script>',
-    )
-    assert svg.startswith("<svg") and svg.endswith("</svg>")
-    assert "<script>" not in svg and "<b>" not in svg
-    assert "&lt;b&gt;loss&lt;/b&gt;" in svg and "t&quot;&lt;script&gt;" in svg
-    assert "nan" not in svg.lower().replace("nan</", "")  # no NaN coordinates
-    assert svg.count("<circle") == 4
-    assert "no data yet" in charts.line_chart([], title="x")
-    assert "no data yet" in charts.line_chart([charts.Series("a", [(0, None)])], title="x")
-
-
-def test_bar_chart_and_gauge_escape():
-    svg = charts.bar_chart([charts.Bar("<layer>", [1.0, -0.5]), charts.Bar("b", [math.inf, 2.0])],
-                           title="T", legend=["this", "<centre>"], threshold=1.5)
-    assert "<layer>" not in svg and "&lt;layer&gt;" in svg and "&lt;centre&gt;" in svg
-    assert "inf" not in svg
-    g = charts.score_gauge(-0.9, 0.0, bad_when="below", title="cos")
-    assert 'class="bad"' in g
-    g = charts.score_gauge(1.0, 4.0, bad_when="above", title="ratio")
-    assert 'class="ok"' in g
-
-
-def test_nice_ticks():
-    assert charts.nice_ticks(0, 1) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    t = charts.nice_ticks(0.13, 2.27)
-    assert t[0] <= 0.13 and t[-1] >= 2.27 and len(t) <= 12
-    assert charts.nice_ticks(5, 5)  # degenerate range still gives ticks
-    assert charts.nice_ticks(math.nan, 1) == []
-
-
-def test_session_store_expires_and_checks_csrf(tmp_path: Path):
-    now = [1000.0]
-    store = SessionStore(tmp_path / "s.sqlite3", ttl_s=100, idle_s=30, clock=lambda: now[0])
-    sid, s = store.create(token_id="1", role="owner", name="alice")
-    assert store.get(sid).name == "alice"
-    assert store.get("nope") is None and store.get(None) is None
-    assert csrf_matches(s.csrf, s.csrf) and not csrf_matches(s.csrf, s.csrf[:-1] + "x")
-    assert not csrf_matches(s.csrf, None) and not csrf_matches(s.csrf, "")
-    now[0] += 31  # idle too long
-    assert store.get(sid) is None
-    sid, _ = store.create(token_id="1", role="owner", name="alice")
-    for _ in range(5):
-        now[0] += 25
-        assert store.get(sid) is not None
-    now[0] += 25  # past the absolute lifetime
-    assert store.get(sid) is None
-    store.close()

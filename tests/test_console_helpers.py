@@ -59,7 +59,9 @@ def with_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub_app, "create_app", create_app)
 
 
-async def start_console_hub(data_dir: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> RunningHub:
+async def start_console_hub(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> RunningHub:
     with_console(monkeypatch)
     return await start_hub(data_dir, **kw)
 
@@ -80,13 +82,15 @@ class Browserish:
         async with self.session.get(self.url + path, **kw) as r:
             return r.status, await r.text(), r
 
-    async def post(self, path: str, data: dict[str, str], *, origin: bool = True,
-                   **kw: Any) -> tuple[int, str, aiohttp.ClientResponse]:
+    async def post(
+        self, path: str, data: dict[str, str], *, origin: bool = True, **kw: Any
+    ) -> tuple[int, str, aiohttp.ClientResponse]:
         headers = kw.pop("headers", {})
         if origin:
             headers.setdefault("Origin", self.url)
-        async with self.session.post(self.url + path, data=data, headers=headers,
-                                     allow_redirects=False, **kw) as r:
+        async with self.session.post(
+            self.url + path, data=data, headers=headers, allow_redirects=False, **kw
+        ) as r:
             return r.status, await r.text(), r
 
     @staticmethod
@@ -99,7 +103,8 @@ class Browserish:
         status, html, _ = await self.get("/console/login")
         assert status == 200, html
         status, body, r = await self.post(
-            "/console/login", {"csrf_token": self.csrf_in(html), "token": token, "next": "/console/jobs"}
+            "/console/login",
+            {"csrf_token": self.csrf_in(html), "token": token, "next": "/console/jobs"},
         )
         assert status == 303, (status, body[:500])
         return r
@@ -132,12 +137,21 @@ class TrainingNode(SimNode):
         torch.set_num_threads(1)
         global_state = decode_state(bytearray(await self.blob(a.model_hash)))
         chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
-        res = contribute(self.attack, ModelSpec.from_dict(a.model_spec), global_state, chunks,
-                         a.train, a.seed, device=torch.device("cpu"))
+        res = contribute(
+            self.attack,
+            ModelSpec.from_dict(a.model_spec),
+            global_state,
+            chunks,
+            a.train,
+            a.seed,
+            device=torch.device("cpu"),
+        )
         self.last_train_s = max(float(res.train_s), 1e-3)
         return encode_state(res.delta), res.sample_count, res.loss
 
-    def update_header(self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any) -> Any:
+    def update_header(
+        self, a: Assignment, blob: bytes, samples: int, loss: float, **over: Any
+    ) -> Any:
         over.setdefault("timings", {"train_s": self.last_train_s})
         return super().update_header(a, blob, samples, loss, **over)
 
@@ -156,14 +170,20 @@ async def job_doc(s: aiohttp.ClientSession, hub: RunningHub, job_id: str) -> dic
         return await r.json()
 
 
-async def run_job_with_attacker(hub: RunningHub, work_dir: Path, *, other_owner_token: str,
-                                rounds: int = 3, timeout: float = 45.0) -> Scenario:
+async def run_job_with_attacker(
+    hub: RunningHub,
+    work_dir: Path,
+    *,
+    other_owner_token: str,
+    rounds: int = 3,
+    timeout: float = 45.0,
+) -> Scenario:
     """alice's digits job trained by two honest nodes and one sign-flipping node
     (which contributes to the first shard only, then leaves); plus a job of
     another owner, named like a script tag, that nobody trains."""
     train, val, _ = write_digits(work_dir)
-    # ~450 samples per shard at the claimed throughput: several shards per round.
-    spec = digits_spec(rounds=rounds, round_target_s=0.09, chunk_size=64, replication='"adaptive"')
+    # ~1000 samples per shard at the claimed throughput: two shards in the first round.
+    spec = digits_spec(rounds=rounds, round_target_s=0.2, chunk_size=64, replication='"adaptive"')
     evil = digits_spec(rounds=1).replace('name = "digits-mlp"', f'name = "{EVIL_NAME}"')
     async with aiohttp.ClientSession() as s:
         r = await submit_job(s, hub, spec, train, val)
@@ -173,8 +193,9 @@ async def run_job_with_attacker(hub: RunningHub, work_dir: Path, *, other_owner_
         assert r.status == 201, await r.text()
         other_id = (await r.json())["id"]
         # The untrained job must not take work from alice's: cancel it (it stays listed).
-        async with s.post(f"{hub.url}/v1/jobs/{other_id}/cancel",
-                          headers=hub.auth(other_owner_token)) as cr:
+        async with s.post(
+            f"{hub.url}/v1/jobs/{other_id}/cancel", headers=hub.auth(other_owner_token)
+        ) as cr:
             assert cr.status == 200, await cr.text()
 
         x = TrainingNode(s, hub.url, attack="sign_flip", samples_per_s=5000.0)
@@ -200,14 +221,16 @@ async def run_job_with_attacker(hub: RunningHub, work_dir: Path, *, other_owner_
             if not progressed:
                 await asyncio.sleep(0.05)
         assert doc["state"] == "done", doc
-        return Scenario(job_id=job_id, other_job_id=other_id, attacker=x.node_id,
-                        honest=[a.node_id, b.node_id])
+        return Scenario(
+            job_id=job_id, other_job_id=other_id, attacker=x.node_id, honest=[a.node_id, b.node_id]
+        )
 
 
 async def first_flag_of(hub: RunningHub, node_id: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(
-        f"{hub.url}/v1/flags", headers=hub.auth(hub.auditor_token)
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{hub.url}/v1/flags", headers=hub.auth(hub.auditor_token)) as r,
+    ):
         flags = (await r.json())["flags"]
     mine = [f for f in flags if f["node_id"] == node_id]
     assert mine, f"no flag raised against {node_id}: {flags}"

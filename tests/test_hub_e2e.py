@@ -1,12 +1,25 @@
-"""End to end over loopback: submit, nodes train rounds, the model improves and downloads."""
+"""End to end over loopback: real app, real SQLite file, real torch, simulated nodes signing with the protocol."""
 
 from __future__ import annotations
 
-import aiohttp
+import asyncio
+import sqlite3
+import time
 
-from gpuflex.protocol.messages import Assignment, NoWork
+import aiohttp
+from gpuflex.hub.appkeys import ROUNDS
+from gpuflex.protocol.messages import Ack, Assignment, NoWork
 from gpuflex.protocol.tensors import state_from_safetensors
-from tests.helpers import SimNode, submit_job, wait_job
+
+from tests.helpers import SimNode, digits_spec, start_hub, submit_job, wait_job, write_digits
+
+
+def db_rows(hub, sql, *args):
+    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
 
 
 async def test_one_node_job_runs_to_done(running_hub, digits_npz):
@@ -20,12 +33,309 @@ async def test_one_node_job_runs_to_done(running_hub, digits_npz):
         for _ in range(2):
             a = await node.step()
             assert isinstance(a, Assignment)
-            assert a.job_id == job["id"]
+            assert a.job_id == job["id"] and a.replica_group == ""
         doc = await wait_job(s, running_hub, job["id"])
         assert [h["round"] for h in doc["history"]] == [0, 1]
         assert doc["history"][-1]["accuracy"] > 0.5
+        assert doc["history"][-1]["updates"][0]["status"] == "included"
         assert isinstance(await node.work(0.1), NoWork)
-        async with s.get(f"{running_hub.url}/v1/jobs/{job['id']}/model", headers=running_hub.auth()) as r:
+        async with s.get(
+            f"{running_hub.url}/v1/jobs/{job['id']}/model", headers=running_hub.auth()
+        ) as r:
             assert r.status == 200
             state = state_from_safetensors(await r.read())
         assert "0.weight" in state
+        async with s.get(
+            f"{running_hub.url}/v1/jobs/{job['id']}/model?round=0", headers=running_hub.auth()
+        ) as r:
+            assert r.headers["X-GPUFlex-Model-Version"] == "0"
+    # every chunk of every round counted exactly once
+    chunks = {
+        c for (c,) in db_rows(running_hub, "SELECT sha FROM chunks WHERE job_id = ?", job["id"])
+    }
+    for rnd in (0, 1):
+        got = [
+            c
+            for (c,) in db_rows(
+                running_hub,
+                "SELECT sc.chunk_sha FROM updates u JOIN shard_chunks sc ON sc.shard_id = u.shard_id"
+                " WHERE u.job_id = ? AND u.round = ? AND u.status = 'included'",
+                job["id"],
+                rnd,
+            )
+        ]
+        assert sorted(got) == sorted(chunks)
+
+
+async def test_two_jobs_share_two_nodes(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=2, round_target_s=0.5)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            ids = []
+            for _ in range(2):
+                r = await submit_job(s, hub, spec, train, val)
+                ids.append((await r.json())["id"])
+            nodes = [SimNode(s, hub.url, samples_per_s=1000.0) for _ in range(2)]
+            for n in nodes:
+                await n.register()
+            seen_jobs = set()
+
+            async def drive(n: SimNode) -> None:
+                while True:
+                    a = await n.step(wait_s=0.5)
+                    if a is None:
+                        return
+                    seen_jobs.add(a.job_id)
+
+            await asyncio.wait_for(asyncio.gather(*(drive(n) for n in nodes)), 90)
+            for job_id in ids:
+                doc = await wait_job(s, hub, job_id)
+                assert len(doc["history"]) == 2
+                assert (
+                    len(doc["history"][0]["updates"]) > 1
+                )  # a 500-sample shard: several per round
+            assert seen_jobs == set(ids)
+    finally:
+        await hub.stop()
+
+
+async def test_restart_between_accepting_and_aggregating_gives_identical_model(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+
+    async def run(data_dir, restart: bool) -> str:
+        hub = await start_hub(data_dir)
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
+            node = SimNode(s, hub.url)
+            await node.register()
+            if restart:
+
+                async def hold(job, now=None):  # this hub accepts updates but never aggregates
+                    return None
+
+                hub.app[ROUNDS].advance = hold
+            assert await node.step() is not None
+            tokens = {
+                "owner": hub.owner_token,
+                "auditor": hub.auditor_token,
+                "admin": hub.admin_token,
+            }
+            if restart:
+                await hub.stop()
+                assert db_rows(hub, "SELECT status FROM updates") == [("accepted",)]
+                hub = await start_hub(data_dir, tokens=tokens)  # aggregates on start
+            doc = await wait_job(s, hub, job_id)
+        await hub.stop()
+        return doc["history"][0]["model_hash"]
+
+    plain = await run(tmp_path / "plain", restart=False)
+    restarted = await run(tmp_path / "restarted", restart=True)
+    assert plain == restarted
+
+
+async def test_expired_assignment_returns_to_pool_and_late_update_is_refused(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+    hub = await start_hub(tmp_path / "hub", min_deadline_s=1.5, sweep_interval_s=0.05)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await submit_job(s, hub, spec, train, val)
+            slow, fast = SimNode(s, hub.url), SimNode(s, hub.url)
+            await slow.register()
+            await fast.register()
+            a_slow = await slow.work(0.5)
+            assert isinstance(a_slow, Assignment)
+            blob, samples, loss = await slow.train(
+                a_slow
+            )  # too slow: the deadline passes meanwhile
+            await asyncio.sleep(max(0.0, a_slow.deadline - time.time()) + 0.3)
+            a_fast = await fast.work(2.0)
+            assert isinstance(a_fast, Assignment)
+            assert {c.sha256 for c in a_fast.chunks} == {c.sha256 for c in a_slow.chunks}
+            r = await slow.upload_raw(slow.update_header(a_slow, blob, samples, loss), blob)
+            assert r.status == 409 and (await r.json())["error"] == "late_update"
+            hb = await slow.heartbeat(a_slow.assignment_id)
+            ack = await slow.open_response(hb, Ack)
+            assert ack.ok is False
+            blob2, samples2, loss2 = await fast.train(a_fast)
+            assert isinstance(await fast.upload(a_fast, blob2, samples2, loss2), Ack)
+            r = await fast.upload_raw(fast.update_header(a_fast, blob2, samples2, loss2), blob2)
+            assert r.status == 409 and (await r.json())["error"] == "duplicate_update"
+            assert len(db_rows(hub, "SELECT id FROM updates")) == 1
+    finally:
+        await hub.stop()
+
+
+async def test_heartbeat_extends_and_abandon_frees_the_shard(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+    hub = await start_hub(tmp_path / "hub", min_deadline_s=5.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await submit_job(s, hub, spec, train, val)
+            a_node, b_node = SimNode(s, hub.url), SimNode(s, hub.url)
+            await a_node.register()
+            await b_node.register()
+            a = await a_node.work(0.5)
+            assert isinstance(a, Assignment)
+            await asyncio.sleep(0.2)
+            ack = await a_node.open_response(await a_node.heartbeat(a.assignment_id), Ack)
+            assert ack.ok and ack.deadline > a.deadline
+            # the same node asking again gets the same assignment back (it may have restarted)
+            again = await a_node.work(0.1)
+            assert isinstance(again, Assignment) and again.assignment_id == a.assignment_id
+            assert isinstance(await b_node.work(0.1), NoWork)  # everything is taken
+            r = await b_node.heartbeat(a.assignment_id)
+            assert r.status == 403 and (await r.json())["error"] == "not_your_assignment"
+            await a_node.open_response(await a_node.abandon(a.assignment_id), Ack)
+            b = await b_node.work(1.0)
+            assert isinstance(b, Assignment) and b.assignment_id != a.assignment_id
+    finally:
+        await hub.stop()
+
+
+async def test_waiting_long_poll_wakes_with_the_next_round(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=2)
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=20.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await submit_job(s, hub, spec, train, val)
+            first, waiter = SimNode(s, hub.url), SimNode(s, hub.url)
+            await first.register()
+            await waiter.register()
+            a = await first.work(0.5)
+            blob, samples, loss = await first.train(a)
+            poll = asyncio.create_task(waiter.work(20.0))
+            await asyncio.sleep(0.3)
+            assert not poll.done()
+            t0 = time.monotonic()
+            await first.upload(a, blob, samples, loss)
+            nxt = await asyncio.wait_for(poll, 10)
+            assert isinstance(nxt, Assignment) and nxt.round == 1
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        await hub.stop()
+
+
+async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            n1, n2 = SimNode(s, hub.url), SimNode(s, hub.url)
+            await n1.register()
+            await n2.register()
+            a1 = await n1.work(0.5)
+            a2 = await n2.work(0.5)
+            assert isinstance(a1, Assignment) and isinstance(a2, Assignment)
+            assert a1.replica_group and a1.replica_group == a2.replica_group
+            assert (a1.seed, [c.sha256 for c in a1.chunks]) == (
+                a2.seed,
+                [c.sha256 for c in a2.chunks],
+            )
+            for n, a in ((n1, a1), (n2, a2)):
+                blob, samples, loss = await n.train(a)
+                await n.upload(a, blob, samples, loss)
+            doc = await wait_job(s, hub, job_id)
+            statuses = sorted(u["status"] for u in doc["history"][0]["updates"])
+            assert statuses == ["included", "redundant"]
+            assert doc["history"][0]["replication_overhead"] == 1.0
+            async with s.get(f"{hub.url}/v1/nodes", headers=hub.auth(hub.auditor_token)) as r:
+                nodes = (await r.json())["nodes"]
+            assert all(n["reputation"]["agreements_total"] == 1 for n in nodes)
+            async with s.get(f"{hub.url}/v1/audit-log", headers=hub.auth(hub.auditor_token)) as r:
+                assert r.status == 200
+                assert b'"aggregation"' in await r.read()
+    finally:
+        await hub.stop()
+
+
+async def test_single_node_is_never_held_back_by_replication(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=2, replication='"adaptive"')
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
+            node = SimNode(s, hub.url)
+            await node.register()
+            for _ in range(2):
+                a = await node.step()
+                assert a is not None and a.replica_group == ""
+            doc = await wait_job(s, hub, job_id, timeout=10)
+            assert doc["state"] == "done"
+    finally:
+        await hub.stop()
+
+
+async def test_blobs_only_for_a_live_assignment_and_range_works(running_hub, digits_npz):
+    train, val, spec = digits_npz
+    async with aiohttp.ClientSession() as s:
+        await submit_job(s, running_hub, spec, train, val)
+        node, other = SimNode(s, running_hub.url), SimNode(s, running_hub.url)
+        await node.register()
+        await other.register()
+        a = await node.work(0.5)
+        sha = a.chunks[0].sha256
+        headers = node.blob_auth(sha) | {"Range": "bytes=0-9"}
+        async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=headers) as r:
+            assert r.status == 206 and len(await r.read()) == 10
+        async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=other.blob_auth(sha)) as r:
+            assert r.status == 403 and (await r.json())["error"] == "not_assigned"
+        auth = node.blob_auth(sha)
+        async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=auth) as r:
+            assert r.status == 200
+        async with s.get(
+            f"{running_hub.url}/v1/blobs/{sha}", headers=auth
+        ) as r:  # same nonce again
+            assert r.status == 409 and (await r.json())["error"] == "replay"
+
+
+async def test_cancel_stops_the_job(running_hub, digits_npz):
+    train, val, spec = digits_npz
+    async with aiohttp.ClientSession() as s:
+        job_id = (await (await submit_job(s, running_hub, spec, train, val)).json())["id"]
+        node = SimNode(s, running_hub.url)
+        await node.register()
+        a = await node.work(0.5)
+        blob, samples, loss = await node.train(a)
+        async with s.post(
+            f"{running_hub.url}/v1/jobs/{job_id}/cancel", headers=running_hub.auth()
+        ) as r:
+            assert r.status == 200 and (await r.json())["state"] == "cancelled"
+        async with s.get(
+            f"{running_hub.url}/v1/blobs/{a.model_hash}", headers=node.blob_auth(a.model_hash)
+        ) as r:
+            assert r.status == 403  # no live assignment any more
+        r = await node.upload_raw(node.update_header(a, blob, samples, loss), blob)
+        assert r.status == 409 and (await r.json())["error"] == "late_update"
+        assert isinstance(await node.work(0.1), NoWork)
+
+
+async def test_spec_with_validation_fraction_and_csv(running_hub, tmp_path):
+    import numpy as np
+
+    from tests.helpers import digits_arrays
+
+    x, y, _, _ = digits_arrays()
+    csv = tmp_path / "train.csv"
+    header = ",".join([f"f{i}" for i in range(64)] + ["digit"])
+    rows = [
+        ",".join(f"{v:g}" for v in row) + f",{label}"
+        for row, label in zip(x[:400], y[:400], strict=True)
+    ]
+    csv.write_text(header + "\n" + "\n".join(rows) + "\n")
+    spec = digits_spec(rounds=1, extra="").replace(
+        'split = "stratified"',
+        'split = "stratified"\nvalidation_fraction = 0.25\nlabel_column = "digit"',
+    )
+    async with aiohttp.ClientSession() as s:
+        r = await submit_job(s, running_hub, spec, csv)
+        assert r.status == 201, await r.text()
+        job_id = (await r.json())["id"]
+        node = SimNode(s, running_hub.url)
+        await node.register()
+        await node.step()
+        doc = await wait_job(s, running_hub, job_id)
+        assert doc["val_samples"] == 100 and doc["train_samples"] == 300
+        assert doc["history"][0]["accuracy"] is not None
+    assert np.isfinite(doc["history"][0]["loss"])

@@ -9,9 +9,8 @@ import json
 import aiohttp
 import pytest
 import torch
-from test_node_support import EventLog, Hub, agent, dataset, spec_toml, wait_for
-
 from gpuflex.node.control import TOKEN_FILE, URL_FILE, call_control
+from test_node_support import EventLog, Hub, agent, dataset, spec_toml, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +65,9 @@ async def test_hub_restart_mid_job_node_carries_on(tmp_path):
         task = asyncio.create_task(node.run())
         await wait_for(lambda: events.of("uploaded"), timeout=30)
         await hub.stop()  # the hub goes away between rounds
-        await wait_for(lambda: any(e.get("error") == "HubUnavailable" for e in events.of("error")), timeout=15)
+        await wait_for(
+            lambda: any(e.get("error") == "HubUnavailable" for e in events.of("error")), timeout=15
+        )
         assert not task.done()
         await asyncio.sleep(0.5)
         await hub.start()  # same data dir, same port
@@ -104,7 +105,10 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
                     assert r.status == 401
         assert not node.paused
 
-        await wait_for(lambda: node.state == "training" and node.current and node.current.progress > 0, timeout=30)
+        await wait_for(
+            lambda: node.state == "training" and node.current and node.current.progress > 0,
+            timeout=60,
+        )
         status = await asyncio.to_thread(call_control, data, "GET", "/v1/status")
         assert status["assignment"]["phase"] == "training" and status["node_id"] == node.node_id
         res = await asyncio.to_thread(call_control, data, "POST", "/v1/pause")
@@ -118,7 +122,9 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
         assert status["paused"] and status["assignment"] is None
 
         await asyncio.to_thread(call_control, data, "POST", "/v1/resume")
-        await wait_for(lambda: len(events.of("assignment")) == 2, timeout=15)  # the shard comes back
+        await wait_for(
+            lambda: len(events.of("assignment")) == 2, timeout=15
+        )  # the shard comes back
     finally:
         node.request_exit("test")
         code = await asyncio.wait_for(task, 15)

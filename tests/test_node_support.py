@@ -20,7 +20,6 @@ import msgpack
 import numpy as np
 import torch
 from aiohttp import web
-
 from gpuflex.hub.app import create_app
 from gpuflex.hub.appkeys import METRICS
 from gpuflex.hub.config import HubConfig
@@ -32,14 +31,29 @@ from gpuflex.node.output import Output
 from gpuflex.protocol.messages import Benchmark
 
 FAST_BENCH = Benchmark(
-    samples_per_s=20000.0, matmul_tflops_fp32=0.05, matmul_tflops_bf16=None, matmul_tflops_fp16=None,
-    mem_bandwidth_gbs=5.0, h2d_gbs=None, d2h_gbs=None, reference_model="test",
+    samples_per_s=20000.0,
+    matmul_tflops_fp32=0.05,
+    matmul_tflops_bf16=None,
+    matmul_tflops_fp16=None,
+    mem_bandwidth_gbs=5.0,
+    h2d_gbs=None,
+    d2h_gbs=None,
+    reference_model="test",
 )
 
 
-def spec_toml(*, rounds: int = 2, epochs: int = 1, chunk_size: int = 32, replication: float = 0.0,
-              hidden: int = 16, dropout: float = 0.0, extra_train: str = "", round_target_s: float = 1000.0,
-              quorum: int = 2) -> str:
+def spec_toml(
+    *,
+    rounds: int = 2,
+    epochs: int = 1,
+    chunk_size: int = 32,
+    replication: float = 0.0,
+    hidden: int = 16,
+    dropout: float = 0.0,
+    extra_train: str = "",
+    round_target_s: float = 1000.0,
+    quorum: int = 2,
+) -> str:
     return f"""
 [job]
 name = "node-test"
@@ -107,8 +121,13 @@ class Hub:
     owner_token: str = ""
 
     async def start(self) -> Hub:
-        cfg = HubConfig(data_dir=self.data_dir, port=self.port, long_poll_max_s=self.long_poll_max_s,
-                        min_deadline_s=self.min_deadline_s, sweep_interval_s=0.2)
+        cfg = HubConfig(
+            data_dir=self.data_dir,
+            port=self.port,
+            long_poll_max_s=self.long_poll_max_s,
+            min_deadline_s=self.min_deadline_s,
+            sweep_interval_s=0.2,
+        )
         self.app = create_app(cfg)
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
@@ -134,16 +153,23 @@ class Hub:
             form = aiohttp.FormData()
             form.add_field("spec", spec.encode(), filename="spec.toml")
             form.add_field("train", train, filename="train.npz")
-            async with s.post(self.url + "/v1/jobs", data=form,
-                              headers={"Authorization": f"Bearer {self.owner_token}"}) as r:
+            async with s.post(
+                self.url + "/v1/jobs",
+                data=form,
+                headers={"Authorization": f"Bearer {self.owner_token}"},
+            ) as r:
                 doc = json.loads(await r.text())
                 assert r.status in (200, 201), doc
                 return str(doc["id"])
 
     async def job(self, job_id: str) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.get(
-            self.url + f"/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {self.owner_token}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(
+                self.url + f"/v1/jobs/{job_id}",
+                headers={"Authorization": f"Bearer {self.owner_token}"},
+            ) as r,
+        ):
             return json.loads(await r.text())
 
     def db_rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
@@ -157,10 +183,24 @@ class Hub:
             conn.close()
 
 
-def agent(data_dir: Path, url: str, events: EventLog | None = None, cls: type[NodeAgent] = NodeAgent,
-          **kw: Any) -> NodeAgent:
-    cfg = dict(hub_url=url, data_dir=data_dir, device="cpu", poll_wait_s=1.0, heartbeat_s=0.5,
-               backoff_base_s=0.1, backoff_cap_s=0.5, benchmark=FAST_BENCH, control=False)
+def agent(
+    data_dir: Path,
+    url: str,
+    events: EventLog | None = None,
+    cls: type[NodeAgent] = NodeAgent,
+    **kw: Any,
+) -> NodeAgent:
+    cfg = dict(
+        hub_url=url,
+        data_dir=data_dir,
+        device="cpu",
+        poll_wait_s=1.0,
+        heartbeat_s=0.5,
+        backoff_base_s=0.1,
+        backoff_cap_s=0.5,
+        benchmark=FAST_BENCH,
+        control=False,
+    )
     cfg.update(kw)
     return cls(NodeConfig(**cfg), output=events or EventLog())
 
@@ -188,11 +228,17 @@ class TamperProxy:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(f"{request.method} {request.path}")
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("x-gpuflex-auth", "x-gpuflex-update", "content-type", "range")}
-        async with aiohttp.ClientSession() as s, s.request(
-            request.method, self.target + request.path_qs, data=body or None, headers=headers
-        ) as r:
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("x-gpuflex-auth", "x-gpuflex-update", "content-type", "range")
+        }
+        async with (
+            aiohttp.ClientSession() as s,
+            s.request(
+                request.method, self.target + request.path_qs, data=body or None, headers=headers
+            ) as r,
+        ):
             data = await r.read()
             status = r.status
             ctype = r.headers.get("Content-Type", "application/octet-stream").split(";")[0]
@@ -235,9 +281,18 @@ def seed_bench_cache(data_dir: Path, threads: int = 1) -> None:
     finally:
         torch.set_num_threads(before)
     data_dir.mkdir(parents=True, exist_ok=True)
-    results = {"fingerprint": fp, "quick": True, "samples_per_s": 20000.0, "matmul_tflops_fp32": 0.05,
-               "matmul_tflops_bf16": None, "matmul_tflops_fp16": None, "mem_bandwidth_gbs": 5.0,
-               "h2d_gbs": None, "d2h_gbs": None, "reference_model": "test"}
+    results = {
+        "fingerprint": fp,
+        "quick": True,
+        "samples_per_s": 20000.0,
+        "matmul_tflops_fp32": 0.05,
+        "matmul_tflops_bf16": None,
+        "matmul_tflops_fp16": None,
+        "mem_bandwidth_gbs": 5.0,
+        "h2d_gbs": None,
+        "d2h_gbs": None,
+        "reference_model": "test",
+    }
     (data_dir / CACHE_FILE).write_text(json.dumps(results))
 
 
@@ -245,9 +300,29 @@ def start_node_process(data_dir: Path, url: str, *extra: str) -> subprocess.Pope
     seed_bench_cache(data_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "gpuflex.node", "run", "--hub", url, "--data-dir", str(data_dir),
-         "--device", "cpu", "--threads", "1", "--poll-wait", "1", "--heartbeat", "0.5", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "gpuflex.node",
+            "run",
+            "--hub",
+            url,
+            "--data-dir",
+            str(data_dir),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--poll-wait",
+            "1",
+            "--heartbeat",
+            "0.5",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 

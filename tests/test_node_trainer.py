@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gpuflex.node.errors import TrainError, TrainingStopped
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.messages import TrainConfig
@@ -23,8 +22,18 @@ def _one_thread():
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(local_epochs=2, batch_size=16, optimizer="sgd", lr=0.05, momentum=0.9,
-                weight_decay=0.0, beta1=0.9, beta2=0.999, loss="cross_entropy", grad_clip=0.0)
+    base = dict(
+        local_epochs=2,
+        batch_size=16,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        loss="cross_entropy",
+        grad_clip=0.0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -36,7 +45,9 @@ def _data(n: int = 200, d: int = 8, classes: int = 3, seed: int = 0):
     return [{"x": x[i : i + 64], "y": y[i : i + 64]} for i in range(0, n, 64)]
 
 
-SPEC = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 3, "dropout": 0.2})
+SPEC = ModelSpec.from_dict(
+    {"kind": "mlp", "input": 8, "hidden": [16], "outputs": 3, "dropout": 0.2}
+)
 
 
 def _global():
@@ -64,8 +75,9 @@ def test_other_seed_gives_other_update_and_global_rng_is_untouched():
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 def test_delta_is_trained_minus_global(optimizer):
     g, chunks = _global(), _data()
-    r = train_assignment(SPEC, g, chunks, _cfg(optimizer=optimizer, lr=0.01, grad_clip=1.0),
-                         seed=3, device=CPU)
+    r = train_assignment(
+        SPEC, g, chunks, _cfg(optimizer=optimizer, lr=0.01, grad_clip=1.0), seed=3, device=CPU
+    )
     assert set(r.delta) == set(g)
     for name, t in g.items():
         assert r.delta[name].dtype == t.dtype and r.delta[name].shape == t.shape
@@ -102,11 +114,23 @@ def test_progress_and_should_stop():
 def test_bad_inputs_refused():
     g = _global()
     with pytest.raises(TrainError, match="labels"):
-        train_assignment(SPEC, g, [{"x": torch.zeros(4, 8), "y": torch.tensor([0, 1, 2, 3])}],
-                         _cfg(), seed=0, device=CPU)
+        train_assignment(
+            SPEC,
+            g,
+            [{"x": torch.zeros(4, 8), "y": torch.tensor([0, 1, 2, 3])}],
+            _cfg(),
+            seed=0,
+            device=CPU,
+        )
     with pytest.raises(TrainError, match="expected"):
-        train_assignment(SPEC, g, [{"x": torch.zeros(4, 9), "y": torch.zeros(4, dtype=torch.int64)}],
-                         _cfg(), seed=0, device=CPU)
+        train_assignment(
+            SPEC,
+            g,
+            [{"x": torch.zeros(4, 9), "y": torch.zeros(4, dtype=torch.int64)}],
+            _cfg(),
+            seed=0,
+            device=CPU,
+        )
     with pytest.raises(TrainError, match="does not fit"):
         bad = dict(g)
         bad.pop(next(iter(bad)))
@@ -116,10 +140,50 @@ def test_bad_inputs_refused():
 
 
 def test_regression_with_mse():
-    spec = ModelSpec.from_dict({"kind": "mlp", "input": 4, "hidden": [8], "outputs": 2, "task": "regression"})
+    spec = ModelSpec.from_dict(
+        {"kind": "mlp", "input": 4, "hidden": [8], "outputs": 2, "task": "regression"}
+    )
     g = build_model(spec, seed=0).state_dict()
     x = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
     y = x[:, :2] * 2.0
     r1 = train_assignment(spec, g, [{"x": x, "y": y}], _cfg(loss="mse"), seed=9, device=CPU)
     r2 = train_assignment(spec, g, [{"x": x, "y": y}], _cfg(loss="mse"), seed=9, device=CPU)
     assert encode_state(r1.delta) == encode_state(r2.delta)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("sgd", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+     ("sgd", dict(lr=0.1, momentum=0.0, weight_decay=0.0)),
+     ("adam", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)),
+     ("adamw", dict(lr=0.01, betas=(0.8, 0.999), weight_decay=0.1))],
+)
+def test_local_optimizers_match_torch_optim(name, kw):
+    """node/optim.py avoids torch.optim's import cost but must follow its update rules."""
+    from gpuflex.node.optim import SGD, Adam, clip_grad_norm
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    mine = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    mine.load_state_dict(ref.state_dict())
+    if name == "sgd":
+        o_ref = torch.optim.SGD(ref.parameters(), foreach=True, **kw)
+        o_mine = SGD(list(mine.parameters()), **kw)
+    else:
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        o_ref = cls(ref.parameters(), foreach=True, **kw)
+        o_mine = Adam(list(mine.parameters()), lr=kw["lr"], betas=kw["betas"],
+                      weight_decay=kw["weight_decay"], decoupled=name == "adamw")
+    x = torch.randn(40, 6)
+    for step in range(5):
+        for model, opt in ((ref, o_ref), (mine, o_mine)):
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            if step % 2:
+                if model is ref:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=True)
+                else:
+                    clip_grad_norm(list(model.parameters()), 0.05)
+            opt.step()
+    for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()

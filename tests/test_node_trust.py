@@ -8,11 +8,19 @@ import json
 
 import pytest
 import torch
-from test_node_support import EventLog, Hub, TamperProxy, agent, dataset, flip_signature, spec_toml, wait_for
-
 from gpuflex.node.agent import NodeAgent
 from gpuflex.node.errors import HubKeyMismatch
 from gpuflex.node.identity import check_hub_key
+from test_node_support import (
+    EventLog,
+    Hub,
+    TamperProxy,
+    agent,
+    dataset,
+    flip_signature,
+    spec_toml,
+    wait_for,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +135,11 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
         await _run_until(node, events, lambda: events.of("rejected"))
         rejected = events.of("rejected")
         assert rejected, events.names()
-        assert ("sha256" in rejected[0]["detail"]) if attack == "flip" else ("larger" in rejected[0]["detail"])
+        assert (
+            ("sha256" in rejected[0]["detail"])
+            if attack == "flip"
+            else ("larger" in rejected[0]["detail"])
+        )
         assert "trained" not in events.names()
         # Nothing unverified is visible in the cache.
         blobs = list((tmp_path / "node" / "cache" / "blobs").iterdir())

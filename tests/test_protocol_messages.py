@@ -8,9 +8,6 @@ import string
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gpuflex.protocol import (
     PROTOCOL_VERSION,
     Abandon,
@@ -36,6 +33,8 @@ from gpuflex.protocol import (
     encode_message,
 )
 from gpuflex.protocol.messages import MESSAGE_TYPES, peek_kind
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # ---------------------------------------------------------------------------
 # Strategies producing valid messages.
@@ -103,8 +102,13 @@ MESSAGES = {
         timestamp=timestamps,
         nonce=nonces,
     ),
-    Welcome: st.builds(Welcome, node_id=ids, hub_fingerprint=ids, server_time=timestamps,
-                       poll_s=st.floats(0.0, 86400.0)),
+    Welcome: st.builds(
+        Welcome,
+        node_id=ids,
+        hub_fingerprint=ids,
+        server_time=timestamps,
+        poll_s=st.floats(0.0, 86400.0),
+    ),
     WorkRequest: st.builds(
         WorkRequest,
         timestamp=timestamps,
@@ -121,7 +125,9 @@ MESSAGES = {
         model_hash=blob_ids,
         model_size=counts,
         model_spec=model_specs,
-        chunks=st.lists(st.builds(ChunkRef, sha256=blob_ids, size=counts, samples=counts), max_size=5).map(tuple),
+        chunks=st.lists(
+            st.builds(ChunkRef, sha256=blob_ids, size=counts, samples=counts), max_size=5
+        ).map(tuple),
         seed=counts,
         train=train_configs,
         issued_at=timestamps,
@@ -129,8 +135,16 @@ MESSAGES = {
         replica_group=st.just("") | ids,
     ),
     NoWork: st.builds(NoWork, retry_after_s=st.floats(0.0, 86400.0), reason=texts),
-    Heartbeat: st.builds(Heartbeat, assignment_id=ids, progress=st.floats(0.0, 1.0), timestamp=timestamps, nonce=nonces),
-    Abandon: st.builds(Abandon, assignment_id=ids, reason=texts, timestamp=timestamps, nonce=nonces),
+    Heartbeat: st.builds(
+        Heartbeat,
+        assignment_id=ids,
+        progress=st.floats(0.0, 1.0),
+        timestamp=timestamps,
+        nonce=nonces,
+    ),
+    Abandon: st.builds(
+        Abandon, assignment_id=ids, reason=texts, timestamp=timestamps, nonce=nonces
+    ),
     BlobRequest: st.builds(BlobRequest, sha256=blob_ids, timestamp=timestamps, nonce=nonces),
     UpdateHeader: st.builds(
         UpdateHeader,
@@ -139,7 +153,9 @@ MESSAGES = {
         update_size=counts,
         sample_count=counts,
         metrics=st.dictionaries(metric_keys, finite, max_size=8).map(lambda d: {**d, "loss": 0.5}),
-        timings=st.dictionaries(metric_keys, finite, max_size=8).map(lambda d: {**d, "train_s": 1.0}),
+        timings=st.dictionaries(metric_keys, finite, max_size=8).map(
+            lambda d: {**d, "train_s": 1.0}
+        ),
         timestamp=timestamps,
         nonce=nonces,
     ),
@@ -373,4 +389,6 @@ def _assignment() -> Assignment:
 
 
 def _update() -> UpdateHeader:
-    return UpdateHeader("as-1", "f" * 64, 10, 64, {"loss": 0.5}, {"train_s": 1.0}, 1000.0, b"n" * 16)
+    return UpdateHeader(
+        "as-1", "f" * 64, 10, 64, {"loss": 0.5}, {"train_s": 1.0}, 1000.0, b"n" * 16
+    )

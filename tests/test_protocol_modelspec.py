@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from gpuflex.protocol import (
     ModelSpec,
     SpecError,
@@ -23,7 +22,15 @@ from gpuflex.protocol.modelspec import LAYERS, MAX_PARAMS
 torch.set_num_threads(1)
 
 DIGITS = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10, "activation": "relu"}
-CNN = {"kind": "cnn", "image": [1, 8, 8], "channels": [4, 8], "kernel": 3, "pool": "max", "hidden": [16], "outputs": 10}
+CNN = {
+    "kind": "cnn",
+    "image": [1, 8, 8],
+    "channels": [4, 8],
+    "kernel": 3,
+    "pool": "max",
+    "hidden": [16],
+    "outputs": 10,
+}
 SEQ = {
     "kind": "sequential",
     "input_shape": [1, 8, 8],
@@ -106,8 +113,22 @@ def test_build_forward_and_manifest(name: str) -> None:
 
 def test_whitelist_covers_the_issue() -> None:
     expected = {
-        "Linear", "Conv1d", "Conv2d", "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "ReLU",
-        "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Flatten",
+        "Linear",
+        "Conv1d",
+        "Conv2d",
+        "MaxPool1d",
+        "MaxPool2d",
+        "AvgPool1d",
+        "AvgPool2d",
+        "ReLU",
+        "GELU",
+        "Tanh",
+        "Sigmoid",
+        "Dropout",
+        "LayerNorm",
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "Flatten",
         "Embedding",
     }
     assert set(LAYERS) == expected
@@ -189,19 +210,53 @@ def test_sequential_errors() -> None:
     layers = SEQ1D["layers"]
     assert isinstance(layers, list)
     _bad({**SEQ1D, "layers": [{"type": "Exec"}]}, "model.layers[0].type", "Linear")
-    _bad({**SEQ1D, "layers": [{"type": "Linear", "in_features": 32}]}, "model.layers[0].out_features", "required")
-    _bad({**SEQ1D, "layers": [{"type": "Linear", "in_features": 32, "out_features": 2, "bogus": 1}]},
-         "model.layers[0]", "not an argument of Linear")
+    _bad(
+        {**SEQ1D, "layers": [{"type": "Linear", "in_features": 32}]},
+        "model.layers[0].out_features",
+        "required",
+    )
+    _bad(
+        {**SEQ1D, "layers": [{"type": "Linear", "in_features": 32, "out_features": 2, "bogus": 1}]},
+        "model.layers[0]",
+        "not an argument of Linear",
+    )
     _bad({**SEQ1D, "layers": [{"type": "ReLU", "inplace": True}]}, "allowed: none")
     _bad({**SEQ1D, "layers": [{"type": "Dropout", "p": 1.0}]}, "model.layers[0].p")
-    _bad({**SEQ1D, "layers": [{"type": "Conv1d", "in_channels": 2, "out_channels": 3, "kernel_size": 3, "groups": 2}]},
-         "model.layers[0].groups")
-    _bad({**SEQ1D, "layers": [{"type": "Linear", "in_features": 5, "out_features": 2}]}, "layer 0 (Linear)")
+    _bad(
+        {
+            **SEQ1D,
+            "layers": [
+                {
+                    "type": "Conv1d",
+                    "in_channels": 2,
+                    "out_channels": 3,
+                    "kernel_size": 3,
+                    "groups": 2,
+                }
+            ],
+        },
+        "model.layers[0].groups",
+    )
+    _bad(
+        {**SEQ1D, "layers": [{"type": "Linear", "in_features": 5, "out_features": 2}]},
+        "layer 0 (Linear)",
+    )
     _bad({**SEQ1D, "layers": layers[:-1]}, "output shape")
-    _bad({**SEQ1D, "layers": [*layers[:-1], {"type": "Linear", "in_features": 4, "out_features": 3}]}, "expected [2]")
+    _bad(
+        {
+            **SEQ1D,
+            "layers": [*layers[:-1], {"type": "Linear", "in_features": 4, "out_features": 3}],
+        },
+        "expected [2]",
+    )
     _bad({**SEQ1D, "layers": []}, "model.layers")
-    _bad({**SEQ1D, "layers": [*layers, {"type": "Embedding", "num_embeddings": 3, "embedding_dim": 2}]},
-         "first layer")
+    _bad(
+        {
+            **SEQ1D,
+            "layers": [*layers, {"type": "Embedding", "num_embeddings": 3, "embedding_dim": 2}],
+        },
+        "first layer",
+    )
     _bad({**SEQ1D, "layers": "Linear"}, "model.layers")
     _bad({**SEQ1D, "layers": [["Linear", 32, 2]]}, "model.layers[0]")
     _bad({**SEQ1D, "layers": [{"type": "Linear", "args": [1, 2, True, 4]}]}, "at most 3")
@@ -226,3 +281,88 @@ def test_seed_validated() -> None:
     for bad in (-1, 2**63, True, 1.5):
         with pytest.raises(SpecError, match="seed"):
             build_model(spec, bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# Shape inference agrees with a real forward on the meta device.
+
+from gpuflex.protocol.modelspec import _parse_layer, infer_shapes, meta_forward_shape  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _layer_strategy(dims: int) -> st.SearchStrategy[dict[str, Any]]:
+    size = st.integers(1, 4) | st.lists(st.integers(1, 4), min_size=dims, max_size=dims)
+    pad = st.integers(0, 2)
+    conv = st.fixed_dictionaries(
+        {
+            "type": st.just(f"Conv{dims}d"),
+            "in_channels": st.integers(1, 3),
+            "out_channels": st.integers(1, 3),
+            "kernel_size": size,
+        },
+        optional={"stride": st.integers(1, 3), "padding": pad, "dilation": st.integers(1, 2)},
+    )
+    pool = st.fixed_dictionaries(
+        {
+            "type": st.sampled_from([f"MaxPool{dims}d", f"AvgPool{dims}d"]),
+            "kernel_size": st.integers(2, 4),
+        },
+        optional={"stride": st.integers(1, 3), "padding": st.integers(0, 1)},
+    )
+    other = st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["ReLU", "Tanh", "Sigmoid", "GELU", "Dropout"])}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just(f"BatchNorm{dims}d"), "num_features": st.integers(1, 3)}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("LayerNorm"), "normalized_shape": st.integers(1, 12)}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("Flatten")},
+            optional={"start_dim": st.integers(1, 3), "end_dim": st.integers(-3, 3)},
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("Linear"),
+                "in_features": st.integers(1, 12),
+                "out_features": st.integers(1, 12),
+            }
+        ),
+    )
+    return st.one_of(conv, pool, other)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), dims=st.sampled_from([1, 2]))
+def test_infer_shapes_matches_meta_forward(data: st.DataObject, dims: int) -> None:
+    shape = data.draw(st.lists(st.integers(1, 12), min_size=dims + 1, max_size=dims + 1))
+    layers = data.draw(st.lists(_layer_strategy(dims), min_size=1, max_size=4))
+    raw = {"kind": "sequential", "input_shape": shape, "layers": layers, "outputs": 1}
+    try:
+        spec = ModelSpec(
+            kind="sequential",
+            task="classification",
+            input_shape=tuple(shape),
+            outputs=1,
+            layers=tuple(
+                _parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(layers)
+            ),
+        )
+    except SpecError:
+        with pytest.raises(SpecError):
+            ModelSpec.from_dict(raw)
+        return
+    try:
+        ours: tuple[int, ...] | None = infer_shapes(spec)[-1]
+    except SpecError:
+        ours = None
+    try:
+        theirs: tuple[int, ...] | None = meta_forward_shape(spec)
+        if any(d < 1 for d in theirs):
+            theirs = None
+    except (RuntimeError, ValueError, IndexError):
+        theirs = None
+    assert ours == theirs, (raw, ours, theirs)

@@ -9,9 +9,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gpuflex.protocol import (
     Abandon,
     DecodeError,
@@ -30,6 +27,8 @@ from gpuflex.protocol import (
     seal,
 )
 from gpuflex.protocol.signing import open_envelope, seal_bytes, verify
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 KEY = SigningKey.from_seed(bytes(range(32)))
 OTHER = SigningKey.from_seed(bytes(range(1, 33)))
@@ -103,7 +102,9 @@ def test_wrong_signer_refused() -> None:
 def test_envelope_strict() -> None:
     for bad in (
         msgpack.packb({"payload": PAYLOAD, "signer": SIGNER}),
-        msgpack.packb({"payload": PAYLOAD, "signer": SIGNER, "sig": SIG, "x": 1}, use_bin_type=True),
+        msgpack.packb(
+            {"payload": PAYLOAD, "signer": SIGNER, "sig": SIG, "x": 1}, use_bin_type=True
+        ),
         msgpack.packb({"payload": "text", "signer": SIGNER, "sig": SIG}, use_bin_type=True),
         _envelope(PAYLOAD, SIGNER[:31], SIG),
         _envelope(PAYLOAD, SIGNER, SIG[:63]),
@@ -175,7 +176,9 @@ def test_load_or_create(tmp_path: Path) -> None:
     assert SigningKey.load_or_create(path).public_bytes == first.public_bytes
 
 
-@pytest.mark.parametrize("content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"])
+@pytest.mark.parametrize(
+    "content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"]
+)
 def test_malformed_key_file_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "node.key"
     path.write_bytes(content)
@@ -260,7 +263,12 @@ def test_replay_nonce_remembered_while_timestamp_valid() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-100, 100), st.binary(min_size=16, max_size=16)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.floats(-100, 100), st.binary(min_size=16, max_size=16)),
+        max_size=40,
+    )
+)
 def test_replay_guard_never_accepts_twice(events: list[tuple[int, float, bytes]]) -> None:
     clock = Clock()
     guard = ReplayGuard(window_s=30, max_entries=10, clock=clock)

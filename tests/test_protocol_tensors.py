@@ -10,9 +10,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gpuflex.protocol import (
     DecodeError,
     ProtocolError,
@@ -31,10 +28,14 @@ from gpuflex.protocol import (
     state_to_safetensors,
 )
 from gpuflex.protocol.tensors import ALIGN, DTYPES, MAX_TENSORS, PREFIX
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch.set_num_threads(1)
 
-NAMES = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:/-", min_size=1, max_size=40)
+NAMES = st.text(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:/-", min_size=1, max_size=40
+)
 SHAPES = st.lists(st.integers(0, 5), max_size=4).map(tuple)
 
 
@@ -117,7 +118,11 @@ def test_decode_is_zero_copy_and_silent() -> None:
 
 
 def test_decoded_state_exports_to_safetensors() -> None:
-    state = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16), "n": torch.tensor(5)}
+    state = {
+        "w": torch.randn(4, 3),
+        "b": torch.zeros(3, dtype=torch.bfloat16),
+        "n": torch.tensor(5),
+    }
     back = state_from_safetensors(state_to_safetensors(decode_state(encode_state(state))))
     assert set(back) == set(state)
     for k in state:
@@ -155,13 +160,22 @@ def test_unsupported_inputs_refused() -> None:
 # Hostile headers, crafted by hand.
 
 
-def _blob(entries: list[object], data: bytes, *, data_bytes: int | None = None, header: object = None) -> bytes:
+def _blob(
+    entries: list[object], data: bytes, *, data_bytes: int | None = None, header: object = None
+) -> bytes:
     head = msgpack.packb(
-        header if header is not None else {"tensors": entries, "data_bytes": len(data) if data_bytes is None else data_bytes},
+        header
+        if header is not None
+        else {"tensors": entries, "data_bytes": len(data) if data_bytes is None else data_bytes},
         use_bin_type=True,
     )
     start = (PREFIX.size + len(head) + ALIGN - 1) // ALIGN * ALIGN
-    return PREFIX.pack(b"GFT1", 1, 0, len(head), 0) + head + bytes(start - PREFIX.size - len(head)) + data
+    return (
+        PREFIX.pack(b"GFT1", 1, 0, len(head), 0)
+        + head
+        + bytes(start - PREFIX.size - len(head))
+        + data
+    )
 
 
 def _refused(blob: bytes, match: str | None = None) -> None:
@@ -216,7 +230,10 @@ def test_bad_framing_refused() -> None:
     _refused(_blob([], b"", header={"tensors": [], "data_bytes": -1}), "data_bytes")
     _refused(_blob([], b"", header={"tensors": {}, "data_bytes": 0}), "tensors")
     padded = bytearray(good)
-    padded[PREFIX.size + len(msgpack.packb({"tensors": [["x", "float32", [2], 0, 8]], "data_bytes": 8}))] = 1
+    padded[
+        PREFIX.size
+        + len(msgpack.packb({"tensors": [["x", "float32", [2], 0, 8]], "data_bytes": 8}))
+    ] = 1
     _refused(bytes(padded), "padding")
 
 

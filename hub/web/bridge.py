@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from gpuflex.hub import appkeys, routes_audit, routes_owner, tokens
-from gpuflex.hub.errors import HubError, NotFound, Unauthorized
+from gpuflex.hub.errors import HubError, Unauthorized
 
 from . import queries
 from .keys import AUDIT_STATUS_CACHE
@@ -28,10 +28,13 @@ __all__ = [
     "audit_log_status",
     "authenticate",
     "export_model",
+    "flag",
+    "flags",
     "give_verdict",
     "job_view",
-    "job_visible",
-    "online_window_s",
+    "jobs",
+    "node_history",
+    "nodes",
     "principal",
     "read",
 ]
@@ -44,37 +47,33 @@ async def read(app: web.Application, fn: Callable[[sqlite3.Connection], T]) -> T
     return await app[appkeys.DB].read(fn)
 
 
-def online_window_s(app: web.Application) -> float:
-    return float(app[appkeys.CONFIG].online_window_s)
-
-
 async def authenticate(app: web.Application, token: str) -> tokens.Principal | None:
     """The hub's own token check (hashed, constant-time); None when refused."""
     if not token or len(token) > 256 or not token.isprintable():
         return None
     try:
-        return await read(app, lambda c: tokens.lookup(c, f"Bearer {token}"))
+        return await read(app, lambda c: tokens.lookup_token(c, token))
     except Unauthorized:
         return None
 
 
 def principal(session: Session) -> tokens.Principal:
-    """The hub's Principal for a console session (re-checked live per request)."""
+    """The hub's Principal for a console session (its token is re-checked per request)."""
     role: Any = session.role
     return tokens.Principal(token_id=int(session.token_id), role=role, name=session.name)
 
 
-def _job_row(conn: sqlite3.Connection, who: tokens.Principal, job_id: str) -> sqlite3.Row:
-    """The hub's visibility rule for one job (NotFound when absent or not yours)."""
-    fn = getattr(routes_owner, "job_row", None) or routes_owner._job_row
-    return fn(conn, who, job_id)
+async def jobs(app: web.Application, who: tokens.Principal) -> list[dict[str, Any]]:
+    """Jobs visible to ``who`` under the API's rule (routes_owner.visible), newest first."""
+    where, args = routes_owner.visible(who)
+    return await read(app, lambda c: queries.jobs_list(c, where, args))
 
 
 async def job_view(app: web.Application, who: tokens.Principal, job_id: str) -> dict[str, Any]:
     """The API's job status document (same visibility, history, overhead) plus console extras."""
 
     def q(conn: sqlite3.Connection) -> dict[str, Any]:
-        row = _job_row(conn, who, job_id)
+        row = routes_owner.job_row(conn, who, job_id)
         doc = routes_owner.job_status(conn, row)
         doc["model_sha"] = row["model_sha"]
         extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]))
@@ -83,13 +82,46 @@ async def job_view(app: web.Application, who: tokens.Principal, job_id: str) -> 
     return await read(app, q)
 
 
-async def job_visible(app: web.Application, who: tokens.Principal, job_id: str) -> bool:
-    def q(conn: sqlite3.Connection) -> bool:
-        try:
-            _job_row(conn, who, job_id)
-        except NotFound:
-            return False
-        return True
+async def export_model(app: web.Application, who: tokens.Principal, job_id: str) -> tuple[str, bytes]:
+    """(file name, .safetensors bytes) of the job's latest model: GET /v1/jobs/{id}/model's function."""
+    version, _sha, data = await routes_owner.export_model(app, who, job_id, None)
+    return f"{job_id}-v{version}.safetensors", data
+
+
+async def nodes(app: web.Application, who: tokens.Principal) -> list[dict[str, Any]]:
+    """GET /v1/nodes's overview (auditor/admin; live scheduler state) plus assignment counts."""
+    overview = await routes_audit.nodes_overview(app, who)
+    counts = await read(app, queries.assignment_counts)
+    for n in overview:
+        n["assignments"] = counts.get(n["id"], {})
+    return overview
+
+
+async def flags(app: web.Application, who: tokens.Principal, status: str | None) -> list[dict[str, Any]]:
+    """GET /v1/flags's list (same scoping), newest first, with job names."""
+    found = await routes_audit.list_flags_for(app, who, status=status)
+    names = await read(app, queries.job_names)
+    for f in found:
+        f["job_name"] = names.get(f["job_id"], f["job_id"])
+    found.reverse()
+    return found
+
+
+async def flag(app: web.Application, who: tokens.Principal, flag_id: str) -> dict[str, Any]:
+    """GET /v1/flags/{id} (same scoping) plus the job name, round thresholds and the update."""
+    f = await routes_audit.flag_for(app, who, flag_id)
+    f.update(await read(app, lambda c: queries.flag_context(c, f)))
+    return f
+
+
+async def node_history(app: web.Application, node_id: str) -> dict[str, Any]:
+    """A node's other flags and recent updates (auditor pages only: spans every owner's jobs)."""
+
+    def q(conn: sqlite3.Connection) -> dict[str, Any]:
+        return {
+            "node_flags": queries.node_flags(conn, node_id),
+            "node_updates": queries.node_updates(conn, node_id),
+        }
 
     return await read(app, q)
 
@@ -97,39 +129,9 @@ async def job_visible(app: web.Application, who: tokens.Principal, job_id: str) 
 async def give_verdict(
     app: web.Application, who: tokens.Principal, flag_id: str, verdict: str, note: str
 ) -> None:
-    """Confirm or dismiss through the hub's verdict function (the API route's own code path):
-    flag status, node reputation, ban rule, audit-log entry."""
-    fn = getattr(routes_audit, "give_verdict", None)
-    if fn is None:
-        raise HubError(
-            "this hub build has no verdict function for the console yet; use POST /v1/flags/{id}/verdict",
-            code="not_available",
-        )
-    await fn(app, who, flag_id, verdict, note)
-
-
-async def export_model(app: web.Application, who: tokens.Principal, job_id: str) -> tuple[str, bytes]:
-    """(file name, .safetensors bytes) of the job's latest model, as GET /v1/jobs/{id}/model."""
-    fn = getattr(routes_owner, "export_model", None)
-    if fn is not None:
-        version, _sha, data = await fn(app, who, job_id, None)
-        return f"{job_id}-v{version}.safetensors", data
-    # Until the hub exposes its export function: the same two steps its route runs.
-    from gpuflex.protocol.tensors import decode_state, state_to_safetensors
-
-    def q(conn: sqlite3.Connection) -> sqlite3.Row:
-        _job_row(conn, who, job_id)
-        row = conn.execute(
-            "SELECT version, sha FROM models WHERE job_id = ? ORDER BY version DESC LIMIT 1", (job_id,)
-        ).fetchone()
-        if row is None:
-            raise NotFound(f"job {job_id} has no model yet", code="unknown_round")
-        return row
-
-    row = await read(app, q)
-    blobs = app[appkeys.BLOBS]
-    data = await asyncio.to_thread(lambda: state_to_safetensors(decode_state(blobs.read(row["sha"]))))
-    return f"{job_id}-v{row['version']}.safetensors", data
+    """Confirm or dismiss through POST /v1/flags/{id}/verdict's own function: flag status,
+    node reputation (3 confirmed flags ban), audit-log entry."""
+    await routes_audit.give_verdict(app, who, flag_id, verdict, note)
 
 
 async def audit_log_status(app: web.Application) -> dict[str, Any]:

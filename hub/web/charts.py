@@ -109,8 +109,12 @@ def line_chart(
     height: int = 260,
     y_min: float | None = None,
     y_max: float | None = None,
+    integer_x: bool = True,
 ) -> str:
-    """A line chart of one or more series with axes, ticks, legend and point tooltips."""
+    """A line chart of one or more series with axes, ticks, legend and point tooltips.
+
+    ``integer_x``: x values are counts (rounds), so only whole-number ticks are drawn.
+    """
     pts = [(x, y) for s in series for x, y in s.points if _ok(x) and _ok(y)]
     if not pts:
         return _empty(width, height, title, "no data yet")
@@ -127,6 +131,8 @@ def line_chart(
     if y_hi == y_lo:
         y_lo, y_hi = y_lo - 1, y_hi + 1
     xt = [t for t in nice_ticks(x_lo, x_hi, 6) if x_lo <= t <= x_hi]
+    if integer_x:
+        xt = [t for t in xt if float(t).is_integer()]
 
     left, right, top, bottom = 56, 16, 30, 44
     pw, ph = width - left - right, height - top - bottom
@@ -239,7 +245,8 @@ def bar_chart(
     n = max(1, len(legend))
     group_h = n * bar_height + 8
     label_w = min(240, 12 + 7 * max(len(b.label) for b in bars))
-    left, right, top = label_w, 60, 46
+    left, right = label_w, 60
+    top = 62 if threshold is not None else 46
     height = top + group_h * len(bars) + 28
     pw = max(40, width - left - right)
     lo, hi = min(0.0, *vals), max(0.0, *vals)

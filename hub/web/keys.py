@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jinja2
 from aiohttp import web
 
-from .sessions import SessionStore
+from .sessions import Session, SessionStore
 
 __all__ = ["ASSET_VERSION", "AUDIT_STATUS_CACHE", "SESSION", "SESSIONS", "TEMPLATES"]
 
@@ -14,6 +16,10 @@ SESSIONS = web.AppKey("gpuflex_console_sessions", SessionStore)
 ASSET_VERSION = web.AppKey("gpuflex_console_asset_version", str)
 #: (log size, mtime) -> verification result, so the queue page does not re-verify an unchanged log
 AUDIT_STATUS_CACHE = web.AppKey("gpuflex_console_audit_cache", dict)
-#: per-request: the authenticated console session (a plain str key: web.RequestKey
-#: only exists in recent aiohttp releases and pyproject allows >= 3.9)
-SESSION = "gpuflex_console_session"
+#: per-request: the authenticated console session (web.RequestKey exists only in
+#: recent aiohttp releases; pyproject allows older ones, which take a str key)
+SESSION: Any = (
+    web.RequestKey("gpuflex_console_session", Session)
+    if hasattr(web, "RequestKey")
+    else "gpuflex_console_session"
+)

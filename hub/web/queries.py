@@ -15,25 +15,15 @@ import sqlite3
 from typing import Any
 
 __all__ = [
-    "flag_detail",
-    "flags_list",
+    "assignment_counts",
+    "flag_context",
     "job_extras",
+    "job_names",
     "jobs_list",
-    "node_detail",
     "node_flags",
     "node_updates",
-    "nodes_list",
     "token_alive",
-    "visible_owner",
 ]
-
-FAILED_ASSIGNMENT_STATES = ("expired", "abandoned")
-
-
-def visible_owner(role: str, name: str) -> str | None:
-    """The owner filter for a principal: owners see their own jobs, others all."""
-    return name if role == "owner" else None
-
 
 def _loads(text: str | None) -> Any:
     if not text:
@@ -77,16 +67,14 @@ def _closed_rounds(conn: sqlite3.Connection, job_id: str) -> int:
     )
 
 
-def jobs_list(conn: sqlite3.Connection, owner: str | None, limit: int = 500) -> list[dict[str, Any]]:
-    """Jobs newest first; only ``owner``'s when given."""
-    if owner is None:
-        rows = conn.execute(
-            "SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?", (limit,)
-        ).fetchall()
-    else:
-        rows = conn.execute(
-            "SELECT * FROM jobs WHERE owner = ? ORDER BY created_at DESC LIMIT ?", (owner, limit)
-        ).fetchall()
+def jobs_list(
+    conn: sqlite3.Connection, where: str, args: tuple[Any, ...], limit: int = 500
+) -> list[dict[str, Any]]:
+    """Jobs newest first, filtered by the hub's visibility rule (routes_owner.visible)."""
+    rows = conn.execute(
+        f"SELECT * FROM jobs WHERE {where} ORDER BY created_at DESC LIMIT ?",  # noqa: S608 - hub's fixed fragment
+        (*args, limit),
+    ).fetchall()
     out = []
     for r in rows:
         j = {
@@ -181,114 +169,36 @@ def job_extras(conn: sqlite3.Connection, job_id: str, state: str, current_round:
     return out
 
 
-def _node_row(conn: sqlite3.Connection, r: sqlite3.Row, online_window_s: float, now: float) -> dict[str, Any]:
-    device = _loads(r["device"])
-    bench = _loads(r["benchmark"])
-    counts = {
-        row["state"]: row["n"]
-        for row in conn.execute(
-            "SELECT state, COUNT(*) AS n FROM assignments WHERE node_id = ? GROUP BY state",
-            (r["id"],),
-        )
-    }
-    quarantined = conn.execute(
-        "SELECT COUNT(*) FROM updates WHERE node_id = ? AND status = 'quarantined'", (r["id"],)
-    ).fetchone()[0]
-    banned = bool(r["banned"])
-    confirmed = int(r["flags_confirmed"])
-    trusted_run = int(r["consecutive_valid"])
-    if banned:
-        label, cls = "banned", "banned"
-    elif confirmed:
-        label, cls = f"suspect ({confirmed} confirmed)", "bad"
-    elif trusted_run >= 10:
-        label, cls = f"trusted (run {trusted_run})", "ok"
-    else:
-        label, cls = f"building (run {trusted_run})", "open"
-    return {
-        "id": r["id"],
-        "software_version": r["software_version"],
-        "device_kind": device.get("kind", "?"),
-        "device_name": device.get("name", "?"),
-        "memory": device.get("memory_bytes"),
-        "threads": device.get("threads"),
-        "bench_sps": r["bench_sps"],
-        "tflops": bench.get("matmul_tflops_fp32"),
-        "mem_gbs": bench.get("mem_bandwidth_gbs"),
-        "ema_sps": r["ema_sps"],
-        "registered_at": r["registered_at"],
-        "last_seen": r["last_seen"],
-        "online": now - float(r["last_seen"]) <= online_window_s,
-        "agreed": r["agreed"],
-        "disagreed": r["disagreed"],
-        "consecutive_valid": trusted_run,
-        "flags_confirmed": confirmed,
-        "flags_dismissed": r["flags_dismissed"],
-        "updates_accepted": r["updates_accepted"],
-        "banned": banned,
-        "rep_label": label,
-        "rep_class": cls,
-        "done": counts.get("done", 0),
-        "failed": sum(counts.get(s, 0) for s in FAILED_ASSIGNMENT_STATES),
-        "quarantined": quarantined,
-        "live": counts.get("live", 0),
-    }
+def assignment_counts(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
+    """Per node: assignments by state (live|done|expired|abandoned|cancelled)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in conn.execute("SELECT node_id, state, COUNT(*) AS n FROM assignments GROUP BY node_id, state"):
+        out.setdefault(r["node_id"], {})[r["state"]] = int(r["n"])
+    return out
 
 
-def nodes_list(conn: sqlite3.Connection, *, online_window_s: float, now: float) -> list[dict[str, Any]]:
-    rows = conn.execute("SELECT * FROM nodes ORDER BY last_seen DESC LIMIT 1000").fetchall()
-    return [_node_row(conn, r, online_window_s, now) for r in rows]
+def job_names(conn: sqlite3.Connection) -> dict[str, str]:
+    """Job id -> name, for labelling flags (the caller already filtered what is visible)."""
+    return {r["id"]: r["name"] for r in conn.execute("SELECT id, name FROM jobs")}
 
 
-def node_detail(
-    conn: sqlite3.Connection, node_id: str, *, online_window_s: float, now: float
-) -> dict[str, Any] | None:
-    r = conn.execute("SELECT * FROM nodes WHERE id = ?", (node_id,)).fetchone()
-    return None if r is None else _node_row(conn, r, online_window_s, now)
-
-
-def flags_list(conn: sqlite3.Connection, status: str, limit: int = 500) -> list[dict[str, Any]]:
-    """Flags newest first; ``status`` is open|confirmed|dismissed|all."""
-    sql = (
-        "SELECT f.id, f.job_id, f.round, f.node_id, f.reason, f.status, f.created_at,"
-        " COALESCE(j.name, f.job_id) AS job_name FROM flags f LEFT JOIN jobs j ON j.id = f.job_id"
-    )
-    if status == "all":
-        rows = conn.execute(sql + " ORDER BY f.created_at DESC, f.id LIMIT ?", (limit,))
-    else:
-        rows = conn.execute(
-            sql + " WHERE f.status = ? ORDER BY f.created_at DESC, f.id LIMIT ?", (status, limit)
-        )
-    return [dict(r) for r in rows]
-
-
-def flag_detail(conn: sqlite3.Connection, flag_id: str) -> dict[str, Any] | None:
-    r = conn.execute(
-        "SELECT f.*, COALESCE(j.name, f.job_id) AS job_name, j.owner AS job_owner FROM flags f"
-        " LEFT JOIN jobs j ON j.id = f.job_id WHERE f.id = ?",
-        (flag_id,),
-    ).fetchone()
-    if r is None:
-        return None
-    flag = dict(r)
-    flag["evidence"] = _loads(r["evidence"])
-    # The round's review evidence (thresholds, centre) and the shard's replica outcome.
+def flag_context(conn: sqlite3.Connection, flag: dict[str, Any]) -> dict[str, Any]:
+    """What a flag's page shows beside the flag row: the job's name, the round's review
+    evidence (thresholds), the flagged update and its shard's replica outcome."""
+    job = conn.execute("SELECT name FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
     rnd = conn.execute(
-        "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?", (r["job_id"], r["round"])
+        "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?", (flag["job_id"], flag["round"])
     ).fetchone()
-    flag["round_evidence"] = _loads(rnd["evidence"]) if rnd is not None else {}
     upd = conn.execute(
-        "SELECT u.shard_id, u.sample_count, u.loss, u.train_s, s.outcome, s.replica_group"
+        "SELECT u.shard_id, u.sample_count, u.loss, u.train_s, u.status, s.replica_group"
         " FROM updates u LEFT JOIN shards s ON s.id = u.shard_id WHERE u.id = ?",
-        (r["update_id"],),
+        (flag["update_id"],),
     ).fetchone()
-    flag["replica_outcome"] = _loads(upd["outcome"]) if upd is not None else {}
-    flag["update"] = (
-        {k: upd[k] for k in ("shard_id", "sample_count", "loss", "train_s", "replica_group")}
-        if upd is not None
-        else {}
-    )
-    return flag
+    return {
+        "job_name": job["name"] if job is not None else flag["job_id"],
+        "round_evidence": _loads(rnd["evidence"]) if rnd is not None else {},
+        "update": dict(upd) if upd is not None else {},
+    }
 
 
 def node_flags(conn: sqlite3.Connection, node_id: str, limit: int = 50) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
@@ -159,8 +158,7 @@ def _series(history: list[dict[str, Any]], key: str) -> list[tuple[float, float 
 
 async def jobs_page(request: web.Request) -> web.StreamResponse:
     s = _session(request)
-    owner = queries.visible_owner(s.role, s.name)
-    jobs = await bridge.read(request.app, lambda c: queries.jobs_list(c, owner))
+    jobs = await bridge.jobs(request.app, bridge.principal(s))
     return render(request, "jobs.html", {"jobs": jobs, "nav": "jobs", "poll": POLL_S})
 
 
@@ -185,9 +183,6 @@ async def job_page(request: web.Request) -> web.StreamResponse:
         y_max=1.0,
     )
     can_audit = s.role in AUDIT_ROLES
-    for sh in d["shards"]:
-        for a in sh["assignments"]:
-            a["node_href"] = f"{CONSOLE_PREFIX}/nodes#node-{a['node_id']}" if can_audit else "#"
     rounds = []
     overheads = []
     for h in hist:
@@ -257,13 +252,55 @@ async def job_model(request: web.Request) -> web.StreamResponse:
 # --------------------------------------------------------------------------- nodes
 
 
+TRUSTED_RUN = 10  # VerificationSpec.trust_after's default: replicated less from here on
+
+
+def node_view(n: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of the Nodes page from the hub's node overview."""
+    rep = n.get("reputation") or {}
+    confirmed = int(rep.get("confirmed_flags", 0))
+    run = int(rep.get("consecutive_agreements", 0))
+    if n.get("banned"):
+        label, cls = f"banned ({confirmed} confirmed)", "banned"
+    elif confirmed:
+        label, cls = f"suspect ({confirmed} confirmed)", "bad"
+    elif run >= TRUSTED_RUN:
+        label, cls = f"trusted (run of {run})", "ok"
+    else:
+        label, cls = f"building trust (run of {run})", "open"
+    device = n.get("device") or {}
+    bench = n.get("benchmark") or {}
+    counts = n.get("assignments") or {}
+    return {
+        "id": n["id"],
+        "software_version": n.get("software_version", "?"),
+        "device_kind": device.get("kind", "?"),
+        "device_name": device.get("name", "?"),
+        "memory": device.get("memory_bytes"),
+        "threads": device.get("threads"),
+        "bench_sps": n.get("bench_sps"),
+        "tflops": bench.get("matmul_tflops_fp32"),
+        "mem_gbs": bench.get("mem_bandwidth_gbs"),
+        "ema_sps": n.get("ema_sps"),
+        "last_seen": n.get("last_seen"),
+        "online": bool(n.get("online")),
+        "banned": bool(n.get("banned")),
+        "agreements": int(rep.get("agreements_total", 0)),
+        "flags_total": int(rep.get("flags_total", 0)),
+        "flags_confirmed": confirmed,
+        "flags_dismissed": int(rep.get("dismissed_flags", 0)),
+        "rep_label": label,
+        "rep_class": cls,
+        "done": int(counts.get("done", 0)),
+        "failed": int(n.get("assignments_failed", 0)),
+        "live": int(counts.get("live", 0)),
+    }
+
+
 async def nodes_page(request: web.Request) -> web.StreamResponse:
-    _require_audit(request)
-    window = bridge.online_window_s(request.app)
-    now = time.time()
-    nodes = await bridge.read(
-        request.app, lambda c: queries.nodes_list(c, online_window_s=window, now=now)
-    )
+    s = _require_audit(request)
+    nodes = [node_view(n) for n in await bridge.nodes(request.app, bridge.principal(s))]
+    nodes.sort(key=lambda n: -(n["last_seen"] or 0))
     return render(request, "nodes.html", {"nodes": nodes, "nav": "nodes", "poll": POLL_S})
 
 
@@ -274,11 +311,11 @@ FLAG_STATUSES = ("open", "confirmed", "dismissed", "all")
 
 
 async def flags_page(request: web.Request) -> web.StreamResponse:
-    _require_audit(request)
+    s = _require_audit(request)
     status = request.query.get("status", "open")
     if status not in FLAG_STATUSES:
         raise web.HTTPBadRequest(text=f"status must be one of {', '.join(FLAG_STATUSES)}")
-    flags = await bridge.read(request.app, lambda c: queries.flags_list(c, status))
+    flags = await bridge.flags(request.app, bridge.principal(s), None if status == "all" else status)
     auditlog = await bridge.audit_log_status(request.app)
     return render(
         request,
@@ -296,6 +333,8 @@ def _num(v: Any) -> float | None:
 def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
     """Turn a flag's evidence (hub/verification.py shapes) into rows and charts."""
     ev: Mapping[str, Any] = flag.get("evidence") or {}
+    if not isinstance(ev, Mapping):
+        ev = {}
     rev: Mapping[str, Any] = flag.get("round_evidence") or {}
     scores: list[dict[str, Any]] = []
 
@@ -416,28 +455,16 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
 
 async def flag_page(request: web.Request) -> web.StreamResponse:
     s = _session(request)
+    who = bridge.principal(s)
     auditor = s.role in AUDIT_ROLES
-    flag_id = request.match_info["flag_id"]
-    window = bridge.online_window_s(request.app)
-    now = time.time()
-    owner = queries.visible_owner(s.role, s.name)
-
-    def q(c: Any) -> dict[str, Any] | None:
-        f = queries.flag_detail(c, flag_id)
-        if f is None or (owner is not None and f.get("job_owner") != owner):
-            return None  # as the API: a flag is visible to auditors and to its job's owner
-        if not auditor:  # node histories span other owners' jobs: auditors only
-            return {"flag": f, "node": None, "node_flags": [], "node_updates": []}
-        return {
-            "flag": f,
-            "node": queries.node_detail(c, f["node_id"], online_window_s=window, now=now),
-            "node_flags": queries.node_flags(c, f["node_id"]),
-            "node_updates": queries.node_updates(c, f["node_id"]),
-        }
-
-    d = await bridge.read(request.app, q)
-    if d is None:
-        raise web.HTTPNotFound(text=f"no flag {flag_id} visible to you")
+    # Visibility exactly as GET /v1/flags/{id}: auditors and admins, and the job's owner.
+    flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
+    node = None
+    history: dict[str, Any] = {"node_flags": [], "node_updates": []}
+    if auditor:  # a node's history spans every owner's jobs
+        found = [n for n in await bridge.nodes(request.app, who) if n["id"] == flag["node_id"]]
+        node = node_view(found[0]) if found else None
+        history = await bridge.node_history(request.app, flag["node_id"])
     flash = None
     kind = "info"
     done = request.query.get("done")
@@ -447,8 +474,10 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
         request,
         "flag.html",
         {
-            **d,
-            **evidence_view(d["flag"]),
+            "flag": flag,
+            "node": node,
+            **history,
+            **evidence_view(flag),
             "can_decide": auditor,
             "nav": "flags" if auditor else "jobs",
             "flash": flash,

@@ -224,9 +224,11 @@ print("cuda" if torch.version.cuda else "cpu")' 2>/dev/null || echo none
 # gf_install_venv VENV TORCH_FLAVOUR DEFAULT_TORCH_INDEX SOURCE
 # Creates or upgrades the venv in place: torch first (the build chosen for this
 # machine), then gpuflex from SOURCE (a directory is copied to a temp dir first so
-# the build never writes into the source tree).
+# the build never writes into the source tree; with the cuda flavour it gets the
+# [gpu] extra, which lets the node see other processes on the GPU).
 gf_install_venv() {
-    local venv=$1 flavour=$2 default_index=$3 source=$4
+    local venv=$1 flavour=$2 default_index=$3 source=$4 extra=""
+    [ "$flavour" != cuda ] || extra="[gpu]"
     local py="$venv/bin/python" base_py torch_spec torch_index have reinstall=""
     local -a pip_common
     pip_common=(-m pip install --disable-pip-version-check --no-input)
@@ -267,7 +269,7 @@ gf_install_venv() {
         if [ "$GF_DRY_RUN" = 1 ]; then
             gf_say "+ STAGE=\$(mktemp -d)"
             gf_say "+ $(gf_quote_cmd tar -C "$source" "${excludes[@]}" -cf - .) | tar -C \"\$STAGE\" -xf -"
-            gf_say "+ $(gf_quote_cmd "$py" "${pip_common[@]}" --upgrade --upgrade-strategy only-if-needed) \"\$STAGE\""
+            gf_say "+ $(gf_quote_cmd "$py" "${pip_common[@]}" --upgrade --upgrade-strategy only-if-needed) \"\$STAGE$extra\""
             gf_say "+ rm -rf \"\$STAGE\""
         else
             stage=$(mktemp -d "${TMPDIR:-/tmp}/gpuflex-src.XXXXXX") || gf_die "mktemp failed"
@@ -275,7 +277,7 @@ gf_install_venv() {
             trap "rm -rf '$stage'" EXIT
             (tar -C "$source" "${excludes[@]}" -cf - . | tar -C "$stage" -xf -) \
                 || gf_die "cannot copy the source tree $source"
-            "$py" "${pip_common[@]}" --upgrade --upgrade-strategy only-if-needed "$stage" \
+            "$py" "${pip_common[@]}" --upgrade --upgrade-strategy only-if-needed "$stage$extra" \
                 || gf_die "pip could not install gpuflex from $source"
             rm -rf "$stage"
             trap - EXIT

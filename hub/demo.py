@@ -1,0 +1,171 @@
+"""`gpuflex-hub demo`: the whole journey on this machine, with real processes.
+
+A hub on loopback in a temporary folder, N node processes (one of them a misbehaving
+contributor from the test tooling), the bundled digits job submitted through the owner
+API, live rounds, and a summary with where the model is and how to look further.
+Every process is stopped by PID on the way out, Ctrl+C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import owner_client as oc
+from .localcluster import LocalCluster, Proc, attack_tooling_available, digits_job
+
+ATTACKS = ("sign_flip", "scaled", "noise", "label_flip", "free_rider", "stale_replay", "half_shard")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "demo", help="run a hub, nodes and the bundled digits job on this machine"
+    )
+    p.add_argument("--nodes", type=int, default=4, help="node processes to start (default 4)")
+    p.add_argument("--rounds", type=int, default=15, help="training rounds (default 15)")
+    p.add_argument(
+        "--misbehaving", type=int, default=1, help="how many of the nodes misbehave (default 1)"
+    )
+    p.add_argument(
+        "--attack", choices=ATTACKS, default="sign_flip", help="what the misbehaving nodes do"
+    )
+    p.add_argument("--workdir", type=Path, default=None, help="keep everything in this folder")
+    p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    p.set_defaults(func=run_demo)
+
+
+def _names(cluster: LocalCluster) -> dict[str, str]:
+    return {p.node_id: p.name for p in cluster.nodes()}
+
+
+def _round_line(entry: dict[str, Any], names: dict[str, str]) -> str:
+    acc = entry.get("accuracy")
+    loss = entry.get("loss")
+    parts = []
+    for u in entry["updates"]:
+        who = names.get(u["node_id"], u["node_id"][:12])
+        mark = "" if u["status"] == "included" else f" [{u['status']}]"
+        replica = " r" if u.get("replica_group") else ""
+        parts.append(f"{who}:{u['chunks']}ch{replica}{mark}")
+    line = (
+        f"round {entry['round']:>2}  acc {acc if acc is None else f'{acc:.3f}'}"
+        f"  loss {loss if loss is None else f'{loss:.3f}'}"
+        f"  overhead {entry.get('replication_overhead', 0.0):.0%}  shards {' '.join(parts)}"
+    )
+    for f in entry.get("flags", []):
+        line += f"\n          FLAG {f['reason']} on {names.get(f['node_id'], f['node_id'])}"
+    return line
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    if args.nodes < 1:
+        console.print("error: --nodes must be at least 1")
+        return 2
+    misbehaving = max(0, min(args.misbehaving, args.nodes - 1))
+    if misbehaving and not attack_tooling_available():
+        console.print(
+            "note: misbehaving contributors come from tests/tooling in a source checkout; "
+            "running with honest nodes only"
+        )
+        misbehaving = 0
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuflex-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(workdir=workdir, hub_args=("--long-poll-max", "10", "--min-deadline", "20"))
+
+    # SIGTERM behaves like Ctrl+C: unwind through `finally` and stop every child by PID.
+    def _on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    started = time.monotonic()
+    try:
+        console.print(f"[bold]GPUFlex demo[/bold] in {workdir}")
+        cluster.start_hub()
+        console.print(f"hub    {cluster.url}  key {cluster.fingerprint}  (pid {cluster.hub and cluster.hub.pid})")
+        token = cluster.create_token("owner", "demo-owner")
+        auditor = cluster.create_token("auditor", "demo-auditor")
+
+        for i in range(args.nodes):
+            bad = i >= args.nodes - misbehaving
+            name = f"node-{i + 1}" + (f"-{args.attack}" if bad else "")
+            proc: Proc = cluster.start_node(name, attack=args.attack if bad else None)
+            role = f"misbehaving ({args.attack})" if bad else "honest"
+            console.print(f"node   {name:<22} {role:<24} id {proc.node_id}  pid {proc.pid}")
+
+        files = digits_job(workdir / "job", rounds=args.rounds)
+        job = asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))
+        job_id = job["id"]
+        console.print(f"job    {job_id}: MLP 64-128-10 on scikit-learn digits, {args.rounds} rounds\n")
+
+        names = _names(cluster)
+        shown = 0
+        reported_dead: set[str] = set()
+        deadline = time.monotonic() + args.timeout
+        status: dict[str, Any] = {}
+        while True:
+            status = asyncio.run(oc.job_status(cluster.url, token, job_id))
+            for entry in status["history"][shown:]:
+                console.print(_round_line(entry, names))
+            shown = len(status["history"])
+            if status["state"] in {"done", "failed", "cancelled"}:
+                break
+            if time.monotonic() > deadline:
+                console.print(f"[red]timed out after {args.timeout:.0f} s[/red] (state {status['state']})")
+                return 1
+            for p in cluster.nodes():
+                if not p.alive() and p.name not in reported_dead:
+                    reported_dead.add(p.name)
+                    tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+                    console.print(f"[yellow]{p.name} exited ({p.popen.returncode}): {tail[0][:200]}[/yellow]")
+            dead = [p.name for p in cluster.nodes() if not p.alive()]
+            if cluster.hub is not None and not cluster.hub.alive():
+                console.print(f"[red]the hub exited; see {cluster.hub.log}[/red]")
+                return 1
+            if dead and len(dead) == len(list(cluster.nodes())):
+                console.print(f"[red]every node exited; logs in {workdir / 'logs'}[/red]")
+                return 1
+            time.sleep(0.3)
+
+        if status["state"] != "done":
+            console.print(f"[red]job ended {status['state']}: {status.get('error')}[/red]")
+            return 1
+        model = workdir / "model.safetensors"
+        asyncio.run(oc.download_model(cluster.url, token, job_id, model))
+        flags = asyncio.run(oc.request_json(cluster.url, auditor, "GET", f"/v1/flags?job={job_id}"))
+        flags = flags["flags"]
+        final = status["history"][-1]
+        elapsed = time.monotonic() - started
+        console.print(f"\n[bold]done[/bold] in {elapsed:.1f} s")
+        console.print(f"model          {model}")
+        console.print(f"test accuracy  {final['accuracy']:.4f}  (val loss {final['loss']:.4f})")
+        by_node: dict[str, list[str]] = {}
+        for f in flags:
+            by_node.setdefault(names.get(f["node_id"], f["node_id"]), []).append(f["reason"])
+        console.print(f"audit          {len(flags)} open flag(s)")
+        for who, reasons in sorted(by_node.items()):
+            counts = {r: reasons.count(r) for r in sorted(set(reasons))}
+            console.print(f"               {who}: " + ", ".join(f"{n}x {r}" for r, n in counts.items()))
+        console.print("\nexplore further: start this hub again on its data folder, then")
+        console.print(f"  gpuflex-hub serve --data {cluster.hub_dir} --port {cluster.port} &")
+        console.print(f"  export GPUFLEX_HUB={cluster.url} GPUFLEX_TOKEN={token}")
+        console.print(f"  gpuflex-hub job status {job_id}")
+        console.print(f"  GPUFLEX_TOKEN={auditor} gpuflex-hub audit list --job {job_id}")
+        console.print(f"  gpuflex-hub audit verify-log --from {cluster.hub_dir}")
+        console.print(f"  web console: {cluster.url}/console/ (log in with a token)")
+        return 0
+    except KeyboardInterrupt:
+        console.print("\ninterrupted: stopping every process")
+        return 130
+    finally:
+        cluster.close()
+        signal.signal(signal.SIGTERM, previous)
+        console.print(f"stopped {len(cluster.procs)} process(es); files kept in {workdir}")

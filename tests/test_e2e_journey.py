@@ -1,0 +1,304 @@
+"""The journey with real processes: a `gpuflex-hub serve` process and `gpuflex-node run`
+processes over 127.0.0.1, faults injected with real signals (issue 6).
+
+These are the slowest tests in the suite; each keeps its job small (digits, few rounds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import signal
+import sqlite3
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpuflex.hub.localcluster import LocalCluster, Proc, digits_job
+
+pytestmark = pytest.mark.e2e
+
+FAST_HUB = ("--long-poll-max", "2", "--min-deadline", "4")
+
+
+def _wait_event(proc: Proc, event: str, *, timeout_s: float, **match: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for e in proc.events():
+            if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
+                return e
+        if not proc.alive():
+            raise AssertionError(
+                f"{proc.name} exited before {event!r}: {proc.log.read_text()[-2000:]}"
+            )
+        time.sleep(0.05)
+    raise AssertionError(f"no {event!r} event from {proc.name} within {timeout_s} s")
+
+
+def _submit(cluster: LocalCluster, token: str, spec: Path, train: Path, val: Path) -> str:
+    import asyncio
+
+    from gpuflex.hub import owner_client as oc
+
+    return str(asyncio.run(oc.submit_job(cluster.url, token, spec, train, val))["id"])
+
+
+def _db(cluster: LocalCluster) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"file:{cluster.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def _audit_entries(cluster: LocalCluster) -> list[dict[str, Any]]:
+    lines = (cluster.hub_dir / "audit.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _centralized_accuracy(train: Path, val: Path, epochs: int = 20) -> float:
+    """The same MLP trained centrally with a plain PyTorch loop: the reference point."""
+    import numpy as np
+
+    with np.load(train, allow_pickle=False) as t, np.load(val, allow_pickle=False) as v:
+        xt, yt = torch.from_numpy(t["x"]), torch.from_numpy(t["y"])
+        xv, yv = torch.from_numpy(v["x"]), torch.from_numpy(v["y"])
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(epochs):
+        perm = torch.randperm(len(xt), generator=g)
+        for i in range(0, len(perm), 32):
+            b = perm[i : i + 32]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xt[b]), yt[b]).backward()
+            opt.step()
+    with torch.no_grad():
+        return float((model(xv).argmax(1) == yv).float().mean())
+
+
+def test_clean_run_reaches_095(tmp_path: Path) -> None:
+    """1. A clean run of the digits job reaches at least 0.95 test accuracy."""
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        files = digits_job(tmp_path / "job", rounds=6, local_epochs=3, replication=0.0)
+        for i in range(3):
+            cluster.start_node(f"n{i}")
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        status = cluster.wait_job(job_id, token, timeout_s=180)
+        assert status["state"] == "done", status
+        final = status["history"][-1]["accuracy"]
+        central = _centralized_accuracy(files.train, files.val)
+        print(f"federated accuracy {final:.4f}, centralized (20 epochs) {central:.4f}")
+        assert final >= 0.95
+        # the work really was spread: more than one node trained in the run
+        trainers = {u["node_id"] for h in status["history"] for u in h["updates"]}
+        assert len(trainers) >= 2
+        model = cluster.get_bytes(f"/v1/jobs/{job_id}/model", token)
+        assert len(model) > 1000
+
+
+def _run_single_node_job(
+    tmp_path: Path, *, kill_hub_in_round: int | None
+) -> tuple[bytes, list[str], list[str]]:
+    """One node, one shard per round: the run is deterministic end to end.
+
+    Returns the final model bytes, the update hashes the node saw acknowledged, and the
+    update hashes included in aggregations according to the hub's audit log.
+    """
+    with LocalCluster(
+        workdir=tmp_path, hub_args=("--long-poll-max", "2", "--min-deadline", "60")
+    ) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        files = digits_job(
+            tmp_path / "job", rounds=3, local_epochs=8, replication=0.0, round_target_s=86400.0
+        )
+        node = cluster.start_node("solo")
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        if kill_hub_in_round is not None:
+            # kill -9 while the node trains the round's shard: the hub has handed it out
+            # and must still take the update after restarting.
+            _wait_event(node, "assignment", timeout_s=120, round=kill_hub_in_round)
+            cluster.kill_hub(signal.SIGKILL)
+            time.sleep(1.0)
+            cluster.start_hub()
+        status = cluster.wait_job(job_id, token, timeout_s=240)
+        assert status["state"] == "done", status
+        model = cluster.get_bytes(f"/v1/jobs/{job_id}/model", token)
+        acked = [
+            e["update_sha256"]
+            for e in node.events()
+            if e.get("event") == "uploaded" and e.get("ok")
+        ]
+        included = [
+            sha
+            for e in _audit_entries(cluster)
+            if e["kind"] == "aggregation"
+            for sha in e["body"]["included"]
+        ]
+        return model, acked, included
+
+
+def test_hub_kill9_mid_round_loses_nothing_and_model_is_identical(tmp_path: Path) -> None:
+    """2. kill -9 the hub mid-round, restart it: the job completes, no acknowledged update
+    is lost, and the final model bytes equal an uninterrupted run's."""
+    clean_model, clean_acked, clean_included = _run_single_node_job(
+        tmp_path / "clean", kill_hub_in_round=None
+    )
+    model, acked, included = _run_single_node_job(tmp_path / "killed", kill_hub_in_round=2)
+    assert set(acked) <= set(included), "an acknowledged update is missing from the aggregates"
+    assert included == clean_included, "the accepted update set differs from the uninterrupted run"
+    assert hashlib.sha256(model).hexdigest() == hashlib.sha256(clean_model).hexdigest()
+    assert len(set(clean_acked)) == 3
+
+
+def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path) -> None:
+    """3. kill -9 a node mid-assignment: its shard goes to another node after the deadline."""
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        files = digits_job(
+            tmp_path / "job", rounds=2, local_epochs=10, replication=0.0, round_target_s=1.0
+        )
+        victim = cluster.start_node("victim")
+        _wait_event(victim, "registered", timeout_s=60)
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        first = _wait_event(victim, "assignment", timeout_s=60)
+        victim.signal(signal.SIGKILL)
+        victim.popen.wait(timeout=10)
+        survivor = cluster.start_node("survivor")
+        status = cluster.wait_job(job_id, token, timeout_s=240)
+        assert status["state"] == "done", status
+        with _db(cluster) as db:
+            row = db.execute(
+                "SELECT state, shard_id FROM assignments WHERE id = ?", (first["assignment_id"],)
+            ).fetchone()
+            assert row["state"] == "expired"
+            taken = db.execute(
+                "SELECT node_id FROM assignments a JOIN shard_chunks sc ON sc.shard_id = a.shard_id "
+                "WHERE a.job_id = ? AND a.round = ? AND a.state = 'done'",
+                (job_id, first["round"]),
+            ).fetchall()
+        assert {r["node_id"] for r in taken} == {survivor.node_id}
+
+
+def test_restarted_node_keeps_identity_and_cache(tmp_path: Path) -> None:
+    """4. A node restarted on the same data folder keeps its identity and its cache, and
+    downloads no chunk it already holds."""
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        files = digits_job(
+            tmp_path / "job", rounds=4, local_epochs=1, replication=0.0, round_target_s=86400.0
+        )
+        node = cluster.start_node("steady")
+        first_id = _wait_event(node, "registered", timeout_s=60)["node_id"]
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        _wait_event(node, "uploaded", timeout_s=120)
+        node.signal(signal.SIGTERM)
+        assert node.popen.wait(timeout=15) == 0
+        before = [e for e in node.events() if e.get("event") == "download"]
+        held = {e["sha256"] for e in before if e["kind"] == "chunk"}
+        assert held, "the first run downloaded no chunk"
+        log_len = len(node.events())
+
+        again = cluster.start_node("steady")  # same data folder
+        status = cluster.wait_job(job_id, token, timeout_s=180)
+        assert status["state"] == "done"
+        after = again.events()[log_len:]
+        assert _wait_event(again, "registered", timeout_s=5)["node_id"] == first_id == again.node_id
+        refetched = {
+            e["sha256"] for e in after if e.get("event") == "download" and e["kind"] == "chunk"
+        }
+        assert not (refetched & held), "chunks already in the cache were downloaded again"
+
+
+def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path) -> None:
+    """5. A misbehaving node is flagged, and its updates are absent from every aggregate
+    that the audit log records."""
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        auditor = cluster.create_token("auditor", "carol")
+        files = digits_job(tmp_path / "job", rounds=3, local_epochs=1, replication="adaptive")
+        honest = [cluster.start_node(f"honest{i}") for i in range(3)]
+        bad = cluster.start_node("flipper", attack="sign_flip")
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        status = cluster.wait_job(job_id, token, timeout_s=240)
+        assert status["state"] == "done", status
+        flags = cluster.get_json(f"/v1/flags?job={job_id}", auditor)["flags"]
+        flagged_nodes = Counter(f["node_id"] for f in flags)
+        assert flagged_nodes[bad.node_id] >= 1, flags
+        assert not any(flagged_nodes[h.node_id] for h in honest), flags
+        with _db(cluster) as db:
+            bad_shas = {
+                r["sha"]
+                for r in db.execute("SELECT sha FROM updates WHERE node_id = ?", (bad.node_id,))
+            }
+        included = {
+            sha
+            for e in _audit_entries(cluster)
+            if e["kind"] == "aggregation"
+            for sha in e["body"]["included"]
+        }
+        assert bad_shas, "the misbehaving node never uploaded"
+        assert not (bad_shas & included)
+
+
+def test_churn_every_chunk_counted_once(tmp_path: Path) -> None:
+    """6. Ten nodes join and leave at random during a 10-round job; every chunk of every
+    round is counted exactly once."""
+    rng = random.Random(6)
+    with LocalCluster(
+        workdir=tmp_path, hub_args=("--long-poll-max", "1", "--min-deadline", "3")
+    ) as cluster:
+        cluster.start_hub()
+        token = cluster.create_token("owner", "alice")
+        files = digits_job(
+            tmp_path / "job", rounds=10, local_epochs=1, replication=0.0, round_target_s=0.05
+        )
+        job_id = _submit(cluster, token, files.spec, files.train, files.val)
+        live: dict[str, Proc] = {}
+        started = 0
+        deadline = time.monotonic() + 300
+        while True:
+            state = cluster.get_json(f"/v1/jobs/{job_id}", token)["state"]
+            if state != "running" and state != "queued":
+                break
+            assert time.monotonic() < deadline, "churned job did not finish"
+            name = f"c{rng.randrange(10)}"
+            if name in live and live[name].alive():
+                sig = signal.SIGKILL if rng.random() < 0.5 else signal.SIGTERM
+                live[name].signal(sig)
+                live[name].popen.wait(timeout=15)
+                del live[name]
+            elif len(live) < 5:
+                live[name] = cluster.start_node(name)
+                started += 1
+            if not any(p.alive() for p in live.values()):
+                live["anchor"] = cluster.start_node("anchor")
+            time.sleep(rng.uniform(0.5, 2.0))
+        status = cluster.get_json(f"/v1/jobs/{job_id}", token)
+        assert status["state"] == "done", status
+        assert started >= 5
+        with _db(cluster) as db:
+            chunks = {
+                r["sha"] for r in db.execute("SELECT sha FROM chunks WHERE job_id = ?", (job_id,))
+            }
+            rows = db.execute(
+                "SELECT u.round, sc.chunk_sha FROM updates u JOIN shard_chunks sc ON sc.shard_id = u.shard_id "
+                "WHERE u.job_id = ? AND u.status = 'included'",
+                (job_id,),
+            ).fetchall()
+        per_round: dict[int, Counter[str]] = {}
+        for r in rows:
+            per_round.setdefault(r["round"], Counter())[r["chunk_sha"]] += 1
+        assert sorted(per_round) == list(range(10))
+        for rnd, counts in per_round.items():
+            assert set(counts) == chunks, f"round {rnd} missed chunks"
+            assert max(counts.values()) == 1, f"round {rnd} counted a chunk twice"

@@ -1,0 +1,241 @@
+"""Bad input of every kind gets a 4xx JSON {"error", "detail"} and changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import sqlite3
+import time
+
+import aiohttp
+import msgpack
+import numpy as np
+import pytest
+import torch
+from gpuflex.protocol.messages import Assignment, Hello, WorkRequest
+from gpuflex.protocol.signing import SigningKey, new_nonce, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import MSGPACK, SimNode, b64, digits_spec, submit_job
+
+
+def count(hub, table):
+    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    try:
+        return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+    finally:
+        conn.close()
+
+
+async def expect(resp, status, error=None):
+    body = await resp.json(content_type=None)
+    assert resp.status == status, body
+    assert set(body) == {"error", "detail"} and "\n" not in body["detail"]
+    if error is not None:
+        assert body["error"] == error, body
+    return body
+
+
+async def test_bad_signed_messages(running_hub):
+    url = running_hub.url
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, url)
+        post = node.post
+        await expect(await post("/v1/nodes/register", b"\x00garbage"), 400, "bad_message")
+        await expect(
+            await post("/v1/nodes/register", msgpack.packb({"payload": b"x"})), 400, "bad_message"
+        )
+        sealed = seal(node.key, node.hello())
+        forged = bytearray(sealed)
+        forged[20] ^= 0x01  # inside the payload
+        await expect(await post("/v1/nodes/register", bytes(forged)), 401, "bad_signature")
+        other = SigningKey.generate()
+        env = msgpack.unpackb(sealed)
+        env["signer"] = other.public_bytes  # claims another key
+        await expect(
+            await post("/v1/nodes/register", msgpack.packb(env, use_bin_type=True)),
+            401,
+            "bad_signature",
+        )
+        # a validly signed Hello sent where a WorkRequest is expected: the domain differs
+        await expect(await post("/v1/work", seal(node.key, node.hello())), 401, "bad_signature")
+        old = seal(node.key, node.hello(protocol_version=99))
+        await expect(await post("/v1/nodes/register", old), 409, "version_mismatch")
+        stale = seal(node.key, node.hello(timestamp=time.time() - 3600))
+        await expect(await post("/v1/nodes/register", stale), 409, "replay")
+        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.0, cached_chunks=())
+        await expect(await post("/v1/work", seal(node.key, req)), 401, "unknown_node")
+        good = seal(node.key, node.hello())
+        assert (await post("/v1/nodes/register", good)).status == 200
+        await expect(await post("/v1/nodes/register", good), 409, "replay")
+        big = b"\x00" * (2 << 20)
+        await expect(await post("/v1/work", big), 413)
+        hb = await node.heartbeat("a-doesnotexist")
+        await expect(hb, 404, "unknown_assignment")
+    assert count(running_hub, "nodes") == 1
+
+
+async def test_bad_blob_requests(running_hub):
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, running_hub.url)
+        await node.register()
+        for bad in ("zz", "A" * 64, "0" * 63, "..%2f..%2fhub.key"):
+            async with s.get(
+                f"{running_hub.url}/v1/blobs/{bad}", headers=node.blob_auth("0" * 64)
+            ) as r:
+                await expect(r, 400 if "%" not in bad else r.status)
+        sha = "a" * 64
+        async with s.get(f"{running_hub.url}/v1/blobs/{sha}") as r:
+            await expect(r, 401, "missing_auth")
+        async with s.get(
+            f"{running_hub.url}/v1/blobs/{sha}", headers={"X-GPUFlex-Auth": "!!!"}
+        ) as r:
+            await expect(r, 400, "bad_message")
+        async with s.get(
+            f"{running_hub.url}/v1/blobs/{sha}", headers=node.blob_auth("b" * 64)
+        ) as r:
+            await expect(r, 400, "blob_mismatch")
+        async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=node.blob_auth(sha)) as r:
+            await expect(r, 403, "not_assigned")
+
+
+@pytest.fixture
+async def assigned(running_hub, digits_npz):
+    """A hub with a job, a registered node and its live assignment."""
+    train, val, spec = digits_npz
+    s = aiohttp.ClientSession()
+    await submit_job(s, running_hub, spec, train, val)
+    node = SimNode(s, running_hub.url)
+    await node.register()
+    a = await node.work(0.5)
+    assert isinstance(a, Assignment)
+    model = decode_state(bytearray(await node.blob(a.model_hash)))
+    try:
+        yield node, a, model
+    finally:
+        await s.close()
+
+
+def zero_delta(model):
+    return {k: torch.zeros_like(v) for k, v in model.items()}
+
+
+async def test_bad_updates_are_refused_and_nothing_is_stored(running_hub, assigned):
+    node, a, model = assigned
+    blobs_before = sorted(
+        p.name for p in (running_hub.data_dir / "blobs").rglob("*") if p.is_file()
+    )
+
+    async def up(blob, status, error, **over):
+        hdr = node.update_header(a, blob, 10, 1.0, **over)
+        await expect(await node.upload_raw(hdr, blob), status, error)
+
+    good = encode_state(zero_delta(model))
+    wrong = zero_delta(model)
+    wrong["2.bias"] = wrong["2.bias"].to(torch.int32)  # same size, wrong dtype
+    await up(encode_state(wrong), 422, "bad_manifest")
+    wrong = zero_delta(model)
+    wrong["0.weight"] = torch.zeros(2, 2)
+    await up(encode_state(wrong), 422, "bad_manifest")
+    nan = zero_delta(model)
+    nan["0.bias"][0] = float("nan")
+    await up(encode_state(nan), 422, "non_finite")
+    await up(good, 422, "hash_mismatch", update_sha256="0" * 64)
+    await up(good, 400, "size_mismatch", update_size=len(good) - 1)
+    await up(b"\x00" * (len(good) + 64), 413, "too_large")
+    await up(b"GFT1" + b"\x00" * (len(good) - 4), 422, "bad_manifest")
+    # headers
+    r = await node.session.post(node.url + "/v1/updates", data=good)
+    await expect(r, 401, "missing_auth")
+    r = await node.session.post(
+        node.url + "/v1/updates", data=good, headers={"X-GPUFlex-Update": "%%%"}
+    )
+    await expect(r, 400, "bad_message")
+    stranger = SimNode(node.session, node.url)
+    await stranger.register()
+    hdr = stranger.update_header(a, good, 10, 1.0)
+    await expect(await stranger.upload_raw(hdr, good), 403, "not_your_assignment")
+    hdr = node.update_header(a, good, 10, 1.0, assignment_id="a-unknown")
+    await expect(await node.upload_raw(hdr, good), 404, "unknown_assignment")
+    sealed = seal(node.key, node.update_header(a, good, 10, 1.0))
+    await node.upload_raw(sealed, good)  # accepted
+    await expect(await node.upload_raw(sealed, good), 409, "replay")
+    assert count(running_hub, "updates") == 1
+    blobs_after = sorted(p.name for p in (running_hub.data_dir / "blobs").rglob("*") if p.is_file())
+    assert set(blobs_after) - set(blobs_before) == {hashlib.sha256(good).hexdigest()}
+    async with node.session.get(f"{running_hub.url}/metrics") as r:
+        text = await r.text()
+    assert 'gpuflex_updates_rejected_total{reason="bad_manifest"} 3' in text
+    assert "gpuflex_updates_accepted_total 1" in text
+
+
+def npz_bytes(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+async def test_bad_job_submissions(running_hub, tmp_path):
+    x = np.random.default_rng(0).random((100, 64), dtype=np.float32)
+    y = np.arange(100) % 10
+    spec = digits_spec(rounds=1)
+    cases = [
+        ("[job\nname=", npz_bytes(x=x, y=y), 422, "bad_spec"),
+        (spec.replace('kind = "mlp"', 'kind = "rnn"'), npz_bytes(x=x, y=y), 422, "bad_spec"),
+        (spec + "\n[bogus]\nkey = 1\n", npz_bytes(x=x, y=y), 422, "bad_spec"),
+        (spec, npz_bytes(x=np.array([object()] * 100, dtype=object), y=y), 422, "bad_dataset"),
+        (spec, npz_bytes(x=x[:, :10], y=y), 422, "bad_shape"),
+        (spec, npz_bytes(x=x, y=y[:50]), 422, "bad_dataset"),
+        (spec, npz_bytes(x=np.where(np.eye(100, 64) > 0, np.nan, x), y=y), 422, "non_finite"),
+        (spec, npz_bytes(x=x, y=y + 5), 422, "bad_labels"),
+        (spec, npz_bytes(x=x, y=y + 0.5), 422, "bad_dataset"),
+        (spec, npz_bytes(a=x), 422, "bad_dataset"),
+        (spec, b"PK\x03\x04 not really a zip", 422, "bad_dataset"),
+        (spec, b"label\nnot-a-number\n", 422, "bad_dataset"),
+        (spec, b"\xff\xfe\x00binary", 422, "bad_dataset"),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for i, (spec_text, train_bytes, status, error) in enumerate(cases):
+            path = tmp_path / f"t{i}.bin"
+            path.write_bytes(train_bytes)
+            r = await submit_job(s, running_hub, spec_text, path)
+            await expect(r, status, error)
+        headers = running_hub.auth()
+        async with s.post(f"{running_hub.url}/v1/jobs", data=b"{}", headers=headers) as r:
+            await expect(r, 400, "bad_form")
+        form = aiohttp.FormData()
+        form.add_field("spec", spec.encode(), filename="spec.toml")
+        async with s.post(f"{running_hub.url}/v1/jobs", data=form, headers=headers) as r:
+            await expect(r, 400, "bad_form")
+        form = aiohttp.FormData()
+        form.add_field("spec", spec.encode(), filename="spec.toml")
+        form.add_field("weights", b"x", filename="w.bin")
+        async with s.post(f"{running_hub.url}/v1/jobs", data=form, headers=headers) as r:
+            await expect(r, 400, "bad_form")
+        for path in ("/v1/jobs/j-nope", "/v1/jobs/j-nope/model", "/v1/flags/f-nope"):
+            async with s.get(running_hub.url + path, headers=headers) as r:
+                await expect(r, 404)
+        async with s.get(f"{running_hub.url}/v1/jobs/j-nope/model?round=-1", headers=headers) as r:
+            await expect(r, 400, "bad_round")
+        async with s.get(f"{running_hub.url}/v1/nowhere") as r:
+            await expect(r, 404, "not_found")
+        async with s.delete(f"{running_hub.url}/v1/jobs") as r:
+            await expect(r, 405)
+    assert count(running_hub, "jobs") == 0
+    assert count(running_hub, "chunks") == 0
+    assert list((running_hub.data_dir / "blobs" / "tmp").iterdir()) == []
+
+
+async def test_hello_field_changes_are_refused_after_signing(running_hub):
+    """Changing any field of a signed message invalidates it (the hub verifies the exact bytes)."""
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, running_hub.url)
+        hello = node.hello()
+        sealed = msgpack.unpackb(seal(node.key, hello))
+        payload = msgpack.unpackb(sealed["payload"])
+        payload["software_version"] = "9.9.9"
+        sealed["payload"] = msgpack.packb(payload, use_bin_type=True)
+        r = await node.post("/v1/nodes/register", msgpack.packb(sealed, use_bin_type=True))
+        await expect(r, 401, "bad_signature")
+    _ = dataclasses, Hello, b64, MSGPACK

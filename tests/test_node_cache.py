@@ -1,0 +1,94 @@
+"""node/cache.py: content-addressed, size-capped, LRU, never half-written; plus small units."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+
+import pytest
+from gpuflex.node.cache import BlobCache
+from gpuflex.node.client import Backoff
+from gpuflex.node.errors import BlobError
+
+
+def _blob(n: int, seed: int = 0) -> tuple[str, bytes]:
+    data = random.Random(seed).randbytes(n)
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def test_commit_makes_blob_visible_only_when_verified(tmp_path):
+    cache = BlobCache(tmp_path, 1 << 20)
+    sha, data = _blob(1000)
+    w = cache.writer(sha, len(data))
+    w.write(data[:500])
+    assert not cache.has(sha) and cache.ids() == []  # half-written: invisible
+    w.write(data[500:])
+    w.commit()
+    assert cache.has(sha, len(data)) and cache.blob_path(sha).read_bytes() == data
+    assert not list(cache.partial_dir.iterdir())
+
+
+def test_wrong_hash_and_oversize_are_refused(tmp_path):
+    cache = BlobCache(tmp_path, 1 << 20)
+    sha, data = _blob(100)
+    w = cache.writer(sha, len(data))
+    w.write(b"x" * 100)
+    with pytest.raises(BlobError, match="sha256"):
+        w.commit()
+    assert not cache.has(sha)
+    w = cache.writer(sha, len(data))
+    with pytest.raises(BlobError, match="larger than the declared"):
+        w.write(data + b"!")
+    assert not cache.has(sha) and not list(cache.partial_dir.iterdir())
+    with pytest.raises(BlobError):
+        cache.writer("../../etc/passwd", 10)
+
+
+def test_resume_from_partial(tmp_path):
+    cache = BlobCache(tmp_path, 1 << 20)
+    sha, data = _blob(4096)
+    w = cache.writer(sha, len(data))
+    w.write(data[:1000])
+    w.abort(keep_partial=True)  # connection dropped
+    w = cache.writer(sha, len(data), resume=True)
+    assert w.offset == 1000
+    w.write(data[1000:])
+    w.commit()
+    assert cache.blob_path(sha).read_bytes() == data
+
+
+def test_lru_eviction_respects_cap_and_keep(tmp_path):
+    cache = BlobCache(tmp_path, 2500)
+    shas = []
+    for i in range(4):
+        sha, data = _blob(1000, seed=i)
+        w = cache.writer(sha, len(data))
+        w.write(data)
+        w.commit()
+        t = time.time() - 100 + i
+        os.utime(cache.blob_path(sha), (t, t))
+        shas.append(sha)
+    cache.touch(shas[0])  # most recently used now
+    cache.evict(keep={shas[1]})
+    left = set(cache.ids())
+    assert left == {shas[0], shas[1]}  # oldest not-kept ones went first
+    assert cache.size_bytes() <= 2500
+
+
+def test_stray_files_are_ignored_and_removed(tmp_path):
+    (tmp_path / "blobs").mkdir(parents=True)
+    (tmp_path / "blobs" / "garbage.tmp").write_bytes(b"x")
+    cache = BlobCache(tmp_path, 1 << 20)
+    assert cache.ids() == []
+    assert not (tmp_path / "blobs" / "garbage.tmp").exists()
+
+
+def test_backoff_grows_with_jitter_and_caps():
+    b = Backoff(base=0.5, cap=4.0, rng=random.Random(0))
+    delays = [b.next_delay() for _ in range(8)]
+    assert 0.25 <= delays[0] <= 0.5
+    assert all(d <= 4.0 for d in delays) and delays[-1] >= 2.0
+    b.reset()
+    assert b.next_delay() <= 0.5

@@ -1,0 +1,319 @@
+"""Verification on REAL digits training deltas: every attack is flagged, honest nodes are not."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from gpuflex.hub.aggregation import fedavg
+from gpuflex.hub.verification import (
+    MIN_REPLICATION,
+    Reputation,
+    UpdateRecord,
+    VerificationError,
+    compare_replicas,
+    record_agreement,
+    record_flag,
+    record_verdict,
+    relative_distance,
+    replication_probability,
+    review_round,
+    should_replicate,
+)
+from gpuflex.protocol.jobspec import VerificationSpec
+
+from tests.tooling import attacks as atk
+
+torch.set_num_threads(1)
+
+SPEC = VerificationSpec(cosine_min=-0.3)  # the calibrated default (see notes/verification.md)
+SHARD = 3  # chunks per shard (192 samples)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Digits, the MLP, and a global model after 2 clean FedAvg rounds (a realistic state)."""
+    spec = atk.digits_spec()
+    xtr, ytr, _xva, _yva = atk.digits_data()
+    chunks = atk.make_chunks(xtr, ytr, split="stratified")
+    state = atk.initial_state(spec)
+    cfg = atk.train_config()
+    shards = [chunks[i : i + SHARD] for i in range(0, 8 * SHARD, SHARD)][:7]
+    for rnd in range(2):
+        res = [
+            atk.contribute(None, spec, state, sh, cfg, seed=rnd * 100 + j)
+            for j, sh in enumerate(shards)
+        ]
+        state = atk.apply_delta(
+            state, fedavg([r.delta for r in res], [r.sample_count for r in res])
+        )
+    return {"spec": spec, "chunks": chunks, "shards": shards, "state": state, "cfg": cfg}
+
+
+def run(world, shard_idx, attack=None, *, seed=None, node="n", uid=None):
+    sh = world["shards"][shard_idx]
+    a = atk.make_attack(attack) if isinstance(attack, str) else attack
+    seed = 1000 + shard_idx if seed is None else seed
+    r = atk.contribute(a, world["spec"], world["state"], sh, world["cfg"], seed=seed)
+    samples = sum(int(c["x"].shape[0]) for c in sh)
+    return UpdateRecord(
+        update_id=uid or f"u-{node}-{shard_idx}",
+        node_id=node,
+        shard_id=f"s{shard_idx}",
+        samples_claimed=r.sample_count,
+        shard_samples=samples,
+        loss=r.loss,
+        train_s=r.train_s,
+        node_samples_per_s=0.0,
+        delta=r.delta,
+    )
+
+
+def global_norm(world):
+    return math.sqrt(
+        sum(
+            float(v.double().pow(2).sum()) for v in world["state"].values() if v.is_floating_point()
+        )
+    )
+
+
+# ------------------------------------------------------------------ replicas
+
+
+def test_honest_replicas_are_bit_identical_and_agree(world):
+    a, b = run(world, 0, node="a"), run(world, 0, node="b")
+    d, per = relative_distance(a.delta, b.delta)
+    assert d == 0.0 and set(per) == {k for k, t in a.delta.items() if t.is_floating_point()}
+    out = compare_replicas([a, b], SPEC)
+    assert out.agreed and not out.needs_more and out.flags == []
+    assert sorted(out.majority) == sorted([a.update_id, b.update_id])
+    assert out.canonical in out.majority
+    assert out.evidence["pairs"][0]["relative_distance"] == 0.0
+
+
+REPLICA_ATTACKS = [
+    "sign_flip",
+    "scale",
+    "gaussian_noise",
+    "label_flip",
+    "free_rider",
+    "colluding",
+    "half_shard",
+]
+
+
+@pytest.mark.parametrize("name", REPLICA_ATTACKS)
+def test_every_attack_loses_the_replica_vote(world, name):
+    h1 = run(world, 1, node="h1")
+    bad = run(world, 1, name, node="bad")
+    d, _ = relative_distance(h1.delta, bad.delta)
+    assert d >= 1e-2, d  # far above the 1e-4 tolerance
+    first = compare_replicas([h1, bad], SPEC)
+    assert not first.agreed and first.needs_more and first.flags == []
+    h2 = run(world, 1, node="h2")
+    out = compare_replicas([h1, bad, h2], SPEC)
+    assert out.agreed and sorted(out.majority) == sorted([h1.update_id, h2.update_id])
+    assert [(f.update_id, f.reason) for f in out.flags] == [(bad.update_id, "replica_mismatch")]
+    ev = out.flags[0].evidence
+    assert ev["relative_distance_to_canonical"] >= 1e-2 and ev["pairs"][0]["tensors"]
+
+
+def test_stale_replay_loses_the_replica_vote(world):
+    stale = atk.make_attack("stale_replay")
+    atk.contribute(
+        stale, world["spec"], world["state"], world["shards"][2], world["cfg"], seed=5
+    )  # round "0"
+    bad = run(world, 3, stale, node="bad")  # later assignment: resubmits the old update
+    h1, h2 = run(world, 3, node="h1"), run(world, 3, node="h2")
+    out = compare_replicas([h1, bad, h2], SPEC)
+    assert out.agreed and [f.update_id for f in out.flags] == [bad.update_id]
+
+
+def test_no_majority_at_max_replicas_flags_everyone(world):
+    h = run(world, 0, node="h")
+    s = run(world, 0, "sign_flip", node="s")
+    x = run(world, 0, "scale", node="x")
+    out = compare_replicas([h, s, x], SPEC)
+    assert not out.agreed and not out.needs_more
+    assert sorted(f.update_id for f in out.flags) == sorted([h.update_id, s.update_id, x.update_id])
+    two = compare_replicas([h, s], replace(SPEC, max_replicas=2))
+    assert not two.agreed and not two.needs_more and len(two.flags) == 2
+
+
+def test_colluding_pair_agrees_but_review_flags_their_update(world):
+    c1, c2 = run(world, 4, "colluding", node="c1"), run(world, 4, "colluding", node="c2")
+    out = compare_replicas([c1, c2], SPEC)
+    assert out.agreed  # the same wrong update: replication alone cannot tell
+    canonical = c1 if out.canonical == c1.update_id else c2
+    others = [run(world, j, node=f"h{j}") for j in (0, 1, 2, 3, 5, 6)]
+    rv = review_round([*others, canonical], global_norm(world), SPEC)
+    assert [(f.update_id, f.reason) for f in rv.flags] == [(canonical.update_id, "outlier")]
+    assert rv.flags[0].evidence["cosine"] < -0.3
+
+
+def test_replica_group_misuse_is_refused(world):
+    a = run(world, 0, node="a")
+    with pytest.raises(VerificationError, match="distinct nodes"):
+        compare_replicas([a, replace(a, update_id="other")], SPEC)
+    with pytest.raises(VerificationError, match="mixes shards"):
+        compare_replicas([a, replace(run(world, 1, node="b"))], SPEC)
+    assert compare_replicas([], SPEC).needs_more
+
+
+# ------------------------------------------------------------------ round review
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("sign_flip", "outlier"),
+        ("scale", "outlier"),
+        ("gaussian_noise", "outlier"),
+        ("free_rider", "free_rider"),
+    ],
+)
+def test_review_flags_update_attacks(world, name, reason):
+    honest = [run(world, j, node=f"h{j}") for j in range(6)]
+    bad = run(world, 6, name, node="bad")
+    before = {k: v.clone() for k, v in bad.delta.items()}
+    rv = review_round([*honest, bad], global_norm(world), SPEC)
+    assert [(f.update_id, f.reason) for f in rv.flags] == [(bad.update_id, reason)]
+    assert rv.included == [h.update_id for h in honest]
+    assert all(torch.equal(before[k], bad.delta[k]) for k in before)  # inputs untouched
+
+
+def test_implausible_claims_are_flagged(world):
+    honest = [run(world, j, node=f"h{j}") for j in range(5)]
+    h = run(world, 5, node="x")
+    cases = {
+        "over": replace(h, update_id="over", samples_claimed=h.shard_samples * 2),
+        "nan": replace(h, update_id="nan", loss=float("nan")),
+        "neg": replace(h, update_id="neg", loss=-0.1),
+        "fast": replace(h, update_id="fast", node_samples_per_s=100.0, train_s=0.001),
+        "slow": replace(h, update_id="slow", train_s=50.0, elapsed_s=10.0),
+    }
+    rv = review_round([*honest, *cases.values()], global_norm(world), SPEC)
+    got = {f.update_id: f for f in rv.flags}
+    assert set(got) == set(cases) and all(f.reason == "implausible" for f in got.values())
+    assert "claims 384 samples, shard holds 192" in got["over"].evidence["problems"][0]
+    assert rv.included == [r.update_id for r in honest]
+    ok = replace(h, update_id="ok", node_samples_per_s=100.0, train_s=0.5, elapsed_s=2.0)
+    assert review_round([*honest, ok], global_norm(world), SPEC).flags == []
+
+
+def test_half_shard_claim_is_invisible_to_review_but_not_to_replicas(world):
+    honest = [run(world, j, node=f"h{j}") for j in range(6)]
+    lazy = run(world, 6, "half_shard", node="lazy")
+    assert lazy.samples_claimed == lazy.shard_samples  # the claim itself looks fine
+    assert review_round([*honest, lazy], global_norm(world), SPEC).flags == []
+    out = compare_replicas([lazy, run(world, 6, node="r1"), run(world, 6, node="r2")], SPEC)
+    assert [f.update_id for f in out.flags] == [lazy.update_id]
+
+
+def test_small_rounds_skip_outlier_scoring_but_not_free_riders(world):
+    h = run(world, 0, node="h")
+    s = run(world, 1, "sign_flip", node="s")
+    rv = review_round([h, s], global_norm(world), SPEC)
+    assert rv.flags == [] and rv.included == [h.update_id, s.update_id]
+    assert rv.evidence["outlier_scoring"].startswith("skipped")
+    z = run(world, 2, "free_rider", node="z")
+    rv = review_round([z], global_norm(world), SPEC)
+    assert [f.reason for f in rv.flags] == ["free_rider"] and rv.included == []
+
+
+@pytest.mark.parametrize(("split", "sizes"), [("stratified", (3,)), ("random", (1, 2, 3, 6))])
+def test_honest_only_rounds_raise_zero_flags(world, split, sizes):
+    """Real FedAvg training, review every round: not one flag (IID-ish and uneven shards)."""
+    xtr, ytr, _, _ = atk.digits_data()
+    chunks = atk.make_chunks(xtr, ytr, split=split, seed=1)
+    spec, cfg = world["spec"], world["cfg"]
+    state = atk.initial_state(spec)
+    rng = random.Random(0)
+    for rnd in range(4):
+        order = list(range(len(chunks)))
+        rng.shuffle(order)
+        shards, i, k = [], 0, 0
+        while i < len(order):
+            shards.append([chunks[c] for c in order[i : i + sizes[k % len(sizes)]]])
+            i += sizes[k % len(sizes)]
+            k += 1
+        recs = []
+        for j, sh in enumerate(shards):
+            r = atk.contribute(None, spec, state, sh, cfg, seed=rnd * 100 + j)
+            recs.append(
+                UpdateRecord(
+                    f"u{j}",
+                    f"n{j}",
+                    f"s{j}",
+                    r.sample_count,
+                    r.sample_count,
+                    r.loss,
+                    r.train_s,
+                    0.0,
+                    r.delta,
+                )
+            )
+        gn = math.sqrt(
+            sum(float(v.double().pow(2).sum()) for v in state.values() if v.is_floating_point())
+        )
+        rv = review_round(recs, gn, SPEC)
+        assert rv.flags == [], (rnd, [(f.update_id, f.evidence) for f in rv.flags])
+        state = atk.apply_delta(
+            state, fedavg([r.delta for r in recs], [r.samples_claimed for r in recs])
+        )
+
+
+# ------------------------------------------------------------------ reputation
+
+
+def test_reputation_transitions_are_pure():
+    r0 = Reputation()
+    r1 = record_agreement(r0)
+    assert r0 == Reputation() and r1.consecutive_agreements == 1 and r1.agreements_total == 1
+    r2 = record_flag(record_agreement(r1))
+    assert r2.consecutive_agreements == 0 and r2.agreements_total == 2 and r2.flags_total == 1
+    r3 = record_verdict(r2, "dismiss")
+    assert r3.dismissed_flags == 1 and r3.consecutive_agreements == 0 and not r3.banned
+    banned = r3
+    for _ in range(3):
+        assert not banned.banned
+        banned = record_verdict(banned, "confirm")
+    assert banned.banned and banned.confirmed_flags == 3
+    with pytest.raises(VerificationError, match="confirm"):
+        record_verdict(r0, "maybe")
+
+
+def test_adaptive_replication_trusts_after_a_run_and_stays_bounded():
+    spec = VerificationSpec()
+    rng = random.Random(0)
+    rep = Reputation()
+    for _ in range(spec.trust_after):
+        assert replication_probability(rep, spec) == 1.0 and should_replicate(rep, spec, rng)
+        rep = record_agreement(rep)
+    assert replication_probability(rep, spec) == pytest.approx(1 / spec.trust_after)
+    long_run = replace(rep, consecutive_agreements=1000)
+    assert replication_probability(long_run, spec) == MIN_REPLICATION
+    assert replication_probability(record_flag(long_run), spec) == 1.0  # any flag resets trust
+    # Overhead of a trusted node over many shards: about 1/run, floored at 5%.
+    draws = [
+        should_replicate(replace(rep, consecutive_agreements=40), spec, rng) for _ in range(4000)
+    ]
+    assert 0.04 < sum(draws) / len(draws) < 0.065
+    fixed = replace(spec, replication=0.25)
+    assert replication_probability(Reputation(), fixed) == 0.25
+    assert not should_replicate(Reputation(), replace(spec, replication=0.0), rng)
+    with pytest.raises(VerificationError):
+        replication_probability(Reputation(), replace(spec, replication="sometimes"))
+
+
+def test_records_are_not_mutated_by_comparison(world):
+    a, b = run(world, 0, node="a"), run(world, 0, "scale", node="b")
+    snap = copy.deepcopy([a.delta, b.delta])
+    compare_replicas([a, b], SPEC)
+    review_round([a, b], 1.0, SPEC)
+    for before, rec in zip(snap, (a, b)):
+        assert all(torch.equal(before[k], rec.delta[k]) for k in before)
