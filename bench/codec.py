@@ -13,17 +13,18 @@ import argparse
 import gc
 import io
 import json
-import math
+import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpuflex.protocol import decode_state, encode_state
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from gpuflex.protocol import decode_state, encode_state
 
 GB = 1e9
 
@@ -45,39 +46,37 @@ def make_state(params: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def best(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of ``repeats`` calls (seconds); results dropped outside the timing."""
-    times = []
+def race(contenders: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Best (wall, cpu) seconds per contender over ``repeats`` round-robin rounds.
+
+    Round-robin, so a burst of load from other processes hits every contender alike.
+    """
+    best: dict[str, tuple[float, float]] = {name: (float("inf"), float("inf")) for name in contenders}
     for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-        del result
-    return min(times)
+        for name, fn in contenders.items():
+            gc.collect()
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = fn()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            del result
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=25_000_000)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "codec.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+WARM_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
-    state = make_state(args.params)
-    n_params = sum(t.numel() for t in state.values())
-    payload = sum(t.numel() * t.element_size() for t in state.values())
+
+def measure(params: int, repeats: int, threads: int) -> dict[str, float]:
+    """Best-of-``repeats`` seconds for every contender (plus sizes)."""
+    torch.set_num_threads(threads)
+    state = make_state(params)
 
     # Ours: one copy on encode, none on decode.
     blob = encode_state(state)
     out = decode_state(blob)
     if not all(torch.equal(out[k], state[k]) for k in state):
         raise SystemExit("GFT1 round trip mismatch")
-    t_enc = best(lambda: encode_state(state), args.repeats)
-    t_dec = best(lambda: decode_state(blob), max(args.repeats, 50))
-    t_ours = best(lambda: decode_state(encode_state(state)), args.repeats)
+    del out
 
     # torch.save / torch.load(weights_only=True) through BytesIO.
     def torch_save() -> bytes:
@@ -86,88 +85,133 @@ def main() -> None:
         return buf.getvalue()
 
     saved = torch_save()
-
-    def torch_load() -> object:
-        return torch.load(io.BytesIO(saved), weights_only=True)
-
-    t_tsave = best(torch_save, args.repeats)
-    t_tload = best(torch_load, args.repeats)
-    t_torch = best(lambda: torch.load(io.BytesIO(torch_save()), weights_only=True), args.repeats)
-
-    # safetensors from/to bytes.
     st_blob = st_save(state)
-    t_ssave = best(lambda: st_save(state), args.repeats)
-    t_sload = best(lambda: st_load(st_blob), args.repeats)
-    t_safe = best(lambda: st_load(st_save(state)), args.repeats)
-
-    # A plain copy of the same number of bytes (the floor for anything that copies once).
-    t_memcpy = best(lambda: bytearray(blob), args.repeats)
     flat = torch.cat([t.reshape(-1) for t in state.values()])
-    t_clone = best(flat.clone, args.repeats)
-    t_copy = min(t_memcpy, t_clone)
+    timed = race(
+        {
+            "ours": lambda: decode_state(encode_state(state)),
+            "ours_encode": lambda: encode_state(state),
+            "torch": lambda: torch.load(io.BytesIO(torch_save()), weights_only=True),
+            "torch_save": torch_save,
+            "torch_load": lambda: torch.load(io.BytesIO(saved), weights_only=True),
+            "safetensors": lambda: st_load(st_save(state)),
+            "safetensors_save": lambda: st_save(state),
+            "safetensors_load": lambda: st_load(st_blob),
+            "bytearray_copy": lambda: bytearray(blob),
+            "torch_clone": flat.clone,
+        },
+        repeats,
+    )
+    timed.update(race({"ours_decode": lambda: decode_state(blob)}, max(repeats, 50)))
+    r = {name: wall for name, (wall, _) in timed.items()}
+    r.update({f"cpu_{name}": cpu for name, (_, cpu) in timed.items()})
+    r["cpu_memcpy"] = min(r["cpu_bytearray_copy"], r["cpu_torch_clone"])
+    r["memcpy"] = min(r["bytearray_copy"], r["torch_clone"])
+    r["params"] = sum(t.numel() for t in state.values())
+    r["tensors"] = len(state)
+    r["payload"] = sum(t.numel() * t.element_size() for t in state.values())
+    r["overhead"] = len(blob) - r["payload"]
+    return r
 
-    gbs = {
-        "ours_roundtrip_gbs": payload / t_ours / GB,
-        "ours_encode_gbs": payload / t_enc / GB,
-        "torch_roundtrip_gbs": payload / t_torch / GB,
-        "torch_save_gbs": payload / t_tsave / GB,
-        "torch_load_gbs": payload / t_tload / GB,
-        "safetensors_roundtrip_gbs": payload / t_safe / GB,
-        "safetensors_save_gbs": payload / t_ssave / GB,
-        "safetensors_load_gbs": payload / t_sload / GB,
-        "memcpy_gbs": payload / t_copy / GB,
-        "bytearray_copy_gbs": payload / t_memcpy / GB,
-        "torch_clone_gbs": payload / t_clone / GB,
-    }
-    figures: dict[str, float] = {
-        **{k: round(v, 3) for k, v in gbs.items()},
-        "decode_zero_copy_us": round(t_dec * 1e6, 1),
-        "decode_per_tensor_us": round(t_dec * 1e6 / len(state), 2),
-        "ours_encode_ms": round(t_enc * 1e3, 2),
-        "ours_roundtrip_ms": round(t_ours * 1e3, 2),
-        "torch_roundtrip_ms": round(t_torch * 1e3, 2),
-        "safetensors_roundtrip_ms": round(t_safe * 1e3, 2),
-        "memcpy_ms": round(t_copy * 1e3, 2),
-        "params": n_params,
-        "tensors": len(state),
-        "payload_bytes": payload,
-        "blob_overhead_bytes": len(blob) - payload,
-        "repeats": args.repeats,
-        "threads": args.threads,
-    }
+
+def summarise(r: dict[str, float], prefix: str = "") -> tuple[dict[str, float], dict[str, float]]:
+    payload = r["payload"]
+    names = ("ours", "ours_encode", "torch", "torch_save", "torch_load", "safetensors",
+             "safetensors_save", "safetensors_load", "memcpy", "bytearray_copy", "torch_clone")
+    figures = {f"{prefix}{n if n != 'ours' else 'ours_roundtrip'}"
+               f"{'_roundtrip' if n in ('torch', 'safetensors') else ''}_gbs": round(payload / r[n] / GB, 3)
+               for n in names}
+    figures[f"{prefix}decode_zero_copy_us"] = round(r["ours_decode"] * 1e6, 1)
+    figures[f"{prefix}decode_per_tensor_us"] = round(r["ours_decode"] * 1e6 / r["tensors"], 2)
+    for n in ("ours", "ours_encode", "torch", "safetensors", "memcpy"):
+        figures[f"{prefix}{n}_ms"] = round(r[n] * 1e3, 2)
+    suffix = "_warm_alloc" if prefix else ""
     ratios = {
-        "vs_torch": round(gbs["ours_roundtrip_gbs"] / gbs["torch_roundtrip_gbs"], 2),
-        "vs_safetensors": round(gbs["ours_roundtrip_gbs"] / gbs["safetensors_roundtrip_gbs"], 2),
-        "vs_memcpy": round(gbs["ours_roundtrip_gbs"] / gbs["memcpy_gbs"], 2),
+        f"vs_torch{suffix}": round(r["torch"] / r["ours"], 2),
+        f"vs_safetensors{suffix}": round(r["safetensors"] / r["ours"], 2),
+        f"vs_memcpy{suffix}": round(r["memcpy"] / r["ours"], 2),
+        f"vs_torch{suffix}_cpu_time": round(r["cpu_torch"] / r["cpu_ours"], 2),
+        f"vs_memcpy{suffix}_cpu_time": round(r["cpu_memcpy"] / r["cpu_ours"], 2),
     }
+    return figures, ratios
+
+
+def table(r: dict[str, float], title: str) -> None:
+    payload = r["payload"]
+    rows = [
+        ("GFT1 encode+decode", "ours"),
+        ("  encode only", "ours_encode"),
+        ("  decode only (zero-copy)", "ours_decode"),
+        ("torch.save+load(weights_only)", "torch"),
+        ("  torch.save", "torch_save"),
+        ("  torch.load", "torch_load"),
+        ("safetensors save+load (bytes)", "safetensors"),
+        ("  save", "safetensors_save"),
+        ("  load", "safetensors_load"),
+        ("memcpy: bytearray(blob)", "bytearray_copy"),
+        ("memcpy: torch clone", "torch_clone"),
+    ]
+    print(title)
+    print(f"  {'operation':34} {'time':>12} {'GB/s':>9} {'x ours':>7}")
+    for label, key in rows:
+        seconds = r[key]
+        shown = f"{seconds * 1e3:9.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:9.1f} us"
+        print(f"  {label:34} {shown:>12} {payload / seconds / GB:9.2f} {seconds / r['ours']:7.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=25_000_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-warm", action="store_true", help="skip the warm-allocator run")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "codec.json")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.params, args.repeats, args.threads)))
+        return
+
+    cold = measure(args.params, args.repeats, args.threads)
+    figures, ratios = summarise(cold)
+    warm = None
+    if not args.no_warm:
+        # Same measurement with glibc told to keep freed memory (no fresh page faults per
+        # allocation): the steady state of a long-running process that reuses its heap.
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", "--params", str(args.params),
+             "--repeats", str(args.repeats), "--threads", str(args.threads)],
+            env={**os.environ, **WARM_ENV}, capture_output=True, text=True, check=True,
+        )
+        warm = json.loads(proc.stdout.strip().splitlines()[-1])
+        warm_figures, warm_ratios = summarise(warm, "warm_")
+        figures.update(warm_figures)
+        ratios.update(warm_ratios)
+    figures.update(
+        params=cold["params"], tensors=cold["tensors"], payload_bytes=cold["payload"],
+        blob_overhead_bytes=cold["overhead"], repeats=args.repeats, threads=args.threads,
+    )
     result = {
         "name": "codec",
         "figures": figures,
         "ratios": ratios,
-        "machine": f"{platform.machine()} {platform.python_implementation()} {platform.python_version()} "
-        f"torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}, "
+        f"python {platform.python_version()}, torch {torch.__version__}",
+        "notes": "ratios are throughput ours/other (= best wall time other/ours, round-robin best of N) "
+        "for encode+decode of the same state dict; *_cpu_time = the same from process CPU time "
+        "(steadier on a shared machine); "
+        "state dict; memcpy = best of bytearray(blob) and torch clone of the flat data; warm_* = "
+        "glibc with MALLOC_MMAP_MAX_=0 so big buffers reuse already-faulted heap pages",
     }
 
-    rows = [
-        ("GFT1 encode+decode", t_ours, gbs["ours_roundtrip_gbs"]),
-        ("  encode only", t_enc, gbs["ours_encode_gbs"]),
-        ("  decode only (zero-copy)", t_dec, payload / t_dec / GB if t_dec else math.inf),
-        ("torch.save+load(weights_only)", t_torch, gbs["torch_roundtrip_gbs"]),
-        ("  torch.save", t_tsave, gbs["torch_save_gbs"]),
-        ("  torch.load", t_tload, gbs["torch_load_gbs"]),
-        ("safetensors save+load", t_safe, gbs["safetensors_roundtrip_gbs"]),
-        ("  save", t_ssave, gbs["safetensors_save_gbs"]),
-        ("  load", t_sload, gbs["safetensors_load_gbs"]),
-        ("memcpy (best of bytearray/clone)", t_copy, gbs["memcpy_gbs"]),
-    ]
-    print(f"state dict: {n_params / 1e6:.1f}M float32 params in {len(state)} tensors, "
-          f"{payload / 1e6:.1f} MB; best of {args.repeats}; {args.threads} torch thread(s)")
-    print(f"{'operation':36} {'time':>12} {'GB/s':>10}")
-    for name, seconds, rate in rows:
-        shown = f"{seconds * 1e3:9.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:9.1f} us"
-        print(f"{name:36} {shown:>12} {rate:10.2f}")
-    print(f"zero-copy decode: {t_dec * 1e6:.0f} us total, {t_dec * 1e6 / len(state):.1f} us per tensor "
-          "(header validation + one torch.frombuffer view per tensor)")
+    print(f"state dict: {cold['params'] / 1e6:.1f}M float32 params in {cold['tensors']} tensors, "
+          f"{cold['payload'] / 1e6:.1f} MB; best of {args.repeats}; {args.threads} torch thread(s)")
+    table(cold, "default allocator (every big buffer is freshly page-faulted):")
+    if warm is not None:
+        table(warm, "warm allocator (freed heap pages reused: MALLOC_MMAP_MAX_=0):")
+    print(f"zero-copy decode: {cold['ours_decode'] * 1e6:.0f} us for {cold['tensors']} tensors "
+          f"({cold['ours_decode'] * 1e6 / cold['tensors']:.1f} us each: header validation + one "
+          "torch.frombuffer view per tensor; independent of tensor size)")
     print("ratios: " + ", ".join(f"{k} = {v}" for k, v in ratios.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

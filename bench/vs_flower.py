@@ -64,7 +64,7 @@ TARGETS = {
 }
 SMALL_HIDDEN = [128]
 LARGE_HIDDEN = [4096, 4096, 2048]
-PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 SETUP_HELP = """\
 Flower venv (kept apart from the project's):
@@ -198,6 +198,11 @@ class ProcMonitor(threading.Thread):
             if not known[0]:
                 continue
             key = (pid, start)
+            try:
+                fields = stat[stat.rindex(b")") + 2 :].split()
+                cpu_s = (int(fields[11]) + int(fields[12])) / CLK_TCK
+            except (ValueError, IndexError):
+                cpu_s = 0.0
             rss_kb = hwm_kb = 0
             comm = ""
             try:
@@ -217,6 +222,7 @@ class ProcMonitor(threading.Thread):
                 if comm:
                     rec["name"] = comm
                 rec["hwm_kb"] = max(rec["hwm_kb"], hwm_kb, rss_kb)
+                rec["cpu_s"] = max(rec.get("cpu_s", 0.0), cpu_s)
                 if not rec.get("cmd"):
                     try:
                         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -256,13 +262,25 @@ class ProcMonitor(threading.Thread):
                 continue
         return out
 
+    def cpu_by_label(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far, per kind of process."""
+        self.sample()
+        out: dict[str, float] = {}
+        with self.lock:
+            for p in self.procs.values():
+                nm = _proc_label(p)
+                out[nm] = out.get(nm, 0.0) + p.get("cpu_s", 0.0)
+        return out
+
     def summary(self) -> dict[str, Any]:
         with self.lock:
             procs = list(self.procs.values())
         by_name: dict[str, int] = {}
+        cpu: dict[str, float] = {}
         for p in procs:
             nm = _proc_label(p)
             by_name[nm] = by_name.get(nm, 0) + 1
+            cpu[nm] = cpu.get(nm, 0.0) + p.get("cpu_s", 0.0)
         return {
             "processes_started": len(procs),
             "processes_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
@@ -270,6 +288,8 @@ class ProcMonitor(threading.Thread):
             "peak_rss_breakdown_mb": {k: round(v / 1024, 1) for k, v in sorted(
                 self.peak_breakdown.items(), key=lambda kv: -kv[1])},
             "sum_of_process_peaks_mb": sum(p["hwm_kb"] for p in procs) / 1024,
+            "cpu_s_total": sum(cpu.values()),
+            "cpu_s_by_name": {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
             "samples": self.samples,
         }
 
@@ -466,6 +486,7 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
             args += ["--run-config", f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}"]
         if mode == "simulation":
             args += ["--federation-config", f"num-supernodes={job.nodes}"]
+        cpu0 = procs.monitor.cpu_by_label()
         log(f"flower/{mode}/{job.name}: submitting ({job.nodes} nodes, {job.rounds} rounds)")
         t_submit = time.time()
         cp = procs.run(args, timeout=180)
@@ -489,6 +510,7 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
             return False
 
         wait_for(done, timeout, "the Flower run to finish")
+        res["cpu_s_during_job"] = _cpu_diff(cpu0, procs.monitor.cpu_by_label())
         out = json.loads(result_path.read_text())
         stamps = out["round_end_time"]
         res["t_submit"] = t_submit
@@ -602,7 +624,7 @@ def _parse_events(path: Path) -> list[dict[str, Any]]:
 
 
 def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
-                round_target_s: float, poll_s: float) -> dict[str, Any]:
+                round_target_s: float, poll_s: float, profile: bool = False) -> dict[str, Any]:
     tag_label = f"gpuflex-{job.name}"
     run_dir = work / tag_label
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -622,6 +644,12 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
         hub_bin = gpuflex_bin("gpuflex-hub")
         node_bin = gpuflex_bin("gpuflex-node")
         hub_log = run_dir / "hub.log"
+        # The owner token first (the CLI creates the data dir's database), then the hub.
+        cp = procs.run([*hub_bin, "token", "create", "--data", str(hub_data), "--role", "owner",
+                        "--name", "bench"])
+        if cp.returncode != 0 or not cp.stdout.strip():
+            raise RuntimeError(f"gpuflex-hub token create failed: {(cp.stdout + cp.stderr)[-400:]}")
+        token = cp.stdout.strip().splitlines()[-1].strip()
         procs.popen([*hub_bin, "serve", "--data", str(hub_data), "--host", "127.0.0.1", "--port", "0"], hub_log)
 
         def hub_up() -> bool:
@@ -631,11 +659,6 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
 
         wait_for(hub_up, 120, "gpuflex-hub to listen")
         url = (hub_data / "hub.url").read_text().strip()
-        cp = procs.run([*hub_bin, "token", "create", "--data", str(hub_data), "--role", "owner",
-                        "--name", "bench"])
-        if cp.returncode != 0 or not cp.stdout.strip():
-            raise RuntimeError(f"gpuflex-hub token create failed: {(cp.stdout + cp.stderr)[-400:]}")
-        token = cp.stdout.strip().splitlines()[-1].strip()
         node_logs = []
         for i in range(job.nodes):
             nlog = run_dir / f"node{i}.log"
@@ -658,6 +681,8 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
             "train": ("train.npz", (job.data_dir / "train.npz").read_bytes(), "application/octet-stream"),
             "val": ("val.npz", (job.data_dir / "test.npz").read_bytes(), "application/octet-stream"),
         })
+        spies = _start_profilers(profile, run_dir, procs) if profile else []
+        cpu0 = procs.monitor.cpu_by_label()
         log(f"gpuflex/{job.name}: submitting ({job.nodes} nodes, {job.rounds} rounds)")
         t_submit = time.time()
         sub = _http("POST", f"{url}/v1/jobs", token, body, ctype)
@@ -681,6 +706,8 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
                 t_done = now
                 break
             time.sleep(poll_s)
+        res["cpu_s_during_job"] = _cpu_diff(cpu0, procs.monitor.cpu_by_label())
+        _stop_profilers(spies)
         if t_done is None:
             raise TimeoutError(f"job not done after {timeout:.0f} s (state {status.get('state')}, "
                                f"round {status.get('round')})")
@@ -700,6 +727,38 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
         res.update(procs.monitor.summary())
         res["logs"] = str(run_dir)
     return res
+
+
+def _start_profilers(enabled: bool, run_dir: Path, procs: Tagged) -> list[subprocess.Popen[bytes]]:
+    """py-spy (from the Flower venv) on the hub and on node 0, collapsed stacks, until stopped."""
+    spy = FLOWER_VENV / "bin" / "py-spy"
+    if not enabled or not spy.exists():
+        return []
+    out = []
+    for name, p in (("hub", procs.children[0]), ("node0", procs.children[1])):
+        out.append(subprocess.Popen(
+            [str(spy), "record", "--pid", str(p.pid), "--rate", "200", "--format", "raw", "--threads",
+             "--idle", "--nonblocking", "-o", str(run_dir / f"pyspy-{name}.txt")],
+            stdout=subprocess.DEVNULL, stderr=open(run_dir / f"pyspy-{name}.log", "wb")))
+    time.sleep(1.0)
+    return out
+
+
+def _stop_profilers(spies: list[subprocess.Popen[bytes]]) -> None:
+    for p in spies:
+        p.send_signal(signal.SIGINT)
+    for p in spies:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    d = {k: v for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v > 0}
+    d["total"] = round(sum(d.values()), 2)
+    return d
 
 
 def _fetch_metrics(url: str) -> str:
@@ -855,10 +914,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--systems", default="flower,gpuflex", help="comma list of flower,gpuflex")
     ap.add_argument("--flower-modes", default="deployment,simulation",
                     help="comma list of deployment,simulation")
+    ap.add_argument("--flower-modes-large", default="deployment",
+                    help="Flower runtimes for the large-model row (simulation adds ~1-2 min of Ray start-up)")
     ap.add_argument("--jobs", default="small,large", help="comma list of small,large")
     ap.add_argument("--round-target-s", type=float, default=0.001,
                     help="GPUFlex [train] round_target_s: tiny so each node gets one chunk (1/N) a round")
     ap.add_argument("--poll-s", type=float, default=0.1, help="how often the bench polls the job status")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy the GPUFlex hub and node 0 during the job (collapsed stacks in the logs)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--workdir", type=Path, default=None, help="keep logs here (default: a temp dir)")
     ap.add_argument("--setup-help", action="store_true", help="print how to build the Flower venv")
@@ -873,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     systems = set(args.systems.split(","))
     modes = [m for m in args.flower_modes.split(",") if m]
+    large_modes = [m for m in args.flower_modes_large.split(",") if m]
     jobs_wanted = args.jobs.split(",")
     rounds = args.rounds or (3 if args.quick else 20)
     t_all = time.time()
@@ -895,7 +959,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fl_err = flower_available()
     for j in jobs:
         if "flower" in systems:
-            for mode in modes:
+            for mode in (modes if j.name == "small" else large_modes):
                 if fl_err:
                     rows.append({"system": "flower", "mode": mode, "job": j.name, "nodes": j.nodes,
                                  "rounds": j.rounds, "params": j.params, "ok": False, "error": fl_err})
@@ -907,7 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"procs={r['processes_started']}")
         if "gpuflex" in systems:
             r = run_gpuflex(j, work, base_env, timeout=600, round_target_s=args.round_target_s,
-                            poll_s=args.poll_s)
+                            poll_s=args.poll_s, profile=args.profile)
             rows.append(r)
             log(f"gpuflex/{j.name}: ok={r['ok']} wall={fmt(r.get('wall_s'), '.1f')} s "
                 f"acc={fmt(r.get('final_accuracy'), '.3f')} peak={r['peak_rss_sum_mb']:.0f} MB "

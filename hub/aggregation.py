@@ -75,6 +75,8 @@ __all__ = [
 METHODS = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
 SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
 DEFAULT_SLICE_ELEMS = 1 << 20
+FEDAVG_BLOCK_ELEMS = 1 << 16
+SMALL_MODEL_ELEMS = 1 << 16  # fedavg flattens whole updates below this
 
 
 class AggregationError(HubError):
@@ -191,6 +193,11 @@ class PageReleaser:
         self._ranges.sort()
         self._starts = [lo for lo, _ in self._ranges]
 
+    def release_all(self, flats: Sequence[Tensor]) -> None:
+        """Drop whatever is already mapped of these tensors (e.g. by the blob's decode)."""
+        for f in flats:
+            self.release(f, 0, f.numel())
+
     def release(self, flat: Tensor, start: int, end: int) -> None:
         """Drop the whole pages of ``flat[start:end]`` if they lie in a read-only file mapping."""
         if not self._ranges or end <= start:
@@ -301,18 +308,41 @@ def fedavg(
     pages = PageReleaser()
     if factors is not None:
         w = [wi * fi for wi, fi in zip(w, factors, strict=True)]
+    total = sum(deltas[0][k].numel() for k in keys)
+    if total <= SMALL_MODEL_ELEMS:
+        # Small models, many updates: one flat float64 row per update, one add each
+        # (the same elementwise operations in the same order: the same bits).
+        acc = torch.zeros(total, dtype=torch.float64)
+        for wi, d in zip(w, deltas, strict=True):
+            if wi != 0.0:
+                acc.add_(torch.cat([d[k].reshape(-1).to(torch.float64) for k in keys]), alpha=wi)
+        _finite_or_raise("<all>", acc)
+        out_small: dict[str, Tensor] = {}
+        start = 0
+        for k in keys:
+            ref = deltas[0][k]
+            out_small[k] = acc[start : start + ref.numel()].to(ref.dtype).reshape(ref.shape)
+            start += ref.numel()
+        return out_small
+    # Accumulate in blocks that keep the float64 accumulator in L2 cache (2x faster
+    # than 1M-element blocks); the per-coordinate order, hence every bit, is the same.
+    block = min(slice_elems, FEDAVG_BLOCK_ELEMS)
     out: dict[str, Tensor] = {}
     for k in keys:
         ref = deltas[0][k]
         result = torch.empty(ref.shape, dtype=ref.dtype)
         rflat = result.view(-1)
         flats = [_flat(d[k]) for d in deltas]
-        for s, e in _slices(rflat.numel(), slice_elems):
+        pages.release_all(flats)
+        tmp = torch.empty(block, dtype=torch.float64)
+        for s, e in _slices(rflat.numel(), block):
             acc = torch.zeros(e - s, dtype=torch.float64)
+            buf = tmp[: e - s]
             for wi, f in zip(w, flats, strict=True):
                 if wi != 0.0:
-                    acc.add_(f[s:e], alpha=wi)  # promoted to float64 inside the kernel
-                    pages.release(f, s, e)
+                    buf.copy_(f[s:e])  # a vectorized cast; same bits as a promoting add
+                    acc.add_(buf, alpha=wi)
+                pages.release(f, s, e)
             _finite_or_raise(k, acc)
             rflat[s:e].copy_(acc)
         out[k] = result
@@ -340,6 +370,7 @@ def coordinate_median(
         result = torch.empty(ref.shape, dtype=ref.dtype)
         rflat = result.view(-1)
         flats = [_flat(d[k]) for d in deltas]
+        pages.release_all(flats)
         for s, e in _slices(rflat.numel(), slice_elems):
             srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
             if n % 2 == 1:
@@ -381,6 +412,7 @@ def trimmed_mean(
         result = torch.empty(ref.shape, dtype=ref.dtype)
         rflat = result.view(-1)
         flats = [_flat(d[k]) for d in deltas]
+        pages.release_all(flats)
         for s, e in _slices(rflat.numel(), slice_elems):
             srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
             # Fixed-order float64 sum, row by row: independent of slice boundaries.
@@ -408,6 +440,7 @@ def pairwise_sq_distances(
     dist = torch.zeros((n, n), dtype=torch.float64)
     for k in keys:
         flats = [_flat(d[k]) for d in deltas]
+        pages.release_all(flats)
         for s, e in _slices(flats[0].numel(), slice_elems):
             x = _stack(flats, s, e, factors, pages)  # (N, slice)
             # Exact differences, not the Gram identity: no cancellation for near-equal updates.

@@ -11,6 +11,7 @@ import random
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -25,6 +26,7 @@ from .appkeys import (
     DB,
     FIRST_ADMIN_TOKEN,
     HUB_KEY,
+    IO_POOL,
     METRICS,
     REPLAY,
     ROUNDS,
@@ -109,6 +111,7 @@ def create_app(config: HubConfig) -> web.Application:
     app[SIGNAL] = signal
     app[METRICS] = metrics
     app[AUDIT] = audit
+    app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
     app[FIRST_ADMIN_TOKEN] = admin_token
     app[ROUNDS] = RoundEngine(db=db, blobs=blobs, scheduler=scheduler, metrics=metrics, signal=signal,
                               audit=audit)
@@ -188,28 +191,34 @@ async def _load_state(app: web.Application) -> None:
 async def _sweep(app: web.Application) -> None:
     """Expire overdue assignments (their chunks go back to the pool); settle waiting replicas."""
     cfg = app[CONFIG]
-    sched = app[SCHEDULER]
-    rounds = app[ROUNDS]
     while True:
         await asyncio.sleep(cfg.sweep_interval_s)
-        now = time.time()
-        expired = sched.expired(now)
-        if expired:
-            for a in expired:
-                shard = sched.detach(a)
-                if shard is not None:
-                    sched.release_if_empty(shard)
-            ids = [(a.id,) for a in expired]
-            await app[DB].write(lambda c, ids=ids: c.executemany(
-                "UPDATE assignments SET state = 'expired' WHERE id = ? AND state = 'live'", ids))
-            app[METRICS].assignments_expired += len(expired)
-            app[SIGNAL].notify()
-        for job in list(sched.jobs.values()):
-            if job.state != "running":
-                continue
-            waiting = any(s.state == "open" and s.accepted for s in job.shards.values())
-            if waiting or job.round_complete():
-                rounds.poke(job.id)
+        try:
+            await _sweep_once(app)
+        except Exception:  # a failed sweep is retried next tick; it must not stop the loops
+            log.exception("sweep failed")
+
+
+async def _sweep_once(app: web.Application) -> None:
+    sched = app[SCHEDULER]
+    now = time.time()
+    expired = sched.expired(now)
+    if expired:
+        for a in expired:
+            shard = sched.detach(a)
+            if shard is not None:
+                sched.release_if_empty(shard)
+        ids = [(a.id,) for a in expired]
+        await app[DB].write(lambda c: c.executemany(
+            "UPDATE assignments SET state = 'expired' WHERE id = ? AND state = 'live'", ids))
+        app[METRICS].assignments_expired += len(expired)
+        app[SIGNAL].notify()
+    for job in list(sched.jobs.values()):
+        if job.state != "running":
+            continue
+        waiting = any(s.state == "open" and s.accepted for s in job.shards.values())
+        if waiting or job.round_complete():
+            app[ROUNDS].poke(job.id)
 
 
 async def _loops(app: web.Application) -> None:
@@ -229,4 +238,5 @@ async def background(app: web.Application) -> AsyncIterator[None]:
             await loops
         # Let a running aggregation thread finish its commit before the database closes.
         await asyncio.to_thread(app[DB].close)
+        app[IO_POOL].shutdown(wait=True)
         app[AUDIT].close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from aiohttp import web
 from gpuflex.protocol.signing import ReplayGuard, SigningKey
 
@@ -23,5 +25,7 @@ SIGNAL = web.AppKey("signal", WorkSignal)
 ROUNDS = web.AppKey("rounds", RoundEngine)
 METRICS = web.AppKey("metrics", HubMetrics)
 AUDIT = web.AppKey("audit", AuditLog)
+#: threads for blocking file work of uploads (hashing checks, fsync, rename): IO-bound, GIL released
+IO_POOL = web.AppKey("io_pool", ThreadPoolExecutor)
 #: the admin token printed on first start (None after)
 FIRST_ADMIN_TOKEN = web.AppKey("first_admin_token", str)

@@ -92,6 +92,7 @@ async def _serve(args: argparse.Namespace) -> int:
     tmp.write_text(url + "\n")
     os.replace(tmp, config.url_path)
     print(f"gpuflex-hub listening on {url}", flush=True)
+    print(f"web console: {url}/console/ (log in with a token)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

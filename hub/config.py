@@ -37,6 +37,8 @@ class HubConfig:
     online_window_s: float = 90.0
     #: EMA weight of the newest throughput observation
     throughput_alpha: float = 0.3
+    #: worker threads for upload file work (manifest check, fsync, rename)
+    io_threads: int = 16
 
     @property
     def db_path(self) -> Path:

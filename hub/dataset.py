@@ -167,19 +167,20 @@ def _order(y: np.ndarray, stratified: bool, rng: np.random.Generator) -> np.ndar
 
 
 def split_validation(data: Arrays, fraction: float, *, stratified: bool, seed: int) -> tuple[Arrays, Arrays | None]:
+    """Hold back `fraction` of the samples (per class when stratified), deterministically."""
     if fraction <= 0:
         return data, None
     n = len(data)
-    n_val = round(n * fraction)
-    if n_val < 1 or n_val >= n:
+    rng = np.random.default_rng([seed, 1])
+    groups = [np.flatnonzero(data.y == c) for c in np.unique(data.y)] if stratified and data.y.ndim == 1 \
+        else [np.arange(n)]
+    picked = [g[rng.permutation(g.size)[: round(g.size * fraction)]] for g in groups]
+    val_idx = np.sort(np.concatenate(picked))
+    if val_idx.size < 1 or val_idx.size >= n:
         raise _bad(f"validation_fraction {fraction} leaves no training or no validation samples")
-    order = _order(data.y, stratified, np.random.default_rng([seed, 1]))
-    # every k-th position of a stratified order is itself stratified
-    pick = np.zeros(n, dtype=bool)
-    pick[np.linspace(0, n - 1, n_val).round().astype(np.int64)] = True
-    val_idx = np.sort(order[pick])
-    train_idx = np.sort(order[~pick])
-    return Arrays(data.x[train_idx], data.y[train_idx]), Arrays(data.x[val_idx], data.y[val_idx])
+    mask = np.zeros(n, dtype=bool)
+    mask[val_idx] = True
+    return Arrays(data.x[~mask], data.y[~mask]), Arrays(data.x[mask], data.y[mask])
 
 
 def encode_arrays(data: Arrays) -> bytes:

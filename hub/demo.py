@@ -101,6 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
             role = f"misbehaving ({args.attack})" if bad else "honest"
             console.print(f"node   {name:<22} {role:<24} id {proc.node_id}  pid {proc.pid}")
 
+        console.print("waiting for the nodes to benchmark themselves and register ...")
+        cluster.wait_registered(timeout_s=min(args.timeout, 180.0))
         files = digits_job(workdir / "job", rounds=args.rounds)
         job = asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))
         job_id = job["id"]

@@ -21,6 +21,7 @@ def evaluate(spec: JobSpec, state: Mapping[str, Tensor], val: Mapping[str, Tenso
     model.load_state_dict(dict(state), strict=True)
     model.eval()
     x, y = val["x"], val["y"]
+    x = x.to(spec.model.input_dtype)  # int64 token ids for Embedding-first models
     n = int(x.shape[0])
     total_loss = 0.0
     correct = 0

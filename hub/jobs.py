@@ -110,13 +110,23 @@ class JobState:
     next_seq: int = 0
     closing: bool = False
     round_opened_at: float = 0.0
+    live_n: int = 0  # live assignments of this job (kept by Scheduler.attach/detach)
+    replicated: dict[str, ShardState] = field(default_factory=dict)  # open shards that want > 1 replica
+    cursor: int = 0  # every chunk index below it is taken (amortised O(1) carving)
+    by_sha: dict[str, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
 
     def live_count(self) -> int:
-        return sum(len(s.live) for s in self.shards.values())
+        return self.live_n
+
+    def release(self, idxs: tuple[int, ...] | list[int]) -> None:
+        """Chunks go back to the round's pool."""
+        self.free.update(idxs)
+        if idxs:
+            self.cursor = min(self.cursor, min(idxs))
 
     def covered_chunks(self) -> int:
         return sum(len(s.chunk_idxs) for s in self.shards.values() if s.state == "settled")
@@ -130,9 +140,13 @@ class JobState:
 
     def open_round(self, now: float) -> None:
         self.shards = {}
+        self.replicated = {}
         self.free = {c.idx for c in self.chunks}
+        self.cursor = 0
         self.next_seq = 0
         self.round_opened_at = now
+        if len(self.by_sha) != len(self.chunks):
+            self.by_sha = {c.sha: c.idx for c in self.chunks}
 
 
 def shard_seed(job_seed: int, round_: int, seq: int) -> int:
@@ -307,6 +321,8 @@ def load_jobs(conn: sqlite3.Connection, hub_now: float) -> tuple[list[JobState],
                 shard.state = "dropped"  # nothing usable; its chunks go back to the pool
                 continue
             job.shards[shard.id] = shard
+            if shard.wanted > 1 and shard.state == "open":
+                job.replicated[shard.id] = shard
             job.free.difference_update(idxs)
         jobs.append(job)
     return jobs, broken

@@ -255,6 +255,21 @@ class LocalCluster:
         proc.data_dir = data_dir
         return proc
 
+    def wait_registered(self, procs: Sequence[Proc] | None = None, *, timeout_s: float = 120.0) -> None:
+        """Block until each node has logged its `registered` event (it benchmarks first)."""
+        pending = list(procs if procs is not None else self.nodes())
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for proc in list(pending):
+                if any(e.get("event") == "registered" for e in proc.events()):
+                    pending.remove(proc)
+                elif not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited before registering; see {proc.log}")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise TimeoutError(f"not registered after {timeout_s:.0f} s: {names}")
+            time.sleep(0.05)
+
     def create_token(self, role: str, name: str) -> str:
         from gpuflex.hub.tokens import create_token
 

@@ -194,9 +194,10 @@ class RoundEngine:
             conn.executemany(REPUTATION_SQL, touched)
 
         await self.db.write(write)
+        job.replicated.pop(shard.id, None)
         if dropped:
             job.shards.pop(shard.id, None)
-            job.free.update(shard.chunk_idxs)
+            job.release(shard.chunk_idxs)
         if dropped or cancelled:
             self.signal.notify()
 
@@ -332,6 +333,7 @@ class RoundEngine:
         if last:
             job.state = "done"
             job.shards = {}
+            job.replicated = {}
             job.free = set()
         else:
             job.open_round(now)
@@ -417,6 +419,7 @@ class RoundEngine:
             self.scheduler.detach(a)
         job.state = state
         job.shards = {}
+        job.replicated = {}
         job.free = set()
         now = time.time()
 

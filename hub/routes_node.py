@@ -32,8 +32,8 @@ from gpuflex.protocol.signing import fingerprint, seal
 from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
-from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, METRICS, ROUNDS, SCHEDULER, SIGNAL
-from .blobs import check_blob_id
+from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, METRICS, ROUNDS, SCHEDULER, SIGNAL
+from .blobs import BlobStore, check_blob_id
 from .errors import (
     BadRequest,
     Conflict,
@@ -285,8 +285,8 @@ async def blob(request: web.Request) -> web.StreamResponse:
                                             "Cache-Control": "private, max-age=31536000, immutable"})
 
 
-def _check_update_file(path: Path, spec_manifest: object) -> None:
-    """Manifest then finiteness, on a read-only mmap of the received blob (worker thread)."""
+def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str) -> None:
+    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
@@ -307,8 +307,8 @@ def _check_update_file(path: Path, spec_manifest: object) -> None:
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
-        fh.flush()
         os.fsync(fh.fileno())
+    blobs.commit_temp(path, sha)
 
 
 @routes.post("/v1/updates")
@@ -376,10 +376,10 @@ async def _update(request: web.Request) -> web.Response:
             raise BadRequest(f"body has {received} bytes, update_size says {hdr.update_size}", code="size_mismatch")
         if digest.hexdigest() != hdr.update_sha256:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
-        await asyncio.to_thread(_check_update_file, tmp, manifest(job.spec.model))
+        await asyncio.get_running_loop().run_in_executor(
+            app[IO_POOL], _ingest_update_file, tmp, manifest(job.spec.model), blobs, hdr.update_sha256)
         if a.id not in sched.assignments or job.round != a.round or job.state != "running":
             raise Conflict("the round closed while the update was uploading", code="late_update")
-        await asyncio.to_thread(blobs.commit_temp, tmp, hdr.update_sha256)
         now = time.time()
         shard = job.shards.get(a.shard_id)
         if shard is None:
@@ -393,6 +393,8 @@ async def _update(request: web.Request) -> web.Response:
         sched.observe_throughput(node, shard.samples, job.spec.train.local_epochs, now - a.issued_at,
                                  app[CONFIG].throughput_alpha)
         first = shard.first_update_at is None
+        # an unreplicated shard is settled by its one update, in the same transaction
+        settles = shard.wanted == 1 and not shard.accepted and shard.state == "open"
 
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(
@@ -407,6 +409,9 @@ async def _update(request: web.Request) -> web.Response:
                          " last_seen = ? WHERE id = ?", (node.ema_sps, now, node.id))
             if first:
                 conn.execute("UPDATE shards SET first_update_at = ? WHERE id = ?", (now, shard.id))
+            if settles:
+                conn.execute("UPDATE shards SET state = 'settled', outcome = '{\"replicas\":1}' WHERE id = ?",
+                             (shard.id,))
 
         try:
             await app[DB].write(write)
@@ -422,6 +427,9 @@ async def _update(request: web.Request) -> web.Response:
     shard.accepted.append(upd)
     if first:
         shard.first_update_at = now
+    if settles:
+        shard.state = "settled"
+        shard.representative = upd.id
     node.updates_accepted += 1
     app[METRICS].updates_accepted += 1
     app[ROUNDS].poke(job.id)

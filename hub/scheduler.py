@@ -105,11 +105,14 @@ class Scheduler:
         self.min_deadline_s = min_deadline_s
         self.online_window_s = online_window_s
         self._rng = rng or random.Random(0)
+        self._online_cache: tuple[float, int] = (0.0, 0)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def add_job(self, job: JobState) -> None:
         self.jobs[job.id] = job
+        job.live_n = 0
         for shard in job.shards.values():
+            job.live_n += len(shard.live)
             for a in shard.live.values():
                 self.assignments[a.id] = a
                 node = self.nodes.get(a.node_id)
@@ -152,27 +155,39 @@ class Scheduler:
         return None
 
     def _pending_replica(self, job: JobState, node: NodeState) -> ShardState | None:
-        for shard in sorted(job.shards.values(), key=lambda s: s.seq):
+        for shard in sorted(job.replicated.values(), key=lambda s: s.seq):
             if shard.state == "open" and shard.replicas_needed() > 0 and node.id not in shard.nodes:
                 return shard
         return None
 
     def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
-        """Cut a shard sized to the node: throughput x round_target_s samples, cached first."""
+        """Cut a shard sized to the node: throughput x round_target_s samples, cached first,
+        then the lowest free chunk indices (a stable order)."""
         train = job.spec.train
         want_samples = node.throughput * train.round_target_s / max(1, train.local_epochs)
-        by_idx = {c.idx: c for c in job.chunks}
-        free = sorted(job.free)
-        hot = [i for i in free if by_idx[i].sha in cached]
-        cold = [i for i in free if by_idx[i].sha not in cached]
+        chunks = job.chunks  # chunks[i].idx == i
         picked: list[int] = []
         samples = 0
-        for i in hot + cold:
-            if picked and (samples >= want_samples or len(picked) >= MAX_CHUNKS_PER_ASSIGNMENT):
+
+        def full() -> bool:
+            return bool(picked) and (samples >= want_samples or len(picked) >= MAX_CHUNKS_PER_ASSIGNMENT)
+
+        for idx in sorted(job.by_sha[sha] for sha in cached if job.by_sha.get(sha) in job.free):
+            if full():
                 break
-            picked.append(i)
-            samples += by_idx[i].samples
+            picked.append(idx)
+            samples += chunks[idx].samples
+        taken = set(picked)
+        i = job.cursor
+        while i < len(chunks) and not full():
+            if i in job.free and i not in taken:
+                picked.append(i)
+                samples += chunks[i].samples
+            i += 1
         picked.sort()  # stable chunk order inside the assignment
+        job.free.difference_update(picked)
+        while job.cursor < len(chunks) and job.cursor not in job.free:
+            job.cursor += 1
         seq = job.next_seq
         job.next_seq += 1
         wanted = 1
@@ -185,22 +200,29 @@ class Scheduler:
         )
         if wanted > 1:
             shard.replica_group = shard.id
+            job.replicated[shard.id] = shard
         job.shards[shard.id] = shard
-        job.free.difference_update(picked)
         return shard
 
     def _replicate(self, job: JobState, node: NodeState, now: float) -> bool:
         """Replicate only when another node could take the replica: nothing waits for absent nodes."""
-        others = sum(
-            1 for n in self.nodes.values()
-            if n.id != node.id and not n.banned and now - n.last_seen <= self.online_window_s
-        )
-        if others < 1:
+        if not should_replicate(node.reputation, job.spec.verification, self._rng):
             return False
-        return should_replicate(node.reputation, job.spec.verification, self._rng)
+        return self._online_count(now) - (1 if now - node.last_seen <= self.online_window_s else 0) >= 1
+
+    def _online_count(self, now: float) -> int:
+        """Nodes online, recounted at most once a second (O(nodes) otherwise per carve)."""
+        stamp, count = self._online_cache
+        if now - stamp > 1.0:
+            count = self.online_nodes(now)
+            self._online_cache = (now, count)
+        return count
 
     # -- lifecycle of an assignment ---------------------------------------------------------
     def attach(self, a: AssignmentState, shard: ShardState) -> None:
+        job = self.jobs.get(a.job_id)
+        if job is not None:
+            job.live_n += 1
         shard.live[a.id] = a
         shard.nodes.add(a.node_id)
         self.assignments[a.id] = a
@@ -220,7 +242,8 @@ class Scheduler:
         shard = job.shards.get(a.shard_id)
         if shard is None:
             return None
-        shard.live.pop(a.id, None)
+        if shard.live.pop(a.id, None) is not None:
+            job.live_n -= 1
         return shard
 
     def release_if_empty(self, shard: ShardState) -> bool:
@@ -230,7 +253,8 @@ class Scheduler:
             return False
         shard.state = "dropped"
         job.shards.pop(shard.id, None)
-        job.free.update(shard.chunk_idxs)
+        job.replicated.pop(shard.id, None)
+        job.release(shard.chunk_idxs)
         return True
 
     def expired(self, now: float) -> list[AssignmentState]:

@@ -46,7 +46,7 @@ implausible checks run; the skip is stated in ``RoundReview.evidence``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -69,10 +69,12 @@ __all__ = [
     "VerificationError",
     "compare_replicas",
     "cosine_and_norms",
+    "is_trusted",
     "record_agreement",
     "record_flag",
     "record_verdict",
     "relative_distance",
+    "replica_candidates",
     "replication_probability",
     "review_round",
     "should_replicate",
@@ -82,7 +84,11 @@ REASONS = ("replica_mismatch", "outlier", "free_rider", "implausible")
 MIN_OUTLIER_N = 3  # below this the round's median is no robust centre
 MIN_REPLICATION = 0.05  # floor of a trusted node's replication probability
 BAN_AFTER_CONFIRMED = 3  # confirmed flags that ban a node
-FAST_FACTOR = 20.0  # an update is implausible when it claims to be this much faster than measured
+FLOP_SAFETY = (
+    4.0  # a node may beat its benchmarked peak FLOP/s by this much before it is implausible
+)
+MIN_TIMING_S = 0.01  # below this the physical minimum is lost in timer noise: not checked
+MAX_LAYERS_EVIDENCE = 64
 EPS = 1e-12
 TOP_TENSORS = 5  # per-tensor evidence kept for a replica pair
 
@@ -104,10 +110,14 @@ class UpdateRecord:
 
     ``samples_claimed`` is the header's sample_count, ``shard_samples`` what the
     hub's shard actually holds; ``loss``/``train_s`` are the node's claims;
-    ``node_samples_per_s`` is the node's measured throughput as the hub knows it
-    (the EMA of delivered samples/s; 0 = unknown, skips the timing check).
+    ``node_samples_per_s`` is the node's throughput as the hub knows it (evidence
+    only: delivered throughput includes download and polling, so it is no bound).
     ``elapsed_s`` (optional) is the hub-observed wall time from assignment issue
     to upload: a node cannot have trained longer than that.
+    ``peak_flops`` (the node's best benchmarked matmul FLOP/s; 0 = unknown),
+    ``param_count`` and ``local_epochs`` give the PHYSICAL minimum training time,
+    6 * params * samples * epochs / (peak * FLOP_SAFETY); a claim below it is
+    implausible (skipped when that minimum is under MIN_TIMING_S).
     ``delta`` may be zero-copy views; it is only read.
     """
 
@@ -121,6 +131,9 @@ class UpdateRecord:
     node_samples_per_s: float
     delta: Mapping[str, Tensor]
     elapsed_s: float | None = None
+    peak_flops: float = 0.0
+    param_count: int = 0
+    local_epochs: int = 1
 
 
 @dataclass(frozen=True)
@@ -234,13 +247,26 @@ def cosine_and_norms(
     slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> tuple[float, float, float]:
     """(cosine(a, b), ||a||, ||b||) over the floating tensors; cosine 0 if either is 0."""
+    cos, na, nb, _ = _cosine_layers(a, b, slice_elems)
+    return cos, na, nb
+
+
+def _cos(ab: float, na: float, nb: float) -> float:
+    return ab / (na * nb) if na > EPS and nb > EPS else 0.0
+
+
+def _cosine_layers(
+    a: Mapping[str, Tensor], b: Mapping[str, Tensor], slice_elems: int
+) -> tuple[float, float, float, list[tuple[str, float, float, float]]]:
+    """Whole-update (cosine, ||a||, ||b||) plus (name, ||a_k||, ||b_k||, cosine_k) per tensor."""
     aa = bb = ab = 0.0
+    layers = []
     for k in floating_keys(a):
         _, x, y, z = _pair_sums(a[k], b[k], slice_elems)
         aa, bb, ab = aa + x, bb + y, ab + z
+        layers.append((k, math.sqrt(x), math.sqrt(y), _cos(z, math.sqrt(x), math.sqrt(y))))
     na, nb = math.sqrt(aa), math.sqrt(bb)
-    cos = ab / (na * nb) if na > EPS and nb > EPS else 0.0
-    return cos, na, nb
+    return _cos(ab, na, nb), na, nb, layers
 
 
 def _norm(delta: Mapping[str, Tensor], slice_elems: int) -> float:
@@ -262,9 +288,19 @@ def compare_replicas(
     records: Sequence[UpdateRecord],
     spec: Any,
     *,
+    trusted: Collection[str] | None = None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> ReplicaOutcome:
     """Decide one replica group (updates of the same shard, seed and chunks).
+
+    ``trusted``: ids of the nodes that are trusted now (``is_trusted``); pass it
+    (the hub should). When NO member of the group is trusted, agreement proves
+    less - a deterministic attack agrees with itself, so two attackers handed the
+    same shard agree - hence: the group needs quorum + 1 agreeing replicas (capped
+    at max_replicas), and a split vote among untrusted nodes is INCONCLUSIVE: no
+    canonical, no flags (nobody is accused on the word of the untrusted), the
+    shard is simply not aggregated. With a trusted member, or ``trusted=None``,
+    the plain majority rule below applies.
 
     ``spec`` is a VerificationSpec (quorum, max_replicas, tolerance). Two updates
     agree when their relative distance is <= tolerance. For each update, its
@@ -317,6 +353,26 @@ def compare_replicas(
     # Distinct largest clusters (as sets): more than one means a tie, no majority.
     largest = {tuple(c) for c in clusters if len(c) == best_size}
     evidence = {**base, "pairs": pairs}
+    untrusted_only = trusted is not None and not any(nd in trusted for nd in nodes)
+    if untrusted_only:
+        need = min(quorum + 1, max_replicas)
+        evidence["untrusted_group"] = True
+        if best_size < n:  # a split among untrusted nodes: nobody's word counts
+            if n < max_replicas:
+                return ReplicaOutcome(
+                    False, [], [], True, {**evidence, "why": "split among untrusted nodes"}
+                )
+            return ReplicaOutcome(
+                False,
+                [],
+                [],
+                False,
+                {**evidence, "why": "inconclusive: split among untrusted nodes"},
+            )
+        if n < need:
+            return ReplicaOutcome(
+                False, [], [], True, {**evidence, "why": f"untrusted group needs {need} agreeing"}
+            )
     if best_size >= quorum and 2 * best_size > n and len(largest) == 1:
         members = next(iter(largest))
         majority = [ids[i] for i in members]
@@ -366,6 +422,14 @@ def compare_replicas(
 # --------------------------------------------------------------------------- round review
 
 
+def _physical_min_train_s(r: UpdateRecord) -> float:
+    """Fewest seconds the claimed training can take on this node (0 = unknown)."""
+    if r.peak_flops <= 0 or r.param_count <= 0 or r.shard_samples <= 0:
+        return 0.0
+    flops = 6.0 * r.param_count * r.shard_samples * max(r.local_epochs, 1)
+    return flops / (r.peak_flops * FLOP_SAFETY)
+
+
 def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
     problems: list[str] = []
     if r.samples_claimed != r.shard_samples:
@@ -375,13 +439,13 @@ def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
     if not math.isfinite(r.train_s) or r.train_s <= 0:
         problems.append(f"train_s {r.train_s!r} is not a positive number")
     else:
-        if r.node_samples_per_s > 0 and r.shard_samples > 0:
-            floor_s = r.shard_samples / (r.node_samples_per_s * FAST_FACTOR)
-            if r.train_s < floor_s:
-                problems.append(
-                    f"train_s {r.train_s:.4g} s is below {floor_s:.4g} s, "
-                    f"{FAST_FACTOR:g}x faster than the node's measured {r.node_samples_per_s:.4g} samples/s"
-                )
+        min_s = _physical_min_train_s(r)
+        if min_s >= MIN_TIMING_S and r.train_s < min_s:
+            problems.append(
+                f"train_s {r.train_s:.4g} s is below the physical minimum {min_s:.4g} s "
+                f"(6 x {r.param_count} params x {r.shard_samples} samples x {r.local_epochs} epochs "
+                f"at {FLOP_SAFETY:g}x the node's benchmarked {r.peak_flops:.3g} FLOP/s)"
+            )
         if r.elapsed_s is not None and r.train_s > r.elapsed_s + 1.0:
             problems.append(
                 f"train_s {r.train_s:.4g} s exceeds the {r.elapsed_s:.4g} s between assignment and upload"
@@ -395,6 +459,8 @@ def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
         "loss": _jsonable(r.loss),
         "train_s": _jsonable(r.train_s),
         "node_samples_per_s": _jsonable(r.node_samples_per_s),
+        "elapsed_s": None if r.elapsed_s is None else _jsonable(r.elapsed_s),
+        "physical_min_train_s": _physical_min_train_s(r),
     }
 
 
@@ -426,8 +492,12 @@ def review_round(
     flagged: set[str] = set()
     norms: dict[str, float] = {}
     scores: dict[str, dict[str, Any]] = {}
-    for r in records:
-        nrm = _norm(r.delta, slice_elems)
+    # Small rounds (many tiny updates): one (N, P) float64 matrix, a handful of
+    # tensor ops instead of Python loops per update and tensor.
+    matrix = _as_matrix(records)
+    fast_norms = matrix.norm(dim=1).tolist() if matrix is not None else None
+    for i, r in enumerate(records):
+        nrm = fast_norms[i] if fast_norms is not None else _norm(r.delta, slice_elems)
         norms[r.update_id] = nrm
         scores[r.update_id] = {"node_id": r.node_id, "norm": _jsonable(nrm)}
         if not math.isfinite(nrm) or nrm <= rider_floor:
@@ -468,24 +538,41 @@ def review_round(
         # update's norm grows with the steps taken: compare norms per sample of the
         # shard (hub-known, not the claim), and take the centre of per-sample updates.
         per_sample = [1.0 / max(r.shard_samples, 1) for r in rest]
-        centre = coordinate_median(
-            [r.delta for r in rest], factors=per_sample, slice_elems=slice_elems
-        )
+        fast_cos: list[float] | None = None
+        if matrix is not None:
+            row = {r.update_id: i for i, r in enumerate(records)}
+            x = matrix[[row[r.update_id] for r in rest]]  # (n, P)
+            scaled = (x * torch.tensor(per_sample, dtype=torch.float64)[:, None]).sort(dim=0).values
+            m = scaled.shape[0]
+            c = scaled[m // 2] if m % 2 else (scaled[m // 2 - 1] + scaled[m // 2]) * 0.5  # (P,)
+            centre = _unflatten(c, rest[0].delta)
+            cn = float(c.norm())
+            fast_cos = [
+                _cos(float(d), norms[r.update_id], cn)
+                for d, r in zip((x @ c).tolist(), rest, strict=True)
+            ]
+        else:
+            centre = coordinate_median(
+                [r.delta for r in rest], factors=per_sample, slice_elems=slice_elems
+            )
         unit = {r.update_id: norms[r.update_id] * f for r, f in zip(rest, per_sample, strict=True)}
         med_unit = _median(list(unit.values()))
         evidence["outlier_scoring"] = "coordinate-wise median of per-sample updates"
         evidence["median_norm_per_sample"] = med_unit
-        for r in rest:
-            cos, nrm, cnorm = cosine_and_norms(r.delta, centre, slice_elems=slice_elems)
+        for i, r in enumerate(rest):
+            if fast_cos is not None:
+                cos, nrm = fast_cos[i], norms[r.update_id]
+            else:
+                cos, nrm, _, _ = _cosine_layers(r.delta, centre, slice_elems)
             ratio = unit[r.update_id] / max(med_unit, EPS)
             scores[r.update_id].update({"cosine": _jsonable(cos), "norm_ratio": _jsonable(ratio)})
-            evidence["centre_norm"] = cnorm
             why = []
             if cos < cosine_min:
                 why.append(f"cosine {cos:.3f} to the round's median < {cosine_min:g}")
             if ratio > norm_ratio_max:
                 why.append(f"norm per sample {ratio:.2f}x the round's median > {norm_ratio_max:g}")
             if why:
+                layers = _cosine_layers(r.delta, centre, slice_elems)[3]  # for the auditor
                 flags.append(
                     Flag(
                         r.update_id,
@@ -499,6 +586,17 @@ def review_round(
                             "shard_samples": r.shard_samples,
                             "median_norm_per_sample": med_unit,
                             "scored_updates": len(rest),
+                            # Per tensor, the centre scaled to this shard's samples so the
+                            # norms compare like for like.
+                            "layers": [
+                                {
+                                    "name": name,
+                                    "norm": _jsonable(ln),
+                                    "centre_norm": _jsonable(lc * r.shard_samples),
+                                    "cosine": _jsonable(lcos),
+                                }
+                                for name, ln, lc, lcos in layers[:MAX_LAYERS_EVIDENCE]
+                            ],
                         },
                     )
                 )
@@ -569,6 +667,37 @@ def replication_probability(rep: Reputation, spec: Any) -> float:
     return p
 
 
+def is_trusted(rep: Reputation, spec: Any) -> bool:
+    """A run of ``trust_after`` consecutive agreeing replicas and not banned."""
+    return not rep.banned and rep.consecutive_agreements >= int(_spec(spec, "trust_after", 10))
+
+
+def replica_candidates(
+    reps: Mapping[str, Reputation],
+    exclude: Collection[str],
+    spec: Any,
+) -> list[str]:
+    """Nodes that may take the next replica of a group (``exclude`` = its members),
+    sorted by id. Push model: ``rng.choice`` of it; pull model: give the replica to a
+    requesting node only if it is in this list (computed over the online nodes).
+
+    Replicas exist to check untrusted work, and two untrusted nodes that agree
+    prove little (a deterministic attack agrees with itself, colluders agree on
+    purpose). So: trusted nodes only, when any is available; before anyone is
+    trusted, the upper half of nodes by their run of agreements (honest nodes
+    build runs from the first round; caught nodes sit at 0).
+    """
+    pool = {n: r for n, r in reps.items() if n not in exclude and not r.banned}
+    trusted = sorted(n for n, r in pool.items() if is_trusted(r, spec))
+    if trusted:
+        return trusted
+    if not pool:
+        return []
+    runs = sorted((r.consecutive_agreements for r in pool.values()), reverse=True)
+    cut = runs[(len(runs) - 1) // 2]  # the median run: ties at the cut stay eligible
+    return sorted(n for n, r in pool.items() if r.consecutive_agreements >= cut)
+
+
 def should_replicate(rep: Reputation, spec: Any, rng: _Rng) -> bool:
     """Draw once from ``rng`` (e.g. random.Random seeded by the hub) against
     ``replication_probability``. A new node (run 0) is always replicated in
@@ -582,6 +711,35 @@ def should_replicate(rep: Reputation, spec: Any, rng: _Rng) -> bool:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+FAST_ELEMS = 1 << 22  # N x P at most this (32 MB of float64): score as one matrix
+
+
+def _as_matrix(records: Sequence[UpdateRecord]) -> Tensor | None:
+    """(N, P) float64 rows of the floating tensors, or None when too big / ragged."""
+    if not records:
+        return None
+    keys = floating_keys(records[0].delta)
+    p = sum(records[0].delta[k].numel() for k in keys)
+    if p == 0 or len(records) * p > FAST_ELEMS:
+        return None
+    rows = []
+    for r in records:
+        if _same_layout(records[0].delta, r.delta) is None:
+            return None  # the per-update path reports the mismatch
+        rows.append(torch.cat([r.delta[k].reshape(-1).to(torch.float64) for k in keys]))
+    return torch.stack(rows)
+
+
+def _unflatten(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    start = 0
+    for k in floating_keys(like):
+        n = like[k].numel()
+        out[k] = flat[start : start + n].reshape(like[k].shape)
+        start += n
+    return out
 
 
 def _median(values: list[float]) -> float:

@@ -60,6 +60,7 @@ from .client import Backoff, HubClient, json_error_detail
 from .device import GpuWatcher, apply_limits, describe, select_device
 from .errors import (
     AssignmentRejected,
+    BadSignature,
     Banned,
     BlobError,
     HubError,
@@ -107,6 +108,7 @@ class NodeConfig:
     abandon_timeout_s: float = 3.0
     control: bool = True
     benchmark: Benchmark | None = None  # None: cached or quick measurement at start
+    bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
 
 
 @dataclass
@@ -324,9 +326,9 @@ class NodeAgent:
         return self.exit_code
 
     def _benchmark(self) -> Benchmark:
-        from .benchmark import benchmark_for_registration
+        from .benchmark import benchmark_for_registration, cache_path
 
-        return benchmark_for_registration(self.device, self.config.data_dir)
+        return benchmark_for_registration(self.device, cache_path(self.config.data_dir, self.config.bench_cache))
 
     async def _work_loop_then_exit(self, benchmark: Benchmark) -> None:
         try:
@@ -409,6 +411,8 @@ class NodeAgent:
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await self._sleep(delay)
             except AssignmentRejected as exc:
+                if isinstance(exc, BadSignature):
+                    self.registered = False  # re-check the hub's key before trusting it again
                 self.totals.rejected += 1
                 self.output.event("rejected", **json_error_detail(exc))
                 await self._sleep(backoff.next_delay())
@@ -418,6 +422,8 @@ class NodeAgent:
                     self.output.event("error", fatal=True, **json_error_detail(exc))
                     self.exit_code = 5
                     return
+                if exc.code == "bad_answer":
+                    self.registered = False  # re-check the hub's key before trusting it again
                 delay = backoff.next_delay()
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await self._sleep(delay)

@@ -12,6 +12,7 @@ count, torch version, device, threads) and measured again when any part changes.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from .identity import write_private_file
 from .trainer import train_assignment
 
 CACHE_FILE = "bench.json"
+ENV_CACHE = "GPUFLEX_BENCH_CACHE"
 REFERENCE_MODEL = "mlp-64-128-10/b32"
 BIG_MODEL = "mlp-784-1024-1024-10/b128"
 
@@ -102,7 +104,7 @@ def run_benchmark(device: torch.device, *, quick: bool = False) -> dict[str, Any
     started = time.perf_counter()
     desc = describe(device)
     gpu = device.type in ("cuda", "mps")
-    n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 512)
+    n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 768)
     reps = 5 if not quick else 3
     out: dict[str, Any] = {
         "fingerprint": hardware_fingerprint(device),
@@ -148,30 +150,55 @@ def to_message(results: dict[str, Any]) -> Benchmark:
     )
 
 
-def load_cached(device: torch.device, data_dir: Path) -> dict[str, Any] | None:
+def cache_path(data_dir: Path, override: str | os.PathLike[str] | None = None) -> Path:
+    """--bench-cache PATH, else $GPUFLEX_BENCH_CACHE, else DIR/bench.json.
+
+    A shared file lets every node on one machine reuse one measurement (keyed by the
+    hardware fingerprint, so a different device or thread count is measured anew).
+    """
+    chosen = override or os.environ.get(ENV_CACHE)
+    return Path(chosen).expanduser() if chosen else data_dir / CACHE_FILE
+
+
+def load_cached(device: torch.device, path: Path) -> dict[str, Any] | None:
+    """The cached results for this hardware, or None. The file may hold several fingerprints."""
     try:
-        cached = json.loads((data_dir / CACHE_FILE).read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(cached, dict) or cached.get("fingerprint") != hardware_fingerprint(device):
+    if not isinstance(doc, dict):
+        return None
+    fp = hardware_fingerprint(device)
+    entry = doc.get("by_fingerprint", {}).get(fp) if isinstance(doc.get("by_fingerprint"), dict) else None
+    if entry is None and doc.get("fingerprint") == fp:
+        entry = doc  # a single-entry file
+    if not isinstance(entry, dict):
         return None
     try:
-        to_message(cached)
+        to_message(entry)
     except (KeyError, TypeError, ValueError):
         return None
-    return cached
+    return entry
 
 
-def measure_and_cache(device: torch.device, data_dir: Path, *, quick: bool = False) -> dict[str, Any]:
+def measure_and_cache(device: torch.device, path: Path, *, quick: bool = False) -> dict[str, Any]:
     results = run_benchmark(device, quick=quick)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    write_private_file(data_dir / CACHE_FILE, json.dumps(results, indent=1) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        entries = doc.get("by_fingerprint", {}) if isinstance(doc, dict) else {}
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[results["fingerprint"]] = results
+    write_private_file(path, json.dumps({**results, "by_fingerprint": entries}, indent=1) + "\n")
     return results
 
 
-def benchmark_for_registration(device: torch.device, data_dir: Path) -> Benchmark:
+def benchmark_for_registration(device: torch.device, path: Path) -> Benchmark:
     """The cached figures for this hardware, or a quick measurement (cached too)."""
-    cached = load_cached(device, data_dir)
+    cached = load_cached(device, path)
     if cached is None:
-        cached = measure_and_cache(device, data_dir, quick=True)
+        cached = measure_and_cache(device, path, quick=True)
     return to_message(cached)

@@ -69,12 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--heartbeat", type=float, default=5.0, metavar="S", help="heartbeat interval while working")
     run.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
     run.add_argument("--no-control", action="store_true", help="do not serve the local control endpoint")
+    run.add_argument("--bench-cache", metavar="PATH", help="benchmark cache file shared by the nodes of "
+                     "this machine (default $GPUFLEX_BENCH_CACHE, else DIR/bench.json)")
 
     bench = sub.add_parser("bench", help="measure this machine (cached per hardware)")
     bench.add_argument("--device", default="auto")
     _add_data_dir(bench)
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument("--force", action="store_true", help="measure again even if cached")
+    bench.add_argument("--threads", type=int, metavar="N", help="CPU threads (as `run --threads N` will use)")
+    bench.add_argument("--bench-cache", metavar="PATH", help="cache file (default $GPUFLEX_BENCH_CACHE, "
+                       "else DIR/bench.json)")
 
     for name, text in (("status", "show the running node's state"),
                        ("pause", "pause the running node (abandons the assignment in hand)"),
@@ -103,7 +108,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         max_cache_bytes=int(args.max_cache_gb * 1e9), threads=args.threads,
         max_gpu_memory_gb=args.max_gpu_memory, once=args.once, max_assignments=args.max_assignments,
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
-        control=not args.no_control,
+        control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
     )
     output = Output(json_lines=True if args.json else None)
     agent = (agent_cls or NodeAgent)(config, output=output)
@@ -118,14 +123,15 @@ def _fmt_num(v: Any, unit: str) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import load_cached, measure_and_cache
-    from .device import select_device
+    from .benchmark import cache_path, load_cached, measure_and_cache
+    from .device import apply_limits, select_device
 
     device = select_device(args.device)
-    data_dir = _data_dir(args)
-    results = None if args.force else load_cached(device, data_dir)
+    apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+    path = cache_path(_data_dir(args), args.bench_cache)
+    results = None if args.force else load_cached(device, path)
     if results is None or results.get("quick"):
-        results = measure_and_cache(device, data_dir)
+        results = measure_and_cache(device, path)
         results["cached"] = False
     else:
         results["cached"] = True

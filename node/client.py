@@ -39,6 +39,7 @@ from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
 from .cache import BlobWriter
 from .errors import (
     AssignmentRejected,
+    BadSignature,
     Banned,
     BlobError,
     HubError,
@@ -201,7 +202,7 @@ class HubClient:
             nowork, _ = open_sealed(data, NoWork, signer=self.hub_public_key)
             return nowork
         except ProtocolError as exc:
-            raise AssignmentRejected(
+            raise BadSignature(
                 f"work answer refused: its signature does not verify with the pinned hub key ({exc})"
             ) from exc
 

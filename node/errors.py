@@ -13,6 +13,7 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     │   └── Banned           403 banned: stop
     ├── HubUnavailable       network error / 5xx: retry with backoff
     ├── AssignmentRejected   signature or fields of an assignment are wrong
+    │   └── BadSignature     the work answer is not signed by the pinned hub key
     ├── BlobError            download failed verification (size / hash)
     ├── TrainError           the data or model does not fit the spec
     ├── TrainingStopped      should_stop() returned True between batches
@@ -61,6 +62,10 @@ class HubUnavailable(NodeError):
 
 class AssignmentRejected(NodeError):
     """An assignment failed its signature check or its field checks; it is not trained."""
+
+
+class BadSignature(AssignmentRejected):
+    """The answer to a work request does not verify with the pinned hub key."""
 
 
 class BlobError(NodeError):

@@ -223,6 +223,13 @@ async def test_owner_downloads_model(hub, browser):
     from gpuflex.protocol.tensors import state_from_safetensors
 
     assert "0.weight" in state_from_safetensors(data)
+    async with browser.session.get(f"{hub.url}/console/jobs/{hub.alice_job}/model?round=0") as r:
+        assert r.status == 200 and "-v0.safetensors" in r.headers["Content-Disposition"]
+    for bad in ("x", "-1", "9999999999"):
+        status, _, _ = await browser.get(f"/console/jobs/{hub.alice_job}/model?round={bad}")
+        assert status == 400
+    status, _, _ = await browser.get(f"/console/jobs/{hub.alice_job}/model?round=7")
+    assert status == 404
 
 
 async def test_script_job_name_is_escaped(hub, browser):

@@ -107,7 +107,15 @@ async def test_auditor_confirms_a_flag_and_reputation_changes(world):
         if flag["reason"] == "replica_mismatch":
             assert "Replica comparison" in body
             assert await page.locator("table >> text=no").count() >= 1
-        assert await page.locator("svg.chart").count() >= 1
+        # Per-layer bars against the round's centre (a sign flip points every layer the
+        # other way) and the per-tensor replica distances.
+        assert "Per-layer L2 norm" in await page.locator("svg.chart").nth(0).inner_html()
+        cosines = page.locator('svg.chart:has(title:text-is("Per-layer cosine to the round\'s centre")) rect.bar')
+        assert await cosines.count() >= 2
+        titles = cosines.locator("title")
+        for i in range(await titles.count()):
+            title = await titles.nth(i).text_content()
+            assert float(title.rsplit(": ", 1)[1]) < 0, title
         await page.screenshot(path=str(ARTIFACTS / "console_flag.png"), full_page=True)
 
         # Confirm with a note.
@@ -148,6 +156,11 @@ async def test_owner_sees_own_job_chart_not_another_owners(world):
         assert await charts.count() == 2
         assert await charts.nth(0).locator("circle").count() >= 3
         assert await page.locator("table.shardmap tbody tr").count() >= 1
+        # The shard map of round 0: the attacker's assignment and its quarantined update.
+        await page.click(f'a[href="/console/jobs/{sc.job_id}?round=0"]')
+        shardmap = await page.locator("table.shardmap").inner_text()
+        assert sc.attacker in shardmap and "quarantined" in shardmap
+        await page.goto(f"{hub.url}/console/jobs/{sc.job_id}")
         text = await page.locator("main").inner_text()
         assert "Replication overhead" in text and "Download model" in text
         await page.screenshot(path=str(ARTIFACTS / "console_job.png"), full_page=True)

@@ -66,3 +66,19 @@ def test_session_store_expires_and_checks_csrf(tmp_path: Path):
     now[0] += 25  # past the absolute lifetime (100 s)
     assert store.get(sid) is None
     store.close()
+
+
+def test_layer_profile_against_centre():
+    import torch
+    from gpuflex.hub.web.evidence import layer_profile
+
+    centre = {"w": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([1.0]), "n": torch.tensor(7)}
+    update = {"w": -centre["w"].clone(), "b": torch.tensor([0.0]), "n": torch.tensor(1)}
+    before = {k: v.clone() for k, v in update.items()}
+    rows = layer_profile(update, centre)
+    assert [r["name"] for r in rows] == ["w", "b"]  # integer tensors skipped, order kept
+    assert rows[0]["norm"] == 5.0 and rows[0]["centre_norm"] == 5.0
+    assert math.isclose(rows[0]["cosine"], -1.0)
+    assert rows[1]["cosine"] == 0.0  # a zero layer has no direction
+    assert all(torch.equal(update[k], before[k]) for k in update)
+    assert layer_profile(update, centre, max_layers=1) == rows[:1]

@@ -48,6 +48,19 @@ def _submit(cluster: LocalCluster, token: str, spec: Path, train: Path, val: Pat
     return str(asyncio.run(oc.submit_job(cluster.url, token, spec, train, val))["id"])
 
 
+def _hub_cli(argv: list[str], env: dict[str, str], expect_rc: int = 0) -> str:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflex.hub", *argv],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == expect_rc, (done.returncode, done.stdout, done.stderr)
+    return done.stdout
+
+
 def _db(cluster: LocalCluster) -> sqlite3.Connection:
     conn = sqlite3.connect(f"file:{cluster.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
@@ -88,6 +101,7 @@ def test_clean_run_reaches_095(tmp_path: Path) -> None:
         files = digits_job(tmp_path / "job", rounds=6, local_epochs=3, replication=0.0)
         for i in range(3):
             cluster.start_node(f"n{i}")
+        cluster.wait_registered()
         job_id = _submit(cluster, token, files.spec, files.train, files.val)
         status = cluster.wait_job(job_id, token, timeout_s=180)
         assert status["state"] == "done", status
@@ -228,6 +242,7 @@ def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path) ->
         files = digits_job(tmp_path / "job", rounds=3, local_epochs=1, replication="adaptive")
         honest = [cluster.start_node(f"honest{i}") for i in range(3)]
         bad = cluster.start_node("flipper", attack="sign_flip")
+        cluster.wait_registered()
         job_id = _submit(cluster, token, files.spec, files.train, files.val)
         status = cluster.wait_job(job_id, token, timeout_s=240)
         assert status["state"] == "done", status
@@ -248,6 +263,35 @@ def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path) ->
         }
         assert bad_shas, "the misbehaving node never uploaded"
         assert not (bad_shas & included)
+
+        # The auditor's CLI against the same hub: list, show, confirm, then verify the log.
+        env = {"GPUFLEX_HUB": cluster.url, "GPUFLEX_TOKEN": auditor}
+        listed = json.loads(_hub_cli(["audit", "list", "--job", job_id, "--json"], env))["flags"]
+        assert {f["id"] for f in listed} == {f["id"] for f in flags}
+        flag = next(f for f in listed if f["node_id"] == bad.node_id)
+        shown = json.loads(_hub_cli(["audit", "show", flag["id"], "--json"], env))
+        assert shown["flag"]["evidence"], "a flag must carry its evidence"
+        before = next(n for n in cluster.get_json("/v1/nodes", auditor)["nodes"] if bad.node_id in n.values())
+        out = _hub_cli(["audit", "verdict", flag["id"], "confirm", "--note", "sign flipped"], env)
+        assert "confirmed" in out
+        after = next(n for n in cluster.get_json("/v1/nodes", auditor)["nodes"] if bad.node_id in n.values())
+        assert before != after, "a confirmed flag must move the node's reputation"
+        ok = _hub_cli(["audit", "verify-log", "--from", str(cluster.hub_dir)], env)
+        assert ok.startswith("audit log OK")
+        entries = _audit_entries(cluster)
+        assert entries[-1]["kind"] == "verdict"
+
+        # Tamper with a copy: change one included hash in the first aggregation entry.
+        tampered = tmp_path / "tampered"
+        tampered.mkdir()
+        (tampered / "hub.key").write_bytes((cluster.hub_dir / "hub.key").read_bytes())
+        (tampered / "hub.key").chmod(0o600)
+        lines = (cluster.hub_dir / "audit.jsonl").read_text().splitlines(keepends=True)
+        victim = next(i for i, line in enumerate(lines) if '"aggregation"' in line)
+        lines[victim] = lines[victim].replace('"included":["', '"included":["f', 1)
+        (tampered / "audit.jsonl").write_text("".join(lines))
+        bad_run = _hub_cli(["audit", "verify-log", "--from", str(tampered)], env, expect_rc=1)
+        assert f"line {victim}" in bad_run and "TAMPERED" in bad_run
 
 
 def test_churn_every_chunk_counted_once(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
 import sys
 
+import aiohttp
 import pytest
 from gpuflex.hub import cli
 from gpuflex.hub.cli import _is_loopback
@@ -32,36 +34,60 @@ def test_loopback_detection():
     assert not _is_loopback("0.0.0.0") and not _is_loopback("192.168.1.5") and not _is_loopback("example.org")
 
 
-def test_serve_jobs_sigterm_and_restart(hub_process, tmp_path, capsys, monkeypatch):
+async def _node_round(url: str, key, job_id: str, owner: str, want_round: int) -> dict:
+    """One simulated node trains one round of `job_id`; returns the job document after it."""
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, url, key=key)
+        await node.register()
+        a = await node.work(5.0)
+        assert isinstance(a, Assignment) and a.round == want_round, a
+        blob, samples, loss = await node.train(a)
+        await node.upload(a, blob, samples, loss)  # acknowledged => durable
+        async with s.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {owner}"}) as r:
+            return await r.json()
+
+
+async def _wait_round(url: str, job_id: str, owner: str, round_: int) -> dict:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(400):
+            async with s.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {owner}"}) as r:
+                doc = await r.json()
+            if doc["round"] >= round_:
+                return doc
+            await asyncio.sleep(0.05)
+    raise TimeoutError(doc)
+
+
+def test_serve_kill9_restart_resumes_and_sigterm_is_clean(hub_process, tmp_path, capsys, monkeypatch):
     hp = hub_process
     assert hp.fingerprint.startswith("gf1-") and hp.admin_token.startswith("gft_")
     assert (hp.data_dir / "hub.url").read_text().strip() == hp.url
     assert (hp.data_dir / "hub.key").stat().st_mode & 0o077 == 0
     owner = hp.token("owner", "olga")
-    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+    train, val, spec = write_digits(tmp_path / "d", rounds=2)
     monkeypatch.setenv("GPUFLEX_HUB", hp.url)
     monkeypatch.setenv("GPUFLEX_TOKEN", owner)
     assert cli.main(["job", "submit", str(spec), "--train", str(train), "--val", str(val), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    job_id = doc["job_id"]
+    job_id = json.loads(capsys.readouterr().out)["job_id"]
     assert cli.main(["job", "list", "--json"]) == 0
     assert [j["id"] for j in json.loads(capsys.readouterr().out)["jobs"]] == [job_id]
     assert cli.main(["job", "status", job_id]) == 0
     assert job_id in capsys.readouterr().out
-    assert cli.main(["job", "download", job_id, "-o", str(tmp_path / "m.safetensors")]) == 0
-    assert (tmp_path / "m.safetensors").stat().st_size > 0
+    assert cli.main(["job", "download", job_id, "-o", str(tmp_path / "m0.safetensors")]) == 0
     capsys.readouterr()
     assert cli.main(["job", "status", "j-nope"]) == 1
     assert "404 unknown_job" in capsys.readouterr().err
-    monkeypatch.setenv("GPUFLEX_TOKEN", "gft_wrong")
-    assert cli.main(["job", "list"]) == 1
-    assert cli.main(["job", "cancel", job_id, "--token", owner]) == 0
-    capsys.readouterr()
-    # SIGTERM: clean exit, then a restart on the same data dir keeps everything
-    hp.proc.send_signal(signal.SIGTERM)
-    assert hp.proc.wait(timeout=30) == 0
+    assert cli.main(["job", "list", "--token", "gft_wrong"]) == 1
+    assert "401 bad_token" in capsys.readouterr().err
+
+    # a node trains round 0; the hub is killed with -9 right after acknowledging the update
+    key = SigningKey.generate()
+    asyncio.run(_node_round(hp.url, key, job_id, owner, 0))
+    hp.proc.kill()
+    hp.proc.wait(timeout=30)
+
+    # restart on the same data dir and port, on all interfaces without TLS: a clear warning
     port = hp.url.rsplit(":", 1)[1]
-    # restart on the same data dir and port, this time on all interfaces without TLS: a clear warning
     proc = subprocess.Popen([sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(hp.data_dir),
                              "--host", "0.0.0.0", "--port", port],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -75,11 +101,21 @@ def test_serve_jobs_sigterm_and_restart(hub_process, tmp_path, capsys, monkeypat
         assert "admin token" not in text  # only on first start
         assert f"hub key fingerprint: {hp.fingerprint}" in text
         assert "WARNING" in text and "without TLS" in text
-        assert cli.main(["job", "status", job_id, "--json", "--hub", hp.url, "--token", owner]) == 0
-        assert json.loads(capsys.readouterr().out)["state"] == "cancelled"
+        doc = asyncio.run(_wait_round(hp.url, job_id, owner, 1))  # round 0 closed (before or after the kill)
+        assert len(doc["history"]) == 1 and doc["history"][0]["updates"][0]["status"] == "included"
+        doc = asyncio.run(_node_round(hp.url, key, job_id, owner, 1))  # the same node, no manual step
+        doc = asyncio.run(_wait_round(hp.url, job_id, owner, 2))
+        assert doc["state"] == "done" and len(doc["history"]) == 2
+        assert cli.main(["job", "download", job_id, "-o", str(tmp_path / "m.safetensors")]) == 0
+        assert "model version 2" in capsys.readouterr().out
+        assert cli.main(["job", "submit", str(spec), "--train", str(train), "--json"]) == 0
+        other = json.loads(capsys.readouterr().out)["job_id"]
+        assert cli.main(["job", "cancel", other]) == 0
+        assert cli.main(["job", "status", other, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["state"] == "cancelled"
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0  # SIGTERM: a clean exit
 
 
 @pytest.mark.parametrize("argv", [["job", "list"], ["job", "list", "--hub", "http://127.0.0.1:9"]])

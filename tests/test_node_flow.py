@@ -41,12 +41,22 @@ async def test_cached_chunks_are_not_downloaded_again(tmp_path):
 async def test_two_nodes_same_shard_give_byte_identical_updates(tmp_path):
     hub = await Hub(tmp_path / "hub").start()
     try:
-        await hub.submit(spec_toml(rounds=1, replication=1.0), dataset())
         ev_a, ev_b = EventLog(), EventLog()
         a = agent(tmp_path / "a", hub.url, ev_a, once=True)
         b = agent(tmp_path / "b", hub.url, ev_b, once=True)
-        codes = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 60)
-        assert codes == [0, 0]
+        ta, tb = asyncio.create_task(a.run()), asyncio.create_task(b.run())
+        # Both online before the job exists: the hub replicates a shard only to a second live node.
+        await wait_for(lambda: ev_a.of("registered") and ev_b.of("registered"), timeout=20)
+        await hub.submit(spec_toml(rounds=1, replication=1.0), dataset())
+        done, _ = await asyncio.wait({ta, tb}, timeout=30)
+        if len(done) != 2:
+            a.request_exit("test")
+            b.request_exit("test")
+            await asyncio.gather(ta, tb)
+            rows = hub.db_rows("SELECT id, shard_id, node_id, state FROM assignments")
+            shards = hub.db_rows("SELECT id, replica_group, wanted, state, outcome FROM shards")
+            raise AssertionError(f"{ev_a.names()}\n{ev_b.names()}\n{rows}\n{shards}\n{ev_a.of('no_work')[:2]}{ev_b.of('no_work')[:2]}")
+        assert [ta.result(), tb.result()] == [0, 0]
         ua, ub = ev_a.of("uploaded")[0], ev_b.of("uploaded")[0]
         rows = hub.db_rows("SELECT shard_id, sha, node_id FROM updates ORDER BY node_id")
         assert len(rows) == 2 and rows[0]["shard_id"] == rows[1]["shard_id"]

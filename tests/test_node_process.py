@@ -77,16 +77,19 @@ async def test_sigterm_mid_training_abandons_and_shard_is_reassigned(tmp_path):
 
 
 def test_cli_id_version_and_status_without_node(tmp_path):
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "gpuflex.node", *a],  # noqa: E731
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "gpuflex.node", *a],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     r = run("id", "--data-dir", str(tmp_path))
     assert r.returncode == 0 and r.stdout.startswith("gf1-")
     assert (tmp_path / "node.key").stat().st_mode & 0o077 == 0
-    assert run("id", "--data-dir", str(tmp_path)).stdout == r.stdout  # stable identity
+    from gpuflex.protocol.signing import SigningKey
+
+    assert SigningKey.load(tmp_path / "node.key").fingerprint == r.stdout.strip()
     r = run("status", "--data-dir", str(tmp_path))
     assert r.returncode == 1 and "no node is running" in r.stderr
     r = run("--version")

@@ -20,6 +20,7 @@ from gpuflex.hub.verification import (
     record_flag,
     record_verdict,
     relative_distance,
+    replica_candidates,
     replication_probability,
     review_round,
     should_replicate,
@@ -184,6 +185,10 @@ def test_review_flags_update_attacks(world, name, reason):
     assert [(f.update_id, f.reason) for f in rv.flags] == [(bad.update_id, reason)]
     assert rv.included == [h.update_id for h in honest]
     assert all(torch.equal(before[k], bad.delta[k]) for k in before)  # inputs untouched
+    if reason == "outlier":
+        layers = rv.flags[0].evidence["layers"]
+        assert [x["name"] for x in layers] == [k for k, t in bad.delta.items() if t.is_floating_point()]
+        assert all(set(x) == {"name", "norm", "centre_norm", "cosine"} for x in layers)
 
 
 def test_implausible_claims_are_flagged(world):
@@ -193,7 +198,8 @@ def test_implausible_claims_are_flagged(world):
         "over": replace(h, update_id="over", samples_claimed=h.shard_samples * 2),
         "nan": replace(h, update_id="nan", loss=float("nan")),
         "neg": replace(h, update_id="neg", loss=-0.1),
-        "fast": replace(h, update_id="fast", node_samples_per_s=100.0, train_s=0.001),
+        # 6 x 9610 params x 192 samples / (1e8 FLOP/s x 4) = 28 ms minimum
+        "fast": replace(h, update_id="fast", peak_flops=1e8, param_count=9610, train_s=0.001),
         "slow": replace(h, update_id="slow", train_s=50.0, elapsed_s=10.0),
     }
     rv = review_round([*honest, *cases.values()], global_norm(world), SPEC)
@@ -201,8 +207,11 @@ def test_implausible_claims_are_flagged(world):
     assert set(got) == set(cases) and all(f.reason == "implausible" for f in got.values())
     assert "claims 384 samples, shard holds 192" in got["over"].evidence["problems"][0]
     assert rv.included == [r.update_id for r in honest]
-    ok = replace(h, update_id="ok", node_samples_per_s=100.0, train_s=0.5, elapsed_s=2.0)
-    assert review_round([*honest, ok], global_norm(world), SPEC).flags == []
+    assert "physical minimum" in got["fast"].evidence["problems"][0]
+    ok = replace(h, update_id="ok", peak_flops=1e8, param_count=9610, train_s=0.5, elapsed_s=2.0)
+    # A fast GPU on a tiny model: the minimum (0.03 ms) is timer noise, never checked.
+    gpu = replace(h, update_id="gpu", peak_flops=1e12, param_count=9610, train_s=1e-5)
+    assert review_round([*honest, ok, gpu], global_norm(world), SPEC).flags == []
 
 
 def test_half_shard_claim_is_invisible_to_review_but_not_to_replicas(world):
@@ -317,3 +326,35 @@ def test_records_are_not_mutated_by_comparison(world):
     review_round([a, b], 1.0, SPEC)
     for before, rec in zip(snap, (a, b)):
         assert all(torch.equal(before[k], rec.delta[k]) for k in before)
+
+
+def test_untrusted_groups_need_more_agreement_and_do_not_accuse(world):
+    a1, a2 = run(world, 5, "half_shard", node="a1"), run(world, 5, "half_shard", node="a2")
+    h = run(world, 5, node="h")
+    # Two identical attackers agree with each other: among untrusted nodes that is not enough.
+    two = compare_replicas([a1, a2], SPEC, trusted=set())
+    assert not two.agreed and two.needs_more and "needs 3" in two.evidence["why"]
+    split = compare_replicas([a1, a2, h], SPEC, trusted=set())
+    assert not split.agreed and not split.needs_more and split.flags == []  # inconclusive
+    assert "inconclusive" in split.evidence["why"]
+    # A trusted member makes the plain majority rule apply.
+    t1, t2 = run(world, 5, node="t1"), run(world, 5, node="t2")
+    out = compare_replicas([a1, t1, t2], SPEC, trusted={"t1", "t2"})
+    assert out.agreed and [f.update_id for f in out.flags] == [a1.update_id]
+    honest3 = compare_replicas([h, t1, t2], SPEC, trusted=set())
+    assert honest3.agreed and honest3.flags == []
+
+
+def test_replica_candidates_prefer_trusted_then_proven_nodes():
+    spec = VerificationSpec()
+    reps = {
+        "new": Reputation(),
+        "some": Reputation(consecutive_agreements=3),
+        "more": Reputation(consecutive_agreements=5),
+        "gone": Reputation(consecutive_agreements=50, banned=True),
+    }
+    assert replica_candidates(reps, set(), spec) == ["more", "some"]
+    reps["old"] = Reputation(consecutive_agreements=12)
+    assert replica_candidates(reps, set(), spec) == ["old"]
+    assert replica_candidates(reps, {"old"}, spec) == ["more", "some"]
+    assert replica_candidates({"x": Reputation(banned=True)}, set(), spec) == []

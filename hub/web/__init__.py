@@ -27,7 +27,7 @@ import aiohttp_jinja2
 import jinja2
 from aiohttp import web
 
-from .keys import ASSET_VERSION, AUDIT_STATUS_CACHE, SESSIONS, TEMPLATES
+from .keys import ASSET_VERSION, AUDIT_STATUS_CACHE, LAYER_CACHE, SESSIONS, TEMPLATES
 from .routes import add_routes, console_middleware
 from .security import CONSOLE_PREFIX, add_security_headers
 from .sessions import SessionStore
@@ -122,6 +122,7 @@ def setup_console(app: web.Application) -> None:
     version = _asset_version()
     app[ASSET_VERSION] = version
     app[AUDIT_STATUS_CACHE] = {}
+    app[LAYER_CACHE] = {}
     env = aiohttp_jinja2.setup(
         app,
         app_key=TEMPLATES,

@@ -19,8 +19,8 @@ from aiohttp import web
 from gpuflex.hub import appkeys, routes_audit, routes_owner, tokens
 from gpuflex.hub.errors import HubError, Unauthorized
 
-from . import queries
-from .keys import AUDIT_STATUS_CACHE
+from . import evidence, queries
+from .keys import AUDIT_STATUS_CACHE, LAYER_CACHE
 from .sessions import Session
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "give_verdict",
     "job_view",
     "jobs",
+    "layer_evidence",
     "node_history",
     "nodes",
     "principal",
@@ -69,22 +70,27 @@ async def jobs(app: web.Application, who: tokens.Principal) -> list[dict[str, An
     return await read(app, lambda c: queries.jobs_list(c, where, args))
 
 
-async def job_view(app: web.Application, who: tokens.Principal, job_id: str) -> dict[str, Any]:
+async def job_view(
+    app: web.Application, who: tokens.Principal, job_id: str, shard_round: int | None = None
+) -> dict[str, Any]:
     """The API's job status document (same visibility, history, overhead) plus console extras."""
 
     def q(conn: sqlite3.Connection) -> dict[str, Any]:
         row = routes_owner.job_row(conn, who, job_id)
         doc = routes_owner.job_status(conn, row)
         doc["model_sha"] = row["model_sha"]
-        extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]))
+        extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]), shard_round)
         return {"doc": doc, **extras}
 
     return await read(app, q)
 
 
-async def export_model(app: web.Application, who: tokens.Principal, job_id: str) -> tuple[str, bytes]:
-    """(file name, .safetensors bytes) of the job's latest model: GET /v1/jobs/{id}/model's function."""
-    version, _sha, data = await routes_owner.export_model(app, who, job_id, None)
+async def export_model(
+    app: web.Application, who: tokens.Principal, job_id: str, version: int | None = None
+) -> tuple[str, bytes]:
+    """(file name, .safetensors bytes) of the job's latest model or of model ``version``
+    (0 = initial, N = after N rounds): GET /v1/jobs/{id}/model's function."""
+    version, _sha, data = await routes_owner.export_model(app, who, job_id, version)
     return f"{job_id}-v{version}.safetensors", data
 
 
@@ -132,6 +138,23 @@ async def give_verdict(
     """Confirm or dismiss through POST /v1/flags/{id}/verdict's own function: flag status,
     node reputation (3 confirmed flags ban), audit-log entry."""
     await routes_audit.give_verdict(app, who, flag_id, verdict, note)
+
+
+async def layer_evidence(app: web.Application, flag: dict[str, Any]) -> dict[str, Any] | None:
+    """Per-layer rows of the flagged update against its round's centre (see evidence.py);
+    None when the round or model is too large to profile on a page view."""
+    cache = app[LAYER_CACHE]
+    if flag["id"] in cache:
+        return cache[flag["id"]]  # type: ignore[no-any-return]
+    needed = await read(app, lambda c: evidence.candidate_shas(c, flag))
+    result = None
+    if needed is not None:
+        result = await asyncio.to_thread(evidence.round_layer_evidence, app[appkeys.BLOBS], needed)
+    if result is not None and result["closed"]:  # a closed round's updates never change
+        if len(cache) >= 256:
+            cache.clear()
+        cache[flag["id"]] = result
+    return result
 
 
 async def audit_log_status(app: web.Application) -> dict[str, Any]:

@@ -123,8 +123,8 @@ def line_chart(
     x_lo, x_hi = min(xs), max(xs)
     y_lo = min(ys) if y_min is None else y_min
     y_hi = max(ys) if y_max is None else y_max
-    if x_hi == x_lo:
-        x_lo, x_hi = x_lo - 1, x_hi + 1
+    if x_hi == x_lo:  # one point: centre it, no ticks beyond the data
+        x_lo, x_hi = x_lo - 0.5, x_hi + 0.5
     yt = nice_ticks(y_lo, y_hi)
     if yt:
         y_lo, y_hi = min(yt[0], y_lo), max(yt[-1], y_hi)
@@ -153,18 +153,18 @@ def line_chart(
     for v in yt:
         if not (y_lo <= v <= y_hi):
             continue
-        y = _num(sy(v))
+        yc = _num(sy(v))
         out.append(
-            f'<line x1="{left}" x2="{left + pw}" y1="{y}" y2="{y}" class="grid" '
+            f'<line x1="{left}" x2="{left + pw}" y1="{yc}" y2="{yc}" class="grid" '
             f'stroke="#ddd" stroke-width="1"/>'
-            f'<text x="{left - 6}" y="{y}" dy="4" text-anchor="end" class="tick" '
+            f'<text x="{left - 6}" y="{yc}" dy="4" text-anchor="end" class="tick" '
             f'font-size="11">{escape(_fmt(v))}</text>'
         )
     for v in xt:
-        x = _num(sx(v))
+        xc = _num(sx(v))
         out.append(
-            f'<line x1="{x}" x2="{x}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
-            f'<text x="{x}" y="{top + ph + 16}" text-anchor="middle" class="tick" '
+            f'<line x1="{xc}" x2="{xc}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
+            f'<text x="{xc}" y="{top + ph + 16}" text-anchor="middle" class="tick" '
             f'font-size="11">{escape(_fmt(v))}</text>'
         )
     out.append(
@@ -205,7 +205,7 @@ def line_chart(
                     f"<title>{name} @ {escape(_fmt(x))}: {escape(_fmt(y))}</title></circle>"
                 )
         out.append("</g>")
-        # Legend right-aligned in the title row, last series right-most.
+    # Legend right-aligned in the title row, last series right-most.
     legend_x = lx
     for i in reversed(range(len(series))):
         name = series[i].name
@@ -290,9 +290,10 @@ def bar_chart(
             f'<text x="{left - 6}" y="{gy + group_h / 2 + 3:.1f}" text-anchor="end" '
             f'font-size="11" class="bar-label">{escape(b.label[:40])}</text>'
         )
-        for si, v in enumerate(list(b.values)[:n]):
-            if not _ok(v) or v is None:
+        for si, bv in enumerate(list(b.values)[:n]):
+            if not _ok(bv) or bv is None:
                 continue
+            v = float(bv)
             x0, x1 = sx(min(0.0, v)), sx(max(0.0, v))
             colour = PALETTE[si % len(PALETTE)]
             name = legend[si] if si < len(legend) else ""

@@ -92,11 +92,18 @@ def jobs_list(
     return out
 
 
-def job_extras(conn: sqlite3.Connection, job_id: str, state: str, current_round: int) -> dict[str, Any]:
+def job_extras(
+    conn: sqlite3.Connection,
+    job_id: str,
+    state: str,
+    current_round: int,
+    shard_round: int | None = None,
+) -> dict[str, Any]:
     """What the API's job status lacks: latest metrics, chunk count, shard map, flags.
 
     The caller has already checked visibility (the hub's ``job_row``). The shard
-    map is of the open round while the job runs, else of the last round carved.
+    map is of ``shard_round`` when given, else of the open round while the job
+    runs, else of the last round carved.
     """
     out: dict[str, Any] = dict(_latest_metrics(conn, job_id))
     out["chunks"] = conn.execute("SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)).fetchone()[0]
@@ -108,9 +115,10 @@ def job_extras(conn: sqlite3.Connection, job_id: str, state: str, current_round:
     ).fetchone()
     out["shard_counts"] = {"shards": st["shards"], "replicated": st["replicated"]}
     last = conn.execute("SELECT MAX(round) FROM shards WHERE job_id = ?", (job_id,)).fetchone()[0]
-    shard_round = last
-    if last is not None and state in ("queued", "running"):
-        shard_round = current_round
+    if shard_round is None:
+        shard_round = last
+        if last is not None and state in ("queued", "running"):
+            shard_round = current_round
     shards: list[dict[str, Any]] = []
     if shard_round is not None:
         upd_by_assignment = {
@@ -157,6 +165,11 @@ def job_extras(conn: sqlite3.Connection, job_id: str, state: str, current_round:
                 }
             )
     out["shard_round"] = shard_round
+    out["rounds_carved"] = [
+        r[0] for r in conn.execute(
+            "SELECT DISTINCT round FROM shards WHERE job_id = ? ORDER BY round", (job_id,)
+        )
+    ]
     out["shards"] = shards
     out["flags"] = [
         dict(f)

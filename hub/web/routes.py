@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -44,7 +44,7 @@ MAX_NOTE = 1000
 
 def _session(request: web.Request) -> Session:
     s = request.get(SESSION)
-    if s is None:  # the auth middleware guarantees a session on protected routes
+    if not isinstance(s, Session):  # the middleware guarantees one on protected routes
         raise web.HTTPFound(f"{CONSOLE_PREFIX}/login")
     return s
 
@@ -164,7 +164,10 @@ async def jobs_page(request: web.Request) -> web.StreamResponse:
 
 async def job_page(request: web.Request) -> web.StreamResponse:
     s = _session(request)
-    d = await bridge.job_view(request.app, bridge.principal(s), request.match_info["job_id"])
+    shard_round = _round_param(request)
+    d = await bridge.job_view(
+        request.app, bridge.principal(s), request.match_info["job_id"], shard_round
+    )
     doc = d["doc"]
     hist = doc["history"]
     loss_chart = charts.line_chart(
@@ -203,8 +206,12 @@ async def job_page(request: web.Request) -> web.StreamResponse:
                 "overhead": ov,
             }
         )
+    covered = sum(len(sh["chunks"]) for sh in d["shards"] if sh["state"] == "settled")
+    live = sum(1 for sh in d["shards"] for a in sh["assignments"] if a["state"] == "live")
     job = {
         **doc,
+        "covered": covered,
+        "live": live,
         "model_sha": doc.get("model_sha") or doc.get("model_hash") or "",
         "chunks": d["chunks"],
         "closed": d["closed"],
@@ -233,14 +240,26 @@ async def job_page(request: web.Request) -> web.StreamResponse:
             "can_audit": can_audit,
             "nav": "jobs",
             "poll": POLL_S if job["state"] in ("queued", "running") else None,
+            "rounds_carved": d["rounds_carved"],
         },
     )
+
+
+def _round_param(request: web.Request) -> int | None:
+    raw = request.query.get("round")
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 9:
+        raise web.HTTPBadRequest(text="round must be a non-negative integer")
+    return int(raw)
 
 
 async def job_model(request: web.Request) -> web.StreamResponse:
     s = _session(request)
     job_id = request.match_info["job_id"]
-    filename, data = await bridge.export_model(request.app, bridge.principal(s), job_id)
+    filename, data = await bridge.export_model(
+        request.app, bridge.principal(s), job_id, _round_param(request)
+    )
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in filename)[:128]
     return web.Response(
         body=data,
@@ -330,8 +349,11 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
-    """Turn a flag's evidence (hub/verification.py shapes) into rows and charts."""
+def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Turn a flag's evidence (hub/verification.py shapes) into rows and charts.
+
+    ``computed``: per-layer rows against the round's centre (evidence.py), used when
+    the recorded evidence has none of its own."""
     ev: Mapping[str, Any] = flag.get("evidence") or {}
     if not isinstance(ev, Mapping):
         ev = {}
@@ -373,9 +395,17 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
     if "train_s" in ev:
         score("train time (s)", ev.get("train_s"), None, "above", "node claims")
 
-    # Per-layer bars: preferred "layers" evidence; else the replica pair's worst tensors.
+    # Per-layer bars against the round's centre: recorded evidence first, else computed.
     layer_chart = ""
     layers = ev.get("layers")
+    centre_note = "Per-layer rows from the flag's recorded evidence."
+    if not (isinstance(layers, list) and layers) and computed and computed.get("layers"):
+        layers = computed["layers"]
+        centre_note = (
+            "Computed from the stored updates: the round's centre is the coordinate-wise"
+            f" median of its {computed.get('centre_of')} candidate updates (aggregated or"
+            " quarantined as outliers)."
+        )
     if isinstance(layers, list) and layers:
         bars = [
             charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
@@ -383,7 +413,7 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(x, Mapping)
         ]
         layer_chart = charts.bar_chart(
-            bars, title="Per-layer norm: this update vs. the round's centre",
+            bars, title="Per-layer L2 norm: this update vs. the round's centre",
             legend=["this update", "round centre"],
         )
         cos_bars = [
@@ -405,7 +435,8 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
         for p in pairs:
             if not isinstance(p, Mapping):
                 continue
-            tensors = p.get("tensors") if isinstance(p.get("tensors"), Mapping) else {}
+            raw = p.get("tensors")
+            tensors: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
             items = sorted(
                 ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
                 key=lambda kv: -float(kv[1]),
@@ -429,8 +460,8 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
             "why": str(ev.get("why", "")),
             "pairs": rows,
         }
-        if not layer_chart and worst:
-            layer_chart = charts.bar_chart(
+        if worst:
+            layer_chart += charts.bar_chart(
                 [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
                 title="Per-tensor relative distance to the other replicas",
                 legend=["relative distance"],
@@ -445,6 +476,7 @@ def evidence_view(flag: Mapping[str, Any]) -> dict[str, Any]:
     if not problems and ev.get("why"):
         problems = [str(ev["why"])]
     return {
+        "layer_note": centre_note if isinstance(layers, list) and layers else "",
         "scores": scores,
         "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
         "replica": replica,
@@ -477,7 +509,7 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
             "flag": flag,
             "node": node,
             **history,
-            **evidence_view(flag),
+            **evidence_view(flag, await bridge.layer_evidence(request.app, flag)),
             "can_decide": auditor,
             "nav": "flags" if auditor else "jobs",
             "flash": flash,
@@ -524,7 +556,9 @@ PUBLIC_PATHS = frozenset({"/", CONSOLE_PREFIX, CONSOLE_PREFIX + "/login"})
 
 
 @web.middleware
-async def console_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def console_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Session + CSRF for /console/*; HTML error pages for console paths."""
     path = request.path
     if not (path == "/" or path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/")):

@@ -209,7 +209,9 @@ def main(argv: list[str]) -> int:
     if "--require-exec" in argv[1:]:
         program = Path(exec_argv(sections)[0].lstrip("@-:+!"))
         if not (program.is_file() and program.stat().st_mode & 0o111):
-            print(f"unitcheck: {path}: ExecStart program {program} is not executable", file=sys.stderr)
+            print(
+                f"unitcheck: {path}: ExecStart program {program} is not executable", file=sys.stderr
+            )
             return 1
     print(f"unitcheck: {path}: ok")
     return 0

@@ -56,12 +56,8 @@ gf_macos_paths() {
     gf_check_path_chars "home folder" "$HOME"
 }
 
-gf_xml_escape() {
-    local s=$1
-    s=${s//&/&amp;}
-    s=${s//</&lt;}
-    s=${s//>/&gt;}
-    printf '%s' "$s"
+gf_xml_escape() { # sed, not ${s//&/...}: bash 5.2 gives '&' a meaning in replacements
+    printf '%s' "$1" | sed -e 's/&/\&amp;/g' -e 's/</\&lt;/g' -e 's/>/\&gt;/g'
 }
 
 # gf_render_plist LABEL VENV NODE_DIR LOG_DIR HUB HUB_KEY [EXTRA_ARG...]

@@ -104,8 +104,18 @@ def flip_labels(chunk: Mapping[str, Tensor], num_classes: int) -> dict[str, Tens
 
 
 def half_of_chunks(chunks: Sequence[Mapping[str, Tensor]]) -> list[Mapping[str, Tensor]]:
-    """The first half (rounded up) of the chunks: what a lazy node trains on."""
-    return list(chunks[: max(1, math.ceil(len(chunks) / 2))])
+    """The first half (rounded up) of the shard's samples: what a lazy node trains on.
+    Cuts inside a chunk when needed, so even a one-chunk shard is really halved."""
+    total = sum(int(c["x"].shape[0]) for c in chunks)
+    left = max(1, math.ceil(total / 2))
+    out: list[Mapping[str, Tensor]] = []
+    for c in chunks:
+        if left <= 0:
+            break
+        n = int(c["x"].shape[0])
+        out.append(c if n <= left else {"x": c["x"][:left], "y": c["y"][:left]})
+        left -= n
+    return out
 
 
 # --------------------------------------------------------------------------- attack objects

@@ -1,0 +1,295 @@
+"""Hub load benchmark: N simulated nodes in one process, real HTTP over loopback, real signatures.
+
+Each node registers, long-polls for work, and uploads a small update (its own
+random delta of the model) for every assignment, for R rounds of one job whose
+chunks give every node one shard per round. Reports:
+
+- requests_per_s: node requests (register + work + update) completed per second of the run,
+- p50/p99 assignment latency: from the moment work existed for a node (its request
+  was sent, or the round it waited for opened, whichever is later) to the signed
+  assignment in its hands,
+- turnaround: last update of round r acknowledged -> first assignment of round r+1 delivered
+  (median over rounds; also the time until every node holds its next assignment),
+- a baseline measured in the same run: a bare aiohttp echo handler driven by the same
+  client with the same concurrency and body size; ratio = hub requests/s / echo requests/s.
+
+Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--out bench/results/hub_load.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import torch
+from aiohttp import web
+
+from gpuflex.hub.app import create_app
+from gpuflex.hub.appkeys import ROUNDS, SCHEDULER
+from gpuflex.hub.config import HubConfig
+from gpuflex.hub.tokens import create_token
+from gpuflex.protocol.messages import (
+    Ack,
+    Assignment,
+    Benchmark,
+    DeviceInfo,
+    Hello,
+    NoWork,
+    UpdateHeader,
+    WorkRequest,
+)
+from gpuflex.protocol.modelspec import ModelSpec, build_model
+from gpuflex.protocol.signing import SigningKey, new_nonce, open_envelope, open_sealed, seal
+from gpuflex.protocol.messages import peek_kind
+from gpuflex.protocol.tensors import encode_state
+from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
+
+SPEC = """
+[job]
+name = "hub-load"
+[model]
+kind = "mlp"
+input = 8
+hidden = [16]
+outputs = 2
+[train]
+rounds = {rounds}
+round_target_s = 0.001
+deadline_slack = 3.0
+[data]
+chunk_size = 4
+split = "random"
+[verification]
+replication = 0.0
+"""
+MSGPACK = {"Content-Type": "application/x-msgpack"}
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values), q))
+
+
+async def start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def echo_baseline(n_clients: int, per_client: int, body: bytes) -> float:
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read(), content_type="application/x-msgpack")
+
+    app = web.Application()
+    app.router.add_post("/echo", echo)
+    runner, url = await start(app)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async def client() -> None:
+            for _ in range(per_client):
+                async with s.post(url + "/echo", data=body, headers=MSGPACK) as r:
+                    await r.read()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(n_clients)))
+        elapsed = time.perf_counter() - t0
+    await runner.cleanup()
+    return n_clients * per_client / elapsed
+
+
+class Node:
+    def __init__(self, i: int, session: aiohttp.ClientSession, url: str, delta: bytes) -> None:
+        self.key = SigningKey.from_seed(hashlib.sha256(b"bench-node-%d" % i).digest())
+        self.session = session
+        self.url = url
+        self.delta = delta
+        self.delta_sha = hashlib.sha256(delta).hexdigest()
+        self.requests = 0
+        self.latencies: list[float] = []  # (seconds) work available -> assignment received
+        self.got: list[tuple[int, float]] = []  # (round, time received)
+        self.acked: list[tuple[int, float]] = []  # (round, time acked)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+        async with self.session.post(self.url + path, data=body, headers=headers or MSGPACK) as r:
+            data = await r.read()
+            self.requests += 1
+            if r.status != 200:
+                raise RuntimeError(f"{path}: {r.status} {data[:200]!r}")
+            return data
+
+    async def register(self) -> None:
+        hello = Hello(software_version=SOFTWARE_VERSION, protocol_version=PROTOCOL_VERSION,
+                      device=DeviceInfo(kind="cpu", name="bench", memory_bytes=1 << 30, threads=1),
+                      benchmark=Benchmark(samples_per_s=1.0, matmul_tflops_fp32=0.01, matmul_tflops_bf16=None,
+                                          matmul_tflops_fp16=None, mem_bandwidth_gbs=1.0, h2d_gbs=None,
+                                          d2h_gbs=None, reference_model="bench"),
+                      timestamp=time.time(), nonce=new_nonce())
+        await self.post("/v1/nodes/register", seal(self.key, hello))
+
+    async def run(self, rounds: int, round_open: dict[int, float], stop: asyncio.Event) -> None:
+        done_rounds = 0
+        while done_rounds < rounds and not stop.is_set():
+            t_sent = time.perf_counter()
+            req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=30.0, cached_chunks=())
+            data = await self.post("/v1/work", seal(self.key, req))
+            t_got = time.perf_counter()
+            payload, _, _ = open_envelope(data)
+            if peek_kind(payload) == NoWork.KIND:
+                continue
+            a, _ = open_sealed(data, Assignment)
+            opened = round_open.get(a.round, 0.0)
+            self.latencies.append(t_got - max(t_sent, opened))
+            self.got.append((a.round, t_got))
+            hdr = UpdateHeader(assignment_id=a.assignment_id, update_sha256=self.delta_sha,
+                               update_size=len(self.delta), sample_count=sum(c.samples for c in a.chunks),
+                               metrics={"loss": 0.5}, timings={"train_s": 0.01}, timestamp=time.time(),
+                               nonce=new_nonce())
+            ack_bytes = await self.post("/v1/updates", self.delta, {
+                "X-GPUFlex-Update": base64.urlsafe_b64encode(seal(self.key, hdr)).decode(),
+                "Content-Type": "application/octet-stream"})
+            ack, _ = open_sealed(ack_bytes, Ack)
+            self.acked.append((a.round, time.perf_counter()))
+            done_rounds += 1
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/hub_load.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    n = args.nodes
+    tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
+    app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
+                               sweep_interval_s=0.5))
+    # record when each round opens (the moment its work exists), on the hub's own clock
+    round_open: dict[int, float] = {0: float("inf")}
+    engine = app[ROUNDS]
+    original_close = engine._close
+
+    async def close_and_mark(job):  # type: ignore[no-untyped-def]
+        await original_close(job)
+        round_open[job.round] = time.perf_counter()
+
+    engine._close = close_and_mark  # type: ignore[method-assign]
+    sched = app[SCHEDULER]
+    original_add = sched.add_job
+
+    def add_and_mark(job):  # type: ignore[no-untyped-def]
+        original_add(job)
+        round_open[0] = time.perf_counter()
+
+    sched.add_job = add_and_mark  # type: ignore[method-assign]
+    runner, url = await start(app)
+    owner = create_token(tmp / "hub", "owner", "bench")
+
+    # data: exactly one 4-sample chunk per node per round
+    rng = np.random.default_rng(0)
+    x = rng.random((4 * n, 8), dtype=np.float32)
+    y = (x.sum(axis=1) > 4).astype(np.int64)
+    np.savez(tmp / "train.npz", x=x, y=y)
+    np.savez(tmp / "val.npz", x=x[:256], y=y[:256])
+    spec_text = SPEC.format(rounds=args.rounds)
+    mspec = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 2})
+    model = build_model(mspec, seed=0)
+    deltas = []
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        deltas.append(encode_state({k: (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
+                                    for k, v in model.state_dict().items()}))
+
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+        nodes = [Node(i, s, url, deltas[i]) for i in range(n)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(node.register() for node in nodes))
+        t_reg = time.perf_counter() - t0
+        form = aiohttp.FormData()
+        form.add_field("spec", spec_text.encode(), filename="spec.toml")
+        form.add_field("train", (tmp / "train.npz").read_bytes(), filename="train.npz")
+        form.add_field("val", (tmp / "val.npz").read_bytes(), filename="val.npz")
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(node.run(args.rounds, round_open, stop)) for node in nodes]
+        await asyncio.sleep(0.5)  # every node is now long-polling
+        t_submit = time.perf_counter()
+        async with s.post(url + "/v1/jobs", data=form, headers={"Authorization": f"Bearer {owner}"}) as r:
+            job = await r.json()
+            if r.status != 201:
+                raise SystemExit(f"submit failed: {job}")
+        t_run0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
+        t_run = time.perf_counter() - t_run0
+        # wait for the final aggregation
+        for _ in range(600):
+            async with s.get(f"{url}/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {owner}"}) as r:
+                doc = await r.json()
+            if doc["state"] == "done":
+                break
+            await asyncio.sleep(0.05)
+    await runner.cleanup()
+
+    work_update_requests = sum(node.requests for node in nodes)
+    latencies_ms = [lat * 1000 for node in nodes for lat in node.latencies]
+    turnarounds, fill = [], []
+    for r in range(args.rounds - 1):
+        last_ack = max(t for node in nodes for (rr, t) in node.acked if rr == r)
+        nxt = [t for node in nodes for (rr, t) in node.got if rr == r + 1]
+        turnarounds.append((min(nxt) - last_ack) * 1000)
+        fill.append((max(nxt) - last_ack) * 1000)
+    rps = (work_update_requests - n) / t_run  # work + update requests during the rounds
+    body = seal(nodes[0].key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=1.0, cached_chunks=()))
+    echo_rps = await echo_baseline(min(n, 200), max(5, 2000 // min(n, 200)), body)
+    figures = {
+        "nodes": n,
+        "rounds": args.rounds,
+        "requests_per_s": round(rps, 1),
+        "register_per_s": round(n / t_reg, 1),
+        "p50_assignment_ms": round(pct(latencies_ms, 50), 2),
+        "p99_assignment_ms": round(pct(latencies_ms, 99), 2),
+        "max_assignment_ms": round(max(latencies_ms), 2),
+        "turnaround_ms": round(statistics.median(turnarounds), 2) if turnarounds else None,
+        "turnaround_all_nodes_ms": round(statistics.median(fill), 2) if fill else None,
+        "baseline_echo_requests_per_s": round(echo_rps, 1),
+        "ratio_vs_echo": round(rps / echo_rps, 3),
+        "final_state": doc["state"],
+    }
+    result = {
+        "benchmark": "hub_load",
+        "figures": figures,
+        "targets": {"nodes": 1000, "p99_assignment_ms": 250, "turnaround_ms": 50},
+        "meets": {"p99_assignment_ms": figures["p99_assignment_ms"] < 250,
+                  "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50},
+        "notes": ("one process for hub + all nodes (the client side shares the CPU); every update is fsynced "
+                  "(blob + SQLite WAL synchronous=FULL group commit) before its ack; round turnaround includes "
+                  "aggregation of all updates, evaluation and the durable commit"),
+        "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
+                        "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

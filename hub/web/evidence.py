@@ -1,0 +1,89 @@
+"""Per-layer evidence for a flag's page: the flagged update against its round's centre.
+
+Verification's flag evidence carries whole-update scores (cosine, norm ratio,
+replica distance). An auditor also wants to see *where* an update departs:
+which layers point the other way or are blown up. When the evidence itself has
+no per-layer rows, the console computes them here from the stored update blobs:
+the centre is the coordinate-wise median (hub/aggregation.coordinate_median, the
+same robust centre verification scores against) of the round's candidate
+updates (those aggregated plus those quarantined as outliers).
+
+``layer_profile`` is a pure function; ``round_layer_evidence`` is the blocking
+loader (run it in a thread). Both are bounded: only small rounds and models are
+profiled on demand, larger ones show the recorded evidence only.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["MAX_MODEL_BYTES", "MAX_UPDATES", "candidate_shas", "layer_profile", "round_layer_evidence"]
+
+MAX_UPDATES = 32
+MAX_MODEL_BYTES = 64 << 20
+MAX_LAYERS = 64
+
+
+def layer_profile(
+    update: Mapping[str, Tensor], centre: Mapping[str, Tensor], *, max_layers: int = MAX_LAYERS
+) -> list[dict[str, Any]]:
+    """One row per floating tensor, in the update's order: its L2 norm, the centre's
+    norm and their cosine (0 when either is zero). Inputs are only read."""
+    rows: list[dict[str, Any]] = []
+    for name, t in update.items():
+        if not t.is_floating_point() or name not in centre:
+            continue
+        a = t.detach().reshape(-1).double()
+        c = centre[name].detach().reshape(-1).double()
+        if a.numel() != c.numel():
+            continue
+        na, nc = float(a.norm()), float(c.norm())
+        cos = float(a @ c) / (na * nc) if na > 0 and nc > 0 else 0.0
+        if not all(math.isfinite(v) for v in (na, nc, cos)):
+            continue
+        rows.append({"name": name, "norm": na, "centre_norm": nc, "cosine": cos})
+        if len(rows) >= max_layers:
+            break
+    return rows
+
+
+def candidate_shas(conn: sqlite3.Connection, flag: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Blob ids needed to profile ``flag``: the flagged update and the round's candidates.
+
+    None when the round or the model is too large to profile on a page view."""
+    job = conn.execute("SELECT model_size FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
+    rnd = conn.execute(
+        "SELECT closed_at FROM rounds WHERE job_id = ? AND round = ?", (flag["job_id"], flag["round"])
+    ).fetchone()
+    mine = conn.execute("SELECT sha FROM updates WHERE id = ?", (flag["update_id"],)).fetchone()
+    if job is None or mine is None or int(job["model_size"]) > MAX_MODEL_BYTES:
+        return None
+    rows = conn.execute(
+        "SELECT sha FROM updates WHERE job_id = ? AND round = ? AND (status = 'included' OR id IN"
+        " (SELECT update_id FROM flags WHERE job_id = ? AND round = ? AND reason = 'outlier'))"
+        " ORDER BY received_at, id LIMIT ?",
+        (flag["job_id"], flag["round"], flag["job_id"], flag["round"], MAX_UPDATES + 1),
+    ).fetchall()
+    shas = [r["sha"] for r in rows]
+    if not shas or len(shas) > MAX_UPDATES:
+        return None
+    closed = rnd is not None and rnd["closed_at"] is not None
+    return {"update": mine["sha"], "centre_of": shas, "closed": closed}
+
+
+def round_layer_evidence(blobs: Any, needed: Mapping[str, Any]) -> dict[str, Any]:
+    """Blocking: decode the blobs (zero-copy) and profile the flagged update."""
+    from gpuflex.hub.aggregation import coordinate_median
+    from gpuflex.hub.rounds import open_deltas
+
+    shas = list(needed["centre_of"])
+    with open_deltas(blobs, [needed["update"], *shas]) as states:
+        centre = coordinate_median(states[1:])
+        layers = layer_profile(states[0], centre)
+        del centre, states  # drop the views before open_deltas closes their maps
+    return {"layers": layers, "centre_of": len(shas), "closed": bool(needed.get("closed"))}

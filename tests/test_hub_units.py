@@ -1,0 +1,142 @@
+"""Pure pieces of the hub: shard carving, dataset chunking, the OpenAPI document, metrics, the DB writer."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from gpuflex.hub.app import create_app
+from gpuflex.hub.config import HubConfig
+from gpuflex.hub.dataset import Arrays, make_chunks, split_validation, validate_arrays
+from gpuflex.hub.db import Database
+from gpuflex.hub.errors import Unprocessable
+from gpuflex.hub.jobs import ChunkInfo, JobState, shard_seed
+from gpuflex.hub.openapi import openapi_document
+from gpuflex.hub.scheduler import NodeState, Scheduler
+from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.tensors import decode_state
+from tests.helpers import digits_spec
+
+
+def make_job(chunks: int = 20, chunk_samples: int = 10, target_s: float = 10.0) -> JobState:
+    spec = parse_job_spec(digits_spec(round_target_s=target_s, replication="0.0"))
+    job = JobState(id="j-1", owner="o", name="n", spec=spec, state="running", round=0, rounds=2,
+                   model_sha="0" * 64, model_size=1, chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100)
+                                                            for i in range(chunks)],
+                   val_sha=None, opt_state_sha=None, created_at=0.0)
+    job.open_round(0.0)
+    return job
+
+
+def node(name: str, sps: float) -> NodeState:
+    return NodeState(id=name, public_key=b"", bench_sps=sps, ema_sps=sps, last_seen=time.time())
+
+
+def test_shards_are_sized_to_throughput_and_prefer_cached_chunks():
+    sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0)
+    job = make_job()
+    sched.add_job(job)
+    slow, fast = node("slow", 2.0), node("fast", 10.0)  # 20 and 100 samples in 10 s
+    sched.nodes = {"slow": slow, "fast": fast}
+    p_fast = sched.plan(fast, frozenset())
+    assert p_fast is not None and p_fast.shard.samples == 100 and p_fast.shard.chunk_idxs == tuple(range(10))
+    cached = frozenset({f"{17:064x}", f"{19:064x}"})
+    p_slow = sched.plan(slow, cached)
+    assert p_slow.shard.chunk_idxs == (17, 19)  # what it holds, before anything else
+    assert p_slow.deadline - time.time() == pytest.approx(30.0, abs=1.0)  # min deadline wins
+    assert job.free == {10, 11, 12, 13, 14, 15, 16, 18}
+    assert p_fast.shard.seed == shard_seed(0, 0, 0) and p_slow.shard.seed == shard_seed(0, 0, 1)
+
+
+def test_one_node_with_a_huge_round_target_takes_the_whole_round():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(target_s=86400.0)
+    sched.add_job(job)
+    n = node("n", 1.0)
+    sched.nodes = {"n": n}
+    p = sched.plan(n, frozenset())
+    assert p.shard.chunk_idxs == tuple(range(20)) and not job.free
+    assert sched.plan(node("m", 1.0), frozenset()) is None  # nothing left; no replica wanted
+
+
+def test_fair_share_between_jobs():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    a, b = make_job(), make_job()
+    b.id, b.created_at = "j-2", 1.0
+    sched.add_job(a)
+    sched.add_job(b)
+    picks = []
+    for i in range(4):
+        p = sched.plan(node(f"n{i}", 1.0), frozenset())
+        from gpuflex.hub.jobs import AssignmentState
+
+        sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=f"n{i}",
+                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_sha="",
+                                     chunk_shas=frozenset()), p.shard)
+        picks.append(p.job.id)
+    assert picks == ["j-1", "j-2", "j-1", "j-2"]
+
+
+def test_stratified_chunks_spread_every_class():
+    y = np.repeat(np.arange(10), 50)
+    x = np.random.default_rng(0).random((500, 64), dtype=np.float32)
+    spec = parse_job_spec(digits_spec()).model
+    data = validate_arrays(x, y, spec, what="train")
+    chunks = make_chunks(data, 50, stratified=True, seed=0)
+    assert len(chunks) == 10
+    for blob, n in chunks:
+        labels = decode_state(bytearray(blob))["y"].numpy()
+        assert n == 50 and sorted(np.bincount(labels, minlength=10)) == [5] * 10
+    again = make_chunks(data, 50, stratified=True, seed=0)
+    assert [c[0] for c in again] == [c[0] for c in chunks]  # deterministic
+    train, val = split_validation(data, 0.2, stratified=True, seed=0)
+    assert len(val) == 100 and len(train) == 400 and sorted(np.bincount(val.y)) == [10] * 10
+    with pytest.raises(Unprocessable):
+        validate_arrays(x.astype(object), y, spec, what="train")
+    assert isinstance(data, Arrays)
+
+
+def test_openapi_lists_every_route(tmp_path):
+    app = create_app(HubConfig(data_dir=tmp_path / "h"))
+    doc = openapi_document()
+    served = set()
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource else ""
+        if route.method == "HEAD" or not (path.startswith("/v1") or path in ("/healthz", "/metrics")):
+            continue
+        served.add((path, route.method.lower()))
+    documented = {(p, m) for p, ops in doc["paths"].items() for m in ops}
+    assert served == documented
+    assert doc["openapi"].startswith("3.")
+    asyncio.run(_close(app))
+
+
+async def _close(app: web.Application) -> None:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await runner.cleanup()
+
+
+async def test_db_group_commit_isolates_a_failing_write(tmp_path):
+    db = Database(tmp_path / "db.sqlite3")
+    try:
+        def good(i):
+            return lambda c: c.execute("INSERT INTO tokens (hash, role, name, created_at) VALUES (?, 'owner', 'x', 0)",
+                                       (f"h{i}",))
+
+        def bad(c):
+            c.execute("INSERT INTO tokens (hash, role, name, created_at) VALUES ('h0', 'owner', 'x', 0)")
+
+        results = await asyncio.gather(*(db.write(good(i)) for i in range(20)), db.write(bad),
+                                       return_exceptions=True)
+        assert sum(isinstance(r, sqlite3.IntegrityError) for r in results) == 1
+        assert await db.read(lambda c: c.execute("SELECT COUNT(*) FROM tokens").fetchone()[0]) == 20
+        mode = await db.read(lambda c: c.execute("PRAGMA journal_mode").fetchone()[0])
+        assert mode == "wal"
+    finally:
+        db.close()
