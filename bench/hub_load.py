@@ -35,7 +35,6 @@ import aiohttp
 import numpy as np
 import torch
 from aiohttp import web
-
 from gpuflex.hub.app import create_app
 from gpuflex.hub.appkeys import ROUNDS, SCHEDULER
 from gpuflex.hub.config import HubConfig
@@ -49,10 +48,11 @@ from gpuflex.protocol.messages import (
     NoWork,
     UpdateHeader,
     WorkRequest,
+    decode_message,
+    peek_kind,
 )
 from gpuflex.protocol.modelspec import ModelSpec, build_model
 from gpuflex.protocol.signing import SigningKey, new_nonce, open_envelope, open_sealed, seal
-from gpuflex.protocol.messages import peek_kind
 from gpuflex.protocol.tensors import encode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
 
@@ -163,19 +163,15 @@ class Node:
             ack_bytes = await self.post("/v1/updates", self.delta, {
                 "X-GPUFlex-Update": base64.urlsafe_b64encode(seal(self.key, hdr)).decode(),
                 "Content-Type": "application/octet-stream"})
-            ack, _ = open_sealed(ack_bytes, Ack)
+            # the client's CPU is the hub's CPU here: check the ack's content, leave its signature to real nodes
+            if not decode_message(open_envelope(ack_bytes)[0], Ack).ok:
+                raise RuntimeError("update refused")
             self.acked.append((a.round, time.perf_counter()))
             done_rounds += 1
 
 
-async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/hub_load.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    n = args.nodes
+async def run_once(n: int, rounds: int) -> dict[str, object]:
+    """One complete run with `n` nodes and a fresh hub; returns its figures."""
     tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
     app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
                                sweep_interval_s=0.5))
@@ -206,7 +202,7 @@ async def main() -> int:
     y = (x.sum(axis=1) > 4).astype(np.int64)
     np.savez(tmp / "train.npz", x=x, y=y)
     np.savez(tmp / "val.npz", x=x[:256], y=y[:256])
-    spec_text = SPEC.format(rounds=args.rounds)
+    spec_text = SPEC.format(rounds=rounds)
     mspec = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 2})
     model = build_model(mspec, seed=0)
     deltas = []
@@ -227,9 +223,8 @@ async def main() -> int:
         form.add_field("train", (tmp / "train.npz").read_bytes(), filename="train.npz")
         form.add_field("val", (tmp / "val.npz").read_bytes(), filename="val.npz")
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(node.run(args.rounds, round_open, stop)) for node in nodes]
+        tasks = [asyncio.create_task(node.run(rounds, round_open, stop)) for node in nodes]
         await asyncio.sleep(0.5)  # every node is now long-polling
-        t_submit = time.perf_counter()
         async with s.post(url + "/v1/jobs", data=form, headers={"Authorization": f"Bearer {owner}"}) as r:
             job = await r.json()
             if r.status != 201:
@@ -249,7 +244,7 @@ async def main() -> int:
     work_update_requests = sum(node.requests for node in nodes)
     latencies_ms = [lat * 1000 for node in nodes for lat in node.latencies]
     turnarounds, fill = [], []
-    for r in range(args.rounds - 1):
+    for r in range(rounds - 1):
         last_ack = max(t for node in nodes for (rr, t) in node.acked if rr == r)
         nxt = [t for node in nodes for (rr, t) in node.got if rr == r + 1]
         turnarounds.append((min(nxt) - last_ack) * 1000)
@@ -257,9 +252,9 @@ async def main() -> int:
     rps = (work_update_requests - n) / t_run  # work + update requests during the rounds
     body = seal(nodes[0].key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=1.0, cached_chunks=()))
     echo_rps = await echo_baseline(min(n, 200), max(5, 2000 // min(n, 200)), body)
-    figures = {
+    return {
         "nodes": n,
-        "rounds": args.rounds,
+        "rounds": rounds,
         "requests_per_s": round(rps, 1),
         "register_per_s": round(n / t_reg, 1),
         "p50_assignment_ms": round(pct(latencies_ms, 50), 2),
@@ -270,16 +265,35 @@ async def main() -> int:
         "baseline_echo_requests_per_s": round(echo_rps, 1),
         "ratio_vs_echo": round(rps / echo_rps, 3),
         "final_state": doc["state"],
+        "load_avg_1m": round(os.getloadavg()[0], 1),
     }
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="1000", help="comma-separated node counts; the last one is `figures`")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/hub_load.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    runs = []
+    for n in (int(v) for v in args.nodes.split(",")):
+        runs.append(await run_once(n, args.rounds))
+        print(json.dumps(runs[-1]), flush=True)
+    figures = runs[-1]
     result = {
         "benchmark": "hub_load",
         "figures": figures,
+        "runs": runs,
         "targets": {"nodes": 1000, "p99_assignment_ms": 250, "turnaround_ms": 50},
-        "meets": {"p99_assignment_ms": figures["p99_assignment_ms"] < 250,
-                  "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50},
-        "notes": ("one process for hub + all nodes (the client side shares the CPU); every update is fsynced "
-                  "(blob + SQLite WAL synchronous=FULL group commit) before its ack; round turnaround includes "
-                  "aggregation of all updates, evaluation and the durable commit"),
+        "meets": {"p99_assignment_ms": figures["p99_assignment_ms"] < 250,  # type: ignore[operator]
+                  "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50},  # type: ignore[operator]
+        "notes": ("one process for hub + all simulated nodes on a shared 2-core box (the client side, incl. "
+                  "its Ed25519 signing, competes with the hub for the same CPU; compare ratio_vs_echo, the bare "
+                  "aiohttp echo handler measured in the same run); every update is fsynced (blob + dir + "
+                  "SQLite WAL synchronous=FULL group commit) before its ack; turnaround includes "
+                  "verification.review_round + aggregation of all of the round's updates, evaluation and the "
+                  "durable commit"),
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

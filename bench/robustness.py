@@ -29,6 +29,12 @@ Metrics per (attack, fraction):
 - replication_overhead: extra replica trainings / shards, over the whole run and
   over the rounds after every honest node is trusted (``_trusted``).
 
+``review_only_at_20`` repeats 20 % with replication off: what review_round
+(outlier / free rider / implausible) catches on its own. Every row of the main
+table is caught by replica disagreement first, and the schedule is seeded the
+same for every attack, so those rows coincide except for stale replay (whose
+first update is honest).
+
 Run: .venv/bin/python bench/robustness.py [--quick] -> bench/results/robustness.json
 """
 
@@ -43,7 +49,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -93,8 +99,10 @@ class Simulation:
         n_attackers: int,
         rounds: int,
         seed: int = 0,
+        vspec: Any = None,
     ):
         self.w = world
+        self.vspec = vspec if vspec is not None else VSPEC
         self.rounds = rounds
         self.seed = seed
         ids = [f"n{i:02d}" for i in range(N_NODES)]
@@ -163,7 +171,7 @@ class Simulation:
             rng = random.Random(seed_of(self.seed, "round", rnd))
             active = [n for n in self.nodes.values() if not n.rep.banned]
             honest_ids = [n.node_id for n in self.nodes.values() if n.attack is None]
-            trusted_phase = all(vf.is_trusted(self.nodes[h].rep, VSPEC) for h in honest_ids)
+            trusted_phase = all(vf.is_trusted(self.nodes[h].rep, self.vspec) for h in honest_ids)
             if trusted_phase and self.trusted_from is None:
                 self.trusted_from = rnd
             order = list(range(len(chunks)))
@@ -174,6 +182,7 @@ class Simulation:
             perm = rng.sample(active, len(active))
             cache: dict = {}
             candidates: list[Work] = []
+            inconclusive: list[Work] = []
             groups: dict[str, tuple[vf.ReplicaOutcome, list[Work]]] = {}
             flags: dict[str, tuple[vf.Flag, bool]] = {}  # update_id -> (flag, malicious)
             all_work: list[Work] = []
@@ -185,18 +194,20 @@ class Simulation:
                 self.stats["shards"] += 1
                 self.stats["shards_trusted"] += trusted_phase
                 outcome = None
-                if vf.should_replicate(primary.rep, VSPEC, rng):
+                if vf.should_replicate(primary.rep, self.vspec, rng):
                     while True:
-                        if len(group) >= VSPEC.quorum:
-                            trusted = {n.node_id for n in active if vf.is_trusted(n.rep, VSPEC)}
+                        if len(group) >= self.vspec.quorum:
+                            trusted = {
+                                n.node_id for n in active if vf.is_trusted(n.rep, self.vspec)
+                            }
                             outcome = vf.compare_replicas(
-                                [g.rec for g in group], VSPEC, trusted=trusted
+                                [g.rec for g in group], self.vspec, trusted=trusted
                             )
                             if not outcome.needs_more:
                                 break
                         members = {g.rec.node_id for g in group}
                         pool = vf.replica_candidates(
-                            {n.node_id: n.rep for n in active}, members, VSPEC
+                            {n.node_id: n.rep for n in active}, members, self.vspec
                         )
                         if not pool:
                             break
@@ -236,10 +247,17 @@ class Simulation:
                     groups[outcome.canonical] = (outcome, group)
                 else:
                     self.stats["lost_shards"] += 1
+                    if not outcome.flags:  # inconclusive: scored, never aggregated
+                        inconclusive.extend(group)
             gnorm = math.sqrt(
                 sum(float(v.double().pow(2).sum()) for v in state.values() if v.is_floating_point())
             )
-            review = vf.review_round([c.rec for c in candidates], gnorm, VSPEC)
+            review = vf.review_round(
+                [c.rec for c in candidates],
+                gnorm,
+                self.vspec,
+                score_only=[g.rec for g in inconclusive],
+            )
             by_uid = {g.rec.update_id: g for g in all_work}
             for f in review.flags:
                 flags[f.update_id] = (f, by_uid[f.update_id].malicious)
@@ -356,6 +374,27 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    # Second line of defence alone: no replication at all, review_round only (20 %).
+    review_only = []
+    no_replicas = replace(VSPEC, replication=0.0)
+    for attack in args.attacks.split(","):
+        k = n_attackers(attack, 0.2)
+        r = Simulation(world, attack, k, rounds, vspec=no_replicas).run()
+        review_only.append(
+            {
+                "attack": attack,
+                "attacker_fraction": 0.2,
+                "detection_rate": r["detection_rate"],
+                "honest_flagged": r["honest_flagged"],
+                "accuracy_drop_points": round(100 * (clean["accuracy"] - r["accuracy"]), 2),
+            }
+        )
+        print(
+            "review only:",
+            json.dumps(review_only[-1]),
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     at20 = [r for r in rows if r["attacker_fraction"] == 0.2]
     summary = {
         "min_detection_rate_at_20": min(
@@ -421,6 +460,7 @@ def main() -> None:
         },
         "summary": summary,
         "rows": rows,
+        "review_only_at_20": review_only,
         "elapsed_s": round(time.perf_counter() - t0, 1),
     }
     if not args.quick:

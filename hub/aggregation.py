@@ -15,6 +15,12 @@ never "loaded": this module walks each floating tensor in flat slices of
   (O(N x slice) + O(N^2)), then averages the selected updates streaming.
 - clipping computes each update's L2 norm in a streaming pass first and scales
   slices on the fly (no clipped copy of an update is ever made).
+- pages of the read-only blob mappings are dropped from the resident set once
+  consumed (`PageReleaser`), so peak RSS does not grow with N
+  (bench/aggregate.py: 344 MB for 8 vs 382 MB for 32 updates of 100 MB; the
+  difference is ~1.5 MB per blob mapped when it is opened, not the aggregation).
+- models of at most SMALL_MODEL_ELEMS elements take a flat path in fedavg (one
+  row per update): same operations, same bits, far fewer Python calls.
 
 Determinism. Updates are always visited in the order given; accumulation is in
 float64 per slice and cast to the delta's dtype at the end, so the same inputs in
@@ -48,6 +54,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,21 +126,22 @@ def _check_layout(deltas: Sequence[Mapping[str, Tensor]]) -> list[str]:
     keys = floating_keys(deltas[0])
     if not keys:
         raise AggregationError("updates carry no floating tensors: nothing to aggregate")
-    ref = {k: (tuple(deltas[0][k].shape), deltas[0][k].dtype) for k in keys}
+    ref = [(k, deltas[0][k].shape, deltas[0][k].dtype) for k in keys]
+    key_set = set(keys)
     for i, d in enumerate(deltas[1:], start=1):
         other = floating_keys(d)
-        if set(other) != set(keys):
+        if other != keys and set(other) != key_set:
             missing = sorted(set(keys) - set(other))
             extra = sorted(set(other) - set(keys))
             raise AggregationError(
                 f"update {i} has different tensors than update 0 (missing {missing[:3]}, extra {extra[:3]})"
             )
-        for k in keys:
+        for k, shape, dtype in ref:
             t = d[k]
-            if (tuple(t.shape), t.dtype) != ref[k]:
+            if t.dtype is not dtype or t.shape != shape:
                 raise AggregationError(
                     f"update {i} tensor {k!r} is {t.dtype} {tuple(t.shape)}, "
-                    f"update 0 has {ref[k][1]} {ref[k][0]}"
+                    f"update 0 has {dtype} {tuple(shape)}"
                 )
     return keys
 
@@ -310,20 +318,7 @@ def fedavg(
         w = [wi * fi for wi, fi in zip(w, factors, strict=True)]
     total = sum(deltas[0][k].numel() for k in keys)
     if total <= SMALL_MODEL_ELEMS:
-        # Small models, many updates: one flat float64 row per update, one add each
-        # (the same elementwise operations in the same order: the same bits).
-        acc = torch.zeros(total, dtype=torch.float64)
-        for wi, d in zip(w, deltas, strict=True):
-            if wi != 0.0:
-                acc.add_(torch.cat([d[k].reshape(-1).to(torch.float64) for k in keys]), alpha=wi)
-        _finite_or_raise("<all>", acc)
-        out_small: dict[str, Tensor] = {}
-        start = 0
-        for k in keys:
-            ref = deltas[0][k]
-            out_small[k] = acc[start : start + ref.numel()].to(ref.dtype).reshape(ref.shape)
-            start += ref.numel()
-        return out_small
+        return _fedavg_small(deltas, keys, w, total)
     # Accumulate in blocks that keep the float64 accumulator in L2 cache (2x faster
     # than 1M-element blocks); the per-coordinate order, hence every bit, is the same.
     block = min(slice_elems, FEDAVG_BLOCK_ELEMS)
@@ -346,6 +341,35 @@ def fedavg(
             _finite_or_raise(k, acc)
             rflat[s:e].copy_(acc)
         out[k] = result
+    return out
+
+
+def _fedavg_small(
+    deltas: Sequence[Mapping[str, Tensor]], keys: list[str], w: Sequence[float], total: int
+) -> dict[str, Tensor]:
+    """fedavg for small models, many updates: numpy on the same (zero-copy) buffers,
+    ~1 us per call instead of torch's per-op overhead. Same operations in the same
+    order as the block path (cast to float64, scale by w_i, add): the same bits."""
+    acc = np.zeros(total, dtype=np.float64)
+    row = np.empty(total, dtype=np.float64)
+    bounds = []
+    start = 0
+    for k in keys:
+        bounds.append((k, start, start + deltas[0][k].numel()))
+        start += deltas[0][k].numel()
+    for wi, d in zip(w, deltas, strict=True):
+        if wi == 0.0:
+            continue
+        for k, lo, hi in bounds:
+            row[lo:hi] = d[k].detach().numpy().reshape(-1)
+        row *= wi
+        acc += row
+    if not np.isfinite(acc).all():
+        raise AggregationError("aggregate is not finite: an update holds inf/nan")
+    out: dict[str, Tensor] = {}
+    for k, lo, hi in bounds:
+        ref = deltas[0][k]
+        out[k] = torch.from_numpy(acc[lo:hi].copy()).to(ref.dtype).reshape(ref.shape)
     return out
 
 
@@ -633,26 +657,29 @@ class ServerOptimizer:
                 )
         new: dict[str, Tensor] = {}
         for k, g in global_state.items():
-            d = agg_delta.get(k)
-            if d is None:
+            raw = agg_delta.get(k)
+            if raw is None:
                 new[k] = g.detach().clone()
                 continue
-            d = d.detach().to(g.dtype)
+            d = raw.detach().to(g.dtype)
             if self.kind == "none":
                 upd = d * self.lr
             elif self.kind == "fedavgm":
-                v = self._m.get(k)
-                v = d.clone() if v is None else v * self.momentum + d
+                prev_v = self._m.get(k)
+                v = d.clone() if prev_v is None else prev_v * self.momentum + d
                 self._m[k] = v
                 upd = v * self.lr
             else:
-                m = self._m.get(k)
-                v = self._v.get(k)
-                m = d * (1 - self.beta1) if m is None else m * self.beta1 + d * (1 - self.beta1)
+                prev_m, prev_v = self._m.get(k), self._v.get(k)
+                m = (
+                    d * (1 - self.beta1)
+                    if prev_m is None
+                    else prev_m * self.beta1 + d * (1 - self.beta1)
+                )
                 v = (
                     (d * d) * (1 - self.beta2)
-                    if v is None
-                    else v * self.beta2 + (d * d) * (1 - self.beta2)
+                    if prev_v is None
+                    else prev_v * self.beta2 + (d * d) * (1 - self.beta2)
                 )
                 self._m[k], self._v[k] = m, v
                 upd = m / (v.sqrt() + self.eps) * self.lr

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from aiohttp import web
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.signing import ReplayGuard
@@ -83,6 +84,8 @@ async def error_middleware(
 def create_app(config: HubConfig) -> web.Application:
     """Build the hub. First start creates the key (0600), the database (WAL) and the blob store."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     with contextlib.suppress(OSError):
         os.chmod(config.data_dir, 0o700)
     key, _created = load_or_create_hub_key(config.key_path)
@@ -164,11 +167,10 @@ async def openapi(request: web.Request) -> web.Response:
 async def _load_state(app: web.Application) -> None:
     """Rebuild the working state from the database: nodes, then every active job's round."""
     sched = app[SCHEDULER]
-    now = time.time()
 
     def read(conn: sqlite3.Connection) -> tuple[list[sqlite3.Row], Any]:
         nodes = conn.execute("SELECT * FROM nodes").fetchall()
-        return nodes, load_jobs(conn, now)
+        return nodes, load_jobs(conn)
 
     nodes, (jobs, broken) = await app[DB].read(read)
     for r in nodes:

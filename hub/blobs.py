@@ -53,12 +53,6 @@ class BlobStore:
     def has(self, sha: str) -> bool:
         return self.path(sha).is_file()
 
-    def size(self, sha: str) -> int:
-        p = self.path(sha)
-        if not p.is_file():
-            raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
-        return p.stat().st_size
-
     def read(self, sha: str) -> bytes:
         p = self.path(sha)
         if not p.is_file():

@@ -39,6 +39,9 @@ class HubConfig:
     throughput_alpha: float = 0.3
     #: worker threads for upload file work (manifest check, fsync, rename)
     io_threads: int = 16
+    #: torch intra-op threads for aggregation/evaluation (memory-bound slices: 1 is fastest on a busy box);
+    #: None leaves torch's setting alone
+    torch_threads: int | None = 1
 
     @property
     def db_path(self) -> Path:

@@ -223,9 +223,6 @@ class Database:
         """From a worker thread (never from the event loop)."""
         return self._submit(fn, True).result()
 
-    def read_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return self._submit(fn, False).result()
-
     def _submit(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise RuntimeError("database is closed")
@@ -297,6 +294,8 @@ class Database:
                     op.future.set_exception(exc)
             return
         for op, ok, value in results:
+            if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
+                continue
             if ok:
                 op.future.set_result(value)
             else:

@@ -59,8 +59,3 @@ class PayloadTooLarge(HubError):
 class Unprocessable(HubError):
     status = 422
     code = "unprocessable"
-
-
-class Unavailable(HubError):
-    status = 503
-    code = "unavailable"

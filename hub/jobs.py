@@ -7,13 +7,11 @@ from the database on start (`load_jobs`), mutated only on the loop.
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
@@ -109,7 +107,6 @@ class JobState:
     free: set[int] = field(default_factory=set)  # chunk idxs no live/settled shard holds
     next_seq: int = 0
     closing: bool = False
-    round_opened_at: float = 0.0
     live_n: int = 0  # live assignments of this job (kept by Scheduler.attach/detach)
     replicated: dict[str, ShardState] = field(default_factory=dict)  # open shards that want > 1 replica
     cursor: int = 0  # every chunk index below it is taken (amortised O(1) carving)
@@ -138,13 +135,12 @@ class JobState:
             and any(s.state == "settled" for s in self.shards.values())
         )
 
-    def open_round(self, now: float) -> None:
+    def open_round(self) -> None:
         self.shards = {}
         self.replicated = {}
         self.free = {c.idx for c in self.chunks}
         self.cursor = 0
         self.next_seq = 0
-        self.round_opened_at = now
         if len(self.by_sha) != len(self.chunks):
             self.by_sha = {c.sha: c.idx for c in self.chunks}
 
@@ -217,7 +213,7 @@ def ingest_job(
         opt_state_sha=None,
         created_at=now,
     )
-    job.open_round(now)
+    job.open_round()
     text = spec_text.decode("utf-8")
 
     def write(conn: sqlite3.Connection) -> None:
@@ -244,7 +240,7 @@ def ingest_job(
 # -- restart --------------------------------------------------------------------------------
 
 
-def load_jobs(conn: sqlite3.Connection, hub_now: float) -> tuple[list[JobState], list[tuple[str, str]]]:
+def load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str, str]]]:
     """Rebuild every active job's round from the database.
 
     Returns the jobs and (job_id, reason) for rows that could not be loaded.
@@ -271,10 +267,7 @@ def load_jobs(conn: sqlite3.Connection, hub_now: float) -> tuple[list[JobState],
             model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
             opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
         )
-        opened = conn.execute(
-            "SELECT opened_at FROM rounds WHERE job_id = ? AND round = ?", (job.id, job.round)
-        ).fetchone()
-        job.open_round(opened["opened_at"] if opened else hub_now)
+        job.open_round()
         by_idx = {c.idx: c for c in chunks}
         for s in conn.execute(
             "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq", (job.id, job.round)
@@ -326,22 +319,3 @@ def load_jobs(conn: sqlite3.Connection, hub_now: float) -> tuple[list[JobState],
             job.free.difference_update(idxs)
         jobs.append(job)
     return jobs, broken
-
-
-def spec_summary(spec: JobSpec) -> dict[str, Any]:
-    return {
-        "model": spec.model.to_dict(),
-        "rounds": spec.train.rounds,
-        "aggregation": spec.aggregation.method,
-        "server_optimizer": spec.aggregation.server_optimizer,
-    }
-
-
-def initial_model_bytes(spec: JobSpec) -> bytes:
-    model = build_model(spec.model, seed=spec.train.seed)
-    return encode_state({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-

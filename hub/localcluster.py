@@ -167,10 +167,30 @@ class LocalCluster:
     url: str = ""
     fingerprint: str = ""
     port: int = 0
+    #: where the shared benchmark lives; tests pass one file for the whole session
+    shared_bench_cache: Path | None = None
 
     @property
     def hub_dir(self) -> Path:
         return self.workdir / "hub"
+
+    @property
+    def bench_cache(self) -> Path:
+        """One benchmark for every node of this machine (`gpuflex-node bench --bench-cache`)."""
+        return self.shared_bench_cache or self.workdir / "bench.json"
+
+    def benchmark_once(self, *, threads: int = 1, timeout_s: float = 180.0) -> None:
+        """Measure this machine once, so that N node processes do not benchmark N times."""
+        if self.bench_cache.exists():
+            return
+        argv = [
+            sys.executable, "-m", "gpuflex.node", "bench", "--device", "cpu",
+            "--threads", str(threads), "--bench-cache", str(self.bench_cache), "--json",
+        ]  # fmt: skip
+        subprocess.run(
+            argv, env=_child_env(), cwd=str(SOURCE_ROOT), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s, check=False,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- processes
     def _spawn(self, name: str, argv: Sequence[str]) -> Proc:
@@ -237,9 +257,10 @@ class LocalCluster:
         data_dir = self.workdir / "nodes" / name
         data_dir.mkdir(parents=True, exist_ok=True)
         key = SigningKey.load_or_create(data_dir / "node.key")
+        self.benchmark_once(threads=threads)
         run_args = [
             "run", "--hub", self.url, "--hub-key", self.fingerprint, "--data-dir", str(data_dir),
-            "--device", "cpu", "--threads", str(threads),
+            "--device", "cpu", "--threads", str(threads), "--bench-cache", str(self.bench_cache),
         ]  # fmt: skip
         if poll_wait_s is not None:
             run_args += ["--poll-wait", str(poll_wait_s)]

@@ -167,10 +167,16 @@ class RoundEngine:
                         (shard.wanted, _json(result.evidence), shard.id)))
                     self.signal.notify()
                     return
-                # no further replica can come: nobody is vindicated, everyone is flagged
-                result = Settlement(None, {u.id: "quarantined" for u in ups}, [
-                    FlagRow(u.id, u.node_id, "replica_mismatch", result.evidence | {"resolved": "replica_wait"})
-                    for u in ups], result.evidence, flagged_nodes=sorted({u.node_id for u in ups}))
+                # No further replica came in time. An agreeing majority stands unverified (no credit, no
+                # flags); a split is inconclusive: the shard goes back to the pool, nobody is flagged.
+                pairs = result.evidence.get("pairs") or []
+                if pairs and all(p.get("agree") for p in pairs):  # every replica agrees with every other
+                    rep = ups[0].id  # ups are sorted by (sha, id)
+                    result = Settlement(rep, {u.id: "redundant" for u in ups if u.id != rep}, [],
+                                        result.evidence | {"unverified": "replica_wait"})
+                else:
+                    result = Settlement(None, {u.id: "excluded" for u in ups}, [],
+                                        result.evidence | {"inconclusive": "replica_wait"})
         cancelled = list(shard.live.values())
         for a in cancelled:
             self.scheduler.detach(a)
@@ -239,7 +245,9 @@ class RoundEngine:
     def _compare(self, job: JobState, shard: ShardState, ups: list[UpdateState]) -> Settlement:
         with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
             records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
-            out = vf.compare_replicas(records, job.spec.verification)
+            trusted = {u.node_id for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None
+                       and vf.is_trusted(n.reputation, job.spec.verification)}
+            out = vf.compare_replicas(records, job.spec.verification, trusted=trusted)
             del records
         flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
         evidence = dict(out.evidence)
@@ -247,6 +255,8 @@ class RoundEngine:
             return Settlement(None, {}, [], evidence, needs_more=True)
         flagged = {f.update_id for f in flags}
         statuses = {u.id: "quarantined" for u in ups if u.id in flagged}
+        if not out.agreed and not flags:  # inconclusive split among untrusted nodes: drop, no flags, no credit
+            return Settlement(None, {u.id: "excluded" for u in ups}, [], evidence | {"inconclusive": True})
         rep: str | None = None
         agreed_nodes: list[str] = []
         if out.agreed:
@@ -294,13 +304,19 @@ class RoundEngine:
         last = job.round + 1 >= job.rounds
         next_round = job.round + 1
         new_state = "done" if last else "running"
-        touched = self._apply_reputation([], result["flagged_nodes"])
+        vouched, withdrawn = self._vouch(shards, result)
+        touched = self._apply_reputation([], result["flagged_nodes"] + [f.node_id for f in vouched])
 
         def write(conn: sqlite3.Connection) -> None:
             conn.executemany(REPUTATION_SQL, touched)
             for uid, status in result["statuses"].items():
                 conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
-            self._insert_flags(conn, job, result["flags"], now)
+            self._insert_flags(conn, job, result["flags"] + vouched, now)
+            conn.executemany(
+                "UPDATE flags SET status = 'dismissed', auditor = 'hub', decided_at = ?, verdict_note ="
+                " 'withdrawn: the majority this update disagreed with was flagged at review'"
+                " WHERE update_id = ? AND reason = 'replica_mismatch' AND status = 'open'",
+                [(now, uid) for uid in withdrawn])
             for a in leftovers:
                 conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
             conn.execute(
@@ -336,9 +352,28 @@ class RoundEngine:
             job.replicated = {}
             job.free = set()
         else:
-            job.open_round(now)
+            job.open_round()
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
+
+    @staticmethod
+    def _vouch(shards: Sequence[ShardState], result: dict[str, Any]) -> tuple[list[FlagRow], list[str]]:
+        """When review flags a replica group's canonical update, the majority that agreed with it is
+        flagged too (it vouched for it) and the minority's replica_mismatch flags are withdrawn."""
+        reasons = {f.update_id: f.reason for f in result["flags"]}
+        vouched: list[FlagRow] = []
+        withdrawn: list[str] = []
+        for s in shards:
+            if s.representative not in reasons or len(s.accepted) < 2:
+                continue
+            for u in s.accepted:
+                if u.status == "redundant":
+                    vouched.append(FlagRow(u.id, u.node_id, reasons[s.representative],
+                                           {"vouched_for": s.representative}))
+                    result["statuses"][u.id] = "quarantined"
+                elif u.status == "quarantined":
+                    withdrawn.append(u.id)
+        return vouched, withdrawn
 
     def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState]) -> dict[str, Any]:
         """Review, aggregate, step the server optimizer, evaluate, log. Worker thread; no DB writes."""

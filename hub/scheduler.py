@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from .jobs import AssignmentState, JobState, ShardState, shard_seed
-from .verification import Reputation, should_replicate
+from .verification import Reputation, replica_candidates, should_replicate
 
 MAX_CHUNKS_PER_ASSIGNMENT = 4096
 
@@ -106,6 +106,7 @@ class Scheduler:
         self.online_window_s = online_window_s
         self._rng = rng or random.Random(0)
         self._online_cache: tuple[float, int] = (0.0, 0)
+        self._reps_cache: tuple[float, dict[str, Reputation]] = (0.0, {})
 
     # -- bookkeeping ---------------------------------------------------------------------
     def add_job(self, job: JobState) -> None:
@@ -155,10 +156,22 @@ class Scheduler:
         return None
 
     def _pending_replica(self, job: JobState, node: NodeState) -> ShardState | None:
+        """A shard still short of replicas that this node may take (verification.replica_candidates:
+        trusted nodes when any are online, else the upper half by their run of agreements)."""
         for shard in sorted(job.replicated.values(), key=lambda s: s.seq):
             if shard.state == "open" and shard.replicas_needed() > 0 and node.id not in shard.nodes:
-                return shard
+                reps = self._online_reputations(time.time())
+                if node.id in replica_candidates(reps, shard.nodes, job.spec.verification):
+                    return shard
         return None
+
+    def _online_reputations(self, now: float) -> dict[str, Reputation]:
+        stamp, reps = self._reps_cache
+        if now - stamp > 1.0:
+            reps = {n.id: n.reputation for n in self.nodes.values()
+                    if not n.banned and now - n.last_seen <= self.online_window_s}
+            self._reps_cache = (now, reps)
+        return reps
 
     def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
         """Cut a shard sized to the node: throughput x round_target_s samples, cached first,

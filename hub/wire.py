@@ -19,7 +19,7 @@ from gpuflex.protocol.errors import (
 )
 from gpuflex.protocol.signing import open_sealed, seal
 
-from .appkeys import CONFIG, DB, HUB_KEY, METRICS, REPLAY, SCHEDULER
+from .appkeys import DB, HUB_KEY, METRICS, REPLAY, SCHEDULER
 from .errors import (
     BadRequest,
     Conflict,
@@ -118,7 +118,3 @@ def known_node(request: web.Request, signer: bytes) -> NodeState:
 async def principal(request: web.Request) -> Principal:
     header = request.headers.get("Authorization")
     return await request.app[DB].read(lambda conn: lookup(conn, header))
-
-
-def max_message_bytes(request: web.Request) -> int:
-    return request.app[CONFIG].max_message_bytes

@@ -63,6 +63,7 @@ from .errors import (
     BadSignature,
     Banned,
     BlobError,
+    ConfigError,
     HubError,
     HubKeyMismatch,
     HubUnavailable,
@@ -156,9 +157,12 @@ class NodeAgent:
         output: Output | None = None,
         key: SigningKey | None = None,
     ) -> None:
+        if not config.hub_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--hub {config.hub_url!r}: expected an http:// or https:// URL")
         self.config = config
         self.output = output or Output()
-        config.data_dir.mkdir(parents=True, exist_ok=True)
+        # The data dir holds the key, the job's data and the control token: owner only.
+        config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.key = key or load_or_create_key(config.data_dir)
         self.node_id = self.key.fingerprint
         self.device = select_device(config.device)
@@ -178,6 +182,7 @@ class NodeAgent:
         self.pause_reason = ""
         self.done_assignments = 0
         self._seen_assignments: set[str] = set()
+        self._benchmark_msg: Benchmark | None = None
         self._exiting = False
         # Thread-safe flag the training thread polls between batches.
         self._stop_training = threading.Event()
@@ -299,11 +304,23 @@ class NodeAgent:
         if self._exiting:
             self.request_exit()
         loop = asyncio.get_running_loop()
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
+        fallback: dict[signal.Signals, Any] = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
                 installed.append(sig)
+            except NotImplementedError:  # Windows: route the signal into the loop by hand
+                with contextlib.suppress(ValueError, OSError):
+                    fallback[sig] = signal.signal(
+                        sig, lambda s, _f: loop.call_soon_threadsafe(self._on_signal, signal.Signals(s).name)
+                    )
+            except (RuntimeError, ValueError):  # not the main thread (tests): no handlers
+                pass
+        self.output.event(
+            "starting", node_id=self.node_id, hub=self.config.hub_url, data_dir=str(self.config.data_dir),
+            device=str(self.device), threads=torch.get_num_threads(), version=SOFTWARE_VERSION,
+        )
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
         connector = aiohttp.TCPConnector(limit=8)
         try:
@@ -321,6 +338,9 @@ class NodeAgent:
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
+            for sig, previous in fallback.items():
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(sig, previous)
             self.output.progress_stop()
         self.output.event("exit", code=self.exit_code)
         return self.exit_code
@@ -387,7 +407,8 @@ class NodeAgent:
                     await self._sleep(min(item.retry_after_s, 30.0))
                     continue
                 backoff.reset()
-                await self._handle(item)
+                if not await self._handle(item):
+                    continue  # abandoned (pause, re-registration, hub error): not a finished one
                 self.done_assignments += 1
                 if self.config.once or (
                     self.config.max_assignments is not None
@@ -427,6 +448,11 @@ class NodeAgent:
                 delay = backoff.next_delay()
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await self._sleep(delay)
+            except Exception as exc:  # a bug must not end a volunteer's node: log, back off, go on
+                log.exception("unexpected error in the work loop")
+                delay = backoff.next_delay()
+                self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
+                await self._sleep(delay)
 
     def _client(self) -> HubClient:
         if self.client is None:
@@ -457,6 +483,7 @@ class NodeAgent:
                 f"{self.node_id} under {pin.fingerprint}", code="bad_answer",
             )
         self.registered = True
+        self._benchmark_msg = benchmark
         self.output.event(
             "registered", node_id=self.node_id, hub=self.config.hub_url,
             hub_fingerprint=pin.fingerprint, device=str(self.device),
@@ -517,7 +544,8 @@ class NodeAgent:
             )
         return spec
 
-    async def _handle(self, a: Assignment) -> None:
+    async def _handle(self, a: Assignment) -> bool:
+        """Work one assignment; True when it ran to an end (uploaded or refused), False if abandoned."""
         self.totals.assignments += 1
         try:
             spec = self.check_assignment(a)
@@ -563,6 +591,7 @@ class NodeAgent:
             cur.phase = "uploading"
             self.state = "uploading"
             await self._upload(a, result, download_s=download_s, fetched=fetched)
+            return True
         except TrainingStopped:
             reason = cur.stop_reason or ("paused" if self.paused else "shutting down")
             await self._abandon(a, reason)
@@ -574,16 +603,31 @@ class NodeAgent:
             self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
             self.totals.rejected += 1
             await self._tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
-        except HubError as exc:
-            if isinstance(exc, UnknownNode):
+            return True
+        except UnknownNode as exc:
+            # The hub forgot us mid-assignment: register again, then hand the assignment back
+            # so its shard is free at once (rather than when its deadline passes).
+            self.registered = False
+            if self._benchmark_msg is None:
                 raise
+            self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc),
+                              action="re-register")
+            await self._interruptible(self._connect(self._benchmark_msg))
+            await self._abandon(a, "node re-registered")
+        except HubError as exc:
             self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc))
             await self._abandon(a, f"hub error: {exc.code or exc.status}")
+        except (HubUnavailable, AssignmentRejected):
+            raise
+        except Exception as exc:
+            await self._abandon(a, f"node error: {type(exc).__name__}")
+            raise
         finally:
             self.current = None
             self._save_totals()
             with contextlib.suppress(OSError):
                 self.cache.evict()
+        return False
 
     def _check_stop(self) -> None:
         if self._stop_training.is_set():
@@ -613,10 +657,25 @@ class NodeAgent:
         self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
                           misses=len(missing))
         fetched = 0
-        for sha, size, kind in missing:
-            got = await self._download(sha, size)
+        gate = asyncio.Semaphore(4)  # a few blobs in flight: round trips overlap, memory stays bounded
+
+        async def one(sha: str, size: int, kind: str) -> None:
+            nonlocal fetched
+            async with gate:
+                got = await self._download(sha, size)
             fetched += got
             self.output.event("download", assignment_id=a.assignment_id, sha256=sha, kind=kind, bytes=got)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for sha, size, kind in missing:
+                    tg.create_task(one(sha, size, kind))
+        except BaseExceptionGroup as group:
+            # Surface the first failure as itself so the callers' except clauses apply.
+            first = group.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
         return fetched
 
     async def _download(self, sha: str, size: int) -> int:
@@ -669,6 +728,7 @@ class NodeAgent:
         digest = sha256_hex(body)
         encode_s = time.perf_counter() - t0
         backoff = Backoff(self.config.backoff_base_s, min(self.config.backoff_cap_s, 10.0))
+        reregistered = False
         while True:
             header = UpdateHeader(
                 assignment_id=a.assignment_id, update_sha256=digest, update_size=len(body),
@@ -685,9 +745,19 @@ class NodeAgent:
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await self._interruptible(asyncio.sleep(delay))
                 continue
+            except UnknownNode as exc:
+                # The hub forgot us (restarted with a fresh node table): register again and
+                # offer the same update once more; the hub decides whether it is still wanted.
+                self.registered = False
+                if reregistered or self._benchmark_msg is None:
+                    self.totals.rejected += 1
+                    self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
+                    return
+                reregistered = True
+                self.output.event("error", **json_error_detail(exc), action="re-register")
+                await self._interruptible(self._connect(self._benchmark_msg))
+                continue
             except HubError as exc:
-                if isinstance(exc, UnknownNode):
-                    self.registered = False
                 self.totals.rejected += 1
                 self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
                 return
@@ -704,7 +774,7 @@ class NodeAgent:
 
     def _save_totals(self) -> None:
         with contextlib.suppress(OSError):
-            write_private_file(self.totals_path, json.dumps(self.totals.__dict__) + "\n")
+            write_private_file(self.totals_path, json.dumps(self.totals.__dict__) + "\n", durable=False)
 
     # ---------------------------------------------------------------- side loops
 
@@ -720,7 +790,7 @@ class NodeAgent:
                 continue
             try:
                 ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress)
-            except NodeError as exc:
+            except Exception as exc:  # NodeError or a bug: the next beat tries again
                 log.info("heartbeat failed: %s", exc)
                 continue
             if ack.deadline > 0:
@@ -752,7 +822,7 @@ class NodeAgent:
 
 
 def _itemsize(dtype: str) -> int:
-    return ITEMSIZE[dtype]
+    return int(ITEMSIZE[dtype])
 
 
 def _finite(value: float) -> float:

@@ -29,16 +29,6 @@ log = logging.getLogger(__name__)
 _READ_CHUNK = 1 << 20
 
 
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class BlobWriter:
     """Streams one blob into ``partial/``; refuses a byte beyond the declared size.
 
@@ -101,8 +91,10 @@ class BlobWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         final = self._cache.blob_path(self.sha256)
+        # The data is on disk before the name appears, so the name never shows a torn blob.
+        # The directory is not fsynced: after a power cut the blob may be missing (it is simply
+        # downloaded again) but never wrong. Saves ~10 ms per blob on the path to training.
         os.replace(self.path, final)
-        _fsync_dir(final.parent)
         return final
 
     def abort(self, *, keep_partial: bool) -> None:

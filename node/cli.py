@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda:N, mps")
     _add_data_dir(run)
     run.add_argument("--max-cache-gb", type=float, default=20.0, metavar="N", help="cache size cap (default 20)")
-    run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training (torch.set_num_threads)")
+    run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training "
+                     "(torch.set_num_threads; default on a CPU: half the cores, at least 1)")
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
     run.add_argument("--yield-gpu", action=argparse.BooleanOptionalAction, default=True,
                      help="pause while another process uses the GPU (needs nvidia-ml-py; default on)")
@@ -164,8 +165,15 @@ def _cmd_control(args: argparse.Namespace) -> int:
         result = call_control(data_dir, "GET", "/v1/status")
     else:
         result = call_control(data_dir, "POST", f"/v1/{args.command}")
-    if args.json or args.command != "status":
+    if args.json:
         print(json.dumps(result, indent=1))
+        return 0
+    if args.command == "pause":
+        print("paused: no new work; an assignment in hand was handed back to the hub"
+              if result.get("changed") else "already paused")
+        return 0
+    if args.command == "resume":
+        print("resumed: taking work again" if result.get("changed") else "was not paused")
         return 0
     a = result.get("assignment")
     t = result.get("totals", {})
@@ -193,7 +201,7 @@ def _cmd_id(args: argparse.Namespace) -> int:
     from .identity import load_or_create_key
 
     data_dir = _data_dir(args)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     print(load_or_create_key(data_dir).fingerprint)
     return 0
 

@@ -63,7 +63,7 @@ class Backoff:
         self._rng = rng or random.Random()
 
     def next_delay(self) -> float:
-        ceiling = min(self.cap, self.base * (2 ** min(self.attempt, 30)))
+        ceiling = min(self.cap, self.base * float(2 ** min(self.attempt, 30)))
         self.attempt += 1
         return ceiling / 2 + self._rng.uniform(0, ceiling / 2)
 
@@ -128,7 +128,7 @@ class HubClient:
     def _open(self, data: bytes, expected: type[M]) -> M:
         if self.hub_public_key is None:
             raise HubError("hub key not pinned yet")
-        msg, _ = open_sealed(data, expected, signer=self.hub_public_key)
+        msg: M = open_sealed(data, expected, signer=self.hub_public_key)[0]
         return msg
 
     async def _post(self, path: str, msg: object, *, limit_s: float = 30.0) -> bytes:

@@ -98,8 +98,9 @@ class ControlServer:
             self.agent.output.event("control", url=self.url)
             await stop.wait()
         finally:
-            with contextlib.suppress(OSError):
-                (self.data_dir / URL_FILE).unlink()
+            for name in (URL_FILE, TOKEN_FILE):  # the token dies with the endpoint
+                with contextlib.suppress(OSError):
+                    (self.data_dir / name).unlink()
             await runner.cleanup()
 
 

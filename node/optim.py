@@ -48,7 +48,7 @@ class SGD(LocalOptimizer):
         if not ps:
             return
         if self.weight_decay != 0:
-            grads = torch._foreach_add(grads, ps, alpha=self.weight_decay)
+            grads = list(torch._foreach_add(grads, ps, alpha=self.weight_decay))
         if self.momentum != 0:
             if self.bufs is None:
                 self.bufs = [g.detach().clone() for g in grads]
@@ -84,7 +84,7 @@ class Adam(LocalOptimizer):
             if self.decoupled:
                 torch._foreach_mul_(ps, 1 - self.lr * self.weight_decay)
             else:
-                grads = torch._foreach_add(grads, ps, alpha=self.weight_decay)
+                grads = list(torch._foreach_add(grads, ps, alpha=self.weight_decay))
         torch._foreach_lerp_(self.exp_avg, grads, 1 - self.beta1)
         torch._foreach_mul_(self.exp_avg_sq, self.beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - self.beta2)

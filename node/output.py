@@ -37,8 +37,8 @@ class Output:
         self._stream = stream if stream is not None else sys.stdout
         self.json_lines = (not self._stream.isatty()) if json_lines is None else json_lines
         self._lock = threading.Lock()
-        self._console = None
-        self._progress = None
+        self._console: Any = None
+        self._progress: Any = None
         self._task_id: Any = None
         if not self.json_lines:
             from rich.console import Console

@@ -113,7 +113,7 @@ def _prepare_device(device: torch.device) -> None:
 
 
 def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor]) -> nn.Module:
-    model = build_model(spec, seed=0)  # shapes only: every value is overwritten below
+    model: nn.Module = build_model(spec, seed=0)  # shapes only: every value is overwritten below
     try:
         model.load_state_dict(dict(global_state), strict=True)
     except RuntimeError as exc:  # missing/unexpected keys or shape mismatch
@@ -171,7 +171,8 @@ def train_assignment(
     fork_devices = [device] if device.type == "cuda" else []
     started = time.perf_counter()
     step = 0
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=device)
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(seed)  # dropout and any other in-model randomness
         for epoch in range(epochs):

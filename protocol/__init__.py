@@ -70,7 +70,7 @@ from .tensors import (
     state_from_safetensors,
     state_to_safetensors,
 )
-from .version import PROTOCOL_VERSION, SOFTWARE_VERSION
+from .version import PROTOCOL_VERSION, SOFTWARE_VERSION, check_protocol_version
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -113,6 +113,7 @@ __all__ = [
     "build_model",
     "check_finite",
     "check_manifest",
+    "check_protocol_version",
     "decode_message",
     "decode_state",
     "domain",

@@ -536,7 +536,10 @@ def encode_message(msg: object) -> bytes:
         raise EncodeError(f"{kind}.{exc}") from None
     wire: dict[str, object] = {"v": PROTOCOL_VERSION, "kind": kind}
     wire.update(body)
-    packed: bytes = msgpack.packb(wire, use_bin_type=True)
+    try:
+        packed: bytes = msgpack.packb(wire, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone surrogate in a str
+        raise EncodeError(f"{kind}: cannot encode ({type(exc).__name__}: {str(exc)[:80]})") from None
     return packed
 
 

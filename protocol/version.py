@@ -2,9 +2,23 @@
 
 from importlib import metadata
 
+from .errors import VersionError
+
 PROTOCOL_VERSION = 1
 
 try:
     SOFTWARE_VERSION: str = metadata.version("gpuflex")
 except metadata.PackageNotFoundError:  # running from a source tree that is not installed
     SOFTWARE_VERSION = "0.0.0+source"
+
+
+def check_protocol_version(peer_version: int, *, peer: str = "peer") -> None:
+    """VersionError naming both versions unless ``peer_version`` is ours.
+
+    The hub calls this with ``Hello.protocol_version`` (-> 409 version_mismatch).
+    """
+    if isinstance(peer_version, bool) or peer_version != PROTOCOL_VERSION:
+        raise VersionError(
+            f"{peer} speaks protocol version {peer_version}, this software speaks "
+            f"{PROTOCOL_VERSION}; upgrade the older side"
+        )

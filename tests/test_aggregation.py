@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -298,3 +299,53 @@ def test_server_optimizer_refuses_bad_config_and_foreign_state():
         ServerOptimizer().step(model_state(), {"w": torch.zeros(3, 4)})
     opt = ServerOptimizer.from_spec(SimpleNamespace(server_optimizer="fedadam", server_lr=0.1))
     assert opt.kind == "fedadam" and opt.lr == 0.1 and opt.eps == 1e-3
+
+
+def _rss_file_kb():
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_reading_mmapped_updates_does_not_keep_their_pages_resident(tmp_path):
+    from gpuflex.protocol.tensors import decode_state, encode_state
+
+    ups = [{"w": torch.randn(1 << 20)} for _ in range(3)]  # 4 MB each
+    handles, views = [], []
+    for i, u in enumerate(ups):
+        p = tmp_path / f"u{i}.gft"
+        p.write_bytes(encode_state(u))
+        fh = open(p, "rb")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        handles.append((fh, mm))
+        views.append(decode_state(mm))
+    for v in views:
+        float(v["w"].sum())  # fault every page in
+    before = _rss_file_kb()
+    out = aggregate(views, [1, 1, 1], spec("median"), slice_elems=1 << 18)
+    after = _rss_file_kb()
+    assert before - after > 8 * 1024, (before, after)  # >= 8 of the 12 MB dropped
+    ref = coordinate_median(ups)
+    assert torch.equal(out["w"], ref["w"])  # and ordinary tensors were left intact
+    del views
+    for fh, mm in handles:
+        try:
+            mm.close()
+        except BufferError:
+            pass
+        fh.close()
+
+
+def test_small_model_fast_path_gives_the_same_bits_as_the_sliced_path(monkeypatch):
+    import gpuflex.hub.aggregation as agg
+
+    ups = make_updates(9, seed=11)
+    w = [0.5 + i for i in range(9)]
+    fast = fedavg(ups, w)
+    monkeypatch.setattr(agg, "SMALL_MODEL_ELEMS", 0)
+    for s in (1, 7, 1 << 20):
+        sliced = fedavg(ups, w, slice_elems=s)
+        assert all(torch.equal(fast[k], sliced[k]) for k in fast)

@@ -20,21 +20,14 @@ from gpuflex.hub.appkeys import DB
 from gpuflex.hub.tokens import create_token
 
 from tests.helpers import RunningHub, digits_spec, submit_job, write_digits
-from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode, with_console
+from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def module_monkeypatch() -> pytest.MonkeyPatch:
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def hub(
-    tmp_path_factory: pytest.TempPathFactory, module_monkeypatch: pytest.MonkeyPatch
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[SimpleNamespace]:
     """alice's job, bob's job named like a script tag, a registered node with one open flag."""
     from gpuflex.hub.rounds import FlagRow, RoundEngine
@@ -42,7 +35,6 @@ async def hub(
     from tests.helpers import start_hub
 
     base = tmp_path_factory.mktemp("console")
-    with_console(module_monkeypatch)
     h: RunningHub = await start_hub(base / "hub")
     bob = create_token(h.data_dir, "owner", "bob")
     train, val, _ = write_digits(base / "digits")
@@ -65,8 +57,13 @@ async def hub(
             "cosine": -0.99,
             "norm_ratio": 1.1,
             "update_norm": 2.0,
-            "median_update_norm": 1.8,
+            "median_norm_per_sample": 0.01,
+            "shard_samples": 200,
             "scored_updates": 3,
+            "layers": [
+                {"name": "0.weight", "norm": 1.9, "centre_norm": 1.7, "cosine": -0.99},
+                {"name": "<b>0.bias</b>", "norm": 0.2, "centre_norm": 0.3, "cosine": -0.9},
+            ],
         }
         RoundEngine._insert_flags(
             conn,
@@ -306,6 +303,18 @@ async def test_auditor_verdict_moves_reputation_and_audit_log(hub, browser):
     assert status == 409
 
 
+async def test_flag_page_shows_scores_and_layers(hub, browser):
+    await browser.login(hub.hub.auditor_token)
+    status, html, _ = await browser.get(f"/console/flags/{hub.flags[1]}")  # an open outlier
+    assert status == 200
+    assert "cosine to round centre" in html and "beyond" in html and "within" in html
+    assert "Per-layer L2 norm: this update vs. the round" in html
+    assert "Per-layer cosine to the round" in html
+    assert "&lt;b&gt;0.bias&lt;/b&gt;" in html and "<b>0.bias" not in html
+    assert "Node history" in html and hub.node_id in html
+    assert 'name="verdict" value="confirm"' in html
+
+
 async def test_revoked_token_ends_the_session(hub, browser):
     from gpuflex.hub.tokens import list_tokens, revoke_token
 
@@ -326,3 +335,27 @@ async def test_logout_ends_the_session(hub, browser):
     assert status == 303
     status, _, _ = await browser.get("/console/jobs")
     assert status == 302
+
+
+async def test_audit_queue_reports_a_tampered_log(hub, browser):
+    """Last in the module: it edits the hub's audit log behind its back."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{hub.url}/v1/flags/{hub.flags[2]}/verdict",
+            json={"verdict": "dismiss", "note": "honest zero update"},
+            headers=hub.hub.auth(hub.hub.auditor_token),
+        ) as r,
+    ):
+        assert r.status == 200, await r.text()
+    await browser.login(hub.hub.auditor_token)
+    status, html, _ = await browser.get("/console/flags?status=all")
+    assert status == 200 and "verified" in html and "head <code" in html
+    log = hub.data_dir / "audit.jsonl"
+    data = log.read_bytes()
+    at = data.rindex(b"honest zero update")
+    with open(log, "r+b") as f:  # same length, one word changed: the chain must break
+        f.seek(at)
+        f.write(b"HONEST")
+    status, html, _ = await browser.get("/console/flags?status=all")
+    assert "VERIFICATION FAILED" in html

@@ -23,7 +23,6 @@ from tests.test_console_helpers import (
     EVIL_NAME,
     first_flag_of,
     run_job_with_attacker,
-    with_console,
 )
 
 pytestmark = [
@@ -42,8 +41,6 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
     from tests.helpers import start_hub
 
     base = tmp_path_factory.mktemp("console-browser")
-    mp = pytest.MonkeyPatch()
-    with_console(mp)
     hub = await start_hub(base / "hub")
     pw = browser = None
     try:
@@ -60,7 +57,6 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
         if pw is not None:
             await pw.stop()
         await hub.stop()
-        mp.undo()
 
 
 async def new_page(world: SimpleNamespace, token: str):
@@ -99,6 +95,7 @@ async def test_auditor_confirms_a_flag_and_reputation_changes(world):
         # The audit queue lists the flag; its page shows the evidence.
         await page.click("nav >> text=Audit queue")
         assert "verified" in await page.locator('[data-live="auditlog"]').inner_text()
+        await page.screenshot(path=str(ARTIFACTS / "console_flags.png"), full_page=True)
         await page.click(f'a[href="/console/flags/{flag["id"]}"]')
         await page.wait_for_url(re.compile(rf".*/console/flags/{flag['id']}$"))
         body = await page.locator("main").inner_text()
@@ -110,7 +107,9 @@ async def test_auditor_confirms_a_flag_and_reputation_changes(world):
         # Per-layer bars against the round's centre (a sign flip points every layer the
         # other way) and the per-tensor replica distances.
         assert "Per-layer L2 norm" in await page.locator("svg.chart").nth(0).inner_html()
-        cosines = page.locator('svg.chart:has(title:text-is("Per-layer cosine to the round\'s centre")) rect.bar')
+        cosines = page.locator(
+            'svg.chart:has(title:text-is("Per-layer cosine to the round\'s centre")) rect.bar'
+        )
         assert await cosines.count() >= 2
         titles = cosines.locator("title")
         for i in range(await titles.count()):
@@ -191,11 +190,17 @@ async def test_admin_sees_script_named_job_escaped(world):
         assert dialogs == []
         # The jobs list, with the vendored polling script swapping in fresh rows.
         await page.goto(f"{hub.url}/console/jobs")
-        assert await page.locator(f'a[href="/console/jobs/{sc.other_job_id}"]').inner_text() == EVIL_NAME
+        assert (
+            await page.locator(f'a[href="/console/jobs/{sc.other_job_id}"]').inner_text()
+            == EVIL_NAME
+        )
         from playwright.async_api import expect
 
-        await expect(page.locator("#live-status")).to_have_text(re.compile(r"^updated"),
-                                                                timeout=12_000)
+        # The script also refreshes when the tab becomes visible: no need to wait 5 s.
+        await page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        await expect(page.locator("#live-status")).to_have_text(
+            re.compile(r"^updated"), timeout=12_000
+        )
         assert dialogs == [] and page.problems == []
         await page.screenshot(path=str(ARTIFACTS / "console_jobs_admin.png"), full_page=True)
     finally:
@@ -212,12 +217,30 @@ async def test_form_post_without_csrf_token_is_refused(world):
             await page.click("header button[type=submit]")
         assert (await info.value).status == 403
         # A scripted verdict post with the session cookie but no token.
-        resp = await page.request.post(f"{hub.url}/console/flags/{flag['id']}/verdict",
-                                       form={"verdict": "dismiss", "note": "forged"})
+        resp = await page.request.post(
+            f"{hub.url}/console/flags/{flag['id']}/verdict",
+            form={"verdict": "dismiss", "note": "forged"},
+        )
         assert resp.status == 403
         # Still logged in, nothing changed.
         resp = await page.goto(f"{hub.url}/console/flags/{flag['id']}")
         assert resp.status == 200
         assert "dismissed" not in await page.locator("h1").inner_text()
+    finally:
+        await ctx.close()
+
+
+async def test_console_works_without_javascript(world):
+    hub, sc = world.hub, world.scenario
+    ctx = await world.browser.new_context(java_script_enabled=False)
+    try:
+        page = await ctx.new_page()
+        page.set_default_timeout(10_000)
+        await page.goto(f"{hub.url}/console/jobs/{sc.job_id}")  # -> login, then back here
+        await page.fill("#token", hub.owner_token)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(re.compile(rf".*/console/jobs/{sc.job_id}$"))
+        assert await page.locator("svg.chart polyline").count() >= 2
+        assert "3 of 3 closed" in await page.locator("main").inner_text()
     finally:
         await ctx.close()

@@ -1,6 +1,6 @@
-"""Support for the console tests (no tests here): a hub with the console, a
-cookie-keeping client that logs in like a browser, and a small real job with a
-misbehaving node.
+"""Support for the console tests (no tests here): a cookie-keeping client that
+logs in like a browser, and a small real job with a misbehaving node. The hub's
+create_app mounts the console itself (gpuflex.hub.web.setup_console).
 
 The job runs on the real wire: nodes sign with gpuflex.protocol, train with the
 node's real trainer (gpuflex.node.trainer via tests/tooling/attacks.contribute)
@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import torch
 from gpuflex.protocol.messages import Assignment, NoWork
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import RunningHub, SimNode, digits_spec, start_hub, submit_job, write_digits
+from tests.helpers import RunningHub, SimNode, digits_spec, submit_job, write_digits
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -40,30 +39,6 @@ CHROMIUM_ARGS = [
 ]
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 EVIL_NAME = "<script>alert('pwned')</script>"
-
-
-def with_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make create_app include the console (a no-op once the hub calls setup_console itself)."""
-    import gpuflex.hub.app as hub_app
-    from gpuflex.hub.web import setup_console
-    from gpuflex.hub.web.keys import TEMPLATES
-
-    original = hub_app.create_app
-
-    def create_app(config: Any) -> Any:
-        app = original(config)
-        if TEMPLATES not in app:
-            setup_console(app)
-        return app
-
-    monkeypatch.setattr(hub_app, "create_app", create_app)
-
-
-async def start_console_hub(
-    data_dir: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any
-) -> RunningHub:
-    with_console(monkeypatch)
-    return await start_hub(data_dir, **kw)
 
 
 class Browserish:
@@ -249,6 +224,4 @@ __all__ = [
     "first_flag_of",
     "job_doc",
     "run_job_with_attacker",
-    "start_console_hub",
-    "with_console",
 ]

@@ -82,3 +82,18 @@ def test_layer_profile_against_centre():
     assert rows[1]["cosine"] == 0.0  # a zero layer has no direction
     assert all(torch.equal(update[k], before[k]) for k in update)
     assert layer_profile(update, centre, max_layers=1) == rows[:1]
+
+
+def test_sessions_survive_a_restart_and_die_with_their_token(tmp_path: Path):
+    store = SessionStore(tmp_path / "console.sqlite3")
+    sid, s = store.create(token_id="7", role="auditor", name="audrey")
+    other, _ = store.create(token_id="8", role="owner", name="alice")
+    store.close()
+    store = SessionStore(tmp_path / "console.sqlite3")  # a restarted hub
+    again = store.get(sid)
+    assert again is not None and again.csrf == s.csrf and again.role == "auditor"
+    store.delete_for_token("7")
+    assert store.get(sid) is None and store.get(other) is not None
+    store.delete(other)
+    assert store.get(other) is None
+    store.close()

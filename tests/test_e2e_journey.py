@@ -18,12 +18,17 @@ from typing import Any
 
 import pytest
 import torch
-
 from gpuflex.hub.localcluster import LocalCluster, Proc, digits_job
 
 pytestmark = pytest.mark.e2e
 
 FAST_HUB = ("--long-poll-max", "2", "--min-deadline", "4")
+
+
+@pytest.fixture(scope="module")
+def bench_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One machine benchmark shared by every node of every test in this module."""
+    return tmp_path_factory.mktemp("bench") / "bench.json"
 
 
 def _wait_event(proc: Proc, event: str, *, timeout_s: float, **match: Any) -> dict[str, Any]:
@@ -93,9 +98,9 @@ def _centralized_accuracy(train: Path, val: Path, epochs: int = 20) -> float:
         return float((model(xv).argmax(1) == yv).float().mean())
 
 
-def test_clean_run_reaches_095(tmp_path: Path) -> None:
+def test_clean_run_reaches_095(tmp_path: Path, bench_cache: Path) -> None:
     """1. A clean run of the digits job reaches at least 0.95 test accuracy."""
-    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(tmp_path / "job", rounds=6, local_epochs=3, replication=0.0)
@@ -117,7 +122,7 @@ def test_clean_run_reaches_095(tmp_path: Path) -> None:
 
 
 def _run_single_node_job(
-    tmp_path: Path, *, kill_hub_in_round: int | None
+    tmp_path: Path, bench_cache: Path, *, kill_hub_in_round: int | None
 ) -> tuple[bytes, list[str], list[str]]:
     """One node, one shard per round: the run is deterministic end to end.
 
@@ -158,22 +163,22 @@ def _run_single_node_job(
         return model, acked, included
 
 
-def test_hub_kill9_mid_round_loses_nothing_and_model_is_identical(tmp_path: Path) -> None:
+def test_hub_kill9_mid_round_loses_nothing_and_model_is_identical(tmp_path: Path, bench_cache: Path) -> None:
     """2. kill -9 the hub mid-round, restart it: the job completes, no acknowledged update
     is lost, and the final model bytes equal an uninterrupted run's."""
     clean_model, clean_acked, clean_included = _run_single_node_job(
         tmp_path / "clean", kill_hub_in_round=None
     )
-    model, acked, included = _run_single_node_job(tmp_path / "killed", kill_hub_in_round=2)
+    model, acked, included = _run_single_node_job(tmp_path / "killed", bench_cache, kill_hub_in_round=2)
     assert set(acked) <= set(included), "an acknowledged update is missing from the aggregates"
     assert included == clean_included, "the accepted update set differs from the uninterrupted run"
     assert hashlib.sha256(model).hexdigest() == hashlib.sha256(clean_model).hexdigest()
     assert len(set(clean_acked)) == 3
 
 
-def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path) -> None:
+def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path, bench_cache: Path) -> None:
     """3. kill -9 a node mid-assignment: its shard goes to another node after the deadline."""
-    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
@@ -201,10 +206,10 @@ def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path) -> None:
         assert {r["node_id"] for r in taken} == {survivor.node_id}
 
 
-def test_restarted_node_keeps_identity_and_cache(tmp_path: Path) -> None:
+def test_restarted_node_keeps_identity_and_cache(tmp_path: Path, bench_cache: Path) -> None:
     """4. A node restarted on the same data folder keeps its identity and its cache, and
     downloads no chunk it already holds."""
-    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
@@ -232,10 +237,10 @@ def test_restarted_node_keeps_identity_and_cache(tmp_path: Path) -> None:
         assert not (refetched & held), "chunks already in the cache were downloaded again"
 
 
-def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path) -> None:
+def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path, bench_cache: Path) -> None:
     """5. A misbehaving node is flagged, and its updates are absent from every aggregate
     that the audit log records."""
-    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         auditor = cluster.create_token("auditor", "carol")
@@ -294,7 +299,7 @@ def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path) ->
         assert f"line {victim}" in bad_run and "TAMPERED" in bad_run
 
 
-def test_churn_every_chunk_counted_once(tmp_path: Path) -> None:
+def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> None:
     """6. Ten nodes join and leave at random during a 10-round job; every chunk of every
     round is counted exactly once."""
     rng = random.Random(6)

@@ -12,9 +12,11 @@ import aiohttp
 import pytest
 from gpuflex.hub import cli
 from gpuflex.hub.cli import _is_loopback
+from gpuflex.protocol.messages import Assignment
+from gpuflex.protocol.signing import SigningKey
 from gpuflex.protocol.version import SOFTWARE_VERSION
 
-from tests.helpers import write_digits
+from tests.helpers import SimNode, write_digits
 
 
 def test_version_and_help(capsys):

@@ -217,7 +217,9 @@ async def test_waiting_long_poll_wakes_with_the_next_round(tmp_path):
 
 
 async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
-    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0")
+    """Two new (untrusted) nodes agree; no third replica comes within replica_wait_s, so the agreeing
+    pair stands unverified: one update counts, the other is redundant, nobody is flagged or credited."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=1.0)
     hub = await start_hub(tmp_path / "hub")
     try:
         async with aiohttp.ClientSession() as s:
@@ -242,7 +244,8 @@ async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
             assert doc["history"][0]["replication_overhead"] == 1.0
             async with s.get(f"{hub.url}/v1/nodes", headers=hub.auth(hub.auditor_token)) as r:
                 nodes = (await r.json())["nodes"]
-            assert all(n["reputation"]["agreements_total"] == 1 for n in nodes)
+            assert all(n["reputation"]["agreements_total"] == 0 for n in nodes)
+            assert doc["history"][0]["flags"] == []
             async with s.get(f"{hub.url}/v1/audit-log", headers=hub.auth(hub.auditor_token)) as r:
                 assert r.status == 200
                 assert b'"aggregation"' in await r.read()
@@ -339,3 +342,32 @@ async def test_spec_with_validation_fraction_and_csv(running_hub, tmp_path):
         assert doc["val_samples"] + doc["train_samples"] == 400 and 90 <= doc["val_samples"] <= 110
         assert doc["history"][0]["accuracy"] is not None
     assert np.isfinite(doc["history"][0]["loss"])
+
+
+async def test_server_optimizer_state_persists_and_health_metrics(tmp_path):
+    train, val, spec = write_digits(tmp_path / "d", rounds=2)
+    spec.write_text(spec.read_text() + '\n[aggregation]\nserver_optimizer = "fedavgm"\nserver_lr = 1.0\n')
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
+            node = SimNode(s, hub.url)
+            await node.register()
+            a = await node.step()
+            nxt = await node.work(5.0)  # long-polls until round 1 opens
+            assert a.round == 0 and nxt.round == 1
+            (opt_sha,) = db_rows(hub, "SELECT opt_state_sha FROM jobs WHERE id = ?", job_id)[0]
+            assert opt_sha and (hub.data_dir / "blobs" / opt_sha[:2] / opt_sha).is_file()
+            blob, samples, loss = await node.train(nxt)
+            await node.upload(nxt, blob, samples, loss)
+            doc = await wait_job(s, hub, job_id)
+            assert doc["history"][1]["accuracy"] > 0.5
+            async with s.get(f"{hub.url}/healthz") as r:
+                assert r.status == 200 and (await r.json())["ok"] is True
+            async with s.get(f"{hub.url}/metrics") as r:
+                text = await r.text()
+            for name in ("gpuflex_nodes_online 1", "gpuflex_rounds_closed_total 2", "gpuflex_assignments_in_flight 0",
+                         "gpuflex_updates_accepted_total 2", "gpuflex_bytes_in_total", "gpuflex_bytes_out_total"):
+                assert name in text, name
+    finally:
+        await hub.stop()

@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 from aiohttp import web
-
 from gpuflex.hub.app import create_app
 from gpuflex.hub.config import HubConfig
 from gpuflex.hub.dataset import Arrays, make_chunks, split_validation, validate_arrays
@@ -20,6 +19,7 @@ from gpuflex.hub.openapi import openapi_document
 from gpuflex.hub.scheduler import NodeState, Scheduler
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import decode_state
+
 from tests.helpers import digits_spec
 
 
@@ -29,7 +29,7 @@ def make_job(chunks: int = 20, chunk_samples: int = 10, target_s: float = 10.0) 
                    model_sha="0" * 64, model_size=1, chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100)
                                                             for i in range(chunks)],
                    val_sha=None, opt_state_sha=None, created_at=0.0)
-    job.open_round(0.0)
+    job.open_round()
     return job
 
 

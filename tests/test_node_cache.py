@@ -92,3 +92,35 @@ def test_backoff_grows_with_jitter_and_caps():
     assert all(d <= 4.0 for d in delays) and delays[-1] >= 2.0
     b.reset()
     assert b.next_delay() <= 0.5
+
+
+def test_device_selection_and_limits():
+    import torch
+    from gpuflex.node.device import GpuWatcher, default_threads, hardware_fingerprint, select_device
+    from gpuflex.node.errors import ConfigError
+
+    assert select_device("cpu").type == "cpu"
+    auto = select_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else auto.type)
+    for bad in ("tpu", "cuda:99" if torch.cuda.is_available() else "cuda:0"):
+        with pytest.raises(ConfigError):
+            select_device(bad)
+    assert default_threads(torch.device("cpu")) >= 1
+    assert hardware_fingerprint(torch.device("cpu")) == hardware_fingerprint(torch.device("cpu"))
+    assert GpuWatcher(torch.device("cpu")).others_busy() is False  # no GPU: never yields
+
+
+def test_output_json_lines_one_object_per_event():
+    import io
+    import json
+
+    from gpuflex.node.output import Output
+
+    buf = io.StringIO()
+    out = Output(buf, json_lines=True)
+    out.event("trained", loss=float("nan"), steps=3)
+    out.progress_update(0.5)  # no flood of progress lines
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1
+    rec = json.loads(lines[0])
+    assert rec["event"] == "trained" and rec["loss"] is None and rec["steps"] == 3

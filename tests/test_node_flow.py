@@ -142,3 +142,53 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
     assert code == 0
     assert not (data / URL_FILE).exists()
     assert json.loads((data / "totals.json").read_text())["abandoned"] >= 1
+
+
+async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
+    """Training takes longer than the hub's deadline: heartbeats extend it, the update is accepted."""
+    import time
+
+    from gpuflex.node.agent import NodeAgent
+
+    class SlowAgent(NodeAgent):
+        def train(self, assignment, chunks, global_state):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 4.0:  # a slow device, still checking its stop flag
+                time.sleep(0.05)
+                if self._stop_training.is_set():
+                    break
+            return super().train(assignment, chunks, global_state)
+
+    hub = Hub(tmp_path / "hub", min_deadline_s=1.5)
+    await hub.start()
+    try:
+        await hub.submit(spec_toml(rounds=1, round_target_s=0.01), dataset())
+        events = EventLog()
+        node = agent(tmp_path / "node", hub.url, events, cls=SlowAgent, once=True, heartbeat_s=0.3)
+        assert await asyncio.wait_for(node.run(), 60) == 0
+        assert events.of("uploaded"), [(e["event"], e.get("detail")) for e in events.events]
+        assert len(events.of("heartbeat")) >= 5
+        rows = hub.db_rows("SELECT issued_at, deadline, state FROM assignments")
+        assert rows[0]["state"] == "done" and rows[0]["deadline"] - rows[0]["issued_at"] > 3.0
+    finally:
+        await hub.stop()
+
+
+async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
+    from gpuflex.hub.appkeys import SCHEDULER
+
+    hub = await Hub(tmp_path / "hub").start()
+    events = EventLog()
+    node = agent(tmp_path / "node", hub.url, events, max_assignments=2)
+    try:
+        await hub.submit(spec_toml(rounds=2), dataset())
+        task = asyncio.create_task(node.run())
+        await wait_for(lambda: events.of("uploaded"), timeout=30)
+        hub.app[SCHEDULER].nodes.clear()  # as if the hub lost its node table
+        assert await asyncio.wait_for(task, 60) == 0
+        assert len(events.of("registered")) == 2
+        assert any(e.get("action") == "re-register" for e in events.of("error"))
+        assert len(events.of("uploaded")) == 2
+    finally:
+        node.request_exit("test")
+        await hub.stop()

@@ -151,3 +151,55 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
     finally:
         await proxy.stop()
         await hub.stop()
+
+
+async def test_interrupted_download_resumes_with_range(tmp_path):
+    """The connection drops half-way through a chunk: the node resumes with Range, verifies the
+    whole blob, and trains; the half-received bytes never appear as a cached blob."""
+    import aiohttp
+    from aiohttp import web
+
+    hub = await Hub(tmp_path / "hub").start()
+    await hub.submit(spec_toml(rounds=1, chunk_size=128), dataset())
+    ranges: list[str] = []
+    cut: set[str] = set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("x-gpuflex-auth", "x-gpuflex-update", "content-type", "range")}
+        if "Range" in request.headers:
+            ranges.append(request.headers["Range"])
+        body = await request.read()
+        async with aiohttp.ClientSession() as s, s.request(
+            request.method, hub.url + request.path_qs, data=body or None, headers=headers
+        ) as r:
+            data = await r.read()
+            status, ctype = r.status, r.headers.get("Content-Type", "application/octet-stream")
+            extra = {"Content-Range": r.headers["Content-Range"]} if "Content-Range" in r.headers else {}
+        is_chunk = request.path.startswith("/v1/blobs/") and len(data) > 2000
+        if is_chunk and status == 200 and request.path not in cut:
+            cut.add(request.path)
+            resp = web.StreamResponse(status=200, headers={"Content-Type": ctype})
+            resp.content_length = len(data)
+            await resp.prepare(request)
+            await resp.write(data[: len(data) // 2])
+            request.transport.close()  # the line drops mid-body
+            return resp
+        return web.Response(body=data, status=status, headers={"Content-Type": ctype, **extra})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        events = EventLog()
+        code = await agent(tmp_path / "node", url, events, once=True).run()
+        assert code == 0 and events.of("uploaded"), [(e["event"], e.get("detail")) for e in events.events]
+        assert cut and ranges and all(r.startswith("bytes=") and not r.startswith("bytes=0-") for r in ranges)
+        assert len(ranges) == len(cut)  # every cut blob was resumed, not re-fetched from 0
+    finally:
+        await runner.cleanup()
+        await hub.stop()

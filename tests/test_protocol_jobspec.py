@@ -82,7 +82,7 @@ def test_defaults_exactly_as_the_contract() -> None:
         max_replicas=3,
         tolerance=1e-4,
         trust_after=10,
-        cosine_min=0.0,
+        cosine_min=-0.3,
         norm_ratio_max=4.0,
         free_rider_norm=1e-7,
         replica_wait_s=30.0,

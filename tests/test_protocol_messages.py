@@ -392,3 +392,20 @@ def _update() -> UpdateHeader:
     return UpdateHeader(
         "as-1", "f" * 64, 10, 64, {"loss": 0.5}, {"train_s": 1.0}, 1000.0, b"n" * 16
     )
+
+
+def test_check_protocol_version() -> None:
+    from gpuflex.protocol import check_protocol_version
+
+    check_protocol_version(PROTOCOL_VERSION)
+    with pytest.raises(VersionError) as info:
+        check_protocol_version(PROTOCOL_VERSION + 1, peer="node")
+    assert f"node speaks protocol version {PROTOCOL_VERSION + 1}" in str(info.value)
+    assert f"this software speaks {PROTOCOL_VERSION}" in str(info.value)
+    with pytest.raises(VersionError):
+        check_protocol_version(True)  # type: ignore[arg-type]
+
+
+def test_unencodable_text_is_an_encode_error() -> None:
+    with pytest.raises(EncodeError):
+        encode_message(Abandon("a", "bad \udc80 surrogate", 1.0, b"n" * 16))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+AUDIT_RECHECK_S = 60.0
 
 
 async def read(app: web.Application, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -103,7 +105,9 @@ async def nodes(app: web.Application, who: tokens.Principal) -> list[dict[str, A
     return overview
 
 
-async def flags(app: web.Application, who: tokens.Principal, status: str | None) -> list[dict[str, Any]]:
+async def flags(
+    app: web.Application, who: tokens.Principal, status: str | None
+) -> list[dict[str, Any]]:
     """GET /v1/flags's list (same scoping), newest first, with job names."""
     found = await routes_audit.list_flags_for(app, who, status=status)
     names = await read(app, queries.job_names)
@@ -158,7 +162,10 @@ async def layer_evidence(app: web.Application, flag: dict[str, Any]) -> dict[str
 
 
 async def audit_log_status(app: web.Application) -> dict[str, Any]:
-    """Verify the hub's audit log (hash chain + signatures); cached while the file is unchanged."""
+    """Verify the hub's audit log (hash chain + signatures).
+
+    The result is reused while the file's size and mtime are unchanged, for at most
+    AUDIT_RECHECK_S: an edit that restores both still shows up within that time."""
     config = app[appkeys.CONFIG]
     path = config.audit_log_path
     try:
@@ -167,7 +174,8 @@ async def audit_log_status(app: web.Application) -> dict[str, Any]:
         return {"ok": None, "entries": 0, "problem": "no audit log entries yet", "bad_index": None}
     stamp = (st.st_size, st.st_mtime_ns)
     cache = app[AUDIT_STATUS_CACHE]
-    if cache.get("stamp") == stamp:
+    now = time.monotonic()
+    if cache.get("stamp") == stamp and now - cache.get("at", -1e9) < AUDIT_RECHECK_S:
         return dict(cache["result"])
     from gpuflex.hub.auditlog import verify_file
 
@@ -175,10 +183,11 @@ async def audit_log_status(app: web.Application) -> dict[str, Any]:
     check = await asyncio.to_thread(verify_file, path, public)
     result = {
         "ok": bool(check.ok),
-        "entries": getattr(check, "entries", 0),
-        "bad_index": getattr(check, "bad_index", None),
-        "problem": getattr(check, "problem", "") or "",
+        "entries": check.entries,
+        "bad_index": check.bad_index,
+        "problem": check.problem or "",
+        "truncated": bool(getattr(check, "truncated", False)),
+        "head": str(getattr(check, "head", "")),
     }
-    cache["stamp"] = stamp
-    cache["result"] = result
+    cache.update(stamp=stamp, result=result, at=now)
     return dict(result)

@@ -22,7 +22,13 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["MAX_MODEL_BYTES", "MAX_UPDATES", "candidate_shas", "layer_profile", "round_layer_evidence"]
+__all__ = [
+    "MAX_MODEL_BYTES",
+    "MAX_UPDATES",
+    "candidate_shas",
+    "layer_profile",
+    "round_layer_evidence",
+]
 
 MAX_UPDATES = 32
 MAX_MODEL_BYTES = 64 << 20
@@ -58,7 +64,8 @@ def candidate_shas(conn: sqlite3.Connection, flag: Mapping[str, Any]) -> dict[st
     None when the round or the model is too large to profile on a page view."""
     job = conn.execute("SELECT model_size FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
     rnd = conn.execute(
-        "SELECT closed_at FROM rounds WHERE job_id = ? AND round = ?", (flag["job_id"], flag["round"])
+        "SELECT closed_at FROM rounds WHERE job_id = ? AND round = ?",
+        (flag["job_id"], flag["round"]),
     ).fetchone()
     mine = conn.execute("SELECT sha FROM updates WHERE id = ?", (flag["update_id"],)).fetchone()
     if job is None or mine is None or int(job["model_size"]) > MAX_MODEL_BYTES:

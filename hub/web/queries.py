@@ -25,6 +25,7 @@ __all__ = [
     "token_alive",
 ]
 
+
 def _loads(text: str | None) -> Any:
     if not text:
         return {}
@@ -40,9 +41,7 @@ def token_alive(conn: sqlite3.Connection, token_id: str) -> tuple[str, str] | No
         tid = int(token_id)
     except ValueError:
         return None
-    row = conn.execute(
-        "SELECT role, name, revoked_at FROM tokens WHERE id = ?", (tid,)
-    ).fetchone()
+    row = conn.execute("SELECT role, name, revoked_at FROM tokens WHERE id = ?", (tid,)).fetchone()
     if row is None or row["revoked_at"] is not None:
         return None
     return str(row["role"]), str(row["name"])
@@ -106,7 +105,9 @@ def job_extras(
     runs, else of the last round carved.
     """
     out: dict[str, Any] = dict(_latest_metrics(conn, job_id))
-    out["chunks"] = conn.execute("SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)).fetchone()[0]
+    out["chunks"] = conn.execute(
+        "SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)
+    ).fetchone()[0]
     out["closed"] = _closed_rounds(conn, job_id)
     st = conn.execute(
         "SELECT COUNT(*) AS shards, COALESCE(SUM(CASE WHEN replica_group != '' THEN 1 ELSE 0 END), 0)"
@@ -129,7 +130,8 @@ def job_extras(
             )
         }
         for s in conn.execute(
-            "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq", (job_id, shard_round)
+            "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq",
+            (job_id, shard_round),
         ).fetchall():
             chunks = [
                 {"idx": c["chunk_idx"], "sha": c["chunk_sha"]}
@@ -166,7 +168,8 @@ def job_extras(
             )
     out["shard_round"] = shard_round
     out["rounds_carved"] = [
-        r[0] for r in conn.execute(
+        r[0]
+        for r in conn.execute(
             "SELECT DISTINCT round FROM shards WHERE job_id = ? ORDER BY round", (job_id,)
         )
     ]
@@ -185,7 +188,9 @@ def job_extras(
 def assignment_counts(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
     """Per node: assignments by state (live|done|expired|abandoned|cancelled)."""
     out: dict[str, dict[str, int]] = {}
-    for r in conn.execute("SELECT node_id, state, COUNT(*) AS n FROM assignments GROUP BY node_id, state"):
+    for r in conn.execute(
+        "SELECT node_id, state, COUNT(*) AS n FROM assignments GROUP BY node_id, state"
+    ):
         out.setdefault(r["node_id"], {})[r["state"]] = int(r["n"])
     return out
 
@@ -200,7 +205,8 @@ def flag_context(conn: sqlite3.Connection, flag: dict[str, Any]) -> dict[str, An
     evidence (thresholds), the flagged update and its shard's replica outcome."""
     job = conn.execute("SELECT name FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
     rnd = conn.execute(
-        "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?", (flag["job_id"], flag["round"])
+        "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?",
+        (flag["job_id"], flag["round"]),
     ).fetchone()
     upd = conn.execute(
         "SELECT u.shard_id, u.sample_count, u.loss, u.train_s, u.status, s.replica_group"

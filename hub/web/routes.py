@@ -56,7 +56,9 @@ def _require_audit(request: web.Request) -> Session:
     return s
 
 
-def render(request: web.Request, template: str, ctx: Mapping[str, Any], *, status: int = 200) -> web.Response:
+def render(
+    request: web.Request, template: str, ctx: Mapping[str, Any], *, status: int = 200
+) -> web.Response:
     context = {"session": request.get(SESSION), **ctx}
     return aiohttp_jinja2.render_template(
         template, request, context, status=status, app_key=TEMPLATES
@@ -65,7 +67,9 @@ def render(request: web.Request, template: str, ctx: Mapping[str, Any], *, statu
 
 async def _form(request: web.Request) -> Mapping[str, Any]:
     if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_FORM_BYTES, actual_size=request.content_length)
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_FORM_BYTES, actual_size=request.content_length
+        )
     return await request.post()
 
 
@@ -114,7 +118,9 @@ async def login_page(request: web.Request) -> web.StreamResponse:
 async def login_submit(request: web.Request) -> web.StreamResponse:
     form = await _form(request)
     if not same_origin(request) or not login_csrf_ok(request, _field(form, "csrf_token")):
-        raise web.HTTPForbidden(text="login form expired or came from another site: reload the page")
+        raise web.HTTPForbidden(
+            text="login form expired or came from another site: reload the page"
+        )
     token = (_field(form, "token") or "").strip()
     principal = await bridge.authenticate(request.app, token)
     if principal is None:
@@ -135,7 +141,9 @@ async def login_submit(request: web.Request) -> web.StreamResponse:
     # A new session id on every login (no fixation); the old one, if any, ends.
     store = request.app[SESSIONS]
     store.delete(request.cookies.get(SESSION_COOKIE))
-    sid, _ = store.create(token_id=str(principal.token_id), role=principal.role, name=principal.name)
+    sid, _ = store.create(
+        token_id=str(principal.token_id), role=principal.role, name=principal.name
+    )
     resp = web.HTTPSeeOther(_safe_next(_field(form, "next")))
     set_session_cookie(request, resp, sid)
     resp.del_cookie(LOGIN_CSRF_COOKIE, path=CONSOLE_PREFIX)
@@ -334,7 +342,9 @@ async def flags_page(request: web.Request) -> web.StreamResponse:
     status = request.query.get("status", "open")
     if status not in FLAG_STATUSES:
         raise web.HTTPBadRequest(text=f"status must be one of {', '.join(FLAG_STATUSES)}")
-    flags = await bridge.flags(request.app, bridge.principal(s), None if status == "all" else status)
+    flags = await bridge.flags(
+        request.app, bridge.principal(s), None if status == "all" else status
+    )
     auditlog = await bridge.audit_log_status(request.app)
     return render(
         request,
@@ -349,7 +359,9 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def evidence_view(
+    flag: Mapping[str, Any], computed: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Turn a flag's evidence (hub/verification.py shapes) into rows and charts.
 
     ``computed``: per-layer rows against the round's centre (evidence.py), used when
@@ -377,28 +389,56 @@ def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = 
             }
         )
 
-    score("cosine to round centre", ev.get("cosine"), rev.get("cosine_min", 0.0), "below",
-          "must be ≥ {th}")
-    score("norm ratio to median", ev.get("norm_ratio"), rev.get("norm_ratio_max", 4.0), "above",
-          "must be ≤ {th}")
+    score(
+        "cosine to round centre",
+        ev.get("cosine"),
+        rev.get("cosine_min", 0.0),
+        "below",
+        "must be ≥ {th}",
+    )
+    score(
+        "norm per sample / round median",
+        ev.get("norm_ratio"),
+        rev.get("norm_ratio_max", 4.0),
+        "above",
+        "must be ≤ {th}",
+    )
     if flag.get("reason") == "free_rider":
-        score("update norm", ev.get("update_norm"), ev.get("threshold"), "below",
-              "must be > {th} (free-rider floor)")
+        score(
+            "update norm",
+            ev.get("update_norm"),
+            ev.get("threshold"),
+            "below",
+            "must be > {th} (free-rider floor)",
+        )
     elif _num(ev.get("norm_ratio")) is None:
         score("update norm", ev.get("update_norm"), None, "above", "")
     if "relative_distance_to_canonical" in ev:
-        score("replica distance", ev.get("relative_distance_to_canonical"), ev.get("tolerance"),
-              "above", "must be ≤ {th} (tolerance)")
+        score(
+            "replica distance",
+            ev.get("relative_distance_to_canonical"),
+            ev.get("tolerance"),
+            "above",
+            "must be ≤ {th} (tolerance)",
+        )
     if "samples_claimed" in ev:
-        score("samples claimed", ev.get("samples_claimed"), ev.get("shard_samples"), "above",
-              "shard holds {th}")
+        score(
+            "samples claimed",
+            ev.get("samples_claimed"),
+            ev.get("shard_samples"),
+            "above",
+            "shard holds {th}",
+        )
     if "train_s" in ev:
         score("train time (s)", ev.get("train_s"), None, "above", "node claims")
 
     # Per-layer bars against the round's centre: recorded evidence first, else computed.
     layer_chart = ""
     layers = ev.get("layers")
-    centre_note = "Per-layer rows from the flag's recorded evidence."
+    centre_note = (
+        "From the flag's evidence: the round's robust centre (coordinate-wise median),"
+        " scaled to this update's shard samples."
+    )
     if not (isinstance(layers, list) and layers) and computed and computed.get("layers"):
         layers = computed["layers"]
         centre_note = (
@@ -413,7 +453,8 @@ def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = 
             if isinstance(x, Mapping)
         ]
         layer_chart = charts.bar_chart(
-            bars, title="Per-layer L2 norm: this update vs. the round's centre",
+            bars,
+            title="Per-layer L2 norm: this update vs. the round's centre",
             legend=["this update", "round centre"],
         )
         cos_bars = [
@@ -423,8 +464,10 @@ def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = 
         ]
         if cos_bars:
             layer_chart += charts.bar_chart(
-                cos_bars, title="Per-layer cosine to the round's centre",
-                legend=["cosine"], threshold=_num(rev.get("cosine_min", 0.0)),
+                cos_bars,
+                title="Per-layer cosine to the round's centre",
+                legend=["cosine"],
+                threshold=_num(rev.get("cosine_min", 0.0)),
                 threshold_label="min",
             )
     replica: dict[str, Any] | None = None
@@ -469,9 +512,7 @@ def evidence_view(flag: Mapping[str, Any], computed: Mapping[str, Any] | None = 
                 threshold_label="tolerance",
             )
     if not layer_chart:
-        layer_chart = charts.bar_chart(
-            [], title="Per-layer evidence", legend=[]
-        )
+        layer_chart = charts.bar_chart([], title="Per-layer evidence", legend=[])
     problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
     if not problems and ev.get("why"):
         problems = [str(ev["why"])]
@@ -572,7 +613,7 @@ async def console_middleware(
         if request.method not in ("GET", "HEAD", "OPTIONS") and path != CONSOLE_PREFIX + "/login":
             await _check_csrf(request, session)
         elif session is None and path not in PUBLIC_PATHS and path != CONSOLE_PREFIX + "/":
-            raise web.HTTPFound(f"{CONSOLE_PREFIX}/login?next={quote(path)}")
+            raise web.HTTPFound(f"{CONSOLE_PREFIX}/login?next={quote(request.path_qs)}")
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -104,18 +104,20 @@ def set_login_csrf_cookie(request: web.Request, response: web.StreamResponse, va
 
 
 def same_origin(request: web.Request) -> bool:
-    """False when the browser says the request comes from another origin.
+    """False when the browser says the request comes from another site.
 
     Browsers send Origin on POST; a missing header (old clients, curl) is left
-    to the CSRF token, which is checked regardless.
+    to the CSRF token, which is checked regardless. Only the host:port is
+    compared: behind a TLS-terminating proxy the hub sees http while the
+    browser's origin says https.
     """
     origin = request.headers.get("Origin")
     if origin is None:
         return True
     if origin == "null":
         return False
-    expected = f"{request.scheme}://{request.host}"
-    return origin == expected
+    _scheme, sep, rest = origin.partition("://")
+    return bool(sep) and rest.rstrip("/").lower() == request.host.lower()
 
 
 def login_csrf_ok(request: web.Request, submitted: str | None) -> bool:

@@ -78,15 +78,15 @@ $VenvPythonW = Join-Path $Venv 'Scripts\pythonw.exe'
 # ------------------------------------------------------------------------------ helpers
 
 function Find-Python {
-    $candidates = @(@('py', '-3.13'), @('py', '-3.12'), @('py', '-3.11'), @('python'), @('python3'))
-    foreach ($cand in $candidates) {
-        $exe = $cand[0]
-        if (-not (Get-Command $exe -ErrorAction SilentlyContinue)) { continue }
-        $pre = @($cand | Select-Object -Skip 1)
-        & $exe @pre -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>$null
-        if ($LASTEXITCODE -eq 0) { return , $cand }
+    # Returns a command line such as 'py -3.12' (split it on spaces), or '' when none fits.
+    foreach ($cand in @('py -3.13', 'py -3.12', 'py -3.11', 'python', 'python3')) {
+        $parts = @($cand -split ' ')
+        if (-not (Get-Command $parts[0] -ErrorAction SilentlyContinue)) { continue }
+        $pre = @($parts | Select-Object -Skip 1)
+        & $parts[0] @pre -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>$null
+        if ($LASTEXITCODE -eq 0) { return $cand }
     }
-    return $null
+    return ''
 }
 
 function Get-TorchFlavour {
@@ -129,7 +129,10 @@ function Stop-NodeProcesses {
     $prefixLower = $Venv.ToLowerInvariant()
     Get-Process -ErrorAction SilentlyContinue |
         Where-Object { $_.Path -and $_.Path.ToLowerInvariant().StartsWith($prefixLower) } |
-        ForEach-Object { Invoke-Action "Stop-Process -Id $($_.Id) ($($_.Path))" { Stop-Process -Id $_.Id -Force } }
+        ForEach-Object {
+            $proc = $_
+            Invoke-Action "Stop-Process -Id $($proc.Id) ($($proc.Path))" { Stop-Process -Id $proc.Id -Force }
+        }
 }
 
 # ------------------------------------------------------------------------------ uninstall
@@ -150,11 +153,17 @@ function Uninstall-Node {
         } elseif ($KeepIdentity) {
             Get-ChildItem -LiteralPath $Prefix -Force |
                 Where-Object { $_.Name -ne 'node' -and $_.Name -ne $Marker } |
-                ForEach-Object { Invoke-Action "Remove-Item -Recurse '$($_.FullName)'" { Remove-Item -LiteralPath $_.FullName -Recurse -Force } }
+                ForEach-Object {
+                    $item = $_
+                    Invoke-Action "Remove-Item -Recurse '$($item.FullName)'" { Remove-Item -LiteralPath $item.FullName -Recurse -Force }
+                }
             if (Test-Path -LiteralPath $NodeDir) {
                 Get-ChildItem -LiteralPath $NodeDir -Force |
                     Where-Object { $_.Name -ne 'node.key' -and $_.Name -ne 'hub.pin' } |
-                    ForEach-Object { Invoke-Action "Remove-Item -Recurse '$($_.FullName)'" { Remove-Item -LiteralPath $_.FullName -Recurse -Force } }
+                    ForEach-Object {
+                        $item = $_
+                        Invoke-Action "Remove-Item -Recurse '$($item.FullName)'" { Remove-Item -LiteralPath $item.FullName -Recurse -Force }
+                    }
             }
             Write-Output "kept the node identity in $NodeDir (node.key, hub.pin)"
         } else {
@@ -198,8 +207,9 @@ function Install-Node {
     } else {
         $python = Find-Python
         if (-not $python) { Stop-WithError 'no Python >= 3.11 found; install it from python.org (tick "py launcher") and re-run' }
-        $pyExe = $python[0]
-        $pyPre = @($python | Select-Object -Skip 1)
+        $parts = @($python -split ' ')
+        $pyExe = $parts[0]
+        $pyPre = @($parts | Select-Object -Skip 1)
         Invoke-Native 'creating the venv' $pyExe ($pyPre + @('-m', 'venv', $Venv))
     }
     $pip = @('-m', 'pip', 'install', '--disable-pip-version-check', '--no-input')

@@ -28,7 +28,7 @@ Catalogue (``ATTACKS``):
 - ``colluding``: a pair that returns the same wrong update (-delta, derived
   deterministically from the assignment, so both members agree bit for bit
   without communicating) for a replicated shard.
-- ``half_shard``: trains honestly on the first half of its chunks and claims
+- ``half_shard``: trains honestly on the first half of its samples and claims
   all of them (sample count and a doubled train_s).
 """
 
