@@ -222,8 +222,9 @@ class ProcMonitor(threading.Thread):
             with self.lock:
                 rec = self.procs.setdefault(key, {"pid": pid, "name": comm, "first": now, "hwm_kb": 0})
                 rec["last"] = now
-                if comm:
+                if comm and comm != rec["name"]:
                     rec["name"] = comm
+                    rec["cmd"] = ""  # exec'd since first seen: read its command line again
                 rec["hwm_kb"] = max(rec["hwm_kb"], hwm_kb, rss_kb)
                 rec["cpu_s"] = max(rec.get("cpu_s", 0.0), cpu_s)
                 if not rec.get("cmd"):
@@ -508,11 +509,15 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
                 raise RuntimeError("flower-superlink exited early; see " + str(sl_log))
             if mode == "deployment":
                 _, apps = procs.monitor.seen_alive("flwr-clientapp")
-                if apps > 2 * job.nodes:
-                    fails = sum(read_text(run_dir / f"supernode{i}.log").count("authentication failed")
-                                for i in range(job.nodes))
+                if apps > 3 * job.nodes:
+                    logs = [read_text(run_dir / f"supernode{i}.log") for i in range(job.nodes)]
+                    fails = sum(t.count("authentication failed") for t in logs)
+                    done_rounds = min(t.count("Sending: train message") for t in logs)
+                    res["partial"] = {"rounds_done": done_rounds, "elapsed_s": time.time() - t_submit,
+                                      "clientapps_alive": apps, "task_token_failures": fails}
                     raise RuntimeError(
-                        f"Flower deployment collapsed: {apps} flwr-clientapp processes alive for {job.nodes} "
+                        f"Flower deployment collapsed after {done_rounds}/{job.rounds} rounds in "
+                        f"{time.time() - t_submit:.0f} s: {apps} flwr-clientapp processes alive for {job.nodes} "
                         f"nodes, {fails} task-token failures. A ClientApp that does not start within Flower's "
                         "fixed 30 s task-claim window (HEARTBEAT_DEFAULT_INTERVAL) under CPU contention is "
                         "re-dispatched while the old one keeps starting; see " + str(run_dir))

@@ -167,7 +167,7 @@ def test_hub_kill9_mid_round_loses_nothing_and_model_is_identical(tmp_path: Path
     """2. kill -9 the hub mid-round, restart it: the job completes, no acknowledged update
     is lost, and the final model bytes equal an uninterrupted run's."""
     clean_model, clean_acked, clean_included = _run_single_node_job(
-        tmp_path / "clean", kill_hub_in_round=None
+        tmp_path / "clean", bench_cache, kill_hub_in_round=None
     )
     model, acked, included = _run_single_node_job(tmp_path / "killed", bench_cache, kill_hub_in_round=2)
     assert set(acked) <= set(included), "an acknowledged update is missing from the aggregates"

@@ -406,11 +406,15 @@ def test_matrix_fast_path_and_sliced_path_agree(world, monkeypatch):
     monkeypatch.setattr(vmod, "FAST_ELEMS", 0)
     slow = review_round(recs, global_norm(world), SPEC, slice_elems=1000)
     assert fast.included == slow.included
-    assert [(f.update_id, f.reason) for f in fast.flags] == [(f.update_id, f.reason) for f in slow.flags]
+    assert [(f.update_id, f.reason) for f in fast.flags] == [
+        (f.update_id, f.reason) for f in slow.flags
+    ]
     for uid, sc in fast.evidence["scores"].items():
         for key in ("norm", "cosine", "norm_ratio"):
             if key in sc:
-                assert sc[key] == pytest.approx(slow.evidence["scores"][uid][key], rel=1e-6, abs=1e-9)
+                assert sc[key] == pytest.approx(
+                    slow.evidence["scores"][uid][key], rel=1e-6, abs=1e-9
+                )
 
 
 def test_blatant_dissent_in_an_untrusted_group_is_decided_by_majority(world):
