@@ -146,7 +146,9 @@ class RoundEngine:
                 if shard.state != "open" or not shard.accepted:
                     continue
                 timed_out = shard.first_update_at is not None and now - shard.first_update_at >= rwait
-                if len(shard.accepted) >= shard.wanted or timed_out:
+                stuck = (len(shard.accepted) >= 2 and len(shard.accepted) < shard.wanted and not shard.live
+                         and not self.scheduler.replica_takers(job, shard, now))
+                if len(shard.accepted) >= shard.wanted or timed_out or stuck:
                     await self._settle(job, shard, timed_out)
             if job.state == "running" and job.round_complete():
                 await self._close(job)
@@ -160,7 +162,12 @@ class RoundEngine:
         else:
             result = await asyncio.to_thread(self._compare, job, shard, ups)
             if result.needs_more:
-                if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out:
+                pairs = result.evidence.get("pairs") or []
+                unanimous = bool(pairs) and all(p.get("agree") for p in pairs)
+                # Waiting for a replica nobody online can take only delays the round: when the
+                # replicas already agree, settle them now (unverified: no agreement credit).
+                nobody = unanimous and not shard.live and not self.scheduler.replica_takers(job, shard, time.time())
+                if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out and not nobody:
                     shard.wanted += 1
                     await self.db.write(lambda c: c.execute(
                         "UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
@@ -169,8 +176,7 @@ class RoundEngine:
                     return
                 # No further replica came in time. An agreeing majority stands unverified (no credit, no
                 # flags); a split is inconclusive: the shard goes back to the pool, nobody is flagged.
-                pairs = result.evidence.get("pairs") or []
-                if pairs and all(p.get("agree") for p in pairs):  # every replica agrees with every other
+                if unanimous:  # every replica agrees with every other
                     rep = ups[0].id  # ups are sorted by (sha, id)
                     result = Settlement(rep, {u.id: "redundant" for u in ups if u.id != rep}, [],
                                         result.evidence | {"unverified": "replica_wait"})

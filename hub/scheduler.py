@@ -165,6 +165,10 @@ class Scheduler:
                     return shard
         return None
 
+    def replica_takers(self, job: JobState, shard: ShardState, now: float) -> list[str]:
+        """Online nodes that could take another replica of `shard` right now."""
+        return replica_candidates(self._online_reputations(now), shard.nodes, job.spec.verification)
+
     def _online_reputations(self, now: float) -> dict[str, Reputation]:
         stamp, reps = self._reps_cache
         if now - stamp > 1.0:

@@ -122,12 +122,14 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
         blob_gets.append(path)
         if len(blob_gets) != 2:  # the first blob is the model; tamper with the first chunk
             return body
+        tampered_paths.append(path)
         if attack == "flip":
             b = bytearray(body)
             b[-1] ^= 0x55
             return bytes(b)
         return body + b"\0" * 4096
 
+    tampered_paths: list[str] = []  # downloads run concurrently: remember which one was changed
     proxy = await TamperProxy(hub.url, mutate).start()
     try:
         events = EventLog()
@@ -143,7 +145,7 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
         assert "trained" not in events.names()
         # Nothing unverified is visible in the cache.
         blobs = list((tmp_path / "node" / "cache" / "blobs").iterdir())
-        tampered = blob_gets[1].rsplit("/", 1)[1]
+        tampered = tampered_paths[0].rsplit("/", 1)[1]
         assert tampered not in {p.name for p in blobs}
         # The hub was told, so the shard is free again.
         rows = hub.db_rows("SELECT state FROM assignments")

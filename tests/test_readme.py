@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from gpuflex.protocol import jobspec
 from gpuflex.protocol.modelspec import build_model, param_count
 
