@@ -22,18 +22,8 @@ from gpuflex.protocol.signing import SigningKey, fingerprint
 from . import owner_client as oc
 from .auditlog import LogCheck, verify_log
 
-ENV_HUB = "GPUFLEX_HUB"
-ENV_TOKEN = "GPUFLEX_TOKEN"  # noqa: S105 (the name of an environment variable)
-
-
-def _hub_and_token(args: argparse.Namespace) -> tuple[str, str]:
-    hub = args.hub or os.environ.get(ENV_HUB)
-    token = args.token or os.environ.get(ENV_TOKEN)
-    if not hub:
-        raise oc.OwnerClientError(f"no hub URL: pass --hub URL or set {ENV_HUB}")
-    if not token:
-        raise oc.OwnerClientError(f"no token: pass --token T or set {ENV_TOKEN}")
-    return hub.rstrip("/"), token
+# The owner commands' own helpers: one place resolves --hub/--token and the environment.
+from .cli import ENV_HUB, ENV_TOKEN, _hub_and_token
 
 
 def _fmt(value: Any) -> str:
