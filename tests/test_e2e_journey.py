@@ -309,11 +309,12 @@ def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> No
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
-            tmp_path / "job", rounds=10, local_epochs=1, replication=0.0, round_target_s=0.05
+            tmp_path / "job", rounds=10, local_epochs=4, replication=0.0, round_target_s=0.05
         )
         job_id = _submit(cluster, token, files.spec, files.train, files.val)
-        live: dict[str, Proc] = {}
-        started = 0
+        live: dict[str, Proc] = {name: cluster.start_node(name) for name in ("c0", "c1", "c2")}
+        started = len(live)
+        stopped = 0
         deadline = time.monotonic() + 300
         while True:
             state = cluster.get_json(f"/v1/jobs/{job_id}", token)["state"]
@@ -326,15 +327,16 @@ def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> No
                 live[name].signal(sig)
                 live[name].popen.wait(timeout=15)
                 del live[name]
+                stopped += 1
             elif len(live) < 5:
                 live[name] = cluster.start_node(name)
                 started += 1
             if not any(p.alive() for p in live.values()):
                 live["anchor"] = cluster.start_node("anchor")
-            time.sleep(rng.uniform(0.5, 2.0))
+            time.sleep(rng.uniform(0.2, 0.8))
         status = cluster.get_json(f"/v1/jobs/{job_id}", token)
         assert status["state"] == "done", status
-        assert started >= 5
+        assert started >= 5 and stopped >= 2, (started, stopped)
         with _db(cluster) as db:
             chunks = {
                 r["sha"] for r in db.execute("SELECT sha FROM chunks WHERE job_id = ?", (job_id,))
