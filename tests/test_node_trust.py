@@ -4,6 +4,7 @@ a man-in-the-middle proxy for the tampering."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -145,8 +146,11 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
         assert "trained" not in events.names()
         # Nothing unverified is visible in the cache.
         blobs = list((tmp_path / "node" / "cache" / "blobs").iterdir())
-        tampered = tampered_paths[0].rsplit("/", 1)[1]
-        assert tampered not in {p.name for p in blobs}
+        # A retried, genuine download of the same blob may be cached: what matters is that every
+        # cached file is exactly the bytes its name (sha256) promises.
+        assert tampered_paths, "the proxy never tampered with a chunk"
+        for p in blobs:
+            assert hashlib.sha256(p.read_bytes()).hexdigest() == p.name, p
         # The hub was told, so the shard is free again.
         rows = hub.db_rows("SELECT state FROM assignments")
         assert rows and rows[0]["state"] == "abandoned"
