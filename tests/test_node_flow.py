@@ -179,16 +179,18 @@ async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
 
     hub = await Hub(tmp_path / "hub").start()
     events = EventLog()
-    node = agent(tmp_path / "node", hub.url, events, max_assignments=2)
+    # Three rounds: the table is cleared after the first upload, and at least one later round's
+    # request comes after the clear however fast this machine closes rounds.
+    node = agent(tmp_path / "node", hub.url, events, max_assignments=3)
     try:
-        await hub.submit(spec_toml(rounds=2), dataset())
+        await hub.submit(spec_toml(rounds=3), dataset())
         task = asyncio.create_task(node.run())
         await wait_for(lambda: events.of("uploaded"), timeout=30)
         hub.app[SCHEDULER].nodes.clear()  # as if the hub lost its node table
         assert await asyncio.wait_for(task, 60) == 0
-        assert len(events.of("registered")) == 2
+        assert len(events.of("registered")) >= 2
         assert any(e.get("action") == "re-register" for e in events.of("error"))
-        assert len(events.of("uploaded")) == 2
+        assert len(events.of("uploaded")) == 3
     finally:
         node.request_exit("test")
         await hub.stop()
