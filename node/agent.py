@@ -355,12 +355,14 @@ class NodeAgent:
             await self._work_loop(benchmark)
         finally:
             self.request_exit("done")
-            assert self._exit_event is not None
+            if self._exit_event is None:
+                raise RuntimeError("_exit_event used before run() set it up")
             self._exit_event.set()
 
     async def _interruptible(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` unless the node pauses or exits first (then cancel it, raise Interrupted)."""
-        assert self._interrupt is not None
+        if self._interrupt is None:
+            raise RuntimeError("_interrupt used before run() set it up")
         if self._interrupt.is_set():
             if asyncio.iscoroutine(aw):
                 aw.close()
@@ -385,7 +387,8 @@ class NodeAgent:
             await self._interruptible(asyncio.sleep(seconds))
 
     async def _work_loop(self, benchmark: Benchmark) -> None:
-        assert self._resume_event is not None
+        if self._resume_event is None:
+            raise RuntimeError("_resume_event used before run() set it up")
         backoff = Backoff(self.config.backoff_base_s, self.config.backoff_cap_s)
         while not self._exiting:
             if self.paused:
@@ -780,7 +783,8 @@ class NodeAgent:
 
     async def _heartbeat_loop(self) -> None:
         """While an assignment is in hand, tell the hub we are alive (a slow device is not dead)."""
-        assert self._exit_event is not None
+        if self._exit_event is None:
+            raise RuntimeError("_exit_event used before run() set it up")
         while not self._exit_event.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.heartbeat_s):
@@ -805,7 +809,8 @@ class NodeAgent:
             )
 
     async def _gpu_yield_loop(self) -> None:
-        assert self._exit_event is not None
+        if self._exit_event is None:
+            raise RuntimeError("_exit_event used before run() set it up")
         watcher = await asyncio.to_thread(GpuWatcher, self.device)
         if not watcher.available:
             self.output.event("note", detail="GPU yielding off (nvidia-ml-py missing or NVML unavailable)")
