@@ -268,7 +268,7 @@ class HubClient:
         except _NET_ERRORS as exc:
             raise HubUnavailable(f"GET blob {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
 
-    async def upload_update(self, header: UpdateHeader, body: bytes) -> Ack:
+    async def upload_update(self, header: UpdateHeader, body: bytes | memoryview) -> Ack:
         token = base64.urlsafe_b64encode(seal(self.key, header)).decode("ascii")
         self.requests += 1
         try:

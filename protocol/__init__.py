@@ -56,6 +56,7 @@ from .signing import (
 )
 from .tensors import (
     Manifest,
+    StateEncoder,
     TensorInfo,
     TensorSpec,
     check_finite,
@@ -100,6 +101,7 @@ __all__ = [
     "SignatureError",
     "SigningKey",
     "SpecError",
+    "StateEncoder",
     "TensorError",
     "TensorInfo",
     "TensorSpec",

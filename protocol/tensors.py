@@ -130,49 +130,68 @@ def _check_name(name: object) -> str:
 # Encode.
 
 
-def _wire_tensor(name: str, value: object) -> torch.Tensor:
+def _wire_tensor(name: str, value: object, *, to_cpu: bool = True) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TensorError(f"tensor {name!r}: expected a torch.Tensor, got {type(value).__name__}")
     if value.layout != torch.strided or value.is_quantized:
         raise TensorError(f"tensor {name!r}: only dense tensors can be encoded")
     dtype_name(value.dtype)
     t = value.detach()
+    if not to_cpu:
+        return t
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous()
 
 
-def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
-    """Encode a state dict as GFT1 bytes (one copy of each tensor's data)."""
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Where everything goes: prefix + header bytes, then each tensor at its offset."""
+
+    head: bytes  # prefix, msgpack header and the zero padding up to data_start
+    tensors: list[tuple[int, int, torch.Tensor]]  # (absolute offset, nbytes, tensor)
+    total: int
+
+
+def _plan(state: Mapping[str, torch.Tensor], *, to_cpu: bool) -> _Plan:
     if len(state) > MAX_TENSORS:
         raise TensorError(f"{len(state)} tensors exceeds the limit of {MAX_TENSORS}")
     tensors: list[torch.Tensor] = []
     entries: list[list[object]] = []
-    spans: list[tuple[int, int]] = []  # (offset, nbytes) relative to the data section
+    offsets: list[int] = []  # relative to the data section
     end = 0
     for name, value in state.items():
         _check_name(name)
-        t = _wire_tensor(name, value)
+        t = _wire_tensor(name, value, to_cpu=to_cpu)
         shape = [int(d) for d in t.shape]
         if len(shape) > MAX_NDIM:
             raise TensorError(f"tensor {name!r}: more than {MAX_NDIM} dimensions")
         offset = _align(end)
         nbytes = t.numel() * t.element_size()
         entries.append([name, DTYPE_NAMES[t.dtype], shape, offset, nbytes])
-        spans.append((offset, nbytes))
+        offsets.append(offset)
         tensors.append(t)
         end = offset + nbytes
     header: bytes = msgpack.packb({"tensors": entries, "data_bytes": end}, use_bin_type=True)
     if len(header) > MAX_HEADER_BYTES:
         raise TensorError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     data_start = _align(PREFIX.size + len(header))
-    parts: list[bytes | memoryview] = [
-        PREFIX.pack(MAGIC, CODEC_VERSION, 0, len(header), 0),
-        header,
-        bytes(data_start - PREFIX.size - len(header)),
-    ]
-    position = 0
-    for (offset, nbytes), t in zip(spans, tensors, strict=True):
+    head = PREFIX.pack(MAGIC, CODEC_VERSION, 0, len(header), 0) + header
+    head += bytes(data_start - len(head))
+    placed = [(data_start + off, t.numel() * t.element_size(), t) for off, t in zip(offsets, tensors, strict=True)]
+    return _Plan(head, placed, data_start + end)
+
+
+def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Encode a state dict as GFT1 bytes (one copy of each tensor's data into a new buffer).
+
+    For repeated encodes (a node's update every round) prefer :class:`StateEncoder`,
+    which reuses its buffer.
+    """
+    plan = _plan(state, to_cpu=True)
+    parts: list[bytes | memoryview] = [plan.head]
+    position = len(plan.head)
+    for offset, nbytes, t in plan.tensors:
         if offset > position:
             parts.append(bytes(offset - position))
         if nbytes:
@@ -182,6 +201,46 @@ def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
         position = offset + nbytes
     # bytes.join sizes the result once and copies each part into it: one pass.
     return b"".join(parts)
+
+
+class StateEncoder:
+    """Encodes state dicts into one buffer it owns and reuses.
+
+    A fresh 100 MB buffer costs more in page faults (the kernel zeroing each new page)
+    than the copy into it, so a node that encodes an update every round keeps one of
+    these. Tensors on an accelerator are copied straight into the buffer (no ``.cpu()``
+    temporary), and non-contiguous tensors are laid out by the same copy.
+
+    The view returned by :meth:`encode` is valid until the next call: a caller that
+    keeps the bytes must copy them. The buffer grows when a larger state dict arrives;
+    views handed out earlier keep the old buffer alive and unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._buf: mmap.mmap | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else len(self._buf)
+
+    def encode(self, state: Mapping[str, torch.Tensor]) -> memoryview:
+        plan = _plan(state, to_cpu=False)
+        if self._buf is None or plan.total > len(self._buf):
+            # Anonymous memory is page-aligned, so every 64-byte-aligned tensor offset is
+            # aligned in memory too (a bytearray's data sits 16 bytes into its block, which
+            # makes the copy ~1.7x slower here). Never resized in place: old views stay valid.
+            self._buf = mmap.mmap(-1, max(plan.total, 1))
+        buf = self._buf
+        buf[: len(plan.head)] = plan.head
+        position = len(plan.head)
+        for offset, nbytes, t in plan.tensors:
+            if offset > position:
+                buf[position:offset] = bytes(offset - position)  # padding left by an earlier encode
+            if nbytes:
+                dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                dst.view(t.dtype).view(t.shape).copy_(t)
+            position = offset + nbytes
+        return memoryview(buf)[: plan.total]
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from gpuflex.protocol import (
     DecodeError,
     ProtocolError,
+    StateEncoder,
     TensorError,
     TensorSpec,
     check_finite,
@@ -77,6 +78,30 @@ def test_round_trip(state: dict[str, torch.Tensor]) -> None:
     for info in read_header(blob):
         assert info.offset % ALIGN == 0
     assert encode_state(decode_state(blob)) == blob  # deterministic
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(states, min_size=1, max_size=4))
+def test_reusing_encoder_gives_the_same_bytes(sequence: list[dict[str, torch.Tensor]]) -> None:
+    """A StateEncoder's output equals encode_state's, however earlier encodes left its buffer."""
+    encoder = StateEncoder()
+    for state in sequence:
+        view = encoder.encode(state)
+        assert bytes(view) == encode_state(state)
+        _same(decode_state(view), state)
+    assert encoder.capacity >= max(len(encode_state(s)) for s in sequence)
+
+
+def test_encoder_keeps_earlier_views_when_it_grows() -> None:
+    encoder = StateEncoder()
+    small = {"a": torch.arange(4, dtype=torch.float32)}
+    first = encoder.encode(small)
+    decoded = decode_state(first)
+    encoder.encode({"big": torch.ones(1000)})  # grows: a new buffer, the old one untouched
+    assert torch.equal(decoded["a"], small["a"])
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    strided = {"t": base.t(), "s": base[:, ::2], "w": torch.nn.Parameter(torch.ones(3))}
+    assert bytes(encoder.encode(strided)) == encode_state(strided)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
