@@ -768,8 +768,9 @@ def _start_profilers(enabled: bool, run_dir: Path, procs: Tagged) -> list[subpro
     out = []
     for name, p in (("hub", procs.children[0]), ("node0", procs.children[1])):
         out.append(subprocess.Popen(
-            [str(spy), "record", "--pid", str(p.pid), "--rate", "200", "--format", "raw", "--threads",
-             "--idle", "--nonblocking", "-o", str(run_dir / f"pyspy-{name}.txt")],
+            # no --idle: only samples of threads that are running (or runnable), i.e. where CPU goes
+            [str(spy), "record", "--pid", str(p.pid), "--rate", "1000", "--format", "raw", "--threads",
+             "--nonblocking", "-o", str(run_dir / f"pyspy-{name}.txt")],
             stdout=subprocess.DEVNULL, stderr=open(run_dir / f"pyspy-{name}.log", "wb")))
     time.sleep(1.0)
     return out

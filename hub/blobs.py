@@ -3,6 +3,9 @@
 A blob's id is the sha256 hex of its bytes. Writes go to a temporary name in
 `tmp/`, are fsynced, renamed into place and the directory is fsynced, so a blob
 that exists under its id is complete and survives a crash.
+
+Small blobs that were just written or read (a round's model, which every node fetches
+next) are also kept in a bounded in-memory cache, so serving them costs no file open.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ import hashlib
 import os
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from .errors import BadRequest, NotFound
 
 _BLOB_ID = re.compile(r"[0-9a-f]{64}")
+HOT_BLOB_MAX = 1 << 20  # blobs up to this size are kept in memory...
+HOT_TOTAL_MAX = 64 << 20  # ...up to this many bytes in all (least recently used dropped first)
 
 
 def is_blob_id(value: str) -> bool:
@@ -40,6 +47,9 @@ def _fsync_dir(path: Path) -> None:
 class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._hot: OrderedDict[str, bytes] = OrderedDict()
+        self._hot_bytes = 0
+        self._hot_lock = threading.Lock()  # put() runs on worker threads, reads on the loop
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
         # Leftovers of a crash mid-upload are never referenced: clear them.
@@ -54,10 +64,37 @@ class BlobStore:
         return self.path(sha).is_file()
 
     def read(self, sha: str) -> bytes:
+        hot = self.hot(sha)
+        if hot is not None:
+            return hot
         p = self.path(sha)
         if not p.is_file():
             raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
-        return p.read_bytes()
+        data = p.read_bytes()
+        self._remember(sha, data)
+        return data
+
+    def hot(self, sha: str) -> bytes | None:
+        """The blob's bytes when they are in the in-memory cache (it is on disk as well)."""
+        with self._hot_lock:
+            data = self._hot.get(sha)
+            if data is not None:
+                self._hot.move_to_end(sha)
+            return data
+
+    def _remember(self, sha: str, data: bytes | bytearray | memoryview) -> None:
+        size = len(memoryview(data).cast("B"))
+        if size > HOT_BLOB_MAX:
+            return
+        value = bytes(data)
+        with self._hot_lock:
+            if sha in self._hot:
+                return
+            self._hot[sha] = value
+            self._hot_bytes += size
+            while self._hot_bytes > HOT_TOTAL_MAX:
+                _, old = self._hot.popitem(last=False)
+                self._hot_bytes -= len(old)
 
     def temp_path(self) -> Path:
         return self.tmp / f"{secrets.token_hex(12)}.part"
@@ -73,6 +110,7 @@ class BlobStore:
             fh.flush()
             os.fsync(fh.fileno())
         self.commit_temp(tmp, sha)
+        self._remember(sha, data)  # only once it is durable
         return sha
 
     def commit_temp(self, tmp: Path, sha: str) -> Path:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from gpuflex.protocol.jobspec import JobSpec
-from gpuflex.protocol.modelspec import build_model
+from gpuflex.protocol.modelspec import build_for_state
 from torch import Tensor
 
 _BATCH = 1024
@@ -17,8 +17,7 @@ _BATCH = 1024
 @torch.no_grad()
 def evaluate(spec: JobSpec, state: Mapping[str, Tensor], val: Mapping[str, Tensor]) -> dict[str, float]:
     """Returns {"loss": ..., "accuracy": ...} (accuracy only for classification)."""
-    model = build_model(spec.model, seed=0)
-    model.load_state_dict(dict(state), strict=True)
+    model = build_for_state(spec.model, state, share=True)  # read-only use: no copy, no random init
     model.eval()
     x, y = val["x"], val["y"]
     x = x.to(spec.model.input_dtype)  # int64 token ids for Embedding-first models

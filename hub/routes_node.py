@@ -58,6 +58,7 @@ from .wire import (
 
 routes = web.RouteTableDef()
 UPLOAD_READ = 1 << 20
+SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
 
 
 @routes.get("/v1/hub")
@@ -277,38 +278,78 @@ async def blob(request: web.Request) -> web.StreamResponse:
     allowed = any(a.model_sha == sha or sha in a.chunk_shas for a in app[SCHEDULER].live_for(node.id))
     if not allowed:
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
+    headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
+    hot = app[BLOBS].hot(sha)
+    if hot is not None:  # a small, recent blob (this round's model): no file to open
+        return _bytes_response(request, hot, headers)
     path = app[BLOBS].path(sha)
     if not path.is_file():
         raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
     app[METRICS].bytes_out += path.stat().st_size
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
-                                            "Cache-Control": "private, max-age=31536000, immutable"})
+    return web.FileResponse(path, headers=headers)
 
 
-def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str) -> None:
-    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
+def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:
+    """Serve in-memory bytes with the same single-range semantics as FileResponse."""
+    metrics = request.app[METRICS]
+    headers = {**headers, "Accept-Ranges": "bytes"}
+    try:
+        rng = request.http_range
+    except ValueError:
+        rng = slice(None, None)  # a malformed Range is ignored: the whole blob
+    if rng.start is None and rng.stop is None:
+        metrics.bytes_out += len(data)
+        return web.Response(body=data, headers=headers)
+    start, stop, _ = rng.indices(len(data))
+    if start >= len(data) or start >= stop:
+        return web.Response(status=416, headers={**headers, "Content-Range": f"bytes */{len(data)}"})
+    metrics.bytes_out += stop - start
+    return web.Response(status=206, body=data[start:stop],
+                        headers={**headers, "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
+
+
+def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str, body: bytes | None) -> None:
+    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread.
+
+    ``body``: the update's bytes when they were held in memory (checked first, then written).
+    """
+    if body is not None:
+        _check_update(body, spec_manifest)
+        with open(path, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        blobs.commit_temp(path, sha)
+        return
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             raise Unprocessable("update is empty", code="bad_manifest")
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            try:
-                check_manifest(mm, spec_manifest)  # type: ignore[arg-type]
-                state = decode_state(mm)
-            except ProtocolError as exc:
-                raise Unprocessable(f"update does not match the model: {exc}", code="bad_manifest") from None
-            try:
-                check_finite(state)
-            except TensorError as exc:
-                raise Unprocessable(str(exc), code="non_finite") from None
-            finally:
-                del state
+            _check_update(mm, spec_manifest)
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
         os.fsync(fh.fileno())
     blobs.commit_temp(path, sha)
+
+
+def _check_update(buf: bytes | mmap.mmap, spec_manifest: object) -> None:
+    """The update's tensors match the model's manifest and are all finite."""
+    if len(buf) == 0:
+        raise Unprocessable("update is empty", code="bad_manifest")
+    try:
+        check_manifest(buf, spec_manifest)  # type: ignore[arg-type]
+        state = decode_state(buf)
+    except ProtocolError as exc:
+        raise Unprocessable(f"update does not match the model: {exc}", code="bad_manifest") from None
+    try:
+        check_finite(state)
+    except TensorError as exc:
+        raise Unprocessable(str(exc), code="non_finite") from None
+    finally:
+        del state
 
 
 @routes.post("/v1/updates")
@@ -360,8 +401,13 @@ async def _update(request: web.Request) -> web.Response:
     try:
         digest = hashlib.sha256()
         received = 0
-        # page-cache writes of received pieces are fast; the fsync happens in a worker thread
-        with open(tmp, "wb") as fh:  # noqa: ASYNC230
+        small = hdr.update_size <= SMALL_UPDATE
+        pieces: list[bytes] = []
+        # A small update is held in memory and written by a worker thread (creating a file
+        # costs ~1 ms of event-loop time here); a large one streams into the temp file, whose
+        # page-cache writes are fast. Either way the fsync happens in a worker thread.
+        fh = None if small else open(tmp, "wb")  # noqa: ASYNC230
+        try:
             while True:
                 piece = await request.content.read(UPLOAD_READ)
                 if not piece:
@@ -370,14 +416,21 @@ async def _update(request: web.Request) -> web.Response:
                 if received > hdr.update_size:
                     raise BadRequest("body is longer than update_size", code="size_mismatch")
                 digest.update(piece)
-                fh.write(piece)
+                if fh is None:
+                    pieces.append(piece)
+                else:
+                    fh.write(piece)
+        finally:
+            if fh is not None:
+                fh.close()
         app[METRICS].bytes_in += received
         if received != hdr.update_size:
             raise BadRequest(f"body has {received} bytes, update_size says {hdr.update_size}", code="size_mismatch")
         if digest.hexdigest() != hdr.update_sha256:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
+        body = b"".join(pieces) if small else None
         await asyncio.get_running_loop().run_in_executor(
-            app[IO_POOL], _ingest_update_file, tmp, manifest(job.spec.model), blobs, hdr.update_sha256)
+            app[IO_POOL], _ingest_update_file, tmp, manifest(job.spec.model), blobs, hdr.update_sha256, body)
         if a.id not in sched.assignments or job.round != a.round or job.state != "running":
             raise Conflict("the round closed while the update was uploading", code="late_update")
         now = time.time()

@@ -61,6 +61,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -620,7 +621,9 @@ def review_round(
         if matrix is not None:
             row = {r.update_id: i for i, r in enumerate(records)}
             x = matrix[[row[r.update_id] for r in rest]]  # (n, P)
-            scaled = (x * torch.tensor(per_sample, dtype=torch.float64)[:, None]).sort(dim=0).values
+            scaled = x * torch.tensor(per_sample, dtype=torch.float64)[:, None]
+            # numpy sorts short columns ~3x faster than torch's sort along dim 0
+            scaled = torch.from_numpy(np.sort(scaled.numpy(), axis=0))
             m = scaled.shape[0]
             c = scaled[m // 2] if m % 2 else (scaled[m // 2 - 1] + scaled[m // 2]) * 0.5  # (P,)
             centre = _unflatten(c, rest[0].delta)

@@ -83,6 +83,7 @@ T = TypeVar("T")
 MAX_BLOB_BYTES = 8 << 30
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
 CLOCK_SKEW_S = 300.0
+TOTALS_EVERY_S = 2.0  # how often the counters file is rewritten while working
 HEADER_ALLOWANCE = MAX_HEADER_BYTES + 64  # GFT1 header + alignment on top of raw tensor bytes
 
 
@@ -169,6 +170,8 @@ class NodeAgent:
         apply_limits(self.device, threads=config.threads, max_gpu_memory_gb=config.max_gpu_memory_gb)
         self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
         self._encoder = StateEncoder()
+        self._last_model: str | None = None
+        self._totals_saved_at = -math.inf
         self.totals_path = config.data_dir / "totals.json"
         self.totals = Totals.load(self.totals_path)
         self.client: HubClient | None = None
@@ -343,6 +346,7 @@ class NodeAgent:
                 with contextlib.suppress(ValueError, OSError):
                     signal.signal(sig, previous)
             self.output.progress_stop()
+            self._save_totals(force=True)
         self.output.event("exit", code=self.exit_code)
         return self.exit_code
 
@@ -654,10 +658,18 @@ class NodeAgent:
     async def _fetch_all(self, a: Assignment) -> int:
         """Download the model and the chunks we lack; return bytes fetched."""
         wanted = [(a.model_hash, a.model_size, "model")] + [(c.sha256, c.size, "chunk") for c in a.chunks]
-        missing = [(sha, size, kind) for sha, size, kind in wanted if not self.cache.has(sha, size)]
-        for sha, size, _ in wanted:
-            if self.cache.has(sha, size):
+        missing = []
+        for sha, size, kind in wanted:
+            # A blob left by an earlier run is re-hashed once before use (the cache does not fsync).
+            if self.cache.has(sha, size) and (
+                sha in self.cache.verified or await asyncio.to_thread(self.cache.verify, sha)
+            ):
                 self.cache.touch(sha)
+            else:
+                missing.append((sha, size, kind))
+        if self._last_model is not None and self._last_model != a.model_hash:
+            self.cache.discard(self._last_model)  # a model blob serves one round: do not let them pile up
+        self._last_model = a.model_hash
         self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
                           misses=len(missing))
         fetched = 0
@@ -777,7 +789,16 @@ class NodeAgent:
             ok=ack.ok, detail=ack.detail, fetched_bytes=fetched,
         )
 
-    def _save_totals(self) -> None:
+    def _save_totals(self, *, force: bool = False) -> None:
+        """Persist the counters: at most every TOTALS_EVERY_S while working, and at exit.
+
+        They are statistics for `gpuflex-node status`; a kill -9 loses at most a few
+        seconds of counts, and the file is replaced whole (never half-written).
+        """
+        now = time.monotonic()
+        if not force and now - self._totals_saved_at < TOTALS_EVERY_S:
+            return
+        self._totals_saved_at = now
         with contextlib.suppress(OSError):
             write_private_file(self.totals_path, json.dumps(self.totals.__dict__) + "\n", durable=False)
 

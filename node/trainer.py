@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from gpuflex.protocol.modelspec import build_model
+from gpuflex.protocol.modelspec import build_for_state
 from torch import Tensor, nn
 
 from .errors import TrainError, TrainingStopped
@@ -112,14 +112,13 @@ def _prepare_device(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor]) -> nn.Module:
-    model: nn.Module = build_model(spec, seed=0)  # shapes only: every value is overwritten below
+def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor], device: torch.device) -> nn.Module:
+    """A private copy of the global model on ``device`` (no random init: it is overwritten)."""
     try:
-        model.load_state_dict(dict(global_state), strict=True)
-    except RuntimeError as exc:  # missing/unexpected keys or shape mismatch
+        return build_for_state(spec, global_state, device=device)
+    except (RuntimeError, ValueError) as exc:  # missing/unexpected keys or shape mismatch
         first = str(exc).strip().splitlines()
         raise TrainError(f"global model does not fit the spec: {' '.join(first)[:300]}") from exc
-    return model
 
 
 def train_assignment(
@@ -151,7 +150,7 @@ def train_assignment(
     total_steps = steps_per_epoch * epochs
     report_every = max(1, min(total_steps // 100, 16))
 
-    model = _load_model(spec, global_state).to(device)
+    model = _load_model(spec, global_state, device)
     model.train()
     x = x_cpu.to(device)
     y = y_cpu.to(device)

@@ -44,7 +44,7 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .modelspec import ModelSpec, build_model, manifest, param_count
+from .modelspec import ModelSpec, build_for_state, build_model, manifest, param_count
 from .signing import (
     ReplayGuard,
     SigningKey,
@@ -112,6 +112,7 @@ __all__ = [
     "VersionError",
     "Welcome",
     "WorkRequest",
+    "build_for_state",
     "build_model",
     "check_finite",
     "check_manifest",

@@ -9,6 +9,7 @@ and a signature made for one message kind never verifies as another.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import heapq
 import math
@@ -62,6 +63,12 @@ def new_nonce() -> bytes:
 def _public_key(public_bytes: bytes) -> Ed25519PublicKey:
     if not isinstance(public_bytes, bytes) or len(public_bytes) != PUBLIC_KEY_BYTES:
         raise SignatureError(f"signer public key must be {PUBLIC_KEY_BYTES} bytes")
+    return _load_public_key(public_bytes)
+
+
+@functools.lru_cache(maxsize=8192)
+def _load_public_key(public_bytes: bytes) -> Ed25519PublicKey:
+    """Parsed keys of recent signers (a hub hears from the same nodes all day); bounded."""
     try:
         return Ed25519PublicKey.from_public_bytes(public_bytes)
     except ValueError:

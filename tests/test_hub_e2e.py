@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sqlite3
 import time
 
@@ -282,6 +283,19 @@ async def test_blobs_only_for_a_live_assignment_and_range_works(running_hub, dig
         headers = node.blob_auth(sha) | {"Range": "bytes=0-9"}
         async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=headers) as r:
             assert r.status == 206 and len(await r.read()) == 10
+        for blob_id in (sha, a.model_hash):  # both small: served from the hub's memory cache
+            async with s.get(f"{running_hub.url}/v1/blobs/{blob_id}", headers=node.blob_auth(blob_id)) as r:
+                whole = await r.read()
+                assert r.status == 200 and hashlib.sha256(whole).hexdigest() == blob_id
+            for rng, want in ((f"bytes=5-{len(whole) + 50}", whole[5:]), ("bytes=-7", whole[-7:]),
+                              (f"bytes={len(whole) - 3}-", whole[-3:])):
+                async with s.get(f"{running_hub.url}/v1/blobs/{blob_id}",
+                                 headers=node.blob_auth(blob_id) | {"Range": rng}) as r:
+                    assert r.status == 206 and await r.read() == want, rng
+                    assert r.headers["Content-Range"].endswith(f"/{len(whole)}")
+            async with s.get(f"{running_hub.url}/v1/blobs/{blob_id}",
+                             headers=node.blob_auth(blob_id) | {"Range": f"bytes={len(whole) + 10}-"}) as r:
+                assert r.status == 416
         async with s.get(f"{running_hub.url}/v1/blobs/{sha}", headers=other.blob_auth(sha)) as r:
             assert r.status == 403 and (await r.json())["error"] == "not_assigned"
         auth = node.blob_auth(sha)

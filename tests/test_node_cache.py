@@ -30,6 +30,29 @@ def test_commit_makes_blob_visible_only_when_verified(tmp_path):
     assert not list(cache.partial_dir.iterdir())
 
 
+def test_blob_from_an_earlier_run_is_rehashed_before_use(tmp_path):
+    """Blobs are not fsynced: one left torn by a crash is found and removed, never trusted."""
+    sha, data = _blob(5000, seed=3)
+    first = BlobCache(tmp_path, 1 << 20)
+    w = first.writer(sha, len(data))
+    w.write(data)
+    w.commit()
+    assert sha in first.verified and first.verify(sha)  # written by this process: trusted
+    good_sha, good = _blob(300, seed=4)
+    w = first.writer(good_sha, len(good))
+    w.write(good)
+    w.commit()
+    # "power cut": the file kept its size but lost its last page of data
+    path = first.blob_path(sha)
+    path.write_bytes(data[:4096] + bytes(len(data) - 4096))
+    later = BlobCache(tmp_path, 1 << 20)  # the next run
+    assert later.verified == set()
+    assert later.has(sha, len(data))  # the name and size look fine...
+    assert not later.verify(sha) and not later.has(sha)  # ...the hash does not: removed
+    assert later.verify(good_sha) and good_sha in later.verified
+    assert not later.verify("0" * 64)  # unknown blob
+
+
 def test_wrong_hash_and_oversize_are_refused(tmp_path):
     cache = BlobCache(tmp_path, 1 << 20)
     sha, data = _blob(100)
