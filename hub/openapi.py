@@ -53,7 +53,10 @@ def openapi_document() -> dict[str, Any]:
         "/v1/nodes/register": {"post": _node_op("register a node (hello + benchmark)", "Hello", "Welcome",
                                                 (400, 401, 403, 409, 413))},
         "/v1/work": {"post": _node_op(
-            "long-poll for work (at most min(wait_s, long_poll_max_s)); a node holding a live assignment gets it again",
+            "long-poll for work (at most min(wait_s, long_poll_max_s)); a node holding a live assignment gets it "
+            "again. With request header X-GPUFlex-Inline-Max: N, a model of at most N bytes (and 1 MiB) that the "
+            "node does not list as cached follows the sealed assignment in the body; response header "
+            "X-GPUFlex-Sealed-Length gives the sealed message's length",
             "WorkRequest", "Assignment or NoWork", (400, 401, 403, 409, 413))},
         "/v1/heartbeat": {"post": _node_op("extend a live assignment's deadline", "Heartbeat",
                                            "Ack (deadline = new deadline; ok=false when no longer live)",

@@ -33,7 +33,7 @@ from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, METRICS, ROUNDS, SCHEDULER, SIGNAL
-from .blobs import BlobStore, check_blob_id
+from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from .errors import (
     BadRequest,
     Conflict,
@@ -182,14 +182,13 @@ async def work(request: web.Request) -> web.Response:
         # A node that comes back while it still holds a live assignment gets that one again.
         held = [a for a in sched.live_for(node.id) if not a.uploading]
         if held:
-            sealed = min(held, key=lambda a: a.issued_at).sealed
-            app[METRICS].bytes_out += len(sealed)
-            return web.Response(body=sealed, content_type="application/x-msgpack")
+            first = min(held, key=lambda a: a.issued_at)
+            return _assignment_response(request, first.sealed, first.model_sha, cached)
         plan = sched.plan(node, cached)
         if plan is not None:
+            model_sha = plan.job.model_sha  # the one _issue signs into the assignment
             sealed = await _issue(request, node, plan)
-            app[METRICS].bytes_out += len(sealed)
-            return web.Response(body=sealed, content_type="application/x-msgpack")
+            return _assignment_response(request, sealed, model_sha, cached)
         left = give_up - time.monotonic()
         if left <= 0:
             break
@@ -198,6 +197,30 @@ async def work(request: web.Request) -> web.Response:
     reason = "every chunk of the current rounds is taken" if running else "no job is running"
     retry = 1.0 if running else cfg.node_poll_s
     return sealed_response(request, NoWork(retry_after_s=retry, reason=reason))
+
+
+def _assignment_response(request: web.Request, sealed: bytes, model_sha: str, cached: frozenset[str]) -> web.Response:
+    """The sealed assignment, followed by the model's bytes when the node asked for them inline.
+
+    A node that sends ``X-GPUFlex-Inline-Max: N`` and does not list the model among its
+    cached blobs gets a small model (at most N bytes and in the hub's memory) in the same
+    answer: ``X-GPUFlex-Sealed-Length`` says where the sealed message ends. That saves the
+    node one request per round (one round trip over a real network). The bytes are bound
+    to the signed assignment by its model_hash, which the node checks.
+    """
+    headers: dict[str, str] = {}
+    body = sealed
+    try:
+        inline_max = min(int(request.headers.get("X-GPUFlex-Inline-Max", "0")), HOT_BLOB_MAX)
+    except ValueError:
+        inline_max = 0
+    if inline_max > 0 and model_sha not in cached:
+        blob = request.app[BLOBS].hot(model_sha)  # memory only: never a disk read on the loop
+        if blob is not None and len(blob) <= inline_max:
+            body = sealed + blob
+            headers["X-GPUFlex-Sealed-Length"] = str(len(sealed))
+    request.app[METRICS].bytes_out += len(body)
+    return web.Response(body=body, content_type="application/x-msgpack", headers=headers)
 
 
 def _owned_live(request: web.Request, node: NodeState, assignment_id: str) -> AssignmentState | None:

@@ -406,7 +406,7 @@ class NodeAgent:
                     await self._interruptible(self._connect(benchmark))
                 self.state = "waiting"
                 client = self._client()
-                item = await self._interruptible(
+                item, inline = await self._interruptible(
                     client.request_work(self.config.poll_wait_s, self._cached_chunk_ids())
                 )
                 if isinstance(item, NoWork):
@@ -415,7 +415,7 @@ class NodeAgent:
                     await self._sleep(min(item.retry_after_s, 30.0))
                     continue
                 backoff.reset()
-                if not await self._handle(item):
+                if not await self._handle(item, inline_model=inline):
                     continue  # abandoned (pause, re-registration, hub error): not a finished one
                 self.done_assignments += 1
                 if self.config.once or (
@@ -552,8 +552,11 @@ class NodeAgent:
             )
         return spec
 
-    async def _handle(self, a: Assignment) -> bool:
-        """Work one assignment; True when it ran to an end (uploaded or refused), False if abandoned."""
+    async def _handle(self, a: Assignment, *, inline_model: bytes | None = None) -> bool:
+        """Work one assignment; True when it ran to an end (uploaded or refused), False if abandoned.
+
+        ``inline_model``: the model's bytes when the hub sent them with the assignment.
+        """
         self.totals.assignments += 1
         try:
             spec = self.check_assignment(a)
@@ -574,6 +577,8 @@ class NodeAgent:
             cur.phase = "downloading"
             self.state = "downloading"
             t0 = time.perf_counter()
+            if inline_model is not None:
+                self._accept_inline_model(a, inline_model)
             fetched = await self._interruptible(self._fetch_all(a))
             download_s = time.perf_counter() - t0
 
@@ -654,6 +659,26 @@ class NodeAgent:
         except (NodeError, TimeoutError) as exc:
             log.info("could not tell the hub about abandoning %s: %s", assignment_id, exc)
             return False
+
+    def _accept_inline_model(self, a: Assignment, data: bytes) -> None:
+        """Cache a model that came with the assignment, if it is the one the assignment names.
+
+        Anything else is dropped with an event and the model is downloaded as usual.
+        """
+        if self.cache.has(a.model_hash, a.model_size):
+            return
+        if len(data) != a.model_size:
+            self.output.event("inline_model_refused", assignment_id=a.assignment_id,
+                              detail=f"{len(data)} bytes, the assignment says {a.model_size}")
+            return
+        writer = self.cache.writer(a.model_hash, a.model_size, resume=False)
+        try:
+            writer.write(data)
+            writer.commit()  # checks the sha256 against the signed model_hash
+        except BlobError as exc:
+            self.output.event("inline_model_refused", assignment_id=a.assignment_id, detail=str(exc))
+            return
+        self.totals.bytes_downloaded += len(data)
 
     async def _fetch_all(self, a: Assignment) -> int:
         """Download the model and the chunks we lack; return bytes fetched."""

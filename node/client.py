@@ -17,7 +17,7 @@ import base64
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -50,6 +50,7 @@ from .errors import (
 M = TypeVar("M")
 
 MAX_RESPONSE_BYTES = 2 << 20  # sealed control messages are <= 1 MiB
+INLINE_MODEL_MAX = 1 << 20  # a model this small may come inside the work answer (no extra request)
 _NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)
 
 
@@ -132,19 +133,26 @@ class HubClient:
         return msg
 
     async def _post(self, path: str, msg: object, *, limit_s: float = 30.0) -> bytes:
+        data, _ = await self._post_full(path, msg, limit_s=limit_s)
+        return data
+
+    async def _post_full(
+        self, path: str, msg: object, *, limit_s: float = 30.0, headers: Mapping[str, str] | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
+    ) -> tuple[bytes, Mapping[str, str]]:
         body = seal(self.key, msg)
         self.requests += 1
         try:
             async with self.session.post(
                 self._url(path),
                 data=body,
-                headers={"Content-Type": "application/x-msgpack"},
+                headers={"Content-Type": "application/x-msgpack", **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=limit_s),
             ) as resp:
-                data = await _read_limited(resp, MAX_RESPONSE_BYTES)
+                data = await _read_limited(resp, max_bytes)
                 if resp.status != 200:
                     raise _error_from(resp.status, data, f"POST {path}")
-                return data
+                return data, resp.headers
         except _NET_ERRORS as exc:
             raise HubUnavailable(f"POST {path}: {type(exc).__name__}: {exc}"[:300]) from exc
 
@@ -183,11 +191,27 @@ class HubClient:
         self.clock_offset = welcome.server_time - (sent + rtt / 2)
         return welcome
 
-    async def request_work(self, wait_s: float, cached: list[str]) -> Assignment | NoWork:
+    async def request_work(self, wait_s: float, cached: list[str]) -> tuple[Assignment | NoWork, bytes | None]:
+        """The hub's answer, and the model's bytes when the hub sent them inline (unchecked here:
+        the caller matches them against the assignment's model_hash)."""
         req = WorkRequest(
             timestamp=self.now(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=tuple(cached[:4096])
         )
-        data = await self._post("/v1/work", req, limit_s=wait_s + 30.0)
+        data, headers = await self._post_full(
+            "/v1/work", req, limit_s=wait_s + 30.0, headers={"X-GPUFlex-Inline-Max": str(INLINE_MODEL_MAX)},
+            max_bytes=MAX_RESPONSE_BYTES + INLINE_MODEL_MAX,
+        )
+        inline: bytes | None = None
+        split = headers.get("X-GPUFlex-Sealed-Length")
+        if split is not None:
+            if not split.isdigit() or not 0 < int(split) < len(data):
+                raise HubError(f"work answer has a bad X-GPUFlex-Sealed-Length {split[:20]!r}", code="bad_answer")
+            data, inline = data[: int(split)], data[int(split) :]
+        if len(data) > MAX_RESPONSE_BYTES:
+            raise HubError("work answer is larger than a sealed message may be", code="bad_answer")
+        return self._open_work_answer(data), inline
+
+    def _open_work_answer(self, data: bytes) -> Assignment | NoWork:
         if self.hub_public_key is None:
             raise HubError("hub key not pinned yet")
         # The signature's domain names the kind, so try both kinds against the pinned key.

@@ -25,13 +25,15 @@ async def test_cached_chunks_are_not_downloaded_again(tmp_path):
         events = EventLog()
         code = await agent(tmp_path / "node", hub.url, events, max_assignments=2).run()
         assert code == 0 and len(events.of("uploaded")) == 2
-        # round 0: model + 8 chunks; round 1: only the new model
-        assert hub.blob_requests() == 9 + 1
+        # round 0: the 8 chunks; round 1: nothing (each round's small model comes inside the work answer)
+        assert hub.blob_requests() == 8
+        assert [e["kind"] for e in events.of("download")] == ["chunk"] * 8
         assert events.of("uploaded")[1]["fetched_bytes"] < events.of("uploaded")[0]["fetched_bytes"]
         # A restarted node keeps its cache too.
         events2 = EventLog()
         assert await agent(tmp_path / "node", hub.url, events2, once=True).run() == 0
-        assert hub.blob_requests() == 11
+        assert hub.blob_requests() == 8  # chunks re-hashed from its cache, the model inline
+        assert events2.of("cache")[0]["hits"] >= 1 and not events2.of("download")
         doc = await hub.job(job_id)
         assert doc["round"] >= 2 or doc["state"] == "done"
     finally:

@@ -221,6 +221,7 @@ class TamperProxy:
 
     target: str
     mutate: Callable[[str, bytes], bytes] = lambda path, body: body
+    inline: bool = False  # pass the node's X-GPUFlex-Inline-Max through (models inside work answers)
     seen: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -232,6 +233,7 @@ class TamperProxy:
             k: v
             for k, v in request.headers.items()
             if k.lower() in ("x-gpuflex-auth", "x-gpuflex-update", "content-type", "range")
+            or (self.inline and k.lower() == "x-gpuflex-inline-max")
         }
         async with (
             aiohttp.ClientSession() as s,
@@ -242,9 +244,10 @@ class TamperProxy:
             data = await r.read()
             status = r.status
             ctype = r.headers.get("Content-Type", "application/octet-stream").split(";")[0]
+            passed = {k: v for k, v in r.headers.items() if k.lower() == "x-gpuflex-sealed-length"}
         if status in (200, 206):
             data = self.mutate(request.path, data)
-        return web.Response(body=data, status=status, content_type=ctype)
+        return web.Response(body=data, status=status, content_type=ctype, headers=passed)
 
     async def start(self) -> TamperProxy:
         app = web.Application(client_max_size=64 << 20)

@@ -63,6 +63,40 @@ async def test_tampered_assignment_signature_is_refused(tmp_path):
         await hub.stop()
 
 
+async def test_tampered_inline_model_is_refused_and_downloaded_instead(tmp_path):
+    """A model inside the work answer must hash to the signed model_hash; else it is fetched."""
+    import msgpack
+
+    hub = await Hub(tmp_path / "hub").start()
+    await hub.submit(spec_toml(rounds=1), dataset())
+    tampered: list[int] = []
+
+    def mutate(path: str, body: bytes) -> bytes:
+        if path != "/v1/work":
+            return body
+        unpacker = msgpack.Unpacker()
+        unpacker.feed(body)
+        unpacker.unpack()
+        if unpacker.tell() == len(body):
+            return body  # no model inline (NoWork)
+        tampered.append(len(body) - unpacker.tell())
+        return body[:-1] + bytes([body[-1] ^ 1])
+
+    proxy = await TamperProxy(hub.url, mutate, inline=True).start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", proxy.url, events, once=True)
+        code = await _run_until(node, events, lambda: events.of("uploaded"))
+        assert code == 0 and tampered  # the hub did send the model inline
+        refused = events.of("inline_model_refused")
+        assert refused and "sha256" in refused[0]["detail"]
+        assert [e["kind"] for e in events.of("download")].count("model") == 1  # fetched instead
+        assert events.of("uploaded")[0]["ok"] is True
+    finally:
+        await proxy.stop()
+        await hub.stop()
+
+
 async def test_wrong_hub_key_refuses_loudly(tmp_path):
     hub = await Hub(tmp_path / "hub").start()
     try:
