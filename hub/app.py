@@ -109,7 +109,8 @@ def create_app(config: HubConfig) -> web.Application:
     app[DB] = db
     app[BLOBS] = blobs
     app[HUB_KEY] = key
-    app[REPLAY] = ReplayGuard(window_s=config.replay_window_s)
+    # Nonces live in memory only: a request signed before this start is refused (see ReplayGuard).
+    app[REPLAY] = ReplayGuard(window_s=config.replay_window_s, not_before=time.time())
     app[SCHEDULER] = scheduler
     app[SIGNAL] = signal
     app[METRICS] = metrics

@@ -771,6 +771,7 @@ class NodeAgent:
         encode_s = time.perf_counter() - t0
         backoff = Backoff(self.config.backoff_base_s, min(self.config.backoff_cap_s, 10.0))
         reregistered = False
+        resigned = False
         while True:
             header = UpdateHeader(
                 assignment_id=a.assignment_id, update_sha256=digest, update_size=len(body),
@@ -800,6 +801,14 @@ class NodeAgent:
                 await self._interruptible(self._connect(self._benchmark_msg))
                 continue
             except HubError as exc:
+                if exc.code == "replay" and not resigned:
+                    # Our own fresh header called a replay: the hub restarted an instant ago (it
+                    # refuses anything signed before its start) or the clocks disagree. Signing
+                    # again is always safe: the hub accepts one update per assignment.
+                    resigned = True
+                    self.output.event("error", **json_error_detail(exc), action="sign again")
+                    await self._interruptible(asyncio.sleep(0.5))
+                    continue
                 self.totals.rejected += 1
                 self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
                 return

@@ -290,6 +290,10 @@ class ReplayGuard:
     left the window, after which the timestamp check alone refuses it. Memory is
     bounded by ``max_entries``; when full of still-live nonces the guard refuses
     new requests (fails closed) rather than forgetting one.
+
+    ``not_before``: the moment this guard's memory began (a hub passes its start
+    time). Nonces seen before it are not known, so a request signed earlier is
+    refused as a possible replay across a restart; a client simply signs again.
     """
 
     def __init__(
@@ -297,6 +301,7 @@ class ReplayGuard:
         window_s: float = 300.0,
         max_entries: int = 200_000,
         clock: Callable[[], float] = time.time,
+        not_before: float | None = None,
     ) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError("window_s must be a positive finite number")
@@ -305,6 +310,7 @@ class ReplayGuard:
         self.window_s = float(window_s)
         self.max_entries = int(max_entries)
         self._clock = clock
+        self.not_before = not_before
         self._seen: dict[tuple[bytes, bytes], float] = {}
         self._expiry: list[tuple[float, bytes, bytes]] = []
 
@@ -330,6 +336,11 @@ class ReplayGuard:
             raise ReplayError(
                 f"request timestamp is {now - timestamp:.0f}s old (window {self.window_s:.0f}s); "
                 "check the node's clock"
+            )
+        if self.not_before is not None and timestamp < self.not_before:
+            raise ReplayError(
+                f"request was signed {self.not_before - timestamp:.1f}s before this hub started; nonces from "
+                "before a restart are not remembered, so it is refused as a possible replay (sign it again)"
             )
         if timestamp > now + self.window_s:
             raise ReplayError(

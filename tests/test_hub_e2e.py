@@ -9,7 +9,8 @@ import time
 
 import aiohttp
 from gpuflex.hub.appkeys import ROUNDS
-from gpuflex.protocol.messages import Ack, Assignment, NoWork
+from gpuflex.protocol.messages import Ack, Assignment, NoWork, WorkRequest
+from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import state_from_safetensors
 
 from tests.helpers import SimNode, digits_spec, start_hub, submit_job, wait_job, write_digits
@@ -99,6 +100,33 @@ async def test_two_jobs_share_two_nodes(tmp_path):
             assert seen_jobs == set(ids)
     finally:
         await hub.stop()
+
+
+async def test_request_signed_before_a_restart_is_refused_as_a_replay(tmp_path):
+    """The nonce memory does not survive a restart; the time it started does the job instead."""
+    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+    hub = await start_hub(tmp_path / "hub")
+    async with aiohttp.ClientSession() as s:
+        await submit_job(s, hub, spec, train, val)
+        node = SimNode(s, hub.url)
+        await node.register()
+        captured = seal(node.key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.0,
+                                              cached_chunks=()))
+        async with s.post(f"{hub.url}/v1/work", data=captured, headers={"Content-Type": "application/x-msgpack"}) as r:
+            assert r.status == 200
+        tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
+        await hub.stop()
+        hub = await start_hub(tmp_path / "hub", tokens=tokens)
+        try:
+            async with s.post(f"{hub.url}/v1/work", data=captured, headers={"Content-Type": "application/x-msgpack"}) as r:
+                body = await r.json()
+                assert r.status == 409 and body["error"] == "replay" and "before this hub started" in body["detail"]
+            fresh = seal(node.key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.0,
+                                               cached_chunks=()))
+            async with s.post(f"{hub.url}/v1/work", data=fresh, headers={"Content-Type": "application/x-msgpack"}) as r:
+                assert r.status == 200  # the node, signing again, is served
+        finally:
+            await hub.stop()
 
 
 async def test_restart_between_accepting_and_aggregating_gives_identical_model(tmp_path):

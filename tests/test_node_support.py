@@ -222,6 +222,7 @@ class TamperProxy:
     target: str
     mutate: Callable[[str, bytes], bytes] = lambda path, body: body
     inline: bool = False  # pass the node's X-GPUFlex-Inline-Max through (models inside work answers)
+    intercept: Callable[[str], web.Response | None] | None = None  # answer instead of the hub
     seen: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -229,6 +230,8 @@ class TamperProxy:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(f"{request.method} {request.path}")
         body = await request.read()
+        if self.intercept is not None and (answer := self.intercept(request.path)) is not None:
+            return answer
         headers = {
             k: v
             for k, v in request.headers.items()

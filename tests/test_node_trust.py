@@ -97,6 +97,36 @@ async def test_tampered_inline_model_is_refused_and_downloaded_instead(tmp_path)
         await hub.stop()
 
 
+async def test_update_called_a_replay_is_signed_again_not_dropped(tmp_path):
+    """A hub that restarted an instant ago refuses what was signed before its start: re-sign."""
+    from aiohttp import web
+
+    hub = await Hub(tmp_path / "hub").start()
+    await hub.submit(spec_toml(rounds=1), dataset())
+    refused: list[str] = []
+
+    def intercept(path: str) -> web.Response | None:
+        if path == "/v1/updates" and not refused:
+            refused.append(path)
+            return web.json_response({"error": "replay", "detail": "request was signed before this hub started"},
+                                     status=409)
+        return None
+
+    proxy = await TamperProxy(hub.url, intercept=intercept).start()
+    try:
+        events = EventLog()
+        node = agent(tmp_path / "node", proxy.url, events, once=True)
+        code = await _run_until(node, events, lambda: events.of("uploaded") or events.of("rejected"))
+        assert code == 0 and refused
+        assert [e.get("action") for e in events.of("error")] == ["sign again"]
+        assert events.of("uploaded") and events.of("uploaded")[0]["ok"] is True
+        assert not events.of("rejected")
+        assert proxy.seen.count("POST /v1/updates") == 2
+    finally:
+        await proxy.stop()
+        await hub.stop()
+
+
 async def test_wrong_hub_key_refuses_loudly(tmp_path):
     hub = await Hub(tmp_path / "hub").start()
     try:

@@ -218,6 +218,17 @@ def test_replay_fresh_then_repeat_refused() -> None:
     guard.check(b"t" * 32, clock.now, b"n" * 16)  # nonces are per signer
 
 
+def test_replay_guard_refuses_what_was_signed_before_it_started() -> None:
+    """A restarted hub has an empty nonce memory: anything signed before its start is refused."""
+    clock = Clock()
+    before = (b"s" * 32, clock.now - 5, new_nonce())
+    ReplayGuard(window_s=60, clock=clock).check(*before)  # the old hub accepted it
+    restarted = ReplayGuard(window_s=60, clock=clock, not_before=clock.now - 1)
+    with pytest.raises(ReplayError, match="before this hub started"):
+        restarted.check(*before)
+    restarted.check(b"s" * 32, clock.now - 0.5, new_nonce())  # signed after the start: fine
+
+
 def test_replay_stale_and_future_refused() -> None:
     clock = Clock()
     guard = ReplayGuard(window_s=60, clock=clock)
