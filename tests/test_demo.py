@@ -33,9 +33,18 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+# `python -m gpuflex.hub`, with Ctrl+C handled as in a terminal's foreground job. When the
+# suite runs as a background job of a non-interactive shell (`bash .ci/run &`), SIGINT is
+# ignored here and a child would inherit that (Python keeps an inherited SIG_IGN).
+_HUB_WITH_CTRL_C = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from gpuflex.hub.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 def _demo(workdir: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpuflex.hub", "demo", "--workdir", str(workdir), *extra],
+        [sys.executable, "-c", _HUB_WITH_CTRL_C, "demo", "--workdir", str(workdir), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -55,7 +64,7 @@ def test_demo_runs_flags_the_misbehaving_node_and_cleans_up(tmp_path: Path) -> N
 
 
 def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    proc = _demo(tmp_path, "--nodes", "2", "--rounds", "50", "--misbehaving", "0")
+    proc = _demo(tmp_path, "--nodes", "2", "--rounds", "500", "--misbehaving", "0")  # far more than it will run
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 120
