@@ -180,9 +180,13 @@ async def run_once(n: int, rounds: int) -> dict[str, object]:
     engine = app[ROUNDS]
     original_close = engine._close
 
+    close_ms: list[float] = []
+
     async def close_and_mark(job):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
         await original_close(job)
         round_open[job.round] = time.perf_counter()
+        close_ms.append((round_open[job.round] - t) * 1000)
 
     engine._close = close_and_mark  # type: ignore[method-assign]
     sched = app[SCHEDULER]
@@ -262,6 +266,8 @@ async def run_once(n: int, rounds: int) -> dict[str, object]:
         "max_assignment_ms": round(max(latencies_ms), 2),
         "turnaround_ms": round(statistics.median(turnarounds), 2) if turnarounds else None,
         "turnaround_all_nodes_ms": round(statistics.median(fill), 2) if fill else None,
+        # part of the turnaround: review + aggregation + evaluation + durable commit of a round
+        "close_ms": round(statistics.median(close_ms), 2) if close_ms else None,
         "baseline_echo_requests_per_s": round(echo_rps, 1),
         # A floor set by this harness, not by the hub: when a round opens, all n waiting
         # nodes want an answer at once, and even a bare echo handler serves them one after

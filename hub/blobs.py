@@ -71,7 +71,7 @@ class BlobStore:
         if not p.is_file():
             raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
         data = p.read_bytes()
-        self._remember(sha, data)
+        self.remember(sha, data)
         return data
 
     def hot(self, sha: str) -> bytes | None:
@@ -82,7 +82,8 @@ class BlobStore:
                 self._hot.move_to_end(sha)
             return data
 
-    def _remember(self, sha: str, data: bytes | bytearray | memoryview) -> None:
+    def remember(self, sha: str, data: bytes | bytearray | memoryview) -> None:
+        """Keep a small blob's bytes in memory too (call only once the blob is durable on disk)."""
         size = len(memoryview(data).cast("B"))
         if size > HOT_BLOB_MAX:
             return
@@ -110,7 +111,7 @@ class BlobStore:
             fh.flush()
             os.fsync(fh.fileno())
         self.commit_temp(tmp, sha)
-        self._remember(sha, data)  # only once it is durable
+        self.remember(sha, data)  # only once it is durable
         return sha
 
     def commit_temp(self, tmp: Path, sha: str) -> Path:

@@ -46,12 +46,17 @@ log = logging.getLogger("gpuflex.hub.rounds")
 
 @contextlib.contextmanager
 def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str, Tensor]]]:
-    """Zero-copy views of update blobs (read-only mmaps), closed on exit."""
+    """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a
+    read-only mmap), closed on exit."""
     maps: list[mmap.mmap] = []
     files = []
     states: list[dict[str, Tensor]] = []
     try:
         for sha in shas:
+            hot = blobs.hot(sha)
+            if hot is not None:
+                states.append(decode_state(hot))
+                continue
             fh = open(blobs.path(sha), "rb")
             files.append(fh)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)

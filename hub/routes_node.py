@@ -343,6 +343,7 @@ def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha
             fh.flush()
             os.fsync(fh.fileno())
         blobs.commit_temp(path, sha)
+        blobs.remember(sha, body)  # the round's close reads it from memory
         return
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
