@@ -1,5 +1,8 @@
 """Hub load benchmark: N simulated nodes in one process, real HTTP over loopback, real signatures.
 
+The hub runs as its own `gpuflex-hub serve` process by default (as deployed), or inside
+the benchmark's process with --hub inproc.
+
 Each node registers, long-polls for work, and uploads a small update (its own
 random delta of the model) for every assignment, for R rounds of one job whose
 chunks give every node one shard per round. Reports:
@@ -13,7 +16,7 @@ chunks give every node one shard per round. Reports:
 - a baseline measured in the same run: a bare aiohttp echo handler driven by the same
   client with the same concurrency and body size; ratio = hub requests/s / echo requests/s.
 
-Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--out bench/results/hub_load.json]
+Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--hub process|inproc] [--out bench/results/hub_load.json]
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import hashlib
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,24 +98,61 @@ async def start(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def echo_baseline(n_clients: int, per_client: int, body: bytes) -> float:
+ECHO_SERVER = """
+import sys
+from aiohttp import web
+
+async def echo(request):
+    return web.Response(body=await request.read(), content_type="application/x-msgpack")
+
+app = web.Application()
+app.router.add_post("/echo", echo)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+
+async def echo_baseline(n_clients: int, per_client: int, body: bytes, *, own_process: bool) -> float:
+    """Requests/s of a bare aiohttp echo handler, driven like the hub (same client, body, concurrency).
+
+    ``own_process``: the echo server runs in its own process, as the hub does in "process" mode.
+    """
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=await request.read(), content_type="application/x-msgpack")
 
-    app = web.Application()
-    app.router.add_post("/echo", echo)
-    runner, url = await start(app)
+    runner: web.AppRunner | None = None
+    server: subprocess.Popen[bytes] | None = None
+    if own_process:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(port)])
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            await asyncio.sleep(0.1)
+    else:
+        app = web.Application()
+        app.router.add_post("/echo", echo)
+        runner, url = await start(app)
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def client() -> None:
-            for _ in range(per_client):
-                async with s.post(url + "/echo", data=body, headers=MSGPACK) as r:
-                    await r.read()
+    try:
+        async with aiohttp.ClientSession(connector=conn) as s:
+            async def client() -> None:
+                for _ in range(per_client):
+                    async with s.post(url + "/echo", data=body, headers=MSGPACK) as r:
+                        await r.read()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(n_clients)))
-        elapsed = time.perf_counter() - t0
-    await runner.cleanup()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(n_clients)))
+            elapsed = time.perf_counter() - t0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if server is not None:
+            server.terminate()
+            server.wait(10)
     return n_clients * per_client / elapsed
 
 
@@ -121,7 +164,7 @@ class Node:
         self.delta = delta
         self.delta_sha = hashlib.sha256(delta).hexdigest()
         self.requests = 0
-        self.latencies: list[float] = []  # (seconds) work available -> assignment received
+        self.polls: list[tuple[int, float, float]] = []  # (round, request sent, assignment received)
         self.got: list[tuple[int, float]] = []  # (round, time received)
         self.acked: list[tuple[int, float]] = []  # (round, time acked)
 
@@ -142,19 +185,18 @@ class Node:
                       timestamp=time.time(), nonce=new_nonce())
         await self.post("/v1/nodes/register", seal(self.key, hello))
 
-    async def run(self, rounds: int, round_open: dict[int, float], stop: asyncio.Event) -> None:
+    async def run(self, rounds: int, stop: asyncio.Event) -> None:
         done_rounds = 0
         while done_rounds < rounds and not stop.is_set():
-            t_sent = time.perf_counter()
+            t_sent = time.time()
             req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=30.0, cached_chunks=())
             data = await self.post("/v1/work", seal(self.key, req))
-            t_got = time.perf_counter()
+            t_got = time.time()
             payload, _, _ = open_envelope(data)
             if peek_kind(payload) == NoWork.KIND:
                 continue
             a, _ = open_sealed(data, Assignment)
-            opened = round_open.get(a.round, 0.0)
-            self.latencies.append(t_got - max(t_sent, opened))
+            self.polls.append((a.round, t_sent, t_got))
             self.got.append((a.round, t_got))
             hdr = UpdateHeader(assignment_id=a.assignment_id, update_sha256=self.delta_sha,
                                update_size=len(self.delta), sample_count=sum(c.samples for c in a.chunks),
@@ -166,39 +208,78 @@ class Node:
             # the client's CPU is the hub's CPU here: check the ack's content, leave its signature to real nodes
             if not decode_message(open_envelope(ack_bytes)[0], Ack).ok:
                 raise RuntimeError("update refused")
-            self.acked.append((a.round, time.perf_counter()))
+            self.acked.append((a.round, time.time()))
             done_rounds += 1
 
 
-async def run_once(n: int, rounds: int) -> dict[str, object]:
-    """One complete run with `n` nodes and a fresh hub; returns its figures."""
+class HubProcess:
+    """`gpuflex-hub serve` as its own process, as deployed: the simulated nodes do not share its CPU."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        bindir = Path(sys.executable).parent
+        cli = [str(bindir / "gpuflex-hub")]
+        made = subprocess.run([*cli, "token", "create", "--data", str(data), "--role", "owner", "--name", "bench"],
+                              capture_output=True, text=True, check=True)
+        self.owner = made.stdout.strip().splitlines()[-1].strip()
+        self.log = open(data.parent / "hub.log", "wb")
+        self.proc = subprocess.Popen(
+            [*cli, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", "0",
+             "--long-poll-max", "30", "--min-deadline", "120"], stdout=self.log, stderr=subprocess.STDOUT)
+        url_file = data / "hub.url"
+        for _ in range(600):
+            if url_file.exists() and self.proc.poll() is None:
+                self.url = url_file.read_text().strip()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise SystemExit(f"gpuflex-hub serve did not start; see {data.parent / 'hub.log'}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
+    """One complete run with `n` nodes and a fresh hub; returns its figures.
+
+    hub_mode "process": `gpuflex-hub serve` in its own process (as deployed);
+    "inproc": the app in this process, sharing the simulated nodes' CPU.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
-    app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
-                               sweep_interval_s=0.5))
-    # record when each round opens (the moment its work exists), on the hub's own clock
-    round_open: dict[int, float] = {0: float("inf")}
-    engine = app[ROUNDS]
-    original_close = engine._close
+    # when each round opened (the moment its work existed), wall clock
+    round_open: dict[int, float] = {}
+    runner: web.AppRunner | None = None
+    hub_proc: HubProcess | None = None
+    if hub_mode == "inproc":
+        app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
+                                   sweep_interval_s=0.5))
+        engine = app[ROUNDS]
+        original_close = engine._close
 
-    close_ms: list[float] = []
+        async def close_and_mark(job):  # type: ignore[no-untyped-def]
+            await original_close(job)
+            round_open[job.round] = time.time()
 
-    async def close_and_mark(job):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        await original_close(job)
-        round_open[job.round] = time.perf_counter()
-        close_ms.append((round_open[job.round] - t) * 1000)
+        engine._close = close_and_mark  # type: ignore[method-assign]
+        sched = app[SCHEDULER]
+        original_add = sched.add_job
 
-    engine._close = close_and_mark  # type: ignore[method-assign]
-    sched = app[SCHEDULER]
-    original_add = sched.add_job
+        def add_and_mark(job):  # type: ignore[no-untyped-def]
+            original_add(job)
+            round_open[0] = time.time()
 
-    def add_and_mark(job):  # type: ignore[no-untyped-def]
-        original_add(job)
-        round_open[0] = time.perf_counter()
-
-    sched.add_job = add_and_mark  # type: ignore[method-assign]
-    runner, url = await start(app)
-    owner = create_token(tmp / "hub", "owner", "bench")
+        sched.add_job = add_and_mark  # type: ignore[method-assign]
+        runner, url = await start(app)
+        owner = create_token(tmp / "hub", "owner", "bench")
+    else:
+        hub_proc = HubProcess(tmp / "hub")
+        url, owner = hub_proc.url, hub_proc.owner
 
     # data: exactly one 4-sample chunk per node per round
     rng = np.random.default_rng(0)
@@ -227,7 +308,7 @@ async def run_once(n: int, rounds: int) -> dict[str, object]:
         form.add_field("train", (tmp / "train.npz").read_bytes(), filename="train.npz")
         form.add_field("val", (tmp / "val.npz").read_bytes(), filename="val.npz")
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(node.run(rounds, round_open, stop)) for node in nodes]
+        tasks = [asyncio.create_task(node.run(rounds, stop)) for node in nodes]
         await asyncio.sleep(0.5)  # every node is now long-polling
         async with s.post(url + "/v1/jobs", data=form, headers={"Authorization": f"Bearer {owner}"}) as r:
             job = await r.json()
@@ -243,19 +324,26 @@ async def run_once(n: int, rounds: int) -> dict[str, object]:
             if doc["state"] == "done":
                 break
             await asyncio.sleep(0.05)
-    await runner.cleanup()
+    if runner is not None:
+        await runner.cleanup()
+    if hub_proc is not None:
+        hub_proc.stop()
+        # the hub's own record of when each round opened (same machine, same clock)
+        round_open = {int(h["round"]): float(h["opened_at"]) for h in doc["history"]}
 
     work_update_requests = sum(node.requests for node in nodes)
-    latencies_ms = [lat * 1000 for node in nodes for lat in node.latencies]
-    turnarounds, fill = [], []
+    latencies_ms = [(got - max(sent, round_open[r])) * 1000 for node in nodes for (r, sent, got) in node.polls]
+    turnarounds, fill, close_ms = [], [], []
     for r in range(rounds - 1):
         last_ack = max(t for node in nodes for (rr, t) in node.acked if rr == r)
         nxt = [t for node in nodes for (rr, t) in node.got if rr == r + 1]
         turnarounds.append((min(nxt) - last_ack) * 1000)
         fill.append((max(nxt) - last_ack) * 1000)
+        close_ms.append((round_open[r + 1] - last_ack) * 1000)
     rps = (work_update_requests - n) / t_run  # work + update requests during the rounds
     body = seal(nodes[0].key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=1.0, cached_chunks=()))
-    echo_rps = await echo_baseline(min(n, 200), max(5, 2000 // min(n, 200)), body)
+    echo_rps = await echo_baseline(min(n, 200), max(5, 2000 // min(n, 200)), body,
+                                   own_process=hub_mode == "process")
     return {
         "nodes": n,
         "rounds": rounds,
@@ -266,8 +354,10 @@ async def run_once(n: int, rounds: int) -> dict[str, object]:
         "max_assignment_ms": round(max(latencies_ms), 2),
         "turnaround_ms": round(statistics.median(turnarounds), 2) if turnarounds else None,
         "turnaround_all_nodes_ms": round(statistics.median(fill), 2) if fill else None,
-        # part of the turnaround: review + aggregation + evaluation + durable commit of a round
+        # part of the turnaround: last update acknowledged -> next round open (review, aggregation,
+        # evaluation, durable commit)
         "close_ms": round(statistics.median(close_ms), 2) if close_ms else None,
+        "hub": hub_mode,
         "baseline_echo_requests_per_s": round(echo_rps, 1),
         # A floor set by this harness, not by the hub: when a round opens, all n waiting
         # nodes want an answer at once, and even a bare echo handler serves them one after
@@ -283,12 +373,14 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", default="1000", help="comma-separated node counts; the last one is `figures`")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hub", choices=("process", "inproc"), default="process",
+                    help="the hub as its own `gpuflex-hub serve` process (as deployed) or inside this one")
     ap.add_argument("--out", default="bench/results/hub_load.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     runs = []
     for n in (int(v) for v in args.nodes.split(",")):
-        runs.append(await run_once(n, args.rounds))
+        runs.append(await run_once(n, args.rounds, args.hub))
         print(json.dumps(runs[-1]), flush=True)
     figures = runs[-1]
     result = {
@@ -300,13 +392,13 @@ async def main() -> int:
                   "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50},  # type: ignore[operator]
         "notes": ("echo_bound_p99_ms = 0.99 * nodes / baseline_echo_requests_per_s: the p99 a bare aiohttp "
                   "echo handler would reach when every node's request arrives at the same moment (a round "
-                  "opening), the floor for any single-process Python hub in this harness; "
-                  "one process for hub + all simulated nodes on a shared 2-core box (the client side, incl. "
-                  "its Ed25519 signing, competes with the hub for the same CPU; compare ratio_vs_echo, the bare "
-                  "aiohttp echo handler measured in the same run); every update is fsynced (blob + dir + "
-                  "SQLite WAL synchronous=FULL group commit) before its ack; turnaround includes "
-                  "verification.review_round + aggregation of all of the round's updates, evaluation and the "
-                  "durable commit"),
+                  "opening), the floor for any single-process Python hub in this harness. hub=process: "
+                  "`gpuflex-hub serve` in its own process and the simulated nodes in this one (2 cores "
+                  "shared by the two); the echo server then runs in its own process too. hub=inproc: one "
+                  "process for both (the client side, incl. its Ed25519 signing, competes with the hub). "
+                  "Every update is fsynced (blob + dir + SQLite WAL synchronous=FULL group commit) before "
+                  "its ack; close_ms = last update acknowledged -> next round open (review, aggregation of "
+                  "all of the round's updates, evaluation, durable commit)"),
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

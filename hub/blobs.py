@@ -11,6 +11,7 @@ next) are also kept in a bounded in-memory cache, so serving them costs no file 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import secrets
@@ -50,6 +51,8 @@ class BlobStore:
         self._hot: OrderedDict[str, bytes] = OrderedDict()
         self._hot_bytes = 0
         self._hot_lock = threading.Lock()  # put() runs on worker threads, reads on the loop
+        self._tmp_prefix = secrets.token_hex(6)
+        self._tmp_seq = itertools.count()
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
         # Leftovers of a crash mid-upload are never referenced: clear them.
@@ -98,7 +101,8 @@ class BlobStore:
                 self._hot_bytes -= len(old)
 
     def temp_path(self) -> Path:
-        return self.tmp / f"{secrets.token_hex(12)}.part"
+        # unique for this store's life (tmp/ is emptied at start); no urandom call per upload
+        return self.tmp / f"{self._tmp_prefix}-{next(self._tmp_seq)}.part"
 
     def put(self, data: bytes | bytearray | memoryview) -> str:
         """Store bytes durably; returns their id. Idempotent."""
