@@ -104,10 +104,14 @@ class BlobStore:
         # unique for this store's life (tmp/ is emptied at start); no urandom call per upload
         return self.tmp / f"{self._tmp_prefix}-{next(self._tmp_seq)}.part"
 
-    def put(self, data: bytes | bytearray | memoryview) -> str:
-        """Store bytes durably; returns their id. Idempotent."""
-        sha = hashlib.sha256(data).hexdigest()
+    def put(self, data: bytes | bytearray | memoryview, *, sha: str | None = None) -> str:
+        """Store bytes durably; returns their id. Idempotent.
+
+        ``sha``: the sha256 of ``data`` when the caller has already computed it from these bytes.
+        """
+        sha = sha or hashlib.sha256(data).hexdigest()
         if self.has(sha):
+            self.remember(sha, data)
             return sha
         tmp = self.temp_path()
         with open(tmp, "wb") as fh:

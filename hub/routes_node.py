@@ -331,20 +331,15 @@ def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) 
                         headers={**headers, "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
 
 
-def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str, body: bytes | None) -> None:
-    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread.
+def _ingest_update_bytes(body: bytes, spec_manifest: object, blobs: BlobStore, sha: str) -> None:
+    """An update held in memory: check it, then store it durably (and keep it in memory for the
+    round's close). Worker thread."""
+    _check_update(body, spec_manifest)
+    blobs.put(body, sha=sha)
 
-    ``body``: the update's bytes when they were held in memory (checked first, then written).
-    """
-    if body is not None:
-        _check_update(body, spec_manifest)
-        with open(path, "wb") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        blobs.commit_temp(path, sha)
-        blobs.remember(sha, body)  # the round's close reads it from memory
-        return
+
+def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str) -> None:
+    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
@@ -452,9 +447,13 @@ async def _update(request: web.Request) -> web.Response:
             raise BadRequest(f"body has {received} bytes, update_size says {hdr.update_size}", code="size_mismatch")
         if digest.hexdigest() != hdr.update_sha256:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
-        body = b"".join(pieces) if small else None
-        await asyncio.get_running_loop().run_in_executor(
-            app[IO_POOL], _ingest_update_file, tmp, manifest(job.spec.model), blobs, hdr.update_sha256, body)
+        loop = asyncio.get_running_loop()
+        if small:
+            await loop.run_in_executor(app[IO_POOL], _ingest_update_bytes, b"".join(pieces),
+                                       manifest(job.spec.model), blobs, hdr.update_sha256)
+        else:
+            await loop.run_in_executor(app[IO_POOL], _ingest_update_file, tmp, manifest(job.spec.model), blobs,
+                                       hdr.update_sha256)
         if a.id not in sched.assignments or job.round != a.round or job.state != "running":
             raise Conflict("the round closed while the update was uploading", code="late_update")
         now = time.time()
