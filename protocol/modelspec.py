@@ -525,7 +525,8 @@ def _layer_shape(layer: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
     if isinstance(layer, (nn.Conv1d, nn.Conv2d)):
         dims = 1 if isinstance(layer, nn.Conv1d) else 2
         if len(shape) != dims + 1 or shape[0] != layer.in_channels:
-            raise ValueError(f"needs [{layer.in_channels}, {', '.join(['L'] * dims)}]")
+            spatial_names = ", ".join(["L"] * dims)
+            raise ValueError(f"needs [C, {spatial_names}] with C = {layer.in_channels}")
         k, st, pd, dl = (
             _tuple(layer.kernel_size, dims),
             _tuple(layer.stride, dims),
@@ -606,9 +607,14 @@ def meta_forward_shape(spec: ModelSpec) -> tuple[int, ...]:
     with torch.device(meta):
         module = _construct(spec, meta)
     module.eval()
-    x = torch.zeros((2, *spec.input_shape), dtype=spec.input_dtype, device=meta)
+    batch = 2
+    x = torch.zeros((batch, *spec.input_shape), dtype=spec.input_dtype, device=meta)
     with torch.no_grad():
         y = module(x)
+    if y.dim() == 0 or y.shape[0] != batch:
+        # torch's conv and pool layers take an input without a batch dim as "unbatched":
+        # the batch was then consumed as channels, which no real batch size would survive.
+        raise ValueError(f"the batch dimension did not survive the forward (output {list(y.shape)})")
     return tuple(int(d) for d in y.shape[1:])
 
 

@@ -68,14 +68,30 @@ async def test_two_nodes_same_shard_give_byte_identical_updates(tmp_path):
         await hub.stop()
 
 
+class _UploadSignal(EventLog):
+    """Wakes the test the moment the node reports an upload (no polling gap in which a fast
+    node could finish the whole job)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uploaded = asyncio.Event()
+
+    def event(self, event: str, **fields) -> None:
+        super().event(event, **fields)
+        if event == "uploaded":
+            self.uploaded.set()
+
+
 async def test_hub_restart_mid_job_node_carries_on(tmp_path):
     hub = await Hub(tmp_path / "hub").start()
-    events = EventLog()
+    events = _UploadSignal()
     node = agent(tmp_path / "node", hub.url, events, max_assignments=3)
     try:
-        await hub.submit(spec_toml(rounds=3), dataset())
+        # 60 local epochs: each later round trains for a good fraction of a second, far longer
+        # than stopping the hub takes, so the outage always lands mid-job.
+        await hub.submit(spec_toml(rounds=3, epochs=60), dataset())
         task = asyncio.create_task(node.run())
-        await wait_for(lambda: events.of("uploaded"), timeout=30)
+        await asyncio.wait_for(events.uploaded.wait(), 30)
         await hub.stop()  # the hub goes away between rounds
         await wait_for(
             lambda: any(e.get("error") == "HubUnavailable" for e in events.of("error")), timeout=15

@@ -393,3 +393,29 @@ def test_infer_shapes_matches_meta_forward(data: st.DataObject, dims: int) -> No
         # dimension, torch's conv/pool silently treat the batch as channels ("unbatched").
         return
     assert ours == theirs, (raw, ours, theirs)
+
+
+def test_conv_after_flatten_is_refused_not_run_unbatched() -> None:
+    """Flatten leaves (batch, features); torch's Conv1d would read that as one unbatched
+    sample with the batch as its channels. The spec is refused, and the meta forward
+    used to cross-check shapes reports the lost batch instead of a shape."""
+    raw = {
+        "kind": "sequential",
+        "input_shape": [1, 1],
+        "outputs": 1,
+        "layers": [
+            {"type": "Flatten"},
+            {"type": "Conv1d", "in_channels": 2, "out_channels": 1, "kernel_size": 1},
+        ],
+    }
+    with pytest.raises(SpecError, match=r"layer 1 \(Conv1d\).*needs \[C, L\] with C = 2"):
+        ModelSpec.from_dict(raw)
+    spec = ModelSpec(
+        kind="sequential",
+        task="classification",
+        input_shape=(1, 1),
+        outputs=1,
+        layers=tuple(_parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(raw["layers"])),
+    )
+    with pytest.raises(ValueError, match="batch dimension"):
+        meta_forward_shape(spec)
