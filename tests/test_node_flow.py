@@ -196,14 +196,14 @@ async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
     from gpuflex.hub.appkeys import SCHEDULER
 
     hub = await Hub(tmp_path / "hub").start()
-    events = EventLog()
-    # Three rounds: the table is cleared after the first upload, and at least one later round's
-    # request comes after the clear however fast this machine closes rounds.
+    events = _UploadSignal()
+    # Three rounds of 60 local epochs: the table is cleared the moment the first upload is
+    # reported, and the later rounds' requests come after the clear however fast this machine is.
     node = agent(tmp_path / "node", hub.url, events, max_assignments=3)
     try:
-        await hub.submit(spec_toml(rounds=3), dataset())
+        await hub.submit(spec_toml(rounds=3, epochs=60), dataset())
         task = asyncio.create_task(node.run())
-        await wait_for(lambda: events.of("uploaded"), timeout=30)
+        await asyncio.wait_for(events.uploaded.wait(), 30)
         hub.app[SCHEDULER].nodes.clear()  # as if the hub lost its node table
         assert await asyncio.wait_for(task, 60) == 0
         assert len(events.of("registered")) >= 2
