@@ -126,8 +126,15 @@ def create_app(config: HubConfig) -> web.Application:
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/openapi.json", openapi)
     app.cleanup_ctx.append(background)
+    app.on_shutdown.append(_wake_long_polls)
     _attach_console(app)
     return app
+
+
+async def _wake_long_polls(app: web.Application) -> None:
+    """Shutdown waits for in-flight handlers: answer every waiting long-poll now (NoWork,
+    retry soon) rather than let each run out its wait (up to long_poll_max_s)."""
+    app[SIGNAL].close()
 
 
 def _attach_console(app: web.Application) -> None:

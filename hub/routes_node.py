@@ -175,7 +175,8 @@ async def work(request: web.Request) -> web.Response:
     cached = frozenset(req.cached_chunks)
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     give_up = time.monotonic() + wait_s
-    while True:
+    signal = app[SIGNAL]
+    while not signal.closing:
         node.last_seen = time.time()
         if node.banned:
             raise Forbidden("this node is banned from the hub after confirmed flags", code="banned")
@@ -192,10 +193,14 @@ async def work(request: web.Request) -> web.Response:
         left = give_up - time.monotonic()
         if left <= 0:
             break
-        await app[SIGNAL].wait(left)
+        await signal.wait(left)
     running = any(j.state == "running" for j in sched.jobs.values())
-    reason = "every chunk of the current rounds is taken" if running else "no job is running"
-    retry = 1.0 if running else cfg.node_poll_s
+    if signal.closing:
+        reason, retry = "the hub is shutting down", 2.0
+    elif running:
+        reason, retry = "every chunk of the current rounds is taken", 1.0
+    else:
+        reason, retry = "no job is running", cfg.node_poll_s
     return sealed_response(request, NoWork(retry_after_s=retry, reason=reason))
 
 

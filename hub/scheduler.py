@@ -293,10 +293,16 @@ class WorkSignal:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self.closing = False
 
     def notify(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
+
+    def close(self) -> None:
+        """The hub is stopping: wake every long-poll now so none holds the shutdown up."""
+        self.closing = True
+        self.notify()
 
     async def wait(self, within_s: float) -> bool:
         event = self._event

@@ -159,7 +159,7 @@ async def run_job_with_attacker(
     train, val, _ = write_digits(work_dir)
     # ~1000 samples per shard at the claimed throughput: two shards in the first round.
     spec = digits_spec(
-        rounds=rounds, round_target_s=0.2, chunk_size=64, replication='"adaptive"', replica_wait_s=2.0
+        rounds=rounds, round_target_s=0.2, chunk_size=64, replication='"adaptive"', replica_wait_s=5.0
     )
     evil = digits_spec(rounds=1).replace('name = "digits-mlp"', f'name = "{EVIL_NAME}"')
     async with aiohttp.ClientSession() as s:

@@ -83,11 +83,21 @@ async def test_two_jobs_share_two_nodes(tmp_path):
                 await n.register()
             seen_jobs = set()
 
+            async def all_done() -> bool:
+                for job_id in ids:
+                    async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth()) as r:
+                        if (await r.json())["state"] != "done":
+                            return False
+                return True
+
             async def drive(n: SimNode) -> None:
                 while True:
                     a = await n.step(wait_s=0.5)
                     if a is None:
-                        return
+                        # No work within the poll: done, or a round is still closing (slow disk).
+                        if await all_done():
+                            return
+                        continue
                     seen_jobs.add(a.job_id)
 
             await asyncio.wait_for(asyncio.gather(*(drive(n) for n in nodes)), 90)
@@ -245,10 +255,29 @@ async def test_waiting_long_poll_wakes_with_the_next_round(tmp_path):
         await hub.stop()
 
 
+async def test_stopping_hub_answers_waiting_long_polls_at_once(tmp_path):
+    """Shutdown waits for in-flight handlers: a node long-polling for 30 s must not hold it up.
+    It gets a NoWork that says why (and when to come back) before the hub's shutdown timeout."""
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=30.0)
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, hub.url)
+        await node.register()
+        poll = asyncio.create_task(node.work(30.0))
+        await asyncio.sleep(0.3)
+        assert not poll.done()
+        await hub.stop()
+        # Without the wake-up the poll outlives the shutdown timeout and its connection is cut.
+        answer = await asyncio.wait_for(poll, 5)
+    assert isinstance(answer, NoWork) and "shutting down" in answer.reason, answer
+    assert 0 < answer.retry_after_s <= 5
+
+
 async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
     """Two new (untrusted) nodes agree; no third replica comes within replica_wait_s, so the agreeing
     pair stands unverified: one update counts, the other is redundant, nobody is flagged or credited."""
-    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=1.0)
+    # A long replica window: the pair settles at once because no other online node could take
+    # a third replica (not because the window ran out), however slowly the second upload comes.
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0)
     hub = await start_hub(tmp_path / "hub")
     try:
         async with aiohttp.ClientSession() as s:
@@ -389,7 +418,7 @@ async def test_spec_with_validation_fraction_and_csv(running_hub, tmp_path):
 async def test_server_optimizer_state_persists_and_health_metrics(tmp_path):
     train, val, spec = write_digits(tmp_path / "d", rounds=2)
     spec.write_text(spec.read_text() + '\n[aggregation]\nserver_optimizer = "fedavgm"\nserver_lr = 1.0\n')
-    hub = await start_hub(tmp_path / "hub")
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0)
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]

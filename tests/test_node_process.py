@@ -27,7 +27,9 @@ async def test_sigterm_mid_training_abandons_and_shard_is_reassigned(tmp_path):
     hub = await Hub(tmp_path / "hub").start()
     proc = None
     try:
-        await hub.submit(spec_toml(rounds=1, epochs=1000), dataset())
+        # 8 chunks of 1024 samples x 1000 epochs: far longer than the test needs to react,
+        # so the SIGTERM lands mid-training on any machine.
+        await hub.submit(spec_toml(rounds=1, epochs=1000, chunk_size=1024), dataset(n=8192))
         data = tmp_path / "node"
         proc = start_node_process(data, hub.url)
         out = ProcessEvents(proc)

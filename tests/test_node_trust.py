@@ -198,7 +198,8 @@ async def test_tampered_or_oversized_chunk_is_refused(tmp_path, attack):
     proxy = await TamperProxy(hub.url, mutate).start()
     try:
         events = EventLog()
-        node = agent(tmp_path / "node", proxy.url, events)
+        # a generous abandon timeout: the hub must hear of the refusal however busy the loop is
+        node = agent(tmp_path / "node", proxy.url, events, abandon_timeout_s=30.0)
         await _run_until(node, events, lambda: events.of("rejected"))
         rejected = events.of("rejected")
         assert rejected, events.names()

@@ -30,6 +30,13 @@ Catalogue (``ATTACKS``):
   without communicating) for a replicated shard.
 - ``half_shard``: trains honestly on the first half of its samples and claims
   all of them (sample count and a doubled train_s).
+
+Faults (``FAULTS``, not attacks: they change timing, never an update):
+
+- ``stall``: a device that hangs before training. ``--stall-after N`` trains the
+  first N assignments at once; later ones wait ``--stall-s S`` seconds (until
+  the node is stopped, without it) and then train honestly. Tests use it to put a
+  signal or an outage *inside* an assignment however fast the machine is.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from torch import Tensor
 
 __all__ = [
     "ATTACKS",
+    "FAULTS",
     "Attack",
     "agent_class",
     "contribute",
@@ -180,6 +188,9 @@ ATTACKS = (
     "colluding",
     "half_shard",
 )
+
+
+FAULTS = ("stall",)
 
 
 def make_attack(name: str) -> Attack:
@@ -358,19 +369,51 @@ def agent_class(name: str) -> type:
     return AttackAgent
 
 
+def stall_agent_class(*, after: int, seconds: float | None) -> type:
+    """A real node whose assignments after the first ``after`` wait before training.
+
+    The wait checks the node's stop flag, so pause, SIGTERM and shutdown behave as they
+    do mid-training; ``seconds=None`` waits until the node is stopped.
+    """
+    import time
+
+    from gpuflex.node.agent import NodeAgent
+
+    class StallAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.started = 0
+
+        def train(self, assignment: Any, chunks: Any, global_state: Any) -> Any:
+            self.started += 1
+            if self.started > after:
+                until = math.inf if seconds is None else time.monotonic() + seconds
+                while time.monotonic() < until and not self._stop_training.wait(0.05):
+                    pass
+            return super().train(assignment, chunks, global_state)
+
+    return StallAgent
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tests.tooling.attacks --attack NAME <gpuflex-node run args>``."""
     parser = argparse.ArgumentParser(
         prog="python -m tests.tooling.attacks",
         description="Run a real gpuflex node that misbehaves on purpose (test tooling).",
     )
-    parser.add_argument("--attack", required=True, choices=ATTACKS)
+    parser.add_argument("--attack", required=True, choices=ATTACKS + FAULTS)
+    parser.add_argument("--stall-after", type=int, default=0, help="stall: assignments trained at once")
+    parser.add_argument("--stall-s", type=float, default=None, help="stall: seconds (default: until stopped)")
     args, rest = parser.parse_known_args(argv)
     if rest and rest[0] == "run":
         rest = rest[1:]
     from gpuflex.node import cli
 
-    return int(cli.main(["run", *rest], agent_cls=agent_class(args.attack)))
+    if args.attack == "stall":
+        cls = stall_agent_class(after=args.stall_after, seconds=args.stall_s)
+    else:
+        cls = agent_class(args.attack)
+    return int(cli.main(["run", *rest], agent_cls=cls))
 
 
 if __name__ == "__main__":
