@@ -165,25 +165,16 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
 
 async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
     """Training takes longer than the hub's deadline: heartbeats extend it, the update is accepted."""
-    import time
+    from tests.tooling.attacks import stall_agent_class
 
-    from gpuflex.node.agent import NodeAgent
-
-    class SlowAgent(NodeAgent):
-        def train(self, assignment, chunks, global_state):
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 4.0:  # a slow device, still checking its stop flag
-                time.sleep(0.05)
-                if self._stop_training.is_set():
-                    break
-            return super().train(assignment, chunks, global_state)
-
+    # a slow device: 4 s before training starts, still checking its stop flag
+    slow_agent = stall_agent_class(after=0, seconds=4.0)
     hub = Hub(tmp_path / "hub", min_deadline_s=2.5)  # below the 4 s stall: only heartbeats save it
     await hub.start()
     try:
         await hub.submit(spec_toml(rounds=1, round_target_s=0.01), dataset())
         events = EventLog()
-        node = agent(tmp_path / "node", hub.url, events, cls=SlowAgent, once=True, heartbeat_s=0.3)
+        node = agent(tmp_path / "node", hub.url, events, cls=slow_agent, once=True, heartbeat_s=0.3)
         assert await asyncio.wait_for(node.run(), 60) == 0
         assert events.of("uploaded"), [(e["event"], e.get("detail")) for e in events.events]
         assert len(events.of("heartbeat")) >= 5
