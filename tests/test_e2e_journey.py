@@ -23,6 +23,9 @@ from gpuflex.hub.localcluster import LocalCluster, Proc, digits_job
 pytestmark = pytest.mark.e2e
 
 FAST_HUB = ("--long-poll-max", "2", "--min-deadline", "4")
+# Long polls of 10 s (the demo's setting): every idle node is waiting when a round opens, so
+# the work is spread over the nodes however quickly this machine closes rounds.
+SPREAD_HUB = ("--long-poll-max", "10", "--min-deadline", "4")
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +103,7 @@ def _centralized_accuracy(train: Path, val: Path, epochs: int = 20) -> float:
 
 def test_clean_run_reaches_095(tmp_path: Path, bench_cache: Path) -> None:
     """1. A clean run of the digits job reaches at least 0.95 test accuracy."""
-    # Long polls of 10 s (the demo's setting): every idle node is waiting when a round opens,
-    # so the work is spread however quickly this machine closes rounds.
-    hub_args = ("--long-poll-max", "10", "--min-deadline", "4")
-    with LocalCluster(workdir=tmp_path, hub_args=hub_args, shared_bench_cache=bench_cache) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=SPREAD_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(tmp_path / "job", rounds=6, local_epochs=3, replication=0.0)
@@ -261,7 +261,7 @@ def test_restarted_node_keeps_identity_and_cache(tmp_path: Path, bench_cache: Pa
 def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path, bench_cache: Path) -> None:
     """5. A misbehaving node is flagged, and its updates are absent from every aggregate
     that the audit log records."""
-    with LocalCluster(workdir=tmp_path, hub_args=FAST_HUB, shared_bench_cache=bench_cache) as cluster:
+    with LocalCluster(workdir=tmp_path, hub_args=SPREAD_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         auditor = cluster.create_token("auditor", "carol")
