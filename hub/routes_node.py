@@ -175,8 +175,8 @@ async def work(request: web.Request) -> web.Response:
     cached = frozenset(req.cached_chunks)
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     give_up = time.monotonic() + wait_s
-    signal = app[SIGNAL]
-    while not signal.closing:
+    wake = app[SIGNAL]  # the WorkSignal that long-polls wait on
+    while not wake.closing:
         node.last_seen = time.time()
         if node.banned:
             raise Forbidden("this node is banned from the hub after confirmed flags", code="banned")
@@ -193,9 +193,9 @@ async def work(request: web.Request) -> web.Response:
         left = give_up - time.monotonic()
         if left <= 0:
             break
-        await signal.wait(left)
+        await wake.wait(left)
     running = any(j.state == "running" for j in sched.jobs.values())
-    if signal.closing:
+    if wake.closing:
         reason, retry = "the hub is shutting down", 2.0
     elif running:
         reason, retry = "every chunk of the current rounds is taken", 1.0
