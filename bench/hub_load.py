@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from aiohttp import web
 from gpuflex.hub.app import create_app
-from gpuflex.hub.appkeys import ROUNDS, SCHEDULER
+from gpuflex.hub.appkeys import LEDGER
 from gpuflex.hub.config import HubConfig
 from gpuflex.hub.tokens import create_token
 from gpuflex.protocol.messages import (
@@ -259,7 +259,7 @@ async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
     if hub_mode == "inproc":
         app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
                                    sweep_interval_s=0.5))
-        engine = app[ROUNDS]
+        engine = app[LEDGER].rounds
         original_close = engine._close
 
         async def close_and_mark(job):  # type: ignore[no-untyped-def]
@@ -267,7 +267,7 @@ async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
             round_open[job.round] = time.time()
 
         engine._close = close_and_mark  # type: ignore[method-assign]
-        sched = app[SCHEDULER]
+        sched = app[LEDGER].scheduler
         original_add = sched.add_job
 
         def add_and_mark(job):  # type: ignore[no-untyped-def]

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 from aiohttp import web
@@ -28,24 +25,24 @@ from .appkeys import (
     FIRST_ADMIN_TOKEN,
     HUB_KEY,
     IO_POOL,
+    LEDGER,
+    LOOPS,
     METRICS,
     REPLAY,
-    ROUNDS,
-    SCHEDULER,
-    SIGNAL,
+    STORE,
 )
 from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
 from .errors import HubError
-from .jobs import load_jobs
 from .keys import load_or_create_hub_key
+from .ledger import Ledger
+from .loops import LoopHealth, supervise
 from .metrics import HubMetrics
 from .openapi import openapi_document
-from .rounds import RoundEngine
-from .scheduler import NodeState, Scheduler, WorkSignal, peak_flops
-from .tokens import insert_token
+from .scheduler import Scheduler, WorkSignal
+from .store_sqlite import SqliteStore
 from .wire import error_response, json_response, protocol_to_hub
 
 log = logging.getLogger("gpuflex.hub")
@@ -90,35 +87,28 @@ def create_app(config: HubConfig) -> web.Application:
         os.chmod(config.data_dir, 0o700)
     key, _created = load_or_create_hub_key(config.key_path)
     db = Database(config.db_path)
-    admin_token = ""
-
-    def first_admin(conn: sqlite3.Connection) -> str:
-        if conn.execute("SELECT COUNT(*) FROM tokens WHERE role = 'admin'").fetchone()[0]:
-            return ""
-        return insert_token(conn, "admin", "admin")
-
-    admin_token = db.write_sync(first_admin)
+    store = SqliteStore(db)
+    admin_token = store.first_admin_token_sync()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_message_bytes)
     metrics = HubMetrics()
-    signal = WorkSignal()
-    scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,
-                          rng=random.Random(int.from_bytes(os.urandom(8), "big")))
     blobs = BlobStore(config.blob_dir)
     audit = AuditLog(config.audit_log_path, key)
+    scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,
+                          rng=random.Random(int.from_bytes(os.urandom(8), "big")))
     app[CONFIG] = config
     app[DB] = db
+    app[STORE] = store
     app[BLOBS] = blobs
     app[HUB_KEY] = key
     # Nonces live in memory only: a request signed before this start is refused (see ReplayGuard).
     app[REPLAY] = ReplayGuard(window_s=config.replay_window_s, not_before=time.time())
-    app[SCHEDULER] = scheduler
-    app[SIGNAL] = signal
     app[METRICS] = metrics
     app[AUDIT] = audit
+    app[LOOPS] = LoopHealth()
     app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
     app[FIRST_ADMIN_TOKEN] = admin_token
-    app[ROUNDS] = RoundEngine(db=db, blobs=blobs, scheduler=scheduler, metrics=metrics, signal=signal,
-                              audit=audit)
+    app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
+                         signal=WorkSignal(), metrics=metrics, audit=audit)
     app.add_routes(routes_node.routes)
     app.add_routes(routes_owner.routes)
     app.add_routes(routes_audit.routes)
@@ -134,32 +124,38 @@ def create_app(config: HubConfig) -> web.Application:
 async def _wake_long_polls(app: web.Application) -> None:
     """Shutdown waits for in-flight handlers: answer every waiting long-poll now (NoWork,
     retry soon) rather than let each run out its wait (up to long_poll_max_s)."""
-    app[SIGNAL].close()
+    app[LEDGER].signal.close()
 
 
 def _attach_console(app: web.Application) -> None:
-    """The web console (hub/web, owned by the console area) mounts itself under /console."""
-    try:
-        from .web import setup_console
-    except ImportError:
-        return
+    """The web console (hub/web) mounts itself under /console."""
+    from .web import setup_console
+
     setup_console(app)
 
 
 async def healthz(request: web.Request) -> web.Response:
-    await request.app[DB].read(lambda c: c.execute("SELECT 1").fetchone())
-    return json_response({"ok": True, "fingerprint": request.app[HUB_KEY].fingerprint})
+    """200 while the store answers and every background loop runs; 503 naming what is down."""
+    app = request.app
+    await app[STORE].ping()
+    loops = app[LOOPS]
+    doc = {"ok": not loops.down, "fingerprint": app[HUB_KEY].fingerprint, "loops": loops.report()}
+    if loops.down:
+        doc["error"] = "; ".join(f"the {s.name} loop died ({s.last_error}) and is restarting" for s in loops.down)
+        return json_response(doc, status=503)
+    return json_response(doc)
 
 
 async def prometheus(request: web.Request) -> web.Response:
     app = request.app
-    sched = app[SCHEDULER]
+    sched = app[LEDGER].scheduler
 
     def gauges() -> dict[str, float]:
         now = time.time()
         return {"nodes_online": sched.online_nodes(now), "nodes_registered": len(sched.nodes),
                 "assignments_in_flight": sched.in_flight(),
-                "jobs_active": sum(1 for j in sched.jobs.values() if j.active)}
+                "jobs_active": sum(1 for j in sched.jobs.values() if j.active),
+                "loops_down": len(app[LOOPS].down)}
 
     return web.Response(text=app[METRICS].render(gauges), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
@@ -172,73 +168,43 @@ async def openapi(request: web.Request) -> web.Response:
 # -- background ---------------------------------------------------------------------------------
 
 
-async def _load_state(app: web.Application) -> None:
-    """Rebuild the working state from the database: nodes, then every active job's round."""
-    sched = app[SCHEDULER]
-
-    def read(conn: sqlite3.Connection) -> tuple[list[sqlite3.Row], Any]:
-        nodes = conn.execute("SELECT * FROM nodes").fetchall()
-        return nodes, load_jobs(conn)
-
-    nodes, (jobs, broken) = await app[DB].read(read)
-    for r in nodes:
-        sched.nodes[r["id"]] = NodeState(
-            id=r["id"], public_key=bytes(r["public_key"]), bench_sps=r["bench_sps"], ema_sps=r["ema_sps"],
-            last_seen=r["last_seen"], banned=bool(r["banned"]), agreed=r["agreed"], disagreed=r["disagreed"],
-            consecutive_valid=r["consecutive_valid"], flags_confirmed=r["flags_confirmed"],
-            flags_dismissed=r["flags_dismissed"], updates_accepted=r["updates_accepted"],
-            peak_flops=peak_flops(json.loads(r["benchmark"])),
-        )
-    for job in jobs:
-        sched.add_job(job)
-        app[ROUNDS].poke(job.id)  # a round with every update in aggregates now
-    for job_id, reason in broken:
-        log.error("job %s cannot be resumed: %s", job_id, reason)
-        await app[DB].write(lambda c, j=job_id, r=reason: c.execute(
-            "UPDATE jobs SET state = 'failed', error = ? WHERE id = ?", (f"cannot resume: {r}", j)))
-
-
 async def _sweep(app: web.Application) -> None:
     """Expire overdue assignments (their chunks go back to the pool); settle waiting replicas."""
     cfg = app[CONFIG]
     while True:
         await asyncio.sleep(cfg.sweep_interval_s)
-        try:
-            await _sweep_once(app)
-        except Exception:  # a failed sweep is retried next tick; it must not stop the loops
-            log.exception("sweep failed")
+        await _sweep_once(app)
 
 
 async def _sweep_once(app: web.Application) -> None:
-    sched = app[SCHEDULER]
-    now = time.time()
-    expired = sched.expired(now)
-    if expired:
-        for a in expired:
-            shard = sched.detach(a)
-            if shard is not None:
-                sched.release_if_empty(shard)
-        ids = [(a.id,) for a in expired]
-        await app[DB].write(lambda c: c.executemany(
-            "UPDATE assignments SET state = 'expired' WHERE id = ? AND state = 'live'", ids))
-        app[METRICS].assignments_expired += len(expired)
-        app[SIGNAL].notify()
-    for job in list(sched.jobs.values()):
+    ledger = app[LEDGER]
+    await ledger.expire_overdue(time.time())
+    for job in list(ledger.scheduler.jobs.values()):
         if job.state != "running":
             continue
         waiting = any(s.state == "open" and s.accepted for s in job.shards.values())
         if waiting or job.round_complete():
-            app[ROUNDS].poke(job.id)
+            ledger.rounds.poke(job.id)
 
 
 async def _loops(app: web.Application) -> None:
+    ledger, health, cfg = app[LEDGER], app[LOOPS], app[CONFIG]
+
+    async def rounds_crashed(exc: BaseException) -> None:
+        job = ledger.rounds.current
+        ledger.rounds.current = None
+        if job is not None:
+            job.error = f"the round loop failed while closing round {job.round}: {exc}".splitlines()[0]
+
     async with asyncio.TaskGroup() as tg:
-        tg.create_task(app[ROUNDS].run(), name="gpuflex-rounds")
-        tg.create_task(_sweep(app), name="gpuflex-sweep")
+        tg.create_task(supervise("rounds", ledger.rounds.run, health, on_crash=rounds_crashed,
+                                 first_delay_s=cfg.loop_restart_s), name="gpuflex-rounds")
+        tg.create_task(supervise("sweep", lambda: _sweep(app), health, first_delay_s=cfg.loop_restart_s),
+                       name="gpuflex-sweep")
 
 
 async def background(app: web.Application) -> AsyncIterator[None]:
-    await _load_state(app)
+    await app[LEDGER].load()
     loops = asyncio.create_task(_loops(app), name="gpuflex-hub-loops")
     try:
         yield
@@ -247,6 +213,6 @@ async def background(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await loops
         # Let a running aggregation thread finish its commit before the database closes.
-        await asyncio.to_thread(app[DB].close)
+        await asyncio.to_thread(app[STORE].close)
         app[IO_POOL].shutdown(wait=True)
         app[AUDIT].close()

@@ -11,18 +11,22 @@ from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
+from .ledger import Ledger
+from .loops import LoopHealth
 from .metrics import HubMetrics
-from .rounds import RoundEngine
-from .scheduler import Scheduler, WorkSignal
+from .store import Store
 
 CONFIG = web.AppKey("config", HubConfig)
+#: the SQLite database: the store's, and the read model's and tokens' queries
 DB = web.AppKey("db", Database)
+#: every state change goes through the ledger (it holds the scheduler, the round engine, the store)
+LEDGER = web.AppKey("ledger", Ledger)
+STORE = web.AppKey("store", Store)
+#: the background loops' health (a dead loop turns /healthz 503)
+LOOPS = web.AppKey("loops", LoopHealth)
 BLOBS = web.AppKey("blobs", BlobStore)
 HUB_KEY = web.AppKey("hub_key", SigningKey)
 REPLAY = web.AppKey("replay", ReplayGuard)
-SCHEDULER = web.AppKey("scheduler", Scheduler)
-SIGNAL = web.AppKey("signal", WorkSignal)
-ROUNDS = web.AppKey("rounds", RoundEngine)
 METRICS = web.AppKey("metrics", HubMetrics)
 AUDIT = web.AppKey("audit", AuditLog)
 #: threads for blocking file work of uploads (hashing checks, fsync, rename): IO-bound, GIL released

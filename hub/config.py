@@ -42,6 +42,8 @@ class HubConfig:
     #: torch intra-op threads for aggregation/evaluation (memory-bound slices: 1 is fastest on a busy box);
     #: None leaves torch's setting alone
     torch_threads: int | None = 1
+    #: a background loop that died starts again after this delay (doubling up to 30 s)
+    loop_restart_s: float = 1.0
 
     @property
     def db_path(self) -> Path:

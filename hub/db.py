@@ -7,9 +7,13 @@ resolves only after COMMIT, so a 2xx built on it survives kill -9 (WAL,
 synchronous=FULL). Each write runs inside a SAVEPOINT: one failing write rolls
 back alone.
 
-Tables (see /work/notes/hub.md for the columns tests rely on):
-jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
-nodes, flags, tokens.
+Tables: jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
+nodes, flags, tokens (the columns are documented in _SCHEMA below). Only the store
+(hub/store_sqlite.py), the read model (hub/readmodel.py, hub/web/queries.py) and the
+token table's module (hub/tokens.py) run SQL.
+
+Migrations: `PRAGMA user_version` is the schema version; `_MIGRATIONS[v]` takes a
+database from version v to v + 1. A new database is created at the latest version.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -145,11 +149,12 @@ CREATE TABLE IF NOT EXISTS nodes (
     ema_sps REAL NOT NULL,
     registered_at REAL NOT NULL,
     last_seen REAL NOT NULL,
-    agreed INTEGER NOT NULL DEFAULT 0,
-    disagreed INTEGER NOT NULL DEFAULT 0,
-    consecutive_valid INTEGER NOT NULL DEFAULT 0,
-    flags_confirmed INTEGER NOT NULL DEFAULT 0,
-    flags_dismissed INTEGER NOT NULL DEFAULT 0,
+    -- the node's Reputation (hub/verification.py), one column per field
+    agreements_total INTEGER NOT NULL DEFAULT 0,
+    flags_total INTEGER NOT NULL DEFAULT 0,
+    consecutive_agreements INTEGER NOT NULL DEFAULT 0,
+    confirmed_flags INTEGER NOT NULL DEFAULT 0,
+    dismissed_flags INTEGER NOT NULL DEFAULT 0,
     updates_accepted INTEGER NOT NULL DEFAULT 0,
     banned INTEGER NOT NULL DEFAULT 0
 );
@@ -161,7 +166,7 @@ CREATE TABLE IF NOT EXISTS flags (
     node_id TEXT NOT NULL,
     reason TEXT NOT NULL,
     evidence TEXT NOT NULL,             -- JSON
-    status TEXT NOT NULL DEFAULT 'open',  -- open|confirmed|dismissed
+    status TEXT NOT NULL DEFAULT 'open',  -- open|confirmed|dismissed|moot (node banned meanwhile)
     verdict_note TEXT,
     auditor TEXT,
     created_at REAL NOT NULL,
@@ -181,14 +186,33 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=10000")
     version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise RuntimeError(f"{path} has schema version {version}; this hub knows up to {SCHEMA_VERSION}:"
+                           " upgrade gpuflex")
     if version < SCHEMA_VERSION:
         conn.execute("BEGIN IMMEDIATE")
-        for stmt in _SCHEMA.split(";"):
-            if stmt.strip():
-                conn.execute(stmt)
+        if version == 0:
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+        else:
+            for v in range(version, SCHEMA_VERSION):
+                for stmt in _MIGRATIONS[v]:
+                    conn.execute(stmt)
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         conn.execute("COMMIT")
     return conn
+
+
+#: version -> statements that bring a database of that version to the next one
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 1 -> 2: the node's reputation columns take the names of Reputation's fields
+    1: tuple(f"ALTER TABLE nodes RENAME COLUMN {old} TO {new}" for old, new in (
+        ("agreed", "agreements_total"), ("disagreed", "flags_total"),
+        ("consecutive_valid", "consecutive_agreements"), ("flags_confirmed", "confirmed_flags"),
+        ("flags_dismissed", "dismissed_flags"))),
+}
 
 
 class _Op:

@@ -1,17 +1,17 @@
 """Jobs: submission ingest (validate, chunk, store) and the in-memory picture of a job's round.
 
-The database is the truth; `JobState` is the event loop's working copy, rebuilt
-from the database on start (`load_jobs`), mutated only on the loop.
+The store is the truth; `JobState` is the event loop's working copy, rebuilt
+from the store on start (`Store.load`), changed only by the ledger, on the loop.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
@@ -20,8 +20,10 @@ from gpuflex.protocol.tensors import encode_state
 
 from .blobs import BlobStore
 from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, validate_arrays
-from .db import Database
 from .errors import Unprocessable
+
+if TYPE_CHECKING:
+    from .store import Store
 
 ACTIVE_STATES = ("queued", "running")
 
@@ -111,6 +113,8 @@ class JobState:
     replicated: dict[str, ShardState] = field(default_factory=dict)  # open shards that want > 1 replica
     cursor: int = 0  # every chunk index below it is taken (amortised O(1) carving)
     by_sha: dict[str, int] = field(default_factory=dict)
+    #: why the job failed, or what went wrong while it could not be recorded yet (shown in its status)
+    error: str | None = None
 
     @property
     def active(self) -> bool:
@@ -159,7 +163,7 @@ def new_id(prefix: str) -> str:
 
 
 def ingest_job(
-    db: Database,
+    store: Store,
     blobs: BlobStore,
     *,
     owner: str,
@@ -214,108 +218,5 @@ def ingest_job(
         created_at=now,
     )
     job.open_round()
-    text = spec_text.decode("utf-8")
-
-    def write(conn: sqlite3.Connection) -> None:
-        conn.execute(
-            "INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_sha, model_size,"
-            " val_sha, train_samples, val_samples, created_at, updated_at)"
-            " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, owner, job.name, text, job.state, job.rounds, model_sha, job.model_size,
-             val_sha, len(train), len(val) if val is not None else 0, now, now),
-        )
-        conn.executemany(
-            "INSERT INTO chunks (job_id, idx, sha, samples, size) VALUES (?, ?, ?, ?, ?)",
-            [(job.id, c.idx, c.sha, c.samples, c.size) for c in chunks],
-        )
-        conn.execute("INSERT INTO models (job_id, version, sha, created_at) VALUES (?, 0, ?, ?)",
-                     (job.id, model_sha, now))
-        conn.execute("INSERT INTO rounds (job_id, round, model_sha, opened_at) VALUES (?, 0, ?, ?)",
-                     (job.id, model_sha, now))
-
-    db.write_sync(write)
+    store.insert_job_sync(job, spec_text.decode("utf-8"), len(train), len(val) if val is not None else 0)
     return job
-
-
-# -- restart --------------------------------------------------------------------------------
-
-
-def load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str, str]]]:
-    """Rebuild every active job's round from the database.
-
-    Returns the jobs and (job_id, reason) for rows that could not be loaded.
-    """
-    jobs: list[JobState] = []
-    broken: list[tuple[str, str]] = []
-    for row in conn.execute(
-        "SELECT * FROM jobs WHERE state IN ('queued', 'running') ORDER BY created_at"
-    ).fetchall():
-        try:
-            spec = parse_job_spec(row["spec_toml"])
-        except ProtocolError as exc:
-            broken.append((row["id"], str(exc)))
-            continue
-        chunks = [
-            ChunkInfo(r["idx"], r["sha"], r["samples"], r["size"])
-            for r in conn.execute(
-                "SELECT idx, sha, samples, size FROM chunks WHERE job_id = ? ORDER BY idx", (row["id"],)
-            )
-        ]
-        job = JobState(
-            id=row["id"], owner=row["owner"], name=row["name"], spec=spec, state=row["state"],
-            round=row["round"], rounds=row["rounds"], model_sha=row["model_sha"],
-            model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
-            opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
-        )
-        job.open_round()
-        by_idx = {c.idx: c for c in chunks}
-        for s in conn.execute(
-            "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq", (job.id, job.round)
-        ):
-            job.next_seq = max(job.next_seq, s["seq"] + 1)
-            if s["state"] == "dropped":
-                continue
-            idxs = tuple(
-                r["chunk_idx"]
-                for r in conn.execute(
-                    "SELECT chunk_idx FROM shard_chunks WHERE shard_id = ? ORDER BY pos", (s["id"],)
-                )
-            )
-            shard = ShardState(
-                id=s["id"], job_id=job.id, round=job.round, seq=s["seq"], seed=s["seed"],
-                chunk_idxs=idxs, samples=s["samples"], replica_group=s["replica_group"],
-                wanted=s["wanted"], state=s["state"], first_update_at=s["first_update_at"],
-            )
-            for a in conn.execute("SELECT * FROM assignments WHERE shard_id = ?", (shard.id,)):
-                shard.nodes.add(a["node_id"])
-                if a["state"] == "live":
-                    shard.live[a["id"]] = AssignmentState(
-                        id=a["id"], shard_id=shard.id, job_id=job.id, round=job.round,
-                        node_id=a["node_id"], issued_at=a["issued_at"], expected_s=a["expected_s"],
-                        deadline=a["deadline"], sealed=bytes(a["sealed"]), model_sha=job.model_sha,
-                        chunk_shas=frozenset(by_idx[i].sha for i in idxs),
-                    )
-            for u in conn.execute(
-                "SELECT u.*, a.issued_at FROM updates u JOIN assignments a ON a.id = u.assignment_id"
-                " WHERE u.shard_id = ? AND u.status IN ('accepted', 'redundant') ORDER BY u.received_at, u.id",
-                (shard.id,),
-            ):
-                upd = UpdateState(
-                    id=u["id"], assignment_id=u["assignment_id"], shard_id=shard.id,
-                    node_id=u["node_id"], sha=u["sha"], size=u["size"],
-                    sample_count=u["sample_count"], loss=u["loss"], train_s=u["train_s"],
-                    received_at=u["received_at"], status=u["status"],
-                    elapsed_s=u["received_at"] - u["issued_at"],
-                )
-                shard.accepted.append(upd)
-                if upd.status == "accepted" and shard.state == "settled":
-                    shard.representative = upd.id
-            if shard.state == "settled" and shard.representative is None:
-                shard.state = "dropped"  # nothing usable; its chunks go back to the pool
-                continue
-            job.shards[shard.id] = shard
-            if shard.wanted > 1 and shard.state == "open":
-                job.replicated[shard.id] = shard
-            job.free.difference_update(idxs)
-        jobs.append(job)
-    return jobs, broken

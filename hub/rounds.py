@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import mmap
-import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +34,11 @@ from . import verification as vf
 from .aggregation import AggregationError, ServerOptimizer, aggregate
 from .auditlog import AuditLog, aggregation_body
 from .blobs import BlobStore
-from .db import Database
 from .evaluation import evaluate
-from .jobs import JobState, ShardState, UpdateState, new_id
+from .jobs import JobState, ShardState, UpdateState
 from .metrics import HubMetrics
-from .scheduler import REPUTATION_SQL, Scheduler, WorkSignal
+from .scheduler import Scheduler, WorkSignal
+from .store import RoundResult, Store
 
 log = logging.getLogger("gpuflex.hub.rounds")
 
@@ -73,18 +72,10 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
 
 
 @dataclass
-class FlagRow:
-    update_id: str
-    node_id: str
-    reason: str
-    evidence: dict[str, Any]
-
-
-@dataclass
 class Settlement:
     representative: str | None
     statuses: dict[str, str]
-    flags: list[FlagRow]
+    flags: list[vf.Flag]
     evidence: dict[str, Any]
     needs_more: bool = False
     agreed_nodes: list[str] = field(default_factory=list)
@@ -105,14 +96,14 @@ class RoundEngine:
     def __init__(
         self,
         *,
-        db: Database,
+        store: Store,
         blobs: BlobStore,
         scheduler: Scheduler,
         metrics: HubMetrics,
         signal: WorkSignal,
         audit: AuditLog,
     ) -> None:
-        self.db = db
+        self.store = store
         self.blobs = blobs
         self.scheduler = scheduler
         self.metrics = metrics
@@ -122,6 +113,8 @@ class RoundEngine:
         self._wake = asyncio.Event()
         self._pending: set[str] = set()
         self.last_close_ms: float | None = None
+        #: the job the loop is advancing right now (None between jobs)
+        self.current: JobState | None = None
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -129,7 +122,15 @@ class RoundEngine:
         self._wake.set()
 
     async def run(self) -> None:
-        """Background loop: advance jobs that something happened to."""
+        """Background loop: advance jobs that something happened to.
+
+        One job's failure fails that job, not the loop. If failing it fails too (the store
+        is down), the exception leaves the loop: its supervisor (hub/loops.py) logs it, turns
+        /healthz 503, notes the error on `self.current` and starts the loop again, which
+        looks at every running job once more.
+        """
+        self._pending.update(j.id for j in self.scheduler.jobs.values() if j.state == "running")
+        self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -137,11 +138,13 @@ class RoundEngine:
                 job = self.scheduler.jobs.get(self._pending.pop())
                 if job is None or job.state != "running":
                     continue
+                self.current = job
                 try:
                     await self.advance(job)
                 except Exception as exc:  # one job's failure must not stop the others
                     log.exception("advancing job %s failed", job.id)
                     await self.fail_job(job, f"round {job.round} failed: {exc}")
+                self.current = None
 
     async def advance(self, job: JobState, now: float | None = None) -> None:
         async with self._lock:
@@ -173,10 +176,8 @@ class RoundEngine:
                 # replicas already agree, settle them now (unverified: no agreement credit).
                 nobody = unanimous and not shard.live and not self.scheduler.replica_takers(job, shard, time.time())
                 if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out and not nobody:
+                    await self.store.want_replicas(shard.id, shard.wanted + 1, result.evidence)
                     shard.wanted += 1
-                    await self.db.write(lambda c: c.execute(
-                        "UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
-                        (shard.wanted, _json(result.evidence), shard.id)))
                     self.signal.notify()
                     return
                 # No further replica came in time. An agreeing majority stands unverified (no credit, no
@@ -188,29 +189,22 @@ class RoundEngine:
                 else:
                     result = Settlement(None, {u.id: "excluded" for u in ups}, [],
                                         result.evidence | {"inconclusive": "replica_wait"})
+        # -- apply: store first, then memory
         cancelled = list(shard.live.values())
+        dropped = result.representative is None
+        touched = self._reputations(result.agreed_nodes, result.flagged_nodes)
+        await self.store.settle_shard(
+            shard, state="dropped" if dropped else "settled", evidence=result.evidence,
+            statuses=result.statuses, cancelled=[a.id for a in cancelled], flags=result.flags,
+            round=job.round, reputations=touched, now=time.time())
         for a in cancelled:
             self.scheduler.detach(a)
-        dropped = result.representative is None
         shard.state = "dropped" if dropped else "settled"
         shard.representative = result.representative
         for u in shard.accepted:
             if u.id in result.statuses:
                 u.status = result.statuses[u.id]
-        touched = self._apply_reputation(result.agreed_nodes, result.flagged_nodes)
-        now = time.time()
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE shards SET state = ?, outcome = ? WHERE id = ?",
-                         (shard.state, _json(result.evidence), shard.id))
-            for uid, status in result.statuses.items():
-                conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
-            for a in cancelled:
-                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
-            self._insert_flags(conn, job, result.flags, now)
-            conn.executemany(REPUTATION_SQL, touched)
-
-        await self.db.write(write)
+        self._apply_reputations(touched)
         job.replicated.pop(shard.id, None)
         if dropped:
             job.shards.pop(shard.id, None)
@@ -218,16 +212,20 @@ class RoundEngine:
         if dropped or cancelled:
             self.signal.notify()
 
-    def _apply_reputation(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[Any, ...]]:
-        """Move reputations (verification's transitions); returns rows for REPUTATION_SQL."""
-        rows = []
+    def _reputations(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
+        """The nodes' reputations after verification's transitions (memory is not touched)."""
+        after: dict[str, vf.Reputation] = {}
         for nid, step in [(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]:
             node = self.scheduler.nodes.get(nid)
-            if node is None:
-                continue
-            node.set_reputation(step(node.reputation))
-            rows.append(node.reputation_row())
-        return rows
+            if node is not None:
+                after[nid] = step(after.get(nid, node.reputation))
+        return list(after.items())
+
+    def _apply_reputations(self, touched: Sequence[tuple[str, vf.Reputation]]) -> None:
+        for nid, rep in touched:
+            node = self.scheduler.nodes.get(nid)
+            if node is not None:
+                node.reputation = rep
 
     def _records(self, job: JobState, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
                  deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
@@ -260,7 +258,7 @@ class RoundEngine:
                        and vf.is_trusted(n.reputation, job.spec.verification)}
             out = vf.compare_replicas(records, job.spec.verification, trusted=trusted)
             del records
-        flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
+        flags = [vf.Flag(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
         evidence = dict(out.evidence)
         if out.needs_more:
             return Settlement(None, {}, [], evidence, needs_more=True)
@@ -279,15 +277,6 @@ class RoundEngine:
                     statuses[u.id] = "redundant"
         return Settlement(rep, statuses, flags, evidence, agreed_nodes=agreed_nodes,
                           flagged_nodes=sorted({f.node_id for f in flags}))
-
-    @staticmethod
-    def _insert_flags(conn: sqlite3.Connection, job: JobState, flags: Sequence[FlagRow], now: float) -> None:
-        for f in flags:
-            conn.execute(
-                "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
-                (new_id("f"), job.id, job.round, f.update_id, f.node_id, f.reason, _json(f.evidence), now),
-            )
 
     # -- closing a round -------------------------------------------------------------------
     async def _close(self, job: JobState) -> None:
@@ -309,50 +298,25 @@ class RoundEngine:
             raise
         # live assignments of a finished round are void (replicas of settled shards were already cancelled)
         leftovers = [a for s in job.shards.values() for a in s.live.values()]
-        for a in leftovers:
-            self.scheduler.detach(a)
         now = time.time()
         last = job.round + 1 >= job.rounds
         next_round = job.round + 1
-        new_state = "done" if last else "running"
         vouched, withdrawn = self._vouch(shards, result)
-        touched = self._apply_reputation([], result["flagged_nodes"] + [f.node_id for f in vouched])
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.executemany(REPUTATION_SQL, touched)
-            for uid, status in result["statuses"].items():
-                conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
-            self._insert_flags(conn, job, result["flags"] + vouched, now)
-            conn.executemany(
-                "UPDATE flags SET status = 'dismissed', auditor = 'hub', decided_at = ?, verdict_note ="
-                " 'withdrawn: the majority this update disagreed with was flagged at review'"
-                " WHERE update_id = ? AND reason = 'replica_mismatch' AND status = 'open'",
-                [(now, uid) for uid in withdrawn])
-            for a in leftovers:
-                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
-            conn.execute(
-                "UPDATE rounds SET new_model_sha = ?, closed_at = ?, train_loss = ?, loss = ?, accuracy = ?,"
-                " metrics = ?, evidence = ? WHERE job_id = ? AND round = ?",
-                (result["model_sha"], now, result["train_loss"], result["metrics"].get("loss"),
-                 result["metrics"].get("accuracy"), _json(result["metrics"]), _json(result["evidence"]),
-                 job.id, job.round),
-            )
-            conn.execute("INSERT OR REPLACE INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)",
-                         (job.id, next_round, result["model_sha"], now))
-            conn.execute(
-                "UPDATE jobs SET round = ?, model_sha = ?, opt_state_sha = ?, state = ?, updated_at = ?"
-                " WHERE id = ?",
-                (next_round if not last else job.round + 1, result["model_sha"], result["opt_state_sha"],
-                 new_state, now, job.id),
-            )
-            if not last:
-                conn.execute("INSERT OR REPLACE INTO rounds (job_id, round, model_sha, opened_at)"
-                             " VALUES (?, ?, ?, ?)", (job.id, next_round, result["model_sha"], now))
-
+        touched = self._reputations([], result["flagged_nodes"] + [f.node_id for f in vouched])
+        outcome = RoundResult(
+            model_sha=result["model_sha"], opt_state_sha=result["opt_state_sha"], statuses=result["statuses"],
+            flags=result["flags"], evidence=result["evidence"], metrics=result["metrics"],
+            train_loss=result["train_loss"], flagged_nodes=result["flagged_nodes"])
         try:
-            await self.db.write(write)
+            await self.store.close_round(job, outcome, flags=result["flags"] + vouched, withdrawn=withdrawn,
+                                         cancelled=[a.id for a in leftovers], reputations=touched, last=last,
+                                         now=now)
         finally:
             job.closing = False
+        for a in leftovers:
+            self.scheduler.detach(a)
+        self._apply_reputations(touched)
+        job.error = None  # a failure noted while this round could not close is over
         job.model_sha = result["model_sha"]
         job.opt_state_sha = result["opt_state_sha"]
         job.round = next_round
@@ -368,18 +332,18 @@ class RoundEngine:
         self.signal.notify()
 
     @staticmethod
-    def _vouch(shards: Sequence[ShardState], result: dict[str, Any]) -> tuple[list[FlagRow], list[str]]:
+    def _vouch(shards: Sequence[ShardState], result: dict[str, Any]) -> tuple[list[vf.Flag], list[str]]:
         """When review flags a replica group's canonical update, the majority that agreed with it is
         flagged too (it vouched for it) and the minority's replica_mismatch flags are withdrawn."""
         reasons = {f.update_id: f.reason for f in result["flags"]}
-        vouched: list[FlagRow] = []
+        vouched: list[vf.Flag] = []
         withdrawn: list[str] = []
         for s in shards:
             if s.representative not in reasons or len(s.accepted) < 2:
                 continue
             for u in s.accepted:
                 if u.status == "redundant":
-                    vouched.append(FlagRow(u.id, u.node_id, reasons[s.representative],
+                    vouched.append(vf.Flag(u.id, u.node_id, reasons[s.representative],
                                            {"vouched_for": s.representative}))
                     result["statuses"][u.id] = "quarantined"
                 elif u.status == "quarantined":
@@ -391,7 +355,7 @@ class RoundEngine:
         spec = job.spec
         global_state = decode_state(bytearray(self.blobs.read(job.model_sha)))
         statuses: dict[str, str] = {}
-        flags: list[FlagRow] = []
+        flags: list[vf.Flag] = []
         evidence: dict[str, Any] = {}
         with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
             included: list[int] = []
@@ -403,7 +367,7 @@ class RoundEngine:
                 del records
                 keep = set(review.included)
                 included = [i for i, u in enumerate(reps) if u.id in keep]
-                flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in review.flags]
+                flags = [vf.Flag(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in review.flags]
                 evidence = dict(review.evidence)
             flagged = {f.update_id: f.reason for f in flags}
             for i, u in enumerate(reps):
@@ -461,19 +425,12 @@ class RoundEngine:
         if job.state not in ("queued", "running"):
             return
         leftovers = [a for s in job.shards.values() for a in s.live.values()]
+        await self.store.end_job(job.id, state, reason, [a.id for a in leftovers])
         for a in leftovers:
             self.scheduler.detach(a)
         job.state = state
+        job.error = reason
         job.shards = {}
         job.replicated = {}
         job.free = set()
-        now = time.time()
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE jobs SET state = ?, error = ?, updated_at = ? WHERE id = ?",
-                         (state, reason, now, job.id))
-            for a in leftovers:
-                conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
-
-        await self.db.write(write)
         self.signal.notify()

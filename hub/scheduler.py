@@ -25,17 +25,14 @@ MAX_CHUNKS_PER_ASSIGNMENT = 4096
 
 @dataclass
 class NodeState:
+    """A registered node as the hub works with it; its track record is a `Reputation`."""
+
     id: str
     public_key: bytes
     bench_sps: float
     ema_sps: float
     last_seen: float
-    banned: bool = False
-    agreed: int = 0  # agreements_total
-    disagreed: int = 0  # flags_total
-    consecutive_valid: int = 0  # consecutive_agreements
-    flags_confirmed: int = 0
-    flags_dismissed: int = 0
+    reputation: Reputation = field(default_factory=Reputation)
     updates_accepted: int = 0
     peak_flops: float = 0.0  # from the benchmark: the fastest matmul dtype, FLOP/s
     live: set[str] = field(default_factory=set)  # live assignment ids
@@ -45,29 +42,8 @@ class NodeState:
         return max(1e-3, self.ema_sps)
 
     @property
-    def reputation(self) -> Reputation:
-        return Reputation(consecutive_agreements=self.consecutive_valid, agreements_total=self.agreed,
-                          flags_total=self.disagreed, confirmed_flags=self.flags_confirmed,
-                          dismissed_flags=self.flags_dismissed, banned=self.banned)
-
-    def set_reputation(self, rep: Reputation) -> None:
-        self.consecutive_valid = rep.consecutive_agreements
-        self.agreed = rep.agreements_total
-        self.disagreed = rep.flags_total
-        self.flags_confirmed = rep.confirmed_flags
-        self.flags_dismissed = rep.dismissed_flags
-        self.banned = rep.banned
-
-    def reputation_row(self) -> tuple[int, int, int, int, int, int, str]:
-        """Parameters for REPUTATION_SQL."""
-        return (self.agreed, self.disagreed, self.consecutive_valid, self.flags_confirmed,
-                self.flags_dismissed, int(self.banned), self.id)
-
-
-REPUTATION_SQL = (
-    "UPDATE nodes SET agreed = ?, disagreed = ?, consecutive_valid = ?, flags_confirmed = ?,"
-    " flags_dismissed = ?, banned = ? WHERE id = ?"
-)
+    def banned(self) -> bool:
+        return self.reputation.banned
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,15 @@ from gpuflex.protocol.errors import (
 )
 from gpuflex.protocol.signing import open_sealed, seal
 
-from .appkeys import DB, HUB_KEY, METRICS, REPLAY, SCHEDULER
+from .appkeys import DB, HUB_KEY, METRICS, REPLAY
 from .errors import (
     BadRequest,
     Conflict,
-    Forbidden,
     HubError,
     PayloadTooLarge,
     Unauthorized,
     Unprocessable,
 )
-from .scheduler import NodeState
 from .tokens import Principal, lookup
 
 M = TypeVar("M")
@@ -100,19 +98,6 @@ def open_node_message(request: web.Request, data: bytes, cls: type[M]) -> tuple[
     except ProtocolError as exc:
         raise protocol_to_hub(exc) from None
     return msg, signer
-
-
-def known_node(request: web.Request, signer: bytes) -> NodeState:
-    from gpuflex.protocol.signing import fingerprint
-
-    node = request.app[SCHEDULER].nodes.get(fingerprint(signer))
-    if node is None:
-        raise Unauthorized("this node is not registered with the hub; register again", code="unknown_node")
-    if node.public_key != signer:
-        raise Unauthorized("node key does not match its registration", code="unknown_node")
-    if node.banned:
-        raise Forbidden("this node is banned from the hub after confirmed flags", code="banned")
-    return node
 
 
 async def principal(request: web.Request) -> Principal:

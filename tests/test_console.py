@@ -30,7 +30,8 @@ async def hub(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[SimpleNamespace]:
     """alice's job, bob's job named like a script tag, a registered node with one open flag."""
-    from gpuflex.hub.rounds import FlagRow, RoundEngine
+    from gpuflex.hub.store_sqlite import insert_flags
+    from gpuflex.hub.verification import Flag
 
     from tests.helpers import start_hub
 
@@ -49,9 +50,8 @@ async def hub(
         node = TrainingNode(s, h.url)
         await node.register()
 
-    # Flags as verification raises them: through the round engine's own insert.
+    # Flags as verification raises them: through the store's own insert.
     def insert(conn: sqlite3.Connection) -> list[str]:
-        job = SimpleNamespace(id=alice_job, round=0)
         ev = {
             "problems": ["cosine -0.99 to the round's median < 0"],
             "cosine": -0.99,
@@ -65,13 +65,14 @@ async def hub(
                 {"name": "<b>0.bias</b>", "norm": 0.2, "centre_norm": 0.3, "cosine": -0.9},
             ],
         }
-        RoundEngine._insert_flags(
+        insert_flags(
             conn,
-            job,
+            alice_job,
+            0,
             [
-                FlagRow("u-test-1", node.node_id, "outlier", ev),
-                FlagRow("u-test-2", node.node_id, "outlier", ev),
-                FlagRow(
+                Flag("u-test-1", node.node_id, "outlier", ev),
+                Flag("u-test-2", node.node_id, "outlier", ev),
+                Flag(
                     "u-test-3", node.node_id, "free_rider", {"update_norm": 0.0, "threshold": 1e-7}
                 ),
             ],

@@ -92,11 +92,11 @@ async def test_flags_verdict_and_ban_flow(running_hub):
     import sqlite3
     import time
 
-    from gpuflex.hub.appkeys import SCHEDULER
+    from gpuflex.hub.appkeys import LEDGER
     from gpuflex.hub.scheduler import NodeState
 
     node_id = "gf1-test-node-aaaa-bbbb-cccc"
-    running_hub.app[SCHEDULER].nodes[node_id] = NodeState(
+    running_hub.app[LEDGER].scheduler.nodes[node_id] = NodeState(
         id=node_id, public_key=b"k" * 32, bench_sps=1.0, ema_sps=1.0, last_seen=time.time()
     )
     conn = sqlite3.connect(running_hub.data_dir / "hub.sqlite3")

@@ -8,7 +8,7 @@ import sqlite3
 import time
 
 import aiohttp
-from gpuflex.hub.appkeys import ROUNDS
+from gpuflex.hub.appkeys import LEDGER
 from gpuflex.protocol.messages import Ack, Assignment, NoWork, WorkRequest
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import state_from_safetensors
@@ -153,7 +153,7 @@ async def test_restart_between_accepting_and_aggregating_gives_identical_model(t
                 async def hold(job, now=None):  # this hub accepts updates but never aggregates
                     return None
 
-                hub.app[ROUNDS].advance = hold
+                hub.app[LEDGER].rounds.advance = hold
             assert await node.step() is not None
             tokens = {
                 "owner": hub.owner_token,

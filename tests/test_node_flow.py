@@ -185,7 +185,7 @@ async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
 
 
 async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
-    from gpuflex.hub.appkeys import SCHEDULER
+    from gpuflex.hub.appkeys import LEDGER
 
     hub = await Hub(tmp_path / "hub").start()
     events = _UploadSignal()
@@ -196,7 +196,7 @@ async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
         await hub.submit(spec_toml(rounds=3, epochs=60), dataset())
         task = asyncio.create_task(node.run())
         await asyncio.wait_for(events.uploaded.wait(), 30)
-        hub.app[SCHEDULER].nodes.clear()  # as if the hub lost its node table
+        hub.app[LEDGER].scheduler.nodes.clear()  # as if the hub lost its node table
         assert await asyncio.wait_for(task, 60) == 0
         assert len(events.of("registered")) >= 2
         assert any(e.get("action") == "re-register" for e in events.of("error"))

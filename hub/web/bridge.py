@@ -2,9 +2,9 @@
 
 Everything the console needs from the hub goes through this module, so the
 pages never depend on how the hub stores or computes things beyond the
-functions named here. Reads run on the hub's database thread (``Database.read``);
-the console never writes the hub's tables itself — a verdict is given by the
-very function the API's verdict route calls.
+functions named here. Reads go through the hub's read model (``gpuflex.hub.readmodel``,
+on the store's thread); the console changes nothing itself — a verdict is given by
+the ledger (``Ledger.verdict``), the very call the API's verdict route makes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
-from gpuflex.hub import appkeys, routes_audit, routes_owner, tokens
+from gpuflex.hub import appkeys, readmodel, tokens
 from gpuflex.hub.errors import HubError, Unauthorized
 
 from . import evidence, queries
@@ -46,8 +46,8 @@ AUDIT_RECHECK_S = 60.0
 
 
 async def read(app: web.Application, fn: Callable[[sqlite3.Connection], T]) -> T:
-    """Run a read-only query on the hub's database thread."""
-    return await app[appkeys.DB].read(fn)
+    """Run a read-only query on the store's thread."""
+    return await app[appkeys.STORE].query(fn)
 
 
 async def authenticate(app: web.Application, token: str) -> tokens.Principal | None:
@@ -67,8 +67,8 @@ def principal(session: Session) -> tokens.Principal:
 
 
 async def jobs(app: web.Application, who: tokens.Principal) -> list[dict[str, Any]]:
-    """Jobs visible to ``who`` under the API's rule (routes_owner.visible), newest first."""
-    where, args = routes_owner.visible(who)
+    """Jobs visible to ``who`` under the API's rule (readmodel.visible), newest first."""
+    where, args = readmodel.visible(who)
     return await read(app, lambda c: queries.jobs_list(c, where, args))
 
 
@@ -78,8 +78,8 @@ async def job_view(
     """The API's job status document (same visibility, history, overhead) plus console extras."""
 
     def q(conn: sqlite3.Connection) -> dict[str, Any]:
-        row = routes_owner.job_row(conn, who, job_id)
-        doc = routes_owner.job_status(conn, row)
+        row = readmodel.job_row(conn, who, job_id)
+        doc = readmodel.job_status(conn, row)
         doc["model_sha"] = row["model_sha"]
         extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]), shard_round)
         return {"doc": doc, **extras}
@@ -92,13 +92,13 @@ async def export_model(
 ) -> tuple[str, bytes]:
     """(file name, .safetensors bytes) of the job's latest model or of model ``version``
     (0 = initial, N = after N rounds): GET /v1/jobs/{id}/model's function."""
-    version, _sha, data = await routes_owner.export_model(app, who, job_id, version)
+    version, _sha, data = await readmodel.export_model(app, who, job_id, version)
     return f"{job_id}-v{version}.safetensors", data
 
 
 async def nodes(app: web.Application, who: tokens.Principal) -> list[dict[str, Any]]:
     """GET /v1/nodes's overview (auditor/admin; live scheduler state) plus assignment counts."""
-    overview = await routes_audit.nodes_overview(app, who)
+    overview = await readmodel.nodes_overview(app, who)
     counts = await read(app, queries.assignment_counts)
     for n in overview:
         n["assignments"] = counts.get(n["id"], {})
@@ -109,7 +109,7 @@ async def flags(
     app: web.Application, who: tokens.Principal, status: str | None
 ) -> list[dict[str, Any]]:
     """GET /v1/flags's list (same scoping), newest first, with job names."""
-    found = await routes_audit.list_flags_for(app, who, status=status)
+    found = await readmodel.list_flags_for(app, who, status=status)
     names = await read(app, queries.job_names)
     for f in found:
         f["job_name"] = names.get(f["job_id"], f["job_id"])
@@ -119,7 +119,7 @@ async def flags(
 
 async def flag(app: web.Application, who: tokens.Principal, flag_id: str) -> dict[str, Any]:
     """GET /v1/flags/{id} (same scoping) plus the job name, round thresholds and the update."""
-    f = await routes_audit.flag_for(app, who, flag_id)
+    f = await readmodel.flag_for(app, who, flag_id)
     f.update(await read(app, lambda c: queries.flag_context(c, f)))
     return f
 
@@ -139,9 +139,9 @@ async def node_history(app: web.Application, node_id: str) -> dict[str, Any]:
 async def give_verdict(
     app: web.Application, who: tokens.Principal, flag_id: str, verdict: str, note: str
 ) -> None:
-    """Confirm or dismiss through POST /v1/flags/{id}/verdict's own function: flag status,
+    """Confirm or dismiss through the ledger, as POST /v1/flags/{id}/verdict does: flag status,
     node reputation (3 confirmed flags ban), audit-log entry."""
-    await routes_audit.give_verdict(app, who, flag_id, verdict, note)
+    await app[appkeys.LEDGER].verdict(who, flag_id, verdict, note)
 
 
 async def layer_evidence(app: web.Application, flag: dict[str, Any]) -> dict[str, Any] | None:

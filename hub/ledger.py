@@ -1,0 +1,388 @@
+"""The ledger: every change of the hub's state happens here, and nowhere else.
+
+Each use case is one method. It checks what it is given, asks the pure policy for
+a decision (hub/scheduler.py: which shard; hub/verification.py: which verdict),
+writes the decision through ONE `Store` call (one transaction) and then applies it
+to the in-memory working state (`Scheduler`: jobs, nodes, live assignments). When
+the write fails, memory is left as it was (or put back), so memory never runs
+ahead of what survives a restart. Routes, the console, the CLI and the benches call
+these methods; none of them writes state itself.
+
+Settling a replica group and closing a round are the round engine's
+(hub/rounds.py), which the ledger owns and which writes through the same store.
+
+Everything here runs on the event loop; blocking work (ingest, hashing, fsync,
+aggregation) is handed to threads by the callers of the store or by the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuflex.protocol.messages import Assignment, ChunkRef, Hello, UpdateHeader
+from gpuflex.protocol.signing import SigningKey, fingerprint, seal
+from gpuflex.protocol.version import PROTOCOL_VERSION
+
+from .auditlog import AuditLog, verdict_body
+from .blobs import BlobStore
+from .config import HubConfig
+from .errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    LengthRequired,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from .jobs import AssignmentState, JobState, UpdateState, ingest_job, new_id
+from .metrics import HubMetrics
+from .rounds import RoundEngine
+from .scheduler import NodeState, Plan, Scheduler, WorkSignal, clamp_sps, peak_flops
+from .store import FlagRecord, NodeProfile, Store
+from .tokens import Principal
+from .verification import record_verdict
+
+log = logging.getLogger("gpuflex.hub.ledger")
+
+BANNED = "this node is banned from the hub after confirmed flags"
+MOOT = "moot: the node was banned after confirmed flags; no verdict is needed"
+
+
+@dataclass(frozen=True)
+class Issued:
+    """An assignment for a node: the signed bytes as sent, and the model it names."""
+
+    sealed: bytes
+    model_sha: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    flag: FlagRecord
+    node_banned: bool  # the node is banned now
+    banned_by_this_verdict: bool  # ... and this verdict is what banned it
+
+
+class Ledger:
+    def __init__(self, *, config: HubConfig, store: Store, blobs: BlobStore, key: SigningKey,
+                 scheduler: Scheduler, signal: WorkSignal, metrics: HubMetrics, audit: AuditLog) -> None:
+        self.config = config
+        self.store = store
+        self.blobs = blobs
+        self.key = key
+        self.scheduler = scheduler
+        self.signal = signal
+        self.metrics = metrics
+        self.audit = audit
+        self.rounds = RoundEngine(store=store, blobs=blobs, scheduler=scheduler, metrics=metrics,
+                                  signal=signal, audit=audit)
+        self._verdicts = asyncio.Lock()
+
+    # -- start -------------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Rebuild the working state from the store: nodes, then every active job's round."""
+        loaded = await self.store.load()
+        for node in loaded.nodes:
+            self.scheduler.nodes[node.id] = node
+        for job in loaded.jobs:
+            self.scheduler.add_job(job)
+            self.rounds.poke(job.id)  # a round with every update in aggregates now
+        for job_id, reason in loaded.broken:
+            log.error("job %s cannot be resumed: %s", job_id, reason)
+            await self.store.fail_job(job_id, f"cannot resume: {reason}")
+
+    # -- nodes -------------------------------------------------------------------------------
+    async def register(self, signer: bytes, hello: Hello) -> NodeState:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise Conflict(f"node speaks protocol {hello.protocol_version}, this hub speaks {PROTOCOL_VERSION};"
+                           " upgrade the older side", code="version_mismatch")
+        node_id = fingerprint(signer)
+        node = self.scheduler.nodes.get(node_id)
+        if node is not None and node.banned:
+            raise Forbidden(BANNED, code="banned")
+        now = time.time()
+        bench_sps = clamp_sps(hello.benchmark.samples_per_s)
+        b = hello.benchmark
+        profile = NodeProfile(
+            software_version=hello.software_version,
+            device={"kind": hello.device.kind, "name": hello.device.name,
+                    "memory_bytes": hello.device.memory_bytes, "threads": hello.device.threads},
+            benchmark={"samples_per_s": b.samples_per_s, "matmul_tflops_fp32": b.matmul_tflops_fp32,
+                       "matmul_tflops_bf16": b.matmul_tflops_bf16, "matmul_tflops_fp16": b.matmul_tflops_fp16,
+                       "mem_bandwidth_gbs": b.mem_bandwidth_gbs, "h2d_gbs": b.h2d_gbs, "d2h_gbs": b.d2h_gbs,
+                       "reference_model": b.reference_model})
+        await self.store.save_node(node_id, signer, profile, bench_sps=bench_sps, now=now)
+        if node is None:
+            node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=bench_sps, last_seen=now)
+            self.scheduler.nodes[node_id] = node
+        node.bench_sps = bench_sps
+        node.peak_flops = peak_flops(profile.benchmark)
+        node.last_seen = now
+        return node
+
+    def known_node(self, signer: bytes) -> NodeState:
+        """The registered, unbanned node that signed a request."""
+        node = self.scheduler.nodes.get(fingerprint(signer))
+        if node is None:
+            raise Unauthorized("this node is not registered with the hub; register again", code="unknown_node")
+        if node.public_key != signer:
+            raise Unauthorized("node key does not match its registration", code="unknown_node")
+        if node.banned:
+            raise Forbidden(BANNED, code="banned")
+        node.last_seen = time.time()
+        return node
+
+    # -- work --------------------------------------------------------------------------------
+    async def next_assignment(self, node: NodeState, cached: frozenset[str]) -> Issued | None:
+        """The node's live assignment if it still holds one, else a new one, else None."""
+        node.last_seen = time.time()
+        if node.banned:
+            raise Forbidden(BANNED, code="banned")
+        held = [a for a in self.scheduler.live_for(node.id) if not a.uploading]
+        if held:
+            first = min(held, key=lambda a: a.issued_at)
+            return Issued(first.sealed, first.model_sha)
+        plan = self.scheduler.plan(node, cached)
+        if plan is None:
+            return None
+        return await self._issue(node, plan)
+
+    async def _issue(self, node: NodeState, plan: Plan) -> Issued:
+        """Sign and store an assignment for `plan`; the row is committed before it is sent."""
+        job, shard = plan.job, plan.shard
+        by_idx = {c.idx: c for c in job.chunks}
+        chunks = [by_idx[i] for i in shard.chunk_idxs]
+        now = time.time()
+        aid = new_id("a")
+        msg = Assignment(
+            assignment_id=aid, job_id=job.id, round=job.round, node_id=node.id, model_hash=job.model_sha,
+            model_size=job.model_size, model_spec=job.spec.model.to_dict(),
+            chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
+            seed=shard.seed, train=job.spec.train.train_config(), issued_at=now, deadline=plan.deadline,
+            replica_group=shard.replica_group,
+        )
+        sealed = seal(self.key, msg)
+        a = AssignmentState(
+            id=aid, shard_id=shard.id, job_id=job.id, round=job.round, node_id=node.id, issued_at=now,
+            expected_s=plan.expected_s, deadline=plan.deadline, sealed=sealed, model_sha=job.model_sha,
+            chunk_shas=frozenset(c.sha for c in chunks),
+        )
+        # Attached before the write so that a concurrent poll cannot be planned the same chunks;
+        # taken back if the write fails.
+        self.scheduler.attach(a, shard)
+        try:
+            await self.store.issue_assignment(a, shard if plan.new_shard else None, chunks)
+        except BaseException:
+            self._release(a)
+            raise
+        self.metrics.assignments_issued += 1
+        return Issued(sealed, job.model_sha)
+
+    def _release(self, a: AssignmentState) -> None:
+        """Forget a live assignment; its shard goes back to the pool if nobody else holds it."""
+        shard = self.scheduler.detach(a)
+        if shard is not None:
+            self.scheduler.release_if_empty(shard)
+
+    def _owned_live(self, node: NodeState, assignment_id: str) -> AssignmentState | None:
+        a = self.scheduler.assignments.get(assignment_id)
+        if a is not None and a.node_id != node.id:
+            raise Forbidden("that assignment belongs to another node", code="not_your_assignment")
+        return a
+
+    async def _closed_state(self, node: NodeState, assignment_id: str) -> str:
+        """State of an assignment that is not live; 404 if unknown, 403 if someone else's."""
+        fate = await self.store.assignment_fate(assignment_id)
+        if fate is None:
+            raise NotFound(f"no assignment {assignment_id}", code="unknown_assignment")
+        if fate.node_id != node.id:
+            raise Forbidden("that assignment belongs to another node", code="not_your_assignment")
+        return fate.state
+
+    async def heartbeat(self, node: NodeState, assignment_id: str) -> tuple[bool, str, float]:
+        """(still live, detail, deadline): a live assignment's deadline moves on."""
+        a = self._owned_live(node, assignment_id)
+        if a is None:
+            state = await self._closed_state(node, assignment_id)
+            return False, f"assignment is {state}; stop and ask for work", 0.0
+        job = self.scheduler.jobs[a.job_id]
+        now = time.time()
+        extension = max(self.config.min_deadline_s, a.expected_s * job.spec.train.deadline_slack)
+        new_deadline = min(max(a.deadline, now + extension), a.issued_at + self.config.max_assignment_s)
+        if new_deadline > a.deadline:
+            await self.store.extend_deadline(a.id, new_deadline)
+            a.deadline = new_deadline
+        return True, "deadline extended", a.deadline
+
+    async def abandon(self, node: NodeState, assignment_id: str) -> str:
+        a = self._owned_live(node, assignment_id)
+        if a is None:
+            state = await self._closed_state(node, assignment_id)
+            return f"assignment was already {state}"
+        if a.uploading:
+            raise Conflict("an update for this assignment is being uploaded", code="busy")
+        await self.store.end_assignments([a.id], "abandoned")
+        self._release(a)
+        self.signal.notify()
+        return "abandoned; the shard goes back to the pool"
+
+    async def expire_overdue(self, now: float) -> int:
+        """Overdue assignments expire; their chunks go back to the pool."""
+        expired = self.scheduler.expired(now)
+        if not expired:
+            return 0
+        await self.store.end_assignments([a.id for a in expired], "expired")
+        for a in expired:
+            self._release(a)
+        self.metrics.assignments_expired += len(expired)
+        self.signal.notify()
+        return len(expired)
+
+    def may_read_blob(self, node: NodeState, sha: str) -> bool:
+        """A node reads the model and the chunks of its live assignments, nothing else."""
+        return any(a.model_sha == sha or sha in a.chunk_shas for a in self.scheduler.live_for(node.id))
+
+    # -- updates -----------------------------------------------------------------------------
+    async def begin_upload(self, node: NodeState, hdr: UpdateHeader,
+                           content_length: int | None) -> tuple[AssignmentState, JobState]:
+        """Check an update's header against its assignment and hold the assignment for the upload
+        (`end_upload` or `accept_update` lets go)."""
+        a = self._owned_live(node, hdr.assignment_id)
+        if a is None:
+            fate = await self.store.assignment_fate(hdr.assignment_id)
+            if fate is None:
+                raise NotFound(f"no assignment {hdr.assignment_id}", code="unknown_assignment")
+            if fate.node_id != node.id:
+                raise Forbidden("that assignment belongs to another node", code="not_your_assignment")
+            if fate.update_id is not None:
+                raise Conflict("an update for this assignment was already accepted", code="duplicate_update")
+            raise Conflict(f"assignment is {fate.state}; the update came too late", code="late_update")
+        if a.uploading:
+            raise Conflict("an update for this assignment is already being uploaded", code="duplicate_update")
+        job = self.scheduler.jobs[a.job_id]
+        if content_length is None:
+            raise LengthRequired("send the update with a Content-Length header", code="length_required")
+        if content_length != hdr.update_size:
+            raise BadRequest(f"Content-Length {content_length} differs from update_size {hdr.update_size}",
+                             code="size_mismatch")
+        if hdr.update_size > job.model_size:
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
+                                  code="too_large")
+        a.uploading = True
+        return a, job
+
+    @staticmethod
+    def end_upload(a: AssignmentState) -> None:
+        a.uploading = False
+
+    async def accept_update(self, node: NodeState, a: AssignmentState, job: JobState,
+                            hdr: UpdateHeader) -> UpdateState:
+        """The update's blob is stored (durably): record it. Raises Conflict when the round moved on."""
+        if a.id not in self.scheduler.assignments or job.round != a.round or job.state != "running":
+            raise Conflict("the round closed while the update was uploading", code="late_update")
+        shard = job.shards.get(a.shard_id)
+        if shard is None:
+            raise Conflict("the shard of this assignment is no longer open", code="late_update")
+        now = time.time()
+        upd = UpdateState(
+            id="u-" + a.id.removeprefix("a-"), assignment_id=a.id, shard_id=shard.id, node_id=node.id,
+            sha=hdr.update_sha256, size=hdr.update_size, sample_count=hdr.sample_count,
+            loss=float(hdr.metrics["loss"]), train_s=float(hdr.timings["train_s"]), received_at=now,
+            elapsed_s=now - a.issued_at,
+        )
+        before = (node.ema_sps, node.updates_accepted)
+        self.scheduler.observe_throughput(node, shard.samples, job.spec.train.local_epochs, now - a.issued_at,
+                                          self.config.throughput_alpha)
+        node.updates_accepted += 1
+        first = shard.first_update_at is None
+        # an unreplicated shard is settled by its one update, in the same transaction
+        settles = shard.wanted == 1 and not shard.accepted and shard.state == "open"
+        try:
+            await self.store.accept_update(upd, job_id=job.id, round=a.round, metrics=dict(hdr.metrics),
+                                           timings=dict(hdr.timings), node=node, first_update=first,
+                                           settles=settles)
+        except BaseException:
+            node.ema_sps, node.updates_accepted = before
+            raise
+        a.uploading = False
+        self.scheduler.detach(a)
+        shard.accepted.append(upd)
+        if first:
+            shard.first_update_at = now
+        if settles:
+            shard.state = "settled"
+            shard.representative = upd.id
+        self.metrics.updates_accepted += 1
+        self.rounds.poke(job.id)
+        return upd
+
+    # -- jobs --------------------------------------------------------------------------------
+    async def submit_job(self, owner: str, spec_text: bytes, train_path: Path, val_path: Path | None) -> JobState:
+        """Validate, chunk and store a job (in a worker thread), then open its first round."""
+        job = await asyncio.to_thread(ingest_job, self.store, self.blobs, owner=owner, spec_text=spec_text,
+                                      train_path=train_path, val_path=val_path)
+        self.scheduler.add_job(job)
+        self.signal.notify()
+        return job
+
+    async def cancel_job(self, job_id: str, by: str) -> str:
+        """Cancel a queued or running job; returns the state it ends in."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is not None and job.active:
+            await self.rounds.end_job(job, "cancelled", f"cancelled by {by}")
+            return "cancelled"
+        state = await self.store.job_state(job_id)
+        if state is None:
+            raise NotFound(f"no job {job_id}", code="unknown_job")
+        if state in ("queued", "running"):  # stored as active but not loaded (it could not be resumed)
+            await self.store.end_job(job_id, "cancelled", f"cancelled by {by}", ())
+            return "cancelled"
+        return state
+
+    # -- flags -------------------------------------------------------------------------------
+    async def verdict(self, who: Principal, flag_id: str, verdict: str, note: str) -> Verdict:
+        """Confirm or dismiss an open flag: the one path for the API and the console.
+
+        Moves the node's reputation (verification.record_verdict; 3 confirmed flags ban it),
+        and appends a `verdict` entry to the audit log before the verdict is committed (a crash
+        in between leaves an entry for a verdict that can be given again, never a verdict
+        without its entry). A verdict that bans the node makes its other open flags moot.
+        """
+        who.require("auditor")
+        if verdict not in ("confirm", "dismiss"):
+            raise BadRequest('verdict must be "confirm" or "dismiss"', code="bad_verdict")
+        if not isinstance(note, str) or len(note) > 2000:
+            raise BadRequest("note must be a string of at most 2000 characters", code="bad_verdict")
+        status = "confirmed" if verdict == "confirm" else "dismissed"
+        async with self._verdicts:
+            flag = await self.store.flag(flag_id)
+            if flag is None:
+                raise NotFound(f"no flag {flag_id}", code="unknown_flag")
+            if flag.status != "open":
+                raise Conflict(f"flag {flag_id} already has a verdict ({flag.status})", code="already_decided")
+            node = self.scheduler.nodes.get(flag.node_id)
+            before = node.reputation if node is not None else None
+            after = record_verdict(before, verdict) if before is not None else None
+            newly_banned = bool(after and after.banned and before and not before.banned)
+            banned = bool(after and after.banned)
+            sha = await self.store.update_sha(flag.update_id)
+            await asyncio.to_thread(self.audit.append, "verdict", verdict_body(
+                flag_id=flag_id, node_id=flag.node_id, update=sha or flag.update_id, reason=flag.reason,
+                verdict=verdict, auditor=who.name, note=note, job_id=flag.job_id, banned=banned))
+            decided = await self.store.decide_flag(
+                flag_id, status=status, note=note, auditor=who.name, now=time.time(),
+                reputation=(flag.node_id, after) if after is not None else None,
+                moot_note=MOOT if newly_banned else None)
+            if decided is None:  # not under this lock's watch: another process decided it first
+                raise Conflict(f"flag {flag_id} already has a verdict", code="already_decided")
+            if node is not None and after is not None:
+                node.reputation = after
+        if newly_banned:
+            self.signal.notify()  # its long-polls answer 'banned' now
+        return Verdict(decided, banned, newly_banned)
+

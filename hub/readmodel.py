@@ -1,0 +1,210 @@
+"""The read model: what owners, auditors and the console are shown.
+
+Queries only; nothing here changes state (that is the ledger's, hub/ledger.py). Each
+function takes the store's connection (through `Store.query`) or the app, applies the
+caller's visibility rule, and returns plain JSON-ready documents. The API routes and
+the console (hub/web) use the same functions, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from typing import Any
+
+from aiohttp import web
+from gpuflex.protocol.tensors import decode_state, state_to_safetensors
+
+from .appkeys import BLOBS, CONFIG, LEDGER, STORE
+from .errors import BadRequest, NotFound
+from .tokens import Principal
+
+FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+def visible(who: Principal) -> tuple[str, tuple[Any, ...]]:
+    if who.role in ("admin", "auditor"):
+        return "1 = 1", ()
+    return "owner = ?", (who.name,)
+
+
+def job_row(conn: sqlite3.Connection, who: Principal, job_id: str) -> sqlite3.Row:
+    where, args = visible(who)
+    row = conn.execute(f"SELECT * FROM jobs WHERE id = ? AND {where}", (job_id, *args)).fetchone()  # noqa: S608
+    if row is None:
+        raise NotFound(f"no job {job_id} visible to you", code="unknown_job")
+    return row
+
+
+def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
+    where, args = visible(who)
+    rows = conn.execute(
+        f"SELECT id, name, owner, state, round, rounds, model_sha, created_at, updated_at, error"  # noqa: S608
+        f" FROM jobs WHERE {where} ORDER BY created_at", args).fetchall()
+    return [dict(r) | {"model_hash": r["model_sha"]} for r in rows]
+
+
+def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+    """The status document: state, progress and one history entry per closed round."""
+    job_id = row["id"]
+    history: list[dict[str, Any]] = []
+    rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
+    chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
+                                 (job_id,)).fetchone()[0]
+    for r in rounds:
+        if r["closed_at"] is None:
+            continue
+        ups = conn.execute(
+            "SELECT u.id, u.node_id, u.status, u.sample_count, u.loss, s.samples, s.replica_group,"
+            " (SELECT COUNT(*) FROM shard_chunks sc WHERE sc.shard_id = s.id) AS nchunks"
+            " FROM updates u JOIN shards s ON s.id = u.shard_id WHERE u.job_id = ? AND u.round = ?"
+            " ORDER BY u.received_at, u.id", (job_id, r["round"])).fetchall()
+        flags = conn.execute("SELECT id, node_id, reason, status FROM flags WHERE job_id = ? AND round = ?",
+                             (job_id, r["round"])).fetchall()
+        trained = sum(u["samples"] for u in ups)
+        history.append({
+            "round": r["round"], "loss": r["loss"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
+            "model_hash": r["new_model_sha"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
+            "metrics": json.loads(r["metrics"] or "{}"),
+            "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
+                         "samples": u["samples"], "loss": u["loss"], "status": u["status"],
+                         "replica_group": u["replica_group"]} for u in ups],
+            "flags": [{"flag_id": f["id"], "node_id": f["node_id"], "reason": f["reason"],
+                       "status": f["status"]} for f in flags],
+            "replication_overhead": (trained - chunk_samples) / chunk_samples if chunk_samples else 0.0,
+        })
+    return {
+        "id": job_id, "name": row["name"], "owner": row["owner"], "state": row["state"],
+        "round": row["round"], "rounds": row["rounds"], "model_hash": row["model_sha"],
+        "train_samples": row["train_samples"], "val_samples": row["val_samples"],
+        "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
+        "history": history,
+    }
+
+
+async def job_document(app: web.Application, who: Principal, job_id: str) -> dict[str, Any]:
+    """GET /v1/jobs/{id}: the stored status, with the live round's progress and any error the
+    hub could not store yet (a failing store)."""
+    doc = await app[STORE].query(lambda c: job_status(c, job_row(c, who, job_id)))
+    live = app[LEDGER].scheduler.jobs.get(job_id)
+    if live is not None:
+        if live.error and not doc.get("error"):
+            doc["error"] = live.error
+        if live.active:
+            doc["progress"] = {
+                "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
+                "chunks_free": len(live.free), "assignments_live": live.live_count(),
+            }
+    return doc
+
+
+def model_version(conn: sqlite3.Connection, who: Principal, job_id: str, version: int | None) -> sqlite3.Row:
+    """(version, sha) of a job's latest model, or of model `version`."""
+    job_row(conn, who, job_id)
+    if version is None:
+        row = conn.execute("SELECT version, sha FROM models WHERE job_id = ? ORDER BY version DESC LIMIT 1",
+                           (job_id,)).fetchone()
+    else:
+        row = conn.execute("SELECT version, sha FROM models WHERE job_id = ? AND version = ?",
+                           (job_id, version)).fetchone()
+    if row is None:
+        raise NotFound(f"job {job_id} has no model for round {version}", code="unknown_round")
+    return row  # type: ignore[no-any-return]
+
+
+async def export_model(app: web.Application, who: Principal, job_id: str,
+                       version: int | None = None) -> tuple[int, str, bytes]:
+    """(version, model sha, .safetensors bytes) of a job's latest model or of model `version`
+    (0 = initial, N = after N rounds). Same owner scoping as the API."""
+
+    row = await app[STORE].query(lambda c: model_version(c, who, job_id, version))
+    blobs = app[BLOBS]
+
+    def export() -> bytes:
+        return state_to_safetensors(decode_state(blobs.read(row["sha"])))
+
+    return int(row["version"]), str(row["sha"]), await asyncio.to_thread(export)
+
+
+# -- flags and nodes --------------------------------------------------------------------------
+
+
+def _flag_dict(r: sqlite3.Row) -> dict[str, Any]:
+    d = dict(r)
+    d["evidence"] = json.loads(d["evidence"] or "{}")
+    return d
+
+
+def _flag_scope(who: Principal) -> tuple[str, tuple[Any, ...]]:
+    if who.role in ("admin", "auditor"):
+        return "1 = 1", ()
+    return "f.job_id IN (SELECT id FROM jobs WHERE owner = ?)", (who.name,)
+
+
+async def list_flags_for(app: web.Application, who: Principal, status: str | None = None,
+                         job: str | None = None) -> list[dict[str, Any]]:
+    """Flags visible to `who` (auditors/admins: all; owners: their jobs'), oldest first."""
+    if status is not None and status not in FLAG_STATUSES:
+        raise BadRequest(f"status must be one of {', '.join(FLAG_STATUSES)}", code="bad_status")
+    if job is not None and len(job) > 64:
+        raise BadRequest("job id is too long", code="bad_job")
+    where, args = _flag_scope(who)
+    sql = f"SELECT f.* FROM flags f WHERE {where}"  # noqa: S608 - fixed fragments only
+    params: list[Any] = list(args)
+    if status:
+        sql += " AND f.status = ?"
+        params.append(status)
+    if job:
+        sql += " AND f.job_id = ?"
+        params.append(job)
+    sql += " ORDER BY f.created_at, f.id LIMIT 10000"
+    rows = await app[STORE].query(lambda c: c.execute(sql, params).fetchall())
+    return [_flag_dict(r) for r in rows]
+
+
+async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[str, Any]:
+    where, args = _flag_scope(who)
+    row = await app[STORE].query(lambda c: c.execute(
+        f"SELECT f.* FROM flags f WHERE f.id = ? AND {where}", (flag_id, *args)).fetchone())  # noqa: S608
+    if row is None:
+        raise NotFound(f"no flag {flag_id} visible to you", code="unknown_flag")
+    return _flag_dict(row)
+
+
+REPUTATION_FIELDS = ("consecutive_agreements", "agreements_total", "flags_total", "confirmed_flags",
+                     "dismissed_flags")
+
+
+async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str, Any]]:
+    """Every registered node: device, benchmark, throughput EMA, reputation, activity (auditor/admin).
+    A node's track record is its `reputation` (the Reputation's fields, the columns' names)."""
+    who.require("auditor")
+    rows = await app[STORE].query(lambda c: c.execute(
+        "SELECT n.*,"
+        " (SELECT COUNT(*) FROM assignments a WHERE a.node_id = n.id AND a.state IN ('expired', 'abandoned'))"
+        " AS assignments_failed"
+        " FROM nodes n ORDER BY n.registered_at").fetchall())
+    sched = app[LEDGER].scheduler
+    now = time.time()
+    out = []
+    for r in rows:
+        d = {k: r[k] for k in ("id", "software_version", "bench_sps", "ema_sps", "registered_at", "last_seen",
+                               "updates_accepted", "assignments_failed")}
+        d["device"] = json.loads(r["device"])
+        d["benchmark"] = json.loads(r["benchmark"])
+        rep = {k: r[k] for k in REPUTATION_FIELDS} | {"banned": bool(r["banned"])}
+        live = sched.nodes.get(r["id"])
+        if live is not None:  # memory is at least as new as the row
+            d.update(ema_sps=live.ema_sps, last_seen=max(d["last_seen"], live.last_seen),
+                     updates_accepted=live.updates_accepted, assignments_live=len(live.live))
+            rep = {k: getattr(live.reputation, k) for k in (*REPUTATION_FIELDS, "banned")}
+        d["reputation"] = rep
+        d["banned"] = rep["banned"]
+        d["online"] = now - d["last_seen"] <= app[CONFIG].online_window_s
+        out.append(d)
+    return out

@@ -1,0 +1,234 @@
+"""The `Store` contract: one suite, parametrised over every implementation, so that a second
+store (PostgreSQL) cannot drift from the first. Each test writes through the store and reads
+back what a restarted hub would load."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from gpuflex.hub.blobs import BlobStore
+from gpuflex.hub.db import SCHEMA_VERSION, Database
+from gpuflex.hub.jobs import AssignmentState, JobState, UpdateState, ingest_job
+from gpuflex.hub.store import NodeProfile, RoundResult, Store
+from gpuflex.hub.store_sqlite import DuplicateUpdate, SqliteStore
+from gpuflex.hub.verification import Flag, Reputation
+
+from tests.helpers import write_digits
+
+IMPLEMENTATIONS = ["sqlite"]
+PROFILE = NodeProfile(software_version="0.1.0", device={"kind": "cpu"}, benchmark={"samples_per_s": 10.0})
+
+
+def _open(kind: str, where: Path) -> Store:
+    if kind == "sqlite":
+        return SqliteStore(Database(where / "hub.sqlite3"))
+    raise AssertionError(kind)
+
+
+@pytest_asyncio.fixture(params=IMPLEMENTATIONS)
+async def opened(request, tmp_path) -> AsyncIterator[tuple[str, Path, Store]]:
+    store = _open(request.param, tmp_path)
+    try:
+        yield request.param, tmp_path, store
+    finally:
+        store.close()
+
+
+async def _reopen(kind: str, where: Path, store: Store) -> Store:
+    """What a restarted hub sees: a fresh store on the same data."""
+    store.close()
+    return _open(kind, where)
+
+
+async def _job(where: Path, store: Store, replication: str = "0.0") -> JobState:
+    train, val, spec = write_digits(where / "digits", rounds=2, replication=replication)
+    blobs = BlobStore(where / "blobs")
+    return await asyncio.to_thread(ingest_job, store, blobs, owner="alice", spec_text=spec.read_bytes(),
+                                   train_path=train, val_path=val)
+
+
+def _assignment(job: JobState, node_id: str, aid: str = "a-1") -> AssignmentState:
+    shard = job.shards[next(iter(job.shards))] if job.shards else None
+    assert shard is not None
+    now = time.time()
+    return AssignmentState(id=aid, shard_id=shard.id, job_id=job.id, round=job.round, node_id=node_id,
+                           issued_at=now, expected_s=1.0, deadline=now + 60, sealed=b"sealed",
+                           model_sha=job.model_sha, chunk_shas=frozenset())
+
+
+def _carve(job: JobState, wanted: int = 1):
+    from gpuflex.hub.jobs import ShardState
+
+    shard = ShardState(id=f"{job.id}-r0-s0", job_id=job.id, round=0, seq=0, seed=7, chunk_idxs=(0, 1),
+                       samples=job.chunks[0].samples + job.chunks[1].samples,
+                       replica_group="" if wanted == 1 else f"{job.id}-r0-s0", wanted=wanted)
+    job.shards[shard.id] = shard
+    job.free.difference_update(shard.chunk_idxs)
+    return shard
+
+
+async def test_a_node_and_its_reputation_survive_a_restart(opened) -> None:
+    kind, where, store = opened
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=12.5, now=100.0)
+    rep = Reputation(consecutive_agreements=3, agreements_total=7, flags_total=1, confirmed_flags=1,
+                     dismissed_flags=0, banned=False)
+    await store.save_reputations([("gf1-n1", rep)])
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=20.0, now=200.0)  # re-registration
+    store = await _reopen(kind, where, store)
+    try:
+        (node,) = (await store.load()).nodes
+        assert node.id == "gf1-n1" and node.public_key == b"k" * 32
+        assert node.reputation == rep, "re-registering must keep the track record"
+        assert node.bench_sps == 20.0 and node.last_seen == 200.0
+    finally:
+        store.close()
+
+
+async def test_a_job_its_live_assignment_and_an_update_survive_a_restart(opened) -> None:
+    kind, where, store = opened
+    job = await _job(where, store)
+    shard = _carve(job)
+    a = _assignment(job, "gf1-n1")
+    await store.issue_assignment(a, shard, [job.chunks[0], job.chunks[1]])
+    loaded = (await store.load()).jobs
+    (again,) = loaded
+    assert again.id == job.id and again.model_sha == job.model_sha
+    assert list(again.shards) == [shard.id] and list(again.shards[shard.id].live) == ["a-1"]
+    assert 0 not in again.free and 1 not in again.free
+    upd = UpdateState(id="u-1", assignment_id="a-1", shard_id=shard.id, node_id="gf1-n1", sha="ab" * 32,
+                      size=10, sample_count=shard.samples, loss=0.5, train_s=0.1, received_at=time.time())
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+    from gpuflex.hub.scheduler import NodeState
+
+    node = NodeState(id="gf1-n1", public_key=b"k" * 32, bench_sps=1.0, ema_sps=3.0, last_seen=1.0,
+                     updates_accepted=1)
+    await store.accept_update(upd, job_id=job.id, round=0, metrics={"loss": 0.5}, timings={"train_s": 0.1},
+                              node=node, first_update=True, settles=True)
+    with pytest.raises(DuplicateUpdate):
+        await store.accept_update(upd, job_id=job.id, round=0, metrics={"loss": 0.5},
+                                  timings={"train_s": 0.1}, node=node, first_update=False, settles=False)
+    fate = await store.assignment_fate("a-1")
+    assert fate is not None and fate.state == "done" and fate.update_id == "u-1"
+    store = await _reopen(kind, where, store)
+    try:
+        loaded = await store.load()
+        (again,) = loaded.jobs
+        s = again.shards[shard.id]
+        assert s.state == "settled" and s.representative == "u-1" and not s.live
+        assert [n.ema_sps for n in loaded.nodes] == [3.0] and loaded.nodes[0].updates_accepted == 1
+    finally:
+        store.close()
+
+
+async def test_ended_assignments_stay_ended(opened) -> None:
+    _kind, where, store = opened
+    job = await _job(where, store)
+    shard = _carve(job)
+    await store.issue_assignment(_assignment(job, "gf1-n1"), shard, [job.chunks[0], job.chunks[1]])
+    await store.end_assignments(["a-1"], "expired")
+    await store.end_assignments(["a-1"], "abandoned")  # only a live one changes
+    fate = await store.assignment_fate("a-1")
+    assert fate is not None and fate.state == "expired" and fate.update_id is None
+    assert await store.assignment_fate("a-unknown") is None
+    with pytest.raises(ValueError):
+        await store.end_assignments(["a-1"], "done")
+
+
+async def test_settling_records_flags_and_a_verdict_is_given_once(opened) -> None:
+    _kind, where, store = opened
+    job = await _job(where, store)
+    shard = _carve(job, wanted=2)
+    await store.issue_assignment(_assignment(job, "gf1-n1"), shard, [job.chunks[0], job.chunks[1]])
+    await store.want_replicas(shard.id, 3, {"why": "split"})
+    flags = [Flag("u-1", "gf1-n1", "replica_mismatch", {"distance": 0.3}),
+             Flag("u-2", "gf1-n1", "outlier", {"cosine": -0.9})]
+    shard.state = "settled"
+    await store.settle_shard(shard, state="settled", evidence={"pairs": []}, statuses={}, cancelled=["a-1"],
+                             flags=flags, round=0, reputations=[("gf1-n1", Reputation(flags_total=2))], now=5.0)
+    fate = await store.assignment_fate("a-1")
+    assert fate is not None and fate.state == "cancelled"
+    ids = await store.query(lambda c: [r[0] for r in c.execute("SELECT id FROM flags ORDER BY update_id")])
+    assert len(ids) == 2
+    first = await store.flag(ids[0])
+    assert first is not None and first.status == "open" and first.evidence == {"distance": 0.3}
+    banned = Reputation(confirmed_flags=3, banned=True)
+    decided = await store.decide_flag(ids[0], status="confirmed", note="n", auditor="audrey", now=6.0,
+                                      reputation=("gf1-n1", banned), moot_note="moot: banned")
+    assert decided is not None and decided.status == "confirmed" and decided.auditor == "audrey"
+    other = await store.flag(ids[1])
+    assert other is not None and other.status == "moot" and other.verdict_note == "moot: banned"
+    again = await store.decide_flag(ids[0], status="dismissed", note="", auditor="x", now=7.0,
+                                    reputation=None, moot_note=None)
+    assert again is None, "a decided flag cannot be decided again"
+    assert await store.flag("f-unknown") is None
+
+
+async def test_closing_the_last_round_finishes_the_job(opened) -> None:
+    kind, where, store = opened
+    job = await _job(where, store)
+    result = RoundResult(model_sha="cd" * 32, opt_state_sha=None, statuses={}, flags=[], evidence={},
+                         metrics={"loss": 0.25, "accuracy": 0.9}, train_loss=0.3, flagged_nodes=[])
+    await store.close_round(job, result, flags=[], withdrawn=[], cancelled=[], reputations=[], last=False,
+                            now=10.0)
+    job.round = 1
+    await store.close_round(job, result, flags=[], withdrawn=[], cancelled=[], reputations=[], last=True,
+                            now=11.0)
+    assert await store.job_state(job.id) == "done"
+    store = await _reopen(kind, where, store)
+    try:
+        assert (await store.load()).jobs == [], "a finished job is not resumed"
+        rows = await store.query(lambda c: c.execute(
+            "SELECT round, accuracy FROM rounds WHERE job_id = ? ORDER BY round", (job.id,)).fetchall())
+        assert [tuple(r) for r in rows] == [(0, 0.9), (1, 0.9)]
+    finally:
+        store.close()
+
+
+async def test_ending_a_job_cancels_its_live_assignments(opened) -> None:
+    _kind, where, store = opened
+    job = await _job(where, store)
+    shard = _carve(job)
+    await store.issue_assignment(_assignment(job, "gf1-n1"), shard, [job.chunks[0], job.chunks[1]])
+    await store.fail_job(job.id, "round 0 failed: boom", ["a-1"])
+    assert await store.job_state(job.id) == "failed"
+    fate = await store.assignment_fate("a-1")
+    assert fate is not None and fate.state == "cancelled"
+
+
+def test_a_version_1_database_is_migrated_keeping_its_reputations(tmp_path: Path) -> None:
+    """Data folders written by the previous release keep their nodes' track records."""
+    path = tmp_path / "hub.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE nodes (id TEXT PRIMARY KEY, public_key BLOB NOT NULL, software_version TEXT NOT NULL,"
+        " device TEXT NOT NULL, benchmark TEXT NOT NULL, bench_sps REAL NOT NULL, ema_sps REAL NOT NULL,"
+        " registered_at REAL NOT NULL, last_seen REAL NOT NULL, agreed INTEGER NOT NULL DEFAULT 0,"
+        " disagreed INTEGER NOT NULL DEFAULT 0, consecutive_valid INTEGER NOT NULL DEFAULT 0,"
+        " flags_confirmed INTEGER NOT NULL DEFAULT 0, flags_dismissed INTEGER NOT NULL DEFAULT 0,"
+        " updates_accepted INTEGER NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0);"
+        "INSERT INTO nodes VALUES ('gf1-old', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 9, 2, 4, 1, 1, 5, 0);"
+        "PRAGMA user_version = 1;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM nodes").fetchone()))
+    finally:
+        db.close()
+    assert (row["agreements_total"], row["flags_total"], row["consecutive_agreements"], row["confirmed_flags"],
+            row["dismissed_flags"]) == (9, 2, 4, 1, 1)
+
+
+def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(RuntimeError, match="upgrade gpuflex"):
+        Database(path)
