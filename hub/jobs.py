@@ -107,6 +107,7 @@ class JobState:
     created_at: float
     shards: dict[str, ShardState] = field(default_factory=dict)
     free: set[int] = field(default_factory=set)  # chunk idxs no live/settled shard holds
+    free_total: int = 0  # samples in `free` (kept by take/release/open_round)
     next_seq: int = 0
     closing: bool = False
     live_n: int = 0  # live assignments of this job (kept by Scheduler.attach/detach)
@@ -125,9 +126,29 @@ class JobState:
 
     def release(self, idxs: tuple[int, ...] | list[int]) -> None:
         """Chunks go back to the round's pool."""
-        self.free.update(idxs)
+        back = [i for i in idxs if i not in self.free]
+        self.free.update(back)
+        self.free_total += sum(self.chunks[i].samples for i in back)
         if idxs:
             self.cursor = min(self.cursor, min(idxs))
+
+    def take(self, idxs: tuple[int, ...] | list[int]) -> None:
+        """Chunks leave the pool for a shard."""
+        gone = [i for i in idxs if i in self.free]
+        self.free.difference_update(gone)
+        self.free_total -= sum(self.chunks[i].samples for i in gone)
+
+    def end(self, state: str) -> None:
+        """The job is over: nothing is left to hand out."""
+        self.state = state
+        self.shards = {}
+        self.replicated = {}
+        self.free = set()
+        self.free_total = 0
+
+    def free_samples(self) -> int:
+        """Samples in the chunks no shard holds yet."""
+        return self.free_total
 
     def covered_chunks(self) -> int:
         return sum(len(s.chunk_idxs) for s in self.shards.values() if s.state == "settled")
@@ -143,6 +164,7 @@ class JobState:
         self.shards = {}
         self.replicated = {}
         self.free = {c.idx for c in self.chunks}
+        self.free_total = sum(c.samples for c in self.chunks)
         self.cursor = 0
         self.next_seq = 0
         if len(self.by_sha) != len(self.chunks):

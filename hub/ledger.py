@@ -18,8 +18,10 @@ aggregation) is handed to threads by the callers of the store or by the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +140,15 @@ class Ledger:
         return node
 
     # -- work --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def polling(self, node: NodeState) -> Iterator[None]:
+        """The node waits for work while inside: it counts in the gathering a round is cut for."""
+        self.scheduler.poll_started(node.id)
+        try:
+            yield
+        finally:
+            self.scheduler.poll_ended(node.id, time.time())
+
     async def next_assignment(self, node: NodeState, cached: frozenset[str]) -> Issued | None:
         """The node's live assignment if it still holds one, else a new one, else None."""
         node.last_seen = time.time()

@@ -60,9 +60,11 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         if r["closed_at"] is None:
             continue
         ups = conn.execute(
-            "SELECT u.id, u.node_id, u.status, u.sample_count, u.loss, s.samples, s.replica_group,"
+            "SELECT u.id, u.node_id, u.status, u.sample_count, u.loss, u.train_s, s.id AS shard_id, s.samples,"
+            " s.replica_group, u.received_at - a.issued_at AS elapsed_s,"
             " (SELECT COUNT(*) FROM shard_chunks sc WHERE sc.shard_id = s.id) AS nchunks"
-            " FROM updates u JOIN shards s ON s.id = u.shard_id WHERE u.job_id = ? AND u.round = ?"
+            " FROM updates u JOIN shards s ON s.id = u.shard_id JOIN assignments a ON a.id = u.assignment_id"
+            " WHERE u.job_id = ? AND u.round = ?"
             " ORDER BY u.received_at, u.id", (job_id, r["round"])).fetchall()
         flags = conn.execute("SELECT id, node_id, reason, status FROM flags WHERE job_id = ? AND round = ?",
                              (job_id, r["round"])).fetchall()
@@ -77,6 +79,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             "flags": [{"flag_id": f["id"], "node_id": f["node_id"], "reason": f["reason"],
                        "status": f["status"]} for f in flags],
             "replication_overhead": (trained - chunk_samples) / chunk_samples if chunk_samples else 0.0,
+            **_parallelism(ups, r["closed_at"] - r["opened_at"]),
         })
     return {
         "id": job_id, "name": row["name"], "owner": row["owner"], "state": row["state"],
@@ -84,6 +87,46 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         "train_samples": row["train_samples"], "val_samples": row["val_samples"],
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
+        "parallel": _job_parallelism(history),
+    }
+
+
+def _job_parallelism(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's summary of how it was spread: mean shards, nodes, speedup and efficiency per round."""
+    ps = [h["parallel"] for h in history if h["parallel"]["nodes"]]
+    if not ps:
+        return {"rounds": 0, "shards": None, "nodes": None, "speedup": None, "efficiency": None}
+    return {"rounds": len(ps), "shards": sum(p["shards"] for p in ps) / len(ps),
+            "nodes": sum(p["nodes"] for p in ps) / len(ps),
+            "speedup": sum(p["speedup"] for p in ps) / len(ps),
+            "efficiency": sum(p["efficiency"] for p in ps) / len(ps)}
+
+
+def _parallelism(ups: list[sqlite3.Row], wall_s: float) -> dict[str, Any]:
+    """How a round was spread: its shards (size, nodes, training time), each node's share of the
+    samples trained, and the parallel efficiency, the round's training time summed over nodes
+    against its wall time (1.0 = every node trained the whole round)."""
+    shards: dict[str, dict[str, Any]] = {}
+    per_node: dict[str, int] = {}
+    for u in ups:
+        sh = shards.setdefault(u["shard_id"], {"shard_id": u["shard_id"], "samples": u["samples"],
+                                                "chunks": u["nchunks"], "replicated": bool(u["replica_group"]),
+                                                "nodes": [], "train_s": 0.0, "elapsed_s": 0.0})
+        sh["nodes"].append(u["node_id"])
+        sh["train_s"] = max(sh["train_s"], float(u["train_s"]))  # what the node reports
+        sh["elapsed_s"] = max(sh["elapsed_s"], float(u["elapsed_s"]))  # issue to upload, as the hub saw it
+        per_node[u["node_id"]] = per_node.get(u["node_id"], 0) + int(u["samples"])
+    trained = sum(per_node.values())
+    work_s = sum(float(u["train_s"]) for u in ups)
+    nodes = len(per_node)
+    wall = max(float(wall_s), 1e-9)
+    times = [sh["train_s"] for sh in shards.values() if sh["train_s"] > 0]
+    return {
+        "shards": sorted(shards.values(), key=lambda sh: (-sh["samples"], sh["shard_id"])),
+        "node_shares": {n: k / trained for n, k in sorted(per_node.items())} if trained else {},
+        "parallel": {"nodes": nodes, "shards": len(shards), "wall_s": float(wall_s), "train_s_sum": work_s,
+                     "speedup": work_s / wall, "efficiency": work_s / wall / nodes if nodes else 0.0,
+                     "balance": max(times) / (sum(times) / len(times)) if times else None},
     }
 
 

@@ -322,10 +322,7 @@ class RoundEngine:
         job.round = next_round
         self.metrics.rounds_closed += 1
         if last:
-            job.state = "done"
-            job.shards = {}
-            job.replicated = {}
-            job.free = set()
+            job.end("done")
         else:
             job.open_round()
         self.last_close_ms = (time.perf_counter() - t0) * 1000
@@ -428,9 +425,6 @@ class RoundEngine:
         await self.store.end_job(job.id, state, reason, [a.id for a in leftovers])
         for a in leftovers:
             self.scheduler.detach(a)
-        job.state = state
+        job.end(state)
         job.error = reason
-        job.shards = {}
-        job.replicated = {}
-        job.free = set()
         self.signal.notify()

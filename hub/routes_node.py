@@ -79,14 +79,15 @@ async def work(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     give_up = loop.time() + wait_s
     wake = ledger.signal  # the WorkSignal that long-polls wait on
-    while not wake.closing:
-        issued = await ledger.next_assignment(node, cached)
-        if issued is not None:
-            return _assignment_response(request, issued.sealed, issued.model_sha, cached)
-        left = give_up - loop.time()
-        if left <= 0:
-            break
-        await wake.wait(left)
+    with ledger.polling(node):
+        while not wake.closing:
+            issued = await ledger.next_assignment(node, cached)
+            if issued is not None:
+                return _assignment_response(request, issued.sealed, issued.model_sha, cached)
+            left = give_up - loop.time()
+            if left <= 0:
+                break
+            await wake.wait(left)
     running = any(j.state == "running" for j in ledger.scheduler.jobs.values())
     if wake.closing:
         reason, retry = "the hub is shutting down", 2.0

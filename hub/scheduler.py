@@ -2,11 +2,22 @@
 
 Each work request gets, in this order of preference:
 1. a replica of a shard that still needs one (never twice to the same node),
-2. a new shard carved from the chunks the round still needs, sized to the node's
-   throughput so it takes about `round_target_s`, cached chunks first,
+2. a new shard carved from the chunks the round still needs: the node's share of
+   them, in proportion to its throughput, among the nodes that want work now (its
+   *gathering*), so that every node of the round finishes at about the same time;
+   `round_target_s` caps a shard; cached chunks first,
 3. nothing ("retry after").
+
+The gathering is the nodes waiting in a long-poll or between two polls (within
+`gather_s`), plus the requester. Its capacity counts each node's throughput divided
+by the replicas a shard of its is expected to get (an untrusted node's shard is
+trained twice), so the chunks are spread over the distinct shards the round will
+really have. The first carve of a round takes a snapshot of the gathering; every
+node served from it (shard or replica) takes its part out, so a round of N nodes
+costs O(N), not O(N^2).
+
 Jobs share nodes fairly: the job with the fewest live assignments goes first.
-All state here lives on the event loop; the caller persists what it returns.
+All state here lives on the event loop; the ledger persists what it returns.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from .jobs import AssignmentState, JobState, ShardState, shard_seed
-from .verification import Reputation, replica_candidates, should_replicate
+from .verification import Reputation, replica_candidates, replication_probability, should_replicate
 
 MAX_CHUNKS_PER_ASSIGNMENT = 4096
 
@@ -44,6 +55,20 @@ class NodeState:
     @property
     def banned(self) -> bool:
         return self.reputation.banned
+
+
+@dataclass
+class Gathering:
+    """A snapshot of who wants work in a job's round: node id -> its distinct capacity
+    (samples/s divided by the replicas its shard is expected to get)."""
+
+    round: int
+    at: float
+    members: dict[str, float]
+    capacity: float
+
+    def take(self, node_id: str) -> None:
+        self.capacity = max(0.0, self.capacity - self.members.pop(node_id, 0.0))
 
 
 @dataclass(frozen=True)
@@ -74,15 +99,66 @@ def clamp_sps(value: float) -> float:
 
 
 class Scheduler:
-    def __init__(self, *, min_deadline_s: float, online_window_s: float, rng: random.Random | None = None) -> None:
+    def __init__(self, *, min_deadline_s: float, online_window_s: float, rng: random.Random | None = None,
+                 gather_s: float = 2.0) -> None:
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeState] = {}
         self.assignments: dict[str, AssignmentState] = {}
         self.min_deadline_s = min_deadline_s
         self.online_window_s = online_window_s
+        self.gather_s = gather_s
         self._rng = rng or random.Random(0)
-        self._online_cache: tuple[float, int] = (0.0, 0)
         self._reps_cache: tuple[float, dict[str, Reputation]] = (0.0, {})
+        self.polling: dict[str, int] = {}  # node id -> long-polls it has open now
+        self.last_poll: dict[str, float] = {}  # node id -> when its last poll ended
+        self._gatherings: dict[str, Gathering] = {}  # job id -> this round's snapshot
+
+    # -- who wants work ---------------------------------------------------------------------
+    def poll_started(self, node_id: str) -> None:
+        self.polling[node_id] = self.polling.get(node_id, 0) + 1
+
+    def poll_ended(self, node_id: str, now: float) -> None:
+        left = self.polling.get(node_id, 0) - 1
+        if left > 0:
+            self.polling[node_id] = left
+        else:
+            self.polling.pop(node_id, None)
+        node = self.nodes.get(node_id)
+        if node is not None and not node.live:  # came back empty-handed: it will poll again at once
+            self.last_poll[node_id] = now
+        else:  # it went off with work
+            self.last_poll.pop(node_id, None)
+
+    def wants_work(self, now: float) -> list[NodeState]:
+        """Nodes in a long-poll now, or between two polls, that hold no live assignment."""
+        ids = set(self.polling)
+        stale = [nid for nid, t in self.last_poll.items() if now - t > self.gather_s]
+        for nid in stale:
+            del self.last_poll[nid]
+        ids.update(self.last_poll)
+        out = []
+        for nid in ids:
+            node = self.nodes.get(nid)
+            if node is not None and not node.banned and not node.live:
+                out.append(node)
+        return out
+
+    def expected_replicas(self, job: JobState, node: NodeState) -> float:
+        """How many nodes are expected to train a shard carved for `node` (1 = unreplicated)."""
+        v = job.spec.verification
+        return 1.0 + (max(2, int(v.quorum)) - 1) * replication_probability(node.reputation, v)
+
+    def _gathering(self, job: JobState, node: NodeState, now: float) -> Gathering:
+        g = self._gatherings.get(job.id)
+        if g is None or g.round != job.round or node.id not in g.members or now - g.at > self.gather_s:
+            members = {n.id: n.throughput / self.expected_replicas(job, n) for n in self.wants_work(now)}
+            if node.id not in members:
+                members[node.id] = node.throughput / self.expected_replicas(job, node)
+            if len(members) == 1:  # alone: nobody else could take a replica either
+                members[node.id] = node.throughput
+            g = Gathering(job.round, now, members, sum(members.values()))
+            self._gatherings[job.id] = g
+        return g
 
     # -- bookkeeping ---------------------------------------------------------------------
     def add_job(self, job: JobState) -> None:
@@ -120,8 +196,11 @@ class Scheduler:
         jobs = [j for j in self.jobs.values() if j.state == "running" and not j.closing]
         jobs.sort(key=lambda j: (j.live_count(), j.created_at, j.id))
         for job in jobs:
-            shard = self._pending_replica(job, node)
+            shard = self._pending_replica(job, node, now)
             if shard is not None:
+                g = self._gatherings.get(job.id)
+                if g is not None and g.round == job.round:
+                    g.take(node.id)  # its time goes to this replica, not to a shard of its own
                 exp = self.expected_s(job, shard.samples, node)
                 return Plan(job, shard, False, exp, self.deadline_for(job, exp, now))
         for job in jobs:
@@ -131,12 +210,13 @@ class Scheduler:
                 return Plan(job, shard, True, exp, self.deadline_for(job, exp, now))
         return None
 
-    def _pending_replica(self, job: JobState, node: NodeState) -> ShardState | None:
+    def _pending_replica(self, job: JobState, node: NodeState, now: float) -> ShardState | None:
         """A shard still short of replicas that this node may take (verification.replica_candidates:
-        trusted nodes when any are online, else the upper half by their run of agreements)."""
-        for shard in sorted(job.replicated.values(), key=lambda s: s.seq):
+        trusted nodes when any are online, else the upper half by their run of agreements).
+        `job.replicated` holds the open replicated shards in carve order."""
+        for shard in job.replicated.values():
             if shard.state == "open" and shard.replicas_needed() > 0 and node.id not in shard.nodes:
-                reps = self._online_reputations(time.time())
+                reps = self._online_reputations(now)
                 if node.id in replica_candidates(reps, shard.nodes, job.spec.verification):
                     return shard
         return None
@@ -154,11 +234,16 @@ class Scheduler:
         return reps
 
     def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
-        """Cut a shard sized to the node: throughput x round_target_s samples, cached first,
-        then the lowest free chunk indices (a stable order)."""
+        """Cut the node's share of the free chunks (see the module docstring), at most what it
+        trains in round_target_s, at least one chunk; cached chunks first, then the lowest free
+        chunk indices (a stable order)."""
         train = job.spec.train
-        want_samples = node.throughput * train.round_target_s / max(1, train.local_epochs)
         chunks = job.chunks  # chunks[i].idx == i
+        g = self._gathering(job, node, now)
+        free_samples = job.free_samples()
+        share = free_samples * node.throughput / g.capacity if g.capacity > 0 else free_samples
+        g.take(node.id)
+        want_samples = min(share, node.throughput * train.round_target_s / max(1, train.local_epochs))
         picked: list[int] = []
         samples = 0
 
@@ -178,7 +263,7 @@ class Scheduler:
                 samples += chunks[i].samples
             i += 1
         picked.sort()  # stable chunk order inside the assignment
-        job.free.difference_update(picked)
+        job.take(picked)
         while job.cursor < len(chunks) and job.cursor not in job.free:
             job.cursor += 1
         seq = job.next_seq
@@ -201,15 +286,12 @@ class Scheduler:
         """Replicate only when another node could take the replica: nothing waits for absent nodes."""
         if not should_replicate(node.reputation, job.spec.verification, self._rng):
             return False
-        return self._online_count(now) - (1 if now - node.last_seen <= self.online_window_s else 0) >= 1
+        return self.anyone_else_online(node.id, now)
 
-    def _online_count(self, now: float) -> int:
-        """Nodes online, recounted at most once a second (O(nodes) otherwise per carve)."""
-        stamp, count = self._online_cache
-        if now - stamp > 1.0:
-            count = self.online_nodes(now)
-            self._online_cache = (now, count)
-        return count
+    def anyone_else_online(self, node_id: str, now: float) -> bool:
+        """Exact, and O(1) in the usual case: stops at the first other online node."""
+        window = self.online_window_s
+        return any(n.id != node_id and not n.banned and now - n.last_seen <= window for n in self.nodes.values())
 
     # -- lifecycle of an assignment ---------------------------------------------------------
     def attach(self, a: AssignmentState, shard: ShardState) -> None:

@@ -383,6 +383,6 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
             job.shards[shard.id] = shard
             if shard.wanted > 1 and shard.state == "open":
                 job.replicated[shard.id] = shard
-            job.free.difference_update(idxs)
+            job.take(idxs)
         jobs.append(job)
     return jobs, broken

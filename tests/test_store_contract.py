@@ -69,7 +69,7 @@ def _carve(job: JobState, wanted: int = 1):
                        samples=job.chunks[0].samples + job.chunks[1].samples,
                        replica_group="" if wanted == 1 else f"{job.id}-r0-s0", wanted=wanted)
     job.shards[shard.id] = shard
-    job.free.difference_update(shard.chunk_idxs)
+    job.take(shard.chunk_idxs)
     return shard
 
 

@@ -203,7 +203,7 @@ def job_names(conn: sqlite3.Connection) -> dict[str, str]:
 def flag_context(conn: sqlite3.Connection, flag: dict[str, Any]) -> dict[str, Any]:
     """What a flag's page shows beside the flag row: the job's name, the round's review
     evidence (thresholds), the flagged update and its shard's replica outcome."""
-    job = conn.execute("SELECT name FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
+    job = conn.execute("SELECT name, spec_toml FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
     rnd = conn.execute(
         "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?",
         (flag["job_id"], flag["round"]),
@@ -217,7 +217,21 @@ def flag_context(conn: sqlite3.Connection, flag: dict[str, Any]) -> dict[str, An
         "job_name": job["name"] if job is not None else flag["job_id"],
         "round_evidence": _loads(rnd["evidence"]) if rnd is not None else {},
         "update": dict(upd) if upd is not None else {},
+        "thresholds": _thresholds(job["spec_toml"]) if job is not None else {},
     }
+
+
+def _thresholds(spec_toml: str) -> dict[str, Any]:
+    """The job's [verification] settings, as its spec says (defaults from the spec parser only)."""
+    from dataclasses import asdict
+
+    from gpuflex.protocol.errors import ProtocolError
+    from gpuflex.protocol.jobspec import parse_job_spec
+
+    try:
+        return asdict(parse_job_spec(spec_toml).verification)
+    except ProtocolError:
+        return {}
 
 
 def node_flags(conn: sqlite3.Connection, node_id: str, limit: int = 50) -> list[dict[str, Any]]:

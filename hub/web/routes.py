@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import aiohttp_jinja2
 from aiohttp import web
+from gpuflex.protocol.jobspec import VerificationSpec
 from markupsafe import Markup
 
 from . import bridge, charts, queries
@@ -279,7 +280,7 @@ async def job_model(request: web.Request) -> web.StreamResponse:
 # --------------------------------------------------------------------------- nodes
 
 
-TRUSTED_RUN = 10  # VerificationSpec.trust_after's default: replicated less from here on
+TRUSTED_RUN = VerificationSpec().trust_after  # nodes span jobs: the default trust run labels them
 
 
 def node_view(n: Mapping[str, Any]) -> dict[str, Any]:
@@ -370,6 +371,8 @@ def evidence_view(
     if not isinstance(ev, Mapping):
         ev = {}
     rev: Mapping[str, Any] = flag.get("round_evidence") or {}
+    # the job's own thresholds (its spec); the round's recorded ones when the spec is unreadable
+    limits: Mapping[str, Any] = {**rev, **(flag.get("thresholds") or {})}
     scores: list[dict[str, Any]] = []
 
     def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:
@@ -392,14 +395,14 @@ def evidence_view(
     score(
         "cosine to round centre",
         ev.get("cosine"),
-        rev.get("cosine_min", 0.0),
+        limits.get("cosine_min"),
         "below",
         "must be ≥ {th}",
     )
     score(
         "norm per sample / round median",
         ev.get("norm_ratio"),
-        rev.get("norm_ratio_max", 4.0),
+        limits.get("norm_ratio_max"),
         "above",
         "must be ≤ {th}",
     )

@@ -1,0 +1,225 @@
+"""Data parallelism, measured: one job on 1, 2 and 4 node processes, and a half-speed node.
+
+Every run is the product as users run it: `gpuflex-hub serve` in its own process, N
+`gpuflex-node run --threads 1` processes, the job submitted with `gpuflex-hub job submit`,
+and the figures read back from `GET /v1/jobs/{id}` (the per-round shards, their training
+times and the nodes' shares that the hub records). The model (an MLP 64-512-512-10 on
+scikit-learn's digits, several local epochs a round) is large enough that training, not
+the protocol, takes the round. Replication is off: this measures how the work spreads, not
+what verification costs (bench/robustness.py does that).
+
+Figures (bench/results/scaling.json):
+- time to accuracy: from the first round's opening to the first round whose validation
+  accuracy reaches the 1-node run's final accuracy; `ratios.speedup_2_nodes` = 1-node time /
+  2-node time (the target is >= 1.8 on this 2-core machine; 4 nodes share 2 cores, so that
+  row shows that nothing breaks and that shards balance, not a speedup);
+- time per round;
+- `figures.shard_balance`: the largest, over rounds, of max/mean shard training time
+  across the equal-speed nodes of a round (target <= 1.25);
+- heterogeneity: 2 nodes, one slowed to half speed (test tooling's `slow` fault: it waits as
+  long again as it trained), and the slow node's share of samples by round 3 (about 1/3 is
+  what "shard size follows throughput" means) and how long rounds wait on it.
+
+Run: .venv/bin/python bench/scaling.py [--rounds 10] [--nodes 1,2,4] [--epochs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "scaling.json"
+sys.path.insert(0, str(ROOT))
+
+from gpuflex.hub.localcluster import LocalCluster  # noqa: E402
+
+
+def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int) -> tuple[Path, Path, Path]:
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    directory.mkdir(parents=True, exist_ok=True)
+    x, y = load_digits(return_X_y=True)
+    x_train, x_val, y_train, y_val = train_test_split(x / 16.0, y, test_size=0.2, stratify=y, random_state=0)
+    train, val, spec = directory / "train.npz", directory / "val.npz", directory / "spec.toml"
+    np.savez(train, x=x_train.astype(np.float32), y=y_train.astype(np.int64))
+    np.savez(val, x=x_val.astype(np.float32), y=y_val.astype(np.int64))
+    spec.write_text(f"""[job]
+name = "scaling-mlp"
+
+[model]
+kind = "mlp"
+input = 64
+hidden = [512, 512]
+outputs = 10
+
+[train]
+rounds = {rounds}
+local_epochs = {epochs}
+batch_size = 32
+optimizer = "sgd"
+lr = 0.02
+momentum = 0.9
+seed = 0
+round_target_s = 3600.0
+
+[data]
+chunk_size = {chunk_size}
+
+[verification]
+replication = 0.0
+""")
+    return train, val, spec
+
+
+def run(workdir: Path, job: tuple[Path, Path, Path], nodes: list[tuple[str, str | None]],
+        timeout_s: float) -> dict[str, Any]:
+    """Start a hub and the nodes (name, fault), submit the job, wait; the job's status document."""
+    train, val, spec = job
+    with LocalCluster(workdir, hub_args=["--long-poll-max", "10"]) as cluster:
+        cluster.start_hub()
+        procs = [cluster.start_node(name, attack=fault, threads=1) for name, fault in nodes]
+        cluster.wait_registered(procs, timeout_s=300)
+        token = cluster.create_token("owner", "bench")
+        env = dict(os.environ, GPUFLEX_HUB=cluster.url, GPUFLEX_TOKEN=token)
+        out = subprocess.run(
+            [sys.executable, "-m", "gpuflex.hub", "job", "submit", str(spec), "--train", str(train),
+             "--val", str(val)], env=env, capture_output=True, text=True, timeout=120, check=True)
+        job_id = out.stdout.strip().splitlines()[-1]
+        doc = cluster.wait_job(job_id, token, timeout_s=timeout_s)
+        if doc.get("state") != "done":
+            raise RuntimeError(f"job ended {doc.get('state')}: {doc.get('error')}")
+        ids = {p.node_id: p.name for p in procs}
+        doc["node_names"] = ids
+        return doc
+
+
+def rounds_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(doc["history"], key=lambda h: h["round"])
+
+
+def time_to(doc: dict[str, Any], accuracy: float) -> float | None:
+    hist = rounds_of(doc)
+    start = hist[0]["opened_at"]
+    for h in hist:
+        if h["accuracy"] is not None and h["accuracy"] >= accuracy - 1e-9:
+            return float(h["closed_at"] - start)
+    return None
+
+
+def per_round_s(doc: dict[str, Any]) -> float:
+    hist = rounds_of(doc)
+    return statistics.median(h["closed_at"] - h["opened_at"] for h in hist)
+
+
+def balance(doc: dict[str, Any]) -> list[float]:
+    """max/mean shard training time per round (rounds with more than one shard)."""
+    out = []
+    for h in rounds_of(doc):
+        times = [s["train_s"] for s in h["shards"] if s["train_s"] > 0]
+        if len(times) > 1:
+            out.append(max(times) / statistics.fmean(times))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="1,2,4")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--skip-hetero", action="store_true")
+    args = ap.parse_args()
+    counts = [int(n) for n in args.nodes.split(",")]
+    results: dict[str, Any] = {"runs": {}}
+    with tempfile.TemporaryDirectory(prefix="gpuflex-scaling-") as tmp:
+        base = Path(tmp)
+        job = write_job(base / "job", rounds=args.rounds, epochs=args.epochs, chunk_size=args.chunk_size)
+        # The 2-node run gets more rounds so that it can reach the 1-node accuracy if averaging costs some.
+        long_job = write_job(base / "job-long", rounds=2 * args.rounds, epochs=args.epochs,
+                             chunk_size=args.chunk_size)
+        docs: dict[int, dict[str, Any]] = {}
+        for n in counts:
+            t0 = time.perf_counter()
+            docs[n] = run(base / f"n{n}", job if n == 1 else long_job, [(f"node{i}", None) for i in range(n)],
+                          args.timeout)
+            print(f"{n} node(s): {len(docs[n]['history'])} rounds in {time.perf_counter() - t0:.1f} s wall")
+        target = rounds_of(docs[counts[0]])[-1]["accuracy"]
+        table = []
+        for n, doc in docs.items():
+            tta = time_to(doc, target)
+            bal = balance(doc)
+            hist = rounds_of(doc)
+            row = {
+                "nodes": n, "time_to_accuracy_s": tta, "seconds_per_round": per_round_s(doc),
+                "final_accuracy": hist[-1]["accuracy"], "rounds_run": len(hist),
+                "shards_per_round": statistics.fmean(h["parallel"]["shards"] for h in hist),
+                "parallel_efficiency": doc["parallel"]["efficiency"],
+                "shard_balance_max": max(bal) if bal else None,
+                "shard_balance_median": statistics.median(bal) if bal else None,
+            }
+            table.append(row)
+            results["runs"][str(n)] = row
+        hetero = None
+        if not args.skip_hetero:
+            doc = run(base / "hetero", long_job, [("fast", None), ("slow", "slow")], args.timeout)
+            slow_id = next(i for i, name in doc["node_names"].items() if name == "slow")
+            hist = rounds_of(doc)
+            shares = [h["node_shares"].get(slow_id, 0.0) for h in hist]
+            waits = []
+            for h in hist:
+                times = {n: 0.0 for n in h["node_shares"]}
+                for sh in h["shards"]:
+                    for nid in sh["nodes"]:
+                        times[nid] = max(times[nid], sh["elapsed_s"])
+                if len(times) == 2:
+                    fast = max(t for nid, t in times.items() if nid != slow_id)
+                    waits.append((h["closed_at"] - h["opened_at"]) / fast if fast else None)
+            hetero = {"slow_share_by_round": shares,
+                      "slow_share_round_3": shares[2] if len(shares) > 2 else None,
+                      "round_wall_over_fast_elapsed_median": statistics.median(w for w in waits if w) if waits else None}
+            results["heterogeneity"] = hetero
+    one = results["runs"][str(counts[0])]
+    two = results["runs"].get("2")
+    speedup = (one["time_to_accuracy_s"] / two["time_to_accuracy_s"]
+               if two and two["time_to_accuracy_s"] else None)
+    per_round = (one["seconds_per_round"] / two["seconds_per_round"]) if two else None
+    bal_all = [r["shard_balance_max"] for r in table if r["shard_balance_max"] is not None]
+    results["ratios"] = {"speedup_2_nodes": speedup, "per_round_speedup_2_nodes": per_round}
+    results["figures"] = {"shard_balance": max(bal_all) if bal_all else None, "target_accuracy": target,
+                          "slow_node_share_round_3": hetero["slow_share_round_3"] if hetero else None}
+    results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    results["settings"] = vars(args)
+
+    print(f"\ntarget accuracy (1 node, final): {target:.4f}")
+    print(f"{'nodes':>5} {'time to acc (s)':>16} {'s/round':>8} {'shards/rnd':>10} {'efficiency':>10} "
+          f"{'balance max':>11} {'final acc':>9}")
+    for r in table:
+        tta = f"{r['time_to_accuracy_s']:.1f}" if r["time_to_accuracy_s"] is not None else "not reached"
+        bal = f"{r['shard_balance_max']:.2f}" if r["shard_balance_max"] is not None else "-"
+        print(f"{r['nodes']:>5} {tta:>16} {r['seconds_per_round']:>8.2f} {r['shards_per_round']:>10.1f} "
+              f"{r['parallel_efficiency']:>10.2f} {bal:>11} {r['final_accuracy']:>9.4f}")
+    print(f"speedup, 2 nodes, time to accuracy: {speedup}  (per round: {per_round})")
+    if hetero:
+        print(f"half-speed node's share by round: {[round(s, 2) for s in hetero['slow_share_by_round']]}; "
+              f"round wall / fast node's issue-to-upload: {hetero['round_wall_over_fast_elapsed_median']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Data parallelism: a round is cut over every node that wants work, each shard sized to its
+node's throughput, so that all finish together (the scheduler's pure carving, no network)."""
+
+from __future__ import annotations
+
+import time
+
+from gpuflex.hub.jobs import AssignmentState, ChunkInfo, JobState
+from gpuflex.hub.scheduler import NodeState, Scheduler
+from gpuflex.hub.verification import Reputation
+from gpuflex.protocol.jobspec import parse_job_spec
+
+from tests.helpers import digits_spec
+
+
+def make_job(chunks: int = 64, chunk_samples: int = 10, *, replication: str = "0.0",
+             target_s: float = 86400.0) -> JobState:
+    spec = parse_job_spec(digits_spec(round_target_s=target_s, replication=replication))
+    job = JobState(id="j-1", owner="o", name="n", spec=spec, state="running", round=0, rounds=2,
+                   model_sha="0" * 64, model_size=1,
+                   chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100) for i in range(chunks)],
+                   val_sha=None, opt_state_sha=None, created_at=0.0)
+    job.open_round()
+    return job
+
+
+def make_node(name: str, sps: float, run: int = 0) -> NodeState:
+    return NodeState(id=name, public_key=b"", bench_sps=sps, ema_sps=sps, last_seen=time.time(),
+                     reputation=Reputation(consecutive_agreements=run))
+
+
+def serve(sched: Scheduler, nodes: list[NodeState]) -> dict[str, tuple[int, str]]:
+    """Every node is waiting in a long-poll; each asks once, in turn, as the hub serves them.
+    Returns node -> (samples, shard id)."""
+    for n in nodes:
+        sched.nodes[n.id] = n
+        sched.poll_started(n.id)
+    out = {}
+    for i, n in enumerate(nodes):
+        p = sched.plan(n, frozenset())
+        assert p is not None, f"{n.id} got nothing"
+        sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=n.id,
+                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_sha="",
+                                     chunk_shas=frozenset()), p.shard)
+        sched.poll_ended(n.id, time.time())
+        out[n.id] = (p.shard.samples, p.shard.id)
+    return out
+
+
+def test_equal_nodes_get_equal_shards_covering_the_round():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=64)
+    sched.add_job(job)
+    got = serve(sched, [make_node(f"n{i}", 100.0) for i in range(4)])
+    assert sorted(s for s, _ in got.values()) == [160, 160, 160, 160]
+    assert len({sid for _, sid in got.values()}) == 4 and not job.free
+
+
+def test_shards_follow_throughput_so_nodes_finish_together():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=90)
+    sched.add_job(job)
+    got = serve(sched, [make_node("fast", 200.0), make_node("slow", 100.0)])
+    assert got["fast"][0] == 600 and got["slow"][0] == 300
+    assert got["fast"][0] / 200.0 == got["slow"][0] / 100.0  # the same training time
+
+
+def test_round_target_caps_a_shard_and_the_rest_waits():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=100, target_s=1.0)  # a node trains 100 samples in round_target_s
+    sched.add_job(job)
+    got = serve(sched, [make_node(f"n{i}", 100.0) for i in range(3)])
+    assert [s for s, _ in got.values()] == [100, 100, 100]
+    assert len(job.free) == 70  # taken by whoever comes back first
+
+
+def test_a_lone_node_still_takes_the_whole_round():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=20)
+    sched.add_job(job)
+    got = serve(sched, [make_node("only", 5.0)])
+    assert got["only"][0] == 200 and not job.free
+
+
+def test_untrusted_shards_leave_room_for_their_replicas():
+    """Adaptive replication: every new node's shard is trained twice, so 4 new nodes make 2
+    distinct shards of half the data each (2 carve, 2 take the replicas), not 4 quarters of
+    which 2 are trained twice and the round waits on the rest."""
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=64, replication='"adaptive"')
+    sched.add_job(job)
+    got = serve(sched, [make_node(f"n{i}", 100.0) for i in range(4)])
+    shards = {sid: s for s, sid in got.values()}
+    assert sorted(shards.values()) == [320, 320] and not job.free
+
+
+def test_a_node_arriving_later_gets_what_is_left_not_the_others_share():
+    sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0)
+    job = make_job(chunks=40)
+    sched.add_job(job)
+    first = serve(sched, [make_node("a", 100.0), make_node("b", 100.0)])
+    assert [s for s, _ in first.values()] == [200, 200] and not job.free
+    late = make_node("late", 100.0)
+    sched.nodes["late"] = late
+    assert sched.plan(late, frozenset()) is None  # nothing free, no replica wanted
+
+
+# -- over HTTP: the real hub, nodes long-polling when the job arrives -------------------------------
+
+
+async def test_nodes_waiting_when_a_job_arrives_each_get_a_balanced_shard(tmp_path):
+    import asyncio
+
+    import aiohttp
+    from gpuflex.protocol.messages import Assignment
+
+    from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+
+    train, val, spec = write_digits(tmp_path / "d", rounds=1)
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            nodes = [SimNode(s, hub.url, samples_per_s=500.0) for _ in range(4)]
+            for n in nodes:
+                await n.register()
+            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in nodes]
+            await asyncio.sleep(0.3)  # every node is inside its long-poll
+            r = await submit_job(s, hub, spec, train, val)
+            assert r.status == 201, await r.text()
+            job = await r.json()
+            got = await asyncio.gather(*polls)
+            assert all(isinstance(a, Assignment) for a in got)
+            sizes = sorted(sum(c.samples for c in a.chunks) for a in got)
+            chunk_sets = [frozenset(c.sha256 for c in a.chunks) for a in got]
+            assert len(set().union(*chunk_sets)) == job["chunks"], "the round must be covered"
+            assert sum(len(c) for c in chunk_sets) == job["chunks"], "no chunk twice (no replication)"
+            assert max(sizes) - min(sizes) <= 64 + 64, f"unbalanced shards {sizes}"
+            for n, a in zip(nodes, got, strict=True):
+                blob, samples, loss = await n.train(a)
+                await n.upload(a, blob, samples, loss)
+            doc = await wait_job(s, hub, job["id"])
+        (h,) = doc["history"]
+        assert h["parallel"]["shards"] == 4 and h["parallel"]["nodes"] == 4
+        assert sorted(round(v, 2) for v in h["node_shares"].values()) == sorted(
+            round(x / sum(sizes), 2) for x in sizes)
+        assert all(0.15 < v < 0.35 for v in h["node_shares"].values())
+        assert doc["parallel"]["rounds"] == 1 and doc["parallel"]["efficiency"] is not None
+    finally:
+        await hub.stop()
