@@ -6,9 +6,10 @@ mmap, comparing replicas, aggregating, evaluating) in a worker thread. Updates a
 visited in a fixed order (update sha, then id), so the same accepted updates give
 the same model bytes, across restarts too.
 
-Verification (hub/verification.py: compare_replicas, review_round, reputation
-transitions) decides what is aggregated; every aggregation is appended to the
-audit log (hub/auditlog.py) before its round is committed, so a crash between the
+The round policy (hub/policy.py: decide_shard for each shard, judge_round when the
+round closes; both pure, built on hub/verification.py) decides what is aggregated;
+this engine gathers its inputs and applies its decisions (memory, then SQLite).
+Every aggregation is appended to the audit log (hub/auditlog.py) before its round is committed, so a crash between the
 two repeats the (deterministic, identical) entry rather than losing it.
 """
 
@@ -23,7 +24,6 @@ import mmap
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
+from . import policy
 from . import verification as vf
 from .aggregation import AggregationError, ServerOptimizer, aggregate
 from .auditlog import AuditLog, aggregation_body
@@ -72,23 +73,9 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
             fh.close()
 
 
-@dataclass
-class FlagRow:
-    update_id: str
-    node_id: str
-    reason: str
-    evidence: dict[str, Any]
-
-
-@dataclass
-class Settlement:
-    representative: str | None
-    statuses: dict[str, str]
-    flags: list[FlagRow]
-    evidence: dict[str, Any]
-    needs_more: bool = False
-    agreed_nodes: list[str] = field(default_factory=list)
-    flagged_nodes: list[str] = field(default_factory=list)
+# The flag the engine stores is verification's `Flag` (one concept, one name); FlagRow is the
+# old name, kept for callers that build rows by hand (tests/test_console.py).
+FlagRow = vf.Flag
 
 
 def _json(value: Any) -> str:
@@ -146,80 +133,96 @@ class RoundEngine:
     async def advance(self, job: JobState, now: float | None = None) -> None:
         async with self._lock:
             now = time.time() if now is None else now
-            rwait = float(job.spec.verification.replica_wait_s)
+            vspec = job.spec.verification
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
-                timed_out = shard.first_update_at is not None and now - shard.first_update_at >= rwait
-                stuck = (len(shard.accepted) >= 2 and len(shard.accepted) < shard.wanted and not shard.live
-                         and not self.scheduler.replica_takers(job, shard, now))
-                if len(shard.accepted) >= shard.wanted or timed_out or stuck:
-                    await self._settle(job, shard, timed_out)
+                state = self._replica_state(job, shard, now)
+                if policy.shard_due(len(shard.accepted), vspec, state):
+                    await self._settle(job, shard, state)
             if job.state == "running" and job.round_complete():
                 await self._close(job)
 
-    # -- replicas --------------------------------------------------------------------------
-    async def _settle(self, job: JobState, shard: ShardState, timed_out: bool) -> None:
+    # -- replicas: gather the policy's inputs, ask it (hub/policy.decide_shard) ---------------
+    def _replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
+        waited = None if shard.first_update_at is None else now - shard.first_update_at
+        live = bool(shard.live)
+        # The policy reads `taker` only with no replica out and two or more updates: ask the
+        # scheduler only then (it sorts the online nodes).
+        taker = live or len(shard.accepted) < 2 or bool(self.scheduler.replica_takers(job, shard, now))
+        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker)
+
+    async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
         if len(ups) == 1:
-            # a lone update (no replica came in time): used unverified, no agreement credit
-            result = Settlement(ups[0].id, {}, [], {"replicas": 1, "unverified": shard.wanted > 1})
+            # A lone update is never compared: its delta is not opened (no thread, no mmap).
+            records = self._records(job, {ups[0].id: shard}, ups, [{}])
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
         else:
-            result = await asyncio.to_thread(self._compare, job, shard, ups)
-            if result.needs_more:
-                pairs = result.evidence.get("pairs") or []
-                unanimous = bool(pairs) and all(p.get("agree") for p in pairs)
-                # Waiting for a replica nobody online can take only delays the round: when the
-                # replicas already agree, settle them now (unverified: no agreement credit).
-                nobody = unanimous and not shard.live and not self.scheduler.replica_takers(job, shard, time.time())
-                if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out and not nobody:
-                    shard.wanted += 1
-                    await self.db.write(lambda c: c.execute(
-                        "UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
-                        (shard.wanted, _json(result.evidence), shard.id)))
-                    self.signal.notify()
-                    return
-                # No further replica came in time. An agreeing majority stands unverified (no credit, no
-                # flags); a split is inconclusive: the shard goes back to the pool, nobody is flagged.
-                if unanimous:  # every replica agrees with every other
-                    rep = ups[0].id  # ups are sorted by (sha, id)
-                    result = Settlement(rep, {u.id: "redundant" for u in ups if u.id != rep}, [],
-                                        result.evidence | {"unverified": "replica_wait"})
-                else:
-                    result = Settlement(None, {u.id: "excluded" for u in ups}, [],
-                                        result.evidence | {"inconclusive": "replica_wait"})
+            decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
+        await self._apply_shard_decision(job, shard, decision)
+
+    def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
+        return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
+
+    def _decide(self, job: JobState, shard: ShardState, ups: list[UpdateState],
+                state: policy.ReplicaState) -> policy.ShardDecision:
+        """Worker thread: open the replicas' deltas and ask the policy."""
+        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
+            records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
+            del records
+        return decision
+
+    # -- applying a shard decision: memory, then the store ----------------------------------
+    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision) -> None:
+        if isinstance(decision, policy.WaitForMore):
+            if decision.wanted == shard.wanted:
+                return
+            shard.wanted = decision.wanted
+            evidence = dict(decision.evidence)
+            await self.db.write(lambda c: c.execute(
+                "UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
+                (shard.wanted, _json(evidence), shard.id)))
+            self.signal.notify()
+            return
+        settled = isinstance(decision, policy.Settle)
+        representative = decision.representative if isinstance(decision, policy.Settle) else None
+        agreed_nodes = decision.agreed_nodes if isinstance(decision, policy.Settle) else ()
+        evidence = dict(decision.evidence)
+        statuses = dict(decision.statuses)
+        flags = list(decision.flags)
         cancelled = list(shard.live.values())
         for a in cancelled:
             self.scheduler.detach(a)
-        dropped = result.representative is None
-        shard.state = "dropped" if dropped else "settled"
-        shard.representative = result.representative
+        shard.state = "settled" if settled else "dropped"
+        shard.representative = representative
         for u in shard.accepted:
-            if u.id in result.statuses:
-                u.status = result.statuses[u.id]
-        touched = self._apply_reputation(result.agreed_nodes, result.flagged_nodes)
+            if u.id in statuses:
+                u.status = statuses[u.id]
+        touched = self._apply_reputation(agreed_nodes, decision.flagged_nodes)
         now = time.time()
 
         def write(conn: sqlite3.Connection) -> None:
             conn.execute("UPDATE shards SET state = ?, outcome = ? WHERE id = ?",
-                         (shard.state, _json(result.evidence), shard.id))
-            for uid, status in result.statuses.items():
+                         (shard.state, _json(evidence), shard.id))
+            for uid, status in statuses.items():
                 conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
             for a in cancelled:
                 conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
-            self._insert_flags(conn, job, result.flags, now)
+            self._insert_flags(conn, job, flags, now)
             conn.executemany(REPUTATION_SQL, touched)
 
         await self.db.write(write)
         job.replicated.pop(shard.id, None)
-        if dropped:
+        if not settled:
             job.shards.pop(shard.id, None)
             job.release(shard.chunk_idxs)
-        if dropped or cancelled:
+        if not settled or cancelled:
             self.signal.notify()
 
     def _apply_reputation(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[Any, ...]]:
-        """Move reputations (verification's transitions); returns rows for REPUTATION_SQL."""
+        """Move reputations in memory (verification's transitions); returns rows for REPUTATION_SQL."""
         rows = []
         for nid, step in [(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]:
             node = self.scheduler.nodes.get(nid)
@@ -232,56 +235,23 @@ class RoundEngine:
     def _records(self, job: JobState, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
                  deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
         """Verification's view of updates. Speed: max(benchmark, delivered EMA) is an upper bound of
-        the node's training speed; peak FLOP/s and the model size go along when UpdateRecord takes them."""
-        fields = getattr(vf.UpdateRecord, "__dataclass_fields__", {})
+        the node's training speed; peak FLOP/s and the model size give the physical minimum time."""
+        params = param_count(job.spec.model)
         out = []
         for u, d in zip(ups, deltas, strict=True):
             node = self.scheduler.nodes.get(u.node_id)
-            extra: dict[str, Any] = {}
-            if "peak_flops" in fields:
-                extra["peak_flops"] = node.peak_flops if node else 0.0
-            if "param_count" in fields:
-                extra["param_count"] = param_count(job.spec.model)
-            if "local_epochs" in fields:
-                extra["local_epochs"] = int(job.spec.train.local_epochs)
             out.append(vf.UpdateRecord(
                 update_id=u.id, node_id=u.node_id, shard_id=u.shard_id,
                 samples_claimed=u.sample_count, shard_samples=shard_of[u.id].samples,
                 loss=u.loss, train_s=u.train_s,
                 node_samples_per_s=max(node.bench_sps, node.ema_sps) if node else 0.0, delta=d,
-                elapsed_s=u.elapsed_s, **extra,
+                elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
+                param_count=params, local_epochs=int(job.spec.train.local_epochs),
             ))
         return out
 
-    def _compare(self, job: JobState, shard: ShardState, ups: list[UpdateState]) -> Settlement:
-        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
-            records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
-            trusted = {u.node_id for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None
-                       and vf.is_trusted(n.reputation, job.spec.verification)}
-            out = vf.compare_replicas(records, job.spec.verification, trusted=trusted)
-            del records
-        flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
-        evidence = dict(out.evidence)
-        if out.needs_more:
-            return Settlement(None, {}, [], evidence, needs_more=True)
-        flagged = {f.update_id for f in flags}
-        statuses = {u.id: "quarantined" for u in ups if u.id in flagged}
-        if not out.agreed and not flags:  # inconclusive split among untrusted nodes: drop, no flags, no credit
-            return Settlement(None, {u.id: "excluded" for u in ups}, [], evidence | {"inconclusive": True})
-        rep: str | None = None
-        agreed_nodes: list[str] = []
-        if out.agreed:
-            rep = out.canonical or min(out.majority)
-            by_id = {u.id: u for u in ups}
-            agreed_nodes = sorted({by_id[m].node_id for m in out.majority if m in by_id})
-            for u in ups:
-                if u.id != rep and u.id not in flagged:
-                    statuses[u.id] = "redundant"
-        return Settlement(rep, statuses, flags, evidence, agreed_nodes=agreed_nodes,
-                          flagged_nodes=sorted({f.node_id for f in flags}))
-
     @staticmethod
-    def _insert_flags(conn: sqlite3.Connection, job: JobState, flags: Sequence[FlagRow], now: float) -> None:
+    def _insert_flags(conn: sqlite3.Connection, job: JobState, flags: Sequence[vf.Flag], now: float) -> None:
         for f in flags:
             conn.execute(
                 "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at)"
@@ -303,7 +273,10 @@ class RoundEngine:
                         reps.append(u)
                         shard_of[u.id] = s
             reps.sort(key=lambda u: (u.sha, u.id))
-            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of)
+            groups = {s.representative: tuple(policy.GroupMember(u.id, u.node_id, u.status)
+                                              for u in s.accepted if u.id != s.representative)
+                      for s in shards}
+            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of, groups)
         except BaseException:
             job.closing = False
             raise
@@ -315,19 +288,20 @@ class RoundEngine:
         last = job.round + 1 >= job.rounds
         next_round = job.round + 1
         new_state = "done" if last else "running"
-        vouched, withdrawn = self._vouch(shards, result)
-        touched = self._apply_reputation([], result["flagged_nodes"] + [f.node_id for f in vouched])
+        # Apply the round's judgement (hub/policy.judge_round): memory, then the store.
+        judgement: policy.RoundJudgement = result["judgement"]
+        touched = self._apply_reputation([], judgement.flagged_nodes)
 
         def write(conn: sqlite3.Connection) -> None:
             conn.executemany(REPUTATION_SQL, touched)
-            for uid, status in result["statuses"].items():
+            for uid, status in judgement.statuses.items():
                 conn.execute("UPDATE updates SET status = ? WHERE id = ?", (status, uid))
-            self._insert_flags(conn, job, result["flags"] + vouched, now)
+            self._insert_flags(conn, job, judgement.flags, now)
             conn.executemany(
                 "UPDATE flags SET status = 'dismissed', auditor = 'hub', decided_at = ?, verdict_note ="
                 " 'withdrawn: the majority this update disagreed with was flagged at review'"
                 " WHERE update_id = ? AND reason = 'replica_mismatch' AND status = 'open'",
-                [(now, uid) for uid in withdrawn])
+                [(now, uid) for uid in judgement.withdrawn])
             for a in leftovers:
                 conn.execute("UPDATE assignments SET state = 'cancelled' WHERE id = ? AND state = 'live'", (a.id,))
             conn.execute(
@@ -367,47 +341,22 @@ class RoundEngine:
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
 
-    @staticmethod
-    def _vouch(shards: Sequence[ShardState], result: dict[str, Any]) -> tuple[list[FlagRow], list[str]]:
-        """When review flags a replica group's canonical update, the majority that agreed with it is
-        flagged too (it vouched for it) and the minority's replica_mismatch flags are withdrawn."""
-        reasons = {f.update_id: f.reason for f in result["flags"]}
-        vouched: list[FlagRow] = []
-        withdrawn: list[str] = []
-        for s in shards:
-            if s.representative not in reasons or len(s.accepted) < 2:
-                continue
-            for u in s.accepted:
-                if u.status == "redundant":
-                    vouched.append(FlagRow(u.id, u.node_id, reasons[s.representative],
-                                           {"vouched_for": s.representative}))
-                    result["statuses"][u.id] = "quarantined"
-                elif u.status == "quarantined":
-                    withdrawn.append(u.id)
-        return vouched, withdrawn
-
-    def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState]) -> dict[str, Any]:
-        """Review, aggregate, step the server optimizer, evaluate, log. Worker thread; no DB writes."""
+    def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState],
+                   groups: Mapping[str, Sequence[policy.GroupMember]]) -> dict[str, Any]:
+        """Judge (hub/policy.judge_round), aggregate, step the server optimizer, evaluate, log.
+        Worker thread; no DB writes."""
         spec = job.spec
         global_state = decode_state(bytearray(self.blobs.read(job.model_sha)))
-        statuses: dict[str, str] = {}
-        flags: list[FlagRow] = []
-        evidence: dict[str, Any] = {}
         with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
-            included: list[int] = []
-            if reps:
-                gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
-                                      if t.is_floating_point()))
-                records = self._records(job, shard_of, reps, deltas)
-                review = vf.review_round(records, gnorm, spec.verification)
-                del records
-                keep = set(review.included)
-                included = [i for i, u in enumerate(reps) if u.id in keep]
-                flags = [FlagRow(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in review.flags]
-                evidence = dict(review.evidence)
-            flagged = {f.update_id: f.reason for f in flags}
-            for i, u in enumerate(reps):
-                statuses[u.id] = "included" if i in included else ("quarantined" if u.id in flagged else "excluded")
+            gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
+                                  if t.is_floating_point())) if reps else 0.0
+            records = self._records(job, shard_of, reps, deltas)
+            judgement = policy.judge_round(records, gnorm, spec.verification, groups)
+            del records
+            keep = set(judgement.review.included)
+            included = [i for i, u in enumerate(reps) if u.id in keep]
+            flagged = {f.update_id: f.reason for f in judgement.review.flags}
+            evidence = dict(judgement.review.evidence)
             use = [deltas[i] for i in included]
             weights = [float(shard_of[reps[i].id].samples) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
@@ -444,9 +393,8 @@ class RoundEngine:
             metrics={k: round(v, 6) for k, v in metrics.items()},
         ))
         return {
-            "model_sha": model_sha, "opt_state_sha": opt_sha, "statuses": statuses, "flags": flags,
+            "model_sha": model_sha, "opt_state_sha": opt_sha, "judgement": judgement,
             "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
-            "flagged_nodes": sorted({f.node_id for f in flags}),
         }
 
     # -- failure / cancel ------------------------------------------------------------------
