@@ -35,10 +35,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from gpuflex.hub.aggregation import aggregate
+from gpuflex.protocol.jobspec import AggregationSpec
 from gpuflex.protocol.tensors import decode_state, encode_state
 
 RESULTS = Path(__file__).resolve().parent / "results" / "aggregate.json"
@@ -105,9 +105,7 @@ def child(paths: list[str]) -> None:
     except OSError:
         resettable = False
     t0 = time.perf_counter()
-    out = aggregate(
-        views, [64 + i for i in range(len(views))], SimpleNamespace(method="fedavg", clip_norm=0.0)
-    )
+    out = aggregate(views, [64 + i for i in range(len(views))], AggregationSpec())
     dt = time.perf_counter() - t0
     peak_agg = vm("VmHWM")
     print(
@@ -150,7 +148,7 @@ def main() -> None:
         paths = write_blobs(work, n_big, params)
         write_s = time.perf_counter() - t0
         weights = [64 + i for i in range(n_big)]
-        spec = SimpleNamespace(method="fedavg", clip_norm=0.0)
+        spec = AggregationSpec()
         dst = {k: torch.empty(s) for k, s in shapes(params).items()}
         views, handles = open_views(paths)
         memcpy_all(views, dst)  # warm: every page in the page cache

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpuflex.protocol.jobspec import AggregationSpec
 from torch import Tensor
 
 from .errors import HubError
@@ -510,16 +511,15 @@ def krum_select(
 def aggregate_detailed(
     deltas: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
-    spec: Any,
+    spec: AggregationSpec,
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> Aggregation:
     """``aggregate`` plus which updates were used and how they were clipped.
 
-    ``spec`` is a ``gpuflex.protocol.jobspec.AggregationSpec`` (read by
-    attribute: method, trim_beta, krum_f, krum_m, clip_norm).
+    ``spec``: the job's aggregation section (method, trim_beta, krum_f, krum_m, clip_norm).
     """
-    method = str(getattr(spec, "method", "fedavg"))
+    method = str(spec.method)
     if method not in METHODS:
         raise AggregationError(
             f"aggregation.method must be one of {', '.join(METHODS)}, got {method!r}"
@@ -528,7 +528,7 @@ def aggregate_detailed(
     _check_layout(deltas)
     _check_slice(slice_elems)
     w = _normalized_weights(weights, n)
-    factors = clip_factors(deltas, float(getattr(spec, "clip_norm", 0.0)), slice_elems=slice_elems)
+    factors = clip_factors(deltas, float(spec.clip_norm), slice_elems=slice_elems)
     fac: list[float] | None = None if all(x == 1.0 for x in factors) else factors
     everyone = list(range(n))
     if method == "fedavg":
@@ -538,11 +538,11 @@ def aggregate_detailed(
         out = coordinate_median(deltas, factors=fac, slice_elems=slice_elems)
         return Aggregation(out, method, everyone, factors)
     if method == "trimmed_mean":
-        beta = float(getattr(spec, "trim_beta", 0.1))
+        beta = float(spec.trim_beta)
         out = trimmed_mean(deltas, beta, factors=fac, slice_elems=slice_elems)
         return Aggregation(out, method, everyone, factors)
-    f = int(getattr(spec, "krum_f", 1))
-    m = 1 if method == "krum" else int(getattr(spec, "krum_m", 1))
+    f = int(spec.krum_f)
+    m = 1 if method == "krum" else int(spec.krum_m)
     selected, scores = krum_select(deltas, f, m, factors=fac, slice_elems=slice_elems)
     sub = [deltas[i] for i in selected]
     sub_w = [w[i] for i in selected]
@@ -556,7 +556,7 @@ def aggregate_detailed(
 def aggregate(
     deltas: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
-    spec: Any,
+    spec: AggregationSpec,
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> dict[str, Tensor]:
@@ -574,6 +574,7 @@ def aggregate(
 
 
 _KIND_CODE = {name: i for i, name in enumerate(SERVER_OPTIMIZERS)}
+_DEFAULTS = AggregationSpec()  # the job spec's defaults (protocol/jobspec.py) are the only ones
 
 
 class ServerOptimizer:
@@ -596,12 +597,12 @@ class ServerOptimizer:
     def __init__(
         self,
         *,
-        kind: str = "none",
-        lr: float = 1.0,
-        momentum: float = 0.9,
-        beta1: float = 0.9,
-        beta2: float = 0.99,
-        eps: float = 1e-3,
+        kind: str = _DEFAULTS.server_optimizer,
+        lr: float = _DEFAULTS.server_lr,
+        momentum: float = _DEFAULTS.server_momentum,
+        beta1: float = _DEFAULTS.server_beta1,
+        beta2: float = _DEFAULTS.server_beta2,
+        eps: float = _DEFAULTS.server_eps,
     ) -> None:
         if kind not in SERVER_OPTIMIZERS:
             raise AggregationError(
@@ -628,15 +629,15 @@ class ServerOptimizer:
         self._v: dict[str, Tensor] = {}
 
     @classmethod
-    def from_spec(cls, spec: Any) -> ServerOptimizer:
+    def from_spec(cls, spec: AggregationSpec) -> ServerOptimizer:
         """Build from an ``AggregationSpec`` (server_optimizer, server_lr, ...)."""
         return cls(
-            kind=str(getattr(spec, "server_optimizer", "none")),
-            lr=float(getattr(spec, "server_lr", 1.0)),
-            momentum=float(getattr(spec, "server_momentum", 0.9)),
-            beta1=float(getattr(spec, "server_beta1", 0.9)),
-            beta2=float(getattr(spec, "server_beta2", 0.99)),
-            eps=float(getattr(spec, "server_eps", 1e-3)),
+            kind=str(spec.server_optimizer),
+            lr=float(spec.server_lr),
+            momentum=float(spec.server_momentum),
+            beta1=float(spec.server_beta1),
+            beta2=float(spec.server_beta2),
+            eps=float(spec.server_eps),
         )
 
     def step(

@@ -6,9 +6,11 @@ mmap, comparing replicas, aggregating, evaluating) in a worker thread. Updates a
 visited in a fixed order (update sha, then id), so the same accepted updates give
 the same model bytes, across restarts too.
 
-Verification (hub/verification.py: compare_replicas, review_round, reputation
-transitions) decides what is aggregated; every aggregation is appended to the
-audit log (hub/auditlog.py) before its round is committed, so a crash between the
+The round policy (hub/policy.py: decide_shard for each shard, judge_round when the
+round closes; both pure, built on hub/verification.py) decides what is aggregated;
+this engine gathers its inputs and applies its decisions: the store first (hub/store.py,
+one transaction), then memory, so memory never runs ahead of what survives a restart.
+Every aggregation is appended to the audit log (hub/auditlog.py) before its round is committed, so a crash between the
 two repeats the (deterministic, identical) entry rather than losing it.
 """
 
@@ -22,7 +24,6 @@ import math
 import mmap
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
+from . import policy
 from . import verification as vf
 from .aggregation import AggregationError, ServerOptimizer, aggregate
 from .auditlog import AuditLog, aggregation_body
@@ -69,17 +71,6 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
                 mm.close()
         for fh in files:
             fh.close()
-
-
-@dataclass
-class Settlement:
-    representative: str | None
-    statuses: dict[str, str]
-    flags: list[vf.Flag]
-    evidence: dict[str, Any]
-    needs_more: bool = False
-    agreed_nodes: list[str] = field(default_factory=list)
-    flagged_nodes: list[str] = field(default_factory=list)
 
 
 def _json(value: Any) -> str:
@@ -149,70 +140,82 @@ class RoundEngine:
     async def advance(self, job: JobState, now: float | None = None) -> None:
         async with self._lock:
             now = time.time() if now is None else now
-            rwait = float(job.spec.verification.replica_wait_s)
+            vspec = job.spec.verification
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
-                timed_out = shard.first_update_at is not None and now - shard.first_update_at >= rwait
-                stuck = (len(shard.accepted) >= 2 and len(shard.accepted) < shard.wanted and not shard.live
-                         and not self.scheduler.replica_takers(job, shard, now))
-                if len(shard.accepted) >= shard.wanted or timed_out or stuck:
-                    await self._settle(job, shard, timed_out)
+                state = self._replica_state(job, shard, now)
+                if policy.shard_due(len(shard.accepted), vspec, state):
+                    await self._settle(job, shard, state)
             if job.state == "running" and job.round_complete():
                 await self._close(job)
 
-    # -- replicas --------------------------------------------------------------------------
-    async def _settle(self, job: JobState, shard: ShardState, timed_out: bool) -> None:
+    # -- replicas: gather the policy's inputs, ask it (hub/policy.decide_shard) ---------------
+    def _replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
+        waited = None if shard.first_update_at is None else now - shard.first_update_at
+        live = bool(shard.live)
+        # The policy reads `taker` only with no replica out and two or more updates: ask the
+        # scheduler only then (it sorts the online nodes).
+        taker = live or len(shard.accepted) < 2 or bool(self.scheduler.replica_takers(job, shard, now))
+        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker)
+
+    async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
         if len(ups) == 1:
-            # a lone update (no replica came in time): used unverified, no agreement credit
-            result = Settlement(ups[0].id, {}, [], {"replicas": 1, "unverified": shard.wanted > 1})
+            # A lone update is never compared: its delta is not opened (no thread, no mmap).
+            records = self._records(job, {ups[0].id: shard}, ups, [{}])
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
         else:
-            result = await asyncio.to_thread(self._compare, job, shard, ups)
-            if result.needs_more:
-                pairs = result.evidence.get("pairs") or []
-                unanimous = bool(pairs) and all(p.get("agree") for p in pairs)
-                # Waiting for a replica nobody online can take only delays the round: when the
-                # replicas already agree, settle them now (unverified: no agreement credit).
-                nobody = unanimous and not shard.live and not self.scheduler.replica_takers(job, shard, time.time())
-                if shard.wanted < int(job.spec.verification.max_replicas) and not timed_out and not nobody:
-                    await self.store.want_replicas(shard.id, shard.wanted + 1, result.evidence)
-                    shard.wanted += 1
-                    self.signal.notify()
-                    return
-                # No further replica came in time. An agreeing majority stands unverified (no credit, no
-                # flags); a split is inconclusive: the shard goes back to the pool, nobody is flagged.
-                if unanimous:  # every replica agrees with every other
-                    rep = ups[0].id  # ups are sorted by (sha, id)
-                    result = Settlement(rep, {u.id: "redundant" for u in ups if u.id != rep}, [],
-                                        result.evidence | {"unverified": "replica_wait"})
-                else:
-                    result = Settlement(None, {u.id: "excluded" for u in ups}, [],
-                                        result.evidence | {"inconclusive": "replica_wait"})
-        # -- apply: store first, then memory
+            decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
+        await self._apply_shard_decision(job, shard, decision)
+
+    def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
+        return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
+
+    def _decide(self, job: JobState, shard: ShardState, ups: list[UpdateState],
+                state: policy.ReplicaState) -> policy.ShardDecision:
+        """Worker thread: open the replicas' deltas and ask the policy."""
+        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
+            records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
+            del records
+        return decision
+
+    # -- applying a shard decision: the store, then memory ------------------------------------
+    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision) -> None:
+        if isinstance(decision, policy.WaitForMore):
+            if decision.wanted == shard.wanted:
+                return
+            await self.store.want_replicas(shard.id, decision.wanted, dict(decision.evidence))
+            shard.wanted = decision.wanted
+            self.signal.notify()
+            return
+        settled = isinstance(decision, policy.Settle)
+        representative = decision.representative if isinstance(decision, policy.Settle) else None
+        agreed_nodes = decision.agreed_nodes if isinstance(decision, policy.Settle) else ()
+        statuses = dict(decision.statuses)
         cancelled = list(shard.live.values())
-        dropped = result.representative is None
-        touched = self._reputations(result.agreed_nodes, result.flagged_nodes)
+        touched = self._reputations_after(agreed_nodes, decision.flagged_nodes)
         await self.store.settle_shard(
-            shard, state="dropped" if dropped else "settled", evidence=result.evidence,
-            statuses=result.statuses, cancelled=[a.id for a in cancelled], flags=result.flags,
+            shard, state="settled" if settled else "dropped", evidence=dict(decision.evidence),
+            statuses=statuses, cancelled=[a.id for a in cancelled], flags=list(decision.flags),
             round=job.round, reputations=touched, now=time.time())
         for a in cancelled:
             self.scheduler.detach(a)
-        shard.state = "dropped" if dropped else "settled"
-        shard.representative = result.representative
+        shard.state = "settled" if settled else "dropped"
+        shard.representative = representative
         for u in shard.accepted:
-            if u.id in result.statuses:
-                u.status = result.statuses[u.id]
+            if u.id in statuses:
+                u.status = statuses[u.id]
         self._apply_reputations(touched)
         job.replicated.pop(shard.id, None)
-        if dropped:
+        if not settled:
             job.shards.pop(shard.id, None)
             job.release(shard.chunk_idxs)
-        if dropped or cancelled:
+        if not settled or cancelled:
             self.signal.notify()
 
-    def _reputations(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
+    def _reputations_after(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
         """The nodes' reputations after verification's transitions (memory is not touched)."""
         after: dict[str, vf.Reputation] = {}
         for nid, step in [(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]:
@@ -230,53 +233,20 @@ class RoundEngine:
     def _records(self, job: JobState, shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
                  deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
         """Verification's view of updates. Speed: max(benchmark, delivered EMA) is an upper bound of
-        the node's training speed; peak FLOP/s and the model size go along when UpdateRecord takes them."""
-        fields = getattr(vf.UpdateRecord, "__dataclass_fields__", {})
+        the node's training speed; peak FLOP/s and the model size give the physical minimum time."""
+        params = param_count(job.spec.model)
         out = []
         for u, d in zip(ups, deltas, strict=True):
             node = self.scheduler.nodes.get(u.node_id)
-            extra: dict[str, Any] = {}
-            if "peak_flops" in fields:
-                extra["peak_flops"] = node.peak_flops if node else 0.0
-            if "param_count" in fields:
-                extra["param_count"] = param_count(job.spec.model)
-            if "local_epochs" in fields:
-                extra["local_epochs"] = int(job.spec.train.local_epochs)
             out.append(vf.UpdateRecord(
                 update_id=u.id, node_id=u.node_id, shard_id=u.shard_id,
                 samples_claimed=u.sample_count, shard_samples=shard_of[u.id].samples,
                 loss=u.loss, train_s=u.train_s,
                 node_samples_per_s=max(node.bench_sps, node.ema_sps) if node else 0.0, delta=d,
-                elapsed_s=u.elapsed_s, **extra,
+                elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
+                param_count=params, local_epochs=int(job.spec.train.local_epochs),
             ))
         return out
-
-    def _compare(self, job: JobState, shard: ShardState, ups: list[UpdateState]) -> Settlement:
-        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
-            records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
-            trusted = {u.node_id for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None
-                       and vf.is_trusted(n.reputation, job.spec.verification)}
-            out = vf.compare_replicas(records, job.spec.verification, trusted=trusted)
-            del records
-        flags = [vf.Flag(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in out.flags]
-        evidence = dict(out.evidence)
-        if out.needs_more:
-            return Settlement(None, {}, [], evidence, needs_more=True)
-        flagged = {f.update_id for f in flags}
-        statuses = {u.id: "quarantined" for u in ups if u.id in flagged}
-        if not out.agreed and not flags:  # inconclusive split among untrusted nodes: drop, no flags, no credit
-            return Settlement(None, {u.id: "excluded" for u in ups}, [], evidence | {"inconclusive": True})
-        rep: str | None = None
-        agreed_nodes: list[str] = []
-        if out.agreed:
-            rep = out.canonical or min(out.majority)
-            by_id = {u.id: u for u in ups}
-            agreed_nodes = sorted({by_id[m].node_id for m in out.majority if m in by_id})
-            for u in ups:
-                if u.id != rep and u.id not in flagged:
-                    statuses[u.id] = "redundant"
-        return Settlement(rep, statuses, flags, evidence, agreed_nodes=agreed_nodes,
-                          flagged_nodes=sorted({f.node_id for f in flags}))
 
     # -- closing a round -------------------------------------------------------------------
     async def _close(self, job: JobState) -> None:
@@ -292,7 +262,10 @@ class RoundEngine:
                         reps.append(u)
                         shard_of[u.id] = s
             reps.sort(key=lambda u: (u.sha, u.id))
-            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of)
+            groups = {s.representative: tuple(policy.GroupMember(u.id, u.node_id, u.status)
+                                              for u in s.accepted if u.id != s.representative)
+                      for s in shards}
+            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of, groups)
         except BaseException:
             job.closing = False
             raise
@@ -300,15 +273,15 @@ class RoundEngine:
         leftovers = [a for s in job.shards.values() for a in s.live.values()]
         now = time.time()
         last = job.round + 1 >= job.rounds
-        next_round = job.round + 1
-        vouched, withdrawn = self._vouch(shards, result)
-        touched = self._reputations([], result["flagged_nodes"] + [f.node_id for f in vouched])
+        # Apply the round's judgement (hub/policy.judge_round): the store, then memory.
+        judgement: policy.RoundJudgement = result["judgement"]
+        touched = self._reputations_after([], judgement.flagged_nodes)
         outcome = RoundResult(
-            model_sha=result["model_sha"], opt_state_sha=result["opt_state_sha"], statuses=result["statuses"],
-            flags=result["flags"], evidence=result["evidence"], metrics=result["metrics"],
-            train_loss=result["train_loss"], flagged_nodes=result["flagged_nodes"])
+            model_sha=result["model_sha"], opt_state_sha=result["opt_state_sha"],
+            statuses=dict(judgement.statuses), flags=list(judgement.flags), evidence=result["evidence"],
+            metrics=result["metrics"], train_loss=result["train_loss"], flagged_nodes=list(judgement.flagged_nodes))
         try:
-            await self.store.close_round(job, outcome, flags=result["flags"] + vouched, withdrawn=withdrawn,
+            await self.store.close_round(job, outcome, flags=list(judgement.flags), withdrawn=list(judgement.withdrawn),
                                          cancelled=[a.id for a in leftovers], reputations=touched, last=last,
                                          now=now)
         finally:
@@ -319,7 +292,7 @@ class RoundEngine:
         job.error = None  # a failure noted while this round could not close is over
         job.model_sha = result["model_sha"]
         job.opt_state_sha = result["opt_state_sha"]
-        job.round = next_round
+        job.round += 1
         self.metrics.rounds_closed += 1
         if last:
             job.end("done")
@@ -328,47 +301,22 @@ class RoundEngine:
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
 
-    @staticmethod
-    def _vouch(shards: Sequence[ShardState], result: dict[str, Any]) -> tuple[list[vf.Flag], list[str]]:
-        """When review flags a replica group's canonical update, the majority that agreed with it is
-        flagged too (it vouched for it) and the minority's replica_mismatch flags are withdrawn."""
-        reasons = {f.update_id: f.reason for f in result["flags"]}
-        vouched: list[vf.Flag] = []
-        withdrawn: list[str] = []
-        for s in shards:
-            if s.representative not in reasons or len(s.accepted) < 2:
-                continue
-            for u in s.accepted:
-                if u.status == "redundant":
-                    vouched.append(vf.Flag(u.id, u.node_id, reasons[s.representative],
-                                           {"vouched_for": s.representative}))
-                    result["statuses"][u.id] = "quarantined"
-                elif u.status == "quarantined":
-                    withdrawn.append(u.id)
-        return vouched, withdrawn
-
-    def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState]) -> dict[str, Any]:
-        """Review, aggregate, step the server optimizer, evaluate, log. Worker thread; no DB writes."""
+    def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState],
+                   groups: Mapping[str, Sequence[policy.GroupMember]]) -> dict[str, Any]:
+        """Judge (hub/policy.judge_round), aggregate, step the server optimizer, evaluate, log.
+        Worker thread; no DB writes."""
         spec = job.spec
         global_state = decode_state(bytearray(self.blobs.read(job.model_sha)))
-        statuses: dict[str, str] = {}
-        flags: list[vf.Flag] = []
-        evidence: dict[str, Any] = {}
         with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
-            included: list[int] = []
-            if reps:
-                gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
-                                      if t.is_floating_point()))
-                records = self._records(job, shard_of, reps, deltas)
-                review = vf.review_round(records, gnorm, spec.verification)
-                del records
-                keep = set(review.included)
-                included = [i for i, u in enumerate(reps) if u.id in keep]
-                flags = [vf.Flag(f.update_id, f.node_id, f.reason, dict(f.evidence)) for f in review.flags]
-                evidence = dict(review.evidence)
-            flagged = {f.update_id: f.reason for f in flags}
-            for i, u in enumerate(reps):
-                statuses[u.id] = "included" if i in included else ("quarantined" if u.id in flagged else "excluded")
+            gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
+                                  if t.is_floating_point())) if reps else 0.0
+            records = self._records(job, shard_of, reps, deltas)
+            judgement = policy.judge_round(records, gnorm, spec.verification, groups)
+            del records
+            keep = set(judgement.review.included)
+            included = [i for i, u in enumerate(reps) if u.id in keep]
+            flagged = {f.update_id: f.reason for f in judgement.review.flags}
+            evidence = dict(judgement.review.evidence)
             use = [deltas[i] for i in included]
             weights = [float(shard_of[reps[i].id].samples) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
@@ -405,9 +353,8 @@ class RoundEngine:
             metrics={k: round(v, 6) for k, v in metrics.items()},
         ))
         return {
-            "model_sha": model_sha, "opt_state_sha": opt_sha, "statuses": statuses, "flags": flags,
+            "model_sha": model_sha, "opt_state_sha": opt_sha, "judgement": judgement,
             "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
-            "flagged_nodes": sorted({f.node_id for f in flags}),
         }
 
     # -- failure / cancel ------------------------------------------------------------------

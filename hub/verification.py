@@ -4,7 +4,8 @@ Pure functions (STYLE.md): records in, verdicts out; no I/O, no clocks, no
 global state, inputs never mutated. The hub decides *when* to call them and
 persists what they return; an auditor later confirms or dismisses each `Flag`.
 
-How the pieces fit in one round (the hub's side is in hub/rounds):
+How the pieces fit in one round (the round policy that combines them is
+hub/policy.py; hub/rounds applies its decisions):
 
 1. When a node gets a shard the hub asks ``should_replicate(rep, spec, rng)``
    with the node's `Reputation`. If true the shard gets a ``replica_group`` and
@@ -32,7 +33,7 @@ How the pieces fit in one round (the hub's side is in hub/rounds):
 4. Reputation transitions (``record_agreement``, ``record_flag``,
    ``record_verdict``) are pure: they return a new `Reputation`.
 
-Calibration (measured, table in /work/notes/verification.md): honest replicas
+Calibration (measured; the figures are in the README's Verification section): honest replicas
 on the same device type and thread count are bit-identical (relative distance
 0.0). The digits MLP at the contract's defaults is bit-identical even between
 torch threads 1 and 2 (its matmuls are too small to split); a 64-1024-1024-10
@@ -63,6 +64,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from gpuflex.protocol.jobspec import VerificationSpec
 from torch import Tensor
 
 from .aggregation import DEFAULT_SLICE_ELEMS, PageReleaser, coordinate_median, floating_keys
@@ -300,16 +302,12 @@ def _norm(delta: Mapping[str, Tensor], slice_elems: int, pages: PageReleaser | N
     return math.sqrt(total)
 
 
-def _spec(spec: Any, name: str, default: Any) -> Any:
-    return getattr(spec, name, default)
-
-
 # --------------------------------------------------------------------------- replicas
 
 
 def compare_replicas(
     records: Sequence[UpdateRecord],
-    spec: Any,
+    spec: VerificationSpec,
     *,
     trusted: Collection[str] | None = None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
@@ -324,8 +322,9 @@ def compare_replicas(
     unless every dissenter differs BLATANTLY from the majority (cosine below
     cosine_min or a norm ratio beyond norm_ratio_max): no
     canonical, no flags (nobody is accused on the word of the untrusted), the
-    shard is simply not aggregated; pass its members to ``review_round`` as
-    ``score_only`` so their own scores can still flag them. With a trusted
+    shard is simply not aggregated (the hub's policy, hub/policy.decide_shard,
+    drops it and trains its chunks again; ``review_round``'s ``score_only`` could
+    score its members, which the hub does not do). With a trusted
     member, or ``trusted=None``, the plain majority rule below applies.
 
     ``spec`` is a VerificationSpec (quorum, max_replicas, tolerance). Two updates
@@ -337,9 +336,9 @@ def compare_replicas(
     Updates that claim a different shard than the first are rejected as a group
     error (the hub must not mix shards).
     """
-    quorum = int(_spec(spec, "quorum", 2))
-    max_replicas = int(_spec(spec, "max_replicas", 3))
-    tolerance = float(_spec(spec, "tolerance", 1e-4))
+    quorum = int(spec.quorum)
+    max_replicas = int(spec.max_replicas)
+    tolerance = float(spec.tolerance)
     n = len(records)
     ids = [r.update_id for r in records]
     base: dict[str, Any] = {"tolerance": tolerance, "quorum": quorum, "replicas": n}
@@ -460,7 +459,7 @@ def _blatant_dissent(
     dist: list[list[float]],
     largest: set[tuple[int, ...]],
     quorum: int,
-    spec: Any,
+    spec: VerificationSpec,
     slice_elems: int,
 ) -> bool:
     """Does every update outside the strict-majority cluster differ from it in a way no
@@ -472,8 +471,8 @@ def _blatant_dissent(
     members = next(iter(largest))
     if len(members) < quorum or 2 * len(members) <= n:
         return False
-    cosine_min = float(_spec(spec, "cosine_min", -0.3))
-    ratio_max = float(_spec(spec, "norm_ratio_max", 4.0))
+    cosine_min = float(spec.cosine_min)
+    ratio_max = float(spec.norm_ratio_max)
     ref = min(members, key=lambda i: (sum(dist[i][j] for j in members), records[i].update_id))
     for i in range(n):
         if i in members:
@@ -535,7 +534,7 @@ def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
 def review_round(
     records: Sequence[UpdateRecord],
     global_norm: float,
-    spec: Any,
+    spec: VerificationSpec,
     *,
     score_only: Sequence[UpdateRecord] = (),
     slice_elems: int = DEFAULT_SLICE_ELEMS,
@@ -558,9 +557,9 @@ def review_round(
     with fewer than MIN_OUTLIER_N of them outlier scoring is skipped.
     An update gets at most one flag (the first reason found).
     """
-    cosine_min = float(_spec(spec, "cosine_min", -0.3))
-    norm_ratio_max = float(_spec(spec, "norm_ratio_max", 4.0))
-    free_rider_norm = float(_spec(spec, "free_rider_norm", 1e-7))
+    cosine_min = float(spec.cosine_min)
+    norm_ratio_max = float(spec.norm_ratio_max)
+    free_rider_norm = float(spec.free_rider_norm)
     rider_floor = free_rider_norm * max(float(global_norm), 1.0)
 
     candidates = list(records)
@@ -740,7 +739,7 @@ def record_verdict(
     raise VerificationError(f"verdict must be 'confirm' or 'dismiss', got {verdict!r}")
 
 
-def replication_probability(rep: Reputation, spec: Any) -> float:
+def replication_probability(rep: Reputation, spec: VerificationSpec) -> float:
     """Probability that a shard given to this node is replicated.
 
     ``replication`` a float in [0, 1]: that fixed fraction. ``"adaptive"`` (BOINC's
@@ -748,7 +747,7 @@ def replication_probability(rep: Reputation, spec: Any) -> float:
     ``trust_after`` consecutive agreeing replicas, then max(MIN_REPLICATION, 1/run)
     so trusted nodes still get spot-checked and overhead stays bounded.
     """
-    mode = _spec(spec, "replication", "adaptive")
+    mode = spec.replication
     if rep.banned:
         return 1.0
     if isinstance(mode, str):
@@ -757,7 +756,7 @@ def replication_probability(rep: Reputation, spec: Any) -> float:
                 f"verification.replication must be 'adaptive' or 0..1, got {mode!r}"
             )
         run = rep.consecutive_agreements
-        if run < int(_spec(spec, "trust_after", 10)):
+        if run < int(spec.trust_after):
             return 1.0
         return max(MIN_REPLICATION, 1.0 / run)
     p = float(mode)
@@ -768,15 +767,15 @@ def replication_probability(rep: Reputation, spec: Any) -> float:
     return p
 
 
-def is_trusted(rep: Reputation, spec: Any) -> bool:
+def is_trusted(rep: Reputation, spec: VerificationSpec) -> bool:
     """A run of ``trust_after`` consecutive agreeing replicas and not banned."""
-    return not rep.banned and rep.consecutive_agreements >= int(_spec(spec, "trust_after", 10))
+    return not rep.banned and rep.consecutive_agreements >= int(spec.trust_after)
 
 
 def replica_candidates(
     reps: Mapping[str, Reputation],
     exclude: Collection[str],
-    spec: Any,
+    spec: VerificationSpec,
 ) -> list[str]:
     """Nodes that may take the next replica of a group (``exclude`` = its members),
     sorted by id. Push model: ``rng.choice`` of it; pull model: give the replica to a
@@ -799,7 +798,7 @@ def replica_candidates(
     return sorted(n for n, r in pool.items() if r.consecutive_agreements >= cut)
 
 
-def should_replicate(rep: Reputation, spec: Any, rng: _Rng) -> bool:
+def should_replicate(rep: Reputation, spec: VerificationSpec, rng: _Rng) -> bool:
     """Draw once from ``rng`` (e.g. random.Random seeded by the hub) against
     ``replication_probability``. A new node (run 0) is always replicated in
     adaptive mode, without consuming a draw."""

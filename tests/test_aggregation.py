@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import mmap
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from gpuflex.hub.aggregation import (
     trimmed_mean,
     update_norm,
 )
+from gpuflex.protocol.jobspec import AggregationSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 def spec(method="fedavg", **kw):
     base = dict(method=method, trim_beta=0.2, krum_f=1, krum_m=1, clip_norm=0.0)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return AggregationSpec(**base)
 
 
 def make_updates(n, seed=0, scale=1.0):
@@ -297,7 +297,7 @@ def test_server_optimizer_refuses_bad_config_and_foreign_state():
         ServerOptimizer().load_state_dict({})
     with pytest.raises(AggregationError, match="does not fit"):
         ServerOptimizer().step(model_state(), {"w": torch.zeros(3, 4)})
-    opt = ServerOptimizer.from_spec(SimpleNamespace(server_optimizer="fedadam", server_lr=0.1))
+    opt = ServerOptimizer.from_spec(AggregationSpec(server_optimizer="fedadam", server_lr=0.1))
     assert opt.kind == "fedadam" and opt.lr == 0.1 and opt.eps == 1e-3
 
 

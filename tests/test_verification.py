@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from dataclasses import replace
@@ -10,6 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 from gpuflex.hub.aggregation import fedavg
+from gpuflex.hub.policy import (
+    Drop,
+    GroupMember,
+    ReplicaState,
+    Settle,
+    WaitForMore,
+    decide_shard,
+    judge_round,
+)
 from gpuflex.hub.verification import (
     MIN_REPLICATION,
     Reputation,
@@ -31,7 +41,7 @@ from tests.tooling import attacks as atk
 
 torch.set_num_threads(1)
 
-SPEC = VerificationSpec(cosine_min=-0.3)  # the calibrated default (see notes/verification.md)
+SPEC = VerificationSpec()  # the calibrated defaults (README, Verification)
 SHARD = 3  # chunks per shard (192 samples)
 
 
@@ -433,3 +443,150 @@ def test_blatant_dissent_in_an_untrusted_group_is_decided_by_majority(world):
     others = [run(world, j, node=f"o{j}") for j in range(5)]
     rv = review_round([*others, canonical], global_norm(world), SPEC)
     assert [f.update_id for f in rv.flags] == [canonical.update_id]
+
+
+# ------------------------------------------------------------------ the round policy (hub/policy)
+
+TRUSTED = Reputation(consecutive_agreements=SPEC.trust_after)
+NEW = Reputation()
+
+
+def decide(ups, state, reps=None):
+    """decide_shard, checking that it leaves every input as it was."""
+    reps = {u.node_id: NEW for u in ups} if reps is None else reps
+    ups_before, reps_before = list(ups), dict(reps)
+    deltas = copy.deepcopy([u.delta for u in ups])
+    out = decide_shard(ups, SPEC, state, reps)
+    assert len(ups) == len(ups_before) and all(a is b for a, b in zip(ups, ups_before, strict=True))
+    assert dict(reps) == reps_before
+    for before, u in zip(deltas, ups, strict=True):
+        assert all(torch.equal(before[k], u.delta[k]) for k in before)
+    return out
+
+
+def test_policy_waits_until_a_shard_is_due(world):
+    a = run(world, 0, node="a")
+    out = decide([a], ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s / 2, live=True))
+    assert out == WaitForMore(2, {})
+    assert decide([], ReplicaState(wanted=1)) == WaitForMore(1, {})
+    # One update, nobody to take the replica: waiting for the replica window is the only way.
+    assert isinstance(decide([a], ReplicaState(wanted=2, taker=False)), WaitForMore)
+
+
+def test_policy_lone_update_is_used_unverified_only_when_a_replica_was_wanted(world):
+    a = run(world, 0, node="a")
+    plain = decide([a], ReplicaState(wanted=1))
+    assert isinstance(plain, Settle) and plain.representative == a.update_id
+    assert plain.unverified is None and plain.agreed_nodes == () and plain.flags == ()
+    late = decide([a], ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s))
+    assert isinstance(late, Settle) and late.unverified == "lone_update"
+    assert late.evidence == {"replicas": 1, "unverified": True} and late.agreed_nodes == ()
+
+
+def test_policy_agreeing_replicas_with_a_trusted_member_settle_with_credit(world):
+    a, b = run(world, 1, node="a"), run(world, 1, node="b")
+    out = decide([a, b], ReplicaState(wanted=2), {"a": TRUSTED, "b": NEW})
+    assert isinstance(out, Settle) and out.unverified is None and out.flags == ()
+    assert out.agreed_nodes == ("a", "b") and out.flagged_nodes == ()
+    other = b.update_id if out.representative == a.update_id else a.update_id
+    assert dict(out.statuses) == {other: "redundant"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.representative = "x"  # type: ignore[misc]
+
+
+def test_policy_untrusted_pair_needs_one_more_agreeing_replica(world):
+    a, b, c = (run(world, 1, node=n) for n in ("a", "b", "c"))
+    out = decide([a, b], ReplicaState(wanted=2))
+    assert isinstance(out, WaitForMore) and out.wanted == 3
+    assert "needs 3" in out.evidence["why"]
+    three = decide([a, b, c], ReplicaState(wanted=3))
+    assert isinstance(three, Settle) and three.agreed_nodes == ("a", "b", "c")
+
+
+def test_policy_disagreement_asks_for_another_replica(world):
+    h, bad = run(world, 2, node="h"), run(world, 2, "scale", node="bad")
+    out = decide([h, bad], ReplicaState(wanted=2), {"h": TRUSTED, "bad": NEW})
+    assert (
+        isinstance(out, WaitForMore)
+        and out.wanted == 3
+        and out.evidence["why"] == "no majority yet"
+    )
+
+
+def test_policy_majority_stands_and_the_minority_is_flagged(world):
+    h1, h2 = run(world, 2, node="h1"), run(world, 2, node="h2")
+    bad = run(world, 2, "half_shard", node="bad")
+    out = decide([h1, bad, h2], ReplicaState(wanted=3), {"h1": TRUSTED, "h2": NEW, "bad": NEW})
+    assert isinstance(out, Settle) and out.representative in (h1.update_id, h2.update_id)
+    assert [(f.update_id, f.reason) for f in out.flags] == [(bad.update_id, "replica_mismatch")]
+    assert out.flagged_nodes == ("bad",) and out.agreed_nodes == ("h1", "h2")
+    assert out.statuses[bad.update_id] == "quarantined"
+    assert sorted(out.statuses.values()) == ["quarantined", "redundant"]
+
+
+def test_policy_unanimous_replicas_settle_when_nobody_can_take_another(world):
+    a, b = run(world, 3, node="a"), run(world, 3, node="b")
+    nobody = ReplicaState(wanted=2, live=False, taker=False)
+    out = decide([a, b], nobody)
+    assert isinstance(out, Settle) and out.unverified == "replica_wait"
+    assert out.representative == a.update_id  # the first in the hub's order
+    assert dict(out.statuses) == {b.update_id: "redundant"}
+    assert out.agreed_nodes == () and out.flags == ()  # unverified: no credit, no flags
+    # Someone could take it, or a replica is still out: ask for the third one instead.
+    more = decide([a, b], replace(nobody, taker=True))
+    assert isinstance(more, WaitForMore) and more.wanted == 3
+    assert isinstance(decide([a, b], replace(nobody, live=True)), WaitForMore)
+    # Stuck short of `wanted` with no replica out and no taker: due, and settled the same way.
+    assert isinstance(decide([a, b], ReplicaState(wanted=3, taker=False)), Settle)
+
+
+def test_policy_timed_out_split_is_dropped_inconclusive(world):
+    h, bad = run(world, 4, node="h"), run(world, 4, "half_shard", node="bad")
+    out = decide([h, bad], ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s, live=True))
+    assert isinstance(out, Drop) and out.reason == "inconclusive"
+    assert out.flags == () and out.flagged_nodes == ()
+    assert dict(out.statuses) == {h.update_id: "excluded", bad.update_id: "excluded"}
+    assert out.evidence["inconclusive"] == "replica_wait"
+
+
+def test_policy_untrusted_split_at_max_replicas_accuses_nobody(world):
+    a1, a2 = run(world, 5, "half_shard", node="a1"), run(world, 5, "half_shard", node="a2")
+    h = run(world, 5, node="h")
+    out = decide([a1, a2, h], ReplicaState(wanted=3))
+    assert isinstance(out, Drop) and out.reason == "inconclusive" and out.flags == ()
+    assert out.evidence["inconclusive"] is True
+
+
+def test_policy_no_majority_at_max_replicas_flags_everyone(world):
+    h = run(world, 6, node="h")
+    s, x = run(world, 6, "scale", node="s"), run(world, 6, "half_shard", node="x")
+    out = decide([h, s, x], ReplicaState(wanted=3), {"h": TRUSTED, "s": NEW, "x": NEW})
+    assert isinstance(out, Drop) and out.reason == "no_majority"
+    assert sorted(f.update_id for f in out.flags) == sorted(u.update_id for u in (h, s, x))
+    assert out.flagged_nodes == ("h", "s", "x") and set(out.statuses.values()) == {"quarantined"}
+
+
+def test_judge_round_flags_the_vouching_majority_and_withdraws_the_minority_flag(world):
+    others = [run(world, j, node=f"o{j}") for j in range(5)]
+    flip = run(world, 6, "sign_flip", node="f1")
+    groups = {
+        flip.update_id: (
+            GroupMember("u-f2", "f2", "redundant"),  # agreed with the flipped update
+            GroupMember("u-h", "h", "quarantined"),  # the minority that was right
+        ),
+        others[0].update_id: (GroupMember("u-r0", "r0", "redundant"),),
+    }
+    before = copy.deepcopy(groups)
+    out = judge_round([*others, flip], global_norm(world), SPEC, groups)
+    assert groups == before
+    assert [(f.update_id, f.reason) for f in out.flags] == [
+        (flip.update_id, "outlier"),
+        ("u-f2", "outlier"),
+    ]
+    assert out.flags[1].evidence == {"vouched_for": flip.update_id}
+    assert out.withdrawn == ("u-h",) and out.flagged_nodes == ("f1", "f2")
+    assert out.statuses[flip.update_id] == "quarantined" and out.statuses["u-f2"] == "quarantined"
+    assert [out.statuses[o.update_id] for o in others] == ["included"] * 5
+    assert out.review.included == [o.update_id for o in others]
+    empty = judge_round([], 0.0, SPEC, {})
+    assert empty.review.included == [] and empty.flags == () and dict(empty.statuses) == {}

@@ -115,3 +115,52 @@ def test_cli_runs_the_real_node_cli_with_the_attack_agent(monkeypatch):
     assert rc == 0
     assert seen["argv"] == ["run", "--hub", "http://127.0.0.1:1", "--data-dir", "/tmp/x", "--once"]
     assert seen["cls"].__name__ == "HalfShardAgent"
+
+
+def _record(uid, node, d):
+    from gpuflex.hub.verification import UpdateRecord
+
+    return UpdateRecord(
+        update_id=uid,
+        node_id=node,
+        shard_id="s0",
+        samples_claimed=64,
+        shard_samples=64,
+        loss=0.5,
+        train_s=0.2,
+        node_samples_per_s=0.0,
+        delta=d,
+    )
+
+
+def test_the_round_policy_does_not_let_an_identical_pair_of_attackers_settle_a_shard():
+    """Deterministic attacks agree with themselves: two colluders handed the same shard must
+    not settle it (hub/policy.decide_shard, the function the hub and the bench run)."""
+    from gpuflex.hub.policy import Drop, ReplicaState, Settle, WaitForMore, decide_shard
+    from gpuflex.hub.verification import Reputation
+    from gpuflex.protocol.jobspec import VerificationSpec
+
+    spec = VerificationSpec()
+    bad = atk.sign_flip(delta())
+    c1, c2 = _record("u1", "c1", bad), _record("u2", "c2", atk.sign_flip(delta()))
+    new = {"c1": Reputation(), "c2": Reputation(), "h": Reputation()}
+    pair = decide_shard([c1, c2], spec, ReplicaState(wanted=2), new)
+    assert isinstance(pair, WaitForMore) and pair.wanted == 3
+    # The third replica (untrusted, honest) blatantly dissents: the pair's majority stands for
+    # now, and review_round then meets their sign-flipped canonical (the vouching rule).
+    h = _record("u3", "h", delta())
+    three = decide_shard([c1, c2, h], spec, ReplicaState(wanted=3), new)
+    assert isinstance(three, Settle) and three.flagged_nodes == ("h",)
+    # A trusted third replica: the plain majority rule, and still never the pair's word alone.
+    trusted = dict(new, h=Reputation(consecutive_agreements=spec.trust_after))
+    assert isinstance(decide_shard([c1, c2, h], spec, ReplicaState(wanted=3), trusted), Settle)
+    # Nobody could take a third replica: the unanimous pair settles UNVERIFIED (no agreement
+    # credit, so neither colluder moves toward trust); a split that times out is dropped.
+    lonely = decide_shard([c1, c2], spec, ReplicaState(wanted=2, taker=False), new)
+    assert (
+        isinstance(lonely, Settle)
+        and lonely.unverified == "replica_wait"
+        and lonely.agreed_nodes == ()
+    )
+    split = decide_shard([c1, h], spec, ReplicaState(wanted=2, waited_s=spec.replica_wait_s), new)
+    assert isinstance(split, Drop) and split.reason == "inconclusive" and split.flags == ()

@@ -1,0 +1,296 @@
+"""The round policy: what happens to a shard's replicas, and what a round's review flags.
+
+Functional core (STYLE.md): plain typed values in, a frozen decision out. Nothing here
+reads a clock, a database or an unseeded random source, and no input is mutated. The
+round engine (hub/rounds.py) gathers the inputs, calls these functions and applies what
+they return; bench/robustness.py calls the very same functions in the same order, so
+the published robustness figures describe the policy the hub runs.
+
+- ``decide_shard``: one shard's accepted updates + the replica state ->
+  ``WaitForMore`` (ask for one more replica, or keep waiting) | ``Settle`` (one
+  update represents the shard) | ``Drop`` (nothing of it is aggregated; its chunks
+  go back to the pool).
+- ``judge_round``: the round's candidate updates (one per settled shard) ->
+  ``RoundJudgement``: review_round's scores and flags, plus the vouching rule: when
+  review flags the representative of an agreeing replica group, every member that
+  agreed with it is flagged too, and the minority's replica_mismatch flags are
+  withdrawn (the minority was right).
+
+The rules of ``decide_shard``, in order:
+
+1. Not due: fewer updates than wanted, the replica wait not run out, and either a
+   replica assignment still out or a node that could take one (or only one update so
+   far) -> keep waiting (``WaitForMore`` with ``wanted`` unchanged).
+2. A lone update (no replica came in time, or none was wanted) is used; unverified
+   when a replica was wanted (no agreement credit).
+3. Otherwise ``verification.compare_replicas`` judges the group (trusted = members
+   whose reputation ``is_trusted``; until a group holds a trusted node it needs one
+   more agreeing replica, and a split among untrusted nodes accuses nobody).
+   - It wants another replica: ask for one (``wanted + 1``) while below
+     ``max_replicas`` and the wait has not run out, unless the replicas are already
+     unanimous and nobody could take another one. Otherwise unanimous replicas settle
+     unverified (one represents the shard, the rest are redundant, no credit, no
+     flags) and a split is dropped inconclusive (nobody flagged).
+   - A majority stands: its medoid represents the shard, the rest of the majority is
+     redundant and credited, the minority is flagged ``replica_mismatch``.
+   - No majority at ``max_replicas``: everyone flagged, dropped. A blatant-free split
+     among untrusted nodes: dropped inconclusive, nobody flagged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpuflex.protocol.jobspec import VerificationSpec
+
+from .aggregation import DEFAULT_SLICE_ELEMS
+from .verification import (
+    Flag,
+    Reputation,
+    RoundReview,
+    UpdateRecord,
+    compare_replicas,
+    is_trusted,
+    review_round,
+)
+
+__all__ = [
+    "Drop",
+    "GroupMember",
+    "ReplicaState",
+    "RoundJudgement",
+    "Settle",
+    "ShardDecision",
+    "WaitForMore",
+    "decide_shard",
+    "judge_round",
+    "shard_due",
+]
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the hub knows about a shard's replicas besides the updates themselves.
+
+    ``wanted``: replicas wanted now (1 = not replicated). ``waited_s``: seconds since the
+    shard's first accepted update (None: not known). ``live``: a replica assignment is
+    still out. ``taker``: an online node could take another replica now; it is read only
+    when ``live`` is false and there are two or more updates, so a caller may skip
+    computing it otherwise.
+    """
+
+    wanted: int
+    waited_s: float | None = None
+    live: bool = False
+    taker: bool = True
+
+
+@dataclass(frozen=True)
+class WaitForMore:
+    """Keep the shard open with ``wanted`` replicas (more than before: ask for one more)."""
+
+    wanted: int
+    evidence: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Settle:
+    """``representative`` stands for the shard in the round's aggregate.
+
+    ``statuses``: new statuses of the other updates (redundant / quarantined).
+    ``agreed_nodes`` earn an agreement, ``flagged_nodes`` a flag (``flags`` carry the
+    evidence). ``unverified``: why no replica confirmed it ("lone_update",
+    "replica_wait"), None when verified or never replicated.
+    """
+
+    representative: str
+    statuses: Mapping[str, str]
+    flags: tuple[Flag, ...]
+    agreed_nodes: tuple[str, ...]
+    flagged_nodes: tuple[str, ...]
+    evidence: Mapping[str, Any]
+    unverified: str | None = None
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Nothing of the shard is aggregated; its chunks go back to the pool.
+
+    ``reason``: "inconclusive" (a split nobody may be accused on: no flags) or
+    "no_majority" (no majority at max_replicas: every update flagged).
+    """
+
+    reason: str
+    statuses: Mapping[str, str]
+    flags: tuple[Flag, ...]
+    flagged_nodes: tuple[str, ...]
+    evidence: Mapping[str, Any]
+
+
+ShardDecision = WaitForMore | Settle | Drop
+
+
+def shard_due(n_updates: int, spec: VerificationSpec, state: ReplicaState) -> bool:
+    """Is there anything to decide? Enough updates, the replica wait run out, or two or
+    more updates with no replica out and nobody to take one (waiting only delays)."""
+    if n_updates == 0:
+        return False
+    timed_out = state.waited_s is not None and state.waited_s >= float(spec.replica_wait_s)
+    stuck = 2 <= n_updates < state.wanted and not state.live and not state.taker
+    return n_updates >= state.wanted or timed_out or stuck
+
+
+def decide_shard(
+    updates: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    state: ReplicaState,
+    reputations: Mapping[str, Reputation],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> ShardDecision:
+    """Decide one shard (rules in the module docstring).
+
+    ``updates``: the shard's accepted updates in the hub's fixed order (update sha, then
+    id); the first stands for unanimous unverified replicas. ``reputations``: the
+    members' reputations (a member missing from it counts as untrusted).
+    """
+    if not shard_due(len(updates), spec, state):
+        return WaitForMore(state.wanted, {})
+    ups = list(updates)
+    if len(ups) == 1:
+        replicated = state.wanted > 1
+        return Settle(
+            ups[0].update_id,
+            {},
+            (),
+            (),
+            (),
+            {"replicas": 1, "unverified": replicated},
+            "lone_update" if replicated else None,
+        )
+    ids = [u.update_id for u in ups]
+    trusted = {
+        u.node_id
+        for u in ups
+        if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)
+    }
+    out = compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems)
+    evidence = dict(out.evidence)
+    if out.needs_more:
+        pairs = evidence.get("pairs") or []
+        unanimous = bool(pairs) and all(p.get("agree") for p in pairs)
+        timed_out = state.waited_s is not None and state.waited_s >= float(spec.replica_wait_s)
+        # Waiting for a replica nobody can take only delays the round: unanimous replicas settle now.
+        nobody = unanimous and not state.live and not state.taker
+        if state.wanted < int(spec.max_replicas) and not timed_out and not nobody:
+            return WaitForMore(state.wanted + 1, evidence)
+        if unanimous:
+            rep = ids[0]
+            return Settle(
+                rep,
+                {u: "redundant" for u in ids if u != rep},
+                (),
+                (),
+                (),
+                evidence | {"unverified": "replica_wait"},
+                "replica_wait",
+            )
+        return Drop(
+            "inconclusive",
+            {u: "excluded" for u in ids},
+            (),
+            (),
+            evidence | {"inconclusive": "replica_wait"},
+        )
+    flags = tuple(out.flags)
+    flagged = {f.update_id for f in flags}
+    flagged_nodes = tuple(sorted({f.node_id for f in flags}))
+    statuses = {u: "quarantined" for u in ids if u in flagged}
+    if not out.agreed:
+        if not flags:  # a split among untrusted nodes: nobody flagged, nobody credited
+            return Drop(
+                "inconclusive",
+                {u: "excluded" for u in ids},
+                (),
+                (),
+                evidence | {"inconclusive": True},
+            )
+        return Drop("no_majority", statuses, flags, flagged_nodes, evidence)
+    rep = out.canonical or min(out.majority)
+    node_of = {u.update_id: u.node_id for u in ups}
+    agreed_nodes = tuple(sorted({node_of[m] for m in out.majority if m in node_of}))
+    for u in ids:
+        if u != rep and u not in flagged:
+            statuses[u] = "redundant"
+    return Settle(rep, statuses, flags, agreed_nodes, flagged_nodes, evidence)
+
+
+# --------------------------------------------------------------------------- the round
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """Another accepted update of a settled replica group, with the status its settlement gave."""
+
+    update_id: str
+    node_id: str
+    status: str
+
+
+@dataclass(frozen=True)
+class RoundJudgement:
+    """``review``: review_round's result (``review.included`` is what is aggregated).
+    ``statuses``: every candidate (included / quarantined / excluded) and every member
+    that vouched for a flagged representative (quarantined). ``flags``: review's flags,
+    then the vouching flags. ``withdrawn``: updates whose replica_mismatch flags are
+    withdrawn. ``flagged_nodes``: one reputation flag per entry (a node flagged twice
+    appears twice)."""
+
+    review: RoundReview
+    statuses: Mapping[str, str]
+    flags: tuple[Flag, ...]
+    withdrawn: tuple[str, ...]
+    flagged_nodes: tuple[str, ...]
+
+
+def judge_round(
+    candidates: Sequence[UpdateRecord],
+    global_norm: float,
+    spec: VerificationSpec,
+    groups: Mapping[str, Sequence[GroupMember]],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> RoundJudgement:
+    """Review the round's candidates (one per settled shard) and apply the vouching rule.
+
+    ``groups``: representative update id -> the other accepted updates of its shard.
+    """
+    if candidates:
+        review = review_round(candidates, global_norm, spec, slice_elems=slice_elems)
+    else:
+        review = RoundReview([], [], {})
+    reasons = {f.update_id: f.reason for f in review.flags}
+    keep = set(review.included)
+    statuses = {
+        c.update_id: "included"
+        if c.update_id in keep
+        else ("quarantined" if c.update_id in reasons else "excluded")
+        for c in candidates
+    }
+    vouched: list[Flag] = []
+    withdrawn: list[str] = []
+    for rep, members in groups.items():
+        if rep not in reasons:
+            continue
+        for m in members:
+            if m.status == "redundant":
+                vouched.append(Flag(m.update_id, m.node_id, reasons[rep], {"vouched_for": rep}))
+                statuses[m.update_id] = "quarantined"
+            elif m.status == "quarantined":
+                withdrawn.append(m.update_id)
+    flagged_nodes = (*sorted({f.node_id for f in review.flags}), *(f.node_id for f in vouched))
+    return RoundJudgement(
+        review, statuses, (*review.flags, *vouched), tuple(withdrawn), flagged_nodes
+    )
