@@ -85,6 +85,7 @@ class ShardState:
     nodes: set[str] = field(default_factory=set)
     accepted: list[UpdateState] = field(default_factory=list)
     representative: str | None = None
+    unverified: str | None = None  # why its representative was never confirmed by a replica
 
     def replicas_needed(self) -> int:
         return self.wanted - len(self.live) - len(self.accepted)

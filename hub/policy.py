@@ -35,6 +35,10 @@ The rules of ``decide_shard``, in order:
      redundant and credited, the minority is flagged ``replica_mismatch``.
    - No majority at ``max_replicas``: everyone flagged, dropped. A blatant-free split
      among untrusted nodes: dropped inconclusive, nobody flagged.
+4. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
+   and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
+   (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing
+   replicas cannot vouch for each other) until a replica comes that verifies it.
 """
 
 from __future__ import annotations
@@ -150,7 +154,26 @@ def decide_shard(
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
 ) -> ShardDecision:
-    """Decide one shard (rules in the module docstring).
+    """Decide one shard (rules in the module docstring). Under ``unverified = "hold"`` a shard
+    that would settle unverified keeps waiting for a replica instead (rule 4)."""
+    decision = _decide_shard(updates, spec, state, reputations, slice_elems=slice_elems)
+    if isinstance(decision, Settle) and decision.unverified and spec.unverified == "hold":
+        # agreeing replicas that cannot vouch for each other yet: ask for one more, past the wait
+        more = decision.unverified == "replica_wait" and state.wanted < int(spec.max_replicas)
+        return WaitForMore(state.wanted + 1 if more else state.wanted,
+                           dict(decision.evidence) | {"held": decision.unverified})
+    return decision
+
+
+def _decide_shard(
+    updates: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    state: ReplicaState,
+    reputations: Mapping[str, Reputation],
+    *,
+    slice_elems: int,
+) -> ShardDecision:
+    """Rules 1-3 of the module docstring.
 
     ``updates``: the shard's accepted updates in the hub's fixed order (update sha, then
     id); the first stands for unanimous unverified replicas. ``reputations``: the
@@ -167,7 +190,7 @@ def decide_shard(
             (),
             (),
             (),
-            {"replicas": 1, "unverified": replicated},
+            {"replicas": 1, "unverified": "lone_update"} if replicated else {"replicas": 1},
             "lone_update" if replicated else None,
         )
     ids = [u.update_id for u in ups]

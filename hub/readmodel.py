@@ -73,6 +73,8 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             "round": r["round"], "loss": r["loss"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
             "model_hash": r["new_model_sha"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
             "metrics": json.loads(r["metrics"] or "{}"),
+            # aggregated without a replica's confirmation: update id -> why (verification.unverified)
+            "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
             "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
                          "samples": u["samples"], "loss": u["loss"], "status": u["status"],
                          "replica_group": u["replica_group"]} for u in ups],

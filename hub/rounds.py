@@ -204,6 +204,7 @@ class RoundEngine:
             self.scheduler.detach(a)
         shard.state = "settled" if settled else "dropped"
         shard.representative = representative
+        shard.unverified = decision.unverified if isinstance(decision, policy.Settle) else None
         for u in shard.accepted:
             if u.id in statuses:
                 u.status = statuses[u.id]
@@ -317,6 +318,10 @@ class RoundEngine:
             included = [i for i, u in enumerate(reps) if u.id in keep]
             flagged = {f.update_id: f.reason for f in judgement.review.flags}
             evidence = dict(judgement.review.evidence)
+            unverified = {reps[i].id: shard_of[reps[i].id].unverified for i in included
+                          if shard_of[reps[i].id].unverified}
+            if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
+                evidence["unverified"] = unverified
             use = [deltas[i] for i in included]
             weights = [float(shard_of[reps[i].id].samples) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
@@ -349,6 +354,7 @@ class RoundEngine:
             job_id=job.id, round=job.round, model_hash=model_sha, method=spec.aggregation.method,
             included=[reps[i].sha for i in included],
             excluded=[(u.sha, flagged.get(u.id, "excluded")) for i, u in enumerate(reps) if i not in included],
+            unverified=[reps[i].sha for i in included if shard_of[reps[i].id].unverified],
             server_optimizer=spec.aggregation.server_optimizer, samples=tot,
             metrics={k: round(v, 6) for k, v in metrics.items()},
         ))

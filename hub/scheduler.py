@@ -29,7 +29,13 @@ import time
 from dataclasses import dataclass, field
 
 from .jobs import AssignmentState, JobState, ShardState, shard_seed
-from .verification import Reputation, replica_candidates, replication_probability, should_replicate
+from .verification import (
+    Reputation,
+    is_trusted,
+    replica_candidates,
+    replication_probability,
+    should_replicate,
+)
 
 MAX_CHUNKS_PER_ASSIGNMENT = 4096
 
@@ -283,9 +289,15 @@ class Scheduler:
         return shard
 
     def _replicate(self, job: JobState, node: NodeState, now: float) -> bool:
-        """Replicate only when another node could take the replica: nothing waits for absent nodes."""
-        if not should_replicate(node.reputation, job.spec.verification, self._rng):
+        """Replicate as verification's rule draws. Under adaptive replication an untrusted node's
+        shard is always replicated: if no other node is online, it waits up to replica_wait_s
+        for one (then `unverified` decides). A trusted node's spot check is skipped when nobody
+        else is online to take it."""
+        v = job.spec.verification
+        if not should_replicate(node.reputation, v, self._rng):
             return False
+        if v.replication == "adaptive" and not is_trusted(node.reputation, v):
+            return True
         return self.anyone_else_online(node.id, now)
 
     def anyone_else_online(self, node_id: str, now: float) -> bool:

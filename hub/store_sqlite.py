@@ -353,6 +353,9 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
                 chunk_idxs=idxs, samples=s["samples"], replica_group=s["replica_group"],
                 wanted=s["wanted"], state=s["state"], first_update_at=s["first_update_at"],
             )
+            if s["state"] == "settled":
+                unverified = json.loads(s["outcome"] or "{}").get("unverified")
+                shard.unverified = str(unverified) if unverified else None
             for a in conn.execute("SELECT * FROM assignments WHERE shard_id = ?", (shard.id,)):
                 shard.nodes.add(a["node_id"])
                 if a["state"] == "live":

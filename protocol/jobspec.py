@@ -27,6 +27,7 @@ LOSSES: Final = ("cross_entropy", "mse")
 SPLITS: Final = ("random", "stratified")
 METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
 SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam")
+UNVERIFIED: Final = ("accept", "hold")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class VerificationSpec:
     norm_ratio_max: float = 4.0
     free_rider_norm: float = 1e-7
     replica_wait_s: float = 30.0
+    #: a replicated shard whose replica never came: "accept" aggregates it (marked unverified in
+    #: the audit log and the job status), "hold" keeps it out until a replica agrees
+    unverified: str = "accept"
 
 
 @dataclass(frozen=True)
@@ -170,21 +174,22 @@ def _short(value: object) -> str:
 
 
 def _train(s: _Section, task: str) -> TrainSpec:
+    d = TrainSpec()  # the defaults live in the dataclass only
     spec = TrainSpec(
-        rounds=s.get_int("rounds", 10, 1, 1_000_000),
-        local_epochs=s.get_int("local_epochs", 1, 1, 1000),
-        batch_size=s.get_int("batch_size", 32, 1, 1 << 20),
-        optimizer=s.get_choice("optimizer", "sgd", OPTIMIZERS),
-        lr=s.get_float("lr", 0.05, 0.0, 100.0, lo_open=True),
-        momentum=s.get_float("momentum", 0.0, 0.0, 0.999),
-        weight_decay=s.get_float("weight_decay", 0.0, 0.0, 10.0),
-        beta1=s.get_float("beta1", 0.9, 0.0, 0.9999),
-        beta2=s.get_float("beta2", 0.999, 0.0, 0.99999),
+        rounds=s.get_int("rounds", d.rounds, 1, 1_000_000),
+        local_epochs=s.get_int("local_epochs", d.local_epochs, 1, 1000),
+        batch_size=s.get_int("batch_size", d.batch_size, 1, 1 << 20),
+        optimizer=s.get_choice("optimizer", d.optimizer, OPTIMIZERS),
+        lr=s.get_float("lr", d.lr, 0.0, 100.0, lo_open=True),
+        momentum=s.get_float("momentum", d.momentum, 0.0, 0.999),
+        weight_decay=s.get_float("weight_decay", d.weight_decay, 0.0, 10.0),
+        beta1=s.get_float("beta1", d.beta1, 0.0, 0.9999),
+        beta2=s.get_float("beta2", d.beta2, 0.0, 0.99999),
         loss=s.get_choice("loss", "mse" if task == "regression" else "cross_entropy", LOSSES),
-        seed=s.get_int("seed", 0, 0, MAX_SEED),
-        grad_clip=s.get_float("grad_clip", 0.0, 0.0, 1e6),
-        round_target_s=s.get_float("round_target_s", 10.0, 0.0, 86_400.0, lo_open=True),
-        deadline_slack=s.get_float("deadline_slack", 3.0, 1.0, 100.0),
+        seed=s.get_int("seed", d.seed, 0, MAX_SEED),
+        grad_clip=s.get_float("grad_clip", d.grad_clip, 0.0, 1e6),
+        round_target_s=s.get_float("round_target_s", d.round_target_s, 0.0, 86_400.0, lo_open=True),
+        deadline_slack=s.get_float("deadline_slack", d.deadline_slack, 1.0, 100.0),
     )
     if task == "classification" and spec.loss != "cross_entropy":
         raise SpecError("train.loss: a classification model trains with cross_entropy")
@@ -194,34 +199,37 @@ def _train(s: _Section, task: str) -> TrainSpec:
 
 
 def _data(s: _Section) -> DataSpec:
+    d = DataSpec()  # the defaults live in the dataclass only
     return DataSpec(
-        chunk_size=s.get_int("chunk_size", 64, 1, 1_000_000),
-        split=s.get_choice("split", "stratified", SPLITS),
-        validation_fraction=s.get_float("validation_fraction", 0.0, 0.0, 0.9),
-        label_column=s.get_text("label_column", "label", 64),
+        chunk_size=s.get_int("chunk_size", d.chunk_size, 1, 1_000_000),
+        split=s.get_choice("split", d.split, SPLITS),
+        validation_fraction=s.get_float("validation_fraction", d.validation_fraction, 0.0, 0.9),
+        label_column=s.get_text("label_column", d.label_column, 64),
     )
 
 
 def _aggregation(s: _Section) -> AggregationSpec:
+    d = AggregationSpec()  # the defaults live in the dataclass only
     spec = AggregationSpec(
-        method=s.get_choice("method", "fedavg", METHODS),
-        trim_beta=s.get_float("trim_beta", 0.1, 0.0, 0.49),
-        krum_f=s.get_int("krum_f", 1, 0, 10_000),
-        krum_m=s.get_int("krum_m", 1, 1, 10_000),
-        clip_norm=s.get_float("clip_norm", 0.0, 0.0, 1e12),
-        server_optimizer=s.get_choice("server_optimizer", "none", SERVER_OPTIMIZERS),
-        server_lr=s.get_float("server_lr", 1.0, 0.0, 100.0, lo_open=True),
-        server_momentum=s.get_float("server_momentum", 0.9, 0.0, 0.999),
-        server_beta1=s.get_float("server_beta1", 0.9, 0.0, 0.9999),
-        server_beta2=s.get_float("server_beta2", 0.99, 0.0, 0.99999),
-        server_eps=s.get_float("server_eps", 1e-3, 0.0, 1.0, lo_open=True),
+        method=s.get_choice("method", d.method, METHODS),
+        trim_beta=s.get_float("trim_beta", d.trim_beta, 0.0, 0.49),
+        krum_f=s.get_int("krum_f", d.krum_f, 0, 10_000),
+        krum_m=s.get_int("krum_m", d.krum_m, 1, 10_000),
+        clip_norm=s.get_float("clip_norm", d.clip_norm, 0.0, 1e12),
+        server_optimizer=s.get_choice("server_optimizer", d.server_optimizer, SERVER_OPTIMIZERS),
+        server_lr=s.get_float("server_lr", d.server_lr, 0.0, 100.0, lo_open=True),
+        server_momentum=s.get_float("server_momentum", d.server_momentum, 0.0, 0.999),
+        server_beta1=s.get_float("server_beta1", d.server_beta1, 0.0, 0.9999),
+        server_beta2=s.get_float("server_beta2", d.server_beta2, 0.0, 0.99999),
+        server_eps=s.get_float("server_eps", d.server_eps, 0.0, 1.0, lo_open=True),
     )
     return spec
 
 
 def _verification(s: _Section) -> VerificationSpec:
+    d = VerificationSpec()  # the defaults live in the dataclass only
     s.used.add("replication")
-    raw = s.table.get("replication", "adaptive")
+    raw = s.table.get("replication", d.replication)
     replication: str | float
     if raw == "adaptive":
         replication = "adaptive"
@@ -231,20 +239,21 @@ def _verification(s: _Section) -> VerificationSpec:
         raise SpecError(
             f"verification.replication: expected \"adaptive\" or a number in [0, 1], got {_short(raw)}"
         )
-    quorum = s.get_int("quorum", 2, 2, 16)
-    max_replicas = s.get_int("max_replicas", 3, 2, 32)
+    quorum = s.get_int("quorum", d.quorum, 2, 16)
+    max_replicas = s.get_int("max_replicas", d.max_replicas, 2, 32)
     if max_replicas < quorum:
         raise SpecError(f"verification.max_replicas: must be at least quorum ({quorum}), got {max_replicas}")
     return VerificationSpec(
         replication=replication,
         quorum=quorum,
         max_replicas=max_replicas,
-        tolerance=s.get_float("tolerance", 1e-4, 0.0, 1.0, lo_open=True),
-        trust_after=s.get_int("trust_after", 10, 0, 1_000_000),
-        cosine_min=s.get_float("cosine_min", -0.3, -1.0, 1.0),
-        norm_ratio_max=s.get_float("norm_ratio_max", 4.0, 1.0, 1e6),
-        free_rider_norm=s.get_float("free_rider_norm", 1e-7, 0.0, 1.0),
-        replica_wait_s=s.get_float("replica_wait_s", 30.0, 0.0, 86_400.0, lo_open=True),
+        tolerance=s.get_float("tolerance", d.tolerance, 0.0, 1.0, lo_open=True),
+        trust_after=s.get_int("trust_after", d.trust_after, 0, 1_000_000),
+        cosine_min=s.get_float("cosine_min", d.cosine_min, -1.0, 1.0),
+        norm_ratio_max=s.get_float("norm_ratio_max", d.norm_ratio_max, 1.0, 1e6),
+        free_rider_norm=s.get_float("free_rider_norm", d.free_rider_norm, 0.0, 1.0),
+        replica_wait_s=s.get_float("replica_wait_s", d.replica_wait_s, 0.0, 86_400.0, lo_open=True),
+        unverified=s.get_choice("unverified", d.unverified, UNVERIFIED),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import sqlite3
 import time
 
@@ -311,19 +312,60 @@ async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
         await hub.stop()
 
 
-async def test_single_node_is_never_held_back_by_replication(tmp_path):
-    train, val, spec = write_digits(tmp_path / "d", rounds=2, replication='"adaptive"')
+async def test_a_lone_untrusted_node_waits_for_a_replica_then_is_marked_unverified(tmp_path):
+    """Adaptive replication: an untrusted node's shard always wants a replica. Alone, it waits
+    replica_wait_s, then (unverified = "accept") it is aggregated and the round's status and
+    audit entry say it was unverified."""
+    train, val, spec = write_digits(tmp_path / "d", rounds=1, replication='"adaptive"', replica_wait_s=1.0)
     hub = await start_hub(tmp_path / "hub")
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
             node = SimNode(s, hub.url)
             await node.register()
+            a = await node.step()
+            assert a is not None and a.replica_group != "", "an untrusted node's shard is replicated"
+            t0 = time.monotonic()
+            doc = await wait_job(s, hub, job_id, timeout=20)
+            assert time.monotonic() - t0 >= 0.5, "the round must wait for a replica first"
+            (h,) = doc["history"]
+            (upd,) = h["updates"]
+            assert h["unverified"] == {upd["update_id"]: "lone_update"} and upd["status"] == "included"
+            async with s.get(f"{hub.url}/v1/audit-log", headers=hub.auth(hub.auditor_token)) as r:
+                entries = [json.loads(line) for line in (await r.text()).splitlines()]
+            agg = [e for e in entries if e["kind"] == "aggregation"]
+            assert agg and agg[-1]["body"]["unverified"] == agg[-1]["body"]["included"]
+    finally:
+        await hub.stop()
+
+
+async def test_hold_keeps_a_lone_untrusted_update_out_until_a_replica_agrees(tmp_path):
+    """unverified = "hold": a replicated shard nobody confirms stays out, and the job waits; two
+    fresh nodes that agree are not enough either (until a group holds a trusted node it needs one
+    more agreeing replica), so the round closes once a third node has agreed."""
+    train, val, spec = write_digits(tmp_path / "d", rounds=1, replication='"adaptive"', replica_wait_s=0.5)
+    spec.write_text(spec.read_text().replace("[verification]", '[verification]\nunverified = "hold"'))
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
+            first = SimNode(s, hub.url)
+            await first.register()
+            a = await first.step()
+            assert a is not None and a.replica_group
+            await asyncio.sleep(1.5)  # the replica wait runs out: "hold" keeps the round open
+            async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth()) as r:
+                doc = await r.json()
+            assert doc["state"] == "running" and doc["history"] == []
             for _ in range(2):
-                a = await node.step()
-                assert a is not None and a.replica_group == ""
-            doc = await wait_job(s, hub, job_id, timeout=10)
-            assert doc["state"] == "done"
+                other = SimNode(s, hub.url)
+                await other.register()
+                b = await other.step()
+                assert b is not None and b.replica_group == a.replica_group, "a newcomer takes the replica"
+            doc = await wait_job(s, hub, job_id, timeout=20)
+            (h,) = doc["history"]
+            assert h["unverified"] == {}
+            assert sorted(u["status"] for u in h["updates"]) == ["included", "redundant", "redundant"]
     finally:
         await hub.stop()
 

@@ -70,7 +70,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert any(n.startswith("gpuflex.hub") for n in names)
 
 
-DOMAIN = ["ledger.py", "rounds.py", "scheduler.py", "verification.py", "aggregation.py", "jobs.py", "store.py",
+DOMAIN = ["ledger.py", "rounds.py", "policy.py", "scheduler.py", "verification.py", "aggregation.py", "jobs.py", "store.py",
           "evaluation.py"]
 
 

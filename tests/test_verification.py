@@ -480,7 +480,18 @@ def test_policy_lone_update_is_used_unverified_only_when_a_replica_was_wanted(wo
     assert plain.unverified is None and plain.agreed_nodes == () and plain.flags == ()
     late = decide([a], ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s))
     assert isinstance(late, Settle) and late.unverified == "lone_update"
-    assert late.evidence == {"replicas": 1, "unverified": True} and late.agreed_nodes == ()
+    assert late.evidence == {"replicas": 1, "unverified": "lone_update"} and late.agreed_nodes == ()
+    assert plain.evidence == {"replicas": 1}
+
+
+def test_policy_hold_keeps_an_unverified_shard_open_until_a_replica_agrees(world):
+    """unverified = "hold": what would settle unverified waits instead (wanted unchanged)."""
+    hold = dataclasses.replace(SPEC, unverified="hold")
+    a = run(world, 0, node="a")
+    held = decide_shard([a], hold, ReplicaState(wanted=2, waited_s=hold.replica_wait_s), {})
+    assert isinstance(held, WaitForMore) and held.wanted == 2 and held.evidence["held"] == "lone_update"
+    plain = decide_shard([a], hold, ReplicaState(wanted=1), {})
+    assert isinstance(plain, Settle) and plain.unverified is None  # never replicated: nothing to hold
 
 
 def test_policy_agreeing_replicas_with_a_trusted_member_settle_with_credit(world):
