@@ -1,46 +1,54 @@
 """Robustness: every attack at 10/20/30 % of nodes on real digits training.
 
-This SIMULATES the hub's round loop in-process (no HTTP, no DB), calling exactly
-the verification functions the hub calls (gpuflex.hub.verification:
-should_replicate, replica_candidates, compare_replicas, review_round,
-record_agreement/record_flag/record_verdict; gpuflex.hub.aggregation.aggregate)
+The hub's round policy, driven in-process: no HTTP and no database, but the very
+functions the hub's RoundEngine (gpuflex.hub.rounds) calls, in the order it calls them,
 and the node's real trainer (gpuflex.node.trainer.train_assignment, through
-tests/tooling/attacks.contribute). Each "node" is a reputation + an optional
-attack from the catalogue; training is real and deterministic.
+tests/tooling/attacks.contribute). Each "node" is a reputation + an optional attack
+from the catalogue; training is real and deterministic. Nothing of the policy is
+copied here.
 
-Round loop (per round): the training set (digits, 80 %, stratified 64-sample
-chunks) is shuffled and cut into shards of 2 chunks; shard j goes to a random
-active node. A shard is replicated when ``should_replicate`` says so (adaptive:
-new nodes always, trusted ones with p = max(0.05, 1/run)); replicas go to
-``replica_candidates`` (trusted nodes first) until ``compare_replicas`` settles
-the group. The agreed canonical update of each group plus unreplicated updates
-go through ``review_round``; flagged ones are quarantined, the rest are
-FedAvg-aggregated. Policy the hub should mirror: if review flags a group's
-canonical update, every majority member vouched for it and is flagged too, and
-the group's replica_mismatch flags on the minority are withdrawn (the minority
-was right). An auditor is simulated with ground truth: flags on malicious
-updates are confirmed (3 confirmed -> banned), others dismissed.
+Per round: the training set (digits, 80 %, stratified 64-sample chunks) is shuffled
+and cut into shards of 2 chunks; shard j goes to a random active node. As the
+scheduler does, a shard is replicated when ``verification.should_replicate`` says so
+(``wanted = max(2, quorum)``) and each further replica goes to a node drawn from
+``verification.replica_candidates``. Every time something changes the shard is put to
+``policy.decide_shard`` (the engine's settle step) with its updates in the hub's fixed
+order (update sha, then id) and the replica state: ``WaitForMore`` hands out another
+replica while a node can take one, otherwise the replica window is taken to run out
+(``waited_s = replica_wait_s``), as it would on the hub. ``Settle`` moves reputations
+at once (agreement credit, flags), as the engine does; ``Drop`` returns the shard's
+chunks to the pool, and they are trained again as a new shard (new seed) by another
+node in the same round (capped at MAX_ISSUES issues; beyond that the shard is
+``lost``). When every shard is settled, ``policy.judge_round`` reviews the
+representatives (review_round + the vouching rule), flagged nodes get their
+reputation flag, and the included updates are aggregated with the job's
+``aggregate`` and ``ServerOptimizer`` (FedAvg, server optimizer none). An auditor is
+simulated with ground truth: every standing flag on a malicious update is confirmed
+(3 confirmed -> banned), every other one dismissed (withdrawn flags get no verdict,
+as on the hub).
 
 Metrics per (attack, fraction):
-- detection_rate: malicious updates flagged or outvoted (not aggregated) /
-  malicious updates submitted (stale replay's first, honest, update is not malicious);
+- detection_rate: malicious updates flagged or not aggregated / malicious updates
+  submitted (stale replay's first, honest, update is not malicious);
 - honest_flagged: flags that stand on honest nodes' updates (after withdrawal);
 - accuracy_drop_points: clean-run accuracy - this run's, in points (same seeds);
-- replication_overhead: extra replica trainings / shards, over the whole run and
-  over the rounds after every honest node is trusted (``_trusted``).
+- replication_overhead: extra trainings (replicas and re-issued dropped shards) /
+  shards, as the hub's job history counts it, over the whole run and over the rounds
+  after every honest node is trusted (``_trusted``);
+- dropped_shards: shards the policy dropped (inconclusive or no majority), each
+  trained again; lost_shards: those still unsettled after MAX_ISSUES issues.
 
 ``review_only_at_20`` repeats 20 % with replication off: what review_round
-(outlier / free rider / implausible) catches on its own. Every row of the main
-table is caught by replica disagreement first, and the schedule is seeded the
-same for every attack, so those rows coincide except for stale replay (whose
-first update is honest).
+(outlier / free rider / implausible) catches on its own.
 
-Run: .venv/bin/python bench/robustness.py [--quick] -> bench/results/robustness.json
+Run: .venv/bin/python bench/robustness.py [--quick] [--rounds N] [--attacks a,b]
+-> bench/results/robustness.json (not written with --quick)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -51,7 +59,6 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -59,9 +66,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.tooling
 
+from gpuflex.hub import policy  # noqa: E402
 from gpuflex.hub import verification as vf  # noqa: E402
-from gpuflex.hub.aggregation import aggregate  # noqa: E402
-from gpuflex.protocol.jobspec import VerificationSpec  # noqa: E402
+from gpuflex.hub.aggregation import ServerOptimizer, aggregate  # noqa: E402
+from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec  # noqa: E402
+from gpuflex.protocol.tensors import encode_state  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
 
@@ -69,8 +78,9 @@ RESULTS = ROOT / "bench" / "results" / "robustness.json"
 N_NODES = 10
 CHUNKS_PER_SHARD = 2
 FRACTIONS = (0.1, 0.2, 0.3)
-VSPEC = VerificationSpec(cosine_min=-0.3)  # calibrated defaults (notes/verification.md)
-AGG = SimpleNamespace(method="fedavg", clip_norm=0.0)
+MAX_ISSUES = 5  # a shard dropped this many times in one round is counted lost
+VSPEC = VerificationSpec()  # the job spec's defaults
+AGG = AggregationSpec()  # fedavg, no clipping, server optimizer none
 
 
 def seed_of(*parts: Any) -> int:
@@ -88,7 +98,15 @@ class Node:
 @dataclass
 class Work:
     rec: vf.UpdateRecord
+    sha: str  # of the update's bytes, as the hub names the blob
     malicious: bool
+
+
+def global_norm(state: dict[str, torch.Tensor]) -> float:
+    """L2 norm of the model's floating tensors, as RoundEngine._aggregate computes it."""
+    return math.sqrt(
+        sum(float((t.double() ** 2).sum()) for t in state.values() if t.is_floating_point())
+    )
 
 
 class Simulation:
@@ -99,60 +117,59 @@ class Simulation:
         n_attackers: int,
         rounds: int,
         seed: int = 0,
-        vspec: Any = None,
+        vspec: VerificationSpec = VSPEC,
     ):
         self.w = world
-        self.vspec = vspec if vspec is not None else VSPEC
+        self.vspec = vspec
         self.rounds = rounds
         self.seed = seed
         ids = [f"n{i:02d}" for i in range(N_NODES)]
         bad = set(ids[N_NODES - n_attackers :]) if attack else set()
         self.nodes = {n: Node(n, atk.make_attack(attack) if n in bad else None) for n in ids}
-        self.stats = {
+        self.stats: dict[str, Any] = {
             "malicious": 0,
             "caught": 0,
             "honest_flagged": 0,
             "shards": 0,
-            "replicas": 0,
+            "trainings": 0,
             "shards_trusted": 0,
-            "replicas_trusted": 0,
+            "trainings_trusted": 0,
+            "dropped_shards": 0,
             "lost_shards": 0,
             "banned": [],
         }
         self.trusted_from: int | None = None
 
     # ------------------------------------------------------------------ one node's work
-    def _honest(self, cache: dict, state: dict, j: int, chunks: list, seed: int) -> Any:
-        if j not in cache:
-            cache[j] = atk.contribute(None, self.w["spec"], state, chunks, self.w["cfg"], seed)
-        return cache[j]
+    def _honest(self, cache: dict, state: dict, key: Any, chunks: list, seed: int) -> Any:
+        if key not in cache:
+            cache[key] = atk.contribute(None, self.w["spec"], state, chunks, self.w["cfg"], seed)
+        return cache[key]
 
     def work(
-        self, node: Node, uid: str, j: int, chunks: list, seed: int, state: dict, cache: dict
+        self, node: Node, uid: str, key: Any, chunks: list, seed: int, state: dict, cache: dict
     ) -> Work:
         samples = sum(int(c["x"].shape[0]) for c in chunks)
         a = node.attack
         malicious = a is not None
         if a is None:
-            res = self._honest(cache, state, j, chunks, seed)
-        elif a.name in (
-            "label_flip",
-            "half_shard",
-        ):  # data attacks: their own (deterministic) training
-            key = (a.name, j)
-            if key not in cache:
-                cache[key] = atk.contribute(a, self.w["spec"], state, chunks, self.w["cfg"], seed)
-            res = cache[key]
+            res = self._honest(cache, state, key, chunks, seed)
+        elif a.name in ("label_flip", "half_shard"):  # data attacks: their own training
+            if (a.name, key) not in cache:
+                cache[(a.name, key)] = atk.contribute(
+                    a, self.w["spec"], state, chunks, self.w["cfg"], seed
+                )
+            res = cache[(a.name, key)]
         else:
             res = a.finish(
-                self._honest(cache, state, j, chunks, seed), claimed_samples=samples, seed=seed
+                self._honest(cache, state, key, chunks, seed), claimed_samples=samples, seed=seed
             )
             if a.name == "stale_replay" and a.state["count"] == 1:
                 malicious = False  # its first update is honest (it is what it replays later)
         rec = vf.UpdateRecord(
             update_id=uid,
             node_id=node.node_id,
-            shard_id=f"s{j}",
+            shard_id=f"s{key}",
             samples_claimed=res.sample_count,
             shard_samples=samples,
             loss=res.loss,
@@ -160,13 +177,43 @@ class Simulation:
             node_samples_per_s=0.0,
             delta=res.delta,
         )
-        return Work(rec, malicious)
+        sha = hashlib.sha256(encode_state(res.delta)).hexdigest()
+        return Work(rec, sha, malicious)
+
+    # ------------------------------------------------------------------ one shard
+    def settle_shard(
+        self, group: list[Work], wanted: int, active: list[Node], issue: Any
+    ) -> tuple[policy.Settle | policy.Drop, list[Work]]:
+        """Ask decide_shard until it settles or drops the shard; hand out the replicas it
+        wants while a node can take one, else let the replica window run out."""
+        waited = 0.0
+        while True:
+            ordered = sorted(group, key=lambda g: (g.sha, g.rec.update_id))  # the engine's order
+            members = {g.rec.node_id for g in group}
+            takers = vf.replica_candidates({n.node_id: n.rep for n in active}, members, self.vspec)
+            state = policy.ReplicaState(
+                wanted=wanted, waited_s=waited, live=False, taker=bool(takers)
+            )
+            reps = {m: self.nodes[m].rep for m in members}
+            decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps)
+            if not isinstance(decision, policy.WaitForMore):
+                return decision, group
+            wanted = decision.wanted
+            if len(group) < wanted and takers:
+                pick = self.nodes[issue.rng.choice(takers)]
+                group.append(issue.train(pick, len(group)))
+                continue
+            if waited >= self.vspec.replica_wait_s:
+                raise RuntimeError("decide_shard still waits after the replica window ran out")
+            waited = float(self.vspec.replica_wait_s)  # nobody else comes: the window runs out
 
     # ------------------------------------------------------------------ the round loop
     def run(self) -> dict[str, Any]:
         w = self.w
         state = {k: v.clone() for k, v in w["state0"].items()}
+        opt = ServerOptimizer.from_spec(AGG)
         chunks = w["chunks"]
+        s = self.stats
         for rnd in range(self.rounds):
             rng = random.Random(seed_of(self.seed, "round", rnd))
             active = [n for n in self.nodes.values() if not n.rep.banned]
@@ -181,139 +228,128 @@ class Simulation:
             ]
             perm = rng.sample(active, len(active))
             cache: dict = {}
-            candidates: list[Work] = []
-            inconclusive: list[Work] = []
-            groups: dict[str, tuple[vf.ReplicaOutcome, list[Work]]] = {}
-            flags: dict[str, tuple[vf.Flag, bool]] = {}  # update_id -> (flag, malicious)
+            settled: list[tuple[policy.Settle, list[Work]]] = []
+            flags: dict[tuple[str, str], tuple[vf.Flag, bool]] = {}  # (update, reason) -> flag
             all_work: list[Work] = []
             for j, shard in enumerate(shards):
                 sh_chunks = [chunks[c] for c in shard]
-                sh_seed = seed_of(self.seed, rnd, j)
+                s["shards"] += 1
+                s["shards_trusted"] += trusted_phase
                 primary = perm[j % len(perm)]
-                group = [self.work(primary, f"u{rnd}-{j}-0", j, sh_chunks, sh_seed, state, cache)]
-                self.stats["shards"] += 1
-                self.stats["shards_trusted"] += trusted_phase
-                outcome = None
-                if vf.should_replicate(primary.rep, self.vspec, rng):
-                    while True:
-                        if len(group) >= self.vspec.quorum:
-                            trusted = {
-                                n.node_id for n in active if vf.is_trusted(n.rep, self.vspec)
-                            }
-                            outcome = vf.compare_replicas(
-                                [g.rec for g in group], self.vspec, trusted=trusted
-                            )
-                            if not outcome.needs_more:
-                                break
-                        members = {g.rec.node_id for g in group}
-                        pool = vf.replica_candidates(
-                            {n.node_id: n.rep for n in active}, members, self.vspec
-                        )
-                        if not pool:
-                            break
-                        pick = self.nodes[rng.choice(pool)]
-                        group.append(
-                            self.work(
-                                pick,
-                                f"u{rnd}-{j}-{len(group)}",
-                                j,
-                                sh_chunks,
-                                sh_seed,
-                                state,
-                                cache,
-                            )
-                        )
-                        self.stats["replicas"] += 1
-                        self.stats["replicas_trusted"] += trusted_phase
-                all_work.extend(group)
-                if outcome is None:  # not replicated
-                    candidates.append(group[0])
-                    continue
-                if outcome.needs_more:  # no replica to be had: use it unverified only if undisputed
-                    if all(p["agree"] for p in outcome.evidence.get("pairs", [])):
-                        candidates.append(group[0])
-                    else:
-                        self.stats["lost_shards"] += 1
-                    continue
-                by_id = {g.rec.update_id: g for g in group}
-                for f in outcome.flags:
-                    flags[f.update_id] = (f, by_id[f.update_id].malicious)
-                if outcome.agreed:
-                    for u in outcome.majority:  # the hub credits agreement when the group settles
-                        n = self.nodes[by_id[u].rec.node_id]
-                        n.rep = vf.record_agreement(n.rep)
-                    canonical = by_id[outcome.canonical]
-                    candidates.append(canonical)
-                    groups[outcome.canonical] = (outcome, group)
+                for attempt in range(MAX_ISSUES):
+                    key = f"{j}.{attempt}"  # a re-issued shard is a new shard: new seed
+                    sh_seed = seed_of(self.seed, rnd, j, attempt)
+                    issue = _Issue(self, rng, key, sh_chunks, sh_seed, state, cache, rnd)
+                    wanted = (
+                        max(2, int(self.vspec.quorum))
+                        if vf.should_replicate(primary.rep, self.vspec, rng)
+                        else 1
+                    )
+                    group = [issue.train(primary, 0)]
+                    decision, group = self.settle_shard(group, wanted, active, issue)
+                    all_work.extend(group)
+                    s["trainings"] += len(group)
+                    s["trainings_trusted"] += trusted_phase * len(group)
+                    if isinstance(decision, policy.Settle):
+                        for nid in decision.agreed_nodes:
+                            self.nodes[nid].rep = vf.record_agreement(self.nodes[nid].rep)
+                    for nid in decision.flagged_nodes:
+                        self.nodes[nid].rep = vf.record_flag(self.nodes[nid].rep)
+                    by_id = {g.rec.update_id: g for g in group}
+                    for f in decision.flags:
+                        flags[(f.update_id, f.reason)] = (f, by_id[f.update_id].malicious)
+                    if isinstance(decision, policy.Settle):
+                        settled.append((decision, group))
+                        break
+                    s["dropped_shards"] += 1
+                    primary = rng.choice(active)  # the chunks go back to the pool
                 else:
-                    self.stats["lost_shards"] += 1
-                    if not outcome.flags:  # inconclusive: scored, never aggregated
-                        inconclusive.extend(group)
-            gnorm = math.sqrt(
-                sum(float(v.double().pow(2).sum()) for v in state.values() if v.is_floating_point())
-            )
-            review = vf.review_round(
-                [c.rec for c in candidates],
-                gnorm,
-                self.vspec,
-                score_only=[g.rec for g in inconclusive],
-            )
+                    s["lost_shards"] += 1
+            # Close the round: what RoundEngine._close / _aggregate do, in that order.
+            reps_w: list[Work] = []
+            groups: dict[str, tuple[policy.GroupMember, ...]] = {}
+            for d, grp in settled:
+                reps_w.append(next(g for g in grp if g.rec.update_id == d.representative))
+                groups[d.representative] = tuple(
+                    policy.GroupMember(
+                        g.rec.update_id, g.rec.node_id, d.statuses.get(g.rec.update_id, "accepted")
+                    )
+                    for g in grp
+                    if g.rec.update_id != d.representative
+                )
+            reps_w.sort(key=lambda g: (g.sha, g.rec.update_id))
+            gnorm = global_norm(state) if reps_w else 0.0
+            judgement = policy.judge_round([g.rec for g in reps_w], gnorm, self.vspec, groups)
             by_uid = {g.rec.update_id: g for g in all_work}
-            for f in review.flags:
-                flags[f.update_id] = (f, by_uid[f.update_id].malicious)
-                if f.update_id in groups:  # the majority vouched for a bad update
-                    outcome, group = groups[f.update_id]
-                    for u in outcome.majority:
-                        if u != f.update_id:
-                            g = by_uid[u]
-                            flags[u] = (
-                                vf.Flag(u, g.rec.node_id, f.reason, {"vouched_for": f.update_id}),
-                                g.malicious,
-                            )
-                    for u in {g.rec.update_id for g in group} - set(outcome.majority):
-                        flags.pop(u, None)  # the minority was right: withdraw its mismatch flag
-            included = set(review.included)
-            for uid in list(
-                included
-            ):  # an agreed group's majority is aggregated through its canonical
-                if uid in groups:
-                    included.update(groups[uid][0].majority)
+            for nid in judgement.flagged_nodes:
+                self.nodes[nid].rep = vf.record_flag(self.nodes[nid].rep)
+            for f in judgement.flags:
+                flags[(f.update_id, f.reason)] = (f, by_uid[f.update_id].malicious)
+            # The minority was right: its replica_mismatch flag is dismissed (no verdict).
+            for uid in judgement.withdrawn:
+                flags.pop((uid, "replica_mismatch"), None)
+            keep = set(judgement.review.included)
+            aggregated = set(keep)  # an included representative carries its redundant replicas
+            for d, _grp in settled:
+                if d.representative in keep:
+                    aggregated.update(u for u, st in d.statuses.items() if st == "redundant")
+            flagged_updates = {uid for uid, _ in flags}
             for g in all_work:
                 if g.malicious:
-                    self.stats["malicious"] += 1
-                    if g.rec.update_id not in included or g.rec.update_id in flags:
-                        self.stats["caught"] += 1
+                    s["malicious"] += 1
+                    if g.rec.update_id not in aggregated or g.rec.update_id in flagged_updates:
+                        s["caught"] += 1
                     else:
-                        self.stats.setdefault("escaped", []).append(g.rec.update_id)
+                        s.setdefault("escaped", []).append(g.rec.update_id)
             for f, malicious in flags.values():
                 node = self.nodes[f.node_id]
-                node.rep = vf.record_flag(node.rep)
                 if not malicious:
-                    self.stats["honest_flagged"] += node.attack is None
+                    s["honest_flagged"] += node.attack is None
                 # The auditor (ground truth): confirm flags on malicious updates, dismiss the rest.
                 node.rep = vf.record_verdict(node.rep, "confirm" if malicious else "dismiss")
-                if node.rep.banned and f.node_id not in self.stats["banned"]:
-                    self.stats["banned"].append(f.node_id)
-            inc = [c for c in candidates if c.rec.update_id in set(review.included)]
-            if inc:
-                agg = aggregate([c.rec.delta for c in inc], [c.rec.shard_samples for c in inc], AGG)
-                state = atk.apply_delta(state, agg)
+                if node.rep.banned and f.node_id not in s["banned"]:
+                    s["banned"].append(f.node_id)
+            use = [g for g in reps_w if g.rec.update_id in keep]
+            if use:
+                agg = aggregate(
+                    [g.rec.delta for g in use], [float(g.rec.shard_samples) for g in use], AGG
+                )
+                state = opt.step(state, agg)
         acc = atk.accuracy(w["spec"], state, w["xva"], w["yva"])
-        s = self.stats
+        extra_trusted = s["trainings_trusted"] - s["shards_trusted"]
         return {
             "accuracy": acc,
             "malicious_updates": s["malicious"],
             "detection_rate": (s["caught"] / s["malicious"]) if s["malicious"] else None,
             "honest_flagged": s["honest_flagged"],
-            "replication_overhead": s["replicas"] / max(s["shards"], 1),
-            "replication_overhead_trusted": (s["replicas_trusted"] / s["shards_trusted"])
+            "replication_overhead": (s["trainings"] - s["shards"]) / max(s["shards"], 1),
+            "replication_overhead_trusted": (extra_trusted / s["shards_trusted"])
             if s["shards_trusted"]
             else None,
             "trusted_from_round": self.trusted_from,
+            "dropped_shards": s["dropped_shards"],
             "lost_shards": s["lost_shards"],
             "banned": s["banned"],
             "escaped": s.get("escaped", []),
         }
+
+
+@dataclass
+class _Issue:
+    """One issue of a shard: who trains it is the only thing that varies."""
+
+    sim: Simulation
+    rng: random.Random
+    key: str
+    chunks: list
+    seed: int
+    state: dict
+    cache: dict
+    rnd: int
+
+    def train(self, node: Node, n: int) -> Work:
+        uid = f"u{self.rnd}-{self.key}-{n}"
+        return self.sim.work(node, uid, self.key, self.chunks, self.seed, self.state, self.cache)
 
 
 def make_world() -> dict[str, Any]:
@@ -368,6 +404,7 @@ def main() -> None:
                 if r["replication_overhead_trusted"] is None
                 else round(r["replication_overhead_trusted"], 4),
                 "malicious_updates": r["malicious_updates"],
+                "dropped_shards": r["dropped_shards"],
                 "lost_shards": r["lost_shards"],
                 "banned": r["banned"],
                 "accuracy": round(r["accuracy"], 4),
@@ -415,7 +452,8 @@ def main() -> None:
     }
     result = {
         "bench": "robustness",
-        "mode": "in-process simulation of the hub round loop with the real verification functions and real node training",
+        "mode": "in-process: the hub's round policy (gpuflex.hub.policy.decide_shard, judge_round),"
+        " aggregate and ServerOptimizer in the order RoundEngine calls them, real node training",
         "machine": {
             "cpu": platform.machine(),
             "cores": os.cpu_count(),
@@ -431,19 +469,9 @@ def main() -> None:
             "chunk_size": 64,
             "train": "SGD lr 0.05 momentum 0.9 batch 32, 1 local epoch",
             "aggregation": "fedavg",
-            "verification": {
-                k: getattr(VSPEC, k)
-                for k in (
-                    "replication",
-                    "quorum",
-                    "max_replicas",
-                    "tolerance",
-                    "trust_after",
-                    "cosine_min",
-                    "norm_ratio_max",
-                    "free_rider_norm",
-                )
-            },
+            "aggregation_spec": dataclasses.asdict(AGG),
+            "verification": dataclasses.asdict(VSPEC),
+            "max_issues_per_shard": MAX_ISSUES,
         },
         "clean": {
             "accuracy": round(clean["accuracy"], 4),
@@ -451,6 +479,7 @@ def main() -> None:
             "replication_overhead_trusted": clean["replication_overhead_trusted"],
             "trusted_from_round": clean["trusted_from_round"],
             "honest_flagged": clean["honest_flagged"],
+            "dropped_shards": clean["dropped_shards"],
         },
         "targets_at_20": {
             "detection_rate": ">= 0.99",

@@ -33,8 +33,9 @@ The rules of ``decide_shard``, in order:
      flags) and a split is dropped inconclusive (nobody flagged).
    - A majority stands: its medoid represents the shard, the rest of the majority is
      redundant and credited, the minority is flagged ``replica_mismatch``.
-   - No majority at ``max_replicas``: everyone flagged, dropped. A blatant-free split
-     among untrusted nodes: dropped inconclusive, nobody flagged.
+   - No majority at ``max_replicas``: everyone flagged, dropped. A split among
+     untrusted nodes at ``max_replicas`` whose dissent is not blatant: dropped
+     inconclusive, nobody flagged.
 4. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
    and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
    (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing

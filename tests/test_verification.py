@@ -588,8 +588,11 @@ def test_judge_round_flags_the_vouching_majority_and_withdraws_the_minority_flag
         others[0].update_id: (GroupMember("u-r0", "r0", "redundant"),),
     }
     before = copy.deepcopy(groups)
+    deltas = copy.deepcopy([u.delta for u in (*others, flip)])
     out = judge_round([*others, flip], global_norm(world), SPEC, groups)
     assert groups == before
+    for d, u in zip(deltas, (*others, flip), strict=True):
+        assert all(torch.equal(d[k], u.delta[k]) for k in d)
     assert [(f.update_id, f.reason) for f in out.flags] == [
         (flip.update_id, "outlier"),
         ("u-f2", "outlier"),
