@@ -45,6 +45,7 @@ from .errors import (
     Unprocessable,
 )
 from .jobs import AssignmentState, JobState, UpdateState, new_id
+from .manifests import check_streamed_manifest
 from .scheduler import NodeState, Plan, clamp_sps, peak_flops
 from .wire import (
     b64_header,
@@ -415,6 +416,7 @@ async def _update(request: web.Request) -> web.Response:
         raise BadRequest(f"Content-Length {request.content_length} differs from update_size {hdr.update_size}",
                          code="size_mismatch")
     if hdr.update_size > job.model_size:
+        await check_streamed_manifest(request, hdr.update_size, manifest(job.spec.model))  # 422 names the tensor
         raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
                               code="too_large")
     loss = float(hdr.metrics["loss"])
