@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, DB, METRICS, ROUNDS, SCHEDULER, SIGNAL
 from .errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
+from .httplog import one_line
 from .jobs import ingest_job
 from .tokens import Principal
 from .wire import json_response, principal
@@ -72,8 +74,8 @@ async def submit_job(request: web.Request) -> web.Response:
                     await _save_part(part, paths[name], cfg.max_dataset_bytes)
                 else:
                     raise BadRequest(f"unknown part {name!r}; expected spec, train, val", code="bad_form")
-        except ValueError as exc:  # aiohttp's multipart parser on malformed bodies
-            raise BadRequest(f"malformed multipart body: {exc}", code="bad_form") from None
+        except (ValueError, HttpProcessingError) as exc:  # aiohttp's multipart parser on malformed bodies
+            raise BadRequest(f"malformed multipart body: {one_line(str(exc))}", code="bad_form") from None
         if spec_text is None or "train" not in paths:
             raise BadRequest("a job needs the parts 'spec' (TOML) and 'train' (.npz or .csv)", code="bad_form")
         app[METRICS].bytes_in += len(spec_text) + sum(p.stat().st_size for p in paths.values())

@@ -282,3 +282,50 @@ async def test_hello_field_changes_are_refused_after_signing(running_hub):
         r = await node.post("/v1/nodes/register", msgpack.packb(sealed, use_bin_type=True))
         await expect(r, 401, "bad_signature")
     _ = dataclasses, Hello, b64, MSGPACK
+
+
+CONTROL_HEADERS = [
+    b'Content-Disposition: form-data; name="spec\x00"',
+    b'Content-Disposition: form-data; name="spec"\x01x',
+    b'Content-Disposition: form-data; name="sp\x07ec"',
+    b"X-Part\x00: 1",
+    b"Content-Disposition: form-data; name=spec\x0b",
+    b"Content-Type: text/\x7fplain",
+    b"Content-Disposition: form-data; name=\"spec\"\r\n\x00",
+]
+
+
+@pytest.mark.parametrize("part_header", CONTROL_HEADERS, ids=range(len(CONTROL_HEADERS)))
+async def test_control_characters_in_a_part_header_are_a_4xx_with_one_line(
+    running_hub, part_header, caplog
+):
+    body = b"--BOUND\r\n" + part_header + b"\r\n\r\n[job]\r\n--BOUND--\r\n"
+    headers = {**running_hub.auth(), "Content-Type": "multipart/form-data; boundary=BOUND"}
+    with caplog.at_level("WARNING"):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{running_hub.url}/v1/jobs", data=body, headers=headers) as r:
+                doc = await expect(r, 400, "bad_form")
+    assert doc["detail"].isprintable()
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelname == "ERROR"]
+    assert count(running_hub, "jobs") == 0
+
+
+async def test_a_broken_chunked_body_is_a_4xx_not_a_500(running_hub, caplog):
+    """A handler reading a body that aiohttp's parser refuses half-way (bad chunk size)."""
+    import asyncio
+
+    port = int(running_hub.url.rsplit(":", 1)[1])
+    with caplog.at_level("WARNING"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/flags/f-x/verdict HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {running_hub.auditor_token}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+            + b"5\r\n{\"ver\r\nzz\r\nxx\r\n0\r\n\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+    status = int(head.split(b" ", 2)[1])
+    assert 400 <= status < 500, head[:300]
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelname == "ERROR"]
