@@ -1,4 +1,9 @@
-"""Owner-facing JSON routes (bearer token): submit, list, status, download, cancel."""
+"""Owner-facing JSON routes (bearer token): submit, list, status, download, cancel.
+
+Who reads what: a job, its status and its models are its owner's and an admin's. An
+auditor judges the evidence (flags with their evidence, the audit log, the nodes: see
+routes_audit), never an owner's jobs, data or models: `require_job_reader` refuses it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, DB, METRICS, ROUNDS, SCHEDULER, SIGNAL
-from .errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
+from .errors import BadRequest, Forbidden, NotFound, PayloadTooLarge, Unprocessable
 from .httplog import one_line
 from .jobs import ingest_job
 from .tokens import Principal
@@ -94,6 +99,14 @@ async def submit_job(request: web.Request) -> web.Response:
                           "chunks": len(job.chunks), "model_hash": job.model_sha}, status=201)
 
 
+def require_job_reader(who: Principal) -> None:
+    """Jobs and models are read by their owner and by admins; an auditor's token is for the
+    evidence (flags, audit log, nodes), not for an owner's jobs or models."""
+    if who.role not in ("owner", "admin"):
+        raise Forbidden("jobs and models are read with an owner or admin token; an auditor token reads "
+                        "flags, the audit log and nodes", code="wrong_role")
+
+
 def visible(who: Principal) -> tuple[str, tuple[Any, ...]]:
     if who.role in ("admin", "auditor"):
         return "1 = 1", ()
@@ -111,6 +124,7 @@ def job_row(conn: sqlite3.Connection, who: Principal, job_id: str) -> sqlite3.Ro
 @routes.get("/v1/jobs")
 async def list_jobs(request: web.Request) -> web.Response:
     who = await principal(request)
+    require_job_reader(who)
     where, args = visible(who)
 
     def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -163,6 +177,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
 @routes.get("/v1/jobs/{job_id}")
 async def get_job(request: web.Request) -> web.Response:
     who = await principal(request)
+    require_job_reader(who)
     job_id = request.match_info["job_id"]
 
     def read(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -181,7 +196,8 @@ async def get_job(request: web.Request) -> web.Response:
 async def export_model(app: web.Application, who: Principal, job_id: str,
                        version: int | None = None) -> tuple[int, str, bytes]:
     """(version, model sha, .safetensors bytes) of a job's latest model or of model `version`
-    (0 = initial, N = after N rounds). Same owner scoping as the API."""
+    (0 = initial, N = after N rounds). Same owner scoping as the API; never to an auditor."""
+    require_job_reader(who)
 
     def read(conn: sqlite3.Connection) -> sqlite3.Row:
         job_row(conn, who, job_id)
