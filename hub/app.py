@@ -38,8 +38,8 @@ from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
+from .edge import guard_edge
 from .errors import HubError
-from .httplog import guard_client_errors
 from .jobs import load_jobs
 from .keys import load_or_create_hub_key
 from .metrics import HubMetrics
@@ -128,7 +128,7 @@ def create_app(config: HubConfig) -> web.Application:
     app.router.add_get("/v1/openapi.json", openapi)
     app.cleanup_ctx.append(background)
     app.on_shutdown.append(_wake_long_polls)
-    guard_client_errors(app)  # malformed HTTP: a 4xx and one rate-limited log line (hub/httplog.py)
+    guard_edge(app)  # malformed HTTP, undocumented query parameters: 4xx, one log line (hub/edge.py)
     _attach_console(app)
     return app
 

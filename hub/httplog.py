@@ -11,7 +11,7 @@ Two places let a malformed request reach the log as a traceback:
   parser errors as exceptions; `client_errors` maps them to 400 ``bad_request`` before the
   error middleware would call them a 500.
 
-`guard_client_errors(app)` installs both; the filter once per process (logging is global).
+hub/edge.py installs both; the filter once per process (logging is global).
 Errors of the hub itself (status 500) keep their tracebacks.
 """
 
@@ -117,9 +117,3 @@ async def client_errors(
         if not client_fault(exc):
             raise
         raise BadRequest(f"malformed request: {describe(exc)}", code="bad_request") from None
-
-
-def guard_client_errors(app: web.Application) -> None:
-    """Wire both guards into the hub app (called from create_app, before the app starts)."""
-    app.middlewares.append(client_errors)
-    install_log_filter()

@@ -78,13 +78,15 @@ def openapi_document() -> dict[str, Any]:
             "summary": "upload a trained update: signed header + raw update blob, streamed and hashed",
             "tags": ["node"],
             "parameters": [{"name": "X-GPUFlex-Update", "in": "header", "required": True, "schema": {"type": "string"},
-                            "description": "urlsafe base64 of a sealed UpdateHeader"},
-                           {"name": "Content-Length", "in": "header", "required": True,
-                            "schema": {"type": "integer"}, "description": "== update_size <= model size"}],
+                            "description": "urlsafe base64 of a sealed UpdateHeader"}],
             "requestBody": {"required": True, "content": {"application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"}}}},
             "responses": {"200": _sealed("Ack"), **{str(c): _ERROR for c in (400, 401, 403, 404, 409, 411, 413, 422)}},
-            "description": "409 late_update / duplicate_update / replay; 422 bad_manifest / non_finite / hash_mismatch"}},
+            "description": "The body must carry a Content-Length equal to the header's update_size (411 without "
+                           "one). The tensor names, dtypes and shapes are checked before the size: 422 bad_manifest "
+                           "names the first tensor that is not the model's; 413 too_large only for an update whose "
+                           "tensors are the model's but whose bytes are more. 409 late_update / duplicate_update / "
+                           "replay; 422 bad_manifest / non_finite / hash_mismatch"}},
         "/v1/jobs": {
             "post": {"summary": "submit a job (owner)", "tags": ["owner"], "security": _BEARER,
                      "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -105,7 +107,8 @@ def openapi_document() -> dict[str, Any]:
             "summary": "current model, or the model after `round` rounds, as .safetensors (owner of the job, "
                        "admin; never an auditor)", "tags": ["owner"],
             "security": _BEARER,
-            "parameters": [_JOB_ID, {"name": "round", "in": "query", "required": False, "schema": {"type": "integer"},
+            "parameters": [_JOB_ID, {"name": "round", "in": "query", "required": False,
+                                     "schema": {"type": "integer", "minimum": 0, "maximum": 999_999_999},
                                      "description": "0 = initial model, N = after N rounds"}],
             "responses": {"200": {"description": "safetensors bytes"}, "400": _ERROR, "401": _ERROR, "403": _ERROR,
                           "404": _ERROR}}},

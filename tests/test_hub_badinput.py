@@ -329,3 +329,20 @@ async def test_a_broken_chunked_body_is_a_4xx_not_a_500(running_hub, caplog):
     status = int(head.split(b" ", 2)[1])
     assert 400 <= status < 500, head[:300]
     assert not [rec for rec in caplog.records if rec.exc_info or rec.levelname == "ERROR"]
+
+
+async def test_an_undocumented_query_parameter_is_refused(running_hub):
+    """?rounds=0 (a typo for ?round=0) must not silently mean "the latest model"."""
+    auth = running_hub.auth(running_hub.auditor_token)
+    async with aiohttp.ClientSession() as s:
+        for path, headers in (
+            ("/v1/jobs/j-x/model?rounds=0", running_hub.auth()),
+            ("/v1/flags?state=open", auth),
+            ("/v1/nodes?all=1", auth),
+            ("/v1/hub?x=1", {}),
+        ):
+            async with s.get(running_hub.url + path, headers=headers) as r:
+                body = await expect(r, 400, "bad_query")
+            assert repr(path.split("?")[1].split("=")[0]) in body["detail"]
+        async with s.get(f"{running_hub.url}/v1/flags?status=open&job=j-x", headers=auth) as r:
+            assert r.status == 200
