@@ -143,8 +143,10 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
-                 "description": "Node-facing routes speak signed msgpack (see CONTRACT.md); "
-                                "owner/auditor routes speak JSON with a bearer token."},
+                 "description": "Node-facing routes speak signed msgpack (protocol/messages.py, protocol/signing.py; "
+                                "the README's Security model); owner/auditor routes speak JSON with a bearer "
+                                "token. An auditor reads flags, the audit log and nodes, not jobs or models. A "
+                                "query parameter not listed for an operation is refused (400 bad_query)."},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
