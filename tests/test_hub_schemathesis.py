@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.helpers import start_hub
 
-EXAMPLES = 30
+EXAMPLES = 50
 ROLE_OF_TAG = {"ops": None, "node": None, "owner": "owner", "audit": "auditor"}
 # Validity that no JSON schema can state: a signature, a TOML job spec.
 UNDESCRIBABLE = {"POST /v1/jobs"}
