@@ -35,6 +35,7 @@ from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
+from .edge import guard_edge
 from .errors import HubError
 from .keys import load_or_create_hub_key
 from .ledger import Ledger
@@ -117,6 +118,7 @@ def create_app(config: HubConfig) -> web.Application:
     app.router.add_get("/v1/openapi.json", openapi)
     app.cleanup_ctx.append(background)
     app.on_shutdown.append(_wake_long_polls)
+    guard_edge(app)  # malformed HTTP, undocumented query parameters: 4xx, one log line (hub/edge.py)
     _attach_console(app)
     return app
 

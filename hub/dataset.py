@@ -1,7 +1,9 @@
 """Dataset ingest: parse .npz or .csv, validate against the model spec, cut into chunks.
 
-A chunk blob is `encode_state({"x": float32 (n, *input_shape), "y": int64 (n,)})`
-for classification or `y: float32 (n, outputs)` for regression (see CONTRACT.md).
+A chunk blob (and the validation set) is `encode_state({"x": ..., "y": ...})`: x is
+float32 (n, *input_shape), or int64 token ids in [0, num_embeddings) when the model's
+first layer is an Embedding (ModelSpec.input_dtype, what the node's trainer requires);
+y is int64 (n,) for classification or float32 (n, outputs) for regression.
 Never unpickles: `np.load(..., allow_pickle=False)`; object arrays are refused.
 """
 
@@ -27,7 +29,7 @@ MAX_CSV_COLUMNS = 100_000
 
 @dataclass(frozen=True)
 class Arrays:
-    x: np.ndarray  # (n, *input_shape) float32
+    x: np.ndarray  # (n, *input_shape) float32, or int64 token ids for an Embedding-first model
     y: np.ndarray  # (n,) int64 or (n, outputs) float32
 
     def __len__(self) -> int:
@@ -123,9 +125,12 @@ def validate_arrays(x: Any, y: Any, spec: Any, *, what: str) -> Arrays:
             f"{what}: each sample of x has shape {tuple(x.shape[1:])} but the model takes {input_shape}",
             "bad_shape",
         )
-    xf = np.ascontiguousarray(x.reshape((n, *input_shape)), dtype=np.float32)
-    if not np.isfinite(xf).all():
-        raise _bad(f"{what}: x contains NaN or Inf", "non_finite")
+    if spec.input_dtype == torch.int64:
+        xf = _token_ids(x.reshape((n, *input_shape)), _num_embeddings(spec), what)
+    else:
+        xf = np.ascontiguousarray(x.reshape((n, *input_shape)), dtype=np.float32)
+        if not np.isfinite(xf).all():
+            raise _bad(f"{what}: x contains NaN or Inf", "non_finite")
     if spec.task == "classification":
         if y.ndim != 1:
             raise _bad(f"{what}: classification labels y must be 1-D, got shape {tuple(y.shape)}", "bad_shape")
@@ -150,6 +155,29 @@ def validate_arrays(x: Any, y: Any, spec: Any, *, what: str) -> Arrays:
     if not np.isfinite(yf).all():
         raise _bad(f"{what}: y contains NaN or Inf", "non_finite")
     return Arrays(xf, np.ascontiguousarray(yf))
+
+
+def _num_embeddings(spec: Any) -> int:
+    return int(spec.layers[0].kwargs()["num_embeddings"])
+
+
+def _token_ids(x: np.ndarray, vocab: int, what: str) -> np.ndarray:
+    """x as int64 token ids for an Embedding-first model: whole numbers in [0, vocab).
+    Checked before the cast, so 1e30 or -0.5 is refused rather than wrapped or truncated."""
+    if x.dtype.kind == "f":
+        if not np.isfinite(x).all():
+            raise _bad(f"{what}: x contains NaN or Inf", "non_finite")
+        if not np.all(np.floor(x) == x):
+            raise _bad(f"{what}: x holds token ids for the Embedding layer, which must be whole numbers",
+                       "bad_tokens")
+    lo, hi = x.min(), x.max()
+    if lo < 0 or hi >= vocab:
+        raise _bad(
+            f"{what}: token ids in x must be in 0..{vocab - 1} for Embedding(num_embeddings={vocab})"
+            f" (found {float(lo):.15g}..{float(hi):.15g})",
+            "bad_tokens",
+        )
+    return np.ascontiguousarray(x, dtype=np.int64)
 
 
 def _order(y: np.ndarray, stratified: bool, rng: np.random.Generator) -> np.ndarray:

@@ -38,7 +38,6 @@ from .errors import (
     Forbidden,
     LengthRequired,
     NotFound,
-    PayloadTooLarge,
     Unauthorized,
 )
 from .jobs import AssignmentState, JobState, UpdateState, ingest_job, new_id
@@ -281,9 +280,6 @@ class Ledger:
         if content_length != hdr.update_size:
             raise BadRequest(f"Content-Length {content_length} differs from update_size {hdr.update_size}",
                              code="size_mismatch")
-        if hdr.update_size > job.model_size:
-            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
-                                  code="too_large")
         a.uploading = True
         return a, job
 

@@ -10,6 +10,15 @@ from typing import Any
 from gpuflex.protocol.version import SOFTWARE_VERSION
 
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+# A request line or header the HTTP parser refuses (a control character, a bad Content-Length)
+# is answered 400 by the server before the API sees it, as plain text.
+_ERROR_400 = {"description": "bad request: JSON from the API, or plain text when the HTTP parser refused "
+                             "the request line or a header",
+              "content": {**_ERROR["content"], "text/plain": {"schema": {"type": "string"}}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): (_ERROR_400 if c == 400 else _ERROR) for c in codes}
 _MSGPACK_IN = {"required": True, "content": {"application/x-msgpack": {"schema": {
     "type": "string", "format": "binary", "description": "sealed envelope {payload, signer, sig}"}}}}
 
@@ -26,7 +35,7 @@ def _json(schema: dict[str, Any], description: str = "ok") -> dict[str, Any]:
 def _node_op(summary: str, request_kind: str, response_kinds: str, errors: tuple[int, ...]) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary, "tags": ["node"], "requestBody": _MSGPACK_IN | {"description": f"sealed {request_kind}"},
-        "responses": {"200": _sealed(response_kinds)} | {str(c): _ERROR for c in errors},
+        "responses": {"200": _sealed(response_kinds)} | _errors(*errors),
     }
     return op
 
@@ -73,18 +82,20 @@ def openapi_document() -> dict[str, Any]:
                 {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}},
             ],
             "responses": {"200": {"description": "blob bytes"}, "206": {"description": "partial blob"},
-                          **{str(c): _ERROR for c in (400, 401, 403, 404, 409, 416)}}}},
+                          **_errors(400, 401, 403, 404, 409, 416)}}},
         "/v1/updates": {"post": {
             "summary": "upload a trained update: signed header + raw update blob, streamed and hashed",
             "tags": ["node"],
             "parameters": [{"name": "X-GPUFlex-Update", "in": "header", "required": True, "schema": {"type": "string"},
-                            "description": "urlsafe base64 of a sealed UpdateHeader"},
-                           {"name": "Content-Length", "in": "header", "required": True,
-                            "schema": {"type": "integer"}, "description": "== update_size <= model size"}],
+                            "description": "urlsafe base64 of a sealed UpdateHeader"}],
             "requestBody": {"required": True, "content": {"application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"}}}},
-            "responses": {"200": _sealed("Ack"), **{str(c): _ERROR for c in (400, 401, 403, 404, 409, 411, 413, 422)}},
-            "description": "409 late_update / duplicate_update / replay; 422 bad_manifest / non_finite / hash_mismatch"}},
+            "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
+            "description": "The body must carry a Content-Length equal to the header's update_size (411 without "
+                           "one). The tensor names, dtypes and shapes are checked before the size: 422 bad_manifest "
+                           "names the first tensor that is not the model's; 413 too_large only for an update whose "
+                           "tensors are the model's but whose bytes are more. 409 late_update / duplicate_update / "
+                           "replay; 422 bad_manifest / non_finite / hash_mismatch"}},
         "/v1/jobs": {
             "post": {"summary": "submit a job (owner)", "tags": ["owner"], "security": _BEARER,
                      "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -93,19 +104,23 @@ def openapi_document() -> dict[str, Any]:
                              "train": {"type": "string", "format": "binary", "description": ".npz (x, y) or CSV"},
                              "val": {"type": "string", "format": "binary", "description": "optional validation set"}}}}}},
                      "responses": {"201": _json({"$ref": "#/components/schemas/JobCreated"}),
-                                   **{str(c): _ERROR for c in (400, 401, 403, 413, 422)}}},
-            "get": {"summary": "list jobs (owners see their own)", "tags": ["owner"], "security": _BEARER,
-                    "responses": {"200": _json(_OBJ), "401": _ERROR}}},
-        "/v1/jobs/{job_id}": {"get": {"summary": "job status with per-round history", "tags": ["owner"],
-                                      "security": _BEARER, "parameters": [_JOB_ID],
+                                   **_errors(400, 401, 403, 413, 422)}},
+            "get": {"summary": "list jobs (owner: their own; admin: all; an auditor token gets 403)",
+                    "tags": ["owner"], "security": _BEARER,
+                    "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR}}},
+        "/v1/jobs/{job_id}": {"get": {"summary": "job status with per-round history (owner of the job, admin)",
+                                      "tags": ["owner"], "security": _BEARER, "parameters": [_JOB_ID],
                                       "responses": {"200": _json({"$ref": "#/components/schemas/JobStatus"}),
-                                                    "401": _ERROR, "404": _ERROR}}},
+                                                    "401": _ERROR, "403": _ERROR, "404": _ERROR}}},
         "/v1/jobs/{job_id}/model": {"get": {
-            "summary": "current model, or the model after `round` rounds, as .safetensors", "tags": ["owner"],
+            "summary": "current model, or the model after `round` rounds, as .safetensors (owner of the job, "
+                       "admin; never an auditor)", "tags": ["owner"],
             "security": _BEARER,
-            "parameters": [_JOB_ID, {"name": "round", "in": "query", "required": False, "schema": {"type": "integer"},
+            "parameters": [_JOB_ID, {"name": "round", "in": "query", "required": False,
+                                     "schema": {"type": "integer", "minimum": 0, "maximum": 999_999_999},
                                      "description": "0 = initial model, N = after N rounds"}],
-            "responses": {"200": {"description": "safetensors bytes"}, "400": _ERROR, "401": _ERROR, "404": _ERROR}}},
+            "responses": {"200": {"description": "safetensors bytes"}, "400": _ERROR_400, "401": _ERROR, "403": _ERROR,
+                          "404": _ERROR}}},
         "/v1/jobs/{job_id}/cancel": {"post": {"summary": "cancel a job", "tags": ["owner"], "security": _BEARER,
                                               "parameters": [_JOB_ID],
                                               "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR,
@@ -114,7 +129,7 @@ def openapi_document() -> dict[str, Any]:
                               "security": _BEARER, "parameters": [
                                   {"name": "status", "in": "query", "schema": {"enum": ["open", "confirmed", "dismissed"]}},
                                   {"name": "job", "in": "query", "schema": {"type": "string"}}],
-                              "responses": {"200": _json(_OBJ), "400": _ERROR, "401": _ERROR}}},
+                              "responses": {"200": _json(_OBJ), "400": _ERROR_400, "401": _ERROR}}},
         "/v1/flags/{flag_id}": {"get": {"summary": "one flag with its evidence", "tags": ["audit"],
                                         "security": _BEARER, "parameters": [_FLAG_ID],
                                         "responses": {"200": _json({"$ref": "#/components/schemas/Flag"}),
@@ -125,7 +140,7 @@ def openapi_document() -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["verdict"], "properties": {
                     "verdict": {"enum": ["confirm", "dismiss"]}, "note": {"type": "string", "maxLength": 2000}}}}}},
-            "responses": {"200": _json(_OBJ), **{str(c): _ERROR for c in (400, 401, 403, 404, 409)}}}},
+            "responses": {"200": _json(_OBJ), **_errors(400, 401, 403, 404, 409)}}},
         "/v1/audit-log": {"get": {"summary": "the hash-chained, hub-signed audit log (JSONL)", "tags": ["audit"],
                                   "security": _BEARER,
                                   "responses": {"200": {"description": "application/jsonl"}, "401": _ERROR,
@@ -134,11 +149,16 @@ def openapi_document() -> dict[str, Any]:
                               "tags": ["audit"], "security": _BEARER,
                               "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR}}},
     }
+    for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
+        for op in ops.values():
+            op["responses"].setdefault("400", _ERROR_400)
     return {
         "openapi": "3.1.0",
         "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
-                 "description": "Node-facing routes speak signed msgpack (see CONTRACT.md); "
-                                "owner/auditor routes speak JSON with a bearer token."},
+                 "description": "Node-facing routes speak signed msgpack (protocol/messages.py, protocol/signing.py; "
+                                "the README's Security model); owner/auditor routes speak JSON with a bearer "
+                                "token. An auditor reads flags, the audit log and nodes, not jobs or models. A "
+                                "query parameter not listed for an operation is refused (400 bad_query)."},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -18,7 +18,7 @@ from aiohttp import web
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, LEDGER, STORE
-from .errors import BadRequest, NotFound
+from .errors import BadRequest, Forbidden, NotFound
 from .tokens import Principal
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
@@ -27,8 +27,19 @@ FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
 # -- jobs -------------------------------------------------------------------------------------
 
 
+def require_job_reader(who: Principal) -> None:
+    """Jobs and models are read by their owner and by admins; an auditor's token is for the
+    evidence (flags, audit log, nodes), not for an owner's jobs or models."""
+    if who.role not in ("owner", "admin"):
+        raise Forbidden("jobs and models are read with an owner or admin token; an auditor token reads "
+                        "flags, the audit log and nodes", code="wrong_role")
+
+
 def visible(who: Principal) -> tuple[str, tuple[Any, ...]]:
-    if who.role in ("admin", "auditor"):
+    """The jobs `who` may read (SQL fragment): an admin all, an owner its own, an auditor none
+    (403 wrong_role)."""
+    require_job_reader(who)
+    if who.role == "admin":
         return "1 = 1", ()
     return "owner = ?", (who.name,)
 

@@ -34,7 +34,8 @@ from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from .appkeys import BLOBS, CONFIG, HUB_KEY, IO_POOL, LEDGER, METRICS
 from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
-from .errors import BadRequest, Forbidden, HubError, NotFound, Unprocessable
+from .errors import BadRequest, Forbidden, HubError, NotFound, PayloadTooLarge, Unprocessable
+from .manifests import check_streamed_manifest
 from .wire import (
     b64_header,
     json_response,
@@ -246,6 +247,10 @@ async def _update(request: web.Request) -> web.Response:
     blobs = app[BLOBS]
     tmp = blobs.temp_path()
     try:
+        if hdr.update_size > job.model_size:
+            await check_streamed_manifest(request, hdr.update_size, manifest(job.spec.model))  # 422 names the tensor
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
+                                  code="too_large")
         await _receive_update(request, hdr.update_size, hdr.update_sha256, manifest(job.spec.model), tmp)
         upd = await ledger.accept_update(node, a, job, hdr)
     except BaseException:

@@ -1,4 +1,9 @@
-"""Owner-facing JSON routes (bearer token): submit, list, status, download, cancel."""
+"""Owner-facing JSON routes (bearer token): submit, list, status, download, cancel.
+
+Who reads what: a job, its status and its models are its owner's and an admin's. An
+auditor judges the evidence (flags with their evidence, the audit log, the nodes: see
+routes_audit), never an owner's jobs, data or models: `readmodel.require_job_reader` refuses it.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,12 @@ import asyncio
 from pathlib import Path
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from . import readmodel
 from .appkeys import BLOBS, CONFIG, LEDGER, METRICS, STORE
 from .errors import BadRequest, PayloadTooLarge, Unprocessable
+from .httplog import one_line
 from .wire import json_response, principal
 
 routes = web.RouteTableDef()
@@ -72,8 +79,8 @@ async def submit_job(request: web.Request) -> web.Response:
                     await _save_part(part, paths[name], cfg.max_dataset_bytes)
                 else:
                     raise BadRequest(f"unknown part {name!r}; expected spec, train, val", code="bad_form")
-        except ValueError as exc:  # aiohttp's multipart parser on malformed bodies
-            raise BadRequest(f"malformed multipart body: {exc}", code="bad_form") from None
+        except (ValueError, HttpProcessingError) as exc:  # aiohttp's multipart parser on malformed bodies
+            raise BadRequest(f"malformed multipart body: {one_line(str(exc))}", code="bad_form") from None
         if spec_text is None or "train" not in paths:
             raise BadRequest("a job needs the parts 'spec' (TOML) and 'train' (.npz or .csv)", code="bad_form")
         app[METRICS].bytes_in += len(spec_text) + sum(p.stat().st_size for p in paths.values())

@@ -247,18 +247,27 @@ class StateEncoder:
 # Decode.
 
 
-def _parse(buf: Buffer, max_total_bytes: int) -> tuple[int, list[TensorInfo]]:
-    """Validate prefix and header; returns (data_start, entries). Touches no tensor data."""
+def _parse(
+    buf: Buffer, max_total_bytes: int, declared_total: int | None = None
+) -> tuple[int, list[TensorInfo]]:
+    """Validate prefix and header; returns (data_start, entries). Touches no tensor data.
+
+    With ``declared_total``, ``buf`` may be only the blob's first bytes (at least the prefix
+    and the header) and the blob's length is checked against ``declared_total`` instead.
+    """
     if not isinstance(buf, (bytes, bytearray, memoryview, mmap.mmap)):
         raise DecodeError(f"tensor blob: expected bytes, got {type(buf).__name__}")
     view = memoryview(buf)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
-    total = view.nbytes
+    available = view.nbytes
+    total = available if declared_total is None else declared_total
+    if available > total:
+        raise DecodeError(f"tensor blob: {available} bytes given for a blob of {total}")
     if total > max_total_bytes:
         raise TensorError(f"tensor blob of {total} bytes exceeds the limit of {max_total_bytes}")
-    if total < PREFIX.size:
-        raise DecodeError(f"tensor blob: {total} bytes is shorter than the {PREFIX.size}-byte prefix")
+    if available < PREFIX.size:
+        raise DecodeError(f"tensor blob: {available} bytes is shorter than the {PREFIX.size}-byte prefix")
     magic, version, flags, header_len, reserved = PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise DecodeError("tensor blob: bad magic (not a GFT1 blob)")
@@ -268,7 +277,7 @@ def _parse(buf: Buffer, max_total_bytes: int) -> tuple[int, list[TensorInfo]]:
         raise DecodeError("tensor blob: unknown flags set")
     if header_len > MAX_HEADER_BYTES:
         raise DecodeError(f"tensor blob: header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
-    if PREFIX.size + header_len > total:
+    if PREFIX.size + header_len > available:
         raise DecodeError("tensor blob: truncated header")
     try:
         header = msgpack.unpackb(
@@ -291,7 +300,7 @@ def _parse(buf: Buffer, max_total_bytes: int) -> tuple[int, list[TensorInfo]]:
     if isinstance(data_bytes, bool) or not isinstance(data_bytes, int) or data_bytes < 0:
         raise DecodeError("tensor blob: header.data_bytes must be a non-negative integer")
     data_start = _align(PREFIX.size + header_len)
-    if any(view[PREFIX.size + header_len : min(data_start, total)]):
+    if any(view[PREFIX.size + header_len : min(data_start, available)]):
         raise DecodeError("tensor blob: non-zero padding after the header")
     if data_start + data_bytes != total:
         raise DecodeError(
@@ -353,6 +362,30 @@ def _entry_int(name: str, what: str, value: object, data_bytes: int) -> int:
 def read_header(buf: Buffer, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> list[TensorInfo]:
     """Validate a GFT1 blob's header and return its entries, without touching data."""
     return _parse(buf, max_total_bytes)[1]
+
+
+def header_span(prefix: Buffer) -> int:
+    """How many leading bytes of a GFT1 blob hold its prefix and header (read from the
+    first ``PREFIX.size`` bytes): what a receiver reads before it can check a manifest."""
+    view = memoryview(prefix)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.nbytes < PREFIX.size:
+        raise DecodeError(f"tensor blob: {view.nbytes} bytes is shorter than the {PREFIX.size}-byte prefix")
+    magic, _version, _flags, header_len, _reserved = PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise DecodeError("tensor blob: bad magic (not a GFT1 blob)")
+    if header_len > MAX_HEADER_BYTES:
+        raise DecodeError(f"tensor blob: header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    return int(PREFIX.size + header_len)
+
+
+def read_header_prefix(
+    prefix: Buffer, total_size: int, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+) -> list[TensorInfo]:
+    """``read_header`` for a blob of ``total_size`` bytes of which only the first bytes
+    (at least ``header_span``) have arrived: a streamed upload is checked before its data."""
+    return _parse(prefix, max_total_bytes, total_size)[1]
 
 
 def decode_state(
@@ -423,9 +456,19 @@ def check_manifest(state_or_buf: Mapping[str, torch.Tensor] | Buffer, manifest: 
     _compare(actual, manifest)
 
 
+def check_manifest_prefix(prefix: Buffer, total_size: int, manifest: Manifest) -> None:
+    """``check_manifest`` on the first bytes of a blob of ``total_size`` bytes (at least its
+    ``header_span``): names, dtypes and shapes are judged before any data arrives."""
+    _compare((info.spec for info in read_header_prefix(prefix, total_size)), manifest)
+
+
 def _compare(actual: Iterable[TensorSpec], expected: Iterable[TensorSpec]) -> None:
     have = {spec.name: spec for spec in actual}
     want = {spec.name: spec for spec in expected}
+    extra = [name for name in have if name not in want]
+    missing = [name for name in want if name not in have]
+    if extra and missing:  # a renamed tensor: name both sides
+        raise TensorError(f"tensor {extra[0]!r} is not part of the model (is it {missing[0]!r}, which is missing?)")
     for name, spec in want.items():
         got = have.get(name)
         if got is None:
@@ -494,13 +537,16 @@ __all__ = [
     "TensorSpec",
     "check_finite",
     "check_manifest",
+    "check_manifest_prefix",
     "decode_state",
     "dtype_name",
     "encode_state",
+    "header_span",
     "is_blob_id",
     "load_state_file",
     "manifest_of",
     "read_header",
+    "read_header_prefix",
     "sha256_hex",
     "state_from_safetensors",
     "state_to_safetensors",

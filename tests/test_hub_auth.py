@@ -7,8 +7,6 @@ import pytest
 from gpuflex.hub import cli
 from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
 
-from tests.helpers import submit_job
-
 
 async def _status(s, method, url, token=None, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -33,58 +31,6 @@ async def test_missing_wrong_and_revoked_tokens_are_refused(running_hub):
         revoke_token(running_hub.data_dir, int(bob["id"]))  # while the hub runs
         status, body = await _status(s, "GET", url, token=token)
         assert status == 401 and body["error"] == "bad_token"
-
-
-async def test_owner_sees_only_own_jobs_admin_and_auditor_see_all(running_hub, digits_npz):
-    train, val, spec = digits_npz
-    bob = create_token(running_hub.data_dir, "owner", "bob")
-    async with aiohttp.ClientSession() as s:
-        r = await submit_job(s, running_hub, spec, train, val)
-        job_id = (await r.json())["id"]
-        base = running_hub.url
-        status, body = await _status(s, "GET", f"{base}/v1/jobs", token=bob)
-        assert status == 200 and body["jobs"] == []
-        for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/model"):
-            status, body = await _status(s, "GET", base + path, token=bob)
-            assert status == 404 and body["error"] == "unknown_job"
-        status, body = await _status(s, "POST", f"{base}/v1/jobs/{job_id}/cancel", token=bob)
-        assert status == 404
-        for token in (running_hub.admin_token, running_hub.auditor_token, running_hub.owner_token):
-            status, body = await _status(s, "GET", f"{base}/v1/jobs", token=token)
-            assert [j["id"] for j in body["jobs"]] == [job_id]
-
-
-async def test_roles_are_scoped(running_hub, digits_npz):
-    train, val, spec = digits_npz
-    base = running_hub.url
-    async with aiohttp.ClientSession() as s:
-        r = await submit_job(s, running_hub, spec, train, val, token=running_hub.auditor_token)
-        assert r.status == 403 and (await r.json())["error"] == "wrong_role"
-        r = await submit_job(s, running_hub, spec, train, val, token=running_hub.admin_token)
-        assert r.status == 201
-        for path in ("/v1/nodes", "/v1/audit-log"):
-            status, body = await _status(s, "GET", base + path, token=running_hub.owner_token)
-            assert status == 403 and body["error"] == "wrong_role"
-            status, _ = await _status(s, "GET", base + path, token=running_hub.auditor_token)
-            assert status == 200
-        status, body = await _status(
-            s,
-            "POST",
-            f"{base}/v1/flags/f-x/verdict",
-            token=running_hub.owner_token,
-            json={"verdict": "confirm"},
-        )
-        assert status == 403
-        status, body = await _status(
-            s,
-            "POST",
-            f"{base}/v1/flags/f-x/verdict",
-            token=running_hub.auditor_token,
-            json={"verdict": "confirm"},
-        )
-        assert status == 404 and body["error"] == "unknown_flag"
-        status, body = await _status(s, "GET", f"{base}/v1/flags", token=running_hub.owner_token)
-        assert status == 200 and body == {"flags": []}
 
 
 async def test_flags_verdict_and_ban_flow(running_hub):

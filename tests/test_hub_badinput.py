@@ -143,7 +143,8 @@ async def test_bad_updates_are_refused_and_nothing_is_stored(running_hub, assign
     await up(encode_state(nan), 422, "non_finite")
     await up(good, 422, "hash_mismatch", update_sha256="0" * 64)
     await up(good, 400, "size_mismatch", update_size=len(good) - 1)
-    await up(b"\x00" * (len(good) + 64), 413, "too_large")
+    await up(b"\x00" * (len(good) + 64), 422, "bad_manifest")  # no GFT1 header at all
+    await up(padded_blob(good, 64), 413, "too_large")  # the model's tensors, and more bytes
     await up(b"GFT1" + b"\x00" * (len(good) - 4), 422, "bad_manifest")
     # headers
     r = await node.session.post(node.url + "/v1/updates", data=good)
@@ -166,8 +167,50 @@ async def test_bad_updates_are_refused_and_nothing_is_stored(running_hub, assign
     assert set(blobs_after) - set(blobs_before) == {hashlib.sha256(good).hexdigest()}
     async with node.session.get(f"{running_hub.url}/metrics") as r:
         text = await r.text()
-    assert 'gpuflex_updates_rejected_total{reason="bad_manifest"} 3' in text
+    assert 'gpuflex_updates_rejected_total{reason="bad_manifest"} 4' in text
     assert "gpuflex_updates_accepted_total 1" in text
+
+
+def padded_blob(blob: bytes, extra: int) -> bytes:
+    """The same GFT1 tensors with `extra` unused bytes after the data (a valid blob whose
+    manifest is the model's but which is larger than the model)."""
+    import struct
+
+    magic, version, flags, hlen, reserved = struct.unpack_from("<4sHHII", blob)
+    header = msgpack.unpackb(blob[16 : 16 + hlen])
+    data = blob[-header["data_bytes"] :] if header["data_bytes"] else b""
+    header["data_bytes"] += extra
+    packed = msgpack.packb(header, use_bin_type=True)
+    head = struct.pack("<4sHHII", magic, version, flags, len(packed), reserved) + packed
+    head += b"\x00" * (-len(head) % 64)
+    return head + data + b"\x00" * extra
+
+
+async def test_extra_or_renamed_tensor_is_a_bad_manifest_naming_it(running_hub, assigned):
+    """An update with a tensor the model lacks is larger than the model; the refusal names
+    the tensor (422 bad_manifest), it does not only say "too large"."""
+    node, a, model = assigned
+
+    async def up(blob):
+        hdr = node.update_header(a, blob, 10, 1.0)
+        return await expect(await node.upload_raw(hdr, blob), 422, "bad_manifest")
+
+    extra = zero_delta(model) | {"extra.weight": torch.zeros(4, 4)}
+    body = await up(encode_state(extra))
+    assert "'extra.weight'" in body["detail"] and "not part of the model" in body["detail"]
+    renamed = zero_delta(model)
+    renamed["0.weight_renamed"] = renamed.pop("0.weight")
+    body = await up(encode_state(renamed))
+    assert "'0.weight_renamed'" in body["detail"] and "'0.weight'" in body["detail"]
+    bigger = zero_delta(model)
+    bigger["2.bias"] = torch.zeros(bigger["2.bias"].numel() + 100)
+    body = await up(encode_state(bigger))
+    assert "'2.bias'" in body["detail"] and "shape" in body["detail"]
+    assert count(running_hub, "updates") == 0
+    # the assignment is still live: the right update is accepted after all that
+    good = encode_state(zero_delta(model))
+    await node.upload(a, good, 10, 1.0)
+    assert count(running_hub, "updates") == 1
 
 
 def npz_bytes(**arrays) -> bytes:
@@ -239,3 +282,67 @@ async def test_hello_field_changes_are_refused_after_signing(running_hub):
         r = await node.post("/v1/nodes/register", msgpack.packb(sealed, use_bin_type=True))
         await expect(r, 401, "bad_signature")
     _ = dataclasses, Hello, b64, MSGPACK
+
+
+CONTROL_HEADERS = [
+    b'Content-Disposition: form-data; name="spec\x00"',
+    b'Content-Disposition: form-data; name="spec"\x01x',
+    b'Content-Disposition: form-data; name="sp\x07ec"',
+    b"X-Part\x00: 1",
+    b"Content-Disposition: form-data; name=spec\x0b",
+    b"Content-Type: text/\x7fplain",
+    b"Content-Disposition: form-data; name=\"spec\"\r\n\x00",
+]
+
+
+@pytest.mark.parametrize("part_header", CONTROL_HEADERS, ids=range(len(CONTROL_HEADERS)))
+async def test_control_characters_in_a_part_header_are_a_4xx_with_one_line(
+    running_hub, part_header, caplog
+):
+    body = b"--BOUND\r\n" + part_header + b"\r\n\r\n[job]\r\n--BOUND--\r\n"
+    headers = {**running_hub.auth(), "Content-Type": "multipart/form-data; boundary=BOUND"}
+    with caplog.at_level("WARNING"):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{running_hub.url}/v1/jobs", data=body, headers=headers) as r:
+                doc = await expect(r, 400, "bad_form")
+    assert doc["detail"].isprintable()
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelname == "ERROR"]
+    assert count(running_hub, "jobs") == 0
+
+
+async def test_a_broken_chunked_body_is_a_4xx_not_a_500(running_hub, caplog):
+    """A handler reading a body that aiohttp's parser refuses half-way (bad chunk size)."""
+    import asyncio
+
+    port = int(running_hub.url.rsplit(":", 1)[1])
+    with caplog.at_level("WARNING"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/flags/f-x/verdict HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {running_hub.auditor_token}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+            + b"5\r\n{\"ver\r\nzz\r\nxx\r\n0\r\n\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+    status = int(head.split(b" ", 2)[1])
+    assert 400 <= status < 500, head[:300]
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelname == "ERROR"]
+
+
+async def test_an_undocumented_query_parameter_is_refused(running_hub):
+    """?rounds=0 (a typo for ?round=0) must not silently mean "the latest model"."""
+    auth = running_hub.auth(running_hub.auditor_token)
+    async with aiohttp.ClientSession() as s:
+        for path, headers in (
+            ("/v1/jobs/j-x/model?rounds=0", running_hub.auth()),
+            ("/v1/flags?state=open", auth),
+            ("/v1/nodes?all=1", auth),
+            ("/v1/hub?x=1", {}),
+        ):
+            async with s.get(running_hub.url + path, headers=headers) as r:
+                body = await expect(r, 400, "bad_query")
+            assert repr(path.split("?")[1].split("=")[0]) in body["detail"]
+        async with s.get(f"{running_hub.url}/v1/flags?status=open&job=j-x", headers=auth) as r:
+            assert r.status == 200

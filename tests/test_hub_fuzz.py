@@ -143,3 +143,24 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     assert 400 <= status < 500, (status, body[:200])
     doc = json.loads(body)
     assert set(doc) == {"error", "detail"} and doc["detail"] and "\n" not in doc["detail"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.binary(min_size=1, max_size=80), value=st.binary(max_size=200))
+def test_arbitrary_multipart_part_headers_get_clean_4xx(hub_thread, header, value):
+    """Any bytes in a job submission's part header (control characters, NUL, no colon, a
+    bare CR) are refused with a 4xx JSON line or by the HTTP parser, never a 500."""
+    hub, _ = hub_thread
+    body = b"--B\r\n" + header + b": " + value + b"\r\n\r\nx\r\n--B--\r\n"
+    conn = _conn(hub.url)
+    try:
+        conn.request("POST", "/v1/jobs", body=body, headers={
+            "Content-Type": "multipart/form-data; boundary=B", "Authorization": f"Bearer {hub.owner_token}"})
+        r = conn.getresponse()
+        status, raw = r.status, r.read()
+    finally:
+        conn.close()
+    assert 400 <= status < 500, (status, raw[:200])
+    if r.getheader("Content-Type", "").startswith("application/json"):
+        doc = json.loads(raw)
+        assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
