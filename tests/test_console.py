@@ -108,6 +108,17 @@ async def browser(hub: SimpleNamespace) -> AsyncIterator[Browserish]:
 # --------------------------------------------------------------------------- pages and auth
 
 
+async def test_an_auditor_starts_at_the_audit_queue_and_reads_no_jobs(hub, browser):
+    await browser.login(hub.hub.auditor_token)
+    status, _, r = await browser.get("/console/")
+    assert status == 302 and r.headers["Location"] == "/console/flags"
+    for path in ("/console/jobs", f"/console/jobs/{hub.alice_job}"):
+        status, html, _ = await browser.get(path)
+        assert status == 403 and "wrong_role" in html, path
+    status, html, _ = await browser.get("/console/flags")
+    assert status == 200 and 'href="/console/jobs"' not in html
+
+
 async def test_root_redirects_and_pages_need_login(hub, browser):
     status, _, r = await browser.get("/")
     assert status == 302 and r.headers["Location"] == "/console/"
@@ -120,7 +131,7 @@ async def test_root_redirects_and_pages_need_login(hub, browser):
 async def test_security_headers_and_no_inline_code(hub, browser):
     status, _, r = await browser.get("/console/login")
     assert status == 200 and r.headers["X-Frame-Options"] == "DENY"
-    await browser.login(hub.hub.auditor_token)
+    await browser.login(hub.hub.admin_token)
     for path in (
         "/console/jobs",
         f"/console/jobs/{hub.alice_job}",
@@ -251,7 +262,7 @@ async def test_form_posts_need_the_session_csrf_token(hub, browser):
     status, _, _ = await browser.post("/console/logout", {})
     assert status == 403
     # Right token, wrong origin: refused too.
-    csrf = await browser.page_csrf()
+    csrf = await browser.page_csrf("/console/flags")
     status, _, _ = await browser.post(
         f"/console/flags/{flag}/verdict",
         {"csrf_token": csrf, "verdict": "dismiss", "note": "n"},
@@ -296,7 +307,7 @@ async def test_auditor_verdict_moves_reputation_and_audit_log(hub, browser):
     status, html, _ = await browser.get("/console/flags?status=confirmed")
     assert flag in html and "verified" in html
     # A second verdict on the same flag is refused by the hub's function.
-    csrf = await browser.page_csrf()
+    csrf = await browser.page_csrf("/console/flags")
     status, html, _ = await browser.post(
         f"/console/flags/{flag}/verdict",
         {"csrf_token": csrf, "verdict": "dismiss", "note": "again"},

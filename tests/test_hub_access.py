@@ -19,7 +19,7 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from gpuflex.hub.appkeys import DB, SCHEDULER
+from gpuflex.hub.appkeys import DB, LEDGER
 from gpuflex.hub.openapi import openapi_document
 from gpuflex.hub.tokens import create_token
 from gpuflex.protocol.messages import Abandon, Assignment, BlobRequest, Heartbeat, WorkRequest
@@ -136,7 +136,7 @@ class World:
 
     async def live_assignment(self) -> Assignment:
         """The node's live assignment; asks for a new one when the last was used up."""
-        sched = self.hub.app[SCHEDULER]
+        sched = self.hub.app[LEDGER].scheduler
         if self.assignment is not None and self.assignment.assignment_id in sched.assignments:
             return self.assignment
         give_up = time.monotonic() + 30

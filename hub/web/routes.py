@@ -1,7 +1,8 @@
 """Console pages: thin handlers (parse -> hub domain / read-only query -> template).
 
 Authorisation mirrors the API: an owner sees only jobs whose owner is their
-token name; auditors and admins see every job, the nodes and the audit queue;
+token name; admins see every job; auditors and admins see the nodes and the audit queue
+(an auditor reads evidence, not an owner's jobs or models: the job pages answer 403);
 only auditors and admins give verdicts (through the hub's verdict function).
 """
 
@@ -89,7 +90,7 @@ def _safe_next(value: str | None) -> str:
         and all(ch.isprintable() for ch in value)
     ):
         return value
-    return f"{CONSOLE_PREFIX}/jobs"
+    return f"{CONSOLE_PREFIX}/"
 
 
 # --------------------------------------------------------------------------- login
@@ -100,7 +101,11 @@ async def root(request: web.Request) -> web.StreamResponse:
 
 
 async def index(request: web.Request) -> web.StreamResponse:
-    raise web.HTTPFound(f"{CONSOLE_PREFIX}/jobs")
+    """Owners and admins start at their jobs; an auditor, who reads evidence and not jobs, at the
+    audit queue."""
+    s = request.get(SESSION)
+    start = "flags" if isinstance(s, Session) and s.role == "auditor" else "jobs"
+    raise web.HTTPFound(f"{CONSOLE_PREFIX}/{start}")
 
 
 async def login_page(request: web.Request) -> web.StreamResponse:
