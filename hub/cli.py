@@ -25,7 +25,7 @@ from typing import Any
 from . import owner_client as oc
 from .owner_client import OwnerClientError
 
-PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.cli_demo", "gpuflex.hub.demo")
+PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.demo")
 ENV_HUB = "GPUFLEX_HUB"
 ENV_TOKEN = "GPUFLEX_TOKEN"  # noqa: S105 - an environment variable name
 
@@ -151,10 +151,27 @@ def _hub_and_token(args: argparse.Namespace) -> tuple[str, str]:
     return hub.rstrip("/"), token
 
 
+def _check_spec_file(path: Path) -> None:
+    from .errors import Unprocessable
+
+    if not path.exists():
+        raise Unprocessable(f"spec {path}: no such file")
+    if path.is_dir():
+        raise Unprocessable(f"spec {path}: is a directory; give the job's .toml file")
+    if path.suffix.lower() != ".toml":
+        raise Unprocessable(f"spec {path}: a job spec is a .toml file (see the README's job spec reference)")
+
+
 def cmd_job_submit(args: argparse.Namespace) -> int:
+    from .datafiles import check_dataset_file
+
+    spec, train, val = Path(args.spec), Path(args.train), Path(args.val) if args.val else None
+    _check_spec_file(spec)
+    check_dataset_file(train, "--train")
+    if val is not None:
+        check_dataset_file(val, "--val")
     hub, token = _hub_and_token(args)
-    doc = asyncio.run(oc.submit_job(hub, token, Path(args.spec), Path(args.train),
-                                    Path(args.val) if args.val else None))
+    doc = asyncio.run(oc.submit_job(hub, token, spec, train, val))
     print(json.dumps(doc) if args.json else doc["id"])
     return 0
 
@@ -326,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except (OwnerClientError, HubError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file named on the command line: one line, never a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

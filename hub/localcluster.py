@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gpuflex.protocol.signing import SigningKey
 
 #: The repository root when running from a source checkout (editable install or `make demo`).
@@ -56,6 +55,7 @@ def digits_job(
     The split is stratified 80/20 with random_state=0 and features divided by 16, the same
     preparation as the Flower comparison in bench/vs_flower.py.
     """
+    import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
