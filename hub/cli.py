@@ -19,6 +19,7 @@ import signal
 import ssl
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,35 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- output --------------------------------------------------------------------------------------
+
+
+def print_columns(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str = "") -> None:
+    """Plain aligned columns that never cut a value: ids are copied from here into the next
+    command, so a narrow terminal wraps a long line rather than shortening an id."""
+    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    for line in (headers, *rows):
+        print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def format_time(ts: Any, now: float | None = None) -> str:
+    """A Unix time as local ISO time with its age: '2026-11-23 18:30:05 +0000 (3 min ago)'."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts <= 0:
+        return "-"
+    from datetime import datetime
+
+    when = datetime.fromtimestamp(float(ts)).astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+    age = (time.time() if now is None else now) - float(ts)
+    if age < 0:
+        return when
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= size:
+            return f"{when} ({age / size:.0f} {unit} ago)"
+    return f"{when} ({age:.0f} s ago)"
+
+
 # -- owner client --------------------------------------------------------------------------------
 
 
@@ -182,13 +212,9 @@ def cmd_job_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"jobs": jobs}))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("id", "name", "owner", "state", "round", title="jobs")
-    for j in jobs:
-        table.add_row(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}")
-    Console().print(table)
+    print_columns(("id", "name", "owner", "state", "round"),
+                  [(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}") for j in jobs],
+                  title=f"{len(jobs)} job(s)")
     return 0
 
 

@@ -54,13 +54,46 @@ async def list_flags_for(app: web.Application, who: Principal, status: str | Non
     return [_flag_dict(r) for r in rows]
 
 
-async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[str, Any]:
+MAX_CANDIDATES = 10
+
+
+def resolve_flag_id(conn: sqlite3.Connection, who: Principal, ref: str) -> str:
+    """The flag id that `ref` names among the flags `who` may see: the id itself or, as git
+    does with commits, any unique prefix of it (with or without the leading "f-").
+
+    NotFound when nothing matches; Conflict ("ambiguous_flag") listing the candidates when
+    more than one does. Ids are never cut short in what the hub or the CLI prints, so a
+    prefix is always the user's choice."""
     where, args = _flag_scope(who)
-    row = await app[DB].read(lambda c: c.execute(
-        f"SELECT f.* FROM flags f WHERE f.id = ? AND {where}", (flag_id, *args)).fetchone())  # noqa: S608
-    if row is None:
-        raise NotFound(f"no flag {flag_id} visible to you", code="unknown_flag")
-    return _flag_dict(row)
+    if not ref or len(ref) > 64 or not ref.isprintable():
+        raise NotFound(f"no flag {ref[:64]!r} visible to you", code="unknown_flag")
+    exact = conn.execute(f"SELECT f.id FROM flags f WHERE f.id = ? AND {where}",  # noqa: S608
+                         (ref, *args)).fetchone()
+    if exact is not None:
+        return str(exact["id"])
+    escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    rows = conn.execute(
+        f"SELECT f.id FROM flags f WHERE (f.id LIKE ? ESCAPE '\\' OR f.id LIKE ? ESCAPE '\\') AND {where}"  # noqa: S608
+        " ORDER BY f.id LIMIT ?", (escaped + "%", "f-" + escaped + "%", *args, MAX_CANDIDATES + 1)).fetchall()
+    ids = [str(r["id"]) for r in rows]
+    if not ids:
+        raise NotFound(f"no flag {ref} visible to you", code="unknown_flag")
+    if len(ids) > 1:
+        more = " ..." if len(ids) > MAX_CANDIDATES else ""
+        raise Conflict(f"flag prefix {ref} is ambiguous: it matches {', '.join(ids[:MAX_CANDIDATES])}{more};"
+                       " give more characters", code="ambiguous_flag")
+    return ids[0]
+
+
+async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[str, Any]:
+    """One flag visible to `who`, by id or unique prefix (resolve_flag_id)."""
+
+    def read(c: sqlite3.Connection) -> sqlite3.Row:
+        row: sqlite3.Row = c.execute("SELECT * FROM flags WHERE id = ?",
+                                     (resolve_flag_id(c, who, flag_id),)).fetchone()
+        return row
+
+    return _flag_dict(await app[DB].read(read))
 
 
 @routes.get("/v1/flags")
@@ -72,15 +105,26 @@ async def list_flags(request: web.Request) -> web.Response:
 
 @routes.get("/v1/flags/{flag_id}")
 async def get_flag(request: web.Request) -> web.Response:
+    """The flag with what the console's flag page shows beside it: `job_name`, `round_evidence`
+    (the round's thresholds), `update`, `scores` (each score against its threshold) and
+    `layer_evidence` (per-layer norms and cosines against the round's centre; None for
+    rounds too large to profile)."""
+    from .web import bridge, evidence  # the console's own computations (web imports this module)
+
     who = await principal(request)
-    return json_response(await flag_for(request.app, who, request.match_info["flag_id"]))
+
+    flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
+    flag["scores"] = evidence.threshold_scores(flag)
+    flag["layer_evidence"] = await bridge.layer_evidence(request.app, flag)
+    return json_response(flag)
 
 
 async def give_verdict(app: web.Application, who: Principal, flag_id: str, verdict: str, note: str) -> dict[str, Any]:
     """Confirm or dismiss a flag: the one path for the API and the console.
 
     Moves the node's reputation (verification.record_verdict; 3 confirmed flags ban it)
-    and appends a `verdict` entry to the audit log. Returns {"flag": ..., "node_banned": bool}.
+    and appends a `verdict` entry to the audit log. Returns {"flag": ..., "node_banned": bool,
+    "banned_by_this_verdict": bool} (a node banned before this verdict is not "now banned").
     """
     who.require("auditor")
     if verdict not in ("confirm", "dismiss"):
@@ -92,16 +136,17 @@ async def give_verdict(app: web.Application, who: Principal, flag_id: str, verdi
     now = time.time()
 
     def write(conn: sqlite3.Connection) -> dict[str, Any]:
+        nonlocal flag_id
+        flag_id = resolve_flag_id(conn, who, flag_id)
         row = conn.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"no flag {flag_id}", code="unknown_flag")
         if row["status"] != "open":
             raise Conflict(f"flag {flag_id} already has a verdict ({row['status']})", code="already_decided")
         conn.execute("UPDATE flags SET status = ?, verdict_note = ?, auditor = ?, decided_at = ? WHERE id = ?",
                      (status, note, who.name, now, flag_id))
         node = sched.nodes.get(row["node_id"])
-        banned = False
+        banned = was_banned = False
         if node is not None:
+            was_banned = node.banned
             node.set_reputation(record_verdict(node.reputation, verdict))
             banned = node.banned
             conn.execute(REPUTATION_SQL, node.reputation_row())
@@ -111,7 +156,7 @@ async def give_verdict(app: web.Application, who: Principal, flag_id: str, verdi
             flag_id=flag_id, node_id=row["node_id"], update=upd["sha"] if upd else row["update_id"],
             reason=row["reason"], verdict=verdict, auditor=who.name, note=note, job_id=row["job_id"],
             banned=banned))
-        return {"flag": flag, "node_banned": banned}
+        return {"flag": flag, "node_banned": banned, "banned_by_this_verdict": banned and not was_banned}
 
     return await app[DB].write(write)
 
