@@ -204,6 +204,12 @@ def _check_pin(public_key: bytes, expected: str | None) -> None:
         )
 
 
+def _hub_public_key(hub: str) -> bytes:
+    """The public key a hub serves at GET /v1/hub (anyone may read it)."""
+    info = asyncio.run(oc.request_json(hub.rstrip("/"), "", "GET", "/v1/hub"))
+    return bytes.fromhex(str(info["public_key"]))
+
+
 def cmd_verify_log(args: argparse.Namespace) -> int:
     source = args.source or os.environ.get(ENV_HUB)
     if not source:
@@ -223,12 +229,19 @@ def cmd_verify_log(args: argparse.Namespace) -> int:
         folder = Path(source)
         log_path = folder / "audit.jsonl" if folder.is_dir() else folder
         key_path = (folder if folder.is_dir() else folder.parent) / "hub.key"
+        hub_url = args.hub or os.environ.get(ENV_HUB)
         if args.public_key:
             public_key = bytes.fromhex(args.public_key)
         elif key_path.is_file():
             public_key = SigningKey.load(key_path).public_bytes
+        elif hub_url:
+            public_key = _hub_public_key(hub_url)
         else:
-            raise oc.OwnerClientError(f"no hub key beside {log_path}: pass --public-key HEX")
+            raise oc.OwnerClientError(
+                f"no hub key beside {log_path}: give --hub URL (the hub's public key is fetched from URL/v1/hub"
+                " and checked against --hub-key FINGERPRINT when given), or --public-key HEX (the 'public_key'"
+                " field of GET /v1/hub, or ask the hub operator), or verify in the hub's data folder (hub.key)"
+            )
         _check_pin(public_key, args.hub_key)
         if not log_path.is_file():
             raise oc.OwnerClientError(f"no audit log at {log_path}")
@@ -275,6 +288,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--from", dest="source", help="a hub data folder, an audit.jsonl file, or a hub URL")
     p.add_argument("--hub-key", help="expected hub key fingerprint (gf1-...)")
     p.add_argument("--public-key", help="the hub public key in hex, when no hub.key is at hand")
+    p.add_argument("--hub", help=f"for a copied log: fetch the hub's public key from this URL (or {ENV_HUB});"
+                                 " pin it with --hub-key")
     p.add_argument("--expected-head", help="a head hash seen earlier: detects entries cut off the end")
     p.add_argument("--token", help=f"auditor token when reading from a URL (or {ENV_TOKEN})")
     p.set_defaults(func=_guarded(cmd_verify_log))

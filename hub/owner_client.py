@@ -29,9 +29,10 @@ async def request(hub: str, token: str, method: str, path: str, *, data: Any = N
     import aiohttp
 
     url = hub.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {token}"} if token else {}  # "": an anonymous route
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
-                session.request(method, url, data=data, headers={"Authorization": f"Bearer {token}"}) as resp:
+                session.request(method, url, data=data, headers=headers) as resp:
             body = await resp.read()
             if resp.status >= 400:
                 try:
