@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from gpuflex.hub.localcluster import LocalCluster, Proc, digits_job
+
+from tests.tooling.cluster import LocalCluster, Proc, digits_job
 
 pytestmark = pytest.mark.e2e
 
