@@ -69,7 +69,7 @@ RESULTS = ROOT / "bench" / "results" / "robustness.json"
 N_NODES = 10
 CHUNKS_PER_SHARD = 2
 FRACTIONS = (0.1, 0.2, 0.3)
-VSPEC = VerificationSpec(cosine_min=-0.3)  # calibrated defaults (notes/verification.md)
+VSPEC = VerificationSpec(cosine_min=-0.3)  # calibrated defaults (hub/verification.py, "Calibration")
 AGG = SimpleNamespace(method="fedavg", clip_norm=0.0)
 
 

@@ -1,7 +1,8 @@
 """Dataset ingest: parse .npz or .csv, validate against the model spec, cut into chunks.
 
 A chunk blob is `encode_state({"x": float32 (n, *input_shape), "y": int64 (n,)})`
-for classification or `y: float32 (n, outputs)` for regression (see CONTRACT.md).
+for classification or `y: float32 (n, outputs)` for regression: exactly what the node's
+trainer loads (node/trainer.py).
 Never unpickles: `np.load(..., allow_pickle=False)`; object arrays are refused.
 """
 

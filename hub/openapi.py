@@ -139,7 +139,8 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
-                 "description": "Node-facing routes speak signed msgpack (see CONTRACT.md); "
+                 "description": "Node-facing routes speak signed msgpack (gpuflex.protocol.messages; "
+                                "the README's Security model); "
                                 "owner/auditor routes speak JSON with a bearer token."},
         "paths": paths,
         "components": {

@@ -1,6 +1,6 @@
 """Verification of contributed updates: replicas, outlier scores, reputation.
 
-Pure functions (STYLE.md): records in, verdicts out; no I/O, no clocks, no
+Pure functions: records in, verdicts out; no I/O, no clocks, no
 global state, inputs never mutated. The hub decides *when* to call them and
 persists what they return; an auditor later confirms or dismisses each `Flag`.
 
@@ -32,7 +32,7 @@ How the pieces fit in one round (the hub's side is in hub/rounds):
 4. Reputation transitions (``record_agreement``, ``record_flag``,
    ``record_verdict``) are pure: they return a new `Reputation`.
 
-Calibration (measured, table in /work/notes/verification.md): honest replicas
+Calibration (measured on this project's 2-core CPU machine): honest replicas
 on the same device type and thread count are bit-identical (relative distance
 0.0). The digits MLP at the contract's defaults is bit-identical even between
 torch threads 1 and 2 (its matmuls are too small to split); a 64-1024-1024-10

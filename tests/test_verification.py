@@ -31,7 +31,7 @@ from tests.tooling import attacks as atk
 
 torch.set_num_threads(1)
 
-SPEC = VerificationSpec(cosine_min=-0.3)  # the calibrated default (see notes/verification.md)
+SPEC = VerificationSpec(cosine_min=-0.3)  # the calibrated default (hub/verification.py, "Calibration")
 SHARD = 3  # chunks per shard (192 samples)
 
 
