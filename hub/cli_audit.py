@@ -54,8 +54,12 @@ def _lines(doc: Any, indent: str = "  ", prefix: str = "") -> list[str]:
                     out += _lines(item, indent, f"{name}[{n}].")
             elif isinstance(value, list):
                 out.append(f"{indent}{name}: {', '.join(_fmt(v) for v in value) or '-'}")
+            elif _is_time(str(key)):
+                out.append(f"{indent}{name}: {format_time(value)}")
+            elif str(key).endswith("_bytes") and isinstance(value, int) and value >= 1 << 20:
+                out.append(f"{indent}{name}: {value / (1 << 30):.2f} GiB ({value} bytes)")
             else:
-                out.append(f"{indent}{name}: {format_time(value) if _is_time(str(key)) else _fmt(value)}")
+                out.append(f"{indent}{name}: {_fmt(value)}")
     else:
         out.append(f"{indent}{prefix.rstrip('.')}: {_fmt(doc)}")
     return out

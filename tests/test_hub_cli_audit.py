@@ -106,6 +106,7 @@ async def test_audit_show_is_readable(flagged, capsys):
     assert re.search(r"last seen +\d{4}-\d\d-\d\d .*ago\)", out), out
     assert '{"' not in out, out  # no raw JSON
     assert "    name: Test CPU" in out and "    samples_per_s: 1234" in out, out
+    assert "    memory_bytes: 8.00 GiB (8589934592 bytes)" in out, out
     assert re.search(r"    measured_at: \d{4}-\d\d-\d\d", out), out
     assert re.search(r"cosine to round centre +-0\.99 +must be ≥ -?\d", out), out
     assert "BEYOND" in out, out
