@@ -53,7 +53,8 @@ How to read a round line:
                 beyond one pass over the data, as a share of the data (100% = every chunk twice)
   shards        who trained what this round: NAME:Nch = N chunks of the data; "r" = a replica
                 (the same chunks and seed went to another node, the two updates are compared);
-                [status] = not aggregated (e.g. quarantined)
+                [status] = not aggregated: [quarantined] = held for the auditor,
+                [redundant] = an agreeing replica whose twin was aggregated
   FLAG          an update held back for the auditor, with the score that broke its threshold"""
 
 
