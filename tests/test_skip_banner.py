@@ -38,10 +38,11 @@ def test_a_missing_chromium_is_named_loudly_at_the_end(tmp_path):
     run = _run(tmp_path, None)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 TEST(S) SKIPPED" in run.stdout, run.stdout
+    assert run.stdout.index("1 TEST(S) SKIPPED") > run.stdout.index("1 passed, 1 skipped"), "the banner comes last"
     assert "chromium is missing; install it: apt-get install -y chromium" in run.stdout, run.stdout
 
 
 def test_in_ci_a_missing_chromium_fails_the_run(tmp_path):
     run = _run(tmp_path, "true")
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "the run fails instead of skipping" in run.stdout, run.stdout
+    assert "this run FAILS instead of skipping" in run.stdout, run.stdout

@@ -42,7 +42,11 @@ def _missing(reasons: Counter[str]) -> list[str]:
     return [tool for tool in TOOLS if any(tool in reason for reason in reasons)]
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After pytest's own summary and final count line: the last thing on the screen."""
+    terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
+    if terminalreporter is None:
+        return
     reasons = _skip_reasons(terminalreporter.stats)
     if not reasons:
         return
@@ -53,6 +57,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for tool in missing:
         must = " CI (CI=true) fails without it." if tool in REQUIRED_IN_CI else ""
         terminalreporter.line(f"  {tool} is missing; install it: {TOOLS[tool]}.{must}", red=True, bold=True)
+    required = [tool for tool in missing if tool in REQUIRED_IN_CI]
+    if required and _in_ci():
+        terminalreporter.line(f"  CI=true and {', '.join(required)} is missing: this run FAILS instead of skipping"
+                              " those tests", red=True, bold=True)
 
 
 @pytest.hookimpl(trylast=True)
@@ -64,6 +72,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     required = [tool for tool in _missing(_skip_reasons(reporter.stats)) if tool in REQUIRED_IN_CI]
     if required and session.exitstatus == pytest.ExitCode.OK:
-        reporter.line(f"CI=true and {', '.join(required)} is missing: the run fails instead of skipping its tests",
-                      red=True, bold=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # said in the banner (pytest_unconfigure)
