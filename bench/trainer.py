@@ -220,7 +220,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     reps = 5 if args.quick else 11
     workloads = [
-        compare("digits-mlp 64-128-10 b32 (PEERS.md job)", {"kind": "mlp", "input": 64, "hidden": [128],
+        compare("digits-mlp 64-128-10 b32 (docs/peers.md job)", {"kind": "mlp", "input": 64, "hidden": [128],
                 "outputs": 10}, 1437, 32, 1, 64, reps),
         compare("mlp 784-256-10 b64", {"kind": "mlp", "input": 784, "hidden": [256], "outputs": 10},
                 4096, 64, 1, 512, reps),

@@ -1,6 +1,6 @@
 """GPUFlex vs Flower 1.42 on the same federated job, side by side, in one run.
 
-The job (see shared/PEERS.md): scikit-learn digits, stratified 80/20 split with
+The job (see docs/peers.md): scikit-learn digits, stratified 80/20 split with
 random_state=0, features / 16; MLP 64-128-10 ReLU; SGD lr 0.05 momentum 0.9,
 batch 32, 1 local epoch, torch 1 thread per process; 8 IID shards, FedAvg over
 all nodes, 20 rounds, server-side test accuracy after every round. Plus a
@@ -62,8 +62,8 @@ TARGETS = {
     "accuracy_drop_points": 0.5,
     "overhead_fraction": 0.5,
 }
-# shared/PEERS.md: Flower 1.42 deployment runtime, 8 nodes x 20 rounds, on an otherwise idle box.
-PEERS_REFERENCE = {"system": "flower", "mode": "deployment (PEERS.md reference)", "ok": True, "wall_s": 714.0,
+# docs/peers.md: Flower 1.42 deployment runtime, 8 nodes x 20 rounds, on an otherwise idle box.
+PEERS_REFERENCE = {"system": "flower", "mode": "deployment (docs/peers.md reference)", "ok": True, "wall_s": 714.0,
                    "peak_rss_sum_mb": 7.1 * 1024, "final_accuracy": 0.917, "processes_started": 161}
 SMALL_HIDDEN = [128]
 LARGE_HIDDEN = [4096, 4096, 2048]
@@ -1079,7 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dep = pick("flower", "small", "deployment")
     reference = None
     if ours_s and ours_s.get("ok") and not (dep and dep.get("ok")) and args.nodes == 8 and rounds == 20:
-        # The deployment run was not measured here (or failed): compare with PEERS.md's numbers too.
+        # The deployment run was not measured here (or failed): compare with docs/peers.md's numbers too.
         reference = ratios_for(ours_s, PEERS_REFERENCE)
     ratios = ratios_for(ours_s, best_s)
     ratios_by_mode = {m: ratios_for(ours_s, pick("flower", "small", m)) for m in modes}
@@ -1121,7 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, rr in [("small (vs fastest Flower)", ratios), *[(f"small vs {m}", v) for m, v in
                                                                 ratios_by_mode.items()],
                      ("large (vs fastest Flower)", ratios_large),
-                     ("small vs PEERS.md deployment", reference or {})]:
+                     ("small vs docs/peers.md deployment", reference or {})]:
         if rr:
             print(f"{name:28s} wall x{rr['wall_time_vs_flower']:.4f}  memory x{rr['memory_vs_flower']:.3f}  "
                   f"acc {rr.get('accuracy_delta_points', float('nan')):+.1f} pt  [{rr['flower_mode']}]")

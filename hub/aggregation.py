@@ -1,6 +1,6 @@
 """Aggregation rules: weighted FedAvg, robust rules and server optimizers.
 
-Pure math (STYLE.md): every public function takes updates in and returns a new
+Pure math: every public function takes updates in and returns a new
 result; nothing passed in is ever mutated, reordered or popped.
 
 Memory. The hub hands us zero-copy mmap views of update blobs, so an update is

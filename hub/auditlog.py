@@ -81,8 +81,9 @@ class LogCheck:
     """Outcome of ``verify_log``.
 
     ``ok``: every line verified. ``entries``: entries that verified before the
-    first problem (all of them when ok). ``bad_index``: 0-based line of the first
-    problem (None when ok). ``problem``: one line ("" when ok). ``truncated``: the
+    first problem (all of them when ok). ``bad_index``: 0-based index of the first
+    problem's line (None when ok); ``line`` is the same as the 1-based line number that
+    editors and ``sed -n Np`` use, and that every message says. ``problem``: one line ("" when ok). ``truncated``: the
     problem is a torn final line (crash mid-append), not tampering. ``head``: hash
     of the last good entry (GENESIS for an empty log).
     """
@@ -93,6 +94,11 @@ class LogCheck:
     problem: str
     truncated: bool = False
     head: str = GENESIS
+
+    @property
+    def line(self) -> int | None:
+        """The 1-based line number of the first problem (None when ok)."""
+        return None if self.bad_index is None else self.bad_index + 1
 
 
 def _canonical(obj: Any) -> bytes:
@@ -121,7 +127,7 @@ def _check_entry(obj: Any, index: int, prev: str, public_key: bytes) -> str | No
     if not isinstance(seq, int) or isinstance(seq, bool):
         return "seq is not an integer"
     if seq != index:
-        return f"seq {seq} at position {index}: an entry was deleted, inserted or moved here"
+        return f"seq {seq} where seq {index} belongs: an entry was deleted, inserted or moved here"
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
         return "time is not a finite number"
     if not isinstance(kind, str) or not _KIND_RE.match(kind):
@@ -194,17 +200,17 @@ def verify_log(
                     False,
                     count,
                     index,
-                    f"line {index}: truncated tail - the last line is incomplete "
+                    f"line {index + 1}: truncated tail - the last line is incomplete "
                     f"({len(content)} bytes, no newline): a write was cut off (crash?)",
                     truncated=True,
                     head=prev,
                 )
-            return LogCheck(False, count, index, f"line {index}: not valid JSON", head=prev)
+            return LogCheck(False, count, index, f"line {index + 1}: not valid JSON", head=prev)
         problem = _check_entry(obj, index, prev, hub_public_key)
         if problem is None and _canonical(obj) != content:
             problem = "line is not in canonical form (bytes edited outside the hashed fields)"
         if problem is not None:
-            return LogCheck(False, count, index, f"line {index}: {problem}", head=prev)
+            return LogCheck(False, count, index, f"line {index + 1}: {problem}", head=prev)
         prev = obj["hash"]
         count += 1
         if prev == expected_head:
@@ -214,7 +220,7 @@ def verify_log(
             False,
             count,
             count,
-            f"line {count}: log ends before the expected head {expected_head}: entries were removed from the end",
+            f"line {count + 1}: log ends before the expected head {expected_head}: entries were removed from the end",
             head=prev,
         )
     return LogCheck(True, count, None, "", head=prev)

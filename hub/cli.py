@@ -19,13 +19,14 @@ import signal
 import ssl
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import owner_client as oc
 from .owner_client import OwnerClientError
 
-PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.cli_demo", "gpuflex.hub.demo")
+PLUGIN_MODULES = ("gpuflex.hub.cli_audit", "gpuflex.hub.demo")
 ENV_HUB = "GPUFLEX_HUB"
 ENV_TOKEN = "GPUFLEX_TOKEN"  # noqa: S105 - an environment variable name
 
@@ -138,6 +139,35 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- output --------------------------------------------------------------------------------------
+
+
+def print_columns(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str = "") -> None:
+    """Plain aligned columns that never cut a value: ids are copied from here into the next
+    command, so a narrow terminal wraps a long line rather than shortening an id."""
+    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    for line in (headers, *rows):
+        print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+
+
+def format_time(ts: Any, now: float | None = None) -> str:
+    """A Unix time as local ISO time with its age: '2026-11-23 18:30:05 +0000 (3 min ago)'."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts <= 0:
+        return "-"
+    from datetime import datetime
+
+    when = datetime.fromtimestamp(float(ts)).astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+    age = (time.time() if now is None else now) - float(ts)
+    if age < 0:
+        return when
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= size:
+            return f"{when} ({age / size:.0f} {unit} ago)"
+    return f"{when} ({age:.0f} s ago)"
+
+
 # -- owner client --------------------------------------------------------------------------------
 
 
@@ -151,10 +181,27 @@ def _hub_and_token(args: argparse.Namespace) -> tuple[str, str]:
     return hub.rstrip("/"), token
 
 
+def _check_spec_file(path: Path) -> None:
+    from .errors import Unprocessable
+
+    if not path.exists():
+        raise Unprocessable(f"spec {path}: no such file")
+    if path.is_dir():
+        raise Unprocessable(f"spec {path}: is a directory; give the job's .toml file")
+    if path.suffix.lower() != ".toml":
+        raise Unprocessable(f"spec {path}: a job spec is a .toml file (see the README's job spec reference)")
+
+
 def cmd_job_submit(args: argparse.Namespace) -> int:
+    from .datafiles import check_dataset_file
+
+    spec, train, val = Path(args.spec), Path(args.train), Path(args.val) if args.val else None
+    _check_spec_file(spec)
+    check_dataset_file(train, "--train")
+    if val is not None:
+        check_dataset_file(val, "--val")
     hub, token = _hub_and_token(args)
-    doc = asyncio.run(oc.submit_job(hub, token, Path(args.spec), Path(args.train),
-                                    Path(args.val) if args.val else None))
+    doc = asyncio.run(oc.submit_job(hub, token, spec, train, val))
     print(json.dumps(doc) if args.json else doc["id"])
     return 0
 
@@ -165,13 +212,9 @@ def cmd_job_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"jobs": jobs}))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("id", "name", "owner", "state", "round", title="jobs")
-    for j in jobs:
-        table.add_row(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}")
-    Console().print(table)
+    print_columns(("id", "name", "owner", "state", "round"),
+                  [(j["id"], j["name"], j["owner"], j["state"], f"{j['round']}/{j['rounds']}") for j in jobs],
+                  title=f"{len(jobs)} job(s)")
     return 0
 
 
@@ -326,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except (OwnerClientError, HubError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file named on the command line: one line, never a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.signing import SigningKey, fingerprint
@@ -23,13 +24,45 @@ from . import owner_client as oc
 from .auditlog import LogCheck, verify_log
 
 # The owner commands' own helpers: one place resolves --hub/--token and the environment.
-from .cli import ENV_HUB, ENV_TOKEN, _hub_and_token
+from .cli import ENV_HUB, ENV_TOKEN, _hub_and_token, format_time, print_columns
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if value is None:
+        return "-"
     return str(value)
+
+
+def _is_time(key: str) -> bool:
+    return key.endswith("_at") or key in ("last_seen", "time", "ts")
+
+
+def _lines(doc: Any, indent: str = "  ", prefix: str = "") -> list[str]:
+    """Readable `key: value` lines for nested JSON (times as local ISO with their age)."""
+    out: list[str] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict) and value:
+                out += _lines(value, indent, f"{name}.")
+            elif isinstance(value, list) and value and any(isinstance(v, (dict, list)) for v in value):
+                for n, item in enumerate(value):
+                    out += _lines(item, indent, f"{name}[{n}].")
+            elif isinstance(value, list):
+                out.append(f"{indent}{name}: {', '.join(_fmt(v) for v in value) or '-'}")
+            elif _is_time(str(key)):
+                out.append(f"{indent}{name}: {format_time(value)}")
+            elif str(key).endswith("_bytes") and isinstance(value, int) and value >= 1 << 20:
+                out.append(f"{indent}{name}: {value / (1 << 30):.2f} GiB ({value} bytes)")
+            else:
+                out.append(f"{indent}{name}: {_fmt(value)}")
+    else:
+        out.append(f"{indent}{prefix.rstrip('.')}: {_fmt(doc)}")
+    return out
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -44,13 +77,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"flags": flags}))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("flag", "status", "reason", "job", "round", "node", title=f"{len(flags)} flag(s)")
-    for f in reversed(flags):  # newest first
-        table.add_row(f["id"], f["status"], f["reason"], f["job_id"], str(f["round"]), f["node_id"])
-    Console().print(table)
+    rows = [(f["id"], f["status"], f["reason"], f["job_id"], str(f["round"]), f["node_id"])
+            for f in reversed(flags)]  # newest first
+    print_columns(("flag", "status", "reason", "job", "round", "node"), rows, title=f"{len(flags)} flag(s)")
+    if flags:
+        print("(`audit show` takes any unique prefix of a flag id)")
     return 0
 
 
@@ -65,65 +96,107 @@ def _node_history(hub: str, token: str, node_id: str) -> dict[str, Any] | None:
     return None
 
 
+def _print_flag(flag: dict[str, Any]) -> None:
+    """The flag and its evidence as the console's flag page shows them, in plain text."""
+    print(f"flag {flag['id']}  {flag['reason']}  {flag['status']}")
+    job = flag["job_id"] + (f" ({flag['job_name']})" if flag.get("job_name") not in (None, flag["job_id"]) else "")
+    print(f"  job       {job}, round {flag['round']}")
+    upd = flag.get("update") or {}
+    facts = ", ".join(f"{k} {_fmt(upd[k])}" for k in ("status", "sample_count", "loss", "train_s", "replica_group")
+                      if upd.get(k) is not None)
+    print(f"  update    {flag['update_id']}" + (f"  ({facts})" if facts else ""))
+    print(f"  node      {flag['node_id']}")
+    print(f"  raised    {format_time(flag.get('created_at'))}")
+    if flag.get("status") != "open":
+        who = f" by {flag['auditor']}" if flag.get("auditor") else ""
+        print(f"  decided   {format_time(flag.get('decided_at'))}{who}")
+        if flag.get("verdict_note"):
+            print(f"  note      {flag['verdict_note']}")
+    ev: dict[str, Any] = flag.get("evidence") or {}
+    problems = [str(p) for p in ev.get("problems") or []] or ([str(ev["why"])] if ev.get("why") else [])
+    if problems:
+        print("\nwhy it was flagged")
+        for p in problems:
+            print(f"  - {p}")
+    scores = flag.get("scores") or []
+    if scores:
+        print("\nscores against thresholds")
+        verdicts = {True: "within", False: "BEYOND", None: ""}
+        print_columns(("  score", "value", "rule", ""),
+                      [(f"  {r['name']}", _fmt(r["value"]), r["rule"], verdicts[r.get("ok")]) for r in scores])
+    computed = flag.get("layer_evidence") or {}
+    layers = ev.get("layers") if isinstance(ev.get("layers"), list) and ev.get("layers") else computed.get("layers")
+    if layers:
+        if ev.get("layers"):
+            note = "recorded centre: the round's coordinate-wise median, scaled to this shard"
+        else:
+            note = f"centre: coordinate-wise median of the round's {computed.get('centre_of')} candidate updates"
+        print(f"\nper layer against the round's centre ({note})")
+        print_columns(("  tensor", "norm", "centre norm", "cosine"),
+                      [(f"  {x.get('name')}", _fmt(x.get("norm")), _fmt(x.get("centre_norm")), _fmt(x.get("cosine")))
+                       for x in layers])
+    elif flag.get("layer_evidence", "absent") is None:
+        print("\nper layer: the round or the model is too large to profile here")
+    pairs = ev.get("pairs")
+    if isinstance(pairs, list) and pairs:
+        print(f"\nreplica comparison (tolerance {_fmt(ev.get('tolerance'))}"
+              + (f", majority {', '.join(map(str, ev['majority']))}" if ev.get("majority") else "") + ")")
+        print_columns(("  update a", "update b", "relative distance", "agree"),
+                      [(f"  {p.get('a')}", str(p.get("b")), _fmt(p.get("relative_distance")), _fmt(p.get("agree")))
+                       for p in pairs])
+    shown = {"problems", "why", "layers", "pairs", "tolerance", "majority"}
+    rest = {k: v for k, v in ev.items() if k not in shown}
+    if rest:
+        print("\nevidence")
+        print("\n".join(_lines(rest)))
+
+
+def _print_node(node: dict[str, Any]) -> None:
+    print(f"\nnode {node['id']}")
+    state = "BANNED" if node.get("banned") else ("online" if node.get("online") else "offline")
+    print(f"  state       {state}, software {node.get('software_version', '?')}")
+    print(f"  registered  {format_time(node.get('registered_at'))}")
+    print(f"  last seen   {format_time(node.get('last_seen'))}")
+    print(f"  throughput  benchmark {_fmt(node.get('bench_sps'))} samples/s,"
+          f" delivered {_fmt(node.get('ema_sps'))} samples/s (moving average)")
+    rep = node.get("reputation") or {}
+    print(f"  reputation  {rep.get('consecutive_agreements', 0)} consecutive agreements,"
+          f" {rep.get('agreements_total', 0)} in all, {rep.get('flags_total', 0)} disagreements,"
+          f" {rep.get('confirmed_flags', 0)} confirmed and {rep.get('dismissed_flags', 0)} dismissed flags")
+    print(f"  updates     {node.get('updates_accepted', 0)} accepted,"
+          f" {node.get('assignments_failed', 0)} assignments expired or abandoned")
+    for key in ("device", "benchmark"):
+        if node.get(key):
+            print(f"  {key}")
+            print("\n".join(_lines(node[key], indent="    ")))
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     hub, token = _hub_and_token(args)
-    flag = asyncio.run(oc.request_json(hub, token, "GET", f"/v1/flags/{args.flag}"))
+    flag = asyncio.run(oc.request_json(hub, token, "GET", f"/v1/flags/{quote(args.flag, safe='')}"))
     node = _node_history(hub, token, flag["node_id"])
     if args.json:
         print(json.dumps({"flag": flag, "node": node}))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(highlight=False)
-    console.print(f"[bold]flag {flag['id']}[/bold]  {flag['reason']}  status {flag['status']}")
-    for key in ("job_id", "round", "update_id", "node_id", "created_at", "auditor", "verdict_note"):
-        if flag.get(key) not in (None, ""):
-            console.print(f"  {key:<12} {_fmt(flag[key])}")
-    evidence = flag.get("evidence") or {}
-    scalars = {k: v for k, v in evidence.items() if not isinstance(v, (dict, list))}
-    if scalars:
-        table = Table("evidence", "value", title="scores against thresholds")
-        for key, value in sorted(scalars.items()):
-            table.add_row(key, _fmt(value))
-        console.print(table)
-    layers = evidence.get("layers")
-    if isinstance(layers, list) and layers:
-        table = Table("tensor", "norm", "centre norm", "cosine", title="per layer against the round's centre")
-        for layer in layers:
-            table.add_row(
-                str(layer.get("name")), _fmt(layer.get("norm")),
-                _fmt(layer.get("centre_norm")), _fmt(layer.get("cosine")),
-            )  # fmt: skip
-        console.print(table)
-    pairs = evidence.get("pairs")
-    if isinstance(pairs, list) and pairs:
-        table = Table("update a", "update b", "relative distance", "agree", title="replica comparison")
-        for pair in pairs:
-            table.add_row(
-                str(pair.get("a")), str(pair.get("b")),
-                _fmt(pair.get("relative_distance")), str(pair.get("agree")),
-            )  # fmt: skip
-        console.print(table)
-    other = {k: v for k, v in evidence.items() if isinstance(v, (dict, list)) and k not in ("layers", "pairs")}
-    for key, value in other.items():
-        console.print(f"  {key}: {json.dumps(value)[:600]}")
+    _print_flag(flag)
     if node is not None:
-        console.print("[bold]node history[/bold]")
-        for key, value in node.items():
-            if not isinstance(value, (dict, list)):
-                console.print(f"  {key:<24} {_fmt(value)}")
-            else:
-                console.print(f"  {key:<24} {json.dumps(value)[:300]}")
+        _print_node(node)
     return 0
 
 
 def cmd_verdict(args: argparse.Namespace) -> int:
     hub, token = _hub_and_token(args)
     doc = {"verdict": args.verdict, "note": args.note}
-    out = asyncio.run(oc.request_json(hub, token, "POST", f"/v1/flags/{args.flag}/verdict", data=json.dumps(doc)))
+    path = f"/v1/flags/{quote(args.flag, safe='')}/verdict"
+    out = asyncio.run(oc.request_json(hub, token, "POST", path, data=json.dumps(doc)))
     flag = out["flag"]
-    print(f"flag {flag['id']}: {flag['status']}" + ("; the node is now banned" if out.get("node_banned") else ""))
+    if out.get("banned_by_this_verdict"):
+        tail = "; this verdict bans the node"
+    elif out.get("node_banned"):
+        tail = "; the node was already banned"
+    else:
+        tail = ""
+    print(f"flag {flag['id']}: {flag['status']}{tail}")
     return 0
 
 
@@ -133,6 +206,12 @@ def _check_pin(public_key: bytes, expected: str | None) -> None:
             f"hub key fingerprint is {fingerprint(public_key)}, not the expected {expected}: "
             "this log is not signed by the hub you named"
         )
+
+
+def _hub_public_key(hub: str) -> bytes:
+    """The public key a hub serves at GET /v1/hub (anyone may read it)."""
+    info = asyncio.run(oc.request_json(hub.rstrip("/"), "", "GET", "/v1/hub"))
+    return bytes.fromhex(str(info["public_key"]))
 
 
 def cmd_verify_log(args: argparse.Namespace) -> int:
@@ -154,12 +233,19 @@ def cmd_verify_log(args: argparse.Namespace) -> int:
         folder = Path(source)
         log_path = folder / "audit.jsonl" if folder.is_dir() else folder
         key_path = (folder if folder.is_dir() else folder.parent) / "hub.key"
+        hub_url = args.hub or os.environ.get(ENV_HUB)
         if args.public_key:
             public_key = bytes.fromhex(args.public_key)
         elif key_path.is_file():
             public_key = SigningKey.load(key_path).public_bytes
+        elif hub_url:
+            public_key = _hub_public_key(hub_url)
         else:
-            raise oc.OwnerClientError(f"no hub key beside {log_path}: pass --public-key HEX")
+            raise oc.OwnerClientError(
+                f"no hub key beside {log_path}: give --hub URL (the hub's public key is fetched from URL/v1/hub"
+                " and checked against --hub-key FINGERPRINT when given), or --public-key HEX (the 'public_key'"
+                " field of GET /v1/hub, or ask the hub operator), or verify in the hub's data folder (hub.key)"
+            )
         _check_pin(public_key, args.hub_key)
         if not log_path.is_file():
             raise oc.OwnerClientError(f"no audit log at {log_path}")
@@ -206,6 +292,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--from", dest="source", help="a hub data folder, an audit.jsonl file, or a hub URL")
     p.add_argument("--hub-key", help="expected hub key fingerprint (gf1-...)")
     p.add_argument("--public-key", help="the hub public key in hex, when no hub.key is at hand")
+    p.add_argument("--hub", help=f"for a copied log: fetch the hub's public key from this URL (or {ENV_HUB});"
+                                 " pin it with --hub-key")
     p.add_argument("--expected-head", help="a head hash seen earlier: detects entries cut off the end")
     p.add_argument("--token", help=f"auditor token when reading from a URL (or {ENV_TOKEN})")
     p.set_defaults(func=_guarded(cmd_verify_log))

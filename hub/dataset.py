@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from gpuflex.protocol.tensors import encode_state
 
+from .datafiles import SNIFF_BYTES, content_problem, sniff
 from .errors import Unprocessable
 
 MAX_SAMPLES = 50_000_000
@@ -41,10 +42,15 @@ def _bad(detail: str, code: str = "bad_dataset") -> Unprocessable:
 
 
 def read_arrays(path: Path, *, label_column: str, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """Read x and y from an .npz (by magic bytes) or a CSV with a header row."""
+    """Read x and y from an .npz or a CSV with a header row, told apart by content
+    (datafiles.sniff); JSON, a bare .npy and other binary data are refused by name."""
     with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic.startswith(b"PK"):
+        head = fh.read(SNIFF_BYTES)
+    kind = sniff(head)
+    problem = content_problem(kind, what)
+    if problem is not None:
+        raise _bad(problem)
+    if kind == "npz":
         return _read_npz(path, what)
     return _read_csv(path, label_column, what)
 

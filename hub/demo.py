@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
+import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +46,43 @@ def _names(cluster: LocalCluster) -> dict[str, str]:
     return {p.node_id: p.name for p in cluster.nodes()}
 
 
-def _round_line(entry: dict[str, Any], names: dict[str, str]) -> str:
+LEGEND = """\
+How to read a round line:
+  acc, loss     the new model's accuracy and loss on the validation set
+  replicas      training done twice or more, so that nodes can be compared: samples trained
+                beyond one pass over the data, as a share of the data (100% = every chunk twice)
+  shards        who trained what this round: NAME:Nch = N chunks of the data; "r" = a replica
+                (the same chunks and seed went to another node, the two updates are compared);
+                [status] = not aggregated: [quarantined] = held for the auditor,
+                [redundant] = an agreeing replica whose twin was aggregated
+  FLAG          an update held back for the auditor, with the score that broke its threshold"""
+
+
+def hub_command() -> str:
+    """`gpuflex-hub` as a shell can run it: the bare name when that resolves to this installation,
+    else the script's path (`.venv/bin/gpuflex-hub` from a checkout), else `python -m`."""
+    mine = Path(sys.executable).parent / "gpuflex-hub"
+    on_path = shutil.which("gpuflex-hub")
+    if mine.is_file():
+        if on_path and Path(on_path).resolve() == mine.resolve():
+            return "gpuflex-hub"
+        try:
+            shown = str(mine.absolute().relative_to(Path.cwd()))
+        except ValueError:
+            shown = str(mine.absolute())
+        return shlex.quote(shown)
+    if on_path:
+        return "gpuflex-hub"
+    return f"{shlex.quote(sys.executable)} -m gpuflex.hub"
+
+
+def _flag_detail(flag: dict[str, Any]) -> str:
+    """The scores that broke their threshold, e.g. 'replica distance 0.53 (must be ≤ 0.0001 (tolerance))'."""
+    rows = [r for r in flag.get("scores") or [] if r.get("ok") is False] or list(flag.get("scores") or [])[:1]
+    return "; ".join(f"{r['name']} {r['value']:.4g} ({r['rule']})" for r in rows)
+
+
+def _round_line(entry: dict[str, Any], names: dict[str, str], flag_details: dict[str, str] | None = None) -> str:
     acc = entry.get("accuracy")
     loss = entry.get("loss")
     parts = []
@@ -55,15 +94,29 @@ def _round_line(entry: dict[str, Any], names: dict[str, str]) -> str:
     line = (
         f"round {entry['round']:>2}  acc {acc if acc is None else f'{acc:.3f}'}"
         f"  loss {loss if loss is None else f'{loss:.3f}'}"
-        f"  overhead {entry.get('replication_overhead', 0.0):.0%}  shards {' '.join(parts)}"
+        f"  replicas {entry.get('replication_overhead', 0.0):.0%}  shards {' '.join(parts)}"
     )
     for f in entry.get("flags", []):
+        detail = (flag_details or {}).get(f.get("flag_id", ""), "")
         line += f"\n          FLAG {f['reason']} on {names.get(f['node_id'], f['node_id'])}"
+        line += f": {detail}" if detail else ""
     return line
+
+
+def _flag_details(url: str, token: str, entry: dict[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for f in entry.get("flags", []):
+        try:
+            flag = asyncio.run(oc.request_json(url, token, "GET", f"/v1/flags/{f['flag_id']}"))
+        except oc.OwnerClientError:
+            continue
+        out[f["flag_id"]] = _flag_detail(flag)
+    return out
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)
     if args.nodes < 1:
@@ -77,6 +130,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         misbehaving = 0
 
+    keep = args.workdir is not None  # a temporary folder holds keys and tokens: removed at the end
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuflex-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(workdir=workdir, hub_args=("--long-poll-max", "10", "--min-deadline", "20"))
@@ -107,6 +161,7 @@ def run_demo(args: argparse.Namespace) -> int:
         job = asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))
         job_id = job["id"]
         console.print(f"job    {job_id}: MLP 64-128-10 on scikit-learn digits, {args.rounds} rounds\n")
+        console.print(LEGEND + "\n", markup=False)
 
         names = _names(cluster)
         shown = 0
@@ -116,7 +171,8 @@ def run_demo(args: argparse.Namespace) -> int:
         while True:
             status = asyncio.run(oc.job_status(cluster.url, token, job_id))
             for entry in status["history"][shown:]:
-                console.print(_round_line(entry, names))
+                details = _flag_details(cluster.url, auditor, entry) if entry.get("flags") else {}
+                console.print(_round_line(entry, names, details), markup=False)  # "[quarantined]" is text
             shown = len(status["history"])
             if status["state"] in {"done", "failed", "cancelled"}:
                 break
@@ -127,7 +183,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 if not p.alive() and p.name not in reported_dead:
                     reported_dead.add(p.name)
                     tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
-                    console.print(f"[yellow]{p.name} exited ({p.popen.returncode}): {tail[0][:200]}[/yellow]")
+                    console.print(f"[yellow]{p.name} exited ({p.popen.returncode}): {escape(tail[0][:200])}[/yellow]")
             dead = [p.name for p in cluster.nodes() if not p.alive()]
             if cluster.hub is not None and not cluster.hub.alive():
                 console.print(f"[red]the hub exited; see {cluster.hub.log}[/red]")
@@ -138,16 +194,16 @@ def run_demo(args: argparse.Namespace) -> int:
             time.sleep(0.3)
 
         if status["state"] != "done":
-            console.print(f"[red]job ended {status['state']}: {status.get('error')}[/red]")
+            console.print(f"[red]job ended {status['state']}: {escape(str(status.get('error')))}[/red]")
             return 1
-        model = workdir / "model.safetensors"
+        model = workdir / "model.safetensors"  # (removed with a temporary folder: see the end)
         asyncio.run(oc.download_model(cluster.url, token, job_id, model))
         flags = asyncio.run(oc.request_json(cluster.url, auditor, "GET", f"/v1/flags?job={job_id}"))
         flags = flags["flags"]
         final = status["history"][-1]
         elapsed = time.monotonic() - started
         console.print(f"\n[bold]done[/bold] in {elapsed:.1f} s")
-        console.print(f"model          {model}")
+        console.print(f"model          {model}" + ("" if keep else "  (removed with the demo's folder at the end)"))
         console.print(f"test accuracy  {final['accuracy']:.4f}  (val loss {final['loss']:.4f})")
         by_node: dict[str, list[str]] = {}
         for f in flags:
@@ -156,12 +212,19 @@ def run_demo(args: argparse.Namespace) -> int:
         for who, reasons in sorted(by_node.items()):
             counts = {r: reasons.count(r) for r in sorted(set(reasons))}
             console.print(f"               {who}: " + ", ".join(f"{n}x {r}" for r, n in counts.items()))
+        hub_cmd = hub_command()
+        if not keep:
+            console.print(f"\nexplore further: keep the hub's folder with --workdir, e.g. `{hub_cmd} demo --workdir"
+                          " gpuflex-demo`; the demo then prints the commands to serve it again, follow the job,"
+                          " review the flags and verify the audit log")
+            return 0
+        q = shlex.quote
         console.print("\nexplore further: start this hub again on its data folder, then")
-        console.print(f"  gpuflex-hub serve --data {cluster.hub_dir} --port {cluster.port} &")
+        console.print(f"  {hub_cmd} serve --data {q(str(cluster.hub_dir))} --port {cluster.port} &")
         console.print(f"  export GPUFLEX_HUB={cluster.url} GPUFLEX_TOKEN={token}")
-        console.print(f"  gpuflex-hub job status {job_id}")
-        console.print(f"  GPUFLEX_TOKEN={auditor} gpuflex-hub audit list --job {job_id}")
-        console.print(f"  gpuflex-hub audit verify-log --from {cluster.hub_dir}")
+        console.print(f"  {hub_cmd} job status {job_id}")
+        console.print(f"  GPUFLEX_TOKEN={auditor} {hub_cmd} audit list --job {job_id}")
+        console.print(f"  {hub_cmd} audit verify-log --from {q(str(cluster.hub_dir))}")
         console.print(f"  web console: {cluster.url}/console/ (log in with a token)")
         return 0
     except KeyboardInterrupt:
@@ -170,4 +233,10 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         cluster.close()
         signal.signal(signal.SIGTERM, previous)
-        console.print(f"stopped {len(cluster.procs)} process(es); files kept in {workdir}")
+        if keep:
+            console.print(f"stopped {len(cluster.procs)} process(es); files kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+            gone = "removed" if not workdir.exists() else "could not remove"
+            console.print(f"stopped {len(cluster.procs)} process(es); {gone} {workdir} (keys, tokens, logs, model;"
+                          " --workdir DIR keeps them)")

@@ -1,8 +1,10 @@
-"""A hub and its nodes as real processes on this machine, for the demo and end-to-end tests.
+"""The demo's launcher: a hub and its nodes as real processes on this machine.
 
 Every process is started in its own session and remembered by PID, so `close()` can stop
 all of them (SIGTERM, then SIGKILL after a grace period) even when the caller is
 interrupted. Nothing here talks to a node in-process: the hub never imports the node.
+Only what `gpuflex-hub demo` needs lives here; the end-to-end tests extend it with their
+own tools (kill the hub, poll a job, read the API) in tests/tooling/cluster.py.
 """
 
 from __future__ import annotations
@@ -13,14 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gpuflex.protocol.signing import SigningKey
 
 #: The repository root when running from a source checkout (editable install or `make demo`).
@@ -56,6 +55,7 @@ def digits_job(
     The split is stratified 80/20 with random_state=0 and features divided by 16, the same
     preparation as the Flower comparison in bench/vs_flower.py.
     """
+    import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -167,8 +167,6 @@ class LocalCluster:
     url: str = ""
     fingerprint: str = ""
     port: int = 0
-    #: where the shared benchmark lives; tests pass one file for the whole session
-    shared_bench_cache: Path | None = None
 
     @property
     def hub_dir(self) -> Path:
@@ -177,7 +175,7 @@ class LocalCluster:
     @property
     def bench_cache(self) -> Path:
         """One benchmark for every node of this machine (`gpuflex-node bench --bench-cache`)."""
-        return self.shared_bench_cache or self.workdir / "bench.json"
+        return self.workdir / "bench.json"
 
     def benchmark_once(self, *, threads: int = 1, timeout_s: float = 180.0) -> None:
         """Measure this machine once, so that N node processes do not benchmark N times."""
@@ -231,40 +229,19 @@ class LocalCluster:
             time.sleep(0.05)
         self.url = url_file.read_text().strip()
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
-        self.fingerprint = str(self.get_json("/v1/hub")["fingerprint"])
+        self.fingerprint = SigningKey.load(self.hub_dir / "hub.key").fingerprint
         return self.hub
 
-    def kill_hub(self, sig: int = signal.SIGKILL, *, timeout_s: float = 15.0) -> int | None:
-        if self.hub is None:
-            return None
-        self.hub.signal(sig)
-        try:
-            return self.hub.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.hub.signal(signal.SIGKILL)
-            return self.hub.popen.wait(timeout=timeout_s)
-
-    def start_node(
-        self,
-        name: str,
-        *,
-        attack: str | None = None,
-        extra: Sequence[str] = (),
-        threads: int = 1,
-        poll_wait_s: float | None = None,
-    ) -> Proc:
-        """Start a node process; its identity is created here first so we know its id."""
+    def start_node(self, name: str, *, attack: str | None = None, extra: Sequence[str] = ()) -> Proc:
+        """Start a node process (one thread); its identity is created here first so we know its id."""
         data_dir = self.workdir / "nodes" / name
         data_dir.mkdir(parents=True, exist_ok=True)
         key = SigningKey.load_or_create(data_dir / "node.key")
-        self.benchmark_once(threads=threads)
+        self.benchmark_once()
         run_args = [
             "run", "--hub", self.url, "--hub-key", self.fingerprint, "--data-dir", str(data_dir),
-            "--device", "cpu", "--threads", str(threads), "--bench-cache", str(self.bench_cache),
+            "--device", "cpu", "--threads", "1", "--bench-cache", str(self.bench_cache), *extra,
         ]  # fmt: skip
-        if poll_wait_s is not None:
-            run_args += ["--poll-wait", str(poll_wait_s)]
-        run_args += list(extra)
         if attack is None:
             argv = [sys.executable, "-m", "gpuflex.node", *run_args]
         else:
@@ -317,36 +294,3 @@ class LocalCluster:
 
     def nodes(self) -> Iterator[Proc]:
         return (p for p in self.procs if p.name != "hub")
-
-    # ---------------------------------------------------------------- HTTP
-    def _request(self, path: str, token: str | None) -> urllib.request.Request:
-        if not self.url.startswith("http://127.0.0.1:"):
-            raise RuntimeError(f"refusing to talk to {self.url!r}: the local cluster is loopback only")
-        request = urllib.request.Request(self.url + path)  # noqa: S310 (scheme checked above)
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        return request
-
-    def get_json(self, path: str, token: str | None = None, timeout_s: float = 10.0) -> Any:
-        with urllib.request.urlopen(self._request(path, token), timeout=timeout_s) as response:  # noqa: S310
-            return json.loads(response.read())
-
-    def get_bytes(self, path: str, token: str | None = None, timeout_s: float = 30.0) -> bytes:
-        with urllib.request.urlopen(self._request(path, token), timeout=timeout_s) as response:  # noqa: S310
-            return bytes(response.read())
-
-    def wait_job(
-        self, job_id: str, token: str, *, timeout_s: float, poll_s: float = 0.25
-    ) -> dict[str, Any]:
-        """Poll the job until it is done (or failed/cancelled); raise on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                status: dict[str, Any] = self.get_json(f"/v1/jobs/{job_id}", token)
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                status = {}
-            if status.get("state") in {"done", "failed", "cancelled"}:
-                return status
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} not finished after {timeout_s:.0f} s: {status.get('state')}")
-            time.sleep(poll_s)

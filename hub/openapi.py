@@ -42,7 +42,8 @@ def _node_op(summary: str, request_kind: str, response_kinds: str, errors: tuple
 
 _BEARER = [{"bearer": []}]
 _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
-_FLAG_ID = {"name": "flag_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_FLAG_ID = {"name": "flag_id", "in": "path", "required": True, "schema": {"type": "string"},
+            "description": "a flag id, or any unique prefix of it (with or without the leading f-)"}
 _OBJ = {"type": "object"}
 
 
@@ -133,7 +134,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/flags/{flag_id}": {"get": {"summary": "one flag with its evidence", "tags": ["audit"],
                                         "security": _BEARER, "parameters": [_FLAG_ID],
                                         "responses": {"200": _json({"$ref": "#/components/schemas/Flag"}),
-                                                      "401": _ERROR, "404": _ERROR}}},
+                                                      "401": _ERROR, "404": _ERROR,
+                                                      "409": _ERROR}}},
         "/v1/flags/{flag_id}/verdict": {"post": {
             "summary": "confirm or dismiss a flag (auditor)", "tags": ["audit"], "security": _BEARER,
             "parameters": [_FLAG_ID],
@@ -182,7 +184,12 @@ def openapi_document() -> dict[str, Any]:
                     "update_id": {"type": "string"}, "node_id": {"type": "string"},
                     "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible"]},
                     "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed"]},
-                    "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]}}},
+                    "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]},
+                    "job_name": {"type": "string"}, "round_evidence": {"type": "object"},
+                    "update": {"type": "object"},
+                    "scores": {"type": "array", "description": "each score against its threshold"},
+                    "layer_evidence": {"type": ["object", "null"], "description":
+                                       "per-layer norm, centre norm and cosine against the round's centre"}}},
             },
         },
     }

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+# aiohttp is imported by the functions that talk to the hub: `gpuflex-hub --version` and
+# `--help` import this module (for OwnerClientError) and should start at once.
 
 
 class OwnerClientError(Exception):
@@ -25,10 +26,13 @@ class OwnerClientError(Exception):
 
 async def request(hub: str, token: str, method: str, path: str, *, data: Any = None,
                   timeout_s: float = 600.0) -> tuple[bytes, dict[str, str]]:
+    import aiohttp
+
     url = hub.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {token}"} if token else {}  # "": an anonymous route
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
-                session.request(method, url, data=data, headers={"Authorization": f"Bearer {token}"}) as resp:
+                session.request(method, url, data=data, headers=headers) as resp:
             body = await resp.read()
             if resp.status >= 400:
                 try:
@@ -49,6 +53,8 @@ async def request_json(hub: str, token: str, method: str, path: str, *, data: An
 
 async def submit_job(hub: str, token: str, spec: Path, train: Path, val: Path | None = None) -> dict[str, Any]:
     """POST /v1/jobs; returns {"id", "job_id", "name", "state", "rounds", "chunks", "model_hash"}."""
+    import aiohttp
+
     form = aiohttp.FormData()
     spec_bytes = Path(spec).read_bytes()  # noqa: ASYNC240 - a small local file
     form.add_field("spec", spec_bytes, filename=Path(spec).name, content_type="application/toml")

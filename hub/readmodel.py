@@ -18,7 +18,7 @@ from aiohttp import web
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, LEDGER, STORE
-from .errors import BadRequest, Forbidden, NotFound
+from .errors import BadRequest, Conflict, Forbidden, NotFound
 from .tokens import Principal
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
@@ -223,13 +223,47 @@ async def list_flags_for(app: web.Application, who: Principal, status: str | Non
     return [_flag_dict(r) for r in rows]
 
 
-async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[str, Any]:
+MAX_CANDIDATES = 10
+
+
+def resolve_flag_id(conn: sqlite3.Connection, who: Principal, ref: str) -> str:
+    """The flag id that `ref` names among the flags `who` may see: the id itself or, as git
+    does with commits, any unique prefix of it (with or without the leading "f-").
+
+    NotFound when nothing matches; Conflict ("ambiguous_flag") listing the candidates when
+    more than one does. Ids are never cut short in what the hub or the CLI prints, so a
+    prefix is always the user's choice."""
     where, args = _flag_scope(who)
-    row = await app[STORE].query(lambda c: c.execute(
-        f"SELECT f.* FROM flags f WHERE f.id = ? AND {where}", (flag_id, *args)).fetchone())  # noqa: S608
-    if row is None:
-        raise NotFound(f"no flag {flag_id} visible to you", code="unknown_flag")
-    return _flag_dict(row)
+    if not ref or len(ref) > 64 or not ref.isprintable():
+        raise NotFound(f"no flag {ref[:64]!r} visible to you", code="unknown_flag")
+    exact = conn.execute(f"SELECT f.id FROM flags f WHERE f.id = ? AND {where}",  # noqa: S608
+                         (ref, *args)).fetchone()
+    if exact is not None:
+        return str(exact["id"])
+    escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    rows = conn.execute(
+        f"SELECT f.id FROM flags f WHERE (f.id LIKE ? ESCAPE '\\' OR f.id LIKE ? ESCAPE '\\') AND {where}"  # noqa: S608
+        " ORDER BY f.id LIMIT ?", (escaped + "%", "f-" + escaped + "%", *args, MAX_CANDIDATES + 1)).fetchall()
+    ids = [str(r["id"]) for r in rows]
+    if not ids:
+        raise NotFound(f"no flag {ref} visible to you", code="unknown_flag")
+    if len(ids) > 1:
+        more = " ..." if len(ids) > MAX_CANDIDATES else ""
+        raise Conflict(f"flag prefix {ref} is ambiguous: it matches {', '.join(ids[:MAX_CANDIDATES])}{more};"
+                       " give more characters", code="ambiguous_flag")
+    return ids[0]
+
+
+async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[str, Any]:
+    """One flag visible to `who`, by id or unique prefix (resolve_flag_id)."""
+
+    def read(c: sqlite3.Connection) -> sqlite3.Row:
+        row: sqlite3.Row = c.execute("SELECT * FROM flags WHERE id = ?",
+                                     (resolve_flag_id(c, who, flag_id),)).fetchone()
+        return row
+
+    return _flag_dict(await app[STORE].query(read))
+
 
 
 REPUTATION_FIELDS = ("consecutive_agreements", "agreements_total", "flags_total", "confirmed_flags",

@@ -7,7 +7,7 @@ import json
 from aiohttp import web
 
 from . import readmodel
-from .appkeys import AUDIT, CONFIG, LEDGER
+from .appkeys import AUDIT, CONFIG, LEDGER, STORE
 from .errors import BadRequest
 from .wire import json_response, principal, read_body
 
@@ -21,8 +21,18 @@ async def list_flags(request: web.Request) -> web.Response:
 
 @routes.get("/v1/flags/{flag_id}")
 async def get_flag(request: web.Request) -> web.Response:
+    """The flag with what the console's flag page shows beside it: `job_name`, `round_evidence`
+    (the round's thresholds), `update`, `scores` (each score against its threshold) and
+    `layer_evidence` (per-layer norms and cosines against the round's centre; None for
+    rounds too large to profile)."""
+    from .web import bridge, evidence  # the console's own computations (web imports this module)
+
     who = await principal(request)
-    return json_response(await readmodel.flag_for(request.app, who, request.match_info["flag_id"]))
+
+    flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
+    flag["scores"] = evidence.threshold_scores(flag)
+    flag["layer_evidence"] = await bridge.layer_evidence(request.app, flag)
+    return json_response(flag)
 
 
 @routes.post("/v1/flags/{flag_id}/verdict")
@@ -37,8 +47,8 @@ async def verdict(request: web.Request) -> web.Response:
                          code="bad_json") from None
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object", code="bad_json")
-    out = await request.app[LEDGER].verdict(who, request.match_info["flag_id"], doc.get("verdict"),
-                                            doc.get("note", ""))
+    flag_id = await request.app[STORE].query(lambda c: readmodel.resolve_flag_id(c, who, request.match_info["flag_id"]))
+    out = await request.app[LEDGER].verdict(who, flag_id, doc.get("verdict"), doc.get("note", ""))
     return json_response({"flag": out.flag.to_dict(), "node_banned": out.node_banned,
                           "banned_by_this_verdict": out.banned_by_this_verdict})
 

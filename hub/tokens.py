@@ -37,7 +37,9 @@ class Principal:
 
     def require(self, *roles: Role) -> None:
         if self.role not in roles and not self.is_admin:
-            raise Forbidden(f"this needs a {' or '.join(roles)} token; yours is {self.role}", code="wrong_role")
+            wanted = " or ".join(roles)
+            article = "an" if wanted[:1] in "aeiou" else "a"  # "an auditor token", "an owner token"
+            raise Forbidden(f"this needs {article} {wanted} token; yours is {self.role}", code="wrong_role")
 
 
 def hash_token(token: str) -> str:

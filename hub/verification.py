@@ -1,6 +1,6 @@
 """Verification of contributed updates: replicas, outlier scores, reputation.
 
-Pure functions (STYLE.md): records in, verdicts out; no I/O, no clocks, no
+Pure functions: records in, verdicts out; no I/O, no clocks, no
 global state, inputs never mutated. The hub decides *when* to call them and
 persists what they return; an auditor later confirms or dismisses each `Flag`.
 

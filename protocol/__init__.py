@@ -5,6 +5,8 @@ bytes, the GFT1 tensor codec, declarative model specs and job specs. The only
 disk I/O is key files and reading tensor/spec files on request.
 """
 
+from typing import TYPE_CHECKING
+
 from .errors import (
     DecodeError,
     EncodeError,
@@ -54,24 +56,55 @@ from .signing import (
     open_sealed,
     seal,
 )
-from .tensors import (
-    Manifest,
-    StateEncoder,
-    TensorInfo,
-    TensorSpec,
-    check_finite,
-    check_manifest,
-    decode_state,
-    encode_state,
-    is_blob_id,
-    load_state_file,
-    manifest_of,
-    read_header,
-    sha256_hex,
-    state_from_safetensors,
-    state_to_safetensors,
-)
 from .version import PROTOCOL_VERSION, SOFTWARE_VERSION, check_protocol_version
+
+if TYPE_CHECKING:
+    from .tensors import (
+        Manifest,
+        StateEncoder,
+        TensorInfo,
+        TensorSpec,
+        check_finite,
+        check_manifest,
+        decode_state,
+        encode_state,
+        is_blob_id,
+        load_state_file,
+        manifest_of,
+        read_header,
+        sha256_hex,
+        state_from_safetensors,
+        state_to_safetensors,
+    )
+
+# The tensor codec needs torch (1-2 s to import); it loads on first use, so a command
+# that only parses specs or signs messages (the CLI, `--version`) starts without it.
+_TENSOR_NAMES = frozenset({
+    "Manifest",
+    "StateEncoder",
+    "TensorInfo",
+    "TensorSpec",
+    "check_finite",
+    "check_manifest",
+    "decode_state",
+    "encode_state",
+    "is_blob_id",
+    "load_state_file",
+    "manifest_of",
+    "read_header",
+    "sha256_hex",
+    "state_from_safetensors",
+    "state_to_safetensors",
+})
+
+
+def __getattr__(name: str) -> object:
+    if name in _TENSOR_NAMES:
+        from . import tensors
+
+        return getattr(tensors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "PROTOCOL_VERSION",

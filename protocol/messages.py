@@ -252,7 +252,8 @@ class Nested(Rule):
 
     def decode(self, value: object) -> object:
         if not isinstance(value, dict):
-            raise _Fail(f"expected a {self.cls.__name__} map, got {_describe(value)}")
+            name = self.cls.__name__
+            raise _Fail(f"expected {'an' if name[:1] in 'AEIOU' else 'a'} {name} map, got {_describe(value)}")
         return _from_wire(self.cls, value)
 
     def encode(self, value: object) -> dict[str, object]:

@@ -21,13 +21,15 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Final
 
 from .errors import SpecError
-from .tensors import Manifest, TensorSpec, dtype_name
+
+if TYPE_CHECKING:  # torch is imported where a module is built, not on import (CLI start-up)
+    import torch
+    from torch import nn
+
+    from .tensors import Manifest
 
 MAX_PARAMS: Final = 200_000_000
 MAX_INPUT_ELEMS: Final = 1 << 24
@@ -167,6 +169,8 @@ class ModelSpec:
     @property
     def input_dtype(self) -> torch.dtype:
         """int64 when the first layer is an Embedding (token ids), else float32."""
+        import torch
+
         if self.kind == "sequential" and self.layers and self.layers[0].type == "Embedding":
             return torch.int64
         return torch.float32
@@ -437,15 +441,19 @@ def _parse_layer(raw: object, where: str, *, first: bool) -> LayerSpec:
 # ---------------------------------------------------------------------------
 # Construction.
 
-_ACT: Final[dict[str, Callable[[], nn.Module]]] = {
-    "relu": nn.ReLU,
-    "gelu": nn.GELU,
-    "tanh": nn.Tanh,
-    "sigmoid": nn.Sigmoid,
-}
+def _activation(name: str) -> Callable[[], nn.Module]:
+    from torch import nn
+
+    acts: dict[str, Callable[[], nn.Module]] = {
+        "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid,
+    }
+    return acts[name]
 
 
 def _make_layer(layer: LayerSpec, factory: dict[str, Any]) -> nn.Module:
+    import torch
+    from torch import nn
+
     kw: dict[str, Any] = {k: v for k, v in layer.args}
     t = layer.type
     if t in ("Linear", "Conv1d", "Conv2d", "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Embedding"):
@@ -460,10 +468,13 @@ def _make_layer(layer: LayerSpec, factory: dict[str, Any]) -> nn.Module:
 
 def _construct(spec: ModelSpec, device: torch.device) -> nn.Sequential:
     """The module for ``spec``; parameters created on ``device`` as float32."""
+    import torch
+    from torch import nn
+
     factory: dict[str, Any] = {"device": device, "dtype": torch.float32}
     if spec.kind == "sequential":
         return nn.Sequential(*(_make_layer(layer, factory) for layer in spec.layers))
-    act = _ACT[spec.activation]
+    act = _activation(spec.activation)
     modules: list[nn.Module] = []
     if spec.kind == "cnn":
         channels = spec.input_shape[0]
@@ -514,6 +525,8 @@ def _layer_shape(layer: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
     Mirrors torch's shape rules for the whitelisted layers so validation does not
     need a meta-device forward (whose first call costs seconds of imports).
     """
+    from torch import nn
+
     if isinstance(layer, (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Dropout)):
         return shape
     if isinstance(layer, nn.Linear):
@@ -571,6 +584,8 @@ def _layer_shape(layer: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def infer_shapes(spec: ModelSpec, module: nn.Sequential | None = None) -> list[tuple[int, ...]]:
     """Per-sample output shape after each layer; SpecError naming the layer that cannot run."""
+    import torch
+
     if module is None:
         with torch.device("meta"):
             module = _construct(spec, torch.device("meta"))
@@ -603,6 +618,8 @@ def meta_forward_shape(spec: ModelSpec) -> tuple[int, ...]:
 
     The strongest check that ``spec`` runs; tests use it to cross-check :func:`infer_shapes`.
     """
+    import torch
+
     meta = torch.device("meta")
     with torch.device(meta):
         module = _construct(spec, meta)
@@ -624,6 +641,10 @@ def _meta_check(spec: ModelSpec) -> tuple[int, Manifest]:
 
     Raises SpecError (without the ``where`` prefix; the caller adds it).
     """
+    import torch
+
+    from .tensors import TensorSpec, dtype_name
+
     if spec.kind == "cnn":
         h, w = _spatial_after_pools(spec)
         if h < 1 or w < 1:
@@ -675,6 +696,8 @@ def build_model(spec: ModelSpec, seed: int) -> nn.Module:
     restored, so callers' random streams are not disturbed; CUDA RNGs are never
     touched.
     """
+    import torch
+
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << 63):
         raise SpecError(f"seed: expected an integer 0..2**63-1, got {_short(seed)}")
     _meta_check(spec)
@@ -698,6 +721,8 @@ def build_for_state(spec: ModelSpec, state: Mapping[str, torch.Tensor], *, devic
 
     Raises ValueError/RuntimeError from ``load_state_dict`` when ``state`` does not fit.
     """
+    import torch
+
     _meta_check(spec)
     meta = torch.device("meta")
     with torch.device(meta):

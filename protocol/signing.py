@@ -84,7 +84,8 @@ def verify(public_bytes: bytes, kind: str, payload: bytes, signature: bytes) -> 
         key.verify(signature, domain(kind) + bytes(payload))
     except InvalidSignature:
         raise SignatureError(
-            f"signature does not verify for a {kind!r} message from {fingerprint(public_bytes)}"
+            f"signature does not verify for {'an' if kind[:1] in 'aeiou' else 'a'} {kind!r} message"
+            f" from {fingerprint(public_bytes)}"
         ) from None
 
 

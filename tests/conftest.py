@@ -17,6 +17,9 @@ from tests.helpers import RunningHub, start_hub, write_digits
 
 torch.set_num_threads(1)
 
+# A test skipped for a missing tool (chromium, ...) ends the run with a banner; CI fails instead.
+pytest_plugins = ["tests.tooling.skips"]
+
 
 @pytest.fixture
 def digits_npz(tmp_path: Path) -> tuple[Path, Path, Path]:

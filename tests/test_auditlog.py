@@ -143,7 +143,7 @@ def test_tampering_is_detected_and_located(log_lines, name, mutate, bad_index, w
     check = verify_log(mutate(list(lines)), PK)
     assert not check.ok and not check.truncated, name
     assert check.bad_index == bad_index, (name, check.problem)
-    assert words in check.problem and check.problem.startswith(f"line {bad_index}:")
+    assert words in check.problem and check.problem.startswith(f"line {bad_index + 1}:") and check.line == bad_index + 1
     assert "\n" not in check.problem
     assert check.entries == bad_index
 
@@ -195,7 +195,7 @@ def test_open_adds_a_lost_final_newline(log_lines):
 def test_open_refuses_a_corrupt_middle(log_lines):
     path, lines = log_lines
     path.write_bytes(b"".join([lines[0], lines[2], *lines[3:]]))
-    with pytest.raises(AuditLogError, match="line 1: seq 2"):
+    with pytest.raises(AuditLogError, match="line 2: seq 2 where seq 1 belongs"):
         AuditLog(path, KEY)
     other_hub = path.with_name("other.jsonl")
     other_hub.write_bytes(b"".join(lines))

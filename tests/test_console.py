@@ -369,5 +369,7 @@ async def test_audit_queue_reports_a_tampered_log(hub, browser):
     with open(log, "r+b") as f:  # same length, one word changed: the chain must break
         f.seek(at)
         f.write(b"HONEST")
+    edited = data[:at].count(b"\n") + 1  # the 1-based line an editor shows
     status, html, _ = await browser.get("/console/flags?status=all")
     assert "VERIFICATION FAILED" in html
+    assert f"at line {edited}:" in html and f"line {edited}: hash does not match" in html, html

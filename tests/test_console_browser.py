@@ -2,7 +2,8 @@
 real hub on loopback that ran a small real job with a sign-flipping node.
 
 Screenshots go to tests/artifacts/ (git-ignored). Skipped only when
-/usr/bin/chromium is absent (CI installs it: see /work/notes/console.md).
+/usr/bin/chromium is absent (.ci/run installs it; the run then ends with a banner naming
+the skip, and fails under CI=true: tests/tooling/skips.py).
 """
 
 from __future__ import annotations

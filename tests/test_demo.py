@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,12 +44,33 @@ _HUB_WITH_CTRL_C = (
 )
 
 
-def _demo(workdir: Path, *extra: str) -> subprocess.Popen[str]:
+def _demo(workdir: Path | None, *extra: str, tmpdir: Path | None = None) -> subprocess.Popen[str]:
+    """The demo with --workdir, or (workdir None) in a temporary folder under `tmpdir`."""
+    where = ["--workdir", str(workdir)] if workdir is not None else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    venv_bin = Path(sys.executable).parent.resolve()  # a fresh shell: the venv is not activated
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p).resolve() != venv_bin)
+    env.pop("VIRTUAL_ENV", None)
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.Popen(
-        [sys.executable, "-c", _HUB_WITH_CTRL_C, "demo", "--workdir", str(workdir), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [sys.executable, "-c", _HUB_WITH_CTRL_C, "demo", *where, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
+
+
+def _printed_commands(out: str) -> list[list[str]]:
+    """The `explore further` block's commands, as a shell would split them."""
+    block = out.split("explore further", 1)[1]
+    cmds = []
+    for line in block.splitlines()[1:]:
+        line = line.strip().rstrip("&").strip()
+        if "gpuflex-hub" in line:
+            words = shlex.split(line)
+            while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
+                words.pop(0)
+            cmds.append(words)
+    return cmds
 
 
 def test_demo_runs_flags_the_misbehaving_node_and_cleans_up(tmp_path: Path) -> None:
@@ -61,13 +84,28 @@ def test_demo_runs_flags_the_misbehaving_node_and_cleans_up(tmp_path: Path) -> N
     assert len(pids) == 4, out  # the hub and three nodes
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "the demo left processes running"
+    # The notation is explained once, and each flag shows its score against the threshold.
+    assert out.count("How to read a round line") == 1 and "NAME:Nch" in out, out
+    assert re.search(r"FLAG \w+ on node-3-sign_flip: .+ \(must be [≤≥] ", out), out
+    assert "replicas " in out and "overhead" not in out
+    # Every printed command runs as printed, from this directory, without an activated venv.
+    cmds = _printed_commands(out)
+    assert len(cmds) == 4, out
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = "/usr/bin:/bin"  # no .venv/bin on PATH, as in a fresh shell
+    for words in cmds:
+        assert shutil.which(words[0], path=env["PATH"]) or Path(words[0]).is_file(), words
+    run = subprocess.run([cmds[-1][0], "audit", "verify-log", "--from", str(tmp_path / "hub")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("audit log OK"), run.stdout + run.stderr
 
 
-def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    proc = _demo(tmp_path, "--nodes", "2", "--rounds", "500", "--misbehaving", "0")  # far more than it will run
+def test_demo_ctrl_c_stops_every_process_and_removes_its_folder(tmp_path: Path) -> None:
+    """Without --workdir the demo works in a temporary folder (keys, tokens) and removes it, Ctrl+C included."""
+    proc = _demo(None, "--nodes", "2", "--rounds", "500", "--misbehaving", "0", tmpdir=tmp_path)  # far more
     assert proc.stdout is not None
     lines: list[str] = []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # a node benchmarks itself first: slow on a loaded machine
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -85,3 +123,7 @@ def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert len(pids) == 3, out
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "Ctrl+C left processes running"
+    left = list(tmp_path.glob("gpuflex-demo-*"))
+    assert not left, f"the demo left {left} behind"
+    folder = re.search(r"GPUFlex demo in (\S+)", out)
+    assert folder and f"removed {folder.group(1)}" in out, out

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from gpuflex.hub.localcluster import LocalCluster, Proc, digits_job
+
+from tests.tooling.cluster import LocalCluster, Proc, digits_job
 
 pytestmark = pytest.mark.e2e
 
@@ -317,7 +318,7 @@ def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path, be
         lines[victim] = lines[victim].replace('"included":["', '"included":["f', 1)
         (tampered / "audit.jsonl").write_text("".join(lines))
         bad_run = _hub_cli(["audit", "verify-log", "--from", str(tampered)], env, expect_rc=1)
-        assert f"line {victim}" in bad_run and "TAMPERED" in bad_run
+        assert f"line {victim + 1}:" in bad_run and "TAMPERED" in bad_run  # 1-based, as editors count
 
 
 def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> None:

@@ -22,12 +22,15 @@ from typing import Any
 
 from torch import Tensor
 
+from .charts import _fmt
+
 __all__ = [
     "MAX_MODEL_BYTES",
     "MAX_UPDATES",
     "candidate_shas",
     "layer_profile",
     "round_layer_evidence",
+    "threshold_scores",
 ]
 
 MAX_UPDATES = 32
@@ -94,3 +97,76 @@ def round_layer_evidence(blobs: Any, needed: Mapping[str, Any]) -> dict[str, Any
         layers = layer_profile(states[0], centre)
         del centre, states  # drop the views before open_deltas closes their maps
     return {"layers": layers, "centre_of": len(shas), "closed": bool(needed.get("closed"))}
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A flag's scores against the thresholds they broke: rows of name, value, threshold,
+    the rule in words, ``ok`` (None when there is no threshold) and ``bad_when``.
+
+    ``flag`` carries ``evidence`` and, from queries.flag_context, ``round_evidence`` (the
+    round's thresholds). The console's gauges and ``GET /v1/flags/{id}`` both show these rows."""
+    ev: Mapping[str, Any] = flag.get("evidence") or {}
+    if not isinstance(ev, Mapping):
+        ev = {}
+    rev: Mapping[str, Any] = flag.get("round_evidence") or {}
+    # the job's own thresholds (its spec); the round's recorded ones when the spec is unreadable
+    limits: Mapping[str, Any] = {**rev, **(flag.get("thresholds") or {})}
+    scores: list[dict[str, Any]] = []
+
+    def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:
+        v, th = _num(value), _num(threshold)
+        if v is None:
+            return
+        ok = None if th is None else (v <= th if bad_when == "above" else v >= th)
+        scores.append({"name": name, "value": v, "threshold": th, "bad_when": bad_when, "ok": ok,
+                       "rule": rule.format(th=_fmt(th) if th is not None else "n/a")})
+
+    score(
+        "cosine to round centre",
+        ev.get("cosine"),
+        limits.get("cosine_min"),
+        "below",
+        "must be ≥ {th}",
+    )
+    score(
+        "norm per sample / round median",
+        ev.get("norm_ratio"),
+        limits.get("norm_ratio_max"),
+        "above",
+        "must be ≤ {th}",
+    )
+    if flag.get("reason") == "free_rider":
+        score(
+            "update norm",
+            ev.get("update_norm"),
+            ev.get("threshold"),
+            "below",
+            "must be > {th} (free-rider floor)",
+        )
+    elif _num(ev.get("norm_ratio")) is None:
+        score("update norm", ev.get("update_norm"), None, "above", "")
+    if "relative_distance_to_canonical" in ev:
+        score(
+            "replica distance",
+            ev.get("relative_distance_to_canonical"),
+            ev.get("tolerance"),
+            "above",
+            "must be ≤ {th} (tolerance)",
+        )
+    if "samples_claimed" in ev:
+        score(
+            "samples claimed",
+            ev.get("samples_claimed"),
+            ev.get("shard_samples"),
+            "above",
+            "shard holds {th}",
+        )
+    if "train_s" in ev:
+        score("train time (s)", ev.get("train_s"), None, "above", "node claims")
+    return scores

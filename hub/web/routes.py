@@ -19,7 +19,7 @@ from aiohttp import web
 from gpuflex.protocol.jobspec import VerificationSpec
 from markupsafe import Markup
 
-from . import bridge, charts, queries
+from . import bridge, charts, evidence, queries
 from .keys import SESSION, SESSIONS, TEMPLATES
 from .security import (
     CONSOLE_PREFIX,
@@ -376,69 +376,15 @@ def evidence_view(
     if not isinstance(ev, Mapping):
         ev = {}
     rev: Mapping[str, Any] = flag.get("round_evidence") or {}
-    # the job's own thresholds (its spec); the round's recorded ones when the spec is unreadable
-    limits: Mapping[str, Any] = {**rev, **(flag.get("thresholds") or {})}
-    scores: list[dict[str, Any]] = []
-
-    def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:
-        v, th = _num(value), _num(threshold)
-        if v is None:
-            return
-        ok = None if th is None else (v <= th if bad_when == "above" else v >= th)
-        scores.append(
-            {
-                "name": name,
-                "value": v,
-                "rule": rule.format(th=charts._fmt(th) if th is not None else "n/a"),
-                "ok": ok,
-                "gauge": Markup(  # noqa: S704 - escaped in charts.score_gauge
-                    charts.score_gauge(v, th, bad_when=bad_when, title=name)
-                ),
-            }
-        )
-
-    score(
-        "cosine to round centre",
-        ev.get("cosine"),
-        limits.get("cosine_min"),
-        "below",
-        "must be ≥ {th}",
-    )
-    score(
-        "norm per sample / round median",
-        ev.get("norm_ratio"),
-        limits.get("norm_ratio_max"),
-        "above",
-        "must be ≤ {th}",
-    )
-    if flag.get("reason") == "free_rider":
-        score(
-            "update norm",
-            ev.get("update_norm"),
-            ev.get("threshold"),
-            "below",
-            "must be > {th} (free-rider floor)",
-        )
-    elif _num(ev.get("norm_ratio")) is None:
-        score("update norm", ev.get("update_norm"), None, "above", "")
-    if "relative_distance_to_canonical" in ev:
-        score(
-            "replica distance",
-            ev.get("relative_distance_to_canonical"),
-            ev.get("tolerance"),
-            "above",
-            "must be ≤ {th} (tolerance)",
-        )
-    if "samples_claimed" in ev:
-        score(
-            "samples claimed",
-            ev.get("samples_claimed"),
-            ev.get("shard_samples"),
-            "above",
-            "shard holds {th}",
-        )
-    if "train_s" in ev:
-        score("train time (s)", ev.get("train_s"), None, "above", "node claims")
+    scores = [
+        {
+            **row,
+            "gauge": Markup(  # noqa: S704 - escaped in charts.score_gauge
+                charts.score_gauge(row["value"], row["threshold"], bad_when=row["bad_when"], title=row["name"])
+            ),
+        }
+        for row in evidence.threshold_scores(flag)
+    ]
 
     # Per-layer bars against the round's centre: recorded evidence first, else computed.
     layer_chart = ""

@@ -1,0 +1,42 @@
+"""`gpuflex-hub` starts without torch: parsing arguments, `--version` and `--help` must not
+pay for `import torch` (1.5-3 s). Torch loads where a model or tensor is built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBE = "import sys; {body}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+
+
+def _loaded(body: str) -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(body=body)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_protocol_specs_and_the_hub_cli_import_without_torch():
+    assert _loaded("import gpuflex.protocol.jobspec, gpuflex.protocol.messages, gpuflex.protocol.signing") == "[]"
+    assert _loaded("import gpuflex.hub.cli; gpuflex.hub.cli.build_parser()") == "[]"
+
+
+def test_torch_loads_where_it_is_used():
+    assert _loaded("from gpuflex.protocol import encode_state, TensorSpec") == "['numpy', 'torch']"
+    spec = '[job]\\nname = \\"x\\"\\n[model]\\nkind = \\"mlp\\"\\ninput = 4\\nhidden = []\\noutputs = 2\\n'
+    # parsing a spec checks the model's shapes on the meta device: torch is needed there
+    assert "torch" in _loaded(f"from gpuflex.protocol.jobspec import parse_job_spec; parse_job_spec(\"{spec}\")")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["job", "--help"], ["audit", "--help"]])
+def test_gpuflex_hub_commands_run_without_torch(argv):
+    """The installed script itself; -X importtime lists every module it imports."""
+    script = Path(sys.executable).parent / "gpuflex-hub"
+    out = subprocess.run([sys.executable, "-X", "importtime", str(script), *argv], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, COLUMNS="100"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+    assert "torch" not in imported and "numpy" not in imported, sorted(m for m in imported if "torch" in m)[:5]
