@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None) -> int:
-    from .agent import NodeAgent, NodeConfig
     from .output import Output
 
+    output = Output(json_lines=True if args.json else None)
+    with output.status("loading torch…"):
+        from .agent import NodeAgent, NodeConfig
     if not 0 < args.poll_wait <= 60:
         raise NodeError("--poll-wait must be in (0, 60] seconds")
     if args.max_cache_gb <= 0:
@@ -114,7 +116,6 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
     )
-    output = Output(json_lines=True if args.json else None)
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
     if agent.fatal is not None:

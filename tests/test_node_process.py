@@ -172,3 +172,20 @@ def test_second_node_on_the_same_data_dir_refuses_and_leaves_the_first_alone(tmp
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_bench_says_what_it_measures_while_it_measures(tmp_path):
+    """Not a terminal: one line per step on stderr; the JSON on stdout stays clean."""
+    import json
+
+    r = _cli("bench", "--force", "--json", "--device", "cpu", "--threads", "1", "--data-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("measuring this machine") and str(tmp_path / "bench.json") in lines[0]
+    steps = [line.strip() for line in lines[1:]]
+    assert steps[0] == "[1/6] matmul fp32" and steps[-1] == "[6/6] training mlp-784-1024-1024-10/b128"
+    assert len(steps) == 6
+    results = json.loads(r.stdout)
+    assert results["quick"] is False and results["cached"] is False
+    assert results["matmul_tflops_fp32"] > 0 and results["matmul_tflops_bf16"] is not None
+    assert set(results["training"]) == {"mlp-64-128-10/b32", "mlp-784-1024-1024-10/b128"}
