@@ -10,9 +10,10 @@ The concerns around the loop live in their own modules, none of which imports th
     pause.py         the pause/resume state machine; what a pause or an exit interrupts
     signals.py       SIGINT/SIGTERM -> a clean exit; a second Ctrl-C leaves at once
     registration.py  the hub key check (pin) and the signed hello
-    assignment.py    the node's own checks on a signed assignment
+    assignment.py    the node's own checks on a signed assignment; reading its inputs
     transfers.py     downloads checked by sha256, the upload with retries and re-signing
     control.py       the local control endpoint (status, pause, resume)
+    gpuyield.py      pausing while another process uses the GPU
     datadir.py       the data dir's lock (one node per folder)
     totals.py        the counters and their file
 
@@ -43,18 +44,18 @@ import aiohttp
 import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Assignment, Benchmark, NoWork
-from gpuflex.protocol.modelspec import ModelSpec, manifest
+from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, fingerprint
-from gpuflex.protocol.tensors import check_finite, check_manifest, load_state_file
+from gpuflex.protocol.tensors import check_finite
 from gpuflex.protocol.version import SOFTWARE_VERSION
 from torch import Tensor
 
-from .assignment import check_assignment
+from .assignment import check_assignment, load_inputs
 from .cache import BlobCache
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
-from .device import GpuWatcher, apply_limits, select_device
+from .device import apply_limits, select_device
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -70,6 +71,7 @@ from .errors import (
     TrainingStopped,
     UnknownNode,
 )
+from .gpuyield import yield_gpu_while_busy
 from .identity import PIN_FILE, load_or_create_key
 from .output import Output
 from .pause import Interrupted, PauseState
@@ -292,7 +294,7 @@ class NodeAgent:
                     control = ControlServer(self, self.config.data_dir, self.output)
                     tg.create_task(control.serve(self.pause_state.exited))
                 if self.config.yield_gpu and self.device.type == "cuda":
-                    tg.create_task(self._gpu_yield_loop())
+                    tg.create_task(yield_gpu_while_busy(self.pause_state, self.device, self.output))
 
     def _benchmark(self) -> Benchmark:
         from .benchmark import benchmark_for_registration, cache_path
@@ -466,7 +468,7 @@ class NodeAgent:
             fetched = await pause.interruptible(self.transfers.fetch_all(self._client(), a))
             download_s = time.perf_counter() - t0
 
-            global_state, chunks = await asyncio.to_thread(self._load_inputs, a, spec)
+            global_state, chunks = await asyncio.to_thread(load_inputs, self.cache, a, spec)
             cur.phase = "training"
             self.state = "training"
             self.output.progress_start(f"training {a.assignment_id[:12]} r{a.round}")
@@ -554,24 +556,6 @@ class NodeAgent:
             log.info("could not tell the hub about abandoning %s: %s", assignment_id, exc)
             return False
 
-    def _load_inputs(
-        self, a: Assignment, spec: ModelSpec
-    ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
-        """Read the model and the chunks from the cache (a worker thread's job: disk I/O)."""
-        try:
-            global_state = load_state_file(self.cache.touch(a.model_hash))
-            check_manifest(global_state, manifest(spec))
-            chunks = []
-            for c in a.chunks:
-                chunk = load_state_file(self.cache.touch(c.sha256))
-                x = chunk.get("x")
-                if x is None or x.shape[0] != c.samples:
-                    raise TrainError(f"chunk {c.sha256[:12]}… does not hold {c.samples} samples")
-                chunks.append(chunk)
-        except ProtocolError as exc:
-            raise TrainError(f"assignment {a.assignment_id}: inputs refused: {exc}") from exc
-        return global_state, chunks
-
     # ---------------------------------------------------------------- side loops
 
     async def _heartbeat_loop(self) -> None:
@@ -597,20 +581,6 @@ class NodeAgent:
             self.output.event(
                 "heartbeat", assignment_id=cur.assignment.assignment_id, progress=round(cur.progress, 3)
             )
-
-    async def _gpu_yield_loop(self) -> None:
-        pause = self.pause_state
-        watcher = await asyncio.to_thread(GpuWatcher, self.device)
-        if not watcher.available:
-            self.output.event("note", detail="GPU yielding off (nvidia-ml-py missing or NVML unavailable)")
-            return
-        while not pause.exited.is_set():
-            await pause.tick(2.0)
-            busy = await asyncio.to_thread(watcher.others_busy)
-            if busy and not pause.paused:
-                pause.pause("gpu_busy")
-            elif not busy and pause.paused and pause.reason == "gpu_busy":
-                pause.resume()
 
 
 __all__ = ["Current", "NodeAgent", "NodeConfig", "Totals"]

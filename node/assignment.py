@@ -15,9 +15,11 @@ import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.modelspec import ModelSpec, manifest, param_count
-from gpuflex.protocol.tensors import ITEMSIZE, MAX_HEADER_BYTES
+from gpuflex.protocol.tensors import ITEMSIZE, MAX_HEADER_BYTES, check_manifest, load_state_file
+from torch import Tensor
 
-from .errors import AssignmentRejected
+from .cache import BlobCache
+from .errors import AssignmentRejected, TrainError
 
 MAX_BLOB_BYTES = 8 << 30
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
@@ -80,4 +82,27 @@ def check_assignment(
     return spec
 
 
-__all__ = ["CLOCK_SKEW_S", "HEADER_ALLOWANCE", "MAX_BLOB_BYTES", "MAX_DEADLINE_AHEAD_S", "check_assignment"]
+def load_inputs(
+    cache: BlobCache, a: Assignment, spec: ModelSpec
+) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """The global model and the chunks, read from the cache (disk I/O: call it in a thread).
+
+    Each must fit what the assignment declares: the model the spec's manifest, each chunk
+    its sample count; TrainError otherwise (nothing is trained).
+    """
+    try:
+        global_state = load_state_file(cache.touch(a.model_hash))
+        check_manifest(global_state, manifest(spec))
+        chunks = []
+        for c in a.chunks:
+            chunk = load_state_file(cache.touch(c.sha256))
+            x = chunk.get("x")
+            if x is None or x.shape[0] != c.samples:
+                raise TrainError(f"chunk {c.sha256[:12]}… does not hold {c.samples} samples")
+            chunks.append(chunk)
+    except ProtocolError as exc:
+        raise TrainError(f"assignment {a.assignment_id}: inputs refused: {exc}") from exc
+    return global_state, chunks
+
+
+__all__ = ["CLOCK_SKEW_S", "HEADER_ALLOWANCE", "MAX_BLOB_BYTES", "MAX_DEADLINE_AHEAD_S", "check_assignment", "load_inputs"]
