@@ -213,11 +213,13 @@ class Transfers:
                 # The hub forgot us (restarted with a fresh node table): register again and
                 # offer the same update once more; the hub decides whether it is still wanted.
                 if reregistered:
-                    return self._refused(a, exc)
+                    self._refused(a, exc)
+                    return None
                 reregistered = True
                 self.output.event("error", **json_error_detail(exc), action="re-register")
                 if not await self.pause.interruptible(reregister()):
-                    return self._refused(a, exc)
+                    self._refused(a, exc)
+                    return None
                 continue
             except HubError as exc:
                 if exc.code == "replay" and not resigned:
@@ -228,14 +230,14 @@ class Transfers:
                     self.output.event("error", **json_error_detail(exc), action="sign again")
                     await self.pause.interruptible(asyncio.sleep(0.5))
                     continue
-                return self._refused(a, exc)
+                self._refused(a, exc)
+                return None
             self.totals.bytes_uploaded += len(body)
             return Uploaded(ack=ack, sha256=digest, size=len(body))
 
     def _refused(self, a: Assignment, exc: Exception) -> None:
         self.totals.rejected += 1
         self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
-        return None
 
 
 def _finite(value: float) -> float:
