@@ -3,7 +3,12 @@
 Honest means: every figure is the median of several timed repeats after a warm-up run,
 CUDA work is synchronized before a clock is read, and the training throughput is the
 node's real training path (``train_assignment``) on two reference MLPs, not a guess
-from peak FLOP/s. On this 2-core CPU the whole run stays well under 10 s.
+from peak FLOP/s.
+
+Short means: a contributor sees a result in seconds. On a CPU, bf16 and fp16 matmuls
+run hundreds of times slower than fp32 (no native kernels), so there they are measured on
+a small matrix: the hub takes the fastest matmul figure as the node's peak, which on a CPU
+is fp32 anyway. ``on_step(label, done, total)`` reports progress as each figure starts.
 
 Results are cached in DIR/bench.json keyed by the hardware fingerprint (CPU model, core
 count, torch version, device, threads) and measured again when any part changes.
@@ -99,34 +104,66 @@ def training_samples_per_s(
     return samples / statistics.median(times)
 
 
-def run_benchmark(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
+Step = Callable[[str, int, int], None]
+
+
+def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | None = None) -> dict[str, Any]:
     """Measure; ``quick`` (~1 s) is what a first ``run`` uses before a full ``bench``."""
     started = time.perf_counter()
     desc = describe(device)
     gpu = device.type in ("cuda", "mps")
     n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 768)
+    n_half = n if gpu else 256  # bf16/fp16 on a CPU: slow emulation, a small matrix tells enough
     reps = 5 if not quick else 3
     out: dict[str, Any] = {
         "fingerprint": hardware_fingerprint(device),
         "quick": quick,
         "device": {"kind": desc.kind, "name": desc.name, "memory_bytes": desc.memory_bytes,
                    "threads": desc.threads, "torch": torch.__version__},
+        "matmul_tflops_bf16": None, "matmul_tflops_fp16": None, "h2d_gbs": None, "d2h_gbs": None,
     }
-    out["matmul_tflops_fp32"] = matmul_tflops(device, torch.float32, n, reps) or 0.0
-    out["matmul_tflops_bf16"] = None if quick else matmul_tflops(device, torch.bfloat16, n, reps)
-    out["matmul_tflops_fp16"] = None if quick else matmul_tflops(device, torch.float16, n, reps)
-    out["mem_bandwidth_gbs"] = mem_bandwidth_gbs(device, (256 if gpu else 64) // (4 if quick else 1), reps)
-    out["h2d_gbs"], out["d2h_gbs"] = (None, None)
-    if device.type == "cuda":
-        out["h2d_gbs"], out["d2h_gbs"] = host_device_gbs(device, 64 if not quick else 16, reps)
     digits = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
-    out["training"] = {
-        REFERENCE_MODEL: training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, 3),
-    }
+    big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
+    training: dict[str, float] = {}
+
+    def fp32() -> None:
+        out["matmul_tflops_fp32"] = matmul_tflops(device, torch.float32, n, reps) or 0.0
+
+    def bf16() -> None:
+        out["matmul_tflops_bf16"] = matmul_tflops(device, torch.bfloat16, n_half, reps)
+
+    def fp16() -> None:
+        out["matmul_tflops_fp16"] = matmul_tflops(device, torch.float16, n_half, reps)
+
+    def memory() -> None:
+        out["mem_bandwidth_gbs"] = mem_bandwidth_gbs(device, (256 if gpu else 64) // (4 if quick else 1), reps)
+
+    def transfers() -> None:
+        out["h2d_gbs"], out["d2h_gbs"] = host_device_gbs(device, 64 if not quick else 16, reps)
+
+    def reference() -> None:
+        training[REFERENCE_MODEL] = training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, 3)
+
+    def large() -> None:
+        training[BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 256, 128, 2)
+
+    steps: list[tuple[str, Callable[[], None]]] = [("matmul fp32", fp32)]
     if not quick:
-        big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
-        out["training"][BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 384, 128, 3)
-    out["samples_per_s"] = out["training"][REFERENCE_MODEL]
+        steps += [("matmul bf16", bf16), ("matmul fp16", fp16)]
+    steps.append(("memory bandwidth", memory))
+    if device.type == "cuda":
+        steps.append(("host <-> device", transfers))
+    steps.append((f"training {REFERENCE_MODEL}", reference))
+    if not quick:
+        steps.append((f"training {BIG_MODEL}", large))
+    for i, (label, step) in enumerate(steps):
+        if on_step is not None:
+            on_step(label, i, len(steps))
+        step()
+    if on_step is not None:
+        on_step("done", len(steps), len(steps))
+    out["training"] = training
+    out["samples_per_s"] = training[REFERENCE_MODEL]
     out["reference_model"] = REFERENCE_MODEL
     out["duration_s"] = time.perf_counter() - started
     out["measured_at"] = time.time()
@@ -181,8 +218,10 @@ def load_cached(device: torch.device, path: Path) -> dict[str, Any] | None:
     return entry
 
 
-def measure_and_cache(device: torch.device, path: Path, *, quick: bool = False) -> dict[str, Any]:
-    results = run_benchmark(device, quick=quick)
+def measure_and_cache(
+    device: torch.device, path: Path, *, quick: bool = False, on_step: Step | None = None
+) -> dict[str, Any]:
+    results = run_benchmark(device, quick=quick, on_step=on_step)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -196,9 +235,16 @@ def measure_and_cache(device: torch.device, path: Path, *, quick: bool = False) 
     return results
 
 
-def benchmark_for_registration(device: torch.device, path: Path) -> Benchmark:
-    """The cached figures for this hardware, or a quick measurement (cached too)."""
+def benchmark_for_registration(
+    device: torch.device, path: Path, *, on_measure: Callable[[], None] | None = None
+) -> Benchmark:
+    """The cached figures for this hardware, or a quick measurement (cached too).
+
+    ``on_measure`` is called before a measurement starts (to say so on screen).
+    """
     cached = load_cached(device, path)
     if cached is None:
+        if on_measure is not None:
+            on_measure()
         cached = measure_and_cache(device, path, quick=True)
     return to_message(cached)

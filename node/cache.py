@@ -13,6 +13,12 @@ is re-hashed once before its first use (:meth:`BlobCache.verify`) and dropped if
 wrong, so a torn file is downloaded again, never trained on.
 Recency is the file's mtime (touched on every use); eviction removes the least recently
 used blobs that the current assignment does not need until the cache fits its cap.
+
+The folder is listed once, when the cache opens; from then on an in-memory index (id ->
+last use, size) follows every commit, touch, discard and eviction, so the list of cached
+chunks sent with every work request and the size shown by ``status`` cost no disk scan.
+Only one process uses a cache (the data dir is locked), so nothing else changes it
+behind the index's back. Writers may commit from worker threads: the index has a lock.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -95,6 +103,7 @@ class BlobWriter:
         final = self._cache.blob_path(self.sha256)
         os.replace(self.path, final)
         self._cache.verified.add(self.sha256)
+        self._cache.remember(self.sha256, self.size)
         return final
 
     def abort(self, *, keep_partial: bool) -> None:
@@ -114,11 +123,28 @@ class BlobCache:
         self.partial_dir.mkdir(parents=True, exist_ok=True)
         # Blobs whose bytes this process has hashed (written or re-checked) since it started.
         self.verified: set[str] = set()
-        # Anything in blobs/ that is not named like a blob is a stray: remove it.
+        self._lock = threading.Lock()
+        self._index: dict[str, tuple[float, int]] = {}  # id -> (last use, size)
+        # The one listing: anything in blobs/ not named like a blob is a stray and goes.
         for p in self.blob_dir.iterdir():
             if not is_blob_id(p.name):
                 with contextlib.suppress(OSError):
                     p.unlink()
+                continue
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            self._index[p.name] = (st.st_mtime, st.st_size)
+
+    def remember(self, sha256: str, size: int) -> None:
+        """Record a blob that just reached blobs/ (as just used)."""
+        with self._lock:
+            self._index[sha256] = (time.time(), size)
+
+    def _forget(self, sha256: str) -> None:
+        with self._lock:
+            self._index.pop(sha256, None)
 
     def blob_path(self, sha256: str) -> Path:
         if not is_blob_id(sha256):
@@ -157,6 +183,7 @@ class BlobCache:
     def discard(self, sha256: str) -> None:
         """Forget one blob (a superseded model, a corrupt file)."""
         self.verified.discard(sha256)
+        self._forget(sha256)
         with contextlib.suppress(FileNotFoundError):
             self.blob_path(sha256).unlink()
 
@@ -165,6 +192,9 @@ class BlobCache:
         path = self.blob_path(sha256)
         with contextlib.suppress(OSError):
             os.utime(path)
+            size = path.stat().st_size
+            with self._lock:
+                self._index[sha256] = (time.time(), size)
         return path
 
     def writer(self, sha256: str, size: int, *, resume: bool = True) -> BlobWriter:
@@ -172,14 +202,8 @@ class BlobCache:
         return BlobWriter(self, sha256, size, resume=resume)
 
     def _entries(self) -> list[tuple[float, int, str]]:
-        out = []
-        for p in self.blob_dir.iterdir():
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            out.append((st.st_mtime, st.st_size, p.name))
-        return out
+        with self._lock:
+            return [(used, size, sha) for sha, (used, size) in self._index.items()]
 
     def ids(self, limit: int = 4096) -> list[str]:
         """Cached blob ids, most recently used first."""
@@ -187,9 +211,12 @@ class BlobCache:
         return [name for _, _, name in entries[:limit]]
 
     def size_bytes(self) -> int:
-        return sum(size for _, size, _ in self._entries()) + sum(
-            p.stat().st_size for p in self.partial_dir.iterdir() if p.is_file()
-        )
+        """Bytes held: the indexed blobs plus the (few) downloads in progress."""
+        partial = 0
+        for p in self.partial_dir.iterdir():
+            with contextlib.suppress(OSError):
+                partial += p.stat().st_size
+        return sum(size for _, size, _ in self._entries()) + partial
 
     def evict(self, keep: Iterable[str] = ()) -> int:
         """Remove least recently used blobs not in ``keep`` until under the cap; bytes freed."""
@@ -203,6 +230,7 @@ class BlobCache:
             if name in keep_set:
                 continue
             self.verified.discard(name)
+            self._forget(name)
             with contextlib.suppress(FileNotFoundError):
                 (self.blob_dir / name).unlink()
                 (self.partial_dir / f"{name}.part").unlink(missing_ok=True)

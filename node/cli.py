@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,15 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         _add_data_dir(p)
         p.add_argument("--json", action="store_true", help="print raw JSON")
 
-    ident = sub.add_parser("id", help="print this node's id (its key fingerprint)")
+    ident = sub.add_parser("id", help="print this node's id (its key fingerprint; read only: "
+                           "the first `run` creates the key)")
     _add_data_dir(ident)
     return parser
 
 
 def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None) -> int:
-    from .agent import NodeAgent, NodeConfig
     from .output import Output
 
+    output = Output(json_lines=True if args.json else None)
+    with output.status("loading torch…"):
+        from .agent import NodeAgent, NodeConfig
     if not 0 < args.poll_wait <= 60:
         raise NodeError("--poll-wait must be in (0, 60] seconds")
     if args.max_cache_gb <= 0:
@@ -111,7 +116,6 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
     )
-    output = Output(json_lines=True if args.json else None)
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
     if agent.fatal is not None:
@@ -123,16 +127,49 @@ def _fmt_num(v: Any, unit: str) -> str:
     return "n/a" if v is None else f"{v:,.3g} {unit}"
 
 
+@contextlib.contextmanager
+def _bench_progress(path: Path) -> Iterator[Callable[[str, int, int], None]]:
+    """Progress on stderr while the benchmark runs: a live bar on a terminal, else a line a step."""
+    from rich.console import Console
+
+    console = Console(stderr=True, highlight=False)
+    print(f"measuring this machine (a few seconds; the result is cached in {path})", file=sys.stderr)
+    if not console.is_terminal:
+        def line(label: str, done: int, total: int) -> None:
+            if done < total:
+                print(f"  [{done + 1}/{total}] {label}", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("benchmark", total=None)
+
+        def bar(label: str, done: int, total: int) -> None:
+            progress.update(task, description=label, completed=done, total=total)
+
+        yield bar
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import cache_path, load_cached, measure_and_cache
-    from .device import apply_limits, select_device
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
+        from .benchmark import cache_path, load_cached, measure_and_cache
+        from .device import apply_limits, select_device
 
     device = select_device(args.device)
     apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
     path = cache_path(_data_dir(args), args.bench_cache)
     results = None if args.force else load_cached(device, path)
     if results is None or results.get("quick"):
-        results = measure_and_cache(device, path)
+        with _bench_progress(path) as on_step:
+            results = measure_and_cache(device, path, on_step=on_step)
         results["cached"] = False
     else:
         results["cached"] = True
@@ -198,11 +235,19 @@ def _cmd_control(args: argparse.Namespace) -> int:
 
 
 def _cmd_id(args: argparse.Namespace) -> int:
-    from .identity import load_or_create_key
+    """Print the node id; read only: the key is created by the first ``run``, never here."""
+    from .identity import KEY_FILE, load_key
 
     data_dir = _data_dir(args)
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    print(load_or_create_key(data_dir).fingerprint)
+    key = load_key(data_dir)
+    if key is None:
+        print(
+            f"gpuflex-node: no identity yet: {data_dir / KEY_FILE} does not exist; the first "
+            f"`gpuflex-node run{'' if args.data_dir is None else f' --data-dir {data_dir}'}` creates it",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    print(key.fingerprint)
     return 0
 
 

@@ -286,7 +286,8 @@ class HubClient:
                         f"{resp.content_length} bytes, {remaining} expected; refused"
                     )
                 async for block in resp.content.iter_chunked(1 << 20):
-                    writer.write(block)
+                    # hashing and writing a block is the writer's work: off the event loop
+                    await asyncio.to_thread(writer.write, block)
                     if on_bytes is not None:
                         on_bytes(len(block))
         except _NET_ERRORS as exc:

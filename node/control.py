@@ -20,21 +20,33 @@ import secrets
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from .errors import ControlError
 from .files import write_private_file
 
-if TYPE_CHECKING:
-    from .agent import NodeAgent
-
 TOKEN_FILE = "control.token"  # noqa: S105 - a file name, not a secret
 URL_FILE = "control.url"
 
-_AGENT: web.AppKey[NodeAgent] = web.AppKey("agent")
-_TOKEN: web.AppKey[str] = web.AppKey("token")
+
+class Controllable(Protocol):
+    """What the endpoint drives: the running node (it never imports the agent)."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def pause(self, reason: str = "user") -> bool: ...
+
+    def resume(self) -> bool: ...
+
+
+class EventSink(Protocol):
+    def event(self, event: str, **fields: Any) -> None: ...
+
+
+_NODE: web.AppKey[Controllable] = web.AppKey("node", Controllable)
+_TOKEN: web.AppKey[str] = web.AppKey("token", str)
 
 
 @web.middleware
@@ -53,22 +65,22 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[_AGENT].status())
+    return web.json_response(request.app[_NODE].status())
 
 
 async def _pause(request: web.Request) -> web.Response:
-    changed = request.app[_AGENT].pause("user")
+    changed = request.app[_NODE].pause("user")
     return web.json_response({"paused": True, "changed": changed})
 
 
 async def _resume(request: web.Request) -> web.Response:
-    changed = request.app[_AGENT].resume()
+    changed = request.app[_NODE].resume()
     return web.json_response({"paused": False, "changed": changed})
 
 
-def create_control_app(agent: NodeAgent, token: str) -> web.Application:
+def create_control_app(node: Controllable, token: str) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=4096)
-    app[_AGENT] = agent
+    app[_NODE] = node
     app[_TOKEN] = token
     app.router.add_get("/v1/status", _status)
     app.router.add_post("/v1/pause", _pause)
@@ -77,15 +89,22 @@ def create_control_app(agent: NodeAgent, token: str) -> web.Application:
 
 
 class ControlServer:
-    def __init__(self, agent: NodeAgent, data_dir: Path) -> None:
-        self.agent = agent
+    """Serves the endpoint until ``stop`` is set; its files exist exactly that long.
+
+    The node holds the data dir's lock before it serves, so the files are this process's
+    own; even so, clean-up removes only a URL and a token that are still the ones it wrote.
+    """
+
+    def __init__(self, node: Controllable, data_dir: Path, output: EventSink) -> None:
+        self.node = node
         self.data_dir = data_dir
+        self.output = output
         self.url = ""
 
     async def serve(self, stop: asyncio.Event) -> None:
         token = secrets.token_urlsafe(32)
         write_private_file(self.data_dir / TOKEN_FILE, token + "\n")
-        runner = web.AppRunner(create_control_app(self.agent, token), access_log=None)
+        runner = web.AppRunner(create_control_app(self.node, token), access_log=None)
         await runner.setup()
         try:
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -95,12 +114,15 @@ class ControlServer:
             port = sockets[0].getsockname()[1]
             self.url = f"http://127.0.0.1:{port}"
             write_private_file(self.data_dir / URL_FILE, self.url + "\n")
-            self.agent.output.event("control", url=self.url)
+            self.output.event("control", url=self.url)
             await stop.wait()
         finally:
-            for name in (URL_FILE, TOKEN_FILE):  # the token dies with the endpoint
+            # the token dies with the endpoint
+            for name, mine in ((URL_FILE, self.url), (TOKEN_FILE, token)):
+                path = self.data_dir / name
                 with contextlib.suppress(OSError):
-                    (self.data_dir / name).unlink()
+                    if mine and path.read_text(encoding="utf-8").strip() == mine:
+                        path.unlink()
             await runner.cleanup()
 
 

@@ -6,8 +6,10 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
 
     NodeError
     ├── ConfigError          bad command-line value, unusable data dir
+    │   └── DataDirBusy      another node process holds the data dir's lock
     ├── IdentityError        node key unreadable / wrong permissions
     ├── HubKeyMismatch       the hub's key is not the pinned one (refuse to work)
+    │   └── HubForged        work signed by another key than the pinned one (refuse to work)
     ├── HubError             the hub answered with an error we cannot retry past
     │   ├── UnknownNode      401 unknown_node: re-register
     │   └── Banned           403 banned: stop
@@ -31,12 +33,20 @@ class ConfigError(NodeError):
     """A command-line value or the data directory is unusable."""
 
 
+class DataDirBusy(ConfigError):
+    """Another node process is running with this data dir (it holds DIR/node.lock)."""
+
+
 class IdentityError(NodeError):
     """The node's own key cannot be created or loaded."""
 
 
 class HubKeyMismatch(NodeError):
     """The hub presents a key other than the pinned one."""
+
+
+class HubForged(HubKeyMismatch):
+    """A work answer carries a signature the pinned hub key did not make: someone forges the hub."""
 
 
 class HubError(NodeError):

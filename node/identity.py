@@ -18,20 +18,29 @@ from gpuflex.protocol.signing import SigningKey, fingerprint
 from .errors import HubKeyMismatch, IdentityError
 from .files import write_private_file
 
-__all__ = ["HubPin", "check_hub_key", "load_or_create_key", "write_private_file"]
+__all__ = ["KEY_FILE", "PIN_FILE", "HubPin", "check_hub_key", "load_key", "load_or_create_key", "write_private_file"]
 
 KEY_FILE = "node.key"
 PIN_FILE = "hub.pin"
 
 
+def load_key(data_dir: Path) -> SigningKey | None:
+    """DIR/node.key, or None when there is none yet (nothing is created)."""
+    path = data_dir / KEY_FILE
+    if not path.exists():
+        return None
+    try:
+        return SigningKey.load(path)
+    except KeyFileError as exc:
+        raise IdentityError(str(exc)) from exc
+
+
 def load_or_create_key(data_dir: Path) -> SigningKey:
     """Load DIR/node.key, or create it (0600) on first run."""
     path = data_dir / KEY_FILE
-    if path.exists():
-        try:
-            return SigningKey.load(path)
-        except KeyFileError as exc:
-            raise IdentityError(str(exc)) from exc
+    existing = load_key(data_dir)
+    if existing is not None:
+        return existing
     key = SigningKey.generate()
     try:
         key.save(path)

@@ -8,11 +8,13 @@ assignment is being downloaded or trained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 _QUIET_ON_TTY = frozenset({"heartbeat", "no_work"})
@@ -60,6 +62,15 @@ class Output:
             self._console.print(f"[{style}]{event}[/{style}]  {detail}" if style else f"{event}  {detail}")
 
     # -- live progress on a terminal (no-ops for JSON lines) ---------------------------
+
+    @contextlib.contextmanager
+    def status(self, text: str) -> Iterator[None]:
+        """A spinner with ``text`` while the block runs (start-up work with nothing else to show)."""
+        if self._console is None:
+            yield
+            return
+        with self._console.status(text):
+            yield
 
     def progress_start(self, description: str) -> None:
         if self._console is None:

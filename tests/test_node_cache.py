@@ -147,3 +147,55 @@ def test_output_json_lines_one_object_per_event():
     assert len(lines) == 1
     rec = json.loads(lines[0])
     assert rec["event"] == "trained" and rec["loss"] is None and rec["steps"] == 3
+
+
+def test_cache_index_follows_every_change_and_a_reopened_cache_agrees(tmp_path):
+    """The ids sent with every work request come from the in-memory index (no disk scan per
+    poll); it follows commit, touch, discard and eviction, and the next run rebuilds it from
+    the files (recency = mtime), in the same order."""
+    cache = BlobCache(tmp_path, 3500)
+    shas = []
+    for i in range(3):
+        sha, data = _blob(1000, seed=10 + i)
+        w = cache.writer(sha, len(data))
+        w.write(data)
+        w.commit()
+        shas.append(sha)
+        time.sleep(0.01)
+    assert cache.ids() == shas[::-1] and cache.size_bytes() == 3000
+    cache.touch(shas[0])
+    assert cache.ids()[0] == shas[0]
+    cache.discard(shas[1])
+    assert cache.ids() == [shas[0], shas[2]] and not cache.has(shas[1])
+    sha, data = _blob(2000, seed=20)
+    w = cache.writer(sha, len(data))
+    w.write(data[:700])
+    w.abort(keep_partial=True)
+    assert cache.size_bytes() == 2700  # a download in progress counts too
+    w = cache.writer(sha, len(data), resume=True)
+    w.write(data[700:])
+    w.commit()
+    assert cache.ids() == [sha, shas[0], shas[2]] and cache.size_bytes() == 4000
+    cache.evict(keep={sha})
+    assert cache.ids() == [sha, shas[0]] and cache.size_bytes() == 3000  # the oldest went
+    assert BlobCache(tmp_path, 3500).ids() == cache.ids()
+
+
+def test_blob_writes_from_worker_threads_keep_the_index_whole(tmp_path):
+    """Downloads commit from worker threads while the loop lists ids: the index has a lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = BlobCache(tmp_path, 1 << 30)
+    blobs = [_blob(64, seed=100 + i) for i in range(200)]
+
+    def put(item):
+        sha, data = item
+        w = cache.writer(sha, len(data))
+        w.write(data)
+        w.commit()
+        return len(cache.ids())
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, blobs))
+    assert sorted(cache.ids()) == sorted(sha for sha, _ in blobs)
+    assert cache.size_bytes() == 64 * 200

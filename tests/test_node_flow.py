@@ -204,3 +204,46 @@ async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
     finally:
         node.request_exit("test")
         await hub.stop()
+
+
+async def test_hashing_and_cache_listing_stay_off_the_event_loop(tmp_path, monkeypatch):
+    """Blob hashing (resumed partials, every received block, commits), the update's encoding
+    and hash, and reading inputs run in worker threads; no poll lists the cache folder."""
+    import pathlib
+    import threading
+
+    hub = await Hub(tmp_path / "hub").start()
+    try:
+        await hub.submit(spec_toml(rounds=2), dataset())
+        events = EventLog()
+        node = agent(tmp_path / "node", hub.url, events, max_assignments=2)
+        loop_thread = threading.get_ident()
+        calls: list[tuple[str, bool]] = []  # (what, ran on the event loop's thread)
+
+        def spy(obj, name):
+            real = getattr(obj, name)
+
+            def wrapper(*a, **kw):
+                calls.append((name, threading.get_ident() == loop_thread))
+                out = real(*a, **kw)
+                if name == "writer":
+                    spy(out, "write")
+                    spy(out, "commit")
+                return out
+
+            setattr(obj, name, wrapper)
+
+        spy(node.cache, "writer")
+        spy(node.cache, "verify")
+        spy(node.transfers._encoder, "encode")
+        listed: list[pathlib.Path] = []
+        real_iterdir = pathlib.Path.iterdir
+        monkeypatch.setattr(pathlib.Path, "iterdir", lambda p: listed.append(p) or real_iterdir(p))
+        assert await asyncio.wait_for(node.run(), 60) == 0
+        assert len(events.of("uploaded")) == 2
+        kinds = {name for name, _ in calls}
+        assert {"writer", "write", "commit", "encode"} <= kinds, kinds
+        assert not [name for name, on_loop in calls if on_loop], calls
+        assert node.cache.blob_dir not in listed  # the work requests' cache lists: the index
+    finally:
+        await hub.stop()

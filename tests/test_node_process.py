@@ -4,6 +4,7 @@ and the shard goes to another node; the CLI's id/status commands."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -78,21 +79,113 @@ async def test_sigterm_mid_training_abandons_and_shard_is_reassigned(tmp_path):
         await hub.stop()
 
 
-def test_cli_id_version_and_status_without_node(tmp_path):
-    def run(*a):
-        return subprocess.run(
-            [sys.executable, "-m", "gpuflex.node", *a],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    r = run("id", "--data-dir", str(tmp_path))
-    assert r.returncode == 0 and r.stdout.startswith("gf1-")
-    assert (tmp_path / "node.key").stat().st_mode & 0o077 == 0
+def _cli(*a, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "gpuflex.node", *a],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_cli_id_is_read_only_version_and_status_without_node(tmp_path):
     from gpuflex.protocol.signing import SigningKey
 
-    assert SigningKey.load(tmp_path / "node.key").fingerprint == r.stdout.strip()
-    r = run("status", "--data-dir", str(tmp_path))
+    r = _cli("id", "--data-dir", str(tmp_path))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "no identity yet" in r.stderr
+    assert str(tmp_path / "node.key") in r.stderr and "gpuflex-node run --data-dir" in r.stderr
+    assert not (tmp_path / "node.key").exists()
+    key = SigningKey.generate()
+    key.save(tmp_path / "node.key")
+    r = _cli("id", "--data-dir", str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == key.fingerprint
+    r = _cli("status", "--data-dir", str(tmp_path))
     assert r.returncode == 1 and "no node is running" in r.stderr
-    r = run("--version")
+    r = _cli("--version")
     assert r.returncode == 0 and "gpuflex-node" in r.stdout
+
+
+def test_cli_id_without_data_dir_creates_nothing(tmp_path):
+    """The default data folder (the platform's, here under XDG_DATA_HOME) is only read."""
+    env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_DATA_HOME=str(tmp_path / "xdg"))
+    r = _cli("id", env=env)
+    where = tmp_path / "xdg" / "gpuflex-node" / "node.key"
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert "no identity yet" in r.stderr and str(where) in r.stderr
+    assert "`gpuflex-node run` creates it" in r.stderr
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "home").exists()
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_second_node_on_the_same_data_dir_refuses_and_leaves_the_first_alone(tmp_path):
+    """Two `gpuflex-node run` on one folder: the second says so in one line and exits 1; the
+    first keeps its control endpoint. The lock is the kernel's: a kill -9 leaves none behind."""
+    from gpuflex.node.control import URL_FILE, call_control
+
+    data = tmp_path / "node"
+    url = _closed_port_url()  # no hub needed: the node retries, its control endpoint is up
+    first = start_node_process(data, url)
+    procs = [first]
+    try:
+        out = ProcessEvents(first)
+        deadline = time.monotonic() + 60
+        while not (data / URL_FILE).exists():
+            assert time.monotonic() < deadline and first.poll() is None, out.raw
+            time.sleep(0.1)
+        control_url = (data / URL_FILE).read_text()
+        node_id = call_control(data, "GET", "/v1/status")["node_id"]
+
+        second = start_node_process(data, url)
+        procs.append(second)
+        stdout, stderr = second.communicate(timeout=60)
+        assert second.returncode == 1, (stdout, stderr)
+        assert stderr.count("\n") == 1, stderr  # one line, no traceback
+        assert stderr.startswith("gpuflex-node: error: another gpuflex-node is already running")
+        assert str(data) in stderr and f"pid {first.pid}" in stderr and "--data-dir" in stderr
+        assert "registered" not in stdout and "control" not in stdout
+
+        assert first.poll() is None
+        assert (data / URL_FILE).read_text() == control_url  # not deleted, not replaced
+        assert call_control(data, "GET", "/v1/status")["node_id"] == node_id
+
+        first.kill()  # kill -9: no clean-up ran, the lock file stays, the lock does not
+        first.wait(15)
+        third = start_node_process(data, url)
+        procs.append(third)
+        out3 = ProcessEvents(third)
+        deadline = time.monotonic() + 60
+        while not out3.of("control"):
+            assert time.monotonic() < deadline and third.poll() is None, (out3.raw, third.stderr)
+            time.sleep(0.1)
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(15) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_bench_says_what_it_measures_while_it_measures(tmp_path):
+    """Not a terminal: one line per step on stderr; the JSON on stdout stays clean."""
+    import json
+
+    r = _cli("bench", "--force", "--json", "--device", "cpu", "--threads", "1", "--data-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("measuring this machine") and str(tmp_path / "bench.json") in lines[0]
+    steps = [line.strip() for line in lines[1:]]
+    assert steps[0] == "[1/6] matmul fp32" and steps[-1] == "[6/6] training mlp-784-1024-1024-10/b128"
+    assert len(steps) == 6
+    results = json.loads(r.stdout)
+    assert results["quick"] is False and results["cached"] is False
+    assert results["matmul_tflops_fp32"] > 0 and results["matmul_tflops_bf16"] is not None
+    assert set(results["training"]) == {"mlp-64-128-10/b32", "mlp-784-1024-1024-10/b128"}

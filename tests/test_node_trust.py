@@ -41,23 +41,50 @@ async def _run_until(node: NodeAgent, events: EventLog, pred, timeout: float = 2
     return code
 
 
-async def test_tampered_assignment_signature_is_refused(tmp_path):
+def _forge(body: bytes, forger) -> bytes:
+    """The hub's own work answer, signed again by ``forger`` but still naming the hub's key."""
+    import msgpack
+    from gpuflex.protocol.messages import Assignment
+    from gpuflex.protocol.signing import open_envelope
+
+    payload, hub_key, _ = open_envelope(body)
+    sig = forger.sign(Assignment.KIND, payload)
+    return msgpack.packb({"payload": payload, "signer": hub_key, "sig": sig}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("how", ["flipped_bit", "other_key"])
+async def test_forged_assignment_stops_the_node_loudly(tmp_path, how):
+    """Work from the hub's address that the pinned key did not sign: someone forges the hub.
+    The node stops at once (exit 3, as for a changed hub key), never retries, never downloads."""
+    import asyncio
+
+    from gpuflex.protocol.signing import SigningKey
+
     hub = await Hub(tmp_path / "hub").start()
     await hub.submit(spec_toml(rounds=1), dataset())
+    forger = SigningKey.generate()
 
     def mutate(path: str, body: bytes) -> bytes:
-        return flip_signature(body) if path == "/v1/work" else body
+        if path != "/v1/work":
+            return body
+        return flip_signature(body) if how == "flipped_bit" else _forge(body, forger)
 
     proxy = await TamperProxy(hub.url, mutate).start()
     try:
         events = EventLog()
         node = agent(tmp_path / "node", proxy.url, events)
-        await _run_until(node, events, lambda: events.of("rejected"))
-        rejected = events.of("rejected")
-        assert rejected and "signature" in rejected[0]["detail"]
-        assert "trained" not in events.names() and "uploaded" not in events.names()
-        assert not any("/v1/blobs/" in p for p in proxy.seen)  # nothing downloaded
-        assert hub.blob_requests() == 0
+        code = await asyncio.wait_for(node.run(), 30)  # no request_exit: it stops by itself
+        assert code == 3, events.names()
+        fatal = [e for e in events.of("error") if e.get("fatal")]
+        assert len(fatal) == 1 and fatal[0]["error"] == "HubForged"
+        detail = fatal[0]["detail"]
+        assert detail.startswith("REFUSING TO WORK: someone is forging the hub.")
+        fpr = events.of("registered")[0]["hub_fingerprint"]
+        assert fpr in str(node.fatal) and "hub.pin" in str(node.fatal)
+        assert str(node.fatal).startswith(detail)  # the CLI prints it whole on stderr
+        assert proxy.seen.count("POST /v1/work") == 1  # not retried
+        assert "assignment" not in events.names() and "trained" not in events.names()
+        assert not any("/v1/blobs/" in p for p in proxy.seen) and hub.blob_requests() == 0
     finally:
         await proxy.stop()
         await hub.stop()

@@ -388,7 +388,7 @@ def stall_agent_class(*, after: int, seconds: float | None) -> type:
             self.started += 1
             if self.started > after:
                 until = math.inf if seconds is None else time.monotonic() + seconds
-                while time.monotonic() < until and not self._stop_training.wait(0.05):
+                while time.monotonic() < until and not self.stop_training.wait(0.05):
                     pass
             return super().train(assignment, chunks, global_state)
 

@@ -1,0 +1,58 @@
+"""Joining a hub: check its key against the pin, then a signed hello with the benchmark.
+
+The hub's key is checked (and pinned on first use) before anything is sent; from then on
+every answer must verify with that key. The welcome must name this node under the pinned
+hub fingerprint, or the answer is treated as not coming from the hub.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from gpuflex.protocol.messages import Benchmark, DeviceInfo, Hello
+from gpuflex.protocol.signing import new_nonce
+from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
+
+from .client import HubClient
+from .device import describe
+from .errors import HubError
+from .identity import HubPin, check_hub_key
+
+
+async def register(
+    client: HubClient,
+    *,
+    data_dir: Path,
+    hub_url: str,
+    expected_hub_key: str | None,
+    node_id: str,
+    device: torch.device,
+    benchmark: Benchmark,
+) -> HubPin:
+    """Register with the hub at ``client``; the pinned hub key (the client now trusts it)."""
+    public_key, claimed, proto = await client.hub_info()
+    pin = check_hub_key(data_dir, hub_url, public_key, claimed, expected_hub_key)
+    if proto != PROTOCOL_VERSION:
+        raise HubError(
+            f"hub speaks protocol {proto}, this node {PROTOCOL_VERSION}; upgrade the older side",
+            code="version_mismatch",
+        )
+    client.hub_public_key = pin.public_key
+    d = describe(device)
+    hello = Hello(
+        software_version=SOFTWARE_VERSION[:64], protocol_version=PROTOCOL_VERSION,
+        device=DeviceInfo(kind=d.kind, name=d.name[:256], memory_bytes=d.memory_bytes, threads=d.threads),
+        benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(),
+    )
+    welcome = await client.register(hello)
+    if welcome.node_id != node_id or welcome.hub_fingerprint != pin.fingerprint:
+        raise HubError(
+            f"hub welcomed {welcome.node_id} under {welcome.hub_fingerprint}; expected "
+            f"{node_id} under {pin.fingerprint}", code="bad_answer",
+        )
+    return pin
+
+
+__all__ = ["register"]

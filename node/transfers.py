@@ -1,0 +1,247 @@
+"""Moving bytes between the hub and the node: downloads checked by sha256, the update upload.
+
+* Downloads: the blobs an assignment names that the cache lacks, a few at a time, each
+  streamed into ``partial/`` and hashed as it arrives, resumed with Range after a dropped
+  connection, and visible in the cache only once its sha256 matched (``BlobWriter``).
+* Upload: the update is encoded and hashed once, then offered until the hub answers:
+  network errors retry with backoff until the deadline, a hub that forgot the node gets it
+  registered again and the same update once more, a fresh header called a replay (the
+  hub restarted an instant ago) is signed again once.
+
+Hashing and file I/O run in worker threads (``asyncio.to_thread``): re-hashing a resumed
+partial download, hashing each received block, hashing a cached blob from an earlier run,
+encoding and hashing the update. The event loop keeps answering heartbeats and the
+control endpoint meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gpuflex.protocol.messages import Ack, Assignment, UpdateHeader
+from gpuflex.protocol.signing import new_nonce
+from gpuflex.protocol.tensors import StateEncoder, sha256_hex
+
+from .cache import BlobCache
+from .client import Backoff, HubClient, json_error_detail
+from .errors import BlobError, HubError, HubUnavailable, UnknownNode
+from .output import Output
+from .pause import PauseState
+from .totals import Totals
+from .trainer import TrainResult
+
+log = logging.getLogger(__name__)
+
+DOWNLOADS_IN_FLIGHT = 4  # round trips overlap, memory stays bounded
+DOWNLOAD_ATTEMPTS = 6
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """The hub's answer to an update it took, and what was sent."""
+
+    ack: Ack
+    sha256: str
+    size: int
+
+
+class Transfers:
+    """Downloads and uploads for one node; counts bytes into ``totals``."""
+
+    def __init__(
+        self,
+        cache: BlobCache,
+        totals: Totals,
+        output: Output,
+        pause: PauseState,
+        *,
+        backoff_base_s: float,
+        backoff_cap_s: float,
+    ) -> None:
+        self.cache = cache
+        self.totals = totals
+        self.output = output
+        self.pause = pause
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = min(backoff_cap_s, 10.0)
+        self._encoder = StateEncoder()
+        self._last_model: str | None = None
+
+    # ---------------------------------------------------------------- downloads
+
+    async def accept_inline_model(self, a: Assignment, data: bytes) -> None:
+        """Cache a model that came with the assignment, if it is the one the assignment names.
+
+        Anything else is dropped with an event and the model is downloaded as usual.
+        """
+        if self.cache.has(a.model_hash, a.model_size):
+            return
+        if len(data) != a.model_size:
+            self.output.event("inline_model_refused", assignment_id=a.assignment_id,
+                              detail=f"{len(data)} bytes, the assignment says {a.model_size}")
+            return
+
+        def store() -> None:
+            writer = self.cache.writer(a.model_hash, a.model_size, resume=False)
+            writer.write(data)
+            writer.commit()  # checks the sha256 against the signed model_hash
+
+        try:
+            await asyncio.to_thread(store)
+        except BlobError as exc:
+            self.output.event("inline_model_refused", assignment_id=a.assignment_id, detail=str(exc))
+            return
+        self.totals.bytes_downloaded += len(data)
+
+    async def fetch_all(self, client: HubClient, a: Assignment) -> int:
+        """Download the model and the chunks the cache lacks; return the bytes fetched."""
+        wanted = [(a.model_hash, a.model_size, "model")] + [(c.sha256, c.size, "chunk") for c in a.chunks]
+        missing = []
+        for sha, size, kind in wanted:
+            # A blob left by an earlier run is re-hashed once before use (the cache does not fsync).
+            if self.cache.has(sha, size) and (
+                sha in self.cache.verified or await asyncio.to_thread(self.cache.verify, sha)
+            ):
+                self.cache.touch(sha)
+            else:
+                missing.append((sha, size, kind))
+        if self._last_model is not None and self._last_model != a.model_hash:
+            self.cache.discard(self._last_model)  # a model blob serves one round: do not let them pile up
+        self._last_model = a.model_hash
+        self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
+                          misses=len(missing))
+        fetched = 0
+        gate = asyncio.Semaphore(DOWNLOADS_IN_FLIGHT)
+
+        async def one(sha: str, size: int, kind: str) -> None:
+            nonlocal fetched
+            async with gate:
+                got = await self.download(client, sha, size)
+            fetched += got
+            self.output.event("download", assignment_id=a.assignment_id, sha256=sha, kind=kind, bytes=got)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for sha, size, kind in missing:
+                    tg.create_task(one(sha, size, kind))
+        except BaseExceptionGroup as group:
+            # Surface the first failure as itself so the callers' except clauses apply.
+            first = group.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        return fetched
+
+    async def download(self, client: HubClient, sha: str, size: int) -> int:
+        """One blob into the cache, resuming a partial file; bytes received."""
+        backoff = Backoff(self._backoff_base_s, self._backoff_cap_s)
+        got = 0
+
+        def count(n: int) -> None:
+            nonlocal got
+            got += n
+            self.totals.bytes_downloaded += n
+
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            # Opening a resumable writer re-hashes the partial file: a worker thread's job.
+            writer = await asyncio.to_thread(self.cache.writer, sha, size, resume=True)
+            try:
+                await client.download_blob(sha, writer, on_bytes=count)
+                await asyncio.to_thread(writer.commit)
+                return got
+            except HubUnavailable:
+                writer.abort(keep_partial=True)
+                if attempt == DOWNLOAD_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(backoff.next_delay())
+            except BaseException:
+                writer.abort(keep_partial=True)
+                raise
+        return got
+
+    # ---------------------------------------------------------------- upload
+
+    async def upload(
+        self,
+        client: HubClient,
+        a: Assignment,
+        result: TrainResult,
+        *,
+        download_s: float,
+        deadline: Callable[[], float],
+        reregister: Callable[[], Awaitable[bool]],
+    ) -> Uploaded | None:
+        """Offer the update until the hub takes it (Uploaded) or refuses it (None, counted).
+
+        ``deadline()`` is the assignment's current deadline (heartbeats extend it);
+        ``reregister()`` registers the node again, False when it cannot.
+        """
+        t0 = time.perf_counter()
+
+        def encode() -> tuple[memoryview | bytes, str]:
+            # One buffer reused every round: a fresh 100 MB one costs more in page faults than the copy.
+            body = self._encoder.encode(result.delta)
+            return body, sha256_hex(body)
+
+        body, digest = await asyncio.to_thread(encode)
+        encode_s = time.perf_counter() - t0
+        backoff = Backoff(self._backoff_base_s, self._backoff_cap_s)
+        reregistered = False
+        resigned = False
+        while True:
+            header = UpdateHeader(
+                assignment_id=a.assignment_id, update_sha256=digest, update_size=len(body),
+                sample_count=result.sample_count, metrics={"loss": _finite(result.loss)},
+                timings={"train_s": result.train_s, "download_s": download_s, "encode_s": encode_s},
+                timestamp=client.now(), nonce=new_nonce(),
+            )
+            try:
+                ack = await client.upload_update(header, body)
+            except HubUnavailable as exc:
+                if client.now() > deadline() or self.pause.exiting:
+                    raise
+                delay = backoff.next_delay()
+                self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
+                await self.pause.interruptible(asyncio.sleep(delay))
+                continue
+            except UnknownNode as exc:
+                # The hub forgot us (restarted with a fresh node table): register again and
+                # offer the same update once more; the hub decides whether it is still wanted.
+                if reregistered:
+                    self._refused(a, exc)
+                    return None
+                reregistered = True
+                self.output.event("error", **json_error_detail(exc), action="re-register")
+                if not await self.pause.interruptible(reregister()):
+                    self._refused(a, exc)
+                    return None
+                continue
+            except HubError as exc:
+                if exc.code == "replay" and not resigned:
+                    # Our own fresh header called a replay: the hub restarted an instant ago (it
+                    # refuses anything signed before its start) or the clocks disagree. Signing
+                    # again is always safe: the hub accepts one update per assignment.
+                    resigned = True
+                    self.output.event("error", **json_error_detail(exc), action="sign again")
+                    await self.pause.interruptible(asyncio.sleep(0.5))
+                    continue
+                self._refused(a, exc)
+                return None
+            self.totals.bytes_uploaded += len(body)
+            return Uploaded(ack=ack, sha256=digest, size=len(body))
+
+    def _refused(self, a: Assignment, exc: Exception) -> None:
+        self.totals.rejected += 1
+        self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+__all__ = ["Transfers", "Uploaded"]
