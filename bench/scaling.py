@@ -8,7 +8,7 @@ scikit-learn's digits, several local epochs a round) is large enough that traini
 the protocol, takes the round. Replication is off: this measures how the work spreads, not
 what verification costs (bench/robustness.py does that).
 
-Figures (bench/results/scaling.json):
+Figures (written to scaling.json under bench/results):
 - time to accuracy: from the first round's opening to the first round whose validation
   accuracy reaches the 1-node run's final accuracy; `ratios.speedup_2_nodes` = 1-node time /
   2-node time (the target is >= 1.8 on this 2-core machine; 4 nodes share 2 cores, so that

@@ -1,6 +1,6 @@
 """The round policy: what happens to a shard's replicas, and what a round's review flags.
 
-Functional core (STYLE.md): plain typed values in, a frozen decision out. Nothing here
+Functional core: plain typed values in, a frozen decision out. Nothing here
 reads a clock, a database or an unseeded random source, and no input is mutated. The
 round engine (hub/rounds.py) gathers the inputs, calls these functions and applies what
 they return; bench/robustness.py calls the very same functions in the same order, so

@@ -12,8 +12,6 @@ OUTSIDE = re.compile(r"/work/|\bnotes/|\bshared/|\bCONTRACT\.md\b|\bcli_demo\b")
 # a repository file named in text: hub/dataset.py, tests/tooling/attacks.py, docs/x.md, README.md
 NAMED = re.compile(r"(?<![\w./-])((?:hub|node|protocol|tests|bench|installers|docs)/[\w./-]*\w\.(?:py|md|sh|ps1|toml|json|html)"
                    r"|[A-Z][A-Z_]+\.md)\b")
-# files another branch rewrites: checked once that work has landed (remove them from here then)
-PENDING = {"hub/routes_node.py", "hub/db.py"}
 THIS = Path(__file__).relative_to(REPO).as_posix()
 
 
@@ -39,13 +37,6 @@ def test_no_reference_outside_the_repository_or_to_a_missing_file():
         for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
             bad = [m.group(0) for m in OUTSIDE.finditer(line)]
             bad += [ref for ref in NAMED.findall(line) if not _exists(ref)]
-            if bad and rel not in PENDING:
+            if bad:
                 problems.append(f"{rel}:{lineno}: {', '.join(bad)}")
     assert not problems, "\n".join(problems)
-
-
-def test_pending_files_still_need_their_fix():
-    """A stale entry in PENDING would hide a regression: remove it once its file is clean."""
-    for rel in PENDING:
-        text = (REPO / rel).read_text()
-        assert OUTSIDE.search(text), f"{rel} is clean now: remove it from PENDING"
