@@ -36,7 +36,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     job.open_round()
     sched.add_job(job)
     nodes: dict[str, SimNode] = {}
-    adversaries = set(rng.sample(range(n), int(round(attackers * n))))
+    adversaries = set(rng.sample(range(n), round(attackers * n)))
     for i in range(n):
         speed = math.exp(rng.gauss(math.log(500.0), 0.6))
         st = NodeState(id=f"n{i:05d}", public_key=b"", bench_sps=speed, ema_sps=speed, last_seen=0.0)
@@ -147,6 +147,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
         heap: list[tuple[float, int, str, AssignmentState]] = []
         idle: list[SimNode] = []
         deltas: dict[str, torch.Tensor] = {}
+        shard_flags: set[str] = set()  # update ids flagged when their shard settled
         issued = 0
         carve_times: list[float] = []
         opening = True
@@ -189,7 +190,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             nonlocal cpu
             ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
             waited_s = waited if waited is not None else t - (shard.first_update_at or t)
-            taker = bool(shard.live) or len(ups) < 2 or bool(sched.replica_takers(job, shard, t))
+            taker = bool(shard.live) or len(ups) < 2 or sched.can_take_replica(job, shard, t)
             state = policy.ReplicaState(wanted=shard.wanted, waited_s=waited_s, live=bool(shard.live), taker=taker)
             if not policy.shard_due(len(ups), vspec, state):
                 return
@@ -201,10 +202,12 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             if isinstance(d, policy.WaitForMore):
                 if d.wanted != shard.wanted:
                     shard.wanted = d.wanted
+                    sched.want_replica(job, shard)
                     wake(t)
                 return
             for a in list(shard.live.values()):
                 sched.detach(a)
+            shard_flags.update(f.update_id for f in d.flags)
             for u in shard.accepted:
                 u.status = d.statuses.get(u.id, u.status)
             touched = [(nid, vf.record_agreement) for nid in getattr(d, "agreed_nodes", ())]
@@ -269,11 +272,12 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
         for nid in judgement.flagged_nodes:
             nodes[nid].state.reputation = vf.record_flag(nodes[nid].state.reputation)
         included = set(judgement.review.included)
-        flagged_updates = {f.update_id for f in judgement.flags}
+        # flags that stand: raised at settling or at review, less those the vouching rule withdrew
+        standing = (shard_flags | {f.update_id for f in judgement.flags}) - set(judgement.withdrawn)
         for s in job.shards.values():
             for u in s.accepted:
                 adv = nodes[u.node_id].adversary
-                flagged = u.status == "quarantined" or u.id in flagged_updates
+                flagged = u.id in standing
                 if adv:
                     stats.adv_updates += 1
                     stats.adv_caught += int(flagged or u.id not in included)

@@ -178,10 +178,16 @@ class PageReleaser:
     """
 
     def __init__(self) -> None:
-        self._ranges: list[tuple[int, int]] = []
+        # the mappings are read when a slice first spans a whole page (tiny updates never do:
+        # reading /proc/self/maps costs ~1.5 ms, more than comparing two small updates)
+        self._ranges: list[tuple[int, int]] | None = None
+        self._starts: list[int] = []
         self._madvise: Any = None
+
+    def _load(self) -> list[tuple[int, int]]:
+        self._ranges = []
         if not sys.platform.startswith("linux"):
-            return
+            return self._ranges
         try:
             with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
                 for line in fh:
@@ -201,6 +207,7 @@ class PageReleaser:
             self._ranges = []
         self._ranges.sort()
         self._starts = [lo for lo, _ in self._ranges]
+        return self._ranges
 
     def release_all(self, flats: Sequence[Tensor]) -> None:
         """Drop whatever is already mapped of these tensors (e.g. by the blob's decode)."""
@@ -209,7 +216,7 @@ class PageReleaser:
 
     def release(self, flat: Tensor, start: int, end: int) -> None:
         """Drop the whole pages of ``flat[start:end]`` if they lie in a read-only file mapping."""
-        if not self._ranges or end <= start:
+        if end <= start:
             return
         item = flat.element_size()
         addr = flat.data_ptr() + start * item
@@ -217,8 +224,11 @@ class PageReleaser:
         hi = (addr + (end - start) * item) // _PAGE * _PAGE
         if hi <= lo:
             return
+        ranges = self._ranges if self._ranges is not None else self._load()
+        if not ranges:
+            return
         i = bisect.bisect_right(self._starts, lo) - 1
-        if i < 0 or hi > self._ranges[i][1]:
+        if i < 0 or hi > ranges[i][1]:
             return
         self._madvise(lo, hi - lo, _MADV_DONTNEED)
 

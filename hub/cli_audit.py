@@ -269,7 +269,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.add_argument("--token", help=f"auditor token (or {ENV_TOKEN})")
 
     p = sub.add_parser("list", help="list flags, newest first")
-    p.add_argument("--status", choices=("open", "confirmed", "dismissed"))
+    p.add_argument("--status", choices=("open", "confirmed", "dismissed", "moot"))
     p.add_argument("--job", help="only this job's flags")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     client(p)

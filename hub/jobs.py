@@ -112,7 +112,9 @@ class JobState:
     next_seq: int = 0
     closing: bool = False
     live_n: int = 0  # live assignments of this job (kept by Scheduler.attach/detach)
-    replicated: dict[str, ShardState] = field(default_factory=dict)  # open shards that want > 1 replica
+    #: open replicated shards that may still want a replica (the scheduler drops those that do not
+    #: as it meets them; a detach or a raised `wanted` puts a shard back)
+    replicated: dict[str, ShardState] = field(default_factory=dict)
     cursor: int = 0  # every chunk index below it is taken (amortised O(1) carving)
     by_sha: dict[str, int] = field(default_factory=dict)
     #: why the job failed, or what went wrong while it could not be recorded yet (shown in its status)

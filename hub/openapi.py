@@ -128,7 +128,7 @@ def openapi_document() -> dict[str, Any]:
                                                             "404": _ERROR}}},
         "/v1/flags": {"get": {"summary": "flags (auditors: all; owners: their jobs)", "tags": ["audit"],
                               "security": _BEARER, "parameters": [
-                                  {"name": "status", "in": "query", "schema": {"enum": ["open", "confirmed", "dismissed"]}},
+                                  {"name": "status", "in": "query", "schema": {"enum": ["open", "confirmed", "dismissed", "moot"]}},
                                   {"name": "job", "in": "query", "schema": {"type": "string"}}],
                               "responses": {"200": _json(_OBJ), "400": _ERROR_400, "401": _ERROR}}},
         "/v1/flags/{flag_id}": {"get": {"summary": "one flag with its evidence", "tags": ["audit"],
@@ -183,7 +183,7 @@ def openapi_document() -> dict[str, Any]:
                     "id": {"type": "string"}, "job_id": {"type": "string"}, "round": {"type": "integer"},
                     "update_id": {"type": "string"}, "node_id": {"type": "string"},
                     "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible"]},
-                    "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed"]},
+                    "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed", "moot"]},
                     "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]},
                     "job_name": {"type": "string"}, "round_evidence": {"type": "object"},
                     "update": {"type": "object"},

@@ -155,8 +155,8 @@ class RoundEngine:
         waited = None if shard.first_update_at is None else now - shard.first_update_at
         live = bool(shard.live)
         # The policy reads `taker` only with no replica out and two or more updates: ask the
-        # scheduler only then (it sorts the online nodes).
-        taker = live or len(shard.accepted) < 2 or bool(self.scheduler.replica_takers(job, shard, now))
+        # scheduler only then.
+        taker = live or len(shard.accepted) < 2 or self.scheduler.can_take_replica(job, shard, now)
         return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker)
 
     async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
@@ -188,6 +188,7 @@ class RoundEngine:
                 return
             await self.store.want_replicas(shard.id, decision.wanted, dict(decision.evidence))
             shard.wanted = decision.wanted
+            self.scheduler.want_replica(job, shard)
             self.signal.notify()
             return
         settled = isinstance(decision, policy.Settle)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .jobs import AssignmentState, JobState, ShardState, shard_seed
 from .verification import (
+    ReplicaPool,
     Reputation,
     is_trusted,
     replica_candidates,
@@ -115,6 +116,7 @@ class Scheduler:
         self.gather_s = gather_s
         self._rng = rng or random.Random(0)
         self._reps_cache: tuple[float, dict[str, Reputation]] = (0.0, {})
+        self._pools: dict[tuple[int, int], ReplicaPool] = {}
         self.polling: dict[str, int] = {}  # node id -> long-polls it has open now
         self.last_poll: dict[str, float] = {}  # node id -> when its last poll ended
         self._gatherings: dict[str, Gathering] = {}  # job id -> this round's snapshot
@@ -219,17 +221,42 @@ class Scheduler:
     def _pending_replica(self, job: JobState, node: NodeState, now: float) -> ShardState | None:
         """A shard still short of replicas that this node may take (verification.replica_candidates:
         trusted nodes when any are online, else the upper half by their run of agreements).
-        `job.replicated` holds the open replicated shards in carve order."""
-        for shard in job.replicated.values():
-            if shard.state == "open" and shard.replicas_needed() > 0 and node.id not in shard.nodes:
-                reps = self._online_reputations(now)
-                if node.id in replica_candidates(reps, shard.nodes, job.spec.verification):
+        `job.replicated` holds the open replicated shards that may still want one."""
+        pool: ReplicaPool | None = None
+        for sid, shard in list(job.replicated.items()):
+            if shard.state != "open" or shard.replicas_needed() <= 0:
+                del job.replicated[sid]  # served (or settled): a detach or more `wanted` puts it back
+                continue
+            if node.id not in shard.nodes:
+                pool = pool or self.replica_pool(job, now)
+                if pool.eligible(node.id, shard.nodes):
                     return shard
         return None
+
+    @staticmethod
+    def want_replica(job: JobState, shard: ShardState) -> None:
+        """`shard` may want a replica again (a holder left, or more replicas are wanted)."""
+        if shard.state == "open" and shard.wanted > 1:
+            job.replicated[shard.id] = shard
+
+    def can_take_replica(self, job: JobState, shard: ShardState, now: float) -> bool:
+        """Could an online node take another replica of `shard` right now?"""
+        return self.replica_pool(job, now).anyone(shard.nodes)
 
     def replica_takers(self, job: JobState, shard: ShardState, now: float) -> list[str]:
         """Online nodes that could take another replica of `shard` right now."""
         return replica_candidates(self._online_reputations(now), shard.nodes, job.spec.verification)
+
+    def replica_pool(self, job: JobState, now: float) -> ReplicaPool:
+        """The online nodes' reputations, indexed for replica questions (rebuilt once a second)."""
+        reps = self._online_reputations(now)
+        key = (id(reps), job.spec.verification.trust_after)
+        cached = self._pools.get(key)
+        if cached is None:
+            if len(self._pools) > 16:
+                self._pools.clear()
+            cached = self._pools[key] = ReplicaPool(reps, job.spec.verification)
+        return cached
 
     def _online_reputations(self, now: float) -> dict[str, Reputation]:
         stamp, reps = self._reps_cache
@@ -237,6 +264,7 @@ class Scheduler:
             reps = {n.id: n.reputation for n in self.nodes.values()
                     if not n.banned and now - n.last_seen <= self.online_window_s}
             self._reps_cache = (now, reps)
+            self._pools.clear()
         return reps
 
     def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
@@ -331,6 +359,7 @@ class Scheduler:
             return None
         if shard.live.pop(a.id, None) is not None:
             job.live_n -= 1
+            self.want_replica(job, shard)
         return shard
 
     def release_if_empty(self, shard: ShardState) -> bool:

@@ -57,6 +57,8 @@ implausible checks run; the skip is stated in ``RoundReview.evidence``.
 
 from __future__ import annotations
 
+import bisect
+
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -796,6 +798,51 @@ def replica_candidates(
     runs = sorted((r.consecutive_agreements for r in pool.values()), reverse=True)
     cut = runs[(len(runs) - 1) // 2]  # the median run: ties at the cut stay eligible
     return sorted(n for n, r in pool.items() if r.consecutive_agreements >= cut)
+
+
+class ReplicaPool:
+    """``replica_candidates`` over one set of online reputations, asked many times.
+
+    ``eligible(node, exclude)`` equals ``node in replica_candidates(reps, exclude, spec)`` and
+    ``anyone(exclude)`` equals ``bool(replica_candidates(reps, exclude, spec))``, each in
+    O(|exclude| log n) instead of O(n log n): the scheduler asks once per pending replica per
+    work request, which made a round of n nodes cost O(n^2 log n) (bench/simulation.py).
+    """
+
+    def __init__(self, reps: Mapping[str, Reputation], spec: VerificationSpec) -> None:
+        self.reps = {n: r for n, r in reps.items() if not r.banned}
+        self.trusted = frozenset(n for n, r in self.reps.items() if is_trusted(r, spec))
+        self.runs = sorted(r.consecutive_agreements for r in self.reps.values())  # ascending
+
+    def _members(self, exclude: Collection[str]) -> list[str]:
+        return [e for e in exclude if e in self.reps]
+
+    def anyone(self, exclude: Collection[str]) -> bool:
+        return len(self.reps) > len(self._members(exclude))
+
+    def eligible(self, node_id: str, exclude: Collection[str]) -> bool:
+        rep = self.reps.get(node_id)
+        if rep is None or node_id in exclude:
+            return False
+        gone = self._members(exclude)
+        if len(self.trusted) > sum(1 for e in gone if e in self.trusted):
+            return node_id in self.trusted
+        # the median run of the pool without `gone`: replica_candidates' cut, found in the sorted runs
+        m = len(self.runs) - len(gone)
+        k = m - 1 - (m - 1) // 2  # its index in ascending order
+        taken: list[int] = []
+        for v in sorted(self.reps[e].consecutive_agreements for e in gone):
+            pos = bisect.bisect_left(self.runs, v)
+            while pos in taken:
+                pos += 1
+            taken.append(pos)
+        j = k
+        for p in sorted(taken):
+            if p <= j:
+                j += 1
+        while j in taken:
+            j += 1
+        return rep.consecutive_agreements >= self.runs[j]
 
 
 def should_replicate(rep: Reputation, spec: VerificationSpec, rng: _Rng) -> bool:

@@ -30,11 +30,11 @@ BENCH = {"samples_per_s": 1234.5, "flops": 2.5e9, "measured_at": 1.795e9}
 @pytest.fixture
 async def flagged(running_hub: RunningHub) -> SimpleNamespace:
     """Five open flags on one node the hub knows, inserted the way verification writes them."""
-    from gpuflex.hub.appkeys import SCHEDULER
+    from gpuflex.hub.appkeys import LEDGER
     from gpuflex.hub.scheduler import NodeState
 
     now = time.time()
-    running_hub.app[SCHEDULER].nodes[NODE] = NodeState(
+    running_hub.app[LEDGER].scheduler.nodes[NODE] = NodeState(
         id=NODE, public_key=b"k" * 32, bench_sps=1234.5, ema_sps=1000.0, last_seen=now)
     conn = sqlite3.connect(running_hub.data_dir / "hub.sqlite3")
     conn.execute(
@@ -114,15 +114,19 @@ async def test_audit_show_is_readable(flagged, capsys):
 
 async def test_verdict_messages_say_who_banned_the_node(flagged, capsys):
     outs = []
-    for flag_id in IDS[:4]:
-        verdict = "dismiss" if flag_id == IDS[3] else "confirm"
-        code, out, err = await _cli(capsys, "audit", "verdict", flag_id, verdict, "--note", "n",
+    for flag_id in IDS[:3]:
+        code, out, err = await _cli(capsys, "audit", "verdict", flag_id, "confirm", "--note", "n",
                                     "--hub", flagged.url, "--token", flagged.auditor)
         assert code == 0, err
         outs.append(out.strip())
     assert outs[:2] == [f"flag {IDS[0]}: confirmed", f"flag {IDS[1]}: confirmed"]
     assert outs[2] == f"flag {IDS[2]}: confirmed; this verdict bans the node"
-    assert outs[3] == f"flag {IDS[3]}: dismissed; the node was already banned", outs[3]
+    # The ban leaves the node's other flags moot (not open for ever), saying why; no verdict is taken.
+    code, out, err = await _cli(capsys, "audit", "show", IDS[3], "--hub", flagged.url, "--token", flagged.auditor)
+    assert code == 0 and "moot" in out and "banned" in out, out
+    code, out, err = await _cli(capsys, "audit", "verdict", IDS[3], "dismiss", "--note", "n",
+                                "--hub", flagged.url, "--token", flagged.auditor)
+    assert code != 0 and "already has a verdict (moot)" in err, err
 
 
 async def test_role_refusals_read_as_english(flagged):

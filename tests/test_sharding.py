@@ -147,3 +147,24 @@ async def test_nodes_waiting_when_a_job_arrives_each_get_a_balanced_shard(tmp_pa
         assert doc["parallel"]["rounds"] == 1 and doc["parallel"]["efficiency"] is not None
     finally:
         await hub.stop()
+
+
+def test_the_replica_pool_answers_as_replica_candidates_does():
+    """The scheduler's fast index gives replica_candidates' answers, for random pools."""
+    import random
+
+    from gpuflex.hub.verification import ReplicaPool, replica_candidates
+    from gpuflex.protocol.jobspec import VerificationSpec
+
+    rng = random.Random(7)
+    for trial in range(400):
+        spec = VerificationSpec(trust_after=rng.choice([0, 2, 5, 10]))
+        reps = {f"n{i}": Reputation(consecutive_agreements=rng.randrange(0, 12), banned=rng.random() < 0.1)
+                for i in range(rng.randrange(0, 25))}
+        names = list(reps) + ["absent"]
+        exclude = set(rng.sample(names, min(len(names), rng.randrange(0, 4))))
+        pool = ReplicaPool(reps, spec)
+        want = set(replica_candidates(reps, exclude, spec))
+        assert pool.anyone(exclude) == bool(want), trial
+        for n in names:
+            assert pool.eligible(n, exclude) == (n in want), (trial, n)

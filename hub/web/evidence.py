@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
+from gpuflex.protocol.jobspec import VerificationSpec
 from torch import Tensor
 
 from .charts import _fmt
@@ -115,8 +117,8 @@ def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(ev, Mapping):
         ev = {}
     rev: Mapping[str, Any] = flag.get("round_evidence") or {}
-    # the job's own thresholds (its spec); the round's recorded ones when the spec is unreadable
-    limits: Mapping[str, Any] = {**rev, **(flag.get("thresholds") or {})}
+    # the job's own thresholds (its spec), else the round's recorded ones, else the spec's defaults
+    limits: Mapping[str, Any] = {**asdict(VerificationSpec()), **rev, **(flag.get("thresholds") or {})}
     scores: list[dict[str, Any]] = []
 
     def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:

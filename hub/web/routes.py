@@ -340,7 +340,7 @@ async def nodes_page(request: web.Request) -> web.StreamResponse:
 # --------------------------------------------------------------------------- audit
 
 
-FLAG_STATUSES = ("open", "confirmed", "dismissed", "all")
+FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot", "all")
 
 
 async def flags_page(request: web.Request) -> web.StreamResponse:
