@@ -58,7 +58,6 @@ implausible checks run; the skip is stated in ``RoundReview.evidence``.
 from __future__ import annotations
 
 import bisect
-
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace

@@ -161,7 +161,7 @@ def test_the_replica_pool_answers_as_replica_candidates_does():
         spec = VerificationSpec(trust_after=rng.choice([0, 2, 5, 10]))
         reps = {f"n{i}": Reputation(consecutive_agreements=rng.randrange(0, 12), banned=rng.random() < 0.1)
                 for i in range(rng.randrange(0, 25))}
-        names = list(reps) + ["absent"]
+        names = [*reps, "absent"]
         exclude = set(rng.sample(names, min(len(names), rng.randrange(0, 4))))
         pool = ReplicaPool(reps, spec)
         want = set(replica_candidates(reps, exclude, spec))
