@@ -118,7 +118,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     chunks = [ChunkInfo(i, hashlib.sha256(f"{seed}:{i}".encode()).hexdigest(), CHUNK, CHUNK * 64)
               for i in range(2 * n)]
     job = JobState(id="j-sim", owner="o", name="sim", spec=spec, state="running", round=0, rounds=rounds,
-                   model_sha="0" * 64, model_size=DIM * 4, chunks=chunks, val_sha=None, opt_state_sha=None,
+                   model_hash="0" * 64, model_size=DIM * 4, chunks=chunks, val_sha=None, opt_state_sha=None,
                    created_at=0.0)
     job.open_round()
     sched.add_job(job)
@@ -162,7 +162,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                 return False
             a = AssignmentState(id=f"a-{r}-{issued}", shard_id=p.shard.id, job_id=job.id, round=r,
                                 node_id=sn.state.id, issued_at=t, expected_s=p.expected_s, deadline=p.deadline,
-                                sealed=b"", model_sha="", chunk_shas=frozenset())
+                                sealed=b"", model_hash="", chunk_shas=frozenset())
             issued += 1
             sched.attach(a, p.shard)
             sched.poll_ended(sn.state.id, t)

@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     state TEXT NOT NULL,                -- queued|running|done|cancelled|failed
     round INTEGER NOT NULL DEFAULT 0,   -- current (open) round, 0-based
     rounds INTEGER NOT NULL,
-    model_sha TEXT NOT NULL,            -- current global model blob
+    model_hash TEXT NOT NULL,            -- current global model blob
     model_size INTEGER NOT NULL,
     opt_state_sha TEXT,                 -- server optimizer state blob
     val_sha TEXT,                       -- validation set blob (never served)
@@ -76,8 +76,8 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS rounds (
     job_id TEXT NOT NULL,
     round INTEGER NOT NULL,
-    model_sha TEXT NOT NULL,            -- model trained in this round
-    new_model_sha TEXT,                 -- result of aggregation
+    model_hash TEXT NOT NULL,            -- model trained in this round
+    new_model_hash TEXT,                 -- result of aggregation
     opened_at REAL NOT NULL,
     closed_at REAL,
     train_loss REAL,
@@ -207,11 +207,13 @@ def connect(path: Path) -> sqlite3.Connection:
 
 #: version -> statements that bring a database of that version to the next one
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
-    # 1 -> 2: the node's reputation columns take the names of Reputation's fields
-    1: tuple(f"ALTER TABLE nodes RENAME COLUMN {old} TO {new}" for old, new in (
-        ("agreed", "agreements_total"), ("disagreed", "flags_total"),
-        ("consecutive_valid", "consecutive_agreements"), ("flags_confirmed", "confirmed_flags"),
-        ("flags_dismissed", "dismissed_flags"))),
+    # 1 -> 2: one word per concept. The node's reputation columns take the names of Reputation's
+    # fields; a model is named by its hash (model_hash), as in the protocol and the API.
+    1: tuple(f"ALTER TABLE {table} RENAME COLUMN {old} TO {new}" for table, old, new in (
+        ("nodes", "agreed", "agreements_total"), ("nodes", "disagreed", "flags_total"),
+        ("nodes", "consecutive_valid", "consecutive_agreements"), ("nodes", "flags_confirmed", "confirmed_flags"),
+        ("nodes", "flags_dismissed", "dismissed_flags"), ("jobs", "model_sha", "model_hash"),
+        ("rounds", "model_sha", "model_hash"), ("rounds", "new_model_sha", "new_model_hash"))),
 }
 
 

@@ -63,7 +63,7 @@ class AssignmentState:
     expected_s: float
     deadline: float
     sealed: bytes
-    model_sha: str
+    model_hash: str
     chunk_shas: frozenset[str]
     uploading: bool = False
 
@@ -100,7 +100,7 @@ class JobState:
     state: str
     round: int
     rounds: int
-    model_sha: str
+    model_hash: str
     model_size: int
     chunks: list[ChunkInfo]
     val_sha: str | None
@@ -225,7 +225,7 @@ def ingest_job(
         raise Unprocessable(str(exc), code="bad_spec") from None
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     model_blob = encode_state(state)
-    model_sha = blobs.put(model_blob)
+    model_hash = blobs.put(model_blob)
     now = time.time()
     job = JobState(
         id=new_id("j"),
@@ -235,7 +235,7 @@ def ingest_job(
         state="running",
         round=0,
         rounds=spec.train.rounds,
-        model_sha=model_sha,
+        model_hash=model_hash,
         model_size=len(model_blob),
         chunks=chunks,
         val_sha=val_sha,

@@ -59,7 +59,7 @@ class Issued:
     """An assignment for a node: the signed bytes as sent, and the model it names."""
 
     sealed: bytes
-    model_sha: str
+    model_hash: str
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Ledger:
         held = [a for a in self.scheduler.live_for(node.id) if not a.uploading]
         if held:
             first = min(held, key=lambda a: a.issued_at)
-            return Issued(first.sealed, first.model_sha)
+            return Issued(first.sealed, first.model_hash)
         plan = self.scheduler.plan(node, cached)
         if plan is None:
             return None
@@ -170,7 +170,7 @@ class Ledger:
         now = time.time()
         aid = new_id("a")
         msg = Assignment(
-            assignment_id=aid, job_id=job.id, round=job.round, node_id=node.id, model_hash=job.model_sha,
+            assignment_id=aid, job_id=job.id, round=job.round, node_id=node.id, model_hash=job.model_hash,
             model_size=job.model_size, model_spec=job.spec.model.to_dict(),
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
             seed=shard.seed, train=job.spec.train.train_config(), issued_at=now, deadline=plan.deadline,
@@ -179,7 +179,7 @@ class Ledger:
         sealed = seal(self.key, msg)
         a = AssignmentState(
             id=aid, shard_id=shard.id, job_id=job.id, round=job.round, node_id=node.id, issued_at=now,
-            expected_s=plan.expected_s, deadline=plan.deadline, sealed=sealed, model_sha=job.model_sha,
+            expected_s=plan.expected_s, deadline=plan.deadline, sealed=sealed, model_hash=job.model_hash,
             chunk_shas=frozenset(c.sha for c in chunks),
         )
         # Attached before the write so that a concurrent poll cannot be planned the same chunks;
@@ -191,7 +191,7 @@ class Ledger:
             self._release(a)
             raise
         self.metrics.assignments_issued += 1
-        return Issued(sealed, job.model_sha)
+        return Issued(sealed, job.model_hash)
 
     def _release(self, a: AssignmentState) -> None:
         """Forget a live assignment; its shard goes back to the pool if nobody else holds it."""
@@ -255,7 +255,7 @@ class Ledger:
 
     def may_read_blob(self, node: NodeState, sha: str) -> bool:
         """A node reads the model and the chunks of its live assignments, nothing else."""
-        return any(a.model_sha == sha or sha in a.chunk_shas for a in self.scheduler.live_for(node.id))
+        return any(a.model_hash == sha or sha in a.chunk_shas for a in self.scheduler.live_for(node.id))
 
     # -- updates -----------------------------------------------------------------------------
     async def begin_upload(self, node: NodeState, hdr: UpdateHeader,

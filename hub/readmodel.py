@@ -55,9 +55,9 @@ def job_row(conn: sqlite3.Connection, who: Principal, job_id: str) -> sqlite3.Ro
 def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
     where, args = visible(who)
     rows = conn.execute(
-        f"SELECT id, name, owner, state, round, rounds, model_sha, created_at, updated_at, error"  # noqa: S608
+        f"SELECT id, name, owner, state, round, rounds, model_hash, created_at, updated_at, error"  # noqa: S608
         f" FROM jobs WHERE {where} ORDER BY created_at", args).fetchall()
-    return [dict(r) | {"model_hash": r["model_sha"]} for r in rows]
+    return [dict(r) | {"model_hash": r["model_hash"]} for r in rows]
 
 
 def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         trained = sum(u["samples"] for u in ups)
         history.append({
             "round": r["round"], "loss": r["loss"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
-            "model_hash": r["new_model_sha"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
+            "model_hash": r["new_model_hash"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
             "metrics": json.loads(r["metrics"] or "{}"),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
             "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
@@ -96,7 +96,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         })
     return {
         "id": job_id, "name": row["name"], "owner": row["owner"], "state": row["state"],
-        "round": row["round"], "rounds": row["rounds"], "model_hash": row["model_sha"],
+        "round": row["round"], "rounds": row["rounds"], "model_hash": row["model_hash"],
         "train_samples": row["train_samples"], "val_samples": row["val_samples"],
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,

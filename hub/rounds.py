@@ -279,7 +279,7 @@ class RoundEngine:
         judgement: policy.RoundJudgement = result["judgement"]
         touched = self._reputations_after([], judgement.flagged_nodes)
         outcome = RoundResult(
-            model_sha=result["model_sha"], opt_state_sha=result["opt_state_sha"],
+            model_hash=result["model_hash"], opt_state_sha=result["opt_state_sha"],
             statuses=dict(judgement.statuses), flags=list(judgement.flags), evidence=result["evidence"],
             metrics=result["metrics"], train_loss=result["train_loss"], flagged_nodes=list(judgement.flagged_nodes))
         try:
@@ -292,7 +292,7 @@ class RoundEngine:
             self.scheduler.detach(a)
         self._apply_reputations(touched)
         job.error = None  # a failure noted while this round could not close is over
-        job.model_sha = result["model_sha"]
+        job.model_hash = result["model_hash"]
         job.opt_state_sha = result["opt_state_sha"]
         job.round += 1
         self.metrics.rounds_closed += 1
@@ -308,7 +308,7 @@ class RoundEngine:
         """Judge (hub/policy.judge_round), aggregate, step the server optimizer, evaluate, log.
         Worker thread; no DB writes."""
         spec = job.spec
-        global_state = decode_state(bytearray(self.blobs.read(job.model_sha)))
+        global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
         with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
             gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
                                   if t.is_floating_point())) if reps else 0.0
@@ -340,7 +340,7 @@ class RoundEngine:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AggregationError(f"aggregated model tensor {k!r} is not finite")
         model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
-        model_sha = self.blobs.put(model_blob)
+        model_hash = self.blobs.put(model_blob)
         opt_sha = self.blobs.put(encode_state(opt.state_dict())) if opt.kind != "none" else None
         metrics: dict[str, float] = {}
         if job.val_sha:
@@ -352,7 +352,7 @@ class RoundEngine:
         if train_loss is not None and math.isfinite(train_loss):
             metrics["train_loss"] = train_loss
         self.audit.append("aggregation", aggregation_body(
-            job_id=job.id, round=job.round, model_hash=model_sha, method=spec.aggregation.method,
+            job_id=job.id, round=job.round, model_hash=model_hash, method=spec.aggregation.method,
             included=[reps[i].sha for i in included],
             excluded=[(u.sha, flagged.get(u.id, "excluded")) for i, u in enumerate(reps) if i not in included],
             unverified=[reps[i].sha for i in included if shard_of[reps[i].id].unverified],
@@ -360,7 +360,7 @@ class RoundEngine:
             metrics={k: round(v, 6) for k, v in metrics.items()},
         ))
         return {
-            "model_sha": model_sha, "opt_state_sha": opt_sha, "judgement": judgement,
+            "model_hash": model_hash, "opt_state_sha": opt_sha, "judgement": judgement,
             "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
         }
 

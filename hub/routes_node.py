@@ -84,7 +84,7 @@ async def work(request: web.Request) -> web.Response:
         while not wake.closing:
             issued = await ledger.next_assignment(node, cached)
             if issued is not None:
-                return _assignment_response(request, issued.sealed, issued.model_sha, cached)
+                return _assignment_response(request, issued.sealed, issued.model_hash, cached)
             left = give_up - loop.time()
             if left <= 0:
                 break
@@ -99,7 +99,7 @@ async def work(request: web.Request) -> web.Response:
     return sealed_response(request, NoWork(retry_after_s=retry, reason=reason))
 
 
-def _assignment_response(request: web.Request, sealed: bytes, model_sha: str, cached: frozenset[str]) -> web.Response:
+def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, cached: frozenset[str]) -> web.Response:
     """The sealed assignment, followed by the model's bytes when the node asked for them inline.
 
     A node that sends ``X-GPUFlex-Inline-Max: N`` and does not list the model among its
@@ -114,8 +114,8 @@ def _assignment_response(request: web.Request, sealed: bytes, model_sha: str, ca
         inline_max = min(int(request.headers.get("X-GPUFlex-Inline-Max", "0")), HOT_BLOB_MAX)
     except ValueError:
         inline_max = 0
-    if inline_max > 0 and model_sha not in cached:
-        blob = request.app[BLOBS].hot(model_sha)  # memory only: never a disk read on the loop
+    if inline_max > 0 and model_hash not in cached:
+        blob = request.app[BLOBS].hot(model_hash)  # memory only: never a disk read on the loop
         if blob is not None and len(blob) <= inline_max:
             body = sealed + blob
             headers["X-GPUFlex-Sealed-Length"] = str(len(sealed))

@@ -91,7 +91,7 @@ async def submit_job(request: web.Request) -> web.Response:
         for p in paths.values():
             p.unlink(missing_ok=True)
     return json_response({"id": job.id, "name": job.name, "state": job.state, "rounds": job.rounds,
-                          "chunks": len(job.chunks), "model_hash": job.model_sha}, status=201)
+                          "chunks": len(job.chunks), "model_hash": job.model_hash}, status=201)
 
 
 @routes.get("/v1/jobs")

@@ -72,7 +72,7 @@ class FlagRecord:
 class RoundResult:
     """What closing a round produced: the next model and what went into it."""
 
-    model_sha: str
+    model_hash: str
     opt_state_sha: str | None
     statuses: dict[str, str]  # update id -> included|quarantined|excluded
     flags: list[Flag]

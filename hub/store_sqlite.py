@@ -106,18 +106,18 @@ class SqliteStore(Store):
     def insert_job_sync(self, job: JobState, spec_text: str, train_samples: int, val_samples: int) -> None:
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(
-                "INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_sha, model_size,"
+                "INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_hash, model_size,"
                 " val_sha, train_samples, val_samples, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job.id, job.owner, job.name, spec_text, job.state, job.rounds, job.model_sha,
+                (job.id, job.owner, job.name, spec_text, job.state, job.rounds, job.model_hash,
                  job.model_size, job.val_sha, train_samples, val_samples, job.created_at, job.created_at))
             conn.executemany(
                 "INSERT INTO chunks (job_id, idx, sha, samples, size) VALUES (?, ?, ?, ?, ?)",
                 [(job.id, c.idx, c.sha, c.samples, c.size) for c in job.chunks])
             conn.execute("INSERT INTO models (job_id, version, sha, created_at) VALUES (?, 0, ?, ?)",
-                         (job.id, job.model_sha, job.created_at))
-            conn.execute("INSERT INTO rounds (job_id, round, model_sha, opened_at) VALUES (?, 0, ?, ?)",
-                         (job.id, job.model_sha, job.created_at))
+                         (job.id, job.model_hash, job.created_at))
+            conn.execute("INSERT INTO rounds (job_id, round, model_hash, opened_at) VALUES (?, 0, ?, ?)",
+                         (job.id, job.model_hash, job.created_at))
 
         self.db.write_sync(write)
 
@@ -235,20 +235,20 @@ class SqliteStore(Store):
                 [(now, uid) for uid in withdrawn])
             _end_live(conn, cancelled, "cancelled")
             conn.execute(
-                "UPDATE rounds SET new_model_sha = ?, closed_at = ?, train_loss = ?, loss = ?, accuracy = ?,"
+                "UPDATE rounds SET new_model_hash = ?, closed_at = ?, train_loss = ?, loss = ?, accuracy = ?,"
                 " metrics = ?, evidence = ? WHERE job_id = ? AND round = ?",
-                (result.model_sha, now, result.train_loss, result.metrics.get("loss"),
+                (result.model_hash, now, result.train_loss, result.metrics.get("loss"),
                  result.metrics.get("accuracy"), _json(result.metrics), _json(result.evidence),
                  job.id, job.round))
             conn.execute("INSERT OR REPLACE INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)",
-                         (job.id, next_round, result.model_sha, now))
+                         (job.id, next_round, result.model_hash, now))
             conn.execute(
-                "UPDATE jobs SET round = ?, model_sha = ?, opt_state_sha = ?, state = ?, updated_at = ?"
+                "UPDATE jobs SET round = ?, model_hash = ?, opt_state_sha = ?, state = ?, updated_at = ?"
                 " WHERE id = ?",
-                (next_round, result.model_sha, result.opt_state_sha, "done" if last else "running", now, job.id))
+                (next_round, result.model_hash, result.opt_state_sha, "done" if last else "running", now, job.id))
             if not last:
-                conn.execute("INSERT OR REPLACE INTO rounds (job_id, round, model_sha, opened_at)"
-                             " VALUES (?, ?, ?, ?)", (job.id, next_round, result.model_sha, now))
+                conn.execute("INSERT OR REPLACE INTO rounds (job_id, round, model_hash, opened_at)"
+                             " VALUES (?, ?, ?, ?)", (job.id, next_round, result.model_hash, now))
 
         await self.db.write(write)
 
@@ -330,7 +330,7 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
         ]
         job = JobState(
             id=row["id"], owner=row["owner"], name=row["name"], spec=spec, state=row["state"],
-            round=row["round"], rounds=row["rounds"], model_sha=row["model_sha"],
+            round=row["round"], rounds=row["rounds"], model_hash=row["model_hash"],
             model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
             opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
         )
@@ -362,7 +362,7 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
                     shard.live[a["id"]] = AssignmentState(
                         id=a["id"], shard_id=shard.id, job_id=job.id, round=job.round,
                         node_id=a["node_id"], issued_at=a["issued_at"], expected_s=a["expected_s"],
-                        deadline=a["deadline"], sealed=bytes(a["sealed"]), model_sha=job.model_sha,
+                        deadline=a["deadline"], sealed=bytes(a["sealed"]), model_hash=job.model_hash,
                         chunk_shas=frozenset(by_idx[i].sha for i in idxs),
                     )
             for u in conn.execute(

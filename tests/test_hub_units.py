@@ -26,7 +26,7 @@ from tests.helpers import digits_spec
 def make_job(chunks: int = 20, chunk_samples: int = 10, target_s: float = 10.0) -> JobState:
     spec = parse_job_spec(digits_spec(round_target_s=target_s, replication="0.0"))
     job = JobState(id="j-1", owner="o", name="n", spec=spec, state="running", round=0, rounds=2,
-                   model_sha="0" * 64, model_size=1, chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100)
+                   model_hash="0" * 64, model_size=1, chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100)
                                                             for i in range(chunks)],
                    val_sha=None, opt_state_sha=None, created_at=0.0)
     job.open_round()
@@ -76,7 +76,7 @@ def test_fair_share_between_jobs():
         from gpuflex.hub.jobs import AssignmentState
 
         sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=f"n{i}",
-                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_sha="",
+                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_hash="",
                                      chunk_shas=frozenset()), p.shard)
         picks.append(p.job.id)
     assert picks == ["j-1", "j-2", "j-1", "j-2"]

@@ -17,7 +17,7 @@ def make_job(chunks: int = 64, chunk_samples: int = 10, *, replication: str = "0
              target_s: float = 86400.0) -> JobState:
     spec = parse_job_spec(digits_spec(round_target_s=target_s, replication=replication))
     job = JobState(id="j-1", owner="o", name="n", spec=spec, state="running", round=0, rounds=2,
-                   model_sha="0" * 64, model_size=1,
+                   model_hash="0" * 64, model_size=1,
                    chunks=[ChunkInfo(i, f"{i:064x}", chunk_samples, 100) for i in range(chunks)],
                    val_sha=None, opt_state_sha=None, created_at=0.0)
     job.open_round()
@@ -40,7 +40,7 @@ def serve(sched: Scheduler, nodes: list[NodeState]) -> dict[str, tuple[int, str]
         p = sched.plan(n, frozenset())
         assert p is not None, f"{n.id} got nothing"
         sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=n.id,
-                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_sha="",
+                                     issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_hash="",
                                      chunk_shas=frozenset()), p.shard)
         sched.poll_ended(n.id, time.time())
         out[n.id] = (p.shard.samples, p.shard.id)

@@ -59,7 +59,7 @@ def _assignment(job: JobState, node_id: str, aid: str = "a-1") -> AssignmentStat
     now = time.time()
     return AssignmentState(id=aid, shard_id=shard.id, job_id=job.id, round=job.round, node_id=node_id,
                            issued_at=now, expected_s=1.0, deadline=now + 60, sealed=b"sealed",
-                           model_sha=job.model_sha, chunk_shas=frozenset())
+                           model_hash=job.model_hash, chunk_shas=frozenset())
 
 
 def _carve(job: JobState, wanted: int = 1):
@@ -98,7 +98,7 @@ async def test_a_job_its_live_assignment_and_an_update_survive_a_restart(opened)
     await store.issue_assignment(a, shard, [job.chunks[0], job.chunks[1]])
     loaded = (await store.load()).jobs
     (again,) = loaded
-    assert again.id == job.id and again.model_sha == job.model_sha
+    assert again.id == job.id and again.model_hash == job.model_hash
     assert list(again.shards) == [shard.id] and list(again.shards[shard.id].live) == ["a-1"]
     assert 0 not in again.free and 1 not in again.free
     upd = UpdateState(id="u-1", assignment_id="a-1", shard_id=shard.id, node_id="gf1-n1", sha="ab" * 32,
@@ -172,7 +172,7 @@ async def test_settling_records_flags_and_a_verdict_is_given_once(opened) -> Non
 async def test_closing_the_last_round_finishes_the_job(opened) -> None:
     kind, where, store = opened
     job = await _job(where, store)
-    result = RoundResult(model_sha="cd" * 32, opt_state_sha=None, statuses={}, flags=[], evidence={},
+    result = RoundResult(model_hash="cd" * 32, opt_state_sha=None, statuses={}, flags=[], evidence={},
                          metrics={"loss": 0.25, "accuracy": 0.9}, train_loss=0.3, flagged_nodes=[])
     await store.close_round(job, result, flags=[], withdrawn=[], cancelled=[], reputations=[], last=False,
                             now=10.0)
@@ -201,28 +201,36 @@ async def test_ending_a_job_cancels_its_live_assignments(opened) -> None:
     assert fate is not None and fate.state == "cancelled"
 
 
-def test_a_version_1_database_is_migrated_keeping_its_reputations(tmp_path: Path) -> None:
-    """Data folders written by the previous release keep their nodes' track records."""
+def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> None:
+    """Data folders written by the previous release keep their nodes' track records and jobs."""
     path = tmp_path / "hub.sqlite3"
-    conn = sqlite3.connect(path)
+    db = Database(path)
+    db.close()
+    conn = sqlite3.connect(path)  # turn it back into what the previous release wrote
+    for table, old, new in (("nodes", "agreed", "agreements_total"), ("nodes", "disagreed", "flags_total"),
+                            ("nodes", "consecutive_valid", "consecutive_agreements"),
+                            ("nodes", "flags_confirmed", "confirmed_flags"),
+                            ("nodes", "flags_dismissed", "dismissed_flags"), ("jobs", "model_sha", "model_hash"),
+                            ("rounds", "model_sha", "model_hash"), ("rounds", "new_model_sha", "new_model_hash")):
+        conn.execute(f"ALTER TABLE {table} RENAME COLUMN {new} TO {old}")
     conn.executescript(
-        "CREATE TABLE nodes (id TEXT PRIMARY KEY, public_key BLOB NOT NULL, software_version TEXT NOT NULL,"
-        " device TEXT NOT NULL, benchmark TEXT NOT NULL, bench_sps REAL NOT NULL, ema_sps REAL NOT NULL,"
-        " registered_at REAL NOT NULL, last_seen REAL NOT NULL, agreed INTEGER NOT NULL DEFAULT 0,"
-        " disagreed INTEGER NOT NULL DEFAULT 0, consecutive_valid INTEGER NOT NULL DEFAULT 0,"
-        " flags_confirmed INTEGER NOT NULL DEFAULT 0, flags_dismissed INTEGER NOT NULL DEFAULT 0,"
-        " updates_accepted INTEGER NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0);"
-        "INSERT INTO nodes VALUES ('gf1-old', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 9, 2, 4, 1, 1, 5, 0);"
+        "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
+        " last_seen, agreed, disagreed, consecutive_valid, flags_confirmed, flags_dismissed)"
+        " VALUES ('gf1-old', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 9, 2, 4, 1, 1);"
+        "INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_sha, model_size, train_samples,"
+        " val_samples, created_at, updated_at) VALUES ('j-old', 'o', 'n', '', 'done', 1, 1, 'ab', 1, 1, 0, 0, 0);"
         "PRAGMA user_version = 1;")
     conn.close()
     db = Database(path)
     try:
         assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
         row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM nodes").fetchone()))
+        job = db.write_sync(lambda c: dict(c.execute("SELECT * FROM jobs").fetchone()))
     finally:
         db.close()
     assert (row["agreements_total"], row["flags_total"], row["consecutive_agreements"], row["confirmed_flags"],
             row["dismissed_flags"]) == (9, 2, 4, 1, 1)
+    assert job["model_hash"] == "ab"
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:

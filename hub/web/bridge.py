@@ -80,7 +80,6 @@ async def job_view(
     def q(conn: sqlite3.Connection) -> dict[str, Any]:
         row = readmodel.job_row(conn, who, job_id)
         doc = readmodel.job_status(conn, row)
-        doc["model_sha"] = row["model_sha"]
         extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]), shard_round)
         return {"doc": doc, **extras}
 

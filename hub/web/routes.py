@@ -226,7 +226,7 @@ async def job_page(request: web.Request) -> web.StreamResponse:
         **doc,
         "covered": covered,
         "live": live,
-        "model_sha": doc.get("model_sha") or doc.get("model_hash") or "",
+        "model_hash": doc.get("model_hash") or "",
         "chunks": d["chunks"],
         "closed": d["closed"],
         "loss": d["loss"],
