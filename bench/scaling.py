@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scaling.json"
 sys.path.insert(0, str(ROOT))
 
-from gpuflex.hub.localcluster import LocalCluster  # noqa: E402
+from tests.tooling.cluster import LocalCluster  # noqa: E402  (the test harness: a hub and nodes as processes)
 
 
 def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int) -> tuple[Path, Path, Path]:
@@ -89,7 +89,7 @@ def run(workdir: Path, job: tuple[Path, Path, Path], nodes: list[tuple[str, str 
     train, val, spec = job
     with LocalCluster(workdir, hub_args=["--long-poll-max", "10"]) as cluster:
         cluster.start_hub()
-        procs = [cluster.start_node(name, attack=fault, threads=1) for name, fault in nodes]
+        procs = [cluster.start_node(name, attack=fault) for name, fault in nodes]  # --threads 1 each
         cluster.wait_registered(procs, timeout_s=300)
         token = cluster.create_token("owner", "bench")
         env = dict(os.environ, GPUFLEX_HUB=cluster.url, GPUFLEX_TOKEN=token)

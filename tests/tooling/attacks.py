@@ -37,6 +37,10 @@ Faults (``FAULTS``, not attacks: they change timing, never an update):
   first N assignments at once; later ones wait ``--stall-s S`` seconds (until
   the node is stopped, without it) and then train honestly. Tests use it to put a
   signal or an outage *inside* an assignment however fast the machine is.
+- ``slow``: a device at 1/``--slow-factor`` of this machine's speed (default 2): after
+  training honestly it waits (factor - 1) x as long again, inside the training step, so
+  the time it reports and the time the hub sees both grow. Benches use it for a node of
+  half speed beside full-speed ones without needing a slower machine.
 """
 
 from __future__ import annotations
@@ -190,7 +194,7 @@ ATTACKS = (
 )
 
 
-FAULTS = ("stall",)
+FAULTS = ("stall", "slow")
 
 
 def make_attack(name: str) -> Attack:
@@ -395,6 +399,26 @@ def stall_agent_class(*, after: int, seconds: float | None) -> type:
     return StallAgent
 
 
+def slow_agent_class(*, factor: float) -> type:
+    """A real node that trains honestly at 1/``factor`` of its machine's speed."""
+    import time
+
+    from gpuflex.node.agent import NodeAgent
+
+    class SlowAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        def train(self, assignment: Any, chunks: Any, global_state: Any) -> Any:
+            t0 = time.monotonic()
+            result = super().train(assignment, chunks, global_state)
+            until = time.monotonic() + (time.monotonic() - t0) * (factor - 1.0)
+            while time.monotonic() < until and not self.stop_training.wait(0.02):
+                pass
+            if hasattr(result, "train_s"):
+                result = dataclasses.replace(result, train_s=result.train_s * factor)
+            return result
+
+    return SlowAgent
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tests.tooling.attacks --attack NAME <gpuflex-node run args>``."""
     parser = argparse.ArgumentParser(
@@ -404,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--attack", required=True, choices=ATTACKS + FAULTS)
     parser.add_argument("--stall-after", type=int, default=0, help="stall: assignments trained at once")
     parser.add_argument("--stall-s", type=float, default=None, help="stall: seconds (default: until stopped)")
+    parser.add_argument("--slow-factor", type=float, default=2.0, help="slow: 1/speed (2 = half speed)")
     args, rest = parser.parse_known_args(argv)
     if rest and rest[0] == "run":
         rest = rest[1:]
@@ -411,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.attack == "stall":
         cls = stall_agent_class(after=args.stall_after, seconds=args.stall_s)
+    elif args.attack == "slow":
+        cls = slow_agent_class(factor=max(1.0, args.slow_factor))
     else:
         cls = agent_class(args.attack)
     return int(cli.main(["run", *rest], agent_cls=cls))
