@@ -29,11 +29,14 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy --strict protocol/
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) bench/codec.py
 	$(PY) bench/trainer.py
 	$(PY) bench/aggregate.py
 	$(PY) bench/hub_load.py
 	$(PY) bench/robustness.py
+	$(PY) bench/scaling.py
+	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
 
 clean:

@@ -20,7 +20,7 @@ Figures (written to scaling.json under bench/results):
   long again as it trained), and the slow node's share of samples by round 3 (about 1/3 is
   what "shard size follows throughput" means) and how long rounds wait on it.
 
-Run: .venv/bin/python bench/scaling.py [--rounds 10] [--nodes 1,2,4] [--epochs 4]
+Run: .venv/bin/python bench/scaling.py [--rounds 6] [--nodes 1,2,4] [--epochs 32] [--lr 0.004]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from tests.tooling.cluster import LocalCluster  # noqa: E402  (the test harness: a hub and nodes as processes)
 
 
-def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int) -> tuple[Path, Path, Path]:
+def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int, lr: float) -> tuple[Path, Path, Path]:
     import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -69,7 +69,7 @@ rounds = {rounds}
 local_epochs = {epochs}
 batch_size = 32
 optimizer = "sgd"
-lr = 0.02
+lr = {lr}
 momentum = 0.9
 seed = 0
 round_target_s = 3600.0
@@ -136,9 +136,10 @@ def balance(doc: dict[str, Any]) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=32)
     ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.004)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--skip-hetero", action="store_true")
     args = ap.parse_args()
@@ -146,10 +147,11 @@ def main() -> int:
     results: dict[str, Any] = {"runs": {}}
     with tempfile.TemporaryDirectory(prefix="gpuflex-scaling-") as tmp:
         base = Path(tmp)
-        job = write_job(base / "job", rounds=args.rounds, epochs=args.epochs, chunk_size=args.chunk_size)
+        job = write_job(base / "job", rounds=args.rounds, epochs=args.epochs, chunk_size=args.chunk_size,
+                        lr=args.lr)
         # The 2-node run gets more rounds so that it can reach the 1-node accuracy if averaging costs some.
         long_job = write_job(base / "job-long", rounds=2 * args.rounds, epochs=args.epochs,
-                             chunk_size=args.chunk_size)
+                             chunk_size=args.chunk_size, lr=args.lr)
         docs: dict[int, dict[str, Any]] = {}
         for n in counts:
             t0 = time.perf_counter()

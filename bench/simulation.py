@@ -53,6 +53,7 @@ from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402
 
 DIM = 256
 CHUNK = 64
+CHUNKS_PER_NODE = 8  # a round has 8 chunks per node: a shard is a handful of chunks, as on a real job
 EPOCHS = 1
 SPEC_TOML = """
 [job]
@@ -116,7 +117,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     vspec = spec.verification
     sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0, rng=random.Random(seed + 1))
     chunks = [ChunkInfo(i, hashlib.sha256(f"{seed}:{i}".encode()).hexdigest(), CHUNK, CHUNK * 64)
-              for i in range(2 * n)]
+              for i in range(CHUNKS_PER_NODE * n)]
     job = JobState(id="j-sim", owner="o", name="sim", spec=spec, state="running", round=0, rounds=rounds,
                    model_hash="0" * 64, model_size=DIM * 4, chunks=chunks, val_sha=None, opt_state_sha=None,
                    created_at=0.0)

@@ -230,14 +230,26 @@ def _status_view(doc: dict[str, Any]) -> Any:
                     f" {prog['assignments_live']} assignments live")
     if doc.get("error"):
         head.append(f"\nerror: {doc['error']}", style="red")
-    table = Table("round", "val loss", "accuracy", "train loss", "updates", "flags")
+    par = doc.get("parallel") or {}
+    if par.get("rounds"):
+        head.append(f"\nspread: {par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"
+                    f" parallel efficiency {par['efficiency']:.0%} (training time summed over the nodes /"
+                    " (nodes x round wall time))")
+    table = Table("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
+                  "efficiency", "updates", "flags")
 
     def fmt(v: Any, spec: str = ".4f") -> str:
         return "-" if v is None else format(v, spec)
 
     for h in doc["history"]:
+        shares = h.get("node_shares") or {}
+        share_text = "\n".join(f"{n} {v:.0%}" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+        p = h.get("parallel") or {}
+        unverified = len(h.get("unverified") or {})
         table.add_row(str(h["round"]), fmt(h["loss"]), fmt(h["accuracy"], ".3f"), fmt(h["train_loss"]),
-                      str(sum(1 for u in h["updates"] if u["status"] == "included")), str(len(h["flags"])))
+                      str(p.get("shards", "-")), share_text or "-", fmt(p.get("efficiency"), ".0%"),
+                      str(sum(1 for u in h["updates"] if u["status"] == "included"))
+                      + (f" ({unverified} unverified)" if unverified else ""), str(len(h["flags"])))
     return Group(head, table)
 
 

@@ -35,8 +35,9 @@ class HubConfig:
     max_spec_bytes: int = 64 << 10
     #: a node counts as online when seen within this many seconds
     online_window_s: float = 90.0
-    #: EMA weight of the newest throughput observation
-    throughput_alpha: float = 0.3
+    #: EMA weight of the newest throughput observation: shards follow the speeds seen in the last
+    #: round (a node at half speed gets about a third of a two-node round by its third round)
+    throughput_alpha: float = 0.7
     #: worker threads for upload file work (manifest check, fsync, rename)
     io_threads: int = 16
     #: torch intra-op threads for aggregation/evaluation (memory-bound slices: 1 is fastest on a busy box);

@@ -218,6 +218,11 @@ async def job_page(request: web.Request) -> web.StreamResponse:
                 "included": sum(1 for u in ups if u.get("status") == "included"),
                 "quarantined": sum(1 for u in ups if u.get("status") == "quarantined"),
                 "overhead": ov,
+                "shards": (h.get("parallel") or {}).get("shards"),
+                "nodes": (h.get("parallel") or {}).get("nodes"),
+                "efficiency": (h.get("parallel") or {}).get("efficiency"),
+                "shares": sorted((h.get("node_shares") or {}).items(), key=lambda kv: -kv[1]),
+                "unverified": len(h.get("unverified") or {}),
             }
         )
     covered = sum(len(sh["chunks"]) for sh in d["shards"] if sh["state"] == "settled")
@@ -246,6 +251,7 @@ async def job_page(request: web.Request) -> web.StreamResponse:
             "job": job,
             "history": rounds,
             "overhead": overhead,
+            "parallel": doc.get("parallel") or {},
             "shard_round": d["shard_round"],
             "shards": d["shards"],
             "flags": d["flags"],
