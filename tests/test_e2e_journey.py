@@ -107,7 +107,7 @@ def test_clean_run_reaches_095(tmp_path: Path, bench_cache: Path) -> None:
     with LocalCluster(workdir=tmp_path, hub_args=SPREAD_HUB, shared_bench_cache=bench_cache) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
-        files = digits_job(tmp_path / "job", rounds=6, local_epochs=3, replication=0.0)
+        files = digits_job(tmp_path / "job", rounds=10, local_epochs=3, replication=0.0)
         for i in range(3):
             cluster.start_node(f"n{i}")
         cluster.wait_registered()
