@@ -115,6 +115,9 @@ class JobState:
     #: open replicated shards that may still want a replica (the scheduler drops those that do not
     #: as it meets them; a detach or a raised `wanted` puts a shard back)
     replicated: dict[str, ShardState] = field(default_factory=dict)
+    #: the most holders (shard.nodes) any shard in `replicated` has had this round: a bound
+    #: the scheduler uses to rule a node out of every pending replica at once
+    most_holders: int = 0
     cursor: int = 0  # every chunk index below it is taken (amortised O(1) carving)
     by_sha: dict[str, int] = field(default_factory=dict)
     #: why the job failed, or what went wrong while it could not be recorded yet (shown in its status)
@@ -146,6 +149,7 @@ class JobState:
         self.state = state
         self.shards = {}
         self.replicated = {}
+        self.most_holders = 0
         self.free = set()
         self.free_total = 0
 
@@ -166,6 +170,7 @@ class JobState:
     def open_round(self) -> None:
         self.shards = {}
         self.replicated = {}
+        self.most_holders = 0
         self.free = {c.idx for c in self.chunks}
         self.free_total = sum(c.samples for c in self.chunks)
         self.cursor = 0

@@ -819,6 +819,27 @@ class ReplicaPool:
     def anyone(self, exclude: Collection[str]) -> bool:
         return len(self.reps) > len(self._members(exclude))
 
+    def ruled_out(self, node_id: str, most_excluded: int) -> bool:
+        """True when ``eligible(node_id, exclude)`` is False for every ``exclude`` of at most
+        ``most_excluded`` nodes: a pre-filter that lets a caller skip asking shard by shard.
+
+        Untrusted while more trusted nodes are online than can be excluded: the first rule
+        always applies. Otherwise the cut is the median of the runs left after removing at
+        most ``most_excluded``; removing g values never lowers the k-th smallest, so the cut
+        is at least ``runs[k(g)]``, and k(g) shrinks as g grows: below ``runs[k(most)]``, never.
+        """
+        rep = self.reps.get(node_id)
+        if rep is None:
+            return True
+        if node_id in self.trusted:
+            return False
+        if len(self.trusted) > most_excluded:
+            return True
+        m = len(self.runs) - max(0, most_excluded)
+        if m < 1:
+            return False
+        return rep.consecutive_agreements < self.runs[m - 1 - (m - 1) // 2]
+
     def eligible(self, node_id: str, exclude: Collection[str]) -> bool:
         rep = self.reps.get(node_id)
         if rep is None or node_id in exclude:

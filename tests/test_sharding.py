@@ -168,3 +168,32 @@ def test_the_replica_pool_answers_as_replica_candidates_does():
         assert pool.anyone(exclude) == bool(want), trial
         for n in names:
             assert pool.eligible(n, exclude) == (n in want), (trial, n)
+
+
+def test_ruled_out_never_hides_a_node_that_some_shard_would_take():
+    """ReplicaPool.ruled_out is a pre-filter: a node it rules out is eligible for no shard of
+    at most `most` holders, and it does rule nodes out (the scan it saves is real)."""
+    import itertools
+    import random
+
+    from gpuflex.hub.verification import ReplicaPool
+    from gpuflex.protocol.jobspec import VerificationSpec
+
+    rng = random.Random(11)
+    ruled = 0
+    for trial in range(300):
+        spec = VerificationSpec(trust_after=rng.choice([0, 2, 5, 10]))
+        reps = {f"n{i}": Reputation(consecutive_agreements=rng.randrange(0, 12), banned=rng.random() < 0.1)
+                for i in range(rng.randrange(1, 9))}
+        pool = ReplicaPool(reps, spec)
+        names = [*reps, "absent"]
+        most = rng.randrange(0, 4)
+        for n in names:
+            if not pool.ruled_out(n, most):
+                continue
+            ruled += 1
+            others = [x for x in names if x != n]
+            for size in range(most + 1):
+                for exclude in itertools.combinations(others, size):
+                    assert not pool.eligible(n, set(exclude)), (trial, n, exclude)
+    assert ruled > 100
