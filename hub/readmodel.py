@@ -15,6 +15,9 @@ import time
 from typing import Any
 
 from aiohttp import web
+from gpuflex.protocol.compute import class_key
+from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, LEDGER, STORE
@@ -270,6 +273,15 @@ REPUTATION_FIELDS = ("consecutive_agreements", "agreements_total", "flags_total"
                      "dismissed_flags")
 
 
+def _compute_view(text: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A stored compute class as shown (its fields) and its class key per precision it trains."""
+    try:
+        cc = nested_from_dict(ComputeClass, json.loads(text))
+    except (ValueError, ProtocolError):
+        return {}, {}
+    return nested_to_dict(cc), {p: class_key(cc, p) for p in cc.precisions}
+
+
 async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str, Any]]:
     """Every registered node: device, benchmark, throughput EMA, reputation, activity (auditor/admin).
     A node's track record is its `reputation` (the Reputation's fields, the columns' names)."""
@@ -287,6 +299,7 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
                                "updates_accepted", "assignments_failed")}
         d["device"] = json.loads(r["device"])
         d["benchmark"] = json.loads(r["benchmark"])
+        d["compute_class"], d["class_keys"] = _compute_view(r["compute_class"])
         rep = {k: r[k] for k in REPUTATION_FIELDS} | {"banned": bool(r["banned"])}
         live = sched.nodes.get(r["id"])
         if live is not None:  # memory is at least as new as the row

@@ -157,7 +157,10 @@ class RoundEngine:
         # The policy reads `taker` only with no replica out and two or more updates: ask the
         # scheduler only then.
         taker = live or len(shard.accepted) < 2 or self.scheduler.can_take_replica(job, shard, now)
-        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker)
+        keys = {u.node_id: self.scheduler.class_key(job, u.node_id) for u in shard.accepted}
+        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker,
+                                   comparison=policy.comparison_of(keys.values()),
+                                   class_keys={n: k for n, k in keys.items() if k is not None})
 
     async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
@@ -167,7 +170,7 @@ class RoundEngine:
             decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
         else:
             decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
-        await self._apply_shard_decision(job, shard, decision)
+        await self._apply_shard_decision(job, shard, decision, state)
 
     def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
         return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
@@ -182,7 +185,8 @@ class RoundEngine:
         return decision
 
     # -- applying a shard decision: the store, then memory ------------------------------------
-    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision) -> None:
+    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision,
+                                    state: policy.ReplicaState | None = None) -> None:
         if isinstance(decision, policy.WaitForMore):
             if decision.wanted == shard.wanted:
                 return
@@ -206,6 +210,8 @@ class RoundEngine:
         shard.state = "settled" if settled else "dropped"
         shard.representative = representative
         shard.unverified = decision.unverified if isinstance(decision, policy.Settle) else None
+        if state is not None and len(shard.accepted) > 1:
+            shard.comparison = state.comparison
         for u in shard.accepted:
             if u.id in statuses:
                 u.status = statuses[u.id]
@@ -323,6 +329,9 @@ class RoundEngine:
                           if shard_of[reps[i].id].unverified}
             if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
                 evidence["unverified"] = unverified
+            compared = {s.id: s.comparison for s in shard_of.values() if s.comparison}
+            if compared:  # replica groups: one compute class (strict tolerance) or several
+                evidence["replica_comparison"] = dict(sorted(compared.items()))
             use = [deltas[i] for i in included]
             weights = [float(shard_of[reps[i].id].samples) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
