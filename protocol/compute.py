@@ -38,15 +38,16 @@ def _capability(cc: ComputeClass) -> tuple[int, int]:
         return 0, 0
 
 
-def auto_precision(cc: ComputeClass) -> str:
-    """The fastest precision this class trains in: bf16 on CUDA cc >= 8.0, fp16 on older CUDA,
-    fp32 elsewhere (CPU bf16 autocast is slower than fp32 without AMX; MPS fp16 is not reliably faster)."""
+def auto_precision(cc: ComputeClass) -> str | None:
+    """The fastest precision this class trains in, among those it offers: bf16 on CUDA with
+    compute capability >= 8.0, fp16 on older CUDA, fp32 on a CPU or MPS (bf16 autocast on this
+    project's CPU ran the digits MLP at half the fp32 speed, bench/class_distance.py), then the
+    next one the node offers. None: it offers nothing."""
     if cc.device_kind == "cuda":
-        if _capability(cc) >= (8, 0) and "bf16" in cc.precisions:
-            return "bf16"
-        if "fp16" in cc.precisions:
-            return "fp16"
-    return "fp32"
+        order = ("bf16", "fp16", "tf32", "fp32") if _capability(cc) >= (8, 0) else ("fp16", "fp32")
+    else:
+        order = ("fp32", "bf16", "fp16", "tf32")
+    return next((p for p in order if p in cc.precisions), None)
 
 
 def resolve_precision(cc: ComputeClass, requested: str) -> str | None:
