@@ -348,6 +348,7 @@ class RoundEngine:
         for k, t in new_state.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AggregationError(f"aggregated model tensor {k!r} is not finite")
+        compared_shas = {reps[i].sha: c for i in included if (c := shard_of[reps[i].id].comparison)}
         model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
         model_hash = self.blobs.put(model_blob)
         opt_sha = self.blobs.put(encode_state(opt.state_dict())) if opt.kind != "none" else None
@@ -367,6 +368,8 @@ class RoundEngine:
             unverified=[reps[i].sha for i in included if shard_of[reps[i].id].unverified],
             server_optimizer=spec.aggregation.server_optimizer, samples=tot,
             metrics={k: round(v, 6) for k, v in metrics.items()},
+            # included updates that stand for a replica group: compared within one class or across
+            **({"replica_comparison": compared_shas} if compared_shas else {}),
         ))
         return {
             "model_hash": model_hash, "opt_state_sha": opt_sha, "judgement": judgement,

@@ -374,6 +374,12 @@ async def test_honest_replicas_of_two_classes_are_compared_cross_class_and_not_f
 
             for (evidence,) in rounds:
                 assert set(json.loads(evidence)["replica_comparison"].values()) == {"cross_class"}
+            async with s.get(f"{hub.url}/v1/audit-log", headers=hub.auth(hub.auditor_token)) as r:
+                entries = [json.loads(line) for line in (await r.text()).splitlines()]
+            aggs = [e["body"] for e in entries if e["kind"] == "aggregation"]
+            assert len(aggs) == 2
+            for body in aggs:
+                assert body["replica_comparison"] == {sha: "cross_class" for sha in body["included"]}
             (outcome,) = hub_rows(hub, "SELECT outcome FROM shards WHERE job_id = ? AND round = 0", job_id)
             shard = json.loads(outcome[0])
             assert shard["comparison"] == "cross_class" and shard["tolerance"] == 0.2
@@ -488,3 +494,32 @@ def test_real_nodes_in_two_classes_train_bf16_and_fp32_side_by_side_and_nobody_i
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             assert expect in out.stdout and "class key" in out.stdout, out.stdout
+
+
+async def test_the_consoles_nodes_page_shows_the_class_its_keys_and_the_speed_per_precision(tmp_path) -> None:
+    import html as html_lib
+
+    from tests.test_console_helpers import Browserish
+
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            node = SimNode(s, hub.url, compute=A100)
+            hello = node.hello()
+            node.hello = lambda **over: dataclasses.replace(  # type: ignore[method-assign]
+                hello, benchmark=atk_bench(), timestamp=time.time(), nonce=__import__("os").urandom(16), **over)
+            await node.register()
+        browser = Browserish(hub.url)
+        try:
+            await browser.login(hub.auditor_token)
+            status, page, _ = await browser.get("/console/nodes")
+        finally:
+            await browser.close()
+        assert status == 200
+        text = html_lib.unescape(page)
+        assert "sm 8.0 · CUDA 12.8 · cuDNN 91002 · torch 2.13.0+cu128" in text
+        assert "trains fp32, tf32, bf16, fp16" in text
+        assert f"bf16: {class_key(A100, 'bf16')}" in text
+        assert "bf16 350 samples/s" in text
+    finally:
+        await hub.stop()
