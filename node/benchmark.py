@@ -261,7 +261,7 @@ def benchmark_for_registration(
     ``on_measure`` is called before a measurement starts (to say so on screen).
     """
     cached = load_cached(device, path)
-    if cached is None:
+    if cached is None or "precision_sps" not in cached:  # measured before per-precision figures
         if on_measure is not None:
             on_measure()
         cached = measure_and_cache(device, path, quick=True)
