@@ -142,11 +142,28 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         self.found_inf.zero_()
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.scale.reciprocal())
+            inv = self.scale.reciprocal()
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
+            except (RuntimeError, NotImplementedError):  # a backend without the fused kernel (MPS)
+                for g in grads:
+                    g.mul_(inv)
+                    if not bool(torch.isfinite(g).all()):
+                        self.found_inf.fill_(1.0)
         return not bool(self.found_inf.item())
 
     def update(self) -> None:
-        torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, 2.0, 0.5, self.growth_interval)
+        try:
+            torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, 2.0, 0.5, self.growth_interval)
+        except (RuntimeError, NotImplementedError):  # the same rule, step by step
+            if bool(self.found_inf.item()):
+                self.scale.mul_(0.5)
+                self.growth_tracker.zero_()
+            else:
+                self.growth_tracker.add_(1)
+                if int(self.growth_tracker.item()) >= self.growth_interval:
+                    self.scale.mul_(2.0)
+                    self.growth_tracker.zero_()
 
 
 def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor], device: torch.device) -> nn.Module:

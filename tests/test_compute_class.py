@@ -163,6 +163,15 @@ def test_bf16_on_the_cpu_trains_to_the_fp32_accuracy_and_repeats_bit_for_bit() -
     assert VerificationSpec().tolerance < d < VerificationSpec().cross_class_tolerance, d
 
 
+def test_the_fp16_path_with_loss_scaling_trains_too() -> None:
+    """fp16 is not offered on a CPU (no fast kernels), but its code path (autocast + loss scaling,
+    what a CUDA node runs) trains the digits MLP to the fp32 accuracy here as well."""
+    delta, acc, loss = _digits_round("fp16")
+    _, acc_fp32, _ = _digits_round("fp32")
+    assert acc >= acc_fp32 - 0.02 and loss < 0.5, (acc, acc_fp32, loss)
+    assert all(t.dtype == torch.float32 for t in delta.values())
+
+
 def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off() -> None:
     scaler = LossScaler(torch.device("cpu"), init_scale=8.0, growth_interval=2)
     p = torch.nn.Parameter(torch.zeros(3))
