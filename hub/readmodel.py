@@ -89,6 +89,8 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             "metrics": json.loads(r["metrics"] or "{}"),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
             "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
+            # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
+            "replica_comparison": json.loads(r["evidence"] or "{}").get("replica_comparison", {}),
             "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
                          "samples": u["samples"], "loss": u["loss"], "status": u["status"],
                          "replica_group": u["replica_group"]} for u in ups],

@@ -378,6 +378,7 @@ async def test_honest_replicas_of_two_classes_are_compared_cross_class_and_not_f
             doc = await wait_job(s, hub, job_id)
             for h in doc["history"]:
                 assert h["flags"] == [] and sorted(u["status"] for u in h["updates"]) == ["included", "redundant"]
+                assert list(h["replica_comparison"].values()) == ["cross_class"]
             rounds = hub_rows(hub, "SELECT evidence FROM rounds WHERE job_id = ? ORDER BY round", job_id)
             import json
 
