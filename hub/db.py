@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -156,7 +156,8 @@ CREATE TABLE IF NOT EXISTS nodes (
     confirmed_flags INTEGER NOT NULL DEFAULT 0,
     dismissed_flags INTEGER NOT NULL DEFAULT 0,
     updates_accepted INTEGER NOT NULL DEFAULT 0,
-    banned INTEGER NOT NULL DEFAULT 0
+    banned INTEGER NOT NULL DEFAULT 0,
+    compute_class TEXT NOT NULL DEFAULT '{}'  -- JSON: the ComputeClass of its last hello (schema v3)
 );
 CREATE TABLE IF NOT EXISTS flags (
     id TEXT PRIMARY KEY,
@@ -214,6 +215,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         ("nodes", "consecutive_valid", "consecutive_agreements"), ("nodes", "flags_confirmed", "confirmed_flags"),
         ("nodes", "flags_dismissed", "dismissed_flags"), ("jobs", "model_sha", "model_hash"),
         ("rounds", "model_sha", "model_hash"), ("rounds", "new_model_sha", "new_model_hash"))),
+    # --- compute classes (issue 14, items 1-3) -------------------------------------------------
+    # 2 -> 3: a node's compute class (protocol ComputeClass as JSON) from its hello; '{}' until the
+    # node says hello again (it is then the unknown class: fp32 only, placed like any class).
+    2: ("ALTER TABLE nodes ADD COLUMN compute_class TEXT NOT NULL DEFAULT '{}'",),
+    # --- end compute classes ---------------------------------------------------------------------
 }
 
 

@@ -86,6 +86,8 @@ class ShardState:
     accepted: list[UpdateState] = field(default_factory=list)
     representative: str | None = None
     unverified: str | None = None  # why its representative was never confirmed by a replica
+    carved_at: float | None = None  # when the scheduler cut it (memory only; None after a restart)
+    comparison: str | None = None  # a settled replica group: "same_class" | "cross_class" (policy.Comparison)
 
     def replicas_needed(self) -> int:
         return self.wanted - len(self.live) - len(self.accepted)

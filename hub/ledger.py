@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuflex.protocol.messages import Assignment, ChunkRef, Hello, UpdateHeader
+from gpuflex.protocol.messages import Assignment, ChunkRef, Hello, UpdateHeader, nested_to_dict
 from gpuflex.protocol.signing import SigningKey, fingerprint, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
@@ -116,13 +116,16 @@ class Ledger:
             benchmark={"samples_per_s": b.samples_per_s, "matmul_tflops_fp32": b.matmul_tflops_fp32,
                        "matmul_tflops_bf16": b.matmul_tflops_bf16, "matmul_tflops_fp16": b.matmul_tflops_fp16,
                        "mem_bandwidth_gbs": b.mem_bandwidth_gbs, "h2d_gbs": b.h2d_gbs, "d2h_gbs": b.d2h_gbs,
-                       "reference_model": b.reference_model})
+                       "reference_model": b.reference_model, "precision_sps": dict(b.precision_sps)},
+            compute=nested_to_dict(hello.compute))
         await self.store.save_node(node_id, signer, profile, bench_sps=bench_sps, now=now)
         if node is None:
             node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=bench_sps, last_seen=now)
             self.scheduler.nodes[node_id] = node
         node.bench_sps = bench_sps
         node.peak_flops = peak_flops(profile.benchmark)
+        node.compute = hello.compute
+        node.precision_sps = dict(b.precision_sps)
         node.last_seen = now
         return node
 
@@ -173,7 +176,8 @@ class Ledger:
             assignment_id=aid, job_id=job.id, round=job.round, node_id=node.id, model_hash=job.model_hash,
             model_size=job.model_size, model_spec=job.spec.model.to_dict(),
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
-            seed=shard.seed, train=job.spec.train.train_config(), issued_at=now, deadline=plan.deadline,
+            seed=shard.seed, train=job.spec.train.train_config(self.scheduler.precision_for(job, node)),
+            issued_at=now, deadline=plan.deadline,
             replica_group=shard.replica_group,
         )
         sealed = seal(self.key, msg)
@@ -304,7 +308,7 @@ class Ledger:
         )
         before = (node.ema_sps, node.updates_accepted)
         self.scheduler.observe_throughput(node, shard.samples, job.spec.train.local_epochs, now - a.issued_at,
-                                          self.config.throughput_alpha)
+                                          self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
         node.updates_accepted += 1
         first = shard.first_update_at is None
         # an unreplicated shard is settled by its one update, in the same transaction

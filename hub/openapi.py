@@ -45,6 +45,18 @@ _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": 
 _FLAG_ID = {"name": "flag_id", "in": "path", "required": True, "schema": {"type": "string"},
             "description": "a flag id, or any unique prefix of it (with or without the leading f-)"}
 _OBJ = {"type": "object"}
+_COMPUTE_CLASS: dict[str, Any] = {"type": "object", "description": "the node's ComputeClass ({} when not known)",
+                                  "properties": {
+    "device_kind": {"type": "string", "enum": ["cpu", "cuda", "mps", "unknown"]},
+    "device_model": {"type": "string"}, "capability": {"type": "string"}, "cpu_vendor": {"type": "string"},
+    "isa": {"type": "array", "items": {"type": "string"}}, "torch_version": {"type": "string"},
+    "cuda_version": {"type": "string"}, "cudnn_version": {"type": "string"}, "onednn": {"type": "boolean"},
+    "threads": {"type": "integer"},
+    "precisions": {"type": "array", "items": {"type": "string", "enum": ["fp32", "tf32", "bf16", "fp16"]}}}}
+_NODE: dict[str, Any] = {"type": "object", "required": ["id", "compute_class", "class_keys"], "properties": {
+    "id": {"type": "string"}, "compute_class": _COMPUTE_CLASS,
+    "class_keys": {"type": "object", "additionalProperties": {"type": "string"},
+                   "description": "precision -> canonical class key (protocol/compute.class_key)"}}}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -147,9 +159,19 @@ def openapi_document() -> dict[str, Any]:
                                   "security": _BEARER,
                                   "responses": {"200": {"description": "application/jsonl"}, "401": _ERROR,
                                                 "403": _ERROR}}},
-        "/v1/nodes": {"get": {"summary": "registered nodes with throughput and reputation (auditor/admin)",
+        "/v1/nodes": {"get": {"summary": "registered nodes with throughput, reputation and compute class "
+                                         "(auditor/admin)",
+                              "description": "Each node: id, software_version, device, benchmark (with "
+                                             "precision_sps: training samples/s per precision), bench_sps, "
+                                             "ema_sps, reputation, online, compute_class (the ComputeClass of "
+                                             "its hello: device_kind, device_model, capability, cpu_vendor, isa, "
+                                             "torch/cuda/cudnn versions, onednn, threads, precisions; {} until "
+                                             "it says hello to this hub version) and class_keys (precision -> "
+                                             "the canonical class key replicas are matched by).",
                               "tags": ["audit"], "security": _BEARER,
-                              "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR}}},
+                              "responses": {"200": _json({"type": "object", "required": ["nodes"], "properties": {
+                                  "nodes": {"type": "array", "items": _NODE}}}), "401": _ERROR,
+                                            "403": _ERROR}}},
     }
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
         for op in ops.values():

@@ -36,6 +36,10 @@ The rules of ``decide_shard``, in order:
    - No majority at ``max_replicas``: everyone flagged, dropped. A split among
      untrusted nodes at ``max_replicas`` whose dissent is not blatant: dropped
      inconclusive, nobody flagged.
+   Which tolerance: a same-class group (every member of one compute class for the job's
+   precision, ``ReplicaState.comparison``) keeps the strict ``tolerance``; a cross-class
+   group is judged by ``judge_cross_class`` (``cross_class_tolerance``). Either way the
+   evidence names the comparison and the members' class keys.
 4. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
    and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
    (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing
@@ -44,15 +48,17 @@ The rules of ``decide_shard``, in order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS
 from .verification import (
     Flag,
+    ReplicaOutcome,
     Reputation,
     RoundReview,
     UpdateRecord,
@@ -62,6 +68,7 @@ from .verification import (
 )
 
 __all__ = [
+    "Comparison",
     "Drop",
     "GroupMember",
     "ReplicaState",
@@ -70,9 +77,14 @@ __all__ = [
     "ShardDecision",
     "WaitForMore",
     "decide_shard",
+    "judge_cross_class",
     "judge_round",
     "shard_due",
 ]
+
+
+#: how a replica group's members are compared: one compute class (strict) or several
+Comparison = Literal["same_class", "cross_class"]
 
 
 @dataclass(frozen=True)
@@ -83,13 +95,43 @@ class ReplicaState:
     shard's first accepted update (None: not known). ``live``: a replica assignment is
     still out. ``taker``: an online node could take another replica now; it is read only
     when ``live`` is false and there are two or more updates, so a caller may skip
-    computing it otherwise.
+    computing it otherwise. ``comparison``: "same_class" when every member with a known
+    compute class has one class key for the job's precision, else "cross_class";
+    ``class_keys``: member node id -> its class key (for the evidence).
     """
 
     wanted: int
     waited_s: float | None = None
     live: bool = False
     taker: bool = True
+    comparison: Comparison = "same_class"
+    class_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+def comparison_of(class_keys: Collection[str | None]) -> Comparison:
+    """A replica group's comparison: cross-class when two known class keys differ."""
+    known = {k for k in class_keys if k is not None}
+    return "cross_class" if len(known) > 1 else "same_class"
+
+
+def judge_cross_class(
+    records: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    *,
+    trusted: Collection[str] | None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> ReplicaOutcome:
+    """THE place a cross-class replica group is judged.
+
+    Honest replicas from different compute classes drift apart as training amplifies rounding
+    differences (bench/class_distance.py: up to 0.16 relative L2 on the digits CNN at 5 local
+    epochs, fp32 against bf16), so the strict same-class ``tolerance`` would flag honest
+    volunteers. For now: ``compare_replicas``' rules with ``cross_class_tolerance`` in place of
+    ``tolerance``. Segment re-execution by a referee (issue 14, item 4) is to replace this body.
+    """
+    loose = dataclasses.replace(spec, tolerance=float(spec.cross_class_tolerance))
+    out = compare_replicas(records, loose, trusted=trusted, slice_elems=slice_elems)
+    return dataclasses.replace(out, evidence=dict(out.evidence) | {"strict_tolerance": float(spec.tolerance)})
 
 
 @dataclass(frozen=True)
@@ -200,8 +242,13 @@ def _decide_shard(
         for u in ups
         if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)
     }
-    out = compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems)
-    evidence = dict(out.evidence)
+    if state.comparison == "cross_class":
+        out = judge_cross_class(ups, spec, trusted=trusted, slice_elems=slice_elems)
+    else:
+        out = compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems)
+    evidence = dict(out.evidence) | {"comparison": state.comparison}
+    if state.class_keys:
+        evidence["class_keys"] = dict(state.class_keys)
     if out.needs_more:
         pairs = evidence.get("pairs") or []
         unanimous = bool(pairs) and all(p.get("agree") for p in pairs)

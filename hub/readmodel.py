@@ -15,6 +15,9 @@ import time
 from typing import Any
 
 from aiohttp import web
+from gpuflex.protocol.compute import class_key
+from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, LEDGER, STORE
@@ -86,6 +89,8 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             "metrics": json.loads(r["metrics"] or "{}"),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
             "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
+            # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
+            "replica_comparison": json.loads(r["evidence"] or "{}").get("replica_comparison", {}),
             "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
                          "samples": u["samples"], "loss": u["loss"], "status": u["status"],
                          "replica_group": u["replica_group"]} for u in ups],
@@ -270,6 +275,15 @@ REPUTATION_FIELDS = ("consecutive_agreements", "agreements_total", "flags_total"
                      "dismissed_flags")
 
 
+def _compute_view(text: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A stored compute class as shown (its fields) and its class key per precision it trains."""
+    try:
+        cc = nested_from_dict(ComputeClass, json.loads(text))
+    except (ValueError, ProtocolError):
+        return {}, {}
+    return nested_to_dict(cc), {p: class_key(cc, p) for p in cc.precisions}
+
+
 async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str, Any]]:
     """Every registered node: device, benchmark, throughput EMA, reputation, activity (auditor/admin).
     A node's track record is its `reputation` (the Reputation's fields, the columns' names)."""
@@ -287,6 +301,7 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
                                "updates_accepted", "assignments_failed")}
         d["device"] = json.loads(r["device"])
         d["benchmark"] = json.loads(r["benchmark"])
+        d["compute_class"], d["class_keys"] = _compute_view(r["compute_class"])
         rep = {k: r[k] for k in REPUTATION_FIELDS} | {"banned": bool(r["banned"])}
         live = sched.nodes.get(r["id"])
         if live is not None:  # memory is at least as new as the row

@@ -157,7 +157,10 @@ class RoundEngine:
         # The policy reads `taker` only with no replica out and two or more updates: ask the
         # scheduler only then.
         taker = live or len(shard.accepted) < 2 or self.scheduler.can_take_replica(job, shard, now)
-        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker)
+        keys = {u.node_id: self.scheduler.class_key(job, u.node_id) for u in shard.accepted}
+        return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker,
+                                   comparison=policy.comparison_of(keys.values()),
+                                   class_keys={n: k for n, k in keys.items() if k is not None})
 
     async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
@@ -167,7 +170,7 @@ class RoundEngine:
             decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
         else:
             decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
-        await self._apply_shard_decision(job, shard, decision)
+        await self._apply_shard_decision(job, shard, decision, state)
 
     def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
         return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
@@ -182,7 +185,8 @@ class RoundEngine:
         return decision
 
     # -- applying a shard decision: the store, then memory ------------------------------------
-    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision) -> None:
+    async def _apply_shard_decision(self, job: JobState, shard: ShardState, decision: policy.ShardDecision,
+                                    state: policy.ReplicaState | None = None) -> None:
         if isinstance(decision, policy.WaitForMore):
             if decision.wanted == shard.wanted:
                 return
@@ -206,6 +210,8 @@ class RoundEngine:
         shard.state = "settled" if settled else "dropped"
         shard.representative = representative
         shard.unverified = decision.unverified if isinstance(decision, policy.Settle) else None
+        if state is not None and len(shard.accepted) > 1:
+            shard.comparison = state.comparison
         for u in shard.accepted:
             if u.id in statuses:
                 u.status = statuses[u.id]
@@ -323,6 +329,9 @@ class RoundEngine:
                           if shard_of[reps[i].id].unverified}
             if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
                 evidence["unverified"] = unverified
+            compared = {s.id: s.comparison for s in shard_of.values() if s.comparison}
+            if compared:  # replica groups: one compute class (strict tolerance) or several
+                evidence["replica_comparison"] = dict(sorted(compared.items()))
             use = [deltas[i] for i in included]
             weights = [float(shard_of[reps[i].id].samples) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
@@ -339,6 +348,7 @@ class RoundEngine:
         for k, t in new_state.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise AggregationError(f"aggregated model tensor {k!r} is not finite")
+        compared_shas = {reps[i].sha: c for i in included if (c := shard_of[reps[i].id].comparison)}
         model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
         model_hash = self.blobs.put(model_blob)
         opt_sha = self.blobs.put(encode_state(opt.state_dict())) if opt.kind != "none" else None
@@ -358,6 +368,8 @@ class RoundEngine:
             unverified=[reps[i].sha for i in included if shard_of[reps[i].id].unverified],
             server_optimizer=spec.aggregation.server_optimizer, samples=tot,
             metrics={k: round(v, 6) for k, v in metrics.items()},
+            # included updates that stand for a replica group: compared within one class or across
+            **({"replica_comparison": compared_shas} if compared_shas else {}),
         ))
         return {
             "model_hash": model_hash, "opt_state_sha": opt_sha, "judgement": judgement,

@@ -90,8 +90,11 @@ async def work(request: web.Request) -> web.Response:
                 break
             await wake.wait(left)
     running = any(j.state == "running" for j in ledger.scheduler.jobs.values())
+    refusal = ledger.scheduler.precision_refusal(node)
     if wake.closing:
         reason, retry = "the hub is shutting down", 2.0
+    elif refusal is not None:
+        reason, retry = refusal[:256], cfg.node_poll_s
     elif running:
         reason, retry = "every chunk of the current rounds is taken", 1.0
     else:

@@ -1,7 +1,13 @@
 """The scheduler: who trains what next.
 
 Each work request gets, in this order of preference:
-1. a replica of a shard that still needs one (never twice to the same node),
+1. a replica of a shard that still needs one (never twice to the same node); homogeneous
+   redundancy first: while a node of the shard's compute class (protocol/compute.class_key for
+   the job's precision) that could take the replica is online, only such a node gets it, for up
+   to half of `replica_wait_s` after the shard was cut; then, or at once when no node of that
+   class is online, any eligible node (a cross-class replica, judged by cross_class_tolerance).
+   Half: the other half leaves the cross-class replica time to train before the round policy's
+   replica wait (counted from the first update) runs out,
 2. a new shard carved from the chunks the round still needs: the node's share of
    them, in proportion to its throughput, among the nodes that want work now (its
    *gathering*), so that every node of the round finishes at about the same time;
@@ -16,7 +22,10 @@ really have. The first carve of a round takes a snapshot of the gathering; every
 node served from it (shard or replica) takes its part out, so a round of N nodes
 costs O(N), not O(N^2).
 
-Jobs share nodes fairly: the job with the fewest live assignments goes first.
+Jobs share nodes fairly: the job with the fewest live assignments goes first. A node never gets
+work of a job whose precision it cannot train (its compute class lists what it trains); its
+throughput for a job is its delivered EMA scaled by its benchmark's figure for the job's
+precision against fp32 (`NodeState.precision_factor`).
 All state here lives on the event loop; the ledger persists what it returns.
 """
 
@@ -27,6 +36,9 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+
+from gpuflex.protocol.compute import class_key, resolve_precision
+from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
 
 from .jobs import AssignmentState, JobState, ShardState, shard_seed
 from .verification import (
@@ -54,10 +66,31 @@ class NodeState:
     updates_accepted: int = 0
     peak_flops: float = 0.0  # from the benchmark: the fastest matmul dtype, FLOP/s
     live: set[str] = field(default_factory=set)  # live assignment ids
+    #: the compute class from its hello; its class key depends on a job's precision (class_key)
+    compute: ComputeClass = UNKNOWN_CLASS
+    precision_sps: dict[str, float] = field(default_factory=dict)  # benchmark: samples/s per precision
 
     @property
     def throughput(self) -> float:
         return max(1e-3, self.ema_sps)
+
+    def precision_for(self, requested: str) -> str | None:
+        """What this node trains a job asking for ``requested`` in (None: it cannot)."""
+        return resolve_precision(self.compute, requested)
+
+    def class_key(self, requested: str) -> str | None:
+        """Its compute class key for a job's precision; None for a node that did not say
+        (it is placed like any class and always compared strictly)."""
+        if self.compute.device_kind == "unknown":
+            return None
+        return class_key(self.compute, requested)
+
+    def precision_factor(self, precision: str) -> float:
+        """Its benchmark's training speed in ``precision`` over fp32 (1 when not measured)."""
+        base, this = self.precision_sps.get("fp32"), self.precision_sps.get(precision)
+        if not base or not this or not math.isfinite(base) or not math.isfinite(this):
+            return 1.0
+        return min(100.0, max(0.01, this / base))
 
     @property
     def banned(self) -> bool:
@@ -120,6 +153,8 @@ class Scheduler:
         self.polling: dict[str, int] = {}  # node id -> long-polls it has open now
         self.last_poll: dict[str, float] = {}  # node id -> when its last poll ended
         self._gatherings: dict[str, Gathering] = {}  # job id -> this round's snapshot
+        #: job precision -> (the online reputations it was built from, class key -> online node ids)
+        self._classes: dict[str, tuple[dict[str, Reputation], dict[str, list[str]]]] = {}
 
     # -- who wants work ---------------------------------------------------------------------
     def poll_started(self, node_id: str) -> None:
@@ -159,11 +194,12 @@ class Scheduler:
     def _gathering(self, job: JobState, node: NodeState, now: float) -> Gathering:
         g = self._gatherings.get(job.id)
         if g is None or g.round != job.round or node.id not in g.members or now - g.at > self.gather_s:
-            members = {n.id: n.throughput / self.expected_replicas(job, n) for n in self.wants_work(now)}
+            members = {n.id: self.throughput(job, n) / self.expected_replicas(job, n)
+                       for n in self.wants_work(now) if self.can_run(job, n)}
             if node.id not in members:
-                members[node.id] = node.throughput / self.expected_replicas(job, node)
+                members[node.id] = self.throughput(job, node) / self.expected_replicas(job, node)
             if len(members) == 1:  # alone: nobody else could take a replica either
-                members[node.id] = node.throughput
+                members[node.id] = self.throughput(job, node)
             g = Gathering(job.round, now, members, sum(members.values()))
             self._gatherings[job.id] = g
         return g
@@ -196,12 +232,42 @@ class Scheduler:
         return now + max(self.min_deadline_s, expected_s * job.spec.train.deadline_slack)
 
     def expected_s(self, job: JobState, samples: int, node: NodeState) -> float:
-        return samples * max(1, job.spec.train.local_epochs) / node.throughput
+        return samples * max(1, job.spec.train.local_epochs) / self.throughput(job, node)
+
+    # -- compute classes and precision ----------------------------------------------------------
+    @staticmethod
+    def can_run(job: JobState, node: NodeState) -> bool:
+        return node.precision_for(job.spec.train.precision) is not None
+
+    @staticmethod
+    def precision_for(job: JobState, node: NodeState) -> str:
+        """The precision `node` trains `job` in (fp32 for a node that cannot: never planned)."""
+        return node.precision_for(job.spec.train.precision) or "fp32"
+
+    def precision_factor(self, job: JobState, node: NodeState) -> float:
+        return node.precision_factor(self.precision_for(job, node))
+
+    def throughput(self, job: JobState, node: NodeState) -> float:
+        """The node's samples/s on `job`: its EMA (fp32-equivalent) scaled to the job's precision."""
+        return node.throughput * self.precision_factor(job, node)
+
+    def class_key(self, job: JobState, node_id: str) -> str | None:
+        node = self.nodes.get(node_id)
+        return None if node is None else node.class_key(job.spec.train.precision)
+
+    def precision_refusal(self, node: NodeState) -> str | None:
+        """Why a node gets no work when every running job asks for a precision it cannot train."""
+        running = [j for j in self.jobs.values() if j.state == "running"]
+        if not running or any(self.can_run(j, node) for j in running):
+            return None
+        asks = ", ".join(sorted({j.spec.train.precision for j in running}))
+        return (f"every running job asks for a precision this node cannot train ({asks}); "
+                f"it trains {', '.join(node.compute.precisions) or 'nothing'}")
 
     # -- choosing work -------------------------------------------------------------------
     def plan(self, node: NodeState, cached: frozenset[str], now: float | None = None) -> Plan | None:
         now = time.time() if now is None else now
-        jobs = [j for j in self.jobs.values() if j.state == "running" and not j.closing]
+        jobs = [j for j in self.jobs.values() if j.state == "running" and not j.closing and self.can_run(j, node)]
         jobs.sort(key=lambda j: (j.live_count(), j.created_at, j.id))
         for job in jobs:
             shard = self._pending_replica(job, node, now)
@@ -234,9 +300,42 @@ class Scheduler:
             if shard.state != "open" or shard.replicas_needed() <= 0:
                 del job.replicated[sid]  # served (or settled): a detach or more `wanted` puts it back
                 continue
-            if node.id not in shard.nodes and pool.eligible(node.id, shard.nodes):
+            if (node.id not in shard.nodes and pool.eligible(node.id, shard.nodes)
+                    and self._class_allows(job, shard, node, pool, now)):
                 return shard
         return None
+
+    def _class_allows(self, job: JobState, shard: ShardState, node: NodeState, pool: ReplicaPool,
+                      now: float) -> bool:
+        """Homogeneous redundancy first (module docstring, rule 1)."""
+        mine = node.class_key(job.spec.train.precision)
+        keys = {k for n in shard.nodes if (k := self.class_key(job, n)) is not None}
+        if mine is None or not keys or mine in keys:
+            return True
+        started = shard.carved_at if shard.carved_at is not None else shard.first_update_at
+        if started is None or now - started >= float(job.spec.verification.replica_wait_s) / 2:
+            return True
+        return not self._same_class_taker(job, shard, keys, pool, now)
+
+    def _same_class_taker(self, job: JobState, shard: ShardState, keys: set[str], pool: ReplicaPool,
+                          now: float) -> bool:
+        """Is an online node of one of `keys` that may take a replica of `shard` there?"""
+        index = self._class_index(job.spec.train.precision, now)
+        return any(pool.eligible(nid, shard.nodes) for k in keys for nid in index.get(k, ()) if nid not in shard.nodes)
+
+    def _class_index(self, requested: str, now: float) -> dict[str, list[str]]:
+        """Online nodes by class key for a job precision (rebuilt with the online reputations)."""
+        reps = self._online_reputations(now)
+        cached = self._classes.get(requested)
+        if cached is None or cached[0] is not reps:
+            index: dict[str, list[str]] = {}
+            for nid in reps:
+                node = self.nodes.get(nid)
+                key = None if node is None else node.class_key(requested)
+                if key is not None:
+                    index.setdefault(key, []).append(nid)
+            cached = self._classes[requested] = (reps, index)
+        return cached[1]
 
     @staticmethod
     def want_replica(job: JobState, shard: ShardState) -> None:
@@ -281,9 +380,10 @@ class Scheduler:
         chunks = job.chunks  # chunks[i].idx == i
         g = self._gathering(job, node, now)
         free_samples = job.free_samples()
-        share = free_samples * node.throughput / g.capacity if g.capacity > 0 else free_samples
+        speed = self.throughput(job, node)
+        share = free_samples * speed / g.capacity if g.capacity > 0 else free_samples
         g.take(node.id)
-        want_samples = min(share, node.throughput * train.round_target_s / max(1, train.local_epochs))
+        want_samples = min(share, speed * train.round_target_s / max(1, train.local_epochs))
         picked: list[int] = []
         samples = 0
 
@@ -314,7 +414,7 @@ class Scheduler:
         shard = ShardState(
             id=f"{job.id}-r{job.round}-s{seq}", job_id=job.id, round=job.round, seq=seq,
             seed=shard_seed(train.seed, job.round, seq), chunk_idxs=tuple(picked), samples=samples,
-            replica_group="", wanted=wanted,
+            replica_group="", wanted=wanted, carved_at=now,
         )
         if wanted > 1:
             shard.replica_group = shard.id
@@ -384,10 +484,12 @@ class Scheduler:
     def expired(self, now: float) -> list[AssignmentState]:
         return [a for a in self.assignments.values() if a.deadline < now and not a.uploading]
 
-    def observe_throughput(self, node: NodeState, samples: int, epochs: int, elapsed_s: float, alpha: float) -> None:
+    def observe_throughput(self, node: NodeState, samples: int, epochs: int, elapsed_s: float, alpha: float,
+                           factor: float = 1.0) -> None:
+        """``factor``: the node's precision factor for the job (the EMA is kept fp32-equivalent)."""
         if elapsed_s <= 0 or samples <= 0:
             return
-        seen = clamp_sps(samples * max(1, epochs) / elapsed_s)
+        seen = clamp_sps(samples * max(1, epochs) / elapsed_s / factor)
         node.ema_sps = (1 - alpha) * node.ema_sps + alpha * seen
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState
@@ -36,6 +36,7 @@ class NodeProfile:
     software_version: str
     device: dict[str, Any]
     benchmark: dict[str, Any]
+    compute: dict[str, Any] = field(default_factory=dict)  # the ComputeClass (protocol/messages.py)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass, nested_from_dict
 
 from .db import Database
 from .errors import Conflict
@@ -90,13 +91,15 @@ class SqliteStore(Store):
     async def save_node(self, node_id: str, public_key: bytes, profile: NodeProfile, *, bench_sps: float,
                         now: float) -> None:
         device, bench = json.dumps(profile.device), json.dumps(profile.benchmark)
+        compute = json.dumps(profile.compute)
         await self.db.write(lambda c: c.execute(
             "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps,"
-            " registered_at, last_seen) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " registered_at, last_seen, compute_class) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO UPDATE SET software_version = excluded.software_version,"
             " device = excluded.device, benchmark = excluded.benchmark, bench_sps = excluded.bench_sps,"
-            " last_seen = excluded.last_seen",
-            (node_id, public_key, profile.software_version, device, bench, bench_sps, bench_sps, now, now)))
+            " last_seen = excluded.last_seen, compute_class = excluded.compute_class",
+            (node_id, public_key, profile.software_version, device, bench, bench_sps, bench_sps, now, now,
+             compute)))
 
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:
         rows = [_reputation_row(n, r) for n, r in reputations]
@@ -297,8 +300,21 @@ class SqliteStore(Store):
 # -- loading ----------------------------------------------------------------------------------
 
 
+def _compute(text: str) -> ComputeClass:
+    """A stored compute class; a row from before schema v3 (or unreadable) is the unknown class."""
+    try:
+        return nested_from_dict(ComputeClass, json.loads(text))
+    except (ValueError, ProtocolError):
+        return UNKNOWN_CLASS
+
+
 def _node(r: sqlite3.Row) -> NodeState:
+    bench = json.loads(r["benchmark"])
+    sps = bench.get("precision_sps") if isinstance(bench, dict) else None
     return NodeState(
+        compute=_compute(r["compute_class"]),
+        precision_sps={k: float(v) for k, v in sps.items() if isinstance(v, int | float)}
+        if isinstance(sps, dict) else {},
         id=r["id"], public_key=bytes(r["public_key"]), bench_sps=r["bench_sps"], ema_sps=r["ema_sps"],
         last_seen=r["last_seen"], updates_accepted=r["updates_accepted"],
         peak_flops=peak_flops(json.loads(r["benchmark"])),

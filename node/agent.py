@@ -42,8 +42,9 @@ from typing import Any
 
 import aiohttp
 import torch
+from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.messages import Assignment, Benchmark, NoWork
+from gpuflex.protocol.messages import Assignment, Benchmark, ComputeClass, NoWork
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, fingerprint
 from gpuflex.protocol.tensors import check_finite
@@ -55,7 +56,7 @@ from .cache import BlobCache
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
-from .device import apply_limits, select_device
+from .device import apply_limits, compute_class, select_device, set_onednn
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -107,6 +108,8 @@ class NodeConfig:
     abandon_timeout_s: float = 3.0
     control: bool = True
     benchmark: Benchmark | None = None  # None: cached or quick measurement at start
+    onednn: bool = True  # --onednn off: torch's oneDNN CPU kernels off (another compute class)
+    precisions: tuple[str, ...] | None = None  # --precisions: the subset of the device's to offer
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
 
 
@@ -146,6 +149,11 @@ class NodeAgent:
             self.key = key or load_or_create_key(config.data_dir)
             self.device = select_device(config.device)
             apply_limits(self.device, threads=config.threads, max_gpu_memory_gb=config.max_gpu_memory_gb)
+            set_onednn(config.onednn)
+            self.compute: ComputeClass = compute_class(self.device, precisions=config.precisions)
+            if not self.compute.precisions:
+                raise ConfigError(f"--precisions {','.join(config.precisions or ())}: this {self.device.type} "
+                                  "device trains none of them")
             self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
         except BaseException:
             self.lock.release()
@@ -229,7 +237,7 @@ class NodeAgent:
                 "assignment_id": a.assignment_id, "job_id": a.job_id, "round": a.round,
                 "phase": cur.phase, "progress": round(cur.progress, 4), "chunks": len(a.chunks),
                 "samples": cur.samples, "deadline": cur.deadline,
-                "replica_group": a.replica_group,
+                "replica_group": a.replica_group, "precision": a.train.precision,
             }
         return {
             "node_id": self.node_id,
@@ -241,6 +249,15 @@ class NodeAgent:
             "paused": self.paused,
             "pause_reason": self.pause_reason,
             "device": str(self.device),
+            "compute_class": {
+                "device_kind": self.compute.device_kind, "device_model": self.compute.device_model,
+                "capability": self.compute.capability, "cpu_vendor": self.compute.cpu_vendor,
+                "isa": list(self.compute.isa), "torch": self.compute.torch_version,
+                "cuda": self.compute.cuda_version, "cudnn": self.compute.cudnn_version,
+                "onednn": self.compute.onednn, "threads": self.compute.threads,
+                "precisions": list(self.compute.precisions),
+            },
+            "class_keys": {p: class_key(self.compute, p) for p in self.compute.precisions},
             "assignment": assignment,
             "samples_per_s": round(self.last_samples_per_s, 2),
             "cache_bytes": self.cache.size_bytes(),
@@ -282,6 +299,7 @@ class NodeAgent:
         self.output.event(
             "starting", node_id=self.node_id, hub=self.config.hub_url, data_dir=str(self.config.data_dir),
             device=str(self.device), threads=torch.get_num_threads(), version=SOFTWARE_VERSION,
+            onednn=self.compute.onednn, precisions=list(self.compute.precisions),
         )
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
         connector = aiohttp.TCPConnector(limit=8)
@@ -411,7 +429,7 @@ class NodeAgent:
         pin = await register(
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
-            benchmark=benchmark,
+            benchmark=benchmark, compute=self.compute,
         )
         self.registered = True
         self._benchmark_msg = benchmark
@@ -435,7 +453,7 @@ class NodeAgent:
         """Field checks beyond the protocol's own; raises AssignmentRejected."""
         return check_assignment(
             a, node_id=self.node_id, now=self._client().now(), seen=self._seen_assignments,
-            cache_cap_bytes=self.cache.max_bytes,
+            cache_cap_bytes=self.cache.max_bytes, precisions=self.compute.precisions,
         )
 
     async def _handle(self, a: Assignment, *, inline_model: bytes | None = None) -> bool:

@@ -1,7 +1,7 @@
 """The node's own checks on a signed assignment, before a byte is downloaded.
 
 The protocol already checked the signature and every field's type and bounds; these are
-the checks only the node can make: is it for this node, not a replay, are its times
+the checks only the node can make: is it for this node, in a precision it trains, not a replay, are its times
 plausible, does the declared model size fit the model the spec builds, does every chunk's
 declared size fit its sample count, does it all fit the cache cap.
 """
@@ -9,7 +9,7 @@ declared size fit its sample count, does it all fit the cache cap.
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 import torch
 from gpuflex.protocol.errors import ProtocolError
@@ -28,15 +28,22 @@ HEADER_ALLOWANCE = MAX_HEADER_BYTES + 64  # GFT1 header + alignment on top of ra
 
 
 def check_assignment(
-    a: Assignment, *, node_id: str, now: float, seen: Container[str], cache_cap_bytes: int
+    a: Assignment, *, node_id: str, now: float, seen: Container[str], cache_cap_bytes: int,
+    precisions: Sequence[str] = ("fp32",),
 ) -> ModelSpec:
     """The assignment's model spec when every check passes; AssignmentRejected otherwise.
 
     ``now`` is the hub's clock as the node estimates it; ``seen`` the assignment ids this
-    node already finished (the same one again is a replay).
+    node already finished (the same one again is a replay); ``precisions`` what this node
+    trains in (its compute class): an assignment in another precision is refused.
     """
     if a.node_id != node_id:
         raise AssignmentRejected(f"assignment {a.assignment_id} is for {a.node_id}, not this node")
+    if a.train.precision not in precisions:
+        raise AssignmentRejected(
+            f"assignment {a.assignment_id} asks for precision {a.train.precision}; "
+            f"this node trains only {', '.join(precisions)}"
+        )
     if a.assignment_id in seen:
         raise AssignmentRejected(f"assignment {a.assignment_id} was already handled (replay)")
     if a.deadline <= now:

@@ -28,7 +28,7 @@ import torch
 from gpuflex.protocol.messages import Benchmark, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_model
 
-from .device import describe, hardware_fingerprint
+from .device import describe, hardware_fingerprint, supported_precisions
 from .identity import write_private_file
 from .trainer import train_assignment
 
@@ -84,7 +84,8 @@ def host_device_gbs(device: torch.device, mbytes: int, repeats: int) -> tuple[fl
 
 
 def training_samples_per_s(
-    device: torch.device, spec_dict: dict[str, Any], samples: int, batch: int, repeats: int
+    device: torch.device, spec_dict: dict[str, Any], samples: int, batch: int, repeats: int,
+    precision: str = "fp32",
 ) -> float:
     spec = ModelSpec.from_dict(spec_dict)
     state = build_model(spec, seed=0).state_dict()
@@ -93,7 +94,7 @@ def training_samples_per_s(
     y = torch.randint(0, spec.outputs, (samples,), generator=gen)
     cfg = TrainConfig(
         local_epochs=1, batch_size=batch, optimizer="sgd", lr=0.01, momentum=0.9,
-        weight_decay=0.0, beta1=0.9, beta2=0.999, loss="cross_entropy", grad_clip=0.0,
+        weight_decay=0.0, beta1=0.9, beta2=0.999, loss="cross_entropy", grad_clip=0.0, precision=precision,
     )
     chunks = [{"x": x, "y": y}]
     times = []
@@ -108,9 +109,14 @@ Step = Callable[[str, int, int], None]
 
 
 def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | None = None) -> dict[str, Any]:
-    """Measure; ``quick`` (~1 s) is what a first ``run`` uses before a full ``bench``."""
+    """Measure; ``quick`` (~1 s) is what a first ``run`` uses before a full ``bench``.
+
+    ``precision_sps``: the reference model's training samples/s in every precision this device
+    supports (device.supported_precisions); the hub sizes a job's shards by its precision's figure.
+    """
     started = time.perf_counter()
     desc = describe(device)
+    precisions = supported_precisions(device)
     gpu = device.type in ("cuda", "mps")
     n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 768)
     n_half = n if gpu else 256  # bf16/fp16 on a CPU: slow emulation, a small matrix tells enough
@@ -144,6 +150,15 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     def reference() -> None:
         training[REFERENCE_MODEL] = training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, 3)
 
+    by_precision: dict[str, float] = {}
+
+    def precision_step(precision: str) -> Callable[[], None]:
+        def run() -> None:
+            # fewer samples on a CPU: the bench stays short (bf16 autocast is ~2x slower there)
+            by_precision[precision] = training_samples_per_s(
+                device, digits, 4096 if gpu else 1024, 32, 2 if quick else 3, precision=precision)
+        return run
+
     def large() -> None:
         training[BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 256, 128, 2)
 
@@ -154,6 +169,7 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     if device.type == "cuda":
         steps.append(("host <-> device", transfers))
     steps.append((f"training {REFERENCE_MODEL}", reference))
+    steps += [(f"training {REFERENCE_MODEL} {p}", precision_step(p)) for p in precisions if p != "fp32"]
     if not quick:
         steps.append((f"training {BIG_MODEL}", large))
     for i, (label, step) in enumerate(steps):
@@ -163,6 +179,7 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     if on_step is not None:
         on_step("done", len(steps), len(steps))
     out["training"] = training
+    out["precision_sps"] = {"fp32": training[REFERENCE_MODEL], **by_precision}
     out["samples_per_s"] = training[REFERENCE_MODEL]
     out["reference_model"] = REFERENCE_MODEL
     out["duration_s"] = time.perf_counter() - started
@@ -184,6 +201,7 @@ def to_message(results: dict[str, Any]) -> Benchmark:
         h2d_gbs=opt("h2d_gbs"),
         d2h_gbs=opt("d2h_gbs"),
         reference_model=str(results["reference_model"]),
+        precision_sps={str(k): float(v) for k, v in (results.get("precision_sps") or {}).items()},
     )
 
 
@@ -243,7 +261,7 @@ def benchmark_for_registration(
     ``on_measure`` is called before a measurement starts (to say so on screen).
     """
     cached = load_cached(device, path)
-    if cached is None:
+    if cached is None or "precision_sps" not in cached:  # measured before per-precision figures
         if on_measure is not None:
             on_measure()
         cached = measure_and_cache(device, path, quick=True)

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training "
                      "(torch.set_num_threads; default on a CPU: half the cores, at least 1)")
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
+    run.add_argument("--onednn", choices=("on", "off"), default="on",
+                     help="torch's oneDNN (mkldnn) CPU kernels (default on); off is another compute class")
+    run.add_argument("--precisions", metavar="LIST",
+                     help="comma-separated precisions to offer, a subset of what the device trains "
+                          "(fp32, tf32, bf16, fp16; default: all it supports)")
     run.add_argument("--yield-gpu", action=argparse.BooleanOptionalAction, default=True,
                      help="pause while another process uses the GPU (needs nvidia-ml-py; default on)")
     run.add_argument("--once", action="store_true", help="exit after one assignment")
@@ -81,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument("--force", action="store_true", help="measure again even if cached")
     bench.add_argument("--threads", type=int, metavar="N", help="CPU threads (as `run --threads N` will use)")
+    bench.add_argument("--onednn", choices=("on", "off"), default="on", help="as `run --onednn` will use")
     bench.add_argument("--bench-cache", metavar="PATH", help="cache file (default $GPUFLEX_BENCH_CACHE, "
                        "else DIR/bench.json)")
 
@@ -109,18 +115,32 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         raise NodeError("--max-cache-gb must be > 0")
     if args.max_assignments is not None and args.max_assignments < 1:
         raise NodeError("--max-assignments must be >= 1")
+    precisions = _precisions(args.precisions)
     config = NodeConfig(
         hub_url=args.hub, data_dir=_data_dir(args), hub_key=args.hub_key, device=args.device,
         max_cache_bytes=int(args.max_cache_gb * 1e9), threads=args.threads,
         max_gpu_memory_gb=args.max_gpu_memory, once=args.once, max_assignments=args.max_assignments,
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
+        onednn=args.onednn == "on", precisions=precisions,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
     if agent.fatal is not None:
         print(f"gpuflex-node: error: {agent.fatal}", file=sys.stderr)
     return code
+
+
+def _precisions(text: str | None) -> tuple[str, ...] | None:
+    from gpuflex.protocol.messages import PRECISIONS
+
+    if text is None:
+        return None
+    chosen = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in chosen if p not in PRECISIONS]
+    if bad or not chosen:
+        raise NodeError(f"--precisions {text!r}: expected a comma-separated list of {', '.join(PRECISIONS)}")
+    return chosen
 
 
 def _fmt_num(v: Any, unit: str) -> str:
@@ -160,14 +180,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
-        from .benchmark import cache_path, load_cached, measure_and_cache
-        from .device import apply_limits, select_device
+        from .benchmark import REFERENCE_MODEL, cache_path, load_cached, measure_and_cache
+        from .device import apply_limits, select_device, set_onednn
 
     device = select_device(args.device)
     apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+    set_onednn(args.onednn == "on")
     path = cache_path(_data_dir(args), args.bench_cache)
     results = None if args.force else load_cached(device, path)
-    if results is None or results.get("quick"):
+    if results is None or results.get("quick") or "precision_sps" not in results:
         with _bench_progress(path) as on_step:
             results = measure_and_cache(device, path, on_step=on_step)
         results["cached"] = False
@@ -188,6 +209,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     ]
     for model, sps in results["training"].items():
         lines.append(f"train {model:<27} {sps:,.0f} samples/s")
+    for precision, sps in (results.get("precision_sps") or {}).items():
+        lines.append(f"train {REFERENCE_MODEL + ' ' + precision:<27} {sps:,.0f} samples/s")
     how = "cached result" if results["cached"] else f"measured in {results['duration_s']:.1f} s"
     lines.append(f"({how}; fingerprint {results['fingerprint']})")
     print("\n".join(lines))
@@ -219,11 +242,14 @@ def _cmd_control(args: argparse.Namespace) -> int:
         f"hub        {result['hub']}  key {result['hub_fingerprint'] or '(not yet pinned)'}",
         f"state      {result['state']}" + (f"  (paused: {result['pause_reason']})" if result["paused"] else ""),
         f"device     {result['device']}   last throughput {result['samples_per_s']:,.1f} samples/s",
+        f"class      {_class_line(result.get('compute_class') or {})}",
         f"cache      {result['cache_bytes'] / 1e6:,.1f} MB of {result['cache_cap_bytes'] / 1e9:,.1f} GB",
     ]
+    for precision, key in (result.get("class_keys") or {}).items():
+        lines.append(f"class key  {precision}: {key}")
     if a:
         lines.append(
-            f"working on {a['assignment_id']} (job {a['job_id']} round {a['round']}): "
+            f"working on {a['assignment_id']} (job {a['job_id']} round {a['round']}, {a.get('precision', 'fp32')}): "
             f"{a['phase']} {a['progress'] * 100:.0f}%  {a['samples']} samples in {a['chunks']} chunks"
         )
     lines.append(
@@ -232,6 +258,21 @@ def _cmd_control(args: argparse.Namespace) -> int:
     )
     print("\n".join(lines))
     return 0
+
+
+def _class_line(c: dict[str, Any]) -> str:
+    """One line for a compute class (the dict of ``NodeAgent.status()['compute_class']``)."""
+    if not c:
+        return "unknown"
+    if c.get("device_kind") == "cuda":
+        where = f"{c.get('device_model')} (sm {c.get('capability')}, CUDA {c.get('cuda')}, cuDNN {c.get('cudnn')})"
+    elif c.get("device_kind") == "cpu":
+        isa = " ".join(c.get("isa") or []) or "no vector ISA flags"
+        where = (f"{c.get('device_model')} ({c.get('cpu_vendor')}: {isa}; oneDNN "
+                 f"{'on' if c.get('onednn') else 'off'}, {c.get('threads')} threads)")
+    else:
+        where = str(c.get("device_model"))
+    return f"{c.get('device_kind')} {where}, torch {c.get('torch')}; trains {', '.join(c.get('precisions') or [])}"
 
 
 def _cmd_id(args: argparse.Namespace) -> int:

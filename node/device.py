@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+from gpuflex.protocol.compute import NUMERIC_ISA
+from gpuflex.protocol.messages import ComputeClass
 
 from .errors import ConfigError
 
@@ -106,10 +108,76 @@ def describe(device: torch.device) -> DeviceDescription:
     return DeviceDescription("cpu", cpu_model()[:200], host_memory_bytes(), threads)
 
 
+def cpu_vendor_and_isa() -> tuple[str, tuple[str, ...]]:
+    """The CPU vendor and its numerics-relevant ISA flags (protocol.compute.NUMERIC_ISA), from
+    /proc/cpuinfo (x86 "vendor_id"/"flags", ARM "CPU implementer"/"Features"); elsewhere the
+    machine name and no flags."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "CPU implementer") and not vendor:
+                    vendor = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return (vendor or platform.machine() or "unknown")[:64], tuple(sorted(flags & NUMERIC_ISA))
+
+
+def onednn_enabled() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+
+
+def set_onednn(on: bool) -> None:
+    """--onednn on|off: torch's oneDNN (mkldnn) CPU kernels; off changes which conv/matmul kernels run."""
+    torch.backends.mkldnn.enabled = on
+
+
+def supported_precisions(device: torch.device) -> tuple[str, ...]:
+    """What this device trains in. CUDA: fp32 and fp16 always, tf32 and bf16 from compute capability
+    8.0 (Ampere); a CPU: fp32 and bf16 autocast (fp16 has no fast CPU kernels, and no CPU loss
+    scaling is worth it); MPS: fp32 and fp16."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return ("fp32", "tf32", "bf16", "fp16") if major >= 8 else ("fp32", "fp16")
+    if device.type == "mps":
+        return ("fp32", "fp16")
+    return ("fp32", "bf16")
+
+
+def compute_class(device: torch.device, *, precisions: tuple[str, ...] | None = None) -> ComputeClass:
+    """This node's compute class for its hello (``precisions``: a subset the volunteer allows)."""
+    d = describe(device)
+    vendor, isa = cpu_vendor_and_isa()
+    capability = cuda_version = cudnn_version = ""
+    model = d.name
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        capability = f"{major}.{minor}"
+        cuda_version = str(torch.version.cuda or "")
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        cudnn_version = "" if cudnn is None else str(cudnn)
+    elif device.type == "cpu":
+        model = cpu_model()
+    own = supported_precisions(device)
+    allowed = own if precisions is None else tuple(p for p in own if p in precisions)
+    return ComputeClass(
+        device_kind=d.kind, device_model=model[:256], capability=capability, cpu_vendor=vendor,
+        isa=isa, torch_version=torch.__version__[:64], cuda_version=cuda_version[:64],
+        cudnn_version=cudnn_version[:64], onednn=onednn_enabled(), threads=torch.get_num_threads(),
+        precisions=allowed,
+    )
+
+
 def hardware_fingerprint(device: torch.device) -> str:
     """Stable id of what the benchmark measured: re-measure when any part changes."""
     d = describe(device)
     parts = [cpu_model(), str(cpu_count()), torch.__version__, d.kind, d.name, str(d.threads)]
+    if not onednn_enabled():
+        parts.append("no-onednn")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

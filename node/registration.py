@@ -1,4 +1,5 @@
-"""Joining a hub: check its key against the pin, then a signed hello with the benchmark.
+"""Joining a hub: check its key against the pin, then a signed hello with the benchmark and
+the compute class.
 
 The hub's key is checked (and pinned on first use) before anything is sent; from then on
 every answer must verify with that key. The welcome must name this node under the pinned
@@ -11,12 +12,12 @@ import time
 from pathlib import Path
 
 import torch
-from gpuflex.protocol.messages import Benchmark, DeviceInfo, Hello
+from gpuflex.protocol.messages import Benchmark, ComputeClass, DeviceInfo, Hello
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
 
 from .client import HubClient
-from .device import describe
+from .device import compute_class, describe
 from .errors import HubError
 from .identity import HubPin, check_hub_key
 
@@ -30,6 +31,7 @@ async def register(
     node_id: str,
     device: torch.device,
     benchmark: Benchmark,
+    compute: ComputeClass | None = None,
 ) -> HubPin:
     """Register with the hub at ``client``; the pinned hub key (the client now trusts it)."""
     public_key, claimed, proto = await client.hub_info()
@@ -45,6 +47,7 @@ async def register(
         software_version=SOFTWARE_VERSION[:64], protocol_version=PROTOCOL_VERSION,
         device=DeviceInfo(kind=d.kind, name=d.name[:256], memory_bytes=d.memory_bytes, threads=d.threads),
         benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(),
+        compute=compute if compute is not None else compute_class(device),
     )
     welcome = await client.register(hello)
     if welcome.node_id != node_id or welcome.hub_fingerprint != pin.fingerprint:

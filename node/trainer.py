@@ -11,6 +11,11 @@ Same inputs on the same kind of device give bit-identical deltas: every source o
 randomness is derived from ``seed``, the shuffle is drawn on the CPU whatever the device,
 and on CUDA deterministic algorithms are requested.
 
+Precision (``cfg.precision``, the hub's choice for this node): the master weights and the
+optimizer stay float32 whatever it is. "bf16" / "fp16" run the forward pass and the loss
+under ``torch.autocast``; "fp16" adds dynamic loss scaling (``LossScaler``: GradScaler's
+rules); "tf32" turns on CUDA's TF32 matmul/cuDNN flags and nothing else; "fp32" turns them off.
+
 Speed: the whole shard lives in one tensor on the device; a batch is one ``index_select``
 with a slice of the epoch's permutation; the loop does nothing per step beyond the step
 itself, a flag check and (in the last epoch) one tensor add for the loss.
@@ -18,6 +23,7 @@ itself, a flag check and (in the last epoch) one tensor add for the loss.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -36,7 +42,7 @@ if TYPE_CHECKING:
     from gpuflex.protocol.messages import TrainConfig
     from gpuflex.protocol.modelspec import ModelSpec
 
-__all__ = ["TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
+__all__ = ["AUTOCAST_DTYPES", "LossScaler", "TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
 
 
 @dataclass(frozen=True)
@@ -103,14 +109,61 @@ def stack_chunks(
     return x_all, y_all
 
 
-def _prepare_device(device: torch.device) -> None:
+def _prepare_device(device: torch.device, precision: str = "fp32") -> None:
     if device.type == "cuda":
         # Must be set before cuBLAS creates its handle; the CLI sets it at start-up too.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16, with ``torch.amp.GradScaler``'s rules (initial scale
+    2**16, x2 after 2000 finite steps, x0.5 and the step skipped on an inf/NaN gradient).
+
+    Why not GradScaler itself: it drives a ``torch.optim`` optimizer (see node/optim.py).
+    Deterministic: the scale depends only on the gradients seen.
+    """
+
+    def __init__(self, device: torch.device, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale = torch.full((), init_scale, dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.growth_interval = growth_interval
+
+    def unscale(self, params: Sequence[Tensor]) -> bool:
+        """Divide the gradients by the scale; True when every one is finite (step it)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        self.found_inf.zero_()
+        if grads:
+            inv = self.scale.reciprocal()
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
+            except (RuntimeError, NotImplementedError):  # a backend without the fused kernel (MPS)
+                for g in grads:
+                    g.mul_(inv)
+                    if not bool(torch.isfinite(g).all()):
+                        self.found_inf.fill_(1.0)
+        return not bool(self.found_inf.item())
+
+    def update(self) -> None:
+        try:
+            torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, 2.0, 0.5, self.growth_interval)
+        except (RuntimeError, NotImplementedError):  # the same rule, step by step
+            if bool(self.found_inf.item()):
+                self.scale.mul_(0.5)
+                self.growth_tracker.zero_()
+            else:
+                self.growth_tracker.add_(1)
+                if int(self.growth_tracker.item()) >= self.growth_interval:
+                    self.scale.mul_(2.0)
+                    self.growth_tracker.zero_()
 
 
 def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor], device: torch.device) -> nn.Module:
@@ -142,7 +195,9 @@ def train_assignment(
         raise TrainError("local_epochs and batch_size must be >= 1")
     if cfg.loss not in ("cross_entropy", "mse"):
         raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
-    _prepare_device(device)
+    precision = str(getattr(cfg, "precision", "fp32"))
+    _prepare_device(device, precision)
+    autocast_dtype = AUTOCAST_DTYPES.get(precision)
     x_cpu, y_cpu = stack_chunks(spec, chunks)
     n = int(x_cpu.shape[0])
     bs = int(cfg.batch_size)
@@ -167,6 +222,12 @@ def train_assignment(
     optimizer = make_optimizer(params, cfg)
     clip = float(cfg.grad_clip)
     stop = should_stop if should_stop is not None else (lambda: False)
+    scaler = LossScaler(device) if precision == "fp16" else None
+
+    def autocast() -> contextlib.AbstractContextManager[object]:
+        if autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=autocast_dtype)
 
     fork_devices = [device] if device.type == "cuda" else []
     started = time.perf_counter()
@@ -186,13 +247,21 @@ def train_assignment(
                 xb = x.index_select(0, idx)  # (batch, *input_shape)
                 yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
                 optimizer.zero_grad()
-                loss = loss_fn(model(xb), yb)
-                loss.backward()
-                if clip > 0:
+                with autocast():
+                    loss = loss_fn(model(xb), yb)
+                if scaler is None:
+                    loss.backward()
+                    finite = True
+                else:
+                    (loss.float() * scaler.scale).backward()
+                    finite = scaler.unscale(params)
+                    scaler.update()
+                if clip > 0 and finite:
                     clip_grad_norm(params, clip)
-                optimizer.step()
+                if finite:
+                    optimizer.step()
                 if last_epoch:
-                    loss_sum += loss.detach() * idx.shape[0]
+                    loss_sum += loss.detach().float() * idx.shape[0]
                 step += 1
                 if progress is not None and step % report_every == 0:
                     progress(step / total_steps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from .compute import JOB_PRECISIONS
 from .errors import SpecError
 from .messages import TrainConfig
 from .modelspec import ModelSpec
@@ -46,9 +47,15 @@ class TrainSpec:
     grad_clip: float = 0.0
     round_target_s: float = 10.0
     deadline_slack: float = 3.0
+    #: fp32 | tf32 | bf16 | fp16, or "auto": each node's fastest (protocol/compute.auto_precision:
+    #: bf16 on CUDA cc >= 8.0, fp16 on older CUDA, fp32 on a CPU or MPS)
+    precision: str = "auto"
 
-    def train_config(self) -> TrainConfig:
-        """The per-assignment training settings sent to nodes."""
+    def train_config(self, precision: str | None = None) -> TrainConfig:
+        """The per-assignment training settings sent to nodes. ``precision``: what this node
+        trains in (the hub resolves "auto" per node); default: the spec's, "auto" as fp32."""
+        if precision is None:
+            precision = "fp32" if self.precision == "auto" else self.precision
         return TrainConfig(
             local_epochs=self.local_epochs,
             batch_size=self.batch_size,
@@ -60,6 +67,7 @@ class TrainSpec:
             beta2=self.beta2,
             loss=self.loss,
             grad_clip=self.grad_clip,
+            precision=precision,
         )
 
 
@@ -97,6 +105,10 @@ class VerificationSpec:
     norm_ratio_max: float = 4.0
     free_rider_norm: float = 1e-7
     replica_wait_s: float = 30.0
+    #: relative L2 distance within which replicas from different compute classes agree. Measured
+    #: (bench/class_distance.py): honest fp32 vs bf16 / oneDNN off / threads 1 vs 2 on the digits MLP and
+    #: CNN reach 0.049 at 1-3 local epochs and 0.156 at 5; a half-trained shard sits 0.34 or more away.
+    cross_class_tolerance: float = 0.2
     #: a replicated shard whose replica never came: "accept" aggregates it (marked unverified in
     #: the audit log and the job status), "hold" keeps it out until a replica agrees
     unverified: str = "accept"
@@ -190,6 +202,7 @@ def _train(s: _Section, task: str) -> TrainSpec:
         grad_clip=s.get_float("grad_clip", d.grad_clip, 0.0, 1e6),
         round_target_s=s.get_float("round_target_s", d.round_target_s, 0.0, 86_400.0, lo_open=True),
         deadline_slack=s.get_float("deadline_slack", d.deadline_slack, 1.0, 100.0),
+        precision=s.get_choice("precision", d.precision, JOB_PRECISIONS),
     )
     if task == "classification" and spec.loss != "cross_entropy":
         raise SpecError("train.loss: a classification model trains with cross_entropy")
@@ -243,16 +256,21 @@ def _verification(s: _Section) -> VerificationSpec:
     max_replicas = s.get_int("max_replicas", d.max_replicas, 2, 32)
     if max_replicas < quorum:
         raise SpecError(f"verification.max_replicas: must be at least quorum ({quorum}), got {max_replicas}")
+    tolerance = s.get_float("tolerance", d.tolerance, 0.0, 1.0, lo_open=True)
+    cross = s.get_float("cross_class_tolerance", d.cross_class_tolerance, 0.0, 10.0, lo_open=True)
+    if cross < tolerance:
+        raise SpecError(f"verification.cross_class_tolerance: must be at least tolerance ({tolerance:g}), got {cross:g}")
     return VerificationSpec(
         replication=replication,
         quorum=quorum,
         max_replicas=max_replicas,
-        tolerance=s.get_float("tolerance", d.tolerance, 0.0, 1.0, lo_open=True),
+        tolerance=tolerance,
         trust_after=s.get_int("trust_after", d.trust_after, 0, 1_000_000),
         cosine_min=s.get_float("cosine_min", d.cosine_min, -1.0, 1.0),
         norm_ratio_max=s.get_float("norm_ratio_max", d.norm_ratio_max, 1.0, 1e6),
         free_rider_norm=s.get_float("free_rider_norm", d.free_rider_norm, 0.0, 1.0),
         replica_wait_s=s.get_float("replica_wait_s", d.replica_wait_s, 0.0, 86_400.0, lo_open=True),
+        cross_class_tolerance=cross,
         unverified=s.get_choice("unverified", d.unverified, UNVERIFIED),
     )
 

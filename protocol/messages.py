@@ -34,6 +34,9 @@ MAX_INT: Final = (1 << 63) - 1
 ID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BLOB_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
 METRIC_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+ISA_FLAG_RE: Final = re.compile(r"[a-z0-9_]{1,32}")
+#: the precisions a job may ask for and a node may train in ("auto" resolves per device: protocol/compute.py)
+PRECISIONS: Final = ("fp32", "tf32", "bf16", "fp16")
 
 _UNPACK_LIMITS: Final[dict[str, int]] = {
     "max_str_len": 4 * MAX_TEXT * 4,  # bytes; per-field char limits are checked afterwards
@@ -286,6 +289,36 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True)
+class ComputeClass:
+    """What decides a node's numerics: two nodes whose replicas of one shard should come out
+    (almost) bit-identical report equal classes (``protocol.compute.class_key`` says which
+    fields count). Strings are "" where a part does not apply (no CUDA on a CPU node).
+
+    ``device_model``: the CUDA device name, the Apple chip, or the CPU model; ``capability``:
+    the CUDA compute capability ("8.6"); ``cpu_vendor`` and ``isa``: the CPU's vendor and the
+    instruction-set flags that change which kernels run (avx2, avx512f, avx512_bf16, amx_bf16, ...);
+    ``onednn``: torch's oneDNN (mkldnn) backend is on; ``threads``: the intra-op thread count;
+    ``precisions``: what this node can train in.
+    """
+
+    device_kind: Annotated[str, Text(choices=("cpu", "cuda", "mps", "unknown"))]
+    device_model: ShortText
+    capability: Annotated[str, Text(16)]
+    cpu_vendor: Annotated[str, Text(64)]
+    isa: Annotated[tuple[str, ...], Seq(Text(32, pattern=ISA_FLAG_RE), 64)]
+    torch_version: Annotated[str, Text(64)]
+    cuda_version: Annotated[str, Text(64)]
+    cudnn_version: Annotated[str, Text(64)]
+    onednn: Annotated[bool, Bool()]
+    threads: Annotated[int, Int(0, 1 << 20)]
+    precisions: Annotated[tuple[str, ...], Seq(Text(choices=PRECISIONS), len(PRECISIONS))]
+
+
+#: a hello that does not describe its class (test clients): fp32 only, never the same class as a real node
+UNKNOWN_CLASS: Final = ComputeClass("unknown", "", "", "", (), "", "", "", False, 0, ("fp32",))
+
+
+@dataclass(frozen=True)
 class Benchmark:
     samples_per_s: NonNegFloat
     matmul_tflops_fp32: NonNegFloat
@@ -295,6 +328,9 @@ class Benchmark:
     h2d_gbs: OptFloat
     d2h_gbs: OptFloat
     reference_model: ShortText
+    #: training samples/s of the reference model per precision the device supports (fp32, bf16, ...)
+    precision_sps: Annotated[dict[str, float], FloatMap(len(PRECISIONS))] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -316,6 +352,8 @@ class TrainConfig:
     beta2: Annotated[float, Float(0.0, 1.0)]
     loss: Annotated[str, Text(choices=("cross_entropy", "mse"))]
     grad_clip: Annotated[float, Float(0.0, 1e12)]
+    #: what the node trains in: the job's precision, "auto" resolved by the hub for this node
+    precision: Annotated[str, Text(choices=PRECISIONS)] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -327,6 +365,7 @@ class Hello:
     benchmark: Annotated[Benchmark, Nested(Benchmark)]
     timestamp: Timestamp
     nonce: Nonce
+    compute: Annotated[ComputeClass, Nested(ComputeClass)] = UNKNOWN_CLASS
 
 
 @dataclass(frozen=True)
@@ -525,6 +564,24 @@ def unpack_strict(data: object, what: str = "message", *, max_bytes: int = MAX_M
 # Public API.
 
 
+def nested_to_dict(value: object) -> dict[str, object]:
+    """A nested message part (e.g. ComputeClass) as its checked plain map (to store it as JSON)."""
+    try:
+        return _to_wire(value)
+    except _Fail as exc:
+        raise EncodeError(f"{type(value).__name__}.{exc}") from None
+
+
+def nested_from_dict(cls: type[M], data: object) -> M:
+    """The inverse of ``nested_to_dict``, with the decoder's checks (lists are taken for tuples)."""
+    if not isinstance(data, dict):
+        raise DecodeError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
+    try:
+        return _from_wire(cls, data)
+    except _Fail as exc:
+        raise DecodeError(f"{cls.__name__}.{exc}") from None
+
+
 def encode_message(msg: object) -> bytes:
     """Validate ``msg`` against its schema and return its msgpack bytes."""
     cls = type(msg)
@@ -593,12 +650,15 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MESSAGE_KINDS",
     "MESSAGE_TYPES",
+    "PRECISIONS",
+    "UNKNOWN_CLASS",
     "Abandon",
     "Ack",
     "Assignment",
     "Benchmark",
     "BlobRequest",
     "ChunkRef",
+    "ComputeClass",
     "DeviceInfo",
     "Heartbeat",
     "Hello",
@@ -610,6 +670,8 @@ __all__ = [
     "WorkRequest",
     "decode_message",
     "encode_message",
+    "nested_from_dict",
+    "nested_to_dict",
     "peek_kind",
     "unpack_strict",
 ]

@@ -4,7 +4,7 @@ from importlib import metadata
 
 from .errors import VersionError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the compute class in Hello, precision in TrainConfig and Benchmark
 
 try:
     SOFTWARE_VERSION: str = metadata.version("gpuflex")

@@ -246,12 +246,14 @@ class SimNode:
         hub_public: bytes | None = None,
         key: SigningKey | None = None,
         samples_per_s: float = 1e6,
+        compute: Any = None,
     ) -> None:
         self.session = session
         self.url = url
         self.key = key or SigningKey.generate()
         self.hub_public = hub_public
         self.samples_per_s = samples_per_s
+        self.compute = compute  # a ComputeClass for its hello (None: the unknown class)
         self.cache: dict[str, bytes] = {}
 
     @property
@@ -276,6 +278,8 @@ class SimNode:
             timestamp=time.time(),
             nonce=new_nonce(),
         )
+        if self.compute is not None:
+            h = dataclasses.replace(h, compute=self.compute)
         return dataclasses.replace(h, **over)
 
     async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:

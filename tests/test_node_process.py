@@ -183,9 +183,10 @@ def test_bench_says_what_it_measures_while_it_measures(tmp_path):
     lines = r.stderr.splitlines()
     assert lines[0].startswith("measuring this machine") and str(tmp_path / "bench.json") in lines[0]
     steps = [line.strip() for line in lines[1:]]
-    assert steps[0] == "[1/6] matmul fp32" and steps[-1] == "[6/6] training mlp-784-1024-1024-10/b128"
-    assert len(steps) == 6
+    assert steps[0] == "[1/7] matmul fp32" and steps[-1] == "[7/7] training mlp-784-1024-1024-10/b128"
+    assert len(steps) == 7 and "[6/7] training mlp-64-128-10/b32 bf16" in steps
     results = json.loads(r.stdout)
     assert results["quick"] is False and results["cached"] is False
     assert results["matmul_tflops_fp32"] > 0 and results["matmul_tflops_bf16"] is not None
     assert set(results["training"]) == {"mlp-64-128-10/b32", "mlp-784-1024-1024-10/b128"}
+    assert set(results["precision_sps"]) == {"fp32", "bf16"} and min(results["precision_sps"].values()) > 0

@@ -40,7 +40,7 @@ from gpuflex.protocol import (
     state_from_safetensors,
     state_to_safetensors,
 )
-from gpuflex.protocol.messages import MESSAGE_TYPES
+from gpuflex.protocol.messages import MESSAGE_TYPES, ComputeClass
 from gpuflex.protocol.modelspec import LAYERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -55,9 +55,11 @@ SAMPLES: list[Any] = [
         "0.1.0",
         1,
         DeviceInfo("cuda", "H100", 80 << 30, 16),
-        Benchmark(1e4, 50.0, 400.0, None, 2000.0, 20.0, None, "mlp-64"),
+        Benchmark(1e4, 50.0, 400.0, None, 2000.0, 20.0, None, "mlp-64", {"fp32": 1e4, "bf16": 3.5e4}),
         1000.0,
         NONCE,
+        ComputeClass("cuda", "NVIDIA H100 80GB HBM3", "9.0", "GenuineIntel", ("avx2", "avx512f"), "2.13.0",
+                     "12.8", "91002", True, 16, ("fp32", "tf32", "bf16", "fp16")),
     ),
     Welcome("gf1-aaaa-bbbb-cccc-dddd-eeee", "gf1-ffff-gggg-hhhh-iiii-jjjj", 1000.0, 5.0),
     WorkRequest(1000.0, NONCE, 30.0, ("a" * 64, "b" * 64)),
@@ -71,7 +73,7 @@ SAMPLES: list[Any] = [
         SPEC.to_dict(),
         (ChunkRef("d" * 64, 10, 64), ChunkRef("e" * 64, 11, 64)),
         5,
-        TrainConfig(1, 32, "sgd", 0.05, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0),
+        TrainConfig(1, 32, "sgd", 0.05, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0, "bf16"),
         1000.0,
         1030.0,
         "rg-1",

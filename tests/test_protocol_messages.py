@@ -32,7 +32,7 @@ from gpuflex.protocol import (
     decode_message,
     encode_message,
 )
-from gpuflex.protocol.messages import MESSAGE_TYPES, peek_kind
+from gpuflex.protocol.messages import MESSAGE_TYPES, PRECISIONS, ComputeClass, peek_kind
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,6 +67,21 @@ benchmarks = st.builds(
     h2d_gbs=opt_floats,
     d2h_gbs=opt_floats,
     reference_model=texts,
+    precision_sps=st.dictionaries(st.sampled_from(list(PRECISIONS)), pos_floats, max_size=4),
+)
+compute_classes = st.builds(
+    ComputeClass,
+    device_kind=st.sampled_from(["cpu", "cuda", "mps", "unknown"]),
+    device_model=texts,
+    capability=st.text(max_size=16),
+    cpu_vendor=st.text(max_size=64),
+    isa=st.lists(st.text(string.ascii_lowercase + string.digits + "_", min_size=1, max_size=32), max_size=8).map(tuple),
+    torch_version=st.text(max_size=64),
+    cuda_version=st.text(max_size=64),
+    cudnn_version=st.text(max_size=64),
+    onednn=st.booleans(),
+    threads=st.integers(0, 1 << 20),
+    precisions=st.lists(st.sampled_from(list(PRECISIONS)), max_size=4).map(tuple),
 )
 train_configs = st.builds(
     TrainConfig,
@@ -80,6 +95,7 @@ train_configs = st.builds(
     beta2=st.floats(0.0, 1.0),
     loss=st.sampled_from(["cross_entropy", "mse"]),
     grad_clip=st.floats(0.0, 100.0),
+    precision=st.sampled_from(list(PRECISIONS)),
 )
 model_specs = st.builds(
     lambda i, h, o, a, d: ModelSpec.from_dict(
@@ -101,6 +117,7 @@ MESSAGES = {
         benchmark=benchmarks,
         timestamp=timestamps,
         nonce=nonces,
+        compute=compute_classes,
     ),
     Welcome: st.builds(
         Welcome,
@@ -409,3 +426,27 @@ def test_check_protocol_version() -> None:
 def test_unencodable_text_is_an_encode_error() -> None:
     with pytest.raises(EncodeError):
         encode_message(Abandon("a", "bad \udc80 surrogate", 1.0, b"n" * 16))
+
+
+def test_compute_class_and_precision_fields_are_checked_where_they_travel() -> None:
+    """Hello.compute and TrainConfig.precision: strict like every field, named in the error."""
+    cc = ComputeClass("cpu", "x", "", "AuthenticAMD", ("avx2",), "2.13.0", "", "", True, 1, ("fp32", "bf16"))
+    hello = Hello("0.1", PROTOCOL_VERSION, DeviceInfo("cpu", "x", 1, 1),
+                  Benchmark(1.0, 0.1, None, None, 1.0, None, None, "m", {"fp32": 1.0}), 1.0, b"n" * 16, cc)
+    raw = msgpack.unpackb(encode_message(hello), raw=False)
+    assert decode_message(msgpack.packb(raw), Hello).compute == cc
+    for path, value, expect in (
+        (("compute", "precisions"), ["fp32", "int4"], "hello.compute: precisions: [1]: expected one of"),
+        (("compute", "threads"), True, "hello.compute: threads: expected an integer"),
+        (("compute", "isa"), ["avx2"] * 65, "hello.compute: isa: list longer than 64"),
+        (("benchmark", "precision_sps"), {"fp32": math.inf}, "hello.benchmark: precision_sps"),
+    ):
+        bad = msgpack.unpackb(encode_message(hello), raw=False)
+        bad[path[0]][path[1]] = value
+        assert _fails(msgpack.packb(bad), Hello).startswith(expect)
+    missing = msgpack.unpackb(encode_message(hello), raw=False)
+    del missing["compute"]
+    assert "missing field 'compute'" in _fails(msgpack.packb(missing), Hello)
+    a = msgpack.unpackb(encode_message(_assignment()), raw=False)
+    a["train"]["precision"] = "fp8"
+    assert "train: precision: expected one of fp32, tf32, bf16, fp16" in _fails(msgpack.packb(a), Assignment)

@@ -16,8 +16,10 @@ from gpuflex.hub.blobs import BlobStore
 from gpuflex.hub.db import SCHEMA_VERSION, Database
 from gpuflex.hub.jobs import AssignmentState, JobState, UpdateState, ingest_job
 from gpuflex.hub.store import NodeProfile, RoundResult, Store
-from gpuflex.hub.store_sqlite import DuplicateUpdate, SqliteStore
+from gpuflex.hub.store_sqlite import DuplicateUpdate, SqliteStore, _node
 from gpuflex.hub.verification import Flag, Reputation
+from gpuflex.protocol.compute import class_key
+from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass, nested_to_dict
 
 from tests.helpers import write_digits
 
@@ -207,6 +209,7 @@ def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> No
     db = Database(path)
     db.close()
     conn = sqlite3.connect(path)  # turn it back into what the previous release wrote
+    conn.execute("ALTER TABLE nodes DROP COLUMN compute_class")  # schema v3
     for table, old, new in (("nodes", "agreed", "agreements_total"), ("nodes", "disagreed", "flags_total"),
                             ("nodes", "consecutive_valid", "consecutive_agreements"),
                             ("nodes", "flags_confirmed", "confirmed_flags"),
@@ -231,6 +234,46 @@ def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> No
     assert (row["agreements_total"], row["flags_total"], row["consecutive_agreements"], row["confirmed_flags"],
             row["dismissed_flags"]) == (9, 2, 4, 1, 1)
     assert job["model_hash"] == "ab"
+
+
+def test_a_version_2_database_gains_the_compute_class_column(tmp_path: Path) -> None:
+    """Schema v3: nodes from before compute classes keep their rows and read as the unknown class."""
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE nodes DROP COLUMN compute_class")
+    conn.executescript(
+        "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
+        " last_seen, agreements_total) VALUES ('gf1-v2', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 5);"
+        "PRAGMA user_version = 2;")
+    conn.close()
+    db = Database(path)
+    try:
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM nodes").fetchone()))
+        loaded = db.write_sync(lambda c: [_node(r) for r in c.execute("SELECT * FROM nodes")])
+    finally:
+        db.close()
+    assert row["compute_class"] == "{}" and row["agreements_total"] == 5
+    assert loaded[0].compute == UNKNOWN_CLASS and loaded[0].class_key("auto") is None
+
+
+async def test_a_nodes_compute_class_survives_a_restart(opened) -> None:
+    kind, where, store = opened
+    cc = ComputeClass("cuda", "NVIDIA H100 80GB HBM3", "9.0", "GenuineIntel", ("avx2",), "2.13.0", "12.8", "91002",
+                      True, 16, ("fp32", "tf32", "bf16", "fp16"))
+    profile = NodeProfile(software_version="0.1.0", device={"kind": "cuda"},
+                          benchmark={"samples_per_s": 10.0, "precision_sps": {"fp32": 10.0, "bf16": 40.0}},
+                          compute=nested_to_dict(cc))
+    await store.save_node("gf1-n1", b"k" * 32, profile, bench_sps=10.0, now=100.0)
+    store = await _reopen(kind, where, store)
+    try:
+        (node,) = (await store.load()).nodes
+    finally:
+        store.close()
+    assert node.compute == cc
+    assert node.precision_sps == {"fp32": 10.0, "bf16": 40.0} and node.precision_factor("bf16") == 4.0
+    key = node.class_key("auto")
+    assert key == class_key(cc, "bf16") and key.endswith("|bf16")
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:

@@ -333,7 +333,27 @@ def node_view(n: Mapping[str, Any]) -> dict[str, Any]:
         "done": int(counts.get("done", 0)),
         "failed": int(n.get("assignments_failed", 0)),
         "live": int(counts.get("live", 0)),
+        "class_summary": class_summary(n.get("compute_class") or {}),
+        "precisions": ", ".join((n.get("compute_class") or {}).get("precisions") or []),
+        "precision_sps": bench.get("precision_sps") or {},
+        "class_keys": n.get("class_keys") or {},
     }
+
+
+def class_summary(c: Mapping[str, Any]) -> str:
+    """A compute class in one line: what decides whether two nodes' replicas match bit for bit."""
+    kind = c.get("device_kind")
+    if not kind or kind == "unknown":
+        return "class not reported"
+    if kind == "cuda":
+        parts = [f"sm {c.get('capability')}", f"CUDA {c.get('cuda_version') or '?'}",
+                 f"cuDNN {c.get('cudnn_version') or '?'}"]
+    elif kind == "cpu":
+        parts = [str(c.get("cpu_vendor")), " ".join(c.get("isa") or []) or "no vector ISA",
+                 f"oneDNN {'on' if c.get('onednn') else 'off'}", f"{c.get('threads')} threads"]
+    else:
+        parts = [str(c.get("device_model"))]
+    return " · ".join([*parts, f"torch {c.get('torch_version')}"])
 
 
 async def nodes_page(request: web.Request) -> web.StreamResponse:
