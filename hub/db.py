@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -156,7 +156,12 @@ CREATE TABLE IF NOT EXISTS nodes (
     confirmed_flags INTEGER NOT NULL DEFAULT 0,
     dismissed_flags INTEGER NOT NULL DEFAULT 0,
     updates_accepted INTEGER NOT NULL DEFAULT 0,
-    banned INTEGER NOT NULL DEFAULT 0
+    banned INTEGER NOT NULL DEFAULT 0,
+    address_block TEXT NOT NULL DEFAULT '',  -- Sybil defences (hub/admission.py): where it registered
+    -- from and was last seen, its operator (the enrollment token it registered with: op-ID), its ban time
+    last_block TEXT NOT NULL DEFAULT '',
+    operator TEXT,
+    banned_at REAL
 );
 CREATE TABLE IF NOT EXISTS flags (
     id TEXT PRIMARY KEY,
@@ -214,6 +219,14 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         ("nodes", "consecutive_valid", "consecutive_agreements"), ("nodes", "flags_confirmed", "confirmed_flags"),
         ("nodes", "flags_dismissed", "dismissed_flags"), ("jobs", "model_sha", "model_hash"),
         ("rounds", "model_sha", "model_hash"), ("rounds", "new_model_sha", "new_model_hash"))),
+    # --- 2 -> 3: Sybil defences (branch sybil; renumber if another branch adds a migration) ---
+    # Each node's address block at registration and when last seen, its operator (enrollment
+    # token), and when it was banned (a banned node's block and operator cool down).
+    2: ("ALTER TABLE nodes ADD COLUMN address_block TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE nodes ADD COLUMN last_block TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE nodes ADD COLUMN operator TEXT",
+        "ALTER TABLE nodes ADD COLUMN banned_at REAL"),
+    # --- end of branch sybil's migration ---
 }
 
 

@@ -20,6 +20,8 @@ from .errors import BadRequest, Forbidden, NotFound, Unauthorized
 
 Role = Literal["owner", "auditor", "admin"]
 ROLES: tuple[Role, ...] = ("owner", "auditor", "admin")
+#: an enrollment token admits nodes (their operator); it opens no API route
+ENROLL = "enroll"
 TOKEN_PREFIX = "gft_"  # noqa: S105 - a prefix, not a secret
 
 
@@ -47,8 +49,8 @@ def hash_token(token: str) -> str:
 
 
 def _check_role_name(role: str, name: str) -> None:
-    if role not in ROLES:
-        raise BadRequest(f"role must be one of {', '.join(ROLES)}", code="bad_role")
+    if role not in ROLES and role != ENROLL:
+        raise BadRequest(f"role must be one of {', '.join((*ROLES, ENROLL))}", code="bad_role")
     if not name or len(name) > 64 or not name.isprintable():
         raise BadRequest("token name must be 1..64 printable characters", code="bad_name")
 
@@ -122,4 +124,21 @@ def lookup(conn: sqlite3.Connection, authorization: str | None) -> Principal:
     # The indexed lookup finds the row; the final comparison is constant time.
     if row is None or not hmac.compare_digest(row["hash"], digest) or row["revoked_at"] is not None:
         raise Unauthorized("token is unknown or revoked", code="bad_token")
+    if row["role"] == ENROLL:
+        raise Unauthorized("an enrollment token only admits nodes (gpuflex-node --enroll-token)", code="bad_token")
     return Principal(token_id=int(row["id"]), role=row["role"], name=str(row["name"]))
+
+
+def enrollment_operator(conn: sqlite3.Connection, token: str) -> str:
+    """The operator ('op-<token id>') an enrollment token names; 403 when unknown or revoked.
+
+    A node passes the token in its signed hello (``--enroll-token`` / ``GPUFLEX_ENROLL_TOKEN``);
+    every node registered with one token is one operator to the hub (hub/admission.py).
+    """
+    digest = hash_token(token.strip())
+    row = conn.execute("SELECT id, hash, role, revoked_at FROM tokens WHERE hash = ?", (digest,)).fetchone()
+    if (row is None or not hmac.compare_digest(row["hash"], digest) or row["revoked_at"] is not None
+            or row["role"] != ENROLL):
+        raise Forbidden("the enrollment token is unknown or revoked; ask the hub's operator for a new one",
+                        code="bad_enrollment")
+    return f"op-{int(row['id'])}"

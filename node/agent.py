@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 import torch
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.messages import Assignment, Benchmark, NoWork
+from gpuflex.protocol.messages import Assignment, Benchmark, NoWork, progress_digest
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, fingerprint
 from gpuflex.protocol.tensors import check_finite
@@ -108,6 +108,8 @@ class NodeConfig:
     control: bool = True
     benchmark: Benchmark | None = None  # None: cached or quick measurement at start
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
+    enroll_token: str = ""  # the operator's enrollment token, when the hub asks for one
+    source_address: str | None = None  # bind outgoing connections to this local address
 
 
 @dataclass
@@ -118,6 +120,8 @@ class Current:
     spec: ModelSpec
     phase: str = "verifying"  # verifying|downloading|training|uploading
     progress: float = 0.0
+    steps: int = 0  # optimizer steps so far, and the running digest over them (heartbeats prove progress)
+    digest: bytes = bytes(32)
     deadline: float = 0.0
     samples: int = 0
     started: float = field(default_factory=time.time)
@@ -185,9 +189,14 @@ class NodeAgent:
                 cur.progress = fraction
             self.output.progress_update(fraction)
 
+        def on_step(step: int, loss: float) -> None:
+            if cur is not None:
+                cur.digest = progress_digest(cur.digest, step, loss)
+                cur.steps = step
+
         return train_assignment(
             spec, global_state, chunks, assignment.train, assignment.seed,
-            device=self.device, progress=progress, should_stop=self.stop_training.is_set,
+            device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_step=on_step,
         )
 
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
@@ -284,7 +293,8 @@ class NodeAgent:
             device=str(self.device), threads=torch.get_num_threads(), version=SOFTWARE_VERSION,
         )
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
-        connector = aiohttp.TCPConnector(limit=8)
+        local = (self.config.source_address, 0) if self.config.source_address else None
+        connector = aiohttp.TCPConnector(limit=8, local_addr=local)
         async with aiohttp.ClientSession(connector=connector) as session:
             self.client = HubClient(self.config.hub_url, self.key, session)
             async with asyncio.TaskGroup() as tg:
@@ -411,7 +421,7 @@ class NodeAgent:
         pin = await register(
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
-            benchmark=benchmark,
+            benchmark=benchmark, enroll_token=self.config.enroll_token,
         )
         self.registered = True
         self._benchmark_msg = benchmark
@@ -567,7 +577,8 @@ class NodeAgent:
             if cur is None or cur.phase not in ("downloading", "training", "uploading") or pause.exiting:
                 continue
             try:
-                ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress)
+                ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress, cur.steps,
+                                                     cur.digest)
             except Exception as exc:  # NodeError or a bug: the next beat tries again
                 log.info("heartbeat failed: %s", exc)
                 continue

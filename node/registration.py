@@ -30,6 +30,7 @@ async def register(
     node_id: str,
     device: torch.device,
     benchmark: Benchmark,
+    enroll_token: str = "",
 ) -> HubPin:
     """Register with the hub at ``client``; the pinned hub key (the client now trusts it)."""
     public_key, claimed, proto = await client.hub_info()
@@ -44,7 +45,7 @@ async def register(
     hello = Hello(
         software_version=SOFTWARE_VERSION[:64], protocol_version=PROTOCOL_VERSION,
         device=DeviceInfo(kind=d.kind, name=d.name[:256], memory_bytes=d.memory_bytes, threads=d.threads),
-        benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(),
+        benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(), enroll_token=enroll_token,
     )
     welcome = await client.register(hello)
     if welcome.node_id != node_id or welcome.hub_fingerprint != pin.fingerprint:

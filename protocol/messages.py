@@ -11,8 +11,10 @@ decoder apply the same checks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
+import struct
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -327,6 +329,8 @@ class Hello:
     benchmark: Annotated[Benchmark, Nested(Benchmark)]
     timestamp: Timestamp
     nonce: Nonce
+    #: the operator's enrollment token ("" = none); the hub may require one
+    enroll_token: Annotated[str, Text(128)] = ""
 
 
 @dataclass(frozen=True)
@@ -379,6 +383,16 @@ class Heartbeat:
     progress: Annotated[float, Float(0.0, 1.0)]
     timestamp: Timestamp
     nonce: Nonce
+    #: optimizer steps done so far, and the running digest over them (``progress_digest``;
+    #: 32 zero bytes = no step yet): the hub extends a deadline only on new progress
+    steps: Annotated[int, Int(0, 1 << 40)] = 0
+    digest: Annotated[bytes, Blob(32)] = bytes(32)
+
+
+def progress_digest(previous: bytes, step: int, loss: float) -> bytes:
+    """The next link of a heartbeat's progress chain: SHA-256(previous || step || loss), with
+    ``step`` as 8 bytes little-endian and ``loss`` as an IEEE-754 double (32 zero bytes start it)."""
+    return hashlib.sha256(bytes(previous) + struct.pack("<Qd", int(step), float(loss))).digest()
 
 
 @dataclass(frozen=True)
@@ -611,5 +625,6 @@ __all__ = [
     "decode_message",
     "encode_message",
     "peek_kind",
+    "progress_digest",
     "unpack_strict",
 ]
