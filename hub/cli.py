@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_token_list)
     p = tok.add_parser("revoke", help="revoke a token by id")
     p.add_argument("--data", required=True)
-    p.add_argument("id", type=int)
+    p.add_argument("id", help="the id `token list` shows (e<N> for an enrollment token)")
     p.set_defaults(func=cmd_token_revoke)
 
     job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(

@@ -40,6 +40,13 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at REAL NOT NULL,
     revoked_at REAL
 );
+CREATE TABLE IF NOT EXISTS enroll_tokens (  -- Sybil defences: the token of an operator admits its nodes
+    id INTEGER PRIMARY KEY,             -- the operator is op-ID, shown as eID by token list
+    hash TEXT NOT NULL UNIQUE,          -- sha256 hex of the token
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
     owner TEXT NOT NULL,                -- token name of the submitter
@@ -225,7 +232,9 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE nodes ADD COLUMN address_block TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE nodes ADD COLUMN last_block TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE nodes ADD COLUMN operator TEXT",
-        "ALTER TABLE nodes ADD COLUMN banned_at REAL"),
+        "ALTER TABLE nodes ADD COLUMN banned_at REAL",
+        "CREATE TABLE IF NOT EXISTS enroll_tokens (id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE,"
+        " name TEXT NOT NULL, created_at REAL NOT NULL, revoked_at REAL)"),
     # --- end of branch sybil's migration ---
 }
 

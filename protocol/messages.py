@@ -481,8 +481,11 @@ def _from_wire(cls: type[M], data: Mapping[object, object]) -> M:
         if key not in names and key not in ("v", "kind"):
             raise _Fail(f"unknown field {key!r:.40} in {cls.__name__}")
     values: dict[str, object] = {}
+    optional = _optional(cls)
     for name, rule in schema:
         if name not in data:
+            if name in optional:  # a later addition with a default: absent means the default
+                continue
             raise _Fail(f"missing field {name!r} in {cls.__name__}")
         try:
             values[name] = rule.decode(data[name])
@@ -491,9 +494,19 @@ def _from_wire(cls: type[M], data: Mapping[object, object]) -> M:
     return cls(**values)
 
 
+def _optional(cls: type[Any]) -> dict[str, object]:
+    """Fields added after a message type first shipped carry a default: a peer that does not know
+    them leaves them out, and a sender leaves them out while they hold the default, so old and
+    new peers of one protocol version understand each other."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def _to_wire(msg: object) -> dict[str, object]:
     out: dict[str, object] = {}
+    optional = _optional(type(msg))
     for name, rule in _schema(type(msg)):
+        if name in optional and getattr(msg, name) == optional[name]:
+            continue
         try:
             out[name] = rule.encode(getattr(msg, name))
         except _Fail as exc:
