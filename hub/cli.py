@@ -71,7 +71,7 @@ async def _serve(args: argparse.Namespace) -> int:
         require_enrollment=args.require_enrollment, separate_replicas=not args.allow_shared_blocks,
         ipv4_block_prefix=args.ipv4_block_prefix, ipv6_block_prefix=args.ipv6_block_prefix,
         registrations_per_block=args.registrations_per_block, registrations_global=args.registrations_global,
-        trust_min_age_s=args.trust_min_age,
+        trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
     )
     app = create_app(config)
     print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
@@ -330,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new node identities per address block (and operator) per hour (default %(default)s)")
     p.add_argument("--registrations-global", type=int, default=d.registrations_global, metavar="N",
                    help="new node identities in all per hour (default %(default)s)")
+    p.add_argument("--unproven-max-chunks", type=int, default=d.unproven_max_chunks, metavar="N",
+                   help="chunks a node that has delivered nothing may hold; doubles per delivery, 0 = no cap"
+                        " (default %(default)s)")
     p.add_argument("--trust-min-age", type=float, default=d.trust_min_age_s, metavar="S",
                    help="a node cannot be trusted before this age in seconds (default %(default)s)")
     p.set_defaults(func=cmd_serve)

@@ -142,6 +142,13 @@ RELAXED_DEFENCES: dict[str, Any] = {
 }
 
 
+#: the same, as `gpuflex-hub serve` options (hubs started as processes by tests)
+RELAXED_SERVE_ARGS: tuple[str, ...] = (
+    "--allow-shared-blocks", "--registrations-per-block", "100000", "--registrations-global", "100000",
+    "--trust-min-age", "0", "--unproven-max-chunks", "0",
+)
+
+
 def production_defences() -> dict[str, Any]:
     """The HubConfig defaults of every setting RELAXED_DEFENCES relaxes (pass to start_hub)."""
     from gpuflex.hub.config import HubConfig
