@@ -480,6 +480,89 @@ async def test_a_crafted_x3_5_update_does_not_get_in_unchanged(tmp_path):
         await hub.stop()
 
 
+# --------------------------------------------------------------------------- an outvoted honest node
+
+
+async def _wait(pred, timeout: float = 30.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < give_up, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(tmp_path):
+    """Attack: two colluders out-voted an honest replica with an identical crafted update; the
+    honest node's run of agreements was reset, even though its flag was withdrawn once the
+    round's review caught the colluders' update. Now the withdrawal gives the run back."""
+    from gpuflex.hub.appkeys import LEDGER
+
+    train, val, _ = write_digits(tmp_path / "d")
+    hub = await start_hub(tmp_path / "hub", throughput_alpha=0.0)  # shard sizes stay as seeded
+    ledger = hub.app[LEDGER]
+    try:
+        async with sessions("127.0.0.1", *(f"127.0.{200 + i}.1" for i in range(7))) as ss:
+            owner = ss[0]
+            # a few chunks per shard (2,000 samples/s x round_target_s 0.1 s), so a round has several
+            h, c1, c2, x, y, z, w = nodes = [SimNode(s, hub.url, samples_per_s=2000.0) for s in ss[1:]]
+            for n in nodes:
+                await n.register()
+                await n.work(0.05)  # in the gathering the first round is cut for
+            r = await submit_job(owner, hub, spec(rounds=2, replication="1.0", round_target_s=0.1,
+                                                  extra="trust_after = 1\nmax_replicas = 3\n"), train, val)
+            assert r.status == 201, await r.text()
+            job_id = (await r.json())["id"]
+            job = ledger.scheduler.jobs[job_id]
+
+            async def step_in(n: SimNode, round_: int) -> None:
+                a = await n.work(0.3)
+                if isinstance(a, Assignment) and a.round == round_:
+                    blob, count, loss = await n.train(a)
+                    await n.upload(a, blob, count, loss)
+                elif isinstance(a, Assignment):  # the next round opened: leave it to the script
+                    (await n.abandon(a.assignment_id)).release()
+
+            async def everyone_works(round_: int) -> None:
+                while job.round == round_:
+                    await asyncio.gather(*(step_in(n, round_) for n in (x, y, z, w)))
+
+            # round 0: every pair trains honestly and agrees -> every node has a run of 1 (trusted)
+            for n in nodes:
+                a = await n.work(0.5)
+                if isinstance(a, Assignment):
+                    blob, count, loss = await n.train(a)
+                    await n.upload(a, blob, count, loss)
+            await everyone_works(0)
+            run = {n.node_id: ledger.scheduler.nodes[n.node_id].reputation.consecutive_agreements for n in nodes}
+            assert run[h.node_id] == 1 and run[c1.node_id] == 1 and run[c2.node_id] == 1, run
+            # round 1: the honest node and a colluder share a shard; the colluders send one crafted update
+            a_h = await h.work(1.0)
+            a_c1 = await c1.work(1.0)
+            assert isinstance(a_h, Assignment) and isinstance(a_c1, Assignment)
+            assert a_c1.replica_group == a_h.replica_group
+            honest_blob, count, loss = await h.train(a_h)
+            crafted = encode_state({k: -v for k, v in decode_state(bytearray(honest_blob)).items()})
+            await h.upload(a_h, honest_blob, count, loss)
+            await c1.upload(a_c1, crafted, count, loss)
+            shard = job.shards[a_h.replica_group]
+            await _wait(lambda: shard.wanted == 3)  # the disagreement asks for a third replica
+            a_c2 = await c2.work(1.0)
+            assert isinstance(a_c2, Assignment) and a_c2.replica_group == a_h.replica_group
+            await c2.upload(a_c2, crafted, count, loss)
+            await _wait(lambda: shard.state == "settled")
+            assert ledger.scheduler.nodes[h.node_id].reputation.consecutive_agreements == 0  # outvoted, flagged
+            await everyone_works(1)
+            await wait_job(owner, hub, job_id)
+        withdrawn = db_rows(hub, "SELECT status, verdict_note FROM flags WHERE reason = 'replica_mismatch'"
+                                 " AND node_id = ?", h.node_id)
+        assert len(withdrawn) == 1 and withdrawn[0][0] == "dismissed" and withdrawn[0][1].startswith("withdrawn")
+        (stored,) = db_rows(hub, "SELECT consecutive_agreements FROM nodes WHERE id = ?", h.node_id)[0]
+        assert stored == 1, "the withdrawn flag must leave the honest node's run as it was"
+        assert ledger.scheduler.nodes[h.node_id].reputation.consecutive_agreements == 1
+        assert ledger.scheduler.nodes[c1.node_id].reputation.consecutive_agreements == 0
+    finally:
+        await hub.stop()
+
+
 # --------------------------------------------------------------------------- pure rules
 
 
