@@ -115,6 +115,11 @@ async def test_three_identities_of_one_block_never_hold_replicas_of_one_shard(tm
             replica = await honest.work(0.5)
             assert isinstance(replica, Assignment) and replica.replica_group == first.replica_group
             assert [c.sha256 for c in replica.chunks] == [c.sha256 for c in first.chunks]
+            async with owner.get(hub.url + "/v1/nodes", headers=hub.auth(hub.auditor_token)) as resp:
+                listed = {n["id"]: n for n in (await resp.json())["nodes"]}
+            assert {listed[c.node_id]["address_block"] for c in colluders} == {"127.0.21.0/24"}
+            assert listed[honest.node_id]["address_block"] == "127.0.22.0/24"
+            assert listed[honest.node_id]["probation"] is True
     finally:
         await hub.stop()
 
