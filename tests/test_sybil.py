@@ -568,6 +568,53 @@ async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(
         await hub.stop()
 
 
+# --------------------------------------------------------------------------- the real node
+
+
+async def test_the_real_node_enrolls_and_connects_from_its_source_address(tmp_path):
+    """`gpuflex-node run --enroll-token T --source-address IP` (NodeConfig): the node registers
+    with a hub that requires enrollment, from the address it was given, and trains."""
+    from test_node_support import EventLog, agent
+
+    train, val, _ = write_digits(tmp_path / "d")
+    hub = await start_hub(tmp_path / "hub", require_enrollment=True)
+    token = create_token(hub.data_dir, "enroll", "lab")
+    try:
+        async with sessions("127.0.0.1") as (owner,):
+            r = await submit_job(owner, hub, spec(rounds=1), train, val)
+            assert r.status == 201, await r.text()
+        events = EventLog()
+        node = agent(tmp_path / "node", hub.url, events, once=True, enroll_token=token,
+                     source_address="127.0.77.1")
+        assert await asyncio.wait_for(node.run(), 60) == 0, events.names()
+        assert events.of("uploaded")
+        assert db_rows(hub, "SELECT address_block, operator FROM nodes") == [("127.0.77.0/24", "op-1")]
+    finally:
+        await hub.stop()
+
+
+def test_the_trainer_reports_steps_and_losses_for_the_progress_chain():
+    """node/trainer.py's on_step callback: (step, loss) at the progress points, steps increasing,
+    ending at the last step; the node folds them into the heartbeat's digest."""
+    from gpuflex.node.trainer import train_assignment
+    from gpuflex.protocol.modelspec import build_model
+
+    job = parse_job_spec('[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 4\nhidden = [8]\noutputs = 2\n'
+                         "[train]\nbatch_size = 8\nlocal_epochs = 2\n")
+    state = build_model(job.model, 0).state_dict()
+    chunk = {"x": torch.randn(64, 4), "y": torch.randint(0, 2, (64,))}
+    seen: list[tuple[int, float]] = []
+    res = train_assignment(job.model, state, [chunk], job.train.train_config(), 1, device=torch.device("cpu"),
+                           on_step=lambda step, loss: seen.append((step, loss)))
+    steps = [s for s, _ in seen]
+    assert steps == sorted(set(steps)) and steps[-1] == res.steps == shard_steps(64, 8, 2)
+    assert all(math.isfinite(v) and v > 0 for _, v in seen)
+    digest = bytes(32)
+    for step, loss in seen:
+        digest = progress_digest(digest, step, loss)
+    assert len(digest) == 32 and digest != bytes(32)
+
+
 # --------------------------------------------------------------------------- pure rules
 
 
