@@ -485,6 +485,50 @@ async def test_a_crafted_x3_5_update_does_not_get_in_unchanged(tmp_path):
         await hub.stop()
 
 
+async def test_a_crafted_update_whose_partner_replica_stalls_is_bounded_too(tmp_path):
+    """Attack: one colluder uploaded a x3.5 update while its partner held the replica and stalled;
+    once replica_wait_s had passed the update was aggregated as it came (unverified). Now it
+    is aggregated scaled to the round's norm bound, and the round names it unverified."""
+    train, val, _ = write_digits(tmp_path / "d")
+    hub = await start_hub(tmp_path / "hub", min_deadline_s=20.0)
+    try:
+        async with sessions("127.0.0.1", *(f"127.0.{170 + i}.1" for i in range(5))) as ss:
+            owner = ss[0]
+            c1, c2, h1, h2, h3 = nodes = [SimNode(s, hub.url) for s in ss[1:]]
+            for n in nodes:
+                await n.register()
+                await n.work(0.05)  # in the gathering the round is cut for
+            r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"', replica_wait_s=1.0),
+                                 train, val)
+            assert r.status == 201, await r.text()
+            job_id = (await r.json())["id"]
+            a_c1 = await c1.work(1.0)
+            a_c2 = await c2.work(1.0)  # the partner takes the replica, and never delivers it
+            assert isinstance(a_c1, Assignment) and isinstance(a_c2, Assignment)
+            assert a_c2.replica_group == a_c1.replica_group
+            blob, count, loss = await c1.train(a_c1)
+            crafted = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
+            await c1.upload(a_c1, crafted, count, loss)
+            stop = asyncio.Event()
+
+            async def honest(n: SimNode) -> None:
+                while not stop.is_set():
+                    await n.step(wait_s=0.5)
+
+            workers = [asyncio.create_task(honest(n)) for n in (h1, h2, h3)]
+            try:
+                await wait_job(owner, hub, job_id, timeout=60.0)
+            finally:
+                stop.set()
+                await asyncio.gather(*workers, return_exceptions=True)
+        evidence = json.loads(db_rows(hub, "SELECT evidence FROM rounds WHERE job_id = ? AND round = 0", job_id)[0][0])
+        crafted_id = "u-" + a_c1.assignment_id.removeprefix("a-")
+        assert crafted_id in evidence.get("unverified", {}), evidence.get("unverified")
+        assert crafted_id in evidence["bounds"].get("clipped", {}), evidence["bounds"]
+    finally:
+        await hub.stop()
+
+
 # --------------------------------------------------------------------------- an outvoted honest node
 
 
