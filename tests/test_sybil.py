@@ -758,3 +758,29 @@ def test_job_spec_norm_bound_and_untrusted_share():
         parse_job_spec(base + "[verification]\nnorm_bound = 0.5\n")
     with pytest.raises(SpecError, match="untrusted_share"):
         parse_job_spec(base + "[verification]\nuntrusted_share = 0\n")
+
+
+def test_cli_issues_lists_and_revokes_enrollment_tokens(tmp_path, capsys):
+    """`gpuflex-hub token create --role enroll`: stored hashed in its own table, listed as e<N>,
+    revoked by that id; `serve` has the admission options."""
+    from gpuflex.hub import cli
+
+    data = tmp_path / "hub"
+    assert cli.main(["token", "create", "--data", str(data), "--role", "enroll", "--name", "lab-42"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert token.startswith("gft_")
+    conn = sqlite3.connect(data / "hub.sqlite3")
+    try:
+        (stored,) = conn.execute("SELECT hash FROM enroll_tokens").fetchone()
+    finally:
+        conn.close()
+    assert token not in stored and len(stored) == 64
+    assert cli.main(["token", "list", "--data", str(data)]) == 0
+    listed = capsys.readouterr().out
+    assert "e1" in listed and "enroll" in listed and "lab-42" in listed
+    assert cli.main(["token", "revoke", "--data", str(data), "e1"]) == 0
+    assert cli.main(["token", "list", "--data", str(data)]) == 0
+    assert "revoked" in capsys.readouterr().out
+    args = cli.build_parser().parse_args(["serve", "--data", str(data), "--require-enrollment",
+                                          "--registrations-per-block", "3", "--unproven-max-chunks", "0"])
+    assert args.require_enrollment and args.registrations_per_block == 3 and args.unproven_max_chunks == 0
