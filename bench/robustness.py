@@ -311,8 +311,11 @@ class Simulation:
                     s["banned"].append(f.node_id)
             use = [g for g in reps_w if g.rec.update_id in keep]
             if use:
+                scales = [judgement.scales.get(g.rec.update_id, 1.0) for g in use]  # the round's norm bound
                 agg = aggregate(
-                    [g.rec.delta for g in use], [float(g.rec.shard_samples) for g in use], AGG
+                    [g.rec.delta for g in use],
+                    [float(g.rec.shard_samples) * judgement.weight_factors.get(g.rec.update_id, 1.0) for g in use],
+                    AGG, scales=scales if any(x < 1.0 for x in scales) else None,
                 )
                 state = opt.step(state, agg)
         acc = atk.accuracy(w["spec"], state, w["xva"], w["yva"])

@@ -524,10 +524,12 @@ def aggregate_detailed(
     spec: AggregationSpec,
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    scales: Sequence[float] | None = None,
 ) -> Aggregation:
     """``aggregate`` plus which updates were used and how they were clipped.
 
     ``spec``: the job's aggregation section (method, trim_beta, krum_f, krum_m, clip_norm).
+    ``scales``: a factor per update (the round's norm bound, hub/policy.py), applied with the clip.
     """
     method = str(spec.method)
     if method not in METHODS:
@@ -539,6 +541,10 @@ def aggregate_detailed(
     _check_slice(slice_elems)
     w = _normalized_weights(weights, n)
     factors = clip_factors(deltas, float(spec.clip_norm), slice_elems=slice_elems)
+    if scales is not None:
+        if len(scales) != n or not all(math.isfinite(x) and 0 < x <= 1 for x in scales):
+            raise AggregationError("scales must be one factor in (0, 1] per update")
+        factors = [a * float(b) for a, b in zip(factors, scales, strict=True)]
     fac: list[float] | None = None if all(x == 1.0 for x in factors) else factors
     everyone = list(range(n))
     if method == "fedavg":
@@ -569,6 +575,7 @@ def aggregate(
     spec: AggregationSpec,
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    scales: Sequence[float] | None = None,
 ) -> dict[str, Tensor]:
     """The aggregated DELTA of a round (floating tensors only).
 
@@ -577,7 +584,7 @@ def aggregate(
     to that L2 norm first. Raises ``AggregationError`` with one line when a rule's
     limit is violated or the inputs do not line up.
     """
-    return aggregate_detailed(deltas, weights, spec, slice_elems=slice_elems).delta
+    return aggregate_detailed(deltas, weights, spec, slice_elems=slice_elems, scales=scales).delta
 
 
 # --------------------------------------------------------------------------- server optimizers

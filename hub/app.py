@@ -36,7 +36,7 @@ from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
 from .edge import guard_edge
-from .errors import HubError
+from .errors import HubError, TooManyRequests
 from .keys import load_or_create_hub_key
 from .ledger import Ledger
 from .loops import LoopHealth, supervise
@@ -63,7 +63,10 @@ async def error_middleware(
     try:
         return await handler(request)
     except HubError as exc:
-        return error_response(exc.status, exc.code, exc.detail)
+        resp = error_response(exc.status, exc.code, exc.detail)
+        if isinstance(exc, TooManyRequests):
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
     except ProtocolError as exc:
         err = protocol_to_hub(exc)
         return error_response(err.status, err.code, err.detail)
@@ -95,7 +98,9 @@ def create_app(config: HubConfig) -> web.Application:
     blobs = BlobStore(config.blob_dir)
     audit = AuditLog(config.audit_log_path, key)
     scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,
-                          rng=random.Random(int.from_bytes(os.urandom(8), "big")))
+                          rng=random.Random(int.from_bytes(os.urandom(8), "big")),
+                          separate_replicas=config.separate_replicas, trust_min_age_s=config.trust_min_age_s,
+                          unproven_max_chunks=config.unproven_max_chunks)
     app[CONFIG] = config
     app[DB] = db
     app[STORE] = store

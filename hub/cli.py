@@ -68,6 +68,10 @@ async def _serve(args: argparse.Namespace) -> int:
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         long_poll_max_s=args.long_poll_max, min_deadline_s=args.min_deadline,
+        require_enrollment=args.require_enrollment, separate_replicas=not args.allow_shared_blocks,
+        ipv4_block_prefix=args.ipv4_block_prefix, ipv6_block_prefix=args.ipv6_block_prefix,
+        registrations_per_block=args.registrations_per_block, registrations_global=args.registrations_global,
+        trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
     )
     app = create_app(config)
     print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
@@ -310,13 +314,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--long-poll-max", type=float, default=30.0, metavar="S", help="longest work long-poll")
     p.add_argument("--min-deadline", type=float, default=30.0, metavar="S", help="shortest assignment deadline")
+    from .config import HubConfig  # a small module: the defaults below are the config's own
+
+    d = HubConfig(data_dir=Path("."))
+    p.add_argument("--require-enrollment", action="store_true",
+                   help="admit only nodes that give an enrollment token (token create --role enroll)")
+    p.add_argument("--allow-shared-blocks", action="store_true",
+                   help="let replicas of a shard go to nodes of one address block or operator"
+                        " (a single-machine test bed only: it lets one operator verify itself)")
+    p.add_argument("--ipv4-block-prefix", type=int, default=d.ipv4_block_prefix, metavar="BITS",
+                   help="an address block is this IPv4 prefix (default %(default)s)")
+    p.add_argument("--ipv6-block-prefix", type=int, default=d.ipv6_block_prefix, metavar="BITS",
+                   help="an address block is this IPv6 prefix (default %(default)s)")
+    p.add_argument("--registrations-per-block", type=int, default=d.registrations_per_block, metavar="N",
+                   help="new node identities per address block (and operator) per hour (default %(default)s)")
+    p.add_argument("--registrations-global", type=int, default=d.registrations_global, metavar="N",
+                   help="new node identities in all per hour (default %(default)s)")
+    p.add_argument("--unproven-max-chunks", type=int, default=d.unproven_max_chunks, metavar="N",
+                   help="chunks a node that has delivered nothing may hold; doubles per delivery, 0 = no cap"
+                        " (default %(default)s)")
+    p.add_argument("--trust-min-age", type=float, default=d.trust_min_age_s, metavar="S",
+                   help="a node cannot be trusted before this age in seconds (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     tok = sub.add_parser("token", help="manage owner/auditor/admin tokens").add_subparsers(
         dest="token_command", metavar="ACTION", required=True)
     p = tok.add_parser("create", help="create a token and print it (once)")
     p.add_argument("--data", required=True)
-    p.add_argument("--role", required=True, choices=("owner", "auditor", "admin"))
+    p.add_argument("--role", required=True, choices=("owner", "auditor", "admin", "enroll"),
+                   help="enroll: a token for node operators (gpuflex-node --enroll-token), no API access")
     p.add_argument("--name", required=True)
     p.set_defaults(func=cmd_token_create)
     p = tok.add_parser("list", help="list tokens (never their values)")
@@ -324,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_token_list)
     p = tok.add_parser("revoke", help="revoke a token by id")
     p.add_argument("--data", required=True)
-    p.add_argument("id", type=int)
+    p.add_argument("id", help="the id `token list` shows (e<N> for an enrollment token)")
     p.set_defaults(func=cmd_token_revoke)
 
     job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(

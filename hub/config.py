@@ -46,6 +46,34 @@ class HubConfig:
     #: a background loop that died starts again after this delay (doubling up to 30 s)
     loop_restart_s: float = 1.0
 
+    # -- Sybil and collusion defences (README "Verification": identities, blocks, progress) -----
+    #: an address block is the node's IPv4 /ipv4_block_prefix or IPv6 /ipv6_block_prefix network
+    ipv4_block_prefix: int = 24
+    ipv6_block_prefix: int = 48
+    #: replicas of one shard never go to two nodes of one address block or one operator;
+    #: False is for a single-machine test bed only (every node shares 127.0.0.1)
+    separate_replicas: bool = True
+    #: new identities (not re-registrations) per address block, and in all, per registration_window_s
+    registrations_per_block: int = 5
+    registrations_global: int = 200
+    registration_window_s: float = 3600.0
+    #: a node needs this age (since registration) before it can be trusted, whatever its run
+    trust_min_age_s: float = 3600.0
+    #: identities of one block (or operator) younger than trust_min_age_s; a new one beyond is refused
+    probation_per_block: int = 8
+    #: after a ban, no new identity registers from the banned node's block or operator for this long
+    ban_cooldown_s: float = 7 * 86400.0
+    #: register only with an enrollment token (`gpuflex-hub token create --role enroll`)
+    require_enrollment: bool = False
+    #: the self-reported benchmark seeds the throughput guess, at most this many samples/s
+    bench_seed_max_sps: float = 5000.0
+    #: a node that has delivered nothing gets at most this many chunks; each delivery doubles it
+    unproven_max_chunks: int = 4
+    #: heartbeats extend a deadline only on new steps, up to issued_at + this x the first window
+    progress_extension_max: float = 4.0
+    #: a node whose assignment expired without delivery waits this long (doubling) for new work
+    stall_backoff_s: float = 30.0
+
     @property
     def db_path(self) -> Path:
         return self.data_dir / "hub.sqlite3"

@@ -29,13 +29,20 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
     id INTEGER PRIMARY KEY,
     hash TEXT NOT NULL UNIQUE,          -- sha256 hex of the token
     role TEXT NOT NULL CHECK (role IN ('owner', 'auditor', 'admin')),
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS enroll_tokens (  -- Sybil defences: the token of an operator admits its nodes
+    id INTEGER PRIMARY KEY,             -- the operator is op-ID, shown as eID by token list
+    hash TEXT NOT NULL UNIQUE,          -- sha256 hex of the token
     name TEXT NOT NULL,
     created_at REAL NOT NULL,
     revoked_at REAL
@@ -157,7 +164,12 @@ CREATE TABLE IF NOT EXISTS nodes (
     dismissed_flags INTEGER NOT NULL DEFAULT 0,
     updates_accepted INTEGER NOT NULL DEFAULT 0,
     banned INTEGER NOT NULL DEFAULT 0,
-    compute_class TEXT NOT NULL DEFAULT '{}'  -- JSON: the ComputeClass of its last hello (schema v3)
+    compute_class TEXT NOT NULL DEFAULT '{}',  -- JSON: the ComputeClass of its last hello (schema v3)
+    address_block TEXT NOT NULL DEFAULT '',  -- Sybil defences (hub/admission.py): where it registered
+    -- from and was last seen, its operator (the enrollment token it registered with: op-ID), its ban time
+    last_block TEXT NOT NULL DEFAULT '',
+    operator TEXT,
+    banned_at REAL
 );
 CREATE TABLE IF NOT EXISTS flags (
     id TEXT PRIMARY KEY,
@@ -219,7 +231,15 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 2 -> 3: a node's compute class (protocol ComputeClass as JSON) from its hello; '{}' until the
     # node says hello again (it is then the unknown class: fp32 only, placed like any class).
     2: ("ALTER TABLE nodes ADD COLUMN compute_class TEXT NOT NULL DEFAULT '{}'",),
-    # --- end compute classes ---------------------------------------------------------------------
+    # --- 3 -> 4: Sybil defences (issue 14, item 7) ----------------------------------------------
+    # Each node's address block at registration and when last seen, its operator (enrollment
+    # token), and when it was banned (a banned node's block and operator cool down).
+    3: ("ALTER TABLE nodes ADD COLUMN address_block TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE nodes ADD COLUMN last_block TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE nodes ADD COLUMN operator TEXT",
+        "ALTER TABLE nodes ADD COLUMN banned_at REAL",
+        "CREATE TABLE IF NOT EXISTS enroll_tokens (id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE,"
+        " name TEXT NOT NULL, created_at REAL NOT NULL, revoked_at REAL)"),
 }
 
 

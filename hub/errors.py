@@ -59,3 +59,14 @@ class PayloadTooLarge(HubError):
 class Unprocessable(HubError):
     status = 422
     code = "unprocessable"
+
+
+class TooManyRequests(HubError):
+    """Slow down: the edge adds ``Retry-After: retry_after_s`` (whole seconds, at least 1)."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, detail: str, *, retry_after_s: float, code: str | None = None) -> None:
+        super().__init__(detail, code=code)
+        self.retry_after_s = max(1, int(retry_after_s + 0.999))

@@ -29,6 +29,7 @@ from gpuflex.protocol.messages import Assignment, ChunkRef, Hello, UpdateHeader,
 from gpuflex.protocol.signing import SigningKey, fingerprint, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
+from .admission import Admission, address_block
 from .auditlog import AuditLog, verdict_body
 from .blobs import BlobStore
 from .config import HubConfig
@@ -42,6 +43,7 @@ from .errors import (
 )
 from .jobs import AssignmentState, JobState, UpdateState, ingest_job, new_id
 from .metrics import HubMetrics
+from .progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
 from .rounds import RoundEngine
 from .scheduler import NodeState, Plan, Scheduler, WorkSignal, clamp_sps, peak_flops
 from .store import FlagRecord, NodeProfile, Store
@@ -83,13 +85,25 @@ class Ledger:
         self.rounds = RoundEngine(store=store, blobs=blobs, scheduler=scheduler, metrics=metrics,
                                   signal=signal, audit=audit)
         self._verdicts = asyncio.Lock()
+        self.admission = Admission(config)
+        self._progress: dict[str, Progress] = {}  # live assignment id -> the last progress proved
+
+    def block_of(self, address: str | None) -> str:
+        """The address block of a peer address (hub/admission.py)."""
+        return address_block(address, ipv4_prefix=self.config.ipv4_block_prefix,
+                             ipv6_prefix=self.config.ipv6_block_prefix)
 
     # -- start -------------------------------------------------------------------------------
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""
         loaded = await self.store.load()
+        now = time.time()
         for node in loaded.nodes:
             self.scheduler.nodes[node.id] = node
+            self.scheduler.refresh_probation(node, now)
+            self.admission.admitted(node.block, node.operator, node.registered_at)
+            if node.banned:
+                self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen)
         for job in loaded.jobs:
             self.scheduler.add_job(job)
             self.rounds.poke(job.id)  # a round with every update in aggregates now
@@ -98,7 +112,11 @@ class Ledger:
             await self.store.fail_job(job_id, f"cannot resume: {reason}")
 
     # -- nodes -------------------------------------------------------------------------------
-    async def register(self, signer: bytes, hello: Hello) -> NodeState:
+    async def register(self, signer: bytes, hello: Hello, *, address: str | None = None,
+                       operator: str | None = None) -> NodeState:
+        """Register a node, or refresh a known node's registration. ``address``: the peer address
+        the request came from; ``operator``: 'op-<token id>' of a valid enrollment token it gave.
+        A NEW identity must pass hub/admission.py (rate limits, probation cap, ban cooldown)."""
         if hello.protocol_version != PROTOCOL_VERSION:
             raise Conflict(f"node speaks protocol {hello.protocol_version}, this hub speaks {PROTOCOL_VERSION};"
                            " upgrade the older side", code="version_mismatch")
@@ -107,6 +125,13 @@ class Ledger:
         if node is not None and node.banned:
             raise Forbidden(BANNED, code="banned")
         now = time.time()
+        block = self.block_of(address)
+        if node is None:
+            if self.config.require_enrollment and operator is None:
+                raise Forbidden("this hub admits nodes only with an enrollment token: ask the hub's operator"
+                                " for one and start the node with --enroll-token", code="enrollment_required")
+            self.admission.check(block, operator, now)
+            self.admission.admitted(block, operator, now)  # before the write: concurrent hellos count
         bench_sps = clamp_sps(hello.benchmark.samples_per_s)
         b = hello.benchmark
         profile = NodeProfile(
@@ -118,10 +143,18 @@ class Ledger:
                        "mem_bandwidth_gbs": b.mem_bandwidth_gbs, "h2d_gbs": b.h2d_gbs, "d2h_gbs": b.d2h_gbs,
                        "reference_model": b.reference_model, "precision_sps": dict(b.precision_sps)},
             compute=nested_to_dict(hello.compute))
-        await self.store.save_node(node_id, signer, profile, bench_sps=bench_sps, now=now)
+        await self.store.save_node(node_id, signer, profile, bench_sps=bench_sps, now=now, address_block=block,
+                                   operator=operator)
         if node is None:
-            node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=bench_sps, last_seen=now)
+            # the self-reported benchmark only seeds a bounded guess; deliveries set the throughput
+            seed = min(bench_sps, self.config.bench_seed_max_sps)
+            node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=seed, last_seen=now,
+                             registered_at=now, block=block, last_block=block, operator=operator)
+            self.scheduler.refresh_probation(node, now)
             self.scheduler.nodes[node_id] = node
+        node.last_block = block
+        if node.operator is None:
+            node.operator = operator
         node.bench_sps = bench_sps
         node.peak_flops = peak_flops(profile.benchmark)
         node.compute = hello.compute
@@ -129,8 +162,9 @@ class Ledger:
         node.last_seen = now
         return node
 
-    def known_node(self, signer: bytes) -> NodeState:
-        """The registered, unbanned node that signed a request."""
+    def known_node(self, signer: bytes, address: str | None = None) -> NodeState:
+        """The registered, unbanned node that signed a request (``address``: where it came from;
+        its address block is noted, and replicas keep apart from it too)."""
         node = self.scheduler.nodes.get(fingerprint(signer))
         if node is None:
             raise Unauthorized("this node is not registered with the hub; register again", code="unknown_node")
@@ -139,6 +173,8 @@ class Ledger:
         if node.banned:
             raise Forbidden(BANNED, code="banned")
         node.last_seen = time.time()
+        if address is not None:
+            node.last_block = self.block_of(address)
         return node
 
     # -- work --------------------------------------------------------------------------------
@@ -199,6 +235,7 @@ class Ledger:
 
     def _release(self, a: AssignmentState) -> None:
         """Forget a live assignment; its shard goes back to the pool if nobody else holds it."""
+        self._progress.pop(a.id, None)
         shard = self.scheduler.detach(a)
         if shard is not None:
             self.scheduler.release_if_empty(shard)
@@ -218,20 +255,31 @@ class Ledger:
             raise Forbidden("that assignment belongs to another node", code="not_your_assignment")
         return fate.state
 
-    async def heartbeat(self, node: NodeState, assignment_id: str) -> tuple[bool, str, float]:
-        """(still live, detail, deadline): a live assignment's deadline moves on."""
+    async def heartbeat(self, node: NodeState, assignment_id: str, steps: int = 0,
+                        digest: bytes = b"") -> tuple[bool, str, float]:
+        """(still live, detail, deadline): a live assignment's deadline moves on when the heartbeat
+        proves new progress, within a bound (hub/progress.py)."""
         a = self._owned_live(node, assignment_id)
         if a is None:
             state = await self._closed_state(node, assignment_id)
             return False, f"assignment is {state}; stop and ask for work", 0.0
         job = self.scheduler.jobs[a.job_id]
         now = time.time()
-        extension = max(self.config.min_deadline_s, a.expected_s * job.spec.train.deadline_slack)
-        new_deadline = min(max(a.deadline, now + extension), a.issued_at + self.config.max_assignment_s)
+        train = job.spec.train
+        window = max(self.config.min_deadline_s, a.expected_s * train.deadline_slack)
+        shard = job.shards.get(a.shard_id)
+        total = shard_steps(shard.samples if shard is not None else 0, train.batch_size, train.local_epochs)
+        last = self._progress.get(a.id, Progress())
+        new_deadline, detail = heartbeat_deadline(
+            now=now, issued_at=a.issued_at, deadline=a.deadline, window_s=window, steps=steps,
+            digest=digest if any(digest) else b"", last=last, total_steps=total,
+            extension_max=self.config.progress_extension_max, max_assignment_s=self.config.max_assignment_s)
+        if steps > last.steps and any(digest) and steps <= total:
+            self._progress[a.id] = Progress(steps, bytes(digest))
         if new_deadline > a.deadline:
             await self.store.extend_deadline(a.id, new_deadline)
             a.deadline = new_deadline
-        return True, "deadline extended", a.deadline
+        return True, detail, a.deadline
 
     async def abandon(self, node: NodeState, assignment_id: str) -> str:
         a = self._owned_live(node, assignment_id)
@@ -253,6 +301,11 @@ class Ledger:
         await self.store.end_assignments([a.id for a in expired], "expired")
         for a in expired:
             self._release(a)
+            node = self.scheduler.nodes.get(a.node_id)
+            if node is not None and node.updates_accepted == 0:
+                # an unproven node held a shard and delivered nothing: others get the chunks first
+                node.stalls += 1
+                node.stall_until = now + stall_backoff(node.stalls, self.config.stall_backoff_s)
         self.metrics.assignments_expired += len(expired)
         self.signal.notify()
         return len(expired)
@@ -321,6 +374,8 @@ class Ledger:
             node.ema_sps, node.updates_accepted = before
             raise
         a.uploading = False
+        self._progress.pop(a.id, None)
+        node.stalls = 0
         self.scheduler.detach(a)
         shard.accepted.append(upd)
         if first:
@@ -393,6 +448,9 @@ class Ledger:
                 raise Conflict(f"flag {flag_id} already has a verdict", code="already_decided")
             if node is not None and after is not None:
                 node.reputation = after
+                if newly_banned:  # its block and operator cool down (hub/admission.py)
+                    node.banned_at = time.time()
+                    self.admission.banned(node.blocks, node.operator, node.banned_at)
         if newly_banned:
             self.signal.notify()  # its long-polls answer 'banned' now
         return Verdict(decided, banned, newly_banned)

@@ -167,6 +167,10 @@ class LocalCluster:
     url: str = ""
     fingerprint: str = ""
     port: int = 0
+    #: each node connects from its own 127.0.N.1 (Linux routes all of 127.0.0.0/8 to loopback), so
+    #: the nodes sit in distinct address blocks and the hub's Sybil defences run as in production
+    distinct_blocks: bool = True
+    _addresses: dict[str, str] = field(default_factory=dict)
 
     @property
     def hub_dir(self) -> Path:
@@ -232,6 +236,15 @@ class LocalCluster:
         self.fingerprint = SigningKey.load(self.hub_dir / "hub.key").fingerprint
         return self.hub
 
+    def source_address(self, name: str) -> str | None:
+        """The loopback address node `name` connects from (the same on a restart): 127.0.N.1."""
+        if not self.distinct_blocks or sys.platform != "linux":
+            return None
+        if name not in self._addresses:
+            n = len(self._addresses) + 1
+            self._addresses[name] = f"127.{n // 250}.{n % 250 + 1}.1"
+        return self._addresses[name]
+
     def start_node(self, name: str, *, attack: str | None = None, extra: Sequence[str] = ()) -> Proc:
         """Start a node process (one thread); its identity is created here first so we know its id."""
         data_dir = self.workdir / "nodes" / name
@@ -242,6 +255,8 @@ class LocalCluster:
             "run", "--hub", self.url, "--hub-key", self.fingerprint, "--data-dir", str(data_dir),
             "--device", "cpu", "--threads", "1", "--bench-cache", str(self.bench_cache), *extra,
         ]  # fmt: skip
+        if (source := self.source_address(name)) is not None:
+            run_args += ["--source-address", source]
         if attack is None:
             argv = [sys.executable, "-m", "gpuflex.node", *run_args]
         else:

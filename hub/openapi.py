@@ -72,8 +72,9 @@ def openapi_document() -> dict[str, Any]:
                                 "public_key": {"type": "string", "description": "hex"},
                                 "fingerprint": {"type": "string"},
                                 "protocol_version": {"type": "integer"}}})}}},
-        "/v1/nodes/register": {"post": _node_op("register a node (hello + benchmark)", "Hello", "Welcome",
-                                                (400, 401, 403, 409, 413))},
+        "/v1/nodes/register": {"post": _node_op("register a node (hello + benchmark, optional enrollment token);"
+                                                " a new identity may be rate-limited (429 with Retry-After)",
+                                                "Hello", "Welcome", (400, 401, 403, 409, 413, 429))},
         "/v1/work": {"post": _node_op(
             "long-poll for work (at most min(wait_s, long_poll_max_s)); a node holding a live assignment gets it "
             "again. With request header X-GPUFlex-Inline-Max: N, a model of at most N bytes (and 1 MiB) that the "

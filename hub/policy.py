@@ -49,6 +49,7 @@ The rules of ``decide_shard``, in order:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -76,6 +77,7 @@ __all__ = [
     "Settle",
     "ShardDecision",
     "WaitForMore",
+    "bound_weights",
     "decide_shard",
     "judge_cross_class",
     "judge_round",
@@ -324,6 +326,13 @@ class RoundJudgement:
     flags: tuple[Flag, ...]
     withdrawn: tuple[str, ...]
     flagged_nodes: tuple[str, ...]
+    #: included update id -> the scale its delta is aggregated with (< 1: its norm per sample
+    #: was over ``norm_bound`` x the round's median); absent = 1
+    scales: Mapping[str, float] = field(default_factory=dict)
+    #: included update id -> factor on its weight (sample count): ``bound_weights``; absent = 1
+    weight_factors: Mapping[str, float] = field(default_factory=dict)
+    #: what the bounds did, for the round's evidence
+    bounds: Mapping[str, Any] = field(default_factory=dict)
 
 
 def judge_round(
@@ -333,10 +342,18 @@ def judge_round(
     groups: Mapping[str, Sequence[GroupMember]],
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    vouched_by_trusted: Collection[str] | None = None,
 ) -> RoundJudgement:
     """Review the round's candidates (one per settled shard) and apply the vouching rule.
 
     ``groups``: representative update id -> the other accepted updates of its shard.
+    ``vouched_by_trusted``: the candidates a trusted node delivered or agreed with; the rest
+    carry bounded weight (``bound_weights``). None: no weight bound (every update counts as
+    vouched for).
+
+    Then the bounds no single update may pass: an included update whose norm per sample is
+    over ``spec.norm_bound`` x the round's median (of the included updates, 3 or more) is
+    scaled down to that bound (``scales``), and ``bound_weights`` gives the weight factors.
     """
     if candidates:
         review = review_round(candidates, global_norm, spec, slice_elems=slice_elems)
@@ -362,6 +379,68 @@ def judge_round(
             elif m.status == "quarantined":
                 withdrawn.append(m.update_id)
     flagged_nodes = (*sorted({f.node_id for f in review.flags}), *(f.node_id for f in vouched))
+    included = [c for c in candidates if c.update_id in keep]
+    scores = review.evidence.get("scores", {})
+    norms = {c.update_id: _num(scores.get(c.update_id, {}).get("norm")) for c in included}
+    unit = {c.update_id: norms[c.update_id] / max(c.shard_samples, 1) for c in included}
+    scales = norm_bound_scales(unit, float(spec.norm_bound))
+    samples = {c.update_id: float(c.shard_samples) for c in included}
+    vouched_ids = set(samples) if vouched_by_trusted is None else set(vouched_by_trusted)
+    factors = bound_weights(samples, vouched_ids, float(spec.untrusted_share))
+    bounds: dict[str, Any] = {"norm_bound": float(spec.norm_bound),
+                              "untrusted_share": float(spec.untrusted_share)}
+    if scales:
+        bounds["clipped"] = {u: round(f, 6) for u, f in scales.items()}
+    if factors:
+        bounds["untrusted_weight_factors"] = {u: round(f, 6) for u, f in factors.items()}
     return RoundJudgement(
-        review, statuses, (*review.flags, *vouched), tuple(withdrawn), flagged_nodes
+        review, statuses, (*review.flags, *vouched), tuple(withdrawn), flagged_nodes,
+        scales, factors, bounds,
     )
+
+
+def _num(value: object) -> float:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
+
+
+def norm_bound_scales(unit_norms: Mapping[str, float], bound: float) -> dict[str, float]:
+    """update id -> scale (< 1) for each update whose norm per sample is over ``bound`` x the
+    median of ``unit_norms`` (norms per sample of the round's included updates). Needs 3 or
+    more updates (the median of two is their mean, which one update drags); ``bound`` 0 = off."""
+    if bound <= 0 or len(unit_norms) < 3:
+        return {}
+    values = sorted(unit_norms.values())
+    m = len(values)
+    median = values[m // 2] if m % 2 else 0.5 * (values[m // 2 - 1] + values[m // 2])
+    if not math.isfinite(median) or median <= 0:
+        return {}
+    limit = bound * median
+    return {u: limit / n for u, n in unit_norms.items() if n > limit}
+
+
+def bound_weights(samples: Mapping[str, float], vouched: Collection[str], share: float) -> dict[str, float]:
+    """update id -> weight factor (< 1) for the updates no trusted node vouched for.
+
+    Each such update weighs at most the round's median sample count, and together they
+    weigh at most ``share`` of the round once vouched-for updates are in it:
+    U <= share / (1 - share) x V. A round with no vouched-for update (a network still
+    forming trust) cannot be bounded this way; the norm bound and replication still apply.
+    """
+    untrusted = {u: w for u, w in samples.items() if u not in vouched}
+    if not untrusted or share >= 1.0:
+        return {}
+    values = sorted(samples.values())
+    m = len(values)
+    median = values[m // 2] if m % 2 else 0.5 * (values[m // 2 - 1] + values[m // 2])
+    capped = {u: min(w, median) for u, w in untrusted.items()}
+    v_total = math.fsum(w for u, w in samples.items() if u in vouched)
+    u_total = math.fsum(capped.values())
+    scale = 1.0
+    if v_total > 0 and u_total > 0:
+        scale = min(1.0, share / (1.0 - share) * v_total / u_total)
+    out = {}
+    for u, w in untrusted.items():
+        f = (capped[u] * scale) / w if w > 0 else 1.0
+        if f < 1.0:
+            out[u] = f
+    return out

@@ -310,6 +310,12 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
             rep = {k: getattr(live.reputation, k) for k in (*REPUTATION_FIELDS, "banned")}
         d["reputation"] = rep
         d["banned"] = rep["banned"]
+        # Sybil defences: where it registered from and was last seen, its operator, its probation
+        d["address_block"], d["last_block"] = r["address_block"], r["last_block"]
+        d["operator"], d["banned_at"] = r["operator"], r["banned_at"]
+        if live is not None:
+            d["last_block"] = live.last_block or d["last_block"]
+            d["probation"] = live.reputation.probation
         d["online"] = now - d["last_seen"] <= app[CONFIG].online_window_s
         out.append(d)
     return out

@@ -106,6 +106,8 @@ class RoundEngine:
         self.last_close_ms: float | None = None
         #: the job the loop is advancing right now (None between jobs)
         self.current: JobState | None = None
+        #: update id -> (node id, its run of agreements before the update was flagged at settling)
+        self._run_before_flag: dict[str, tuple[str, int]] = {}
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -200,6 +202,9 @@ class RoundEngine:
         agreed_nodes = decision.agreed_nodes if isinstance(decision, policy.Settle) else ()
         statuses = dict(decision.statuses)
         cancelled = list(shard.live.values())
+        for f in decision.flags:  # the run a flag resets, restored if the round withdraws the flag
+            if (n := self.scheduler.nodes.get(f.node_id)) is not None:
+                self._run_before_flag[f.update_id] = (f.node_id, n.reputation.consecutive_agreements)
         touched = self._reputations_after(agreed_nodes, decision.flagged_nodes)
         await self.store.settle_shard(
             shard, state="settled" if settled else "dropped", evidence=dict(decision.evidence),
@@ -230,6 +235,31 @@ class RoundEngine:
             node = self.scheduler.nodes.get(nid)
             if node is not None:
                 after[nid] = step(after.get(nid, node.reputation))
+        return list(after.items())
+
+    def _vouched(self, job: JobState, reps: Sequence[UpdateState],
+                 groups: Mapping[str, Sequence[policy.GroupMember]]) -> set[str]:
+        """The representatives a trusted node delivered, or agreed with (a redundant member)."""
+        v = job.spec.verification
+
+        def trusted(node_id: str) -> bool:
+            node = self.scheduler.nodes.get(node_id)
+            return node is not None and vf.is_trusted(node.reputation, v)
+
+        return {u.id for u in reps if trusted(u.node_id)
+                or any(m.status == "redundant" and trusted(m.node_id) for m in groups.get(u.id, ()))}
+
+    def _withdraw(self, touched: list[tuple[str, vf.Reputation]],
+                  withdrawn: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
+        """A withdrawn flag gives the node back the run of agreements it reset
+        (verification.record_withdrawn). The runs are remembered in memory for the round: a hub
+        restarted between the flag and the round's close withdraws the flag without the run."""
+        after = dict(touched)
+        for uid in withdrawn:
+            seen = self._run_before_flag.pop(uid, None)
+            node = self.scheduler.nodes.get(seen[0]) if seen is not None else None
+            if seen is not None and node is not None:
+                after[seen[0]] = vf.record_withdrawn(after.get(seen[0], node.reputation), seen[1])
         return list(after.items())
 
     def _apply_reputations(self, touched: Sequence[tuple[str, vf.Reputation]]) -> None:
@@ -284,6 +314,10 @@ class RoundEngine:
         # Apply the round's judgement (hub/policy.judge_round): the store, then memory.
         judgement: policy.RoundJudgement = result["judgement"]
         touched = self._reputations_after([], judgement.flagged_nodes)
+        touched = self._withdraw(touched, judgement.withdrawn)
+        for s in job.shards.values():  # the round's flags that stand keep the reset
+            for u in s.accepted:
+                self._run_before_flag.pop(u.id, None)
         outcome = RoundResult(
             model_hash=result["model_hash"], opt_state_sha=result["opt_state_sha"],
             statuses=dict(judgement.statuses), flags=list(judgement.flags), evidence=result["evidence"],
@@ -319,12 +353,14 @@ class RoundEngine:
             gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
                                   if t.is_floating_point())) if reps else 0.0
             records = self._records(job, shard_of, reps, deltas)
-            judgement = policy.judge_round(records, gnorm, spec.verification, groups)
+            judgement = policy.judge_round(records, gnorm, spec.verification, groups,
+                                           vouched_by_trusted=self._vouched(job, reps, groups))
             del records
             keep = set(judgement.review.included)
             included = [i for i, u in enumerate(reps) if u.id in keep]
             flagged = {f.update_id: f.reason for f in judgement.review.flags}
             evidence = dict(judgement.review.evidence)
+            evidence["bounds"] = dict(judgement.bounds)
             unverified = {reps[i].id: shard_of[reps[i].id].unverified for i in included
                           if shard_of[reps[i].id].unverified}
             if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
@@ -333,12 +369,15 @@ class RoundEngine:
             if compared:  # replica groups: one compute class (strict tolerance) or several
                 evidence["replica_comparison"] = dict(sorted(compared.items()))
             use = [deltas[i] for i in included]
-            weights = [float(shard_of[reps[i].id].samples) for i in included]
+            weights = [float(shard_of[reps[i].id].samples) * judgement.weight_factors.get(reps[i].id, 1.0)
+                       for i in included]
+            scales = [judgement.scales.get(reps[i].id, 1.0) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
             if job.opt_state_sha:
                 opt.load_state_dict(decode_state(bytearray(self.blobs.read(job.opt_state_sha))))
             if use:
-                agg = aggregate(use, weights, spec.aggregation)
+                agg = aggregate(use, weights, spec.aggregation,
+                                scales=scales if any(x < 1.0 for x in scales) else None)
                 new_state = opt.step(global_state, agg)
                 del agg
             else:

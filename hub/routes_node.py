@@ -32,10 +32,11 @@ from gpuflex.protocol.modelspec import manifest
 from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
-from .appkeys import BLOBS, CONFIG, HUB_KEY, IO_POOL, LEDGER, METRICS
+from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, LEDGER, METRICS
 from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from .errors import BadRequest, Forbidden, HubError, NotFound, PayloadTooLarge, Unprocessable
 from .manifests import check_streamed_manifest
+from .tokens import enrollment_operator
 from .wire import (
     b64_header,
     json_response,
@@ -62,7 +63,10 @@ async def register(request: web.Request) -> web.Response:
     app = request.app
     body = await read_body(request, app[CONFIG].max_message_bytes)
     hello, signer = open_node_message(request, body, Hello)
-    node = await app[LEDGER].register(signer, hello)
+    operator = None
+    if hello.enroll_token:
+        operator = await app[DB].read(lambda conn: enrollment_operator(conn, hello.enroll_token))
+    node = await app[LEDGER].register(signer, hello, address=request.remote, operator=operator)
     return sealed_response(request, Welcome(node_id=node.id, hub_fingerprint=app[HUB_KEY].fingerprint,
                                             server_time=node.last_seen, poll_s=app[CONFIG].node_poll_s))
 
@@ -74,7 +78,7 @@ async def work(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     body = await read_body(request, cfg.max_message_bytes)
     req, signer = open_node_message(request, body, WorkRequest)
-    node = ledger.known_node(signer)
+    node = ledger.known_node(signer, request.remote)
     cached = frozenset(req.cached_chunks)
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     loop = asyncio.get_running_loop()
@@ -132,7 +136,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     hb, signer = open_node_message(request, body, Heartbeat)
     ledger = app[LEDGER]
-    ok, detail, deadline = await ledger.heartbeat(ledger.known_node(signer), hb.assignment_id)
+    ok, detail, deadline = await ledger.heartbeat(ledger.known_node(signer, request.remote), hb.assignment_id,
+                                                  hb.steps, hb.digest)
     return sealed_response(request, Ack(ok=ok, detail=detail, deadline=deadline))
 
 
@@ -142,7 +147,7 @@ async def abandon(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     msg, signer = open_node_message(request, body, Abandon)
     ledger = app[LEDGER]
-    detail = await ledger.abandon(ledger.known_node(signer), msg.assignment_id)
+    detail = await ledger.abandon(ledger.known_node(signer, request.remote), msg.assignment_id)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
@@ -155,7 +160,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     if req.sha256 != sha:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
     ledger = app[LEDGER]
-    if not ledger.may_read_blob(ledger.known_node(signer), sha):
+    if not ledger.may_read_blob(ledger.known_node(signer, request.remote), sha):
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
     hot = app[BLOBS].hot(sha)
@@ -245,7 +250,7 @@ async def _update(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-Update")
     hdr, signer = open_node_message(request, data, UpdateHeader)
-    node = ledger.known_node(signer)
+    node = ledger.known_node(signer, request.remote)
     a, job = await ledger.begin_upload(node, hdr, request.content_length)
     blobs = app[BLOBS]
     tmp = blobs.temp_path()

@@ -35,7 +35,7 @@ import asyncio
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuflex.protocol.compute import class_key, resolve_precision
 from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
@@ -69,6 +69,18 @@ class NodeState:
     #: the compute class from its hello; its class key depends on a job's precision (class_key)
     compute: ComputeClass = UNKNOWN_CLASS
     precision_sps: dict[str, float] = field(default_factory=dict)  # benchmark: samples/s per precision
+    # Sybil defences (hub/admission.py): where it registered from and was last seen, its operator
+    registered_at: float = 0.0
+    block: str = ""
+    last_block: str = ""
+    operator: str | None = None
+    banned_at: float | None = None
+    stall_until: float = 0.0  # after an assignment expired undelivered: no new work before this
+    stalls: int = 0  # assignments in a row that expired undelivered (the backoff doubles)
+
+    @property
+    def blocks(self) -> set[str]:
+        return {b for b in (self.block, self.last_block) if b}
 
     @property
     def throughput(self) -> float:
@@ -140,7 +152,8 @@ def clamp_sps(value: float) -> float:
 
 class Scheduler:
     def __init__(self, *, min_deadline_s: float, online_window_s: float, rng: random.Random | None = None,
-                 gather_s: float = 2.0) -> None:
+                 gather_s: float = 2.0, separate_replicas: bool = False, trust_min_age_s: float = 0.0,
+                 unproven_max_chunks: int = 0) -> None:
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeState] = {}
         self.assignments: dict[str, AssignmentState] = {}
@@ -155,6 +168,12 @@ class Scheduler:
         self._gatherings: dict[str, Gathering] = {}  # job id -> this round's snapshot
         #: job precision -> (the online reputations it was built from, class key -> online node ids)
         self._classes: dict[str, tuple[dict[str, Reputation], dict[str, list[str]]]] = {}
+        #: replicas of a shard never go to two nodes sharing an address block or an operator
+        self.separate_replicas = separate_replicas
+        #: a node younger than this is on probation (verification.Reputation.probation)
+        self.trust_min_age_s = trust_min_age_s
+        #: chunks a node that has delivered nothing may hold (0 = no cap); doubles per delivery
+        self.unproven_max_chunks = unproven_max_chunks
 
     # -- who wants work ---------------------------------------------------------------------
     def poll_started(self, node_id: str) -> None:
@@ -267,6 +286,8 @@ class Scheduler:
     # -- choosing work -------------------------------------------------------------------
     def plan(self, node: NodeState, cached: frozenset[str], now: float | None = None) -> Plan | None:
         now = time.time() if now is None else now
+        if node.stall_until > now:  # its last assignment expired undelivered: others first
+            return None
         jobs = [j for j in self.jobs.values() if j.state == "running" and not j.closing and self.can_run(j, node)]
         jobs.sort(key=lambda j: (j.live_count(), j.created_at, j.id))
         for job in jobs:
@@ -301,7 +322,7 @@ class Scheduler:
                 del job.replicated[sid]  # served (or settled): a detach or more `wanted` puts it back
                 continue
             if (node.id not in shard.nodes and pool.eligible(node.id, shard.nodes)
-                    and self._class_allows(job, shard, node, pool, now)):
+                    and self.separated(node, shard.nodes) and self._class_allows(job, shard, node, pool, now)):
                 return shard
         return None
 
@@ -321,7 +342,9 @@ class Scheduler:
                           now: float) -> bool:
         """Is an online node of one of `keys` that may take a replica of `shard` there?"""
         index = self._class_index(job.spec.train.precision, now)
-        return any(pool.eligible(nid, shard.nodes) for k in keys for nid in index.get(k, ()) if nid not in shard.nodes)
+        return any(pool.eligible(nid, shard.nodes) and (n := self.nodes.get(nid)) is not None
+                   and self.separated(n, shard.nodes)
+                   for k in keys for nid in index.get(k, ()) if nid not in shard.nodes)
 
     def _class_index(self, requested: str, now: float) -> dict[str, list[str]]:
         """Online nodes by class key for a job precision (rebuilt with the online reputations)."""
@@ -337,6 +360,27 @@ class Scheduler:
             cached = self._classes[requested] = (reps, index)
         return cached[1]
 
+    def separated(self, node: NodeState, holders: set[str]) -> bool:
+        """True when `node` shares no address block and no operator with any of `holders`
+        (always True when separate_replicas is off)."""
+        if not self.separate_replicas:
+            return True
+        blocks, operator = node.blocks, node.operator
+        for nid in holders:
+            other = self.nodes.get(nid)
+            if other is None or nid == node.id:
+                continue
+            if blocks & other.blocks or (operator is not None and operator == other.operator):
+                return False
+        return True
+
+    def chunk_cap(self, node: NodeState) -> int:
+        """The most chunks one shard of `node` may hold: an unproven node's shard is capped (its
+        self-reported benchmark is only a claim), and the cap doubles with every delivery."""
+        if self.unproven_max_chunks <= 0 or node.updates_accepted >= 16:
+            return MAX_CHUNKS_PER_ASSIGNMENT
+        return min(MAX_CHUNKS_PER_ASSIGNMENT, self.unproven_max_chunks << node.updates_accepted)
+
     @staticmethod
     def want_replica(job: JobState, shard: ShardState) -> None:
         """`shard` may want a replica again (a holder left, or more replicas are wanted)."""
@@ -346,11 +390,18 @@ class Scheduler:
 
     def can_take_replica(self, job: JobState, shard: ShardState, now: float) -> bool:
         """Could an online node take another replica of `shard` right now?"""
-        return self.replica_pool(job, now).anyone(shard.nodes)
+        pool = self.replica_pool(job, now)
+        if not pool.anyone(shard.nodes):
+            return False
+        if not self.separate_replicas:
+            return True
+        return any(self.separated(n, shard.nodes) for nid in pool.reps
+                   if nid not in shard.nodes and (n := self.nodes.get(nid)) is not None)
 
     def replica_takers(self, job: JobState, shard: ShardState, now: float) -> list[str]:
         """Online nodes that could take another replica of `shard` right now."""
-        return replica_candidates(self._online_reputations(now), shard.nodes, job.spec.verification)
+        ids = replica_candidates(self._online_reputations(now), shard.nodes, job.spec.verification)
+        return [i for i in ids if (n := self.nodes.get(i)) is not None and self.separated(n, shard.nodes)]
 
     def replica_pool(self, job: JobState, now: float) -> ReplicaPool:
         """The online nodes' reputations, indexed for replica questions (rebuilt once a second)."""
@@ -366,11 +417,19 @@ class Scheduler:
     def _online_reputations(self, now: float) -> dict[str, Reputation]:
         stamp, reps = self._reps_cache
         if now - stamp > 1.0:
+            for n in self.nodes.values():
+                self.refresh_probation(n, now)
             reps = {n.id: n.reputation for n in self.nodes.values()
                     if not n.banned and now - n.last_seen <= self.online_window_s}
             self._reps_cache = (now, reps)
             self._pools.clear()
         return reps
+
+    def refresh_probation(self, node: NodeState, now: float) -> None:
+        """A node is on probation (cannot be trusted) until it is trust_min_age_s old."""
+        on = now - node.registered_at < self.trust_min_age_s
+        if node.reputation.probation != on:
+            node.reputation = replace(node.reputation, probation=on)
 
     def _carve(self, job: JobState, node: NodeState, cached: frozenset[str], now: float) -> ShardState:
         """Cut the node's share of the free chunks (see the module docstring), at most what it
@@ -386,9 +445,10 @@ class Scheduler:
         want_samples = min(share, speed * train.round_target_s / max(1, train.local_epochs))
         picked: list[int] = []
         samples = 0
+        cap = self.chunk_cap(node)
 
         def full() -> bool:
-            return bool(picked) and (samples >= want_samples or len(picked) >= MAX_CHUNKS_PER_ASSIGNMENT)
+            return bool(picked) and (samples >= want_samples or len(picked) >= cap)
 
         for idx in sorted(job.by_sha[sha] for sha in cached if job.by_sha.get(sha) in job.free):
             if full():

@@ -25,7 +25,10 @@ T = TypeVar("T")
 
 _REPUTATION_SQL = (
     "UPDATE nodes SET agreements_total = ?, flags_total = ?, consecutive_agreements = ?,"
-    " confirmed_flags = ?, dismissed_flags = ?, banned = ? WHERE id = ?"
+    " confirmed_flags = ?, dismissed_flags = ?, banned = ?,"
+    # the first time a node is banned, the database's clock stamps it (its block and operator cool down)
+    " banned_at = CASE WHEN banned_at IS NULL AND ? = 1 THEN (julianday('now') - 2440587.5) * 86400.0"
+    " ELSE banned_at END WHERE id = ?"
 )
 
 
@@ -37,9 +40,9 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _reputation_row(node_id: str, r: Reputation) -> tuple[int, int, int, int, int, int, str]:
+def _reputation_row(node_id: str, r: Reputation) -> tuple[int, int, int, int, int, int, int, str]:
     return (r.agreements_total, r.flags_total, r.consecutive_agreements, r.confirmed_flags,
-            r.dismissed_flags, int(r.banned), node_id)
+            r.dismissed_flags, int(r.banned), int(r.banned), node_id)
 
 
 def insert_flags(conn: sqlite3.Connection, job_id: str, round_: int, flags: Sequence[Flag], now: float) -> None:
@@ -89,17 +92,19 @@ class SqliteStore(Store):
 
     # -- nodes -------------------------------------------------------------------------------
     async def save_node(self, node_id: str, public_key: bytes, profile: NodeProfile, *, bench_sps: float,
-                        now: float) -> None:
+                        now: float, address_block: str = "", operator: str | None = None) -> None:
         device, bench = json.dumps(profile.device), json.dumps(profile.benchmark)
         compute = json.dumps(profile.compute)
         await self.db.write(lambda c: c.execute(
             "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps,"
-            " registered_at, last_seen, compute_class) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " registered_at, last_seen, compute_class, address_block, last_block, operator)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO UPDATE SET software_version = excluded.software_version,"
             " device = excluded.device, benchmark = excluded.benchmark, bench_sps = excluded.bench_sps,"
-            " last_seen = excluded.last_seen, compute_class = excluded.compute_class",
+            " last_seen = excluded.last_seen, compute_class = excluded.compute_class,"
+            " last_block = excluded.last_block, operator = COALESCE(nodes.operator, excluded.operator)",
             (node_id, public_key, profile.software_version, device, bench, bench_sps, bench_sps, now, now,
-             compute)))
+             compute, address_block, address_block, operator)))
 
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:
         rows = [_reputation_row(n, r) for n, r in reputations]
@@ -318,6 +323,8 @@ def _node(r: sqlite3.Row) -> NodeState:
         id=r["id"], public_key=bytes(r["public_key"]), bench_sps=r["bench_sps"], ema_sps=r["ema_sps"],
         last_seen=r["last_seen"], updates_accepted=r["updates_accepted"],
         peak_flops=peak_flops(json.loads(r["benchmark"])),
+        registered_at=r["registered_at"], block=r["address_block"], last_block=r["last_block"] or r["address_block"],
+        operator=r["operator"], banned_at=r["banned_at"],
         reputation=Reputation(
             consecutive_agreements=r["consecutive_agreements"], agreements_total=r["agreements_total"],
             flags_total=r["flags_total"], confirmed_flags=r["confirmed_flags"],

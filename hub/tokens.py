@@ -20,6 +20,8 @@ from .errors import BadRequest, Forbidden, NotFound, Unauthorized
 
 Role = Literal["owner", "auditor", "admin"]
 ROLES: tuple[Role, ...] = ("owner", "auditor", "admin")
+#: an enrollment token admits nodes (their operator); it opens no API route
+ENROLL = "enroll"
 TOKEN_PREFIX = "gft_"  # noqa: S105 - a prefix, not a secret
 
 
@@ -47,8 +49,8 @@ def hash_token(token: str) -> str:
 
 
 def _check_role_name(role: str, name: str) -> None:
-    if role not in ROLES:
-        raise BadRequest(f"role must be one of {', '.join(ROLES)}", code="bad_role")
+    if role not in ROLES and role != ENROLL:
+        raise BadRequest(f"role must be one of {', '.join((*ROLES, ENROLL))}", code="bad_role")
     if not name or len(name) > 64 or not name.isprintable():
         raise BadRequest("token name must be 1..64 printable characters", code="bad_name")
 
@@ -56,6 +58,10 @@ def _check_role_name(role: str, name: str) -> None:
 def insert_token(conn: sqlite3.Connection, role: str, name: str) -> str:
     _check_role_name(role, name)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    if role == ENROLL:  # its own table: it opens no API route, and names an operator
+        conn.execute("INSERT INTO enroll_tokens (hash, name, created_at) VALUES (?, ?, ?)",
+                     (hash_token(token), name, time.time()))
+        return token
     conn.execute(
         "INSERT INTO tokens (hash, role, name, created_at) VALUES (?, ?, ?, ?)",
         (hash_token(token), role, name, time.time()),
@@ -81,17 +87,26 @@ def list_tokens(data_dir: Path) -> list[dict[str, object]]:
         rows = conn.execute(
             "SELECT id, role, name, created_at, revoked_at FROM tokens ORDER BY id"
         ).fetchall()
-        return [dict(r) for r in rows]
+        enroll = conn.execute(
+            "SELECT 'e' || id AS id, 'enroll' AS role, name, created_at, revoked_at FROM enroll_tokens ORDER BY id"
+        ).fetchall()
+        return [dict(r) for r in rows] + [dict(r) for r in enroll]
     finally:
         conn.close()
 
 
-def revoke_token(data_dir: Path, token_id: int) -> None:
+def revoke_token(data_dir: Path, token_id: int | str) -> None:
+    """Revoke an API token by id, or an enrollment token by its 'e<id>' (as `token list` shows)."""
+    text = str(token_id)
+    table = "enroll_tokens" if text.startswith("e") else "tokens"
+    number = text.removeprefix("e")
+    if not number.isdigit():
+        raise NotFound(f"no token with id {text} (see `gpuflex-hub token list`)")
     conn = connect(Path(data_dir) / "hub.sqlite3")
     try:
         cur = conn.execute(
-            "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-            (time.time(), token_id),
+            f"UPDATE {table} SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",  # noqa: S608 - fixed names
+            (time.time(), int(number)),
         )
         if cur.rowcount != 1:
             raise NotFound(f"no live token with id {token_id} (see `gpuflex-hub token list`)")
@@ -123,3 +138,17 @@ def lookup(conn: sqlite3.Connection, authorization: str | None) -> Principal:
     if row is None or not hmac.compare_digest(row["hash"], digest) or row["revoked_at"] is not None:
         raise Unauthorized("token is unknown or revoked", code="bad_token")
     return Principal(token_id=int(row["id"]), role=row["role"], name=str(row["name"]))
+
+
+def enrollment_operator(conn: sqlite3.Connection, token: str) -> str:
+    """The operator ('op-<token id>') an enrollment token names; 403 when unknown or revoked.
+
+    A node passes the token in its signed hello (``--enroll-token`` / ``GPUFLEX_ENROLL_TOKEN``);
+    every node registered with one token is one operator to the hub (hub/admission.py).
+    """
+    digest = hash_token(token.strip())
+    row = conn.execute("SELECT id, hash, revoked_at FROM enroll_tokens WHERE hash = ?", (digest,)).fetchone()
+    if row is None or not hmac.compare_digest(row["hash"], digest) or row["revoked_at"] is not None:
+        raise Forbidden("the enrollment token is unknown or revoked; ask the hub's operator for a new one",
+                        code="bad_enrollment")
+    return f"op-{int(row['id'])}"

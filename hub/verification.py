@@ -198,6 +198,9 @@ class Reputation:
     confirmed_flags: int = 0
     dismissed_flags: int = 0
     banned: bool = False
+    #: the node is younger than the hub's trust_min_age_s: it cannot be trusted yet, whatever its
+    #: run (set and cleared by the hub from the node's age; not stored)
+    probation: bool = False
 
     @property
     def trusted_run(self) -> int:
@@ -723,6 +726,12 @@ def record_flag(rep: Reputation) -> Reputation:
     return replace(rep, consecutive_agreements=0, flags_total=rep.flags_total + 1)
 
 
+def record_withdrawn(rep: Reputation, run_before: int) -> Reputation:
+    """A flag was withdrawn (the node was the outvoted honest minority): the run of agreements
+    the flag reset is given back, on top of any agreements earned since."""
+    return replace(rep, consecutive_agreements=rep.consecutive_agreements + max(0, run_before))
+
+
 def record_verdict(
     rep: Reputation, verdict: str, *, ban_after: int = BAN_AFTER_CONFIRMED
 ) -> Reputation:
@@ -757,7 +766,7 @@ def replication_probability(rep: Reputation, spec: VerificationSpec) -> float:
                 f"verification.replication must be 'adaptive' or 0..1, got {mode!r}"
             )
         run = rep.consecutive_agreements
-        if run < int(spec.trust_after):
+        if run < int(spec.trust_after) or rep.probation:
             return 1.0
         return max(MIN_REPLICATION, 1.0 / run)
     p = float(mode)
@@ -769,8 +778,8 @@ def replication_probability(rep: Reputation, spec: VerificationSpec) -> float:
 
 
 def is_trusted(rep: Reputation, spec: VerificationSpec) -> bool:
-    """A run of ``trust_after`` consecutive agreeing replicas and not banned."""
-    return not rep.banned and rep.consecutive_agreements >= int(spec.trust_after)
+    """A run of ``trust_after`` consecutive agreeing replicas, past probation, and not banned."""
+    return not rep.banned and not rep.probation and rep.consecutive_agreements >= int(spec.trust_after)
 
 
 def replica_candidates(

@@ -44,7 +44,7 @@ import aiohttp
 import torch
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.messages import Assignment, Benchmark, ComputeClass, NoWork
+from gpuflex.protocol.messages import Assignment, Benchmark, ComputeClass, NoWork, progress_digest
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, fingerprint
 from gpuflex.protocol.tensors import check_finite
@@ -111,6 +111,8 @@ class NodeConfig:
     onednn: bool = True  # --onednn off: torch's oneDNN CPU kernels off (another compute class)
     precisions: tuple[str, ...] | None = None  # --precisions: the subset of the device's to offer
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
+    enroll_token: str = ""  # the operator's enrollment token, when the hub asks for one
+    source_address: str | None = None  # bind outgoing connections to this local address
 
 
 @dataclass
@@ -121,6 +123,8 @@ class Current:
     spec: ModelSpec
     phase: str = "verifying"  # verifying|downloading|training|uploading
     progress: float = 0.0
+    steps: int = 0  # optimizer steps so far, and the running digest over them (heartbeats prove progress)
+    digest: bytes = bytes(32)
     deadline: float = 0.0
     samples: int = 0
     started: float = field(default_factory=time.time)
@@ -193,9 +197,14 @@ class NodeAgent:
                 cur.progress = fraction
             self.output.progress_update(fraction)
 
+        def on_step(step: int, loss: float) -> None:
+            if cur is not None:
+                cur.digest = progress_digest(cur.digest, step, loss)
+                cur.steps = step
+
         return train_assignment(
             spec, global_state, chunks, assignment.train, assignment.seed,
-            device=self.device, progress=progress, should_stop=self.stop_training.is_set,
+            device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_step=on_step,
         )
 
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
@@ -302,7 +311,8 @@ class NodeAgent:
             onednn=self.compute.onednn, precisions=list(self.compute.precisions),
         )
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
-        connector = aiohttp.TCPConnector(limit=8)
+        local = (self.config.source_address, 0) if self.config.source_address else None
+        connector = aiohttp.TCPConnector(limit=8, local_addr=local)
         async with aiohttp.ClientSession(connector=connector) as session:
             self.client = HubClient(self.config.hub_url, self.key, session)
             async with asyncio.TaskGroup() as tg:
@@ -429,7 +439,7 @@ class NodeAgent:
         pin = await register(
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
-            benchmark=benchmark, compute=self.compute,
+            benchmark=benchmark, compute=self.compute, enroll_token=self.config.enroll_token,
         )
         self.registered = True
         self._benchmark_msg = benchmark
@@ -585,7 +595,8 @@ class NodeAgent:
             if cur is None or cur.phase not in ("downloading", "training", "uploading") or pause.exiting:
                 continue
             try:
-                ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress)
+                ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress, cur.steps,
+                                                     cur.digest)
             except Exception as exc:  # NodeError or a bug: the next beat tries again
                 log.info("heartbeat failed: %s", exc)
                 continue

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--poll-wait", type=float, default=30.0, metavar="S", help="long-poll wait (<= 60 s)")
     run.add_argument("--heartbeat", type=float, default=5.0, metavar="S", help="heartbeat interval while working")
     run.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    run.add_argument("--enroll-token", metavar="TOKEN", help="the enrollment token your hub operator gave you"
+                     " (default $GPUFLEX_ENROLL_TOKEN); needed when the hub requires enrollment")
+    run.add_argument("--source-address", metavar="IP", help="bind outgoing connections to this local address"
+                     " (a machine with several addresses; the local test cluster puts nodes in distinct blocks)")
     run.add_argument("--no-control", action="store_true", help="do not serve the local control endpoint")
     run.add_argument("--bench-cache", metavar="PATH", help="benchmark cache file shared by the nodes of "
                      "this machine (default $GPUFLEX_BENCH_CACHE, else DIR/bench.json)")
@@ -123,6 +128,8 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
         onednn=args.onednn == "on", precisions=precisions,
+        enroll_token=args.enroll_token or os.environ.get("GPUFLEX_ENROLL_TOKEN", ""),
+        source_address=args.source_address,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())

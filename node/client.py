@@ -230,10 +230,11 @@ class HubClient:
                 f"work answer refused: its signature does not verify with the pinned hub key ({exc})"
             ) from exc
 
-    async def heartbeat(self, assignment_id: str, progress: float) -> Ack:
+    async def heartbeat(self, assignment_id: str, progress: float, steps: int = 0,
+                        digest: bytes = bytes(32)) -> Ack:
         msg = Heartbeat(
             assignment_id=assignment_id, progress=max(0.0, min(1.0, progress)),
-            timestamp=self.now(), nonce=new_nonce(),
+            timestamp=self.now(), nonce=new_nonce(), steps=steps, digest=digest,
         )
         return self._signed_answer(await self._post("/v1/heartbeat", msg, limit_s=15), Ack, "heartbeat")
 

@@ -32,6 +32,7 @@ async def register(
     device: torch.device,
     benchmark: Benchmark,
     compute: ComputeClass | None = None,
+    enroll_token: str = "",
 ) -> HubPin:
     """Register with the hub at ``client``; the pinned hub key (the client now trusts it)."""
     public_key, claimed, proto = await client.hub_info()
@@ -47,7 +48,7 @@ async def register(
         software_version=SOFTWARE_VERSION[:64], protocol_version=PROTOCOL_VERSION,
         device=DeviceInfo(kind=d.kind, name=d.name[:256], memory_bytes=d.memory_bytes, threads=d.threads),
         benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(),
-        compute=compute if compute is not None else compute_class(device),
+        compute=compute if compute is not None else compute_class(device), enroll_token=enroll_token,
     )
     welcome = await client.register(hello)
     if welcome.node_id != node_id or welcome.hub_fingerprint != pin.fingerprint:

@@ -185,6 +185,7 @@ def train_assignment(
     device: torch.device,
     progress: Callable[[float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train ``cfg.local_epochs`` epochs on the concatenated chunks; return the delta.
 
@@ -265,6 +266,8 @@ def train_assignment(
                 step += 1
                 if progress is not None and step % report_every == 0:
                     progress(step / total_steps)
+                if on_step is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
+                    on_step(step, float(loss.detach()))
     mean_loss = float(loss_sum) / n  # synchronizes on CUDA
     train_s = time.perf_counter() - started
     if progress is not None and step % report_every != 0:

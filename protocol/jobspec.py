@@ -112,6 +112,12 @@ class VerificationSpec:
     #: a replicated shard whose replica never came: "accept" aggregates it (marked unverified in
     #: the audit log and the job status), "hold" keeps it out until a replica agrees
     unverified: str = "accept"
+    #: an update whose norm per sample exceeds this x the round's median is scaled down to it
+    #: before aggregating (0 = off); hub/policy.py judge_round
+    norm_bound: float = 2.5
+    #: the updates no trusted node vouched for carry at most this share of a round's weight
+    #: when trusted updates are in it (1 = no bound); hub/policy.py bound_weights
+    untrusted_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -272,7 +278,15 @@ def _verification(s: _Section) -> VerificationSpec:
         replica_wait_s=s.get_float("replica_wait_s", d.replica_wait_s, 0.0, 86_400.0, lo_open=True),
         cross_class_tolerance=cross,
         unverified=s.get_choice("unverified", d.unverified, UNVERIFIED),
+        norm_bound=_norm_bound(s.get_float("norm_bound", d.norm_bound, 0.0, 1e6)),
+        untrusted_share=s.get_float("untrusted_share", d.untrusted_share, 0.0, 1.0, lo_open=True),
     )
+
+
+def _norm_bound(value: float) -> float:
+    if 0.0 < value < 1.0:
+        raise SpecError(f"verification.norm_bound: 0 (off) or at least 1, got {value:g}")
+    return value
 
 
 SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification")

@@ -11,8 +11,10 @@ decoder apply the same checks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
+import struct
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -366,6 +368,8 @@ class Hello:
     timestamp: Timestamp
     nonce: Nonce
     compute: Annotated[ComputeClass, Nested(ComputeClass)] = UNKNOWN_CLASS
+    #: the operator's enrollment token ("" = none); the hub may require one
+    enroll_token: Annotated[str, Text(128)] = ""
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,16 @@ class Heartbeat:
     progress: Annotated[float, Float(0.0, 1.0)]
     timestamp: Timestamp
     nonce: Nonce
+    #: optimizer steps done so far, and the running digest over them (``progress_digest``;
+    #: 32 zero bytes = no step yet): the hub extends a deadline only on new progress
+    steps: Annotated[int, Int(0, 1 << 40)] = 0
+    digest: Annotated[bytes, Blob(32)] = bytes(32)
+
+
+def progress_digest(previous: bytes, step: int, loss: float) -> bytes:
+    """The next link of a heartbeat's progress chain: SHA-256(previous || step || loss), with
+    ``step`` as 8 bytes little-endian and ``loss`` as an IEEE-754 double (32 zero bytes start it)."""
+    return hashlib.sha256(bytes(previous) + struct.pack("<Qd", int(step), float(loss))).digest()
 
 
 @dataclass(frozen=True)
@@ -506,8 +520,11 @@ def _from_wire(cls: type[M], data: Mapping[object, object]) -> M:
         if key not in names and key not in ("v", "kind"):
             raise _Fail(f"unknown field {key!r:.40} in {cls.__name__}")
     values: dict[str, object] = {}
+    optional = _optional(cls)
     for name, rule in schema:
         if name not in data:
+            if name in optional:  # a later addition with a default: absent means the default
+                continue
             raise _Fail(f"missing field {name!r} in {cls.__name__}")
         try:
             values[name] = rule.decode(data[name])
@@ -516,9 +533,19 @@ def _from_wire(cls: type[M], data: Mapping[object, object]) -> M:
     return cls(**values)
 
 
+def _optional(cls: type[Any]) -> dict[str, object]:
+    """Fields added after a message type first shipped carry a default: a peer that does not know
+    them leaves them out, and a sender leaves them out while they hold the default, so old and
+    new peers of one protocol version understand each other."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def _to_wire(msg: object) -> dict[str, object]:
     out: dict[str, object] = {}
+    optional = _optional(type(msg))
     for name, rule in _schema(type(msg)):
+        if name in optional and getattr(msg, name) == optional[name]:
+            continue
         try:
             out[name] = rule.encode(getattr(msg, name))
         except _Fail as exc:
@@ -673,5 +700,6 @@ __all__ = [
     "nested_from_dict",
     "nested_to_dict",
     "peek_kind",
+    "progress_digest",
     "unpack_strict",
 ]

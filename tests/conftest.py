@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import RunningHub, start_hub, write_digits
+from tests.helpers import RELAXED_SERVE_ARGS, RunningHub, start_hub, write_digits
 
 torch.set_num_threads(1)
 
@@ -69,6 +69,7 @@ def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
         "2",
         "--min-deadline",
         "5",
+        *RELAXED_SERVE_ARGS,  # the test nodes all connect from 127.0.0.1
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(

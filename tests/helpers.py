@@ -32,6 +32,7 @@ from gpuflex.protocol.messages import (
     UpdateHeader,
     Welcome,
     WorkRequest,
+    progress_digest,
 )
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
@@ -133,6 +134,29 @@ def write_digits(directory: Path, **spec_kw: Any) -> tuple[Path, Path, Path]:
 # -- in-process hub -------------------------------------------------------------------------------
 
 
+#: HubConfig settings that let many SimNodes of one address block and one process work together
+RELAXED_DEFENCES: dict[str, Any] = {
+    "separate_replicas": False, "registrations_per_block": 100_000, "registrations_global": 100_000,
+    "probation_per_block": 100_000, "trust_min_age_s": 0.0, "unproven_max_chunks": 0,
+    "bench_seed_max_sps": 1e9, "stall_backoff_s": 0.0,
+}
+
+
+#: the same, as `gpuflex-hub serve` options (hubs started as processes by tests)
+RELAXED_SERVE_ARGS: tuple[str, ...] = (
+    "--allow-shared-blocks", "--registrations-per-block", "100000", "--registrations-global", "100000",
+    "--trust-min-age", "0", "--unproven-max-chunks", "0",
+)
+
+
+def production_defences() -> dict[str, Any]:
+    """The HubConfig defaults of every setting RELAXED_DEFENCES relaxes (pass to start_hub)."""
+    from gpuflex.hub.config import HubConfig
+
+    d = HubConfig(data_dir=Path("."))
+    return {k: getattr(d, k) for k in RELAXED_DEFENCES}
+
+
 @dataclass
 class RunningHub:
     url: str
@@ -162,6 +186,11 @@ async def start_hub(
 
     config_kw.setdefault("long_poll_max_s", 2.0)
     config_kw.setdefault("sweep_interval_s", 0.2)
+    # Every SimNode of these tests shares one session, so one address block: the Sybil defences
+    # (hub/admission.py) are relaxed here, as a single-machine test bed must. tests/test_sybil.py
+    # runs the production defaults (`production_defences()`) with nodes in distinct blocks.
+    for key, value in RELAXED_DEFENCES.items():
+        config_kw.setdefault(key, value)
     app = create_app(HubConfig(data_dir=data_dir, port=0, **config_kw))
     if tokens is None:
         tokens = {
@@ -255,6 +284,8 @@ class SimNode:
         self.samples_per_s = samples_per_s
         self.compute = compute  # a ComputeClass for its hello (None: the unknown class)
         self.cache: dict[str, bytes] = {}
+        self.steps = 0  # the heartbeat progress chain (protocol.messages.progress_digest)
+        self.digest = bytes(32)
 
     @property
     def node_id(self) -> str:
@@ -379,9 +410,18 @@ class SimNode:
         resp = await self.upload_raw(self.update_header(a, blob, samples, loss), blob)
         return await self.open_response(resp, Ack)
 
-    async def heartbeat(self, assignment_id: str, progress: float = 0.5) -> aiohttp.ClientResponse:
+    async def heartbeat(
+        self, assignment_id: str, progress: float = 0.5, steps: int | None = None
+    ) -> aiohttp.ClientResponse:
+        """A heartbeat; by default it proves one more step (an honest trainer's chain), `steps`
+        sends that count with the chain as it stands (steps=0: no progress at all)."""
+        if steps is None:
+            self.steps += 1
+            self.digest = progress_digest(self.digest, self.steps, 1.0 / self.steps)
+            steps = self.steps
         hb = Heartbeat(
-            assignment_id=assignment_id, progress=progress, timestamp=time.time(), nonce=new_nonce()
+            assignment_id=assignment_id, progress=progress, timestamp=time.time(), nonce=new_nonce(),
+            steps=steps, digest=self.digest if steps else bytes(32),
         )
         return await self.post("/v1/heartbeat", seal(self.key, hb))
 

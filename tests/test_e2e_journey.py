@@ -133,8 +133,9 @@ def _run_single_node_job(
     Returns the final model bytes, the update hashes the node saw acknowledged, and the
     update hashes included in aggregations according to the hub's audit log.
     """
+    # one shard per round needs the whole round in a new node's first shard: no unproven-node cap
     with LocalCluster(
-        workdir=tmp_path, hub_args=("--long-poll-max", "2", "--min-deadline", "60")
+        workdir=tmp_path, hub_args=("--long-poll-max", "2", "--min-deadline", "60", "--unproven-max-chunks", "0")
     ) as cluster:
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")

@@ -163,13 +163,32 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
     assert json.loads((data / "totals.json").read_text())["abandoned"] >= 1
 
 
-async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
-    """Training takes longer than the hub's deadline: heartbeats extend it, the update is accepted."""
-    from tests.tooling.attacks import stall_agent_class
+def _slow_steps_agent_class(seconds: float) -> type:
+    """A slow device: its first steps take `seconds` in all, and it proves each one (the steps and
+    the digest chain its heartbeats carry), as the real trainer's step callback does."""
+    import time
 
-    # a slow device: 4 s before training starts, still checking its stop flag
-    slow_agent = stall_agent_class(after=0, seconds=4.0)
-    hub = Hub(tmp_path / "hub", min_deadline_s=2.5)  # below the 4 s stall: only heartbeats save it
+    from gpuflex.node.agent import NodeAgent
+    from gpuflex.protocol.messages import progress_digest
+
+    class SlowSteps(NodeAgent):
+        def train(self, assignment, chunks, global_state):
+            cur = self.current
+            until, step = time.monotonic() + seconds, 0
+            while time.monotonic() < until and not self.stop_training.wait(0.5):
+                step += 1
+                cur.digest = progress_digest(cur.digest, step, 1.0 / step)
+                cur.steps = step
+            return super().train(assignment, chunks, global_state)
+
+    return SlowSteps
+
+
+async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
+    """Training takes longer than the hub's deadline: heartbeats that prove new steps extend it,
+    the update is accepted. (A node that proves no steps loses its shard: tests/test_sybil.py.)"""
+    slow_agent = _slow_steps_agent_class(4.0)
+    hub = Hub(tmp_path / "hub", min_deadline_s=2.5)  # below the 4 s of slow steps: only heartbeats save it
     await hub.start()
     try:
         await hub.submit(spec_toml(rounds=1, round_target_s=0.01), dataset())

@@ -30,6 +30,8 @@ from gpuflex.node.device import hardware_fingerprint
 from gpuflex.node.output import Output
 from gpuflex.protocol.messages import Benchmark
 
+from tests.helpers import RELAXED_DEFENCES
+
 FAST_BENCH = Benchmark(
     samples_per_s=20000.0,
     matmul_tflops_fp32=0.05,
@@ -127,6 +129,7 @@ class Hub:
             long_poll_max_s=self.long_poll_max_s,
             min_deadline_s=self.min_deadline_s,
             sweep_interval_s=0.2,
+            **RELAXED_DEFENCES,  # every agent of these tests connects from 127.0.0.1
         )
         self.app = create_app(cfg)
         self.runner = web.AppRunner(self.app, access_log=None)

@@ -92,6 +92,29 @@ async def test_a_node_and_its_reputation_survive_a_restart(opened) -> None:
         store.close()
 
 
+async def test_a_nodes_address_block_operator_and_ban_survive_a_restart(opened) -> None:
+    """The Sybil defences' inputs (hub/admission.py): where a node registered from (kept), where
+    it was last seen (updated), its operator (kept once set) and when it was banned."""
+    kind, where, store = opened
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=100.0,
+                          address_block="203.0.113.0/24", operator="op-7")
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=200.0,
+                          address_block="198.51.100.0/24", operator=None)  # re-registers elsewhere
+    await store.save_node("gf1-n2", b"j" * 32, PROFILE, bench_sps=1.0, now=300.0, address_block="192.0.2.0/24")
+    before = time.time()
+    await store.save_reputations([("gf1-n2", Reputation(confirmed_flags=3, banned=True))])
+    store = await _reopen(kind, where, store)
+    try:
+        nodes = {n.id: n for n in (await store.load()).nodes}
+        n1, n2 = nodes["gf1-n1"], nodes["gf1-n2"]
+        assert (n1.block, n1.last_block, n1.operator, n1.registered_at) == (
+            "203.0.113.0/24", "198.51.100.0/24", "op-7", 100.0)
+        assert n1.banned_at is None and n2.banned and n2.operator is None
+        assert n2.banned_at is not None and before - 5 <= n2.banned_at <= time.time() + 5
+    finally:
+        store.close()
+
+
 async def test_a_job_its_live_assignment_and_an_update_survive_a_restart(opened) -> None:
     kind, where, store = opened
     job = await _job(where, store)
@@ -216,6 +239,8 @@ def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> No
                             ("nodes", "flags_dismissed", "dismissed_flags"), ("jobs", "model_sha", "model_hash"),
                             ("rounds", "model_sha", "model_hash"), ("rounds", "new_model_sha", "new_model_hash")):
         conn.execute(f"ALTER TABLE {table} RENAME COLUMN {new} TO {old}")
+    for column in SYBIL_COLUMNS:  # added by version 4
+        conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
     conn.executescript(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
         " last_seen, agreed, disagreed, consecutive_valid, flags_confirmed, flags_dismissed)"
@@ -242,6 +267,8 @@ def test_a_version_2_database_gains_the_compute_class_column(tmp_path: Path) -> 
     Database(path).close()
     conn = sqlite3.connect(path)
     conn.execute("ALTER TABLE nodes DROP COLUMN compute_class")
+    for column in SYBIL_COLUMNS:  # added by version 4
+        conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
     conn.executescript(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
         " last_seen, agreements_total) VALUES ('gf1-v2', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 5);"
@@ -274,6 +301,33 @@ async def test_a_nodes_compute_class_survives_a_restart(opened) -> None:
     assert node.precision_sps == {"fp32": 10.0, "bf16": 40.0} and node.precision_factor("bf16") == 4.0
     key = node.class_key("auto")
     assert key == class_key(cc, "bf16") and key.endswith("|bf16")
+
+
+SYBIL_COLUMNS = ("address_block", "last_block", "operator", "banned_at")
+
+
+def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path: Path) -> None:
+    """3 -> 4 (Sybil defences): nodes gain their address block, operator and ban time; a node of an
+    older database has no block (it is in no block's count) and keeps its track record."""
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    for column in SYBIL_COLUMNS:
+        conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
+    conn.executescript(
+        "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
+        " last_seen, agreements_total, consecutive_agreements, banned)"
+        " VALUES ('gf1-old', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 9, 4, 1);"
+        "PRAGMA user_version = 3;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM nodes").fetchone()))
+    finally:
+        db.close()
+    assert (row["agreements_total"], row["consecutive_agreements"], row["banned"]) == (9, 4, 1)
+    assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:
