@@ -133,7 +133,11 @@ def run_demo(args: argparse.Namespace) -> int:
     keep = args.workdir is not None  # a temporary folder holds keys and tokens: removed at the end
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuflex-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(workdir=workdir, hub_args=("--long-poll-max", "10", "--min-deadline", "20"))
+    # A real hub keeps a new identity on probation for an hour (--trust-min-age 3600): the demo
+    # lasts seconds, so it shortens that to 3 s, so that trust forms and replication falls off
+    # within the run, as it does on a long-lived hub within its first hour.
+    cluster = LocalCluster(workdir=workdir, hub_args=("--long-poll-max", "10", "--min-deadline", "20",
+                                                      "--trust-min-age", "3"))
 
     # SIGTERM behaves like Ctrl+C: unwind through `finally` and stop every child by PID.
     def _on_term(signum: int, frame: object) -> None:
