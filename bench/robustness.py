@@ -181,6 +181,14 @@ class Simulation:
         return Work(rec, sha, malicious)
 
     # ------------------------------------------------------------------ one shard
+    def replica_state(
+        self, wanted: int, waited: float, taker: bool, members: set[str]
+    ) -> policy.ReplicaState:
+        """What RoundEngine._replica_state hands the policy (no replica assignment is ever
+        out here: ``live`` False). No compute classes in this bench: every group is
+        same-class; bench/heterogeneity.py adds the members' class keys."""
+        return policy.ReplicaState(wanted=wanted, waited_s=waited, live=False, taker=taker)
+
     def settle_shard(
         self, group: list[Work], wanted: int, active: list[Node], issue: Any
     ) -> tuple[policy.Settle | policy.Drop, list[Work]]:
@@ -191,9 +199,7 @@ class Simulation:
             ordered = sorted(group, key=lambda g: (g.sha, g.rec.update_id))  # the engine's order
             members = {g.rec.node_id for g in group}
             takers = vf.replica_candidates({n.node_id: n.rep for n in active}, members, self.vspec)
-            state = policy.ReplicaState(
-                wanted=wanted, waited_s=waited, live=False, taker=bool(takers)
-            )
+            state = self.replica_state(wanted, waited, bool(takers), members)
             reps = {m: self.nodes[m].rep for m in members}
             decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps)
             if not isinstance(decision, policy.WaitForMore):
