@@ -62,7 +62,8 @@ def test_crafted_update_flips_the_output_layer_under_the_norm_bound():
 
 def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
-    assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated"]
+    assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
+                          "coordinated_patient"]
     plain = runs["plain_fp32"]
     steps = math.ceil(2 * 64 / 32) * TINY.epochs  # a shard = 2 chunks of 64
     assert plain["trainings"] == plain["shards"] == 2 * TINY.rounds  # no replica: every shard trained once
@@ -94,7 +95,10 @@ def test_figures_and_verdicts(mlp_job):
     assert fig["honest_flagged"] == sum(r["honest_flagged"] for r in runs)
     assert fig["malicious_updates"] == mlp_job["runs"]["sign_flip"]["malicious_updates"]
     assert 0.0 <= fig["detection_rate"] <= 1.0
-    assert fig["colluder_crafted_updates"] == mlp_job["runs"]["coordinated"]["malicious_updates"] > 0
+    assert fig["colluder_inclusion"]["coordinated"]["submitted"] == mlp_job["runs"]["coordinated"]["malicious_updates"]
+    assert fig["colluder_inclusion"]["coordinated"]["submitted"] > 0
+    # the patient adversary is not trusted within 2 rounds: it trains honestly, nothing is crafted
+    assert mlp_job["runs"]["coordinated_patient"]["malicious_updates"] == 0
     assert set(fig["accuracy_gap_points"]) == {"mlp/fp32", "mlp/bf16"}
     check = het.verdicts(fig)
     assert check["cross_class_pairs"]["met"] is False  # 2 rounds cannot reach 1,000 pairs
