@@ -366,7 +366,7 @@ class HeteroSimulation(rb.Simulation):
 class Setup:
     rounds: int = 30
     epochs: int = 5
-    chunks: int = 16
+    chunks: int = 12
     classes: tuple[str, ...] = tuple(CLASSES)
     attacks: tuple[str, ...] = atk.ATTACKS
     coordinated: bool = True
@@ -479,6 +479,9 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             (r["replication_overhead_trusted"] for _, _, r in verified if r["replication_overhead_trusted"] is not None),
             default=None),
         "verification_cost_fraction": verify_cpu / train_cpu if train_cpu else None,
+        "verification_cost_fraction_by_job": {
+            j: round(sum(r["verify_cpu_s"] for jj, _, r in mixed if jj == j)
+                     / max(sum(r["train_cpu_s"] for jj, _, r in mixed if jj == j), 1e-12), 4) for j in jobs},
         "verification_cost_fraction_steps": (sum(referee_steps) / steps) if referee_steps and steps else None,
         "accuracy_gap_points": {f"{j}/{k}": v for j, d in jobs.items() for k, v in d["accuracy_gap_points"].items()},
         "accuracy_gap_points_max_abs": max((abs(v) for d in jobs.values() for v in d["accuracy_gap_points"].values()),
@@ -515,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--chunks", type=int, default=16, help="64-sample training chunks per job")
+    ap.add_argument("--chunks", type=int, default=12, help="64-sample training chunks per job")
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("--classes", default=",".join(CLASSES), help="the first is the accuracy baseline's")
     ap.add_argument("--attacks", default=",".join(atk.ATTACKS))
