@@ -132,11 +132,16 @@ def train_assignment(
     device: torch.device,
     progress: Callable[[float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_step: Callable[[int, nn.Module, LocalOptimizer], None] | None = None,
+    precision: str = "fp32",
 ) -> TrainResult:
     """Train ``cfg.local_epochs`` epochs on the concatenated chunks; return the delta.
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
-    when ``should_stop()`` turns true (checked between batches).
+    when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
+    optimizer)`` is called before the first step (0) and after each one: the checkpoint
+    commitments' hook (node/checkpoints.py). ``precision`` "bf16" runs the forward pass under
+    bf16 autocast (fp32 master weights); anything else trains in fp32.
     """
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
@@ -173,8 +178,11 @@ def train_assignment(
     step = 0
     acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     loss_sum = torch.zeros((), dtype=acc_dtype, device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(seed)  # dropout and any other in-model randomness
+        if on_step is not None:
+            on_step(0, model, optimizer)
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(seed + epoch)
             perm = torch.randperm(n, generator=gen).to(device)
@@ -186,7 +194,8 @@ def train_assignment(
                 xb = x.index_select(0, idx)  # (batch, *input_shape)
                 yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
                 optimizer.zero_grad()
-                loss = loss_fn(model(xb), yb)
+                with autocast:
+                    loss = loss_fn(model(xb), yb)
                 loss.backward()
                 if clip > 0:
                     clip_grad_norm(params, clip)
@@ -194,6 +203,8 @@ def train_assignment(
                 if last_epoch:
                     loss_sum += loss.detach() * idx.shape[0]
                 step += 1
+                if on_step is not None:
+                    on_step(step, model, optimizer)
                 if progress is not None and step % report_every == 0:
                     progress(step / total_steps)
     mean_loss = float(loss_sum) / n  # synchronizes on CUDA

@@ -100,6 +100,20 @@ class VerificationSpec:
     #: a replicated shard whose replica never came: "accept" aggregates it (marked unverified in
     #: the audit log and the job status), "hold" keeps it out until a replica agrees
     unverified: str = "accept"
+    # -- the referee: checkpoint commitments and segment re-execution (hub/referee.py) --------
+    #: steps between two committed checkpoints of an assignment; 0 = about 8 segments an assignment
+    checkpoint_every: int = 0
+    #: share of settled untrusted shards whose representative the referee re-executes a segment of
+    spot_check: float = 0.25
+    #: relative distance (re-executed vs committed segment end, over the segment's update) under
+    #: which a segment claimed in fp32 reproduces (bench/referee_calibration.py: honest classes
+    #: <= 1.1e-6 on the digits MLP and CNN, a bf16 node claiming fp32 >= 9.2e-3)
+    segment_tolerance: float = 1e-3
+    #: the same for a segment claimed in bf16 / fp16 / tf32 (honest bf16 classes <= 0.035 on the
+    #: digits CNN: oneDNN's bf16 kernels against torch's own; an fp32 node claiming bf16 >= 0.070)
+    segment_tolerance_low: float = 0.05
+    #: how long a node has to hand over a requested checkpoint state before it is unverifiable
+    state_wait_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,12 @@ def _verification(s: _Section) -> VerificationSpec:
         free_rider_norm=s.get_float("free_rider_norm", d.free_rider_norm, 0.0, 1.0),
         replica_wait_s=s.get_float("replica_wait_s", d.replica_wait_s, 0.0, 86_400.0, lo_open=True),
         unverified=s.get_choice("unverified", d.unverified, UNVERIFIED),
+        checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 0, 1 << 30),
+        spot_check=s.get_float("spot_check", d.spot_check, 0.0, 1.0),
+        segment_tolerance=s.get_float("segment_tolerance", d.segment_tolerance, 0.0, 10.0, lo_open=True),
+        segment_tolerance_low=s.get_float("segment_tolerance_low", d.segment_tolerance_low, 0.0, 10.0,
+                                          lo_open=True),
+        state_wait_s=s.get_float("state_wait_s", d.state_wait_s, 0.0, 86_400.0, lo_open=True),
     )
 
 
