@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpuflex.hub.referee import replay_segment, segment_distance  # noqa: E402
-from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402,F401
+from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every, model_part  # noqa: E402
 from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402

@@ -44,6 +44,7 @@ __all__ = [
     "fetch_steps",
     "judge_segment",
     "pick_segment",
+    "referee_grid_ok",
     "replay_segment",
     "segment_distance",
     "stack_data",
@@ -71,6 +72,13 @@ class SegmentVerdict:
 
 def _grid(c: Commitment) -> list[int]:
     return [*range(0, c.steps, c.every), c.steps]
+
+
+def referee_grid_ok(c: Commitment, local_epochs: int, samples: int, batch_size: int) -> bool:
+    """The commitment covers exactly the assignment's steps, one hash per checkpoint of its
+    grid and one norm per segment."""
+    steps = math.ceil(samples / max(batch_size, 1)) * local_epochs
+    return c.steps == steps and c.every >= 1 and len(c.hashes) == len(_grid(c)) == len(c.norms) + 1
 
 
 def pick_segment(c: Commitment, other: Commitment | None = None) -> int:
@@ -207,7 +215,7 @@ def judge_segment(
         try:
             if step_of(st) != step:
                 return _verdict(update_id, node_id, "mismatch", base, why=f"the state of step {step} says step {step_of(st)}")
-        except Exception as exc:  # noqa: BLE001 - a malformed state is a mismatch, with its reason
+        except Exception as exc:
             return _verdict(update_id, node_id, "mismatch", base, why=f"state of step {step}: {exc}"[:200])
     start, end, final = states[s], states[e], states[last]
     start_m, end_m, final_m = model_part(start), model_part(end), model_part(final)

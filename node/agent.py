@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -42,16 +45,25 @@ from typing import Any
 
 import aiohttp
 import torch
+from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.messages import Assignment, Benchmark, NoWork
+from gpuflex.protocol.messages import (
+    MAX_CHECKPOINTS,
+    Assignment,
+    Benchmark,
+    NoWork,
+    StateRequest,
+    StateUpload,
+)
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.signing import SigningKey, fingerprint
+from gpuflex.protocol.signing import SigningKey, fingerprint, new_nonce
 from gpuflex.protocol.tensors import check_finite
 from gpuflex.protocol.version import SOFTWARE_VERSION
 from torch import Tensor
 
 from .assignment import check_assignment, load_inputs
 from .cache import BlobCache
+from .checkpoints import CheckpointRecorder, CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
@@ -108,6 +120,14 @@ class NodeConfig:
     control: bool = True
     benchmark: Benchmark | None = None  # None: cached or quick measurement at start
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
+    #: the precision this node trains in, committed to in every update ("fp32" | "bf16": bf16
+    #: autocast with fp32 master weights, a numerically different but honest class)
+    precision: str = "fp32"
+    #: checkpoint states kept for the hub's referee (the most recent assignments; bytes cap)
+    checkpoint_keep: int = 4
+    #: oneDNN (mkldnn) CPU kernels; off gives another honest numeric class on the same CPU
+    onednn: bool = True
+    max_checkpoint_bytes: int = 2 << 30
 
 
 @dataclass
@@ -146,7 +166,11 @@ class NodeAgent:
             self.key = key or load_or_create_key(config.data_dir)
             self.device = select_device(config.device)
             apply_limits(self.device, threads=config.threads, max_gpu_memory_gb=config.max_gpu_memory_gb)
+            if not config.onednn:
+                torch.backends.mkldnn.enabled = False
             self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
+            self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", keep=config.checkpoint_keep,
+                                               max_bytes=config.max_checkpoint_bytes)
         except BaseException:
             self.lock.release()
             raise
@@ -185,10 +209,34 @@ class NodeAgent:
                 cur.progress = fraction
             self.output.progress_update(fraction)
 
-        return train_assignment(
+        n = sum(int(c["x"].shape[0]) for c in chunks)
+        total = math.ceil(n / max(assignment.train.batch_size, 1)) * assignment.train.local_epochs
+        every = max(auto_every(total, assignment.train.checkpoint_every),
+                    math.ceil(max(total, 1) / (MAX_CHECKPOINTS - 1)))
+        recorder = CheckpointRecorder(total_steps=total, every=every, precision=self.config.precision,
+                                      store=self.checkpoints, assignment_id=assignment.assignment_id)
+        self.checkpoints.prune(keep_id=assignment.assignment_id)
+        result = train_assignment(
             spec, global_state, chunks, assignment.train, assignment.seed,
             device=self.device, progress=progress, should_stop=self.stop_training.is_set,
+            on_step=recorder, precision=self.config.precision,
         )
+        return dataclasses.replace(result, commitment=recorder.commitment())
+
+    async def hand_over(self, asked: StateRequest) -> None:
+        """Upload the committed checkpoint states the hub's referee asked for (those still kept)."""
+        client = self._client()
+        self.output.event("state_request", request_id=asked.request_id, assignment_id=asked.assignment_id,
+                          steps=list(asked.steps))
+        for step in asked.steps:
+            data = await asyncio.to_thread(self.checkpoints.read, asked.assignment_id, step)
+            if data is None:
+                self.output.event("state_missing", request_id=asked.request_id, step=step)
+                continue
+            hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                              state_size=len(data), timestamp=client.now(), nonce=new_nonce())
+            ack = await client.upload_state(hdr, data)
+            self.output.event("state_sent", request_id=asked.request_id, step=step, bytes=len(data), ok=ack.ok)
 
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
         """The step between training and upload; identity in the shipped node."""
@@ -336,6 +384,10 @@ class NodeAgent:
                 item, inline = await pause.interruptible(
                     client.request_work(self.config.poll_wait_s, self.cache.ids(4096))
                 )
+                if isinstance(item, StateRequest):
+                    backoff.reset()
+                    await pause.interruptible(self.hand_over(item))
+                    continue
                 if isinstance(item, NoWork):
                     backoff.reset()
                     self.output.event("no_work", reason=item.reason, retry_after_s=item.retry_after_s)

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training "
                      "(torch.set_num_threads; default on a CPU: half the cores, at least 1)")
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
+    run.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                     help="train in fp32 (default) or under bf16 autocast (fp32 master weights); committed to in "
+                          "every update, and the hub's referee re-executes in it")
+    run.add_argument("--onednn", action=argparse.BooleanOptionalAction, default=True,
+                     help="use oneDNN (mkldnn) CPU kernels (default on; --no-onednn uses torch's own)")
     run.add_argument("--yield-gpu", action=argparse.BooleanOptionalAction, default=True,
                      help="pause while another process uses the GPU (needs nvidia-ml-py; default on)")
     run.add_argument("--once", action="store_true", help="exit after one assignment")
@@ -115,6 +120,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         max_gpu_memory_gb=args.max_gpu_memory, once=args.once, max_assignments=args.max_assignments,
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
+        precision=args.precision, onednn=args.onednn,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())

@@ -33,7 +33,7 @@ from .errors import TrainError, TrainingStopped
 from .optim import SGD, Adam, LocalOptimizer, clip_grad_norm
 
 if TYPE_CHECKING:
-    from gpuflex.protocol.messages import TrainConfig
+    from gpuflex.protocol.messages import Commitment, TrainConfig
     from gpuflex.protocol.modelspec import ModelSpec
 
 __all__ = ["TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
@@ -48,6 +48,8 @@ class TrainResult:
     loss: float
     train_s: float
     steps: int
+    #: the checkpoint commitment of this training (node/checkpoints.py), set by the agent
+    commitment: Commitment | None = None
 
 
 def make_optimizer(params: Sequence[Tensor], cfg: TrainConfig) -> LocalOptimizer:
