@@ -184,7 +184,7 @@ def decide_shard(
     that would settle unverified keeps waiting for a replica instead (rule 5). ``committed``,
     ``verdicts`` and ``spot``: the referee's inputs (rule 4)."""
     if committed is not None and shard_due(len(updates), spec, state):
-        return _with_referee(updates, spec, state, reputations, verdicts or {}, spot, slice_elems)
+        return _with_referee(updates, spec, state, reputations, committed, verdicts or {}, spot, slice_elems)
     return _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems)
 
 
@@ -214,11 +214,13 @@ def _with_referee(
     spec: VerificationSpec,
     state: ReplicaState,
     reputations: Mapping[str, Reputation],
+    committed: frozenset[str],
     verdicts: Mapping[str, SegmentVerdict],
     spot: bool,
     slice_elems: int,
 ) -> ShardDecision:
-    """Rule 4: the referee's verdicts first, then the plain rules."""
+    """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
+    none of which carries a commitment is judged by the plain rules (nothing to re-execute)."""
     ups = list(updates)
     ids = [u.update_id for u in ups]
     node_of = {u.update_id: u.node_id for u in ups}
@@ -236,9 +238,11 @@ def _with_referee(
                 reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
                 flags.append(Flag(u, node_of[u], reason, {"referee": _referee_evidence(verdicts, [u])[0]}))
         # members that agreed with a failed one, and were not reproduced themselves, vouched for it
+        # (a refusal to hand over states says nothing of the update's content: no vouching there)
         for p in pairs:
             for mine, theirs in ((p["a"], p["b"]), (p["b"], p["a"])):
                 if (p.get("agree") and theirs in failed and mine not in failed
+                        and verdicts[theirs].outcome == "mismatch"
                         and not (mine in verdicts and verdicts[mine].ok)
                         and all(f.update_id != mine for f in flags)):
                     reason = "unverifiable" if verdicts[theirs].outcome == "unverifiable" else "referee_mismatch"
@@ -253,15 +257,15 @@ def _with_referee(
         if not rest:
             return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence)
         lacking = tuple(u for u in rest if u not in verdicts)
-        if lacking and len(rest) >= 2:
-            return Referee(lacking, "disagreement", evidence)
+        if lacking:  # after a failure, what is left counts only once the referee has seen it too
+            split = any(not p.get("agree") for p in pairs if p["a"] in rest and p["b"] in rest)
+            return Referee(lacking, "disagreement" if split else "spot_check", evidence)
         rep = rest[0]
         for u in rest[1:]:
             statuses[u] = "redundant"
         agreed = tuple(sorted({node_of[u] for u in rest if u in verdicts and verdicts[u].ok}))
-        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence,
-                      None if rep in verdicts else "lone_update" if state.wanted > 1 else None)
-    if any(not p.get("agree") for p in pairs):
+        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence)
+    if any(not p.get("agree") for p in pairs) and committed & set(ids):
         lacking = tuple(u for u in ids if u not in verdicts)
         if lacking:
             return Referee(lacking, "disagreement", {"replicas": len(ids), "pairs": pairs})

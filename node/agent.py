@@ -48,7 +48,6 @@ import torch
 from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import (
-    MAX_CHECKPOINTS,
     Assignment,
     Benchmark,
     NoWork,
@@ -211,8 +210,7 @@ class NodeAgent:
 
         n = sum(int(c["x"].shape[0]) for c in chunks)
         total = math.ceil(n / max(assignment.train.batch_size, 1)) * assignment.train.local_epochs
-        every = max(auto_every(total, assignment.train.checkpoint_every),
-                    math.ceil(max(total, 1) / (MAX_CHECKPOINTS - 1)))
+        every = auto_every(total, assignment.train.checkpoint_every)
         recorder = CheckpointRecorder(total_steps=total, every=every, precision=self.config.precision,
                                       store=self.checkpoints, assignment_id=assignment.assignment_id)
         self.checkpoints.prune(keep_id=assignment.assignment_id)

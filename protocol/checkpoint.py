@@ -27,10 +27,12 @@ from typing import Final
 import torch
 
 from .errors import TensorError
+from .messages import MAX_CHECKPOINTS
 from .tensors import encode_state, sha256_hex
 
 __all__ = [
     "DEFAULT_SEGMENTS",
+    "MAX_SEGMENT_STEPS",
     "auto_every",
     "canonical_bytes",
     "checkpoint_steps",
@@ -40,17 +42,22 @@ __all__ = [
     "step_of",
 ]
 
-#: without ``[verification] checkpoint_every``, an assignment is cut into this many segments
+#: without ``[verification] checkpoint_every``, an assignment is cut into this many segments ...
 DEFAULT_SEGMENTS: Final = 8
+#: ... of at most this many steps (honest numeric classes drift apart with the segment's length:
+#: bench/referee_calibration.py), while the commitment stays within MAX_CHECKPOINTS hashes
+MAX_SEGMENT_STEPS: Final = 16
 MODEL_PREFIX: Final = "model."
 
 
 def auto_every(total_steps: int, every: int = 0) -> int:
     """The checkpoint interval for ``total_steps`` steps: ``every`` when set (> 0), else about
-    ``DEFAULT_SEGMENTS`` segments."""
-    if every > 0:
-        return every
-    return max(1, math.ceil(max(total_steps, 1) / DEFAULT_SEGMENTS))
+    ``DEFAULT_SEGMENTS`` segments of at most ``MAX_SEGMENT_STEPS`` steps; never so small that
+    the commitment would hold more than ``MAX_CHECKPOINTS`` hashes."""
+    total = max(total_steps, 1)
+    if every < 1:
+        every = min(math.ceil(total / DEFAULT_SEGMENTS), MAX_SEGMENT_STEPS)
+    return max(1, every, math.ceil(total / (MAX_CHECKPOINTS - 1)))
 
 
 def checkpoint_steps(total_steps: int, every: int) -> list[int]:

@@ -68,6 +68,7 @@ split = "stratified"
 [verification]
 replication = {replication}
 replica_wait_s = {replica_wait_s}
+spot_check = {spot_check}
 """
 
 
@@ -78,6 +79,7 @@ def digits_spec(
     chunk_size: int = 64,
     replication: str = "0.0",
     replica_wait_s: float = 30.0,
+    spot_check: float = 0.0,
     extra: str = "",
 ) -> str:
     return (
@@ -87,6 +89,7 @@ def digits_spec(
             chunk_size=chunk_size,
             replication=replication,
             replica_wait_s=replica_wait_s,
+            spot_check=spot_check,
         )
         + extra
     )
