@@ -236,7 +236,9 @@ def _with_referee(
             if u in failed:
                 v = verdicts[u]
                 reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
-                flags.append(Flag(u, node_of[u], reason, {"referee": _referee_evidence(verdicts, [u])[0]}))
+                flags.append(Flag(u, node_of[u], reason, {
+                    "referee": _referee_evidence(verdicts, [u])[0], "group": _referee_evidence(verdicts, ids),
+                    "pairs": [p for p in pairs if u in (p["a"], p["b"])], "tolerance": spec.tolerance}))
         # members that agreed with a failed one, and were not reproduced themselves, vouched for it
         # (a refusal to hand over states says nothing of the update's content: no vouching there)
         for p in pairs:

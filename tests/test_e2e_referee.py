@@ -43,6 +43,17 @@ def _rows(cluster: LocalCluster, sql: str, *args: Any) -> list[dict[str, Any]]:
         conn.close()
 
 
+def _hub_cli(argv: list[str], env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "gpuflex.hub", *argv], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    return done.stdout
+
+
 def _wait_rows(cluster: LocalCluster, sql: str, *args: Any, timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,6 +126,12 @@ def test_a_crafted_update_with_a_colluding_replica_is_caught_by_the_spot_check(
         assert any("vouched_for" in e for e in ev)
         ups = _rows(cluster, "SELECT status FROM updates WHERE job_id = ?", job)
         assert ups and all(u["status"] == "quarantined" for u in ups[:2])
+        auditor = cluster.create_token("auditor", "audrey")
+        first = next(f for f in flags if "vouched_for" not in json.loads(f["evidence"]))
+        show = cluster.get_json(f"/v1/flags/{first['id']}", auditor)
+        assert show["referee"][0]["this"] and show["referee"][0]["steps"]
+        text = _hub_cli(["audit", "show", first["id"]], {"GPUFLEX_HUB": cluster.url, "GPUFLEX_TOKEN": auditor})
+        assert "referee re-execution" in text and "spot_check" in text and "mismatch" in text
 
 
 def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path: Path, bench_cache: Path) -> None:
@@ -142,3 +159,7 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
         assert _rows(cluster, "SELECT 1 FROM updates WHERE node_id = ? AND status = 'included'", honest.node_id)
         show = cluster.get_json(f"/v1/flags/{flags[0]['id']}", auditor)
         assert show["reason"] == "unverifiable"
+        (row,) = show["referee"]
+        assert row["node"] == mute.node_id and row["outcome"] == "unverifiable" and row["reason"] == "spot_check"
+        text = _hub_cli(["audit", "show", flags[0]["id"]], {"GPUFLEX_HUB": cluster.url, "GPUFLEX_TOKEN": auditor})
+        assert "referee re-execution" in text and "not handed over" in text and "unverifiable" in text
