@@ -32,7 +32,13 @@ from gpuflex.protocol import (
     decode_message,
     encode_message,
 )
-from gpuflex.protocol.messages import MESSAGE_TYPES, Commitment, StateRequest, StateUpload, peek_kind
+from gpuflex.protocol.messages import (
+    MESSAGE_TYPES,
+    Commitment,
+    StateRequest,
+    StateUpload,
+    peek_kind,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

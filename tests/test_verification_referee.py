@@ -392,3 +392,26 @@ def test_an_unverifiable_node_is_flagged_and_left_out() -> None:
     assert isinstance(done, policy.Drop)
     assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
     assert done.statuses == {"u-a": "quarantined"}
+
+
+def test_a_refusal_makes_no_one_vouch_and_the_rest_is_checked_before_it_counts() -> None:
+    d = {"w": torch.ones(10)}
+    ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10)})]
+    state = policy.ReplicaState(wanted=2)
+    committed = frozenset({"u-a", "u-b"})
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+                              verdicts={"u-a": _bad("u-a", "n-a", "unverifiable")})
+    assert isinstance(ask, policy.Referee) and ask.update_ids == ("u-b",) and ask.reason == "spot_check"
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+                               verdicts={"u-a": _bad("u-a", "n-a", "unverifiable"), "u-b": _ok("u-b", "n-b")})
+    assert isinstance(done, policy.Settle) and done.representative == "u-b"
+    assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
+    assert done.agreed_nodes == ("n-b",) and done.statuses == {"u-a": "quarantined"}
+
+
+def test_a_disagreement_without_any_commitment_keeps_the_strict_rules() -> None:
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)}), _rec("u-b", "n-b", {"w": -torch.ones(10)})]
+    state = policy.ReplicaState(wanted=2)
+    plain = policy.decide_shard(ups, SPEC, state, {})
+    same = policy.decide_shard(ups, SPEC, state, {}, committed=frozenset())
+    assert type(plain) is type(same) and not isinstance(same, policy.Referee)
