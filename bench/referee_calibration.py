@@ -137,19 +137,69 @@ def run(kind: str, epochs: int, n: int) -> dict[str, object]:
     }
 
 
+def cost(kind: str, epochs: int, n: int, repeats: int = 3) -> dict[str, float]:
+    """What the commitments cost the node (recording + writing every checkpoint) and what one
+    spot-check costs the referee (re-executing one segment), against the training itself."""
+    import tempfile
+
+    from gpuflex.node.checkpoints import CheckpointStore
+
+    spec = parse_job_spec(f'[job]\nname = "c"\n{MODELS[kind]}[train]\nlocal_epochs = {epochs}\nbatch_size = 32\n'
+                          'optimizer = "sgd"\nlr = 0.05\nmomentum = 0.9\n')
+    xtr, ytr, _, _ = digits_arrays()
+    x = torch.from_numpy(xtr[:n].copy())
+    if kind == "cnn":
+        x = x.reshape(-1, 1, 8, 8)
+    y = torch.from_numpy(ytr[:n].copy())
+    cfg = spec.train.train_config()
+    g = {k: v.detach().clone() for k, v in build_model(spec.model, seed=0).state_dict().items()}
+    total = math.ceil(n / 32) * epochs
+    every = auto_every(total)
+    plain, committed, replay = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        train_assignment(spec.model, g, [{"x": x, "y": y}], cfg, 7, device=torch.device("cpu"))
+        plain.append(time.perf_counter() - t0)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = CheckpointStore(Path(tmp))
+            rec = CheckpointRecorder(total_steps=total, every=every, store=store, assignment_id="a")
+            t0 = time.perf_counter()
+            train_assignment(spec.model, g, [{"x": x, "y": y}], cfg, 7, device=torch.device("cpu"), on_step=rec)
+            committed.append(time.perf_counter() - t0)
+            seg = max(range(len(rec.norms)), key=lambda i: rec.norms[i])
+            s, e = rec.steps[seg], rec.steps[seg + 1]
+            start = decode_state(bytearray(store.read("a", s) or b""))
+        t0 = time.perf_counter()
+        replay_segment(spec.model, start, x, y, cfg, 7, s, e)
+        replay.append(time.perf_counter() - t0)
+    p, c, r = min(plain), min(committed), min(replay)
+    return {"steps": total, "checkpoint_every": every, "train_s": p, "train_with_commitments_s": c,
+            "commitment_overhead": c / p - 1.0, "replay_one_segment_s": r, "replay_fraction_of_training": r / p}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--samples", type=int, default=704)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "referee_calibration.json")
+    ap.add_argument("--cost-only", action="store_true", help="measure only the costs; keep the calibration")
     args = ap.parse_args()
+    costs = {kind: cost(kind, args.epochs, args.samples) for kind in MODELS}
+    for kind, c in costs.items():
+        print(f"{kind} cost: {json.dumps({k: round(v, 4) for k, v in c.items()})}")
+    if args.cost_only and args.out.exists():
+        doc = json.loads(args.out.read_text())
+        doc["cost"] = costs
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     results = {kind: run(kind, args.epochs, args.samples) for kind in MODELS}
     for kind, r in results.items():
         print(f"{kind}: honest segment max {r['segment_distance_honest_max']:.3g}, "
               f"precision lie min {r['segment_distance_lie_min']:.3g}, "
               f"replicas (whole update) {json.dumps({k: float(f'{v:.3g}') for k, v in r['replica_whole_update_distance_vs_fp32_t2'].items()})}")  # type: ignore[union-attr]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"torch": torch.__version__, "results": results, "cost": costs}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
