@@ -367,7 +367,8 @@ class Ledger:
         if job is None or upd is None or upd.commitment is None:
             raise Conflict("the update this request was about is gone", code="late_state")
         c = upd.commitment
-        expected = c.hashes[[*range(0, c.steps, c.every), c.steps].index(hdr.step)]
+        index = len(c.hashes) - 1 if hdr.step == c.steps else hdr.step // c.every  # its place on the grid
+        expected = c.hashes[index]
         if hdr.state_sha256 != expected:
             raise Unprocessable(f"state of step {hdr.step} is not the one committed to", code="not_committed")
         # params + optimizer state (<= 2 more copies) + step + RNG state: a bound, not a guess

@@ -490,6 +490,8 @@ class RoundEngine:
         await self.store.end_job(job.id, state, reason, [a.id for a in leftovers])
         for a in leftovers:
             self.scheduler.detach(a)
+        for rid in [rid for rid, r in self.state_requests.items() if r.job_id == job.id]:
+            del self.state_requests[rid]  # nobody is asked for a state of a job that ended
         job.end(state)
         job.error = reason
         self.signal.notify()
