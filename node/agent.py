@@ -214,11 +214,15 @@ class NodeAgent:
         recorder = CheckpointRecorder(total_steps=total, every=every, precision=self.config.precision,
                                       store=self.checkpoints, assignment_id=assignment.assignment_id)
         self.checkpoints.prune(keep_id=assignment.assignment_id)
-        result = train_assignment(
-            spec, global_state, chunks, assignment.train, assignment.seed,
-            device=self.device, progress=progress, should_stop=self.stop_training.is_set,
-            on_step=recorder, precision=self.config.precision,
-        )
+        try:
+            result = train_assignment(
+                spec, global_state, chunks, assignment.train, assignment.seed,
+                device=self.device, progress=progress, should_stop=self.stop_training.is_set,
+                on_step=recorder, precision=self.config.precision,
+            )
+        except BaseException:
+            recorder.abandon()
+            raise
         return dataclasses.replace(result, commitment=recorder.commitment())
 
     async def hand_over(self, asked: StateRequest) -> None:

@@ -12,6 +12,7 @@ and never more than ``max_bytes`` in all.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -127,11 +128,17 @@ class CheckpointRecorder:
         self.hashes: list[str] = []
         self.norms: list[float] = []
         self._prev: dict[str, Tensor] | None = None
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpuflex-checkpoints")
+        self._pending: list[concurrent.futures.Future[None]] = []
 
     def __call__(self, step: int, model: nn.Module, optimizer: LocalOptimizer) -> None:
         if step not in self._wanted:
             return
-        state = training_state(model, optimizer, step)
+        state = training_state(model, optimizer, step)  # a copy: training goes on at once
+        # Encoding, hashing, the norm and the write overlap the next steps (one writer, in order).
+        self._pending.append(self._writer.submit(self._commit, step, state))
+
+    def _commit(self, step: int, state: dict[str, Tensor]) -> None:
         data = canonical_bytes(state)
         self.hashes.append(sha256_hex(data))
         current = {k: v for k, v in state.items() if k.startswith("model.")}
@@ -141,7 +148,16 @@ class CheckpointRecorder:
         if self.store is not None:
             self.store.write(self.assignment_id, step, data)
 
+    def abandon(self) -> None:
+        """Training stopped: let the writer finish what it has and go."""
+        self._writer.shutdown(wait=True, cancel_futures=True)
+
     def commitment(self) -> Commitment:
+        """The signed commitment's content, once every checkpoint is hashed and written."""
+        for f in self._pending:
+            f.result()  # re-raises a failed write
+        self._pending.clear()
+        self._writer.shutdown(wait=True)
         if len(self.hashes) != len(self.steps):
             raise TrainError(f"recorded {len(self.hashes)} checkpoints of {len(self.steps)}")
         return Commitment(every=self.every, steps=self.total_steps, precision=self.precision,
