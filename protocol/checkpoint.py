@@ -95,11 +95,15 @@ def step_of(state: Mapping[str, torch.Tensor]) -> int:
 
 def segment_norm(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
                  names: Sequence[str] | None = None) -> float:
-    """L2 norm of (b - a) over the floating tensors both hold (``names`` restricts them)."""
+    """L2 norm of (b - a) over the floating tensors both hold (``names`` restricts them).
+
+    Per tensor in float32 (a fused norm, no float64 copies: this runs at every checkpoint),
+    summed across tensors in float64."""
     keys = names if names is not None else sorted(set(a) & set(b))
     total = 0.0
     for k in keys:
         x, y = a[k], b[k]
         if x.is_floating_point():
-            total += float(((y.double() - x.double()) ** 2).sum())
+            n = float(torch.linalg.vector_norm(y.float() - x.float()))
+            total += n * n
     return math.sqrt(total)
