@@ -92,6 +92,7 @@ class HeteroSimulation(rb.Simulation):
         self._current = names[0]
         self.stats["cross_class_pairs"] = 0
         self.stats["cross_class_flagged"] = 0
+        self.stats["cross_class_disagreements"] = 0  # beyond the strict tolerance: the referee's work
 
     def _honest(self, cache: dict, state: dict, key: Any, chunks: list, seed: int) -> Any:
         ck = (self._current, key)
@@ -110,6 +111,10 @@ class HeteroSimulation(rb.Simulation):
         for a, b in itertools.combinations(honest, 2):
             if self.klass[a.rec.node_id] != self.klass[b.rec.node_id]:
                 self.stats["cross_class_pairs"] += 1
+                da, db = a.rec.delta, b.rec.delta
+                num = sum(float(torch.linalg.vector_norm(da[k] - db[k])) ** 2 for k in da)
+                den = sum(float(torch.linalg.vector_norm(da[k])) ** 2 for k in da)
+                self.stats["cross_class_disagreements"] += num > (self.vspec.tolerance ** 2) * den
                 self.stats["cross_class_flagged"] += (a.rec.update_id in flagged) + (b.rec.update_id in flagged)
         return decision, group
 
@@ -117,6 +122,7 @@ class HeteroSimulation(rb.Simulation):
         out = super().run()
         out["cross_class_pairs"] = self.stats["cross_class_pairs"]
         out["cross_class_flagged"] = self.stats["cross_class_flagged"]
+        out["cross_class_disagreements"] = self.stats["cross_class_disagreements"]
         return out
 
 
@@ -157,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     jobs: dict[str, Any] = {}
-    totals = {"cross_class_pairs": 0, "honest_flagged": 0, "malicious": 0, "caught": 0, "steps_replayed": 0,
+    totals = {"cross_class_pairs": 0, "cross_class_disagreements": 0, "honest_flagged": 0, "malicious": 0, "caught": 0, "steps_replayed": 0,
               "steps_trained": 0}
     overheads: list[float] = []
     accuracy_gap: dict[str, float] = {}
@@ -180,6 +186,7 @@ def main() -> None:
                 runs.append(sim)
                 rows.append({"attack": attack, "attacker_fraction": fraction,
                              **{k: r[k] for k in ("accuracy", "detection_rate", "honest_flagged", "cross_class_pairs",
+                                                  "cross_class_disagreements",
                                                   "cross_class_flagged", "verification_cost_fraction",
                                                   "replication_overhead_trusted", "malicious_updates")}})
                 if attack == "colluding" and fraction == 0.3:
@@ -189,6 +196,7 @@ def main() -> None:
         for sim in runs:
             s = sim.stats
             totals["cross_class_pairs"] += s["cross_class_pairs"]
+            totals["cross_class_disagreements"] += s["cross_class_disagreements"]
             totals["honest_flagged"] += s["honest_flagged"]
             totals["malicious"] += s["malicious"]
             totals["caught"] += s["caught"]
@@ -201,6 +209,7 @@ def main() -> None:
         jobs[job] = {"per_class_clean_accuracy": per_class, "rows": rows}
     figures = {
         "cross_class_pairs": totals["cross_class_pairs"],
+        "cross_class_disagreements": totals["cross_class_disagreements"],
         "honest_flagged": totals["honest_flagged"],
         "detection_rate": totals["caught"] / max(totals["malicious"], 1),
         "replication_overhead_steady": max(overheads) if overheads else None,
