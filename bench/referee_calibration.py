@@ -165,6 +165,7 @@ def cost(kind: str, epochs: int, n: int, repeats: int = 3) -> dict[str, float]:
             rec = CheckpointRecorder(total_steps=total, every=every, store=store, assignment_id="a")
             t0 = time.perf_counter()
             train_assignment(spec.model, g, [{"x": x, "y": y}], cfg, 7, device=torch.device("cpu"), on_step=rec)
+            rec.commitment()  # every checkpoint hashed and written
             committed.append(time.perf_counter() - t0)
             seg = max(range(len(rec.norms)), key=lambda i: rec.norms[i])
             s, e = rec.steps[seg], rec.steps[seg + 1]

@@ -118,8 +118,6 @@ class RoundEngine:
         self.current: JobState | None = None
         #: the referee's open state requests, by id (hub/referee.py; the ledger answers nodes from it)
         self.state_requests: dict[str, StateRequestState] = {}
-        self.metrics_referee_requests = 0  # states asked for (requests opened)
-        self.referee_segments = 0  # segments re-executed
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -235,8 +233,9 @@ class RoundEngine:
             shard.requests[r.update_id] = r
             self.state_requests[r.id] = r
         shard.verdicts.update(at_once)
+        self.metrics.referee_verdicts.update(v.outcome for v in at_once.values())
         if requests:
-            self.metrics_referee_requests += len(requests)
+            self.metrics.referee_requests += len(requests)
             asyncio.get_running_loop().call_later(float(vspec.state_wait_s) + 0.05, self.poke, job.id)
             self.signal.notify()  # the nodes asked wake from their long-polls
         return bool(at_once) and not requests
@@ -253,7 +252,7 @@ class RoundEngine:
             shard.requests.pop(r.update_id, None)
             self.state_requests.pop(r.id, None)
             shard.verdicts[r.update_id] = verdicts[r.update_id]
-        self.referee_segments += sum(1 for v in verdicts.values() if "distance" in v.evidence)
+        self.metrics.referee_verdicts.update(v.outcome for v in verdicts.values())
 
     def _judge_blocking(self, job: JobState, shard: ShardState, reqs: Sequence[StateRequestState],
                         by_id: Mapping[str, UpdateState]) -> dict[str, SegmentVerdict]:

@@ -109,6 +109,10 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
             doc = await wait_job(s, hub, job_id)
             assert doc["state"] == "done"
             assert doc["history"][0]["flags"] == []
+            async with s.get(hub.url + "/metrics") as r:
+                text = await r.text()
+            assert "gpuflex_referee_requests_total 1" in text
+            assert 'gpuflex_referee_verdicts_total{outcome="reproduced"} 1' in text
         conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
         try:
             (status, reason, verdict), = conn.execute("SELECT status, reason, verdict FROM state_requests").fetchall()
