@@ -105,6 +105,7 @@ class Ledger:
         for job_id, reason in loaded.broken:
             log.error("job %s cannot be resumed: %s", job_id, reason)
             await self.store.fail_job(job_id, f"cannot resume: {reason}")
+        self.rounds.resume_referee(await self.store.referee_requests())
 
     # -- nodes -------------------------------------------------------------------------------
     async def register(self, signer: bytes, hello: Hello) -> NodeState:

@@ -240,6 +240,23 @@ class RoundEngine:
             self.signal.notify()  # the nodes asked wake from their long-polls
         return bool(at_once) and not requests
 
+    def resume_referee(self, rows: Sequence[tuple[StateRequestState, str, Mapping[str, Any]]]) -> None:
+        """After a restart: the open requests wait on (with the states already handed over), the
+        verdicts already given stand, for the shards still open."""
+        for r, status, evidence in rows:
+            job = self.scheduler.jobs.get(r.job_id)
+            shard = job.shards.get(r.shard_id) if job is not None else None
+            if job is None or shard is None or shard.state != "open":
+                continue
+            if status == "open":
+                shard.requests[r.update_id] = r
+                self.state_requests[r.id] = r
+            else:
+                shard.verdicts[r.update_id] = SegmentVerdict(r.update_id, r.node_id, status, dict(evidence))
+        loop = asyncio.get_running_loop()
+        for r in self.state_requests.values():  # judged once every state is in, or at the deadline
+            loop.call_later(max(0.0, r.deadline - time.time()) + 0.05, self.poke, r.job_id)
+
     async def _judge(self, job: JobState, shard: ShardState) -> None:
         """Every requested state is in (or its time ran out): re-execute the segments (worker
         thread), record the verdicts (store, then memory)."""

@@ -182,6 +182,11 @@ class Store(abc.ABC):
     async def close_state_requests(self, outcomes: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
         """(request id, reproduced|mismatch|unverifiable, evidence): the referee's verdicts."""
 
+    @abc.abstractmethod
+    async def referee_requests(self) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+        """The referee's requests about shards still open (after a restart): each request with the
+        states handed over so far, its status (open or a verdict) and the verdict's evidence."""
+
     # -- flags -------------------------------------------------------------------------------
     @abc.abstractmethod
     async def flag(self, flag_id: str) -> FlagRecord | None: ...

@@ -324,6 +324,20 @@ class SqliteStore(Store):
         await self.db.write(lambda c: c.executemany(
             "UPDATE state_requests SET status = ?, verdict = ? WHERE id = ?", rows))
 
+    async def referee_requests(self) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+        def read(conn: sqlite3.Connection) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+            rows = conn.execute(
+                "SELECT r.* FROM state_requests r JOIN shards s ON s.id = r.shard_id WHERE s.state = 'open'"
+                " ORDER BY r.requested_at, r.id").fetchall()
+            return [(StateRequestState(
+                id=r["id"], job_id=r["job_id"], round=r["round"], shard_id=r["shard_id"], update_id=r["update_id"],
+                node_id=r["node_id"], assignment_id=r["assignment_id"], reason=r["reason"], segment=r["segment"],
+                steps=tuple(int(x) for x in json.loads(r["steps"])), requested_at=r["requested_at"],
+                deadline=r["deadline"], states={int(k): str(v) for k, v in json.loads(r["states"]).items()}),
+                str(r["status"]), json.loads(r["verdict"]) if r["verdict"] else {}) for r in rows]
+
+        return await self.db.read(read)
+
     async def update_sha(self, update_id: str) -> str | None:
         row = await self.db.read(lambda c: c.execute("SELECT sha FROM updates WHERE id = ?",
                                                       (update_id,)).fetchone())

@@ -123,3 +123,64 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
     finally:
         await hub.stop()
+
+
+async def test_an_open_state_request_and_the_states_handed_over_survive_a_restart(tmp_path: Path) -> None:
+    """The hub stops after the node handed over one of its states: the new hub asks for the same
+    request again, takes the rest, and the referee judges with all of them."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0,
+                                         spot_check=1.0)
+    hub = await start_hub(tmp_path / "hub")
+    tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
+    async with aiohttp.ClientSession() as s:
+        job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+        nodes = [SimNode(s, hub.url), SimNode(s, hub.url)]
+        for n in nodes:
+            await n.register()
+        work = [await n.work(0.5) for n in nodes]
+        stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n in nodes}
+        for n, a in zip(nodes, work, strict=True):
+            blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+            assert (await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob)).status == 200
+        asked, owner = await _asked(nodes)
+        data = stores[owner.node_id].read(asked.assignment_id, asked.steps[0])
+        assert data is not None
+        up = StateUpload(request_id=asked.request_id, step=asked.steps[0], state_sha256=hashlib.sha256(data).hexdigest(),
+                         state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+        assert (await _post_state(owner, up, data)).status == 200
+    await hub.stop()
+
+    hub = await start_hub(tmp_path / "hub", tokens=tokens)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for n in nodes:
+                n.session, n.url = s, hub.url
+            again, who = await _asked(nodes)
+            assert (again.request_id, who.node_id) == (asked.request_id, owner.node_id)
+            for step in again.steps[1:]:
+                data = stores[owner.node_id].read(again.assignment_id, step)
+                assert data is not None
+                up = StateUpload(request_id=again.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                                 state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+                assert (await _post_state(owner, up, data)).status == 200
+            doc = await wait_job(s, hub, job_id)
+            assert doc["state"] == "done" and doc["history"][0]["flags"] == []
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            rows = conn.execute("SELECT id, status FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert rows == [(asked.request_id, "reproduced")]
+    finally:
+        await hub.stop()
+
+
+async def _asked(nodes: list[SimNode]) -> tuple[StateRequest, SimNode]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for n in nodes:
+            req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+            got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
+            if isinstance(got, StateRequest):
+                return got, n
+    raise AssertionError("no state request within 30 s")

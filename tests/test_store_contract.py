@@ -231,6 +231,10 @@ async def test_a_commitment_and_the_referees_requests_survive_a_restart(opened) 
         (again,) = (await store.load()).jobs
         (u,) = again.shards[shard.id].accepted
         assert u.commitment == c
+        (back, status, evidence), = await store.referee_requests()  # the shard is still open
+        assert (back.id, back.update_id, back.steps, back.states, status) == (
+            "sr-1", "u-1", (2, 4), {2: "b" * 64}, "mismatch")
+        assert evidence == {"distance": 2.5, "threshold": 0.05} and back.segment == 1
         row = await store.query(lambda conn: dict(conn.execute("SELECT * FROM state_requests").fetchone()))
         assert (row["status"], row["states"], row["steps"]) == ("mismatch", '{"2":"' + "b" * 64 + '"}', "[2,4]")
         assert '"distance":2.5' in row["verdict"]
