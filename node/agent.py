@@ -189,6 +189,7 @@ class NodeAgent:
         self.fatal: NodeError | None = None
         self.done_assignments = 0
         self._seen_assignments: set[str] = set()
+        self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
         self._benchmark_msg: Benchmark | None = None
 
     # ---------------------------------------------------------------- overridable steps
@@ -388,7 +389,12 @@ class NodeAgent:
                 )
                 if isinstance(item, StateRequest):
                     backoff.reset()
+                    if item.request_id in self._handed_over:
+                        # asked again: what it lacks is not kept here; wait rather than spin until its deadline
+                        await pause.sleep(min(5.0, max(0.5, item.deadline - time.time())))
+                        continue
                     await pause.interruptible(self.hand_over(item))
+                    self._handed_over.add(item.request_id)  # after a failure it is answered again
                     continue
                 if isinstance(item, NoWork):
                     backoff.reset()
