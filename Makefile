@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(PY) bench/hub_load.py
 	$(PY) bench/robustness.py
 	$(PY) bench/heterogeneity.py
+	$(PY) bench/class_distance.py
+	$(PY) bench/referee_calibration.py
 	$(PY) bench/scaling.py
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py

@@ -41,6 +41,14 @@ Metrics per (attack, fraction):
 ``review_only_at_20`` repeats 20 % with replication off: what review_round
 (outlier / free rider / implausible) catches on its own.
 
+The referee (issue 14; on unless ``--no-referee``): every node records the checkpoint
+commitments the shipped node records (gpuflex.node.checkpoints.CheckpointRecorder, states
+kept in memory: the node hands them over), the updates carry them into ``decide_shard``
+(``committed``, ``verdicts`` and the spot-check draw at ``verification.spot_check``, as
+RoundEngine._referee_inputs passes them), and a ``Referee`` decision is answered with
+``gpuflex.hub.referee.judge_segment`` on the segment ``pick_segment`` chooses, as
+RoundEngine._judge does. ``verification_cost_fraction``: re-executed steps / trained steps.
+
 Run: .venv/bin/python bench/robustness.py [--quick] [--rounds N] [--attacks a,b]
 -> bench/results/robustness.json (not written with --quick)
 """
@@ -69,7 +77,19 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 from gpuflex.hub import policy  # noqa: E402
 from gpuflex.hub import verification as vf  # noqa: E402
 from gpuflex.hub.aggregation import ServerOptimizer, aggregate  # noqa: E402
+from gpuflex.hub.referee import (  # noqa: E402
+    SegmentVerdict,
+    fetch_steps,
+    judge_segment,
+    pick_segment,
+    referee_grid_ok,
+    stack_data,
+)
+from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
+from gpuflex.node.trainer import train_assignment  # noqa: E402
+from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
 from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec  # noqa: E402
+from gpuflex.protocol.messages import Commitment  # noqa: E402
 from gpuflex.protocol.tensors import encode_state  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
@@ -100,6 +120,35 @@ class Work:
     rec: vf.UpdateRecord
     sha: str  # of the update's bytes, as the hub names the blob
     malicious: bool
+    commitment: Commitment | None = None
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # what the node hands over
+    chunks: list = field(default_factory=list)
+    seed: int = 0
+    global_state: dict = field(default_factory=dict)
+
+
+class _Keeper(CheckpointRecorder):
+    """The node's recorder, keeping the states in memory instead of its data dir."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, step: int, model: Any, optimizer: Any) -> None:
+        if step in self._wanted:
+            self.states[step] = training_state(model, optimizer, step)
+        super().__call__(step, model, optimizer)
+
+
+def train_committed(spec: Any, state: dict, chunks: list, cfg: Any, seed: int) -> tuple[Any, dict]:
+    """The node's training with its checkpoint commitments: (TrainResult with commitment, states)."""
+    n = sum(int(c["x"].shape[0]) for c in chunks)
+    total = math.ceil(n / cfg.batch_size) * cfg.local_epochs
+    # the precision it trains in (cfg.precision) goes into the commitment, as the node's agent does
+    rec = _Keeper(total_steps=total, every=auto_every(total, cfg.checkpoint_every),
+                  precision=str(getattr(cfg, "precision", "fp32")))
+    res = train_assignment(spec, state, chunks, cfg, seed, device=torch.device("cpu"), on_step=rec)
+    return replace(res, commitment=rec.commitment()), rec.states
 
 
 def global_norm(state: dict[str, torch.Tensor]) -> float:
@@ -118,8 +167,10 @@ class Simulation:
         rounds: int,
         seed: int = 0,
         vspec: VerificationSpec = VSPEC,
+        referee: bool = True,
     ):
         self.w = world
+        self.referee = referee
         self.vspec = vspec
         self.rounds = rounds
         self.seed = seed
@@ -137,13 +188,16 @@ class Simulation:
             "dropped_shards": 0,
             "lost_shards": 0,
             "banned": [],
+            "steps_trained": 0,
+            "steps_replayed": 0,
+            "referee_checks": 0,
         }
         self.trusted_from: int | None = None
 
     # ------------------------------------------------------------------ one node's work
     def _honest(self, cache: dict, state: dict, key: Any, chunks: list, seed: int) -> Any:
         if key not in cache:
-            cache[key] = atk.contribute(None, self.w["spec"], state, chunks, self.w["cfg"], seed)
+            cache[key] = train_committed(self.w["spec"], state, chunks, self.w["cfg"], seed)
         return cache[key]
 
     def work(
@@ -153,17 +207,16 @@ class Simulation:
         a = node.attack
         malicious = a is not None
         if a is None:
-            res = self._honest(cache, state, key, chunks, seed)
+            res, states = self._honest(cache, state, key, chunks, seed)
         elif a.name in ("label_flip", "half_shard"):  # data attacks: their own training
             if (a.name, key) not in cache:
-                cache[(a.name, key)] = atk.contribute(
-                    a, self.w["spec"], state, chunks, self.w["cfg"], seed
-                )
-            res = cache[(a.name, key)]
+                data = a.prepare(chunks, int(self.w["spec"].outputs))
+                trained, kept = train_committed(self.w["spec"], state, data, self.w["cfg"], seed)
+                cache[(a.name, key)] = (a.finish(trained, claimed_samples=samples, seed=seed), kept)
+            res, states = cache[(a.name, key)]
         else:
-            res = a.finish(
-                self._honest(cache, state, key, chunks, seed), claimed_samples=samples, seed=seed
-            )
+            honest, states = self._honest(cache, state, key, chunks, seed)
+            res = a.finish(honest, claimed_samples=samples, seed=seed)
             if a.name == "stale_replay" and a.state["count"] == 1:
                 malicious = False  # its first update is honest (it is what it replays later)
         rec = vf.UpdateRecord(
@@ -178,7 +231,29 @@ class Simulation:
             delta=res.delta,
         )
         sha = hashlib.sha256(encode_state(res.delta)).hexdigest()
-        return Work(rec, sha, malicious)
+        self.stats["steps_trained"] += res.steps
+        return Work(rec, sha, malicious, res.commitment if self.referee else None, states, chunks, seed, state)
+
+    def judge(self, decision: policy.Referee, group: list[Work], verdicts: dict) -> None:
+        """What RoundEngine._ask_referee / _judge do, the node handing its states over at once."""
+        cfg = self.w["cfg"]
+        for uid in decision.update_ids:
+            g = next(x for x in group if x.rec.update_id == uid)
+            c = g.commitment
+            if c is None or not referee_grid_ok(c, cfg.local_epochs, g.rec.shard_samples, cfg.batch_size):
+                verdicts[uid] = SegmentVerdict(uid, g.rec.node_id, "unverifiable", {"why": "no usable commitment"})
+                continue
+            others = [o.commitment for o in group if o is not g and o.commitment is not None]
+            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None)
+            steps = fetch_steps(c, seg)
+            x, y = stack_data(g.chunks)
+            tol = self.vspec.segment_tolerance if c.precision == "fp32" else self.vspec.segment_tolerance_low
+            verdicts[uid] = judge_segment(
+                update_id=uid, node_id=g.rec.node_id, round=0, spec=self.w["spec"], cfg=cfg, seed=g.seed,
+                commitment=c, segment=seg, states={st: g.states[st] for st in steps if st in g.states},
+                global_state=g.global_state, delta=g.rec.delta, x=x, y=y, tolerance=tol)
+            self.stats["steps_replayed"] += steps[1] - steps[0]
+            self.stats["referee_checks"] += 1
 
     # ------------------------------------------------------------------ one shard
     def replica_state(
@@ -195,13 +270,22 @@ class Simulation:
         """Ask decide_shard until it settles or drops the shard; hand out the replicas it
         wants while a node can take one, else let the replica window run out."""
         waited = 0.0
+        verdicts: dict[str, SegmentVerdict] = {}
+        spot = seed_of(self.seed, "spot", issue.rnd, issue.key) / float(1 << 63) < self.vspec.spot_check
         while True:
             ordered = sorted(group, key=lambda g: (g.sha, g.rec.update_id))  # the engine's order
             members = {g.rec.node_id for g in group}
             takers = vf.replica_candidates({n.node_id: n.rep for n in active}, members, self.vspec)
             state = self.replica_state(wanted, waited, bool(takers), members)
             reps = {m: self.nodes[m].rep for m in members}
-            decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps)
+            referee: dict[str, Any] = {}
+            if self.referee:
+                referee = {"committed": frozenset(g.rec.update_id for g in group if g.commitment is not None),
+                           "verdicts": dict(verdicts), "spot": spot}
+            decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps, **referee)
+            if isinstance(decision, policy.Referee):
+                self.judge(decision, group, verdicts)
+                continue
             if not isinstance(decision, policy.WaitForMore):
                 return decision, group
             wanted = decision.wanted
@@ -340,6 +424,8 @@ class Simulation:
             "lost_shards": s["lost_shards"],
             "banned": s["banned"],
             "escaped": s.get("escaped", []),
+            "referee_checks": s["referee_checks"],
+            "verification_cost_fraction": s["steps_replayed"] / max(s["steps_trained"], 1),
         }
 
 
@@ -384,13 +470,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer rounds, 20 % only")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--attacks", default=",".join(atk.ATTACKS))
+    ap.add_argument("--referee", action=argparse.BooleanOptionalAction, default=True,
+                    help="checkpoint commitments and the referee's segment re-execution (default on, as the hub)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = args.rounds or (6 if args.quick else 15)
     fractions = (0.2,) if args.quick else FRACTIONS
     t0 = time.perf_counter()
     world = make_world()
-    clean = Simulation(world, None, 0, rounds).run()
+    clean = Simulation(world, None, 0, rounds, referee=args.referee).run()
     print(
         f"clean: accuracy {clean['accuracy']:.4f} overhead {clean['replication_overhead']:.3f} "
         f"trusted from round {clean['trusted_from_round']} ({time.perf_counter() - t0:.0f} s)",
@@ -400,7 +489,7 @@ def main() -> None:
     for attack in args.attacks.split(","):
         for fraction in fractions:
             k = n_attackers(attack, fraction)
-            r = Simulation(world, attack, k, rounds).run()
+            r = Simulation(world, attack, k, rounds, referee=args.referee).run()
             row = {
                 "attack": attack,
                 "attacker_fraction": fraction,
@@ -417,6 +506,8 @@ def main() -> None:
                 "lost_shards": r["lost_shards"],
                 "banned": r["banned"],
                 "accuracy": round(r["accuracy"], 4),
+                "referee_checks": r["referee_checks"],
+                "verification_cost_fraction": round(r["verification_cost_fraction"], 4),
             }
             rows.append(row)
             print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -425,7 +516,7 @@ def main() -> None:
     no_replicas = replace(VSPEC, replication=0.0)
     for attack in args.attacks.split(","):
         k = n_attackers(attack, 0.2)
-        r = Simulation(world, attack, k, rounds, vspec=no_replicas).run()
+        r = Simulation(world, attack, k, rounds, vspec=no_replicas, referee=args.referee).run()
         review_only.append(
             {
                 "attack": attack,
@@ -459,8 +550,11 @@ def main() -> None:
             default=None,
         ),
     }
+    summary["max_verification_cost_fraction_at_20"] = max(
+        (r["verification_cost_fraction"] for r in at20), default=None)
     result = {
         "bench": "robustness",
+        "referee": args.referee,
         "mode": "in-process: the hub's round policy (gpuflex.hub.policy.decide_shard, judge_round),"
         " aggregate and ServerOptimizer in the order RoundEngine calls them, real node training",
         "machine": {
@@ -502,8 +596,8 @@ def main() -> None:
         "elapsed_s": round(time.perf_counter() - t0, 1),
     }
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(summary), f"elapsed {result['elapsed_s']} s")
 
 

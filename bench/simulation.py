@@ -47,6 +47,7 @@ RESULTS = ROOT / "bench" / "results"
 
 from gpuflex.hub import policy  # noqa: E402
 from gpuflex.hub import verification as vf  # noqa: E402
+from gpuflex.hub.config import HubConfig  # noqa: E402
 from gpuflex.hub.jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState  # noqa: E402
 from gpuflex.hub.scheduler import NodeState, Scheduler  # noqa: E402
 from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402
@@ -115,7 +116,10 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     rng = random.Random(seed)
     spec = parse_job_spec(SPEC_TOML.format(epochs=EPOCHS, chunk=CHUNK, trust_after=trust_after))
     vspec = spec.verification
-    sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0, rng=random.Random(seed + 1))
+    hub = HubConfig(data_dir=Path("unused"))  # the hub's defaults, Sybil defences included (hub/app.py builds it the same way)
+    sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0, rng=random.Random(seed + 1),
+                      separate_replicas=hub.separate_replicas, trust_min_age_s=hub.trust_min_age_s,
+                      unproven_max_chunks=hub.unproven_max_chunks)
     chunks = [ChunkInfo(i, hashlib.sha256(f"{seed}:{i}".encode()).hexdigest(), CHUNK, CHUNK * 64)
               for i in range(CHUNKS_PER_NODE * n)]
     job = JobState(id="j-sim", owner="o", name="sim", spec=spec, state="running", round=0, rounds=rounds,
@@ -127,7 +131,12 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     adversaries = set(rng.sample(range(n), round(attackers * n)))
     for i in range(n):
         speed = math.exp(rng.gauss(math.log(500.0), 0.6))
-        st = NodeState(id=f"n{i:05d}", public_key=b"", bench_sps=speed, ema_sps=speed, last_seen=0.0)
+        # every identity in its own address block (a botnet's, for the adversary: the worst case for
+        # the block rule), registered before the job (past the hub's probation age by the first round)
+        block = f"10.{i >> 8 & 255}.{i & 255}.0/24"
+        st = NodeState(id=f"n{i:05d}", public_key=b"", bench_sps=speed,
+                       ema_sps=min(speed, hub.bench_seed_max_sps), last_seen=0.0,
+                       registered_at=-hub.trust_min_age_s, block=block, last_block=block)
         nodes[st.id] = SimNode(st, speed, i in adversaries)
         sched.nodes[st.id] = st
     stats = Stats()
@@ -238,6 +247,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                     honest = true_update(direction, shard.seed, shard.samples)
                     deltas[upd.id] = -honest if sn.adversary else honest
                     shard.accepted.append(upd)
+                    sn.state.updates_accepted += 1  # as the ledger counts it (an unproven node's cap grows)
                     if shard.first_update_at is None:
                         shard.first_update_at = t
                     stats.trained += shard.samples

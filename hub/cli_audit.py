@@ -144,7 +144,16 @@ def _print_flag(flag: dict[str, Any]) -> None:
         print_columns(("  update a", "update b", "relative distance", "agree"),
                       [(f"  {p.get('a')}", str(p.get("b")), _fmt(p.get("relative_distance")), _fmt(p.get("agree")))
                        for p in pairs])
-    shown = {"problems", "why", "layers", "pairs", "tolerance", "majority"}
+    refs = flag.get("referee") or []
+    if refs:
+        print("\nreferee re-execution (committed states re-executed on the hub: same seed, data order, precision)")
+        print_columns(("  update", "node", "round", "steps", "precision", "why checked", "distance", "threshold",
+                       "result"),
+                      [(f"  {r['update']}" + (" (this)" if r["this"] else ""), r["node"], _fmt(r["round"]),
+                        "-".join(map(str, r["steps"])), r["precision"], r["reason"], _fmt(r["distance"]),
+                        _fmt(r["threshold"]), r["outcome"] + (f": {r['why']}" if r["why"] else ""))
+                       for r in refs])
+    shown = {"problems", "why", "layers", "pairs", "tolerance", "majority", "referee", "group"}
     rest = {k: v for k, v in ev.items() if k not in shown}
     if rest:
         print("\nevidence")

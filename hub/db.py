@@ -8,7 +8,7 @@ synchronous=FULL). Each write runs inside a SAVEPOINT: one failing write rolls
 back alone.
 
 Tables: jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
-nodes, flags, tokens (the columns are documented in _SCHEMA below). Only the store
+nodes, flags, state_requests, tokens (the columns are documented in _SCHEMA below). Only the store
 (hub/store_sqlite.py), the read model (hub/readmodel.py, hub/web/queries.py) and the
 token table's module (hub/tokens.py) run SQL.
 
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -143,7 +143,8 @@ CREATE TABLE IF NOT EXISTS updates (
     metrics TEXT NOT NULL,
     timings TEXT NOT NULL,
     status TEXT NOT NULL,               -- accepted|included|quarantined|redundant|excluded
-    received_at REAL NOT NULL
+    received_at REAL NOT NULL,
+    commitment TEXT                     -- JSON: the signed checkpoint Commitment (the referee's), or NULL
 );
 CREATE INDEX IF NOT EXISTS updates_round ON updates (job_id, round);
 CREATE TABLE IF NOT EXISTS nodes (
@@ -186,6 +187,25 @@ CREATE TABLE IF NOT EXISTS flags (
     decided_at REAL
 );
 CREATE INDEX IF NOT EXISTS flags_job ON flags (job_id, status);
+-- the referee (hub/referee.py): checkpoint states asked of a node, and the verdict on them
+CREATE TABLE IF NOT EXISTS state_requests (
+    id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    shard_id TEXT NOT NULL,
+    update_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    assignment_id TEXT NOT NULL,
+    reason TEXT NOT NULL,               -- disagreement|spot_check
+    segment INTEGER NOT NULL,           -- index of the segment to re-execute
+    steps TEXT NOT NULL,                -- JSON [start, end, last]
+    states TEXT NOT NULL DEFAULT '{}',  -- JSON {step: sha of the handed-over state blob}
+    requested_at REAL NOT NULL,
+    deadline REAL NOT NULL,
+    status TEXT NOT NULL DEFAULT 'open', -- open|reproduced|mismatch|unverifiable
+    verdict TEXT                        -- JSON evidence of the verdict
+);
+CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status);
 """
 
 
@@ -240,6 +260,18 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE nodes ADD COLUMN banned_at REAL",
         "CREATE TABLE IF NOT EXISTS enroll_tokens (id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE,"
         " name TEXT NOT NULL, created_at REAL NOT NULL, revoked_at REAL)"),
+    # ---- 4 -> 5: the referee (issue 14, items 4-6; hub/referee.py) ---------------------------------
+    # An update's checkpoint commitment, and the states the referee asks nodes for, with its verdicts.
+    4: (
+        "ALTER TABLE updates ADD COLUMN commitment TEXT",
+        """CREATE TABLE IF NOT EXISTS state_requests (
+            id TEXT PRIMARY KEY, job_id TEXT NOT NULL, round INTEGER NOT NULL, shard_id TEXT NOT NULL,
+            update_id TEXT NOT NULL, node_id TEXT NOT NULL, assignment_id TEXT NOT NULL, reason TEXT NOT NULL,
+            segment INTEGER NOT NULL, steps TEXT NOT NULL, states TEXT NOT NULL DEFAULT '{}',
+            requested_at REAL NOT NULL, deadline REAL NOT NULL, status TEXT NOT NULL DEFAULT 'open', verdict TEXT)""",
+        "CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status)",
+    ),
+    # ---- end of 4 -> 5 ----------------------------------------------------------------------------
 }
 
 

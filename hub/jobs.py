@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
+from gpuflex.protocol.messages import Commitment
 from gpuflex.protocol.modelspec import build_model
 from gpuflex.protocol.tensors import encode_state
 
@@ -23,6 +24,7 @@ from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, 
 from .errors import Unprocessable
 
 if TYPE_CHECKING:
+    from .referee import SegmentVerdict
     from .store import Store
 
 ACTIVE_STATES = ("queued", "running")
@@ -50,6 +52,8 @@ class UpdateState:
     received_at: float
     status: str = "accepted"  # accepted|redundant|quarantined|included|excluded
     elapsed_s: float | None = None  # hub-observed: upload time - assignment issue time
+    #: the node's signed checkpoint commitment (hub/referee.py), None when it sent none
+    commitment: Commitment | None = None
 
 
 @dataclass
@@ -66,6 +70,30 @@ class AssignmentState:
     model_hash: str
     chunk_shas: frozenset[str]
     uploading: bool = False
+
+
+@dataclass
+class StateRequestState:
+    """The referee asks ``node_id`` for the committed states at ``steps`` of one update
+    (messages.StateRequest); ``states``: step -> blob sha of what it handed over so far."""
+
+    id: str
+    job_id: str
+    round: int
+    shard_id: str
+    update_id: str
+    node_id: str
+    assignment_id: str
+    reason: str  # disagreement|spot_check
+    segment: int
+    steps: tuple[int, ...]
+    requested_at: float
+    deadline: float
+    states: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return all(s in self.states for s in self.steps)
 
 
 @dataclass
@@ -88,6 +116,9 @@ class ShardState:
     unverified: str | None = None  # why its representative was never confirmed by a replica
     carved_at: float | None = None  # when the scheduler cut it (memory only; None after a restart)
     comparison: str | None = None  # a settled replica group: "same_class" | "cross_class" (policy.Comparison)
+    #: the referee's open state requests (update id -> request) and its verdicts (update id -> verdict)
+    requests: dict[str, StateRequestState] = field(default_factory=dict)
+    verdicts: dict[str, SegmentVerdict] = field(default_factory=dict)
 
     def replicas_needed(self) -> int:
         return self.wanted - len(self.live) - len(self.accepted)

@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuflex.protocol.messages import Assignment, ChunkRef, Hello, UpdateHeader, nested_to_dict
+from gpuflex.protocol.messages import (
+    Assignment,
+    ChunkRef,
+    Hello,
+    StateRequest,
+    StateUpload,
+    UpdateHeader,
+    nested_to_dict,
+)
 from gpuflex.protocol.signing import SigningKey, fingerprint, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
@@ -40,8 +49,9 @@ from .errors import (
     LengthRequired,
     NotFound,
     Unauthorized,
+    Unprocessable,
 )
-from .jobs import AssignmentState, JobState, UpdateState, ingest_job, new_id
+from .jobs import AssignmentState, JobState, StateRequestState, UpdateState, ingest_job, new_id
 from .metrics import HubMetrics
 from .progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
 from .rounds import RoundEngine
@@ -110,6 +120,7 @@ class Ledger:
         for job_id, reason in loaded.broken:
             log.error("job %s cannot be resumed: %s", job_id, reason)
             await self.store.fail_job(job_id, f"cannot resume: {reason}")
+        self.rounds.resume_referee(await self.store.referee_requests())
 
     # -- nodes -------------------------------------------------------------------------------
     async def register(self, signer: bytes, hello: Hello, *, address: str | None = None,
@@ -212,8 +223,9 @@ class Ledger:
             assignment_id=aid, job_id=job.id, round=job.round, node_id=node.id, model_hash=job.model_hash,
             model_size=job.model_size, model_spec=job.spec.model.to_dict(),
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
-            seed=shard.seed, train=job.spec.train.train_config(self.scheduler.precision_for(job, node)),
-            issued_at=now, deadline=plan.deadline,
+            seed=shard.seed, issued_at=now, deadline=plan.deadline,
+            train=dataclasses.replace(job.spec.train.train_config(self.scheduler.precision_for(job, node)),
+                                      checkpoint_every=int(job.spec.verification.checkpoint_every)),
             replica_group=shard.replica_group,
         )
         sealed = seal(self.key, msg)
@@ -357,7 +369,7 @@ class Ledger:
             id="u-" + a.id.removeprefix("a-"), assignment_id=a.id, shard_id=shard.id, node_id=node.id,
             sha=hdr.update_sha256, size=hdr.update_size, sample_count=hdr.sample_count,
             loss=float(hdr.metrics["loss"]), train_s=float(hdr.timings["train_s"]), received_at=now,
-            elapsed_s=now - a.issued_at,
+            elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
         before = (node.ema_sps, node.updates_accepted)
         self.scheduler.observe_throughput(node, shard.samples, job.spec.train.local_epochs, now - a.issued_at,
@@ -386,6 +398,48 @@ class Ledger:
         self.metrics.updates_accepted += 1
         self.rounds.poke(job.id)
         return upd
+
+    # -- the referee: checkpoint states a node is asked for (hub/referee.py, hub/rounds.py) ---
+    def pending_state_request(self, node: NodeState) -> bytes | None:
+        """The signed StateRequest the node must answer first, if the referee waits on it."""
+        now = time.time()
+        for r in self.rounds.state_requests.values():
+            if r.node_id == node.id and not r.complete and now < r.deadline:
+                return seal(self.key, StateRequest(request_id=r.id, job_id=r.job_id, round=r.round,
+                                                   assignment_id=r.assignment_id, steps=r.steps, deadline=r.deadline))
+        return None
+
+    def begin_state(self, node: NodeState, hdr: StateUpload) -> tuple[StateRequestState, str, int]:
+        """Check a state upload's header against its request and the node's commitment; the
+        expected sha and the most bytes such a state may have."""
+        r = self.rounds.state_requests.get(hdr.request_id)
+        if r is None:
+            raise NotFound(f"no open state request {hdr.request_id}", code="unknown_request")
+        if r.node_id != node.id:
+            raise Forbidden("that state request was made of another node", code="not_your_request")
+        if time.time() >= r.deadline:
+            raise Conflict("the state request's deadline has passed", code="late_state")
+        if hdr.step not in r.steps:
+            raise BadRequest(f"step {hdr.step} was not requested (requested: {list(r.steps)})", code="bad_step")
+        job = self.scheduler.jobs.get(r.job_id)
+        shard = job.shards.get(r.shard_id) if job is not None else None
+        upd = next((u for u in shard.accepted if u.id == r.update_id), None) if shard is not None else None
+        if job is None or upd is None or upd.commitment is None:
+            raise Conflict("the update this request was about is gone", code="late_state")
+        c = upd.commitment
+        index = len(c.hashes) - 1 if hdr.step == c.steps else hdr.step // c.every  # its place on the grid
+        expected = c.hashes[index]
+        if hdr.state_sha256 != expected:
+            raise Unprocessable(f"state of step {hdr.step} is not the one committed to", code="not_committed")
+        # params + optimizer state (<= 2 more copies) + step + RNG state: a bound, not a guess
+        return r, expected, 3 * job.model_size + (1 << 20)
+
+    async def accept_state(self, r: StateRequestState, step: int, sha: str) -> None:
+        """The state's blob is stored (durably): record it; the engine judges once all are in."""
+        await self.store.record_state(r.id, step, sha)
+        r.states[step] = sha
+        if r.complete:
+            self.rounds.poke(r.job_id)
 
     # -- jobs --------------------------------------------------------------------------------
     async def submit_job(self, owner: str, spec_text: bytes, train_path: Path, val_path: Path | None) -> JobState:

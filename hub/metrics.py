@@ -17,6 +17,9 @@ class HubMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     requests: Counter[str] = field(default_factory=Counter)  # by route name
+    #: the referee (hub/referee.py): state requests opened, verdicts by outcome
+    referee_requests: int = 0
+    referee_verdicts: Counter[str] = field(default_factory=Counter)
 
     def render(self, gauges: Callable[[], dict[str, float]]) -> str:
         lines: list[str] = []
@@ -45,5 +48,12 @@ class HubMetrics:
         metric(
             "gpuflex_http_requests_total", "counter", "HTTP requests by route.",
             [(f'{{route="{r}"}}', n) for r, n in sorted(self.requests.items())] or [('{route="none"}', 0)],
+        )
+        metric("gpuflex_referee_requests_total", "counter", "Checkpoint-state requests the referee opened.",
+               [("", self.referee_requests)])
+        metric(
+            "gpuflex_referee_verdicts_total", "counter", "Referee verdicts on re-executed segments, by outcome.",
+            [(f'{{outcome="{o}"}}', n) for o, n in sorted(self.referee_verdicts.items())]
+            or [('{outcome="none"}', 0)],
         )
         return "\n".join(lines) + "\n"

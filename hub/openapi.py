@@ -79,8 +79,10 @@ def openapi_document() -> dict[str, Any]:
             "long-poll for work (at most min(wait_s, long_poll_max_s)); a node holding a live assignment gets it "
             "again. With request header X-GPUFlex-Inline-Max: N, a model of at most N bytes (and 1 MiB) that the "
             "node does not list as cached follows the sealed assignment in the body; response header "
-            "X-GPUFlex-Sealed-Length gives the sealed message's length",
-            "WorkRequest", "Assignment or NoWork", (400, 401, 403, 409, 413))},
+            "X-GPUFlex-Sealed-Length gives the sealed message's length. When the hub's referee waits on a "
+            "checkpoint state of the node's, the answer is a signed StateRequest instead (answer it with "
+            "POST /v1/states before its deadline, or the update is flagged unverifiable)",
+            "WorkRequest", "Assignment, StateRequest or NoWork", (400, 401, 403, 409, 413))},
         "/v1/heartbeat": {"post": _node_op("extend a live assignment's deadline", "Heartbeat",
                                            "Ack (deadline = new deadline; ok=false when no longer live)",
                                            (400, 401, 403, 404, 409))},
@@ -110,6 +112,19 @@ def openapi_document() -> dict[str, Any]:
                            "names the first tensor that is not the model's; 413 too_large only for an update whose "
                            "tensors are the model's but whose bytes are more. 409 late_update / duplicate_update / "
                            "replay; 422 bad_manifest / non_finite / hash_mismatch"}},
+        "/v1/states": {"post": {
+            "summary": "hand over a committed checkpoint state the referee asked for (StateRequest)",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-State", "in": "header", "required": True, "schema": {"type": "string"},
+                            "description": "urlsafe base64 of a sealed StateUpload"}],
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
+            "description": "The body is the GFT1 state (protocol/checkpoint.py) with Content-Length = state_size "
+                           "(411 without one). 404 unknown_request; 403 not_your_request; 409 late_state (past the "
+                           "request's deadline); 400 bad_step / size_mismatch; 422 not_committed (the sha is not "
+                           "the one the node's update committed to for that step) / hash_mismatch / bad_state; "
+                           "413 too_large"}},
         "/v1/jobs": {
             "post": {"summary": "submit a job (owner)", "tags": ["owner"], "security": _BEARER,
                      "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -205,12 +220,17 @@ def openapi_document() -> dict[str, Any]:
                 "Flag": {"type": "object", "properties": {
                     "id": {"type": "string"}, "job_id": {"type": "string"}, "round": {"type": "integer"},
                     "update_id": {"type": "string"}, "node_id": {"type": "string"},
-                    "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible"]},
+                    "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible",
+                                        "referee_mismatch", "unverifiable"]},
                     "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed", "moot"]},
                     "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]},
                     "job_name": {"type": "string"}, "round_evidence": {"type": "object"},
                     "update": {"type": "object"},
                     "scores": {"type": "array", "description": "each score against its threshold"},
+                    "referee": {"type": "array", "description":
+                                "the referee's re-executed segments (this update's, then its replicas'): node, "
+                                "update, round, steps, precision, reason, outcome, distance, threshold, why",
+                                "items": {"type": "object"}},
                     "layer_evidence": {"type": ["object", "null"], "description":
                                        "per-layer norm, centre norm and cosine against the round's centre"}}},
             },

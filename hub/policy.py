@@ -38,9 +38,20 @@ The rules of ``decide_shard``, in order:
      inconclusive, nobody flagged.
    Which tolerance: a same-class group (every member of one compute class for the job's
    precision, ``ReplicaState.comparison``) keeps the strict ``tolerance``; a cross-class
-   group is judged by ``judge_cross_class`` (``cross_class_tolerance``). Either way the
-   evidence names the comparison and the members' class keys.
-4. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
+   group is judged by ``judge_cross_class`` (``cross_class_tolerance``) unless the referee
+   (rule 4) can re-execute it. Either way the evidence names the comparison and the
+   members' class keys.
+4. The referee (issue 14; hub/referee.py), when the caller passes ``committed`` (the updates
+   that carry a checkpoint commitment; None switches the referee off, as bench/robustness.py
+   does): replicas that disagree are not judged by the strict comparison: every member is
+   re-executed on one segment first (``Referee``). Members whose segment reproduces are
+   honest, whatever their whole-update distance (numerically different hardware); a member
+   whose segment does not, or who did not hand over its states (``unverifiable``), is
+   flagged and left out, and so is every member that agreed with it without being
+   reproduced itself (it vouched for it). A shard that would settle on an untrusted group
+   is spot-checked when ``spot`` is set (the engine's seeded draw at
+   ``[verification] spot_check``): its representative is re-executed before it counts.
+5. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
    and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
    (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing
    replicas cannot vouch for each other) until a replica comes that verifies it.
@@ -57,6 +68,7 @@ from typing import Any, Literal
 from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS
+from .referee import SegmentVerdict
 from .verification import (
     Flag,
     ReplicaOutcome,
@@ -72,6 +84,7 @@ __all__ = [
     "Comparison",
     "Drop",
     "GroupMember",
+    "Referee",
     "ReplicaState",
     "RoundJudgement",
     "Settle",
@@ -128,8 +141,10 @@ def judge_cross_class(
     Honest replicas from different compute classes drift apart as training amplifies rounding
     differences (bench/class_distance.py: up to 0.16 relative L2 on the digits CNN at 5 local
     epochs, fp32 against bf16), so the strict same-class ``tolerance`` would flag honest
-    volunteers. For now: ``compare_replicas``' rules with ``cross_class_tolerance`` in place of
-    ``tolerance``. Segment re-execution by a referee (issue 14, item 4) is to replace this body.
+    volunteers. Where the members carry checkpoint commitments, the referee (rule 4) re-executes
+    a segment of each instead and this is never reached; without commitments (nothing to
+    re-execute) it is ``compare_replicas``' rules with ``cross_class_tolerance`` in place of
+    ``tolerance``.
     """
     loose = dataclasses.replace(spec, tolerance=float(spec.cross_class_tolerance))
     out = compare_replicas(records, loose, trusted=trusted, slice_elems=slice_elems)
@@ -178,7 +193,17 @@ class Drop:
     evidence: Mapping[str, Any]
 
 
-ShardDecision = WaitForMore | Settle | Drop
+@dataclass(frozen=True)
+class Referee:
+    """Before deciding, the referee re-executes a segment of each of ``update_ids``
+    (``reason``: "disagreement" | "spot_check")."""
+
+    update_ids: tuple[str, ...]
+    reason: str
+    evidence: Mapping[str, Any]
+
+
+ShardDecision = WaitForMore | Settle | Drop | Referee
 
 
 def shard_due(n_updates: int, spec: VerificationSpec, state: ReplicaState) -> bool:
@@ -198,15 +223,120 @@ def decide_shard(
     reputations: Mapping[str, Reputation],
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    committed: frozenset[str] | None = None,
+    verdicts: Mapping[str, SegmentVerdict] | None = None,
+    spot: bool = False,
 ) -> ShardDecision:
     """Decide one shard (rules in the module docstring). Under ``unverified = "hold"`` a shard
-    that would settle unverified keeps waiting for a replica instead (rule 4)."""
+    that would settle unverified keeps waiting for a replica instead (rule 5). ``committed``,
+    ``verdicts`` and ``spot``: the referee's inputs (rule 4)."""
+    if committed is not None and shard_due(len(updates), spec, state):
+        return _with_referee(updates, spec, state, reputations, committed, verdicts or {}, spot, slice_elems)
+    return _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems)
+
+
+def _decide_plain(
+    updates: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    state: ReplicaState,
+    reputations: Mapping[str, Reputation],
+    *,
+    slice_elems: int,
+) -> ShardDecision:
     decision = _decide_shard(updates, spec, state, reputations, slice_elems=slice_elems)
     if isinstance(decision, Settle) and decision.unverified and spec.unverified == "hold":
         # agreeing replicas that cannot vouch for each other yet: ask for one more, past the wait
         more = decision.unverified == "replica_wait" and state.wanted < int(spec.max_replicas)
         return WaitForMore(state.wanted + 1 if more else state.wanted,
                            dict(decision.evidence) | {"held": decision.unverified})
+    return decision
+
+
+def _referee_evidence(verdicts: Mapping[str, SegmentVerdict], ids: Sequence[str]) -> list[dict[str, Any]]:
+    return [{"update": u, "outcome": verdicts[u].outcome, **dict(verdicts[u].evidence)} for u in ids if u in verdicts]
+
+
+def _with_referee(
+    updates: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    state: ReplicaState,
+    reputations: Mapping[str, Reputation],
+    committed: frozenset[str],
+    verdicts: Mapping[str, SegmentVerdict],
+    spot: bool,
+    slice_elems: int,
+) -> ShardDecision:
+    """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
+    none of which carries a commitment is judged by the plain rules (nothing to re-execute)."""
+    ups = list(updates)
+    ids = [u.update_id for u in ups]
+    node_of = {u.update_id: u.node_id for u in ups}
+    pairs: list[dict[str, Any]] = []
+    if len(ups) >= 2:
+        trusted = {u.node_id for u in ups
+                   if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)}
+        pairs = list(compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems).evidence.get("pairs") or [])
+    failed = {u for u in ids if u in verdicts and not verdicts[u].ok}
+    if failed:
+        flags: list[Flag] = []
+        for u in ids:
+            if u in failed:
+                v = verdicts[u]
+                reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
+                flags.append(Flag(u, node_of[u], reason, {
+                    "referee": _referee_evidence(verdicts, [u])[0], "group": _referee_evidence(verdicts, ids),
+                    "pairs": [p for p in pairs if u in (p["a"], p["b"])], "tolerance": spec.tolerance}))
+        # members that agreed with a failed one, and were not reproduced themselves, vouched for it
+        # (a refusal to hand over states says nothing of the update's content: no vouching there)
+        for p in pairs:
+            for mine, theirs in ((p["a"], p["b"]), (p["b"], p["a"])):
+                if (p.get("agree") and theirs in failed and mine not in failed
+                        and verdicts[theirs].outcome == "mismatch"
+                        and not (mine in verdicts and verdicts[mine].ok)
+                        and all(f.update_id != mine for f in flags)):
+                    reason = "unverifiable" if verdicts[theirs].outcome == "unverifiable" else "referee_mismatch"
+                    flags.append(Flag(mine, node_of[mine], reason, {
+                        "vouched_for": theirs, "relative_distance": p.get("relative_distance"),
+                        "referee": _referee_evidence(verdicts, [theirs])[0]}))
+        flagged = {f.update_id for f in flags}
+        flagged_nodes = tuple(sorted({f.node_id for f in flags}))
+        rest = [u for u in ids if u not in flagged]
+        evidence: dict[str, Any] = {"replicas": len(ids), "referee": _referee_evidence(verdicts, ids), "pairs": pairs}
+        statuses = {u: "quarantined" for u in flagged}
+        if not rest:
+            return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence)
+        lacking = tuple(u for u in rest if u not in verdicts)
+        if lacking:  # after a failure, what is left counts only once the referee has seen it too
+            split = any(not p.get("agree") for p in pairs if p["a"] in rest and p["b"] in rest)
+            return Referee(lacking, "disagreement" if split else "spot_check", evidence)
+        rep = rest[0]
+        for u in rest[1:]:
+            statuses[u] = "redundant"
+        agreed = tuple(sorted({node_of[u] for u in rest if u in verdicts and verdicts[u].ok}))
+        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence)
+    if any(not p.get("agree") for p in pairs) and committed & set(ids):
+        lacking = tuple(u for u in ids if u not in verdicts)
+        if lacking:
+            return Referee(lacking, "disagreement", {"replicas": len(ids), "pairs": pairs})
+        # every member reproduced its segment: an honest divergence (different hardware), not a flag
+        rep = ids[0]
+        evidence = {"replicas": len(ids), "pairs": pairs, "referee": _referee_evidence(verdicts, ids),
+                    "cross_class": True, "comparison": state.comparison}
+        if state.class_keys:
+            evidence["class_keys"] = dict(state.class_keys)
+        return Settle(rep, {u: "redundant" for u in ids if u != rep}, (), tuple(sorted(set(node_of.values()))), (),
+                      evidence)
+    decision = _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems)
+    if not isinstance(decision, Settle):
+        return decision
+    rep = decision.representative
+    if rep in verdicts:  # reproduced by the referee: verified, and the node earns the agreement
+        agreed = tuple(sorted({*decision.agreed_nodes, node_of[rep]}))
+        return Settle(rep, decision.statuses, decision.flags, agreed, decision.flagged_nodes,
+                      dict(decision.evidence) | {"referee": _referee_evidence(verdicts, [rep])}, None)
+    untrusted = not any((r := reputations.get(u.node_id)) is not None and is_trusted(r, spec) for u in ups)
+    if spot and untrusted and not decision.flags:
+        return Referee((rep,), "spot_check", dict(decision.evidence))
     return decision
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -37,8 +39,16 @@ from .aggregation import AggregationError, ServerOptimizer, aggregate
 from .auditlog import AuditLog, aggregation_body
 from .blobs import BlobStore
 from .evaluation import evaluate
-from .jobs import JobState, ShardState, UpdateState
+from .jobs import JobState, ShardState, StateRequestState, UpdateState, new_id
 from .metrics import HubMetrics
+from .referee import (
+    SegmentVerdict,
+    fetch_steps,
+    judge_segment,
+    pick_segment,
+    referee_grid_ok,
+    stack_data,
+)
 from .scheduler import Scheduler, WorkSignal
 from .store import RoundResult, Store
 
@@ -108,6 +118,8 @@ class RoundEngine:
         self.current: JobState | None = None
         #: update id -> (node id, its run of agreements before the update was flagged at settling)
         self._run_before_flag: dict[str, tuple[str, int]] = {}
+        #: the referee's open state requests, by id (hub/referee.py; the ledger answers nodes from it)
+        self.state_requests: dict[str, StateRequestState] = {}
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -146,9 +158,17 @@ class RoundEngine:
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
-                state = self._replica_state(job, shard, now)
-                if policy.shard_due(len(shard.accepted), vspec, state):
-                    await self._settle(job, shard, state)
+                if shard.requests:  # the referee waits for states
+                    if not all(r.complete or now >= r.deadline for r in shard.requests.values()):
+                        continue
+                    await self._judge(job, shard)
+                for _ in range(3):  # a referee verdict given at once (no commitment) decides again
+                    state = self._replica_state(job, shard, now)
+                    if shard.state != "open" or shard.requests or not policy.shard_due(
+                            len(shard.accepted), vspec, state):
+                        break
+                    if not await self._settle(job, shard, state):
+                        break
             if job.state == "running" and job.round_complete():
                 await self._close(job)
 
@@ -164,15 +184,121 @@ class RoundEngine:
                                    comparison=policy.comparison_of(keys.values()),
                                    class_keys={n: k for n, k in keys.items() if k is not None})
 
-    async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> None:
+    async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> bool:
+        """Decide the shard and apply it; True when the referee gave verdicts at once (decide again)."""
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
         if len(ups) == 1:
             # A lone update is never compared: its delta is not opened (no thread, no mmap).
             records = self._records(job, {ups[0].id: shard}, ups, [{}])
-            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups),
+                                           **self._referee_inputs(job, shard, ups))
         else:
             decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
+        if isinstance(decision, policy.Referee):
+            return await self._ask_referee(job, shard, decision)
         await self._apply_shard_decision(job, shard, decision, state)
+        return False
+
+    # -- the referee (hub/referee.py): ask nodes for committed states, re-execute a segment ----
+    @staticmethod
+    def _referee_inputs(job: JobState, shard: ShardState, ups: Sequence[UpdateState]) -> dict[str, Any]:
+        rate = float(job.spec.verification.spot_check)
+        draw = int(hashlib.sha256(f"{job.id}/{shard.id}/spot".encode()).hexdigest()[:12], 16) / float(1 << 48)
+        return {"committed": frozenset(u.id for u in ups if u.commitment is not None),
+                "verdicts": dict(shard.verdicts), "spot": draw < rate}
+
+    async def _ask_referee(self, job: JobState, shard: ShardState, decision: policy.Referee) -> bool:
+        """Open a state request for each update the policy wants re-executed (persisted first);
+        an update with no usable commitment gets its unverifiable verdict at once (True)."""
+        now = time.time()
+        vspec = job.spec.verification
+        by_id = {u.id: u for u in shard.accepted}
+        requests: list[StateRequestState] = []
+        at_once: dict[str, SegmentVerdict] = {}
+        for uid in decision.update_ids:
+            u = by_id[uid]
+            c = u.commitment
+            base = {"check": "segment_replay", "round": job.round, "node": u.node_id, "update": uid,
+                    "reason": decision.reason}
+            if c is None or not referee_grid_ok(c, job.spec.train.local_epochs, shard.samples,
+                                                job.spec.train.batch_size):
+                at_once[uid] = SegmentVerdict(uid, u.node_id, "unverifiable", base | {
+                    "why": "the update carries no usable checkpoint commitment"})
+                continue
+            others = [o.commitment for o in shard.accepted if o.id != uid and o.commitment is not None]
+            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None)
+            steps = tuple(sorted(set(fetch_steps(c, seg))))
+            requests.append(StateRequestState(
+                id=new_id("sr"), job_id=job.id, round=job.round, shard_id=shard.id, update_id=uid,
+                node_id=u.node_id, assignment_id=u.assignment_id, reason=decision.reason, segment=seg,
+                steps=steps, requested_at=now, deadline=now + float(vspec.state_wait_s)))
+        if requests:
+            await self.store.open_state_requests(requests)
+        for r in requests:
+            shard.requests[r.update_id] = r
+            self.state_requests[r.id] = r
+        shard.verdicts.update(at_once)
+        self.metrics.referee_verdicts.update(v.outcome for v in at_once.values())
+        if requests:
+            self.metrics.referee_requests += len(requests)
+            asyncio.get_running_loop().call_later(float(vspec.state_wait_s) + 0.05, self.poke, job.id)
+            self.signal.notify()  # the nodes asked wake from their long-polls
+        return bool(at_once) and not requests
+
+    def resume_referee(self, rows: Sequence[tuple[StateRequestState, str, Mapping[str, Any]]]) -> None:
+        """After a restart: the open requests wait on (with the states already handed over), the
+        verdicts already given stand, for the shards still open."""
+        for r, status, evidence in rows:
+            job = self.scheduler.jobs.get(r.job_id)
+            shard = job.shards.get(r.shard_id) if job is not None else None
+            if job is None or shard is None or shard.state != "open":
+                continue
+            if status == "open":
+                shard.requests[r.update_id] = r
+                self.state_requests[r.id] = r
+            else:
+                shard.verdicts[r.update_id] = SegmentVerdict(r.update_id, r.node_id, status, dict(evidence))
+        loop = asyncio.get_running_loop()
+        for r in self.state_requests.values():  # judged once every state is in, or at the deadline
+            loop.call_later(max(0.0, r.deadline - time.time()) + 0.05, self.poke, r.job_id)
+
+    async def _judge(self, job: JobState, shard: ShardState) -> None:
+        """Every requested state is in (or its time ran out): re-execute the segments (worker
+        thread), record the verdicts (store, then memory)."""
+        reqs = list(shard.requests.values())
+        by_id = {u.id: u for u in shard.accepted}
+        verdicts = await asyncio.to_thread(self._judge_blocking, job, shard, reqs, by_id)
+        await self.store.close_state_requests([(r.id, verdicts[r.update_id].outcome,
+                                                dict(verdicts[r.update_id].evidence)) for r in reqs])
+        for r in reqs:
+            shard.requests.pop(r.update_id, None)
+            self.state_requests.pop(r.id, None)
+            shard.verdicts[r.update_id] = verdicts[r.update_id]
+        self.metrics.referee_verdicts.update(v.outcome for v in verdicts.values())
+
+    def _judge_blocking(self, job: JobState, shard: ShardState, reqs: Sequence[StateRequestState],
+                        by_id: Mapping[str, UpdateState]) -> dict[str, SegmentVerdict]:
+        spec = job.spec
+        vspec = spec.verification
+        global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
+        chunk_sha = {c.idx: c.sha for c in job.chunks}
+        x, y = stack_data([decode_state(bytearray(self.blobs.read(chunk_sha[i]))) for i in shard.chunk_idxs])
+        cfg = dataclasses.replace(spec.train.train_config(), checkpoint_every=int(vspec.checkpoint_every))
+        out: dict[str, SegmentVerdict] = {}
+        for r in reqs:
+            u = by_id[r.update_id]
+            c = u.commitment
+            if c is None:  # not reached: requests are opened only for committed updates
+                continue
+            states = {step: decode_state(bytearray(self.blobs.read(sha))) for step, sha in r.states.items()}
+            tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
+            delta = decode_state(bytearray(self.blobs.read(u.sha)))
+            v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=cfg,
+                              seed=shard.seed, commitment=c, segment=r.segment, states=states,
+                              global_state=global_state, delta=delta, x=x, y=y, tolerance=tol)
+            out[u.id] = SegmentVerdict(v.update_id, v.node_id, v.outcome,
+                                       dict(v.evidence) | {"reason": r.reason, "request": r.id})
+        return out
 
     def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
         return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
@@ -182,7 +308,8 @@ class RoundEngine:
         """Worker thread: open the replicas' deltas and ask the policy."""
         with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
             records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
-            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups))
+            decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups),
+                                           **self._referee_inputs(job, shard, ups))
             del records
         return decision
 
@@ -430,6 +557,8 @@ class RoundEngine:
         await self.store.end_job(job.id, state, reason, [a.id for a in leftovers])
         for a in leftovers:
             self.scheduler.detach(a)
+        for rid in [rid for rid, r in self.state_requests.items() if r.job_id == job.id]:
+            del self.state_requests[rid]  # nobody is asked for a state of a job that ended
         job.end(state)
         job.error = reason
         self.signal.notify()

@@ -31,6 +31,7 @@ async def get_flag(request: web.Request) -> web.Response:
 
     flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
     flag["scores"] = evidence.threshold_scores(flag)
+    flag["referee"] = evidence.referee_rows(flag)
     flag["layer_evidence"] = await bridge.layer_evidence(request.app, flag)
     return json_response(flag)
 

@@ -24,6 +24,7 @@ from gpuflex.protocol.messages import (
     Heartbeat,
     Hello,
     NoWork,
+    StateUpload,
     UpdateHeader,
     Welcome,
     WorkRequest,
@@ -34,7 +35,15 @@ from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, LEDGER, METRICS
 from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
-from .errors import BadRequest, Forbidden, HubError, NotFound, PayloadTooLarge, Unprocessable
+from .errors import (
+    BadRequest,
+    Forbidden,
+    HubError,
+    LengthRequired,
+    NotFound,
+    PayloadTooLarge,
+    Unprocessable,
+)
 from .manifests import check_streamed_manifest
 from .tokens import enrollment_operator
 from .wire import (
@@ -86,6 +95,10 @@ async def work(request: web.Request) -> web.Response:
     wake = ledger.signal  # the WorkSignal that long-polls wait on
     with ledger.polling(node):
         while not wake.closing:
+            asked = ledger.pending_state_request(node)  # the referee's request comes first
+            if asked is not None:
+                request.app[METRICS].bytes_out += len(asked)
+                return web.Response(body=asked, content_type="application/x-msgpack")
             issued = await ledger.next_assignment(node, cached)
             if issued is not None:
                 return _assignment_response(request, issued.sealed, issued.model_hash, cached)
@@ -317,6 +330,53 @@ def _hash_and_write(digest: hashlib._Hash, fh: BinaryIO, pieces: list[bytes]) ->
     for piece in pieces:
         digest.update(piece)
         fh.write(piece)
+
+
+@routes.post("/v1/states")
+async def state_upload(request: web.Request) -> web.Response:
+    """A checkpoint state the referee asked for: signed StateUpload header, GFT1 bytes as the body.
+    The bytes must hash to the state the node committed to in its update header."""
+    app = request.app
+    ledger = app[LEDGER]
+    data = b64_header(request, "X-GPUFlex-State")
+    hdr, signer = open_node_message(request, data, StateUpload)
+    node = ledger.known_node(signer)
+    r, expected, limit = ledger.begin_state(node, hdr)
+    if request.content_length is None:
+        raise LengthRequired("send the state with a Content-Length header", code="length_required")
+    if request.content_length != hdr.state_size:
+        raise BadRequest(f"Content-Length {request.content_length} differs from state_size {hdr.state_size}",
+                         code="size_mismatch")
+    if hdr.state_size > limit:
+        raise PayloadTooLarge(f"a state of {hdr.state_size} bytes is larger than this model's can be ({limit})",
+                              code="too_large")
+    pieces: list[bytes] = []
+    received = 0
+    while piece := await request.content.read(UPLOAD_READ):
+        received += len(piece)
+        if received > hdr.state_size:
+            raise BadRequest("body is longer than state_size", code="size_mismatch")
+        pieces.append(piece)
+    if received != hdr.state_size:
+        raise BadRequest(f"body has {received} bytes, state_size says {hdr.state_size}", code="size_mismatch")
+    body = b"".join(pieces)
+    app[METRICS].bytes_in += len(body)
+    await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _ingest_state, body, expected, app[BLOBS])
+    await ledger.accept_state(r, hdr.step, expected)
+    return sealed_response(request, Ack(ok=True, detail=f"state of step {hdr.step} accepted", deadline=r.deadline))
+
+
+def _ingest_state(body: bytes, sha: str, blobs: BlobStore) -> None:
+    """Hash, decode-check and store one state (worker thread)."""
+    if hashlib.sha256(body).hexdigest() != sha:
+        raise Unprocessable("state bytes do not hash to state_sha256", code="hash_mismatch")
+    try:
+        state = decode_state(body)
+        check_finite(state)
+    except ProtocolError as exc:
+        raise Unprocessable(f"state is not a valid tensor state: {exc}", code="bad_state") from None
+    del state
+    blobs.put(body, sha=sha)
 
 
 __all__ = ["protocol_to_hub", "routes"]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState
+from .jobs import AssignmentState, ChunkInfo, JobState, ShardState, StateRequestState, UpdateState
 from .scheduler import NodeState
 from .verification import Flag, Reputation
 
@@ -171,6 +171,24 @@ class Store(abc.ABC):
                           withdrawn: Sequence[str], cancelled: Sequence[str],
                           reputations: Sequence[tuple[str, Reputation]], last: bool, now: float) -> None:
         """The round's outcome and the next model; the job moves on (or is done)."""
+
+    # -- the referee (hub/referee.py) --------------------------------------------------------
+    @abc.abstractmethod
+    async def open_state_requests(self, requests: Sequence[StateRequestState]) -> None:
+        """The referee asks nodes for checkpoint states: one row per request, status open."""
+
+    @abc.abstractmethod
+    async def record_state(self, request_id: str, step: int, sha: str) -> None:
+        """A node handed over the state of ``step`` (its blob ``sha`` is stored already)."""
+
+    @abc.abstractmethod
+    async def close_state_requests(self, outcomes: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        """(request id, reproduced|mismatch|unverifiable, evidence): the referee's verdicts."""
+
+    @abc.abstractmethod
+    async def referee_requests(self) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+        """The referee's requests about shards still open (after a restart): each request with the
+        states handed over so far, its status (open or a verdict) and the verdict's evidence."""
 
     # -- flags -------------------------------------------------------------------------------
     @abc.abstractmethod

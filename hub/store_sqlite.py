@@ -3,6 +3,7 @@ one writer thread, group commit). Each method below is one transaction."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
@@ -11,11 +12,19 @@ from typing import Any, TypeVar
 
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import parse_job_spec
-from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass, nested_from_dict
+from gpuflex.protocol.messages import UNKNOWN_CLASS, Commitment, ComputeClass, nested_from_dict
 
 from .db import Database
 from .errors import Conflict
-from .jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState, new_id
+from .jobs import (
+    AssignmentState,
+    ChunkInfo,
+    JobState,
+    ShardState,
+    StateRequestState,
+    UpdateState,
+    new_id,
+)
 from .scheduler import NodeState, peak_flops
 from .store import AssignmentFate, FlagRecord, LoadedState, NodeProfile, RoundResult, Store
 from .tokens import insert_token
@@ -34,6 +43,18 @@ _REPUTATION_SQL = (
 
 class DuplicateUpdate(Conflict):
     code = "duplicate_update"
+
+
+def commitment_to_json(c: Commitment | None) -> str | None:
+    return None if c is None else json.dumps(dataclasses.asdict(c), separators=(",", ":"))
+
+
+def commitment_from_json(text: str | None) -> Commitment | None:
+    if not text:
+        return None
+    d = json.loads(text)
+    return Commitment(every=int(d["every"]), steps=int(d["steps"]), precision=str(d["precision"]),
+                      hashes=tuple(d["hashes"]), norms=tuple(float(x) for x in d["norms"]))
 
 
 def _json(value: Any) -> str:
@@ -188,11 +209,11 @@ class SqliteStore(Store):
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(
                 "INSERT INTO updates (id, assignment_id, shard_id, job_id, round, node_id, sha, size,"
-                " sample_count, loss, train_s, metrics, timings, status, received_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'accepted', ?)",
+                " sample_count, loss, train_s, metrics, timings, status, received_at, commitment)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'accepted', ?, ?)",
                 (upd.id, upd.assignment_id, upd.shard_id, job_id, round, upd.node_id, upd.sha, upd.size,
                  upd.sample_count, upd.loss, upd.train_s, json.dumps(metrics), json.dumps(timings),
-                 upd.received_at))
+                 upd.received_at, commitment_to_json(upd.commitment)))
             conn.execute("UPDATE assignments SET state = 'done' WHERE id = ?", (upd.assignment_id,))
             conn.execute("UPDATE nodes SET ema_sps = ?, updates_accepted = ?, last_seen = ? WHERE id = ?",
                          (node.ema_sps, node.updates_accepted, upd.received_at, node.id))
@@ -285,6 +306,44 @@ class SqliteStore(Store):
             return flag_record(conn.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone())
 
         return await self.db.write(write)
+
+    # -- the referee -------------------------------------------------------------------------
+    async def open_state_requests(self, requests: Sequence[StateRequestState]) -> None:
+        rows = [(r.id, r.job_id, r.round, r.shard_id, r.update_id, r.node_id, r.assignment_id, r.reason, r.segment,
+                 _json(list(r.steps)), r.requested_at, r.deadline) for r in requests]
+        await self.db.write(lambda c: c.executemany(
+            "INSERT INTO state_requests (id, job_id, round, shard_id, update_id, node_id, assignment_id, reason,"
+            " segment, steps, requested_at, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows))
+
+    async def record_state(self, request_id: str, step: int, sha: str) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            row = conn.execute("SELECT states FROM state_requests WHERE id = ?", (request_id,)).fetchone()
+            if row is None:
+                raise Conflict(f"no state request {request_id}", code="unknown_request")
+            states = json.loads(row["states"])
+            states[str(step)] = sha
+            conn.execute("UPDATE state_requests SET states = ? WHERE id = ?", (_json(states), request_id))
+
+        await self.db.write(write)
+
+    async def close_state_requests(self, outcomes: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        rows = [(status, _json(evidence), rid) for rid, status, evidence in outcomes]
+        await self.db.write(lambda c: c.executemany(
+            "UPDATE state_requests SET status = ?, verdict = ? WHERE id = ?", rows))
+
+    async def referee_requests(self) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+        def read(conn: sqlite3.Connection) -> list[tuple[StateRequestState, str, dict[str, Any]]]:
+            rows = conn.execute(
+                "SELECT r.* FROM state_requests r JOIN shards s ON s.id = r.shard_id WHERE s.state = 'open'"
+                " ORDER BY r.requested_at, r.id").fetchall()
+            return [(StateRequestState(
+                id=r["id"], job_id=r["job_id"], round=r["round"], shard_id=r["shard_id"], update_id=r["update_id"],
+                node_id=r["node_id"], assignment_id=r["assignment_id"], reason=r["reason"], segment=r["segment"],
+                steps=tuple(int(x) for x in json.loads(r["steps"])), requested_at=r["requested_at"],
+                deadline=r["deadline"], states={int(k): str(v) for k, v in json.loads(r["states"]).items()}),
+                str(r["status"]), json.loads(r["verdict"]) if r["verdict"] else {}) for r in rows]
+
+        return await self.db.read(read)
 
     async def update_sha(self, update_id: str) -> str | None:
         row = await self.db.read(lambda c: c.execute("SELECT sha FROM updates WHERE id = ?",
@@ -399,6 +458,7 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
                     sample_count=u["sample_count"], loss=u["loss"], train_s=u["train_s"],
                     received_at=u["received_at"], status=u["status"],
                     elapsed_s=u["received_at"] - u["issued_at"],
+                    commitment=commitment_from_json(u["commitment"]),
                 )
                 shard.accepted.append(upd)
                 if upd.status == "accepted" and shard.state == "settled":

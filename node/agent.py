@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -42,17 +45,27 @@ from typing import Any
 
 import aiohttp
 import torch
+from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.messages import Assignment, Benchmark, ComputeClass, NoWork, progress_digest
+from gpuflex.protocol.messages import (
+    Assignment,
+    Benchmark,
+    ComputeClass,
+    NoWork,
+    StateRequest,
+    StateUpload,
+    progress_digest,
+)
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.signing import SigningKey, fingerprint
+from gpuflex.protocol.signing import SigningKey, fingerprint, new_nonce
 from gpuflex.protocol.tensors import check_finite
 from gpuflex.protocol.version import SOFTWARE_VERSION
 from torch import Tensor
 
 from .assignment import check_assignment, load_inputs
 from .cache import BlobCache
+from .checkpoints import CheckpointRecorder, CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
@@ -113,6 +126,9 @@ class NodeConfig:
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
     enroll_token: str = ""  # the operator's enrollment token, when the hub asks for one
     source_address: str | None = None  # bind outgoing connections to this local address
+    #: checkpoint states kept for the hub's referee (the most recent assignments; bytes cap)
+    checkpoint_keep: int = 4
+    max_checkpoint_bytes: int = 2 << 30
 
 
 @dataclass
@@ -159,6 +175,8 @@ class NodeAgent:
                 raise ConfigError(f"--precisions {','.join(config.precisions or ())}: this {self.device.type} "
                                   "device trains none of them")
             self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
+            self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", keep=config.checkpoint_keep,
+                                               max_bytes=config.max_checkpoint_bytes)
         except BaseException:
             self.lock.release()
             raise
@@ -178,6 +196,7 @@ class NodeAgent:
         self.fatal: NodeError | None = None
         self.done_assignments = 0
         self._seen_assignments: set[str] = set()
+        self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
         self._benchmark_msg: Benchmark | None = None
 
     # ---------------------------------------------------------------- overridable steps
@@ -197,15 +216,42 @@ class NodeAgent:
                 cur.progress = fraction
             self.output.progress_update(fraction)
 
-        def on_step(step: int, loss: float) -> None:
+        def on_loss(step: int, loss: float) -> None:
             if cur is not None:
                 cur.digest = progress_digest(cur.digest, step, loss)
                 cur.steps = step
 
-        return train_assignment(
-            spec, global_state, chunks, assignment.train, assignment.seed,
-            device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_step=on_step,
-        )
+        n = sum(int(c["x"].shape[0]) for c in chunks)
+        total = math.ceil(n / max(assignment.train.batch_size, 1)) * assignment.train.local_epochs
+        every = auto_every(total, assignment.train.checkpoint_every)
+        recorder = CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
+                                      store=self.checkpoints, assignment_id=assignment.assignment_id)
+        self.checkpoints.prune(keep_id=assignment.assignment_id)
+        try:
+            result = train_assignment(
+                spec, global_state, chunks, assignment.train, assignment.seed,
+                device=self.device, progress=progress, should_stop=self.stop_training.is_set,
+                on_step=recorder, on_loss=on_loss,
+            )
+        except BaseException:
+            recorder.abandon()
+            raise
+        return dataclasses.replace(result, commitment=recorder.commitment())
+
+    async def hand_over(self, asked: StateRequest) -> None:
+        """Upload the committed checkpoint states the hub's referee asked for (those still kept)."""
+        client = self._client()
+        self.output.event("state_request", request_id=asked.request_id, assignment_id=asked.assignment_id,
+                          steps=list(asked.steps))
+        for step in asked.steps:
+            data = await asyncio.to_thread(self.checkpoints.read, asked.assignment_id, step)
+            if data is None:
+                self.output.event("state_missing", request_id=asked.request_id, step=step)
+                continue
+            hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                              state_size=len(data), timestamp=client.now(), nonce=new_nonce())
+            ack = await client.upload_state(hdr, data)
+            self.output.event("state_sent", request_id=asked.request_id, step=step, bytes=len(data), ok=ack.ok)
 
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
         """The step between training and upload; identity in the shipped node."""
@@ -364,6 +410,15 @@ class NodeAgent:
                 item, inline = await pause.interruptible(
                     client.request_work(self.config.poll_wait_s, self.cache.ids(4096))
                 )
+                if isinstance(item, StateRequest):
+                    backoff.reset()
+                    if item.request_id in self._handed_over:
+                        # asked again: what it lacks is not kept here; wait rather than spin until its deadline
+                        await pause.sleep(min(5.0, max(0.5, item.deadline - time.time())))
+                        continue
+                    await pause.interruptible(self.hand_over(item))
+                    self._handed_over.add(item.request_id)  # after a failure it is answered again
+                    continue
                 if isinstance(item, NoWork):
                     backoff.reset()
                     self.output.event("no_work", reason=item.reason, retry_after_s=item.retry_after_s)

@@ -30,6 +30,8 @@ from gpuflex.protocol.messages import (
     Heartbeat,
     Hello,
     NoWork,
+    StateRequest,
+    StateUpload,
     UpdateHeader,
     Welcome,
     WorkRequest,
@@ -191,7 +193,8 @@ class HubClient:
         self.clock_offset = welcome.server_time - (sent + rtt / 2)
         return welcome
 
-    async def request_work(self, wait_s: float, cached: list[str]) -> tuple[Assignment | NoWork, bytes | None]:
+    async def request_work(self, wait_s: float,
+                           cached: list[str]) -> tuple[Assignment | NoWork | StateRequest, bytes | None]:
         """The hub's answer, and the model's bytes when the hub sent them inline (unchecked here:
         the caller matches them against the assignment's model_hash)."""
         req = WorkRequest(
@@ -211,10 +214,10 @@ class HubClient:
             raise HubError("work answer is larger than a sealed message may be", code="bad_answer")
         return self._open_work_answer(data), inline
 
-    def _open_work_answer(self, data: bytes) -> Assignment | NoWork:
+    def _open_work_answer(self, data: bytes) -> Assignment | NoWork | StateRequest:
         if self.hub_public_key is None:
             raise HubError("hub key not pinned yet")
-        # The signature's domain names the kind, so try both kinds against the pinned key.
+        # The signature's domain names the kind, so try each kind against the pinned key.
         try:
             msg, _ = open_sealed(data, Assignment, signer=self.hub_public_key)
             return msg
@@ -222,6 +225,13 @@ class HubClient:
             pass
         except ProtocolError as exc:
             raise AssignmentRejected(f"assignment refused: {exc}") from exc
+        try:
+            asked, _ = open_sealed(data, StateRequest, signer=self.hub_public_key)
+            return asked
+        except SignatureError:
+            pass
+        except ProtocolError as exc:
+            raise HubError(f"state request refused: {exc}", code="bad_answer") from exc
         try:
             nowork, _ = open_sealed(data, NoWork, signer=self.hub_public_key)
             return nowork
@@ -310,6 +320,25 @@ class HubClient:
         except _NET_ERRORS as exc:
             raise HubUnavailable(f"POST /v1/updates: {type(exc).__name__}: {exc}"[:300]) from exc
         return self._signed_answer(data, Ack, "upload")
+
+
+    async def upload_state(self, header: StateUpload, body: bytes) -> Ack:
+        """Hand over one committed checkpoint state the hub's referee asked for."""
+        token = base64.urlsafe_b64encode(seal(self.key, header)).decode("ascii")
+        self.requests += 1
+        try:
+            async with self.session.post(
+                self._url("/v1/states"),
+                data=body,
+                headers={"X-GPUFlex-State": token, "Content-Type": "application/octet-stream"},
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=120),
+            ) as resp:
+                data = await _read_limited(resp, MAX_RESPONSE_BYTES)
+                if resp.status != 200:
+                    raise _error_from(resp.status, data, "POST /v1/states")
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"POST /v1/states: {type(exc).__name__}: {exc}"[:300]) from exc
+        return self._signed_answer(data, Ack, "state upload")
 
 
 def _range_start(content_range: str) -> int:

@@ -39,7 +39,7 @@ from .errors import TrainError, TrainingStopped
 from .optim import SGD, Adam, LocalOptimizer, clip_grad_norm
 
 if TYPE_CHECKING:
-    from gpuflex.protocol.messages import TrainConfig
+    from gpuflex.protocol.messages import Commitment, TrainConfig
     from gpuflex.protocol.modelspec import ModelSpec
 
 __all__ = ["AUTOCAST_DTYPES", "LossScaler", "TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
@@ -54,6 +54,8 @@ class TrainResult:
     loss: float
     train_s: float
     steps: int
+    #: the checkpoint commitment of this training (node/checkpoints.py), set by the agent
+    commitment: Commitment | None = None
 
 
 def make_optimizer(params: Sequence[Tensor], cfg: TrainConfig) -> LocalOptimizer:
@@ -185,12 +187,17 @@ def train_assignment(
     device: torch.device,
     progress: Callable[[float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, nn.Module, LocalOptimizer], None] | None = None,
+    on_loss: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train ``cfg.local_epochs`` epochs on the concatenated chunks; return the delta.
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
-    when ``should_stop()`` turns true (checked between batches).
+    when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
+    optimizer)`` is called before the first step (0) and after each one: the checkpoint
+    commitments' hook (node/checkpoints.py). ``on_loss(step, loss)`` is called at each progress
+    report: the heartbeats' proof of progress (protocol.messages.progress_digest).
+    ``cfg.precision`` says what the forward pass runs in (autocast over fp32 master weights).
     """
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
@@ -237,6 +244,8 @@ def train_assignment(
     loss_sum = torch.zeros((), dtype=acc_dtype, device=device)
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(seed)  # dropout and any other in-model randomness
+        if on_step is not None:
+            on_step(0, model, optimizer)
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(seed + epoch)
             perm = torch.randperm(n, generator=gen).to(device)
@@ -264,10 +273,12 @@ def train_assignment(
                 if last_epoch:
                     loss_sum += loss.detach().float() * idx.shape[0]
                 step += 1
+                if on_step is not None:
+                    on_step(step, model, optimizer)
                 if progress is not None and step % report_every == 0:
                     progress(step / total_steps)
-                if on_step is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
-                    on_step(step, float(loss.detach()))
+                if on_loss is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
+                    on_loss(step, float(loss.detach()))
     mean_loss = float(loss_sum) / n  # synchronizes on CUDA
     train_s = time.perf_counter() - started
     if progress is not None and step % report_every != 0:

@@ -198,7 +198,7 @@ class Transfers:
                 assignment_id=a.assignment_id, update_sha256=digest, update_size=len(body),
                 sample_count=result.sample_count, metrics={"loss": _finite(result.loss)},
                 timings={"train_s": result.train_s, "download_s": download_s, "encode_s": encode_s},
-                timestamp=client.now(), nonce=new_nonce(),
+                timestamp=client.now(), nonce=new_nonce(), commitment=result.commitment,
             )
             try:
                 ack = await client.upload_update(header, body)

@@ -118,6 +118,21 @@ class VerificationSpec:
     #: the updates no trusted node vouched for carry at most this share of a round's weight
     #: when trusted updates are in it (1 = no bound); hub/policy.py bound_weights
     untrusted_share: float = 0.5
+    # -- the referee: checkpoint commitments and segment re-execution (hub/referee.py) --------
+    #: steps between two committed checkpoints of an assignment; 0 = about 8 segments an assignment
+    checkpoint_every: int = 0
+    #: share of settled untrusted shards whose representative the referee re-executes a segment of
+    spot_check: float = 0.25
+    #: relative distance (re-executed vs committed segment end, over the segment's update) under
+    #: which a segment claimed in fp32 reproduces (bench/referee_calibration.py: honest classes
+    #: <= 1.1e-6 on the digits MLP and CNN, a bf16 node claiming fp32 >= 9.2e-3)
+    segment_tolerance: float = 1e-3
+    #: the same for a segment claimed in bf16 / fp16 / tf32: honest bf16 classes on the digits CNN
+    #: (oneDNN's bf16 kernels against torch's own) reach 0.035 over 14-step segments and 0.078 over
+    #: 28 (segments are at most 16 steps unless checkpoint_every says otherwise)
+    segment_tolerance_low: float = 0.15
+    #: how long a node has to hand over a requested checkpoint state before it is unverifiable
+    state_wait_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -280,6 +295,12 @@ def _verification(s: _Section) -> VerificationSpec:
         unverified=s.get_choice("unverified", d.unverified, UNVERIFIED),
         norm_bound=_norm_bound(s.get_float("norm_bound", d.norm_bound, 0.0, 1e6)),
         untrusted_share=s.get_float("untrusted_share", d.untrusted_share, 0.0, 1.0, lo_open=True),
+        checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 0, 1 << 30),
+        spot_check=s.get_float("spot_check", d.spot_check, 0.0, 1.0),
+        segment_tolerance=s.get_float("segment_tolerance", d.segment_tolerance, 0.0, 10.0, lo_open=True),
+        segment_tolerance_low=s.get_float("segment_tolerance_low", d.segment_tolerance_low, 0.0, 10.0,
+                                          lo_open=True),
+        state_wait_s=s.get_float("state_wait_s", d.state_wait_s, 0.0, 86_400.0, lo_open=True),
     )
 
 

@@ -32,6 +32,7 @@ MAX_LIST: Final = 4096
 MAX_MAP: Final = 64
 MAX_DEPTH: Final = 8
 MAX_INT: Final = (1 << 63) - 1
+MAX_CHECKPOINTS: Final = 40  # a Commitment's hashes; keeps the update header under 8 KiB
 
 ID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BLOB_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -252,16 +253,21 @@ class ModelSpecDict(Rule):
 
 
 class Nested(Rule):
-    def __init__(self, cls: type[Any]) -> None:
+    def __init__(self, cls: type[Any], *, optional: bool = False) -> None:
         self.cls = cls
+        self.optional = optional
 
     def decode(self, value: object) -> object:
+        if value is None and self.optional:
+            return None
         if not isinstance(value, dict):
             name = self.cls.__name__
             raise _Fail(f"expected {'an' if name[:1] in 'AEIOU' else 'a'} {name} map, got {_describe(value)}")
         return _from_wire(self.cls, value)
 
-    def encode(self, value: object) -> dict[str, object]:
+    def encode(self, value: object) -> dict[str, object] | None:
+        if value is None and self.optional:
+            return None
         if not isinstance(value, self.cls):
             raise _Fail(f"expected {self.cls.__name__}, got {_describe(value)}")
         return _to_wire(value)
@@ -356,6 +362,8 @@ class TrainConfig:
     grad_clip: Annotated[float, Float(0.0, 1e12)]
     #: what the node trains in: the job's precision, "auto" resolved by the hub for this node
     precision: Annotated[str, Text(choices=PRECISIONS)] = "fp32"
+    #: steps between committed checkpoints (protocol/checkpoint.py); 0 = about 8 segments
+    checkpoint_every: Annotated[int, Int(0, 1 << 30)] = 0
 
 
 @dataclass(frozen=True)
@@ -452,6 +460,19 @@ class BlobRequest:
 
 
 @dataclass(frozen=True)
+class Commitment:
+    """A node's commitment to its training trajectory (protocol/checkpoint.py): the hash of the
+    full training state at steps 0, every, 2*every, ..., steps (the last), each segment's
+    update norm (len(hashes) - 1 of them), and the precision it trained in."""
+
+    every: Annotated[int, Int(1, 1 << 40)]
+    steps: Annotated[int, Int(0, 1 << 40)]
+    precision: Annotated[str, Text(8, choices=("fp32", "tf32", "bf16", "fp16"))]
+    hashes: Annotated[tuple[str, ...], Seq(Text(64, pattern=BLOB_ID_RE), MAX_CHECKPOINTS)]
+    norms: Annotated[tuple[float, ...], Seq(Float(0.0, 1e300), MAX_CHECKPOINTS)]
+
+
+@dataclass(frozen=True)
 class UpdateHeader:
     KIND: ClassVar[str] = "update"
     assignment_id: IdStr
@@ -460,6 +481,37 @@ class UpdateHeader:
     sample_count: Count
     metrics: Annotated[dict[str, float], FloatMap(32, required=("loss",))]
     timings: Annotated[dict[str, float], FloatMap(32, required=("train_s",))]
+    timestamp: Timestamp
+    nonce: Nonce
+    #: the checkpoint commitment (None: the node committed to nothing; a referee that asks
+    #: for a state of it finds none, and flags it unverifiable)
+    commitment: Annotated[Commitment | None, Nested(Commitment, optional=True)] = None
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """Hub -> node, as the answer to a work request: hand over the committed training states of
+    ``assignment_id`` at ``steps`` (POST /v1/states, one StateUpload each) before ``deadline``.
+    A node that does not is flagged unverifiable and its update left out."""
+
+    KIND: ClassVar[str] = "state_request"
+    request_id: IdStr
+    job_id: IdStr
+    round: Annotated[int, Int(0, 1 << 31)]
+    assignment_id: IdStr
+    steps: Annotated[tuple[int, ...], Seq(Int(0, 1 << 40), 8)]
+    deadline: Timestamp
+
+
+@dataclass(frozen=True)
+class StateUpload:
+    """Node -> hub header of one checkpoint state (the GFT1 bytes follow as the body)."""
+
+    KIND: ClassVar[str] = "state_upload"
+    request_id: IdStr
+    step: Annotated[int, Int(0, 1 << 40)]
+    state_sha256: BlobIdStr
+    state_size: Count
     timestamp: Timestamp
     nonce: Nonce
 
@@ -472,7 +524,8 @@ class Ack:
     deadline: Timestamp
 
 
-Message = Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
+Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
+           | StateRequest | StateUpload)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -484,6 +537,8 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     BlobRequest,
     UpdateHeader,
     Ack,
+    StateRequest,
+    StateUpload,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -494,6 +549,7 @@ M = TypeVar("M")
 # Schema plumbing.
 
 _SCHEMAS: dict[type[Any], tuple[tuple[str, Rule], ...]] = {}
+_OPTIONAL: dict[type[Any], dict[str, object]] = {}  # message type -> its fields with a default
 
 
 def _schema(cls: type[Any]) -> tuple[tuple[str, Rule], ...]:
@@ -537,7 +593,11 @@ def _optional(cls: type[Any]) -> dict[str, object]:
     """Fields added after a message type first shipped carry a default: a peer that does not know
     them leaves them out, and a sender leaves them out while they hold the default, so old and
     new peers of one protocol version understand each other."""
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    found = _OPTIONAL.get(cls)
+    if found is None:
+        found = _OPTIONAL[cls] = {f.name: f.default for f in dataclasses.fields(cls)
+                                  if f.default is not dataclasses.MISSING}
+    return found
 
 
 def _to_wire(msg: object) -> dict[str, object]:
@@ -685,12 +745,15 @@ __all__ = [
     "Benchmark",
     "BlobRequest",
     "ChunkRef",
+    "Commitment",
     "ComputeClass",
     "DeviceInfo",
     "Heartbeat",
     "Hello",
     "Message",
     "NoWork",
+    "StateRequest",
+    "StateUpload",
     "TrainConfig",
     "UpdateHeader",
     "Welcome",

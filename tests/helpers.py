@@ -69,6 +69,7 @@ split = "stratified"
 [verification]
 replication = {replication}
 replica_wait_s = {replica_wait_s}
+spot_check = {spot_check}
 """
 
 
@@ -79,6 +80,7 @@ def digits_spec(
     chunk_size: int = 64,
     replication: str = "0.0",
     replica_wait_s: float = 30.0,
+    spot_check: float = 0.0,
     extra: str = "",
 ) -> str:
     return (
@@ -88,6 +90,7 @@ def digits_spec(
             chunk_size=chunk_size,
             replication=replication,
             replica_wait_s=replica_wait_s,
+            spot_check=spot_check,
         )
         + extra
     )

@@ -75,6 +75,16 @@ async def hub(
                 Flag(
                     "u-test-3", node.node_id, "free_rider", {"update_norm": 0.0, "threshold": 1e-7}
                 ),
+                # the referee's verdict as hub/policy.py records it (hub/referee.py evidence)
+                Flag("u-test-4", node.node_id, "referee_mismatch", {
+                    "referee": {"check": "segment_replay", "round": 0, "node": node.node_id, "update": "u-test-4",
+                                "steps": [12, 24], "last_step": 96, "precision": "bf16", "threshold": 0.15,
+                                "reason": "disagreement", "outcome": "mismatch", "distance": 2.47},
+                    "group": [{"update": "u-test-5", "node": "gf1-other", "round": 0, "steps": [12, 24],
+                               "precision": "fp32", "threshold": 0.001, "reason": "disagreement",
+                               "outcome": "reproduced", "distance": 3.1e-7}],
+                    "pairs": [{"a": "u-test-4", "b": "u-test-5", "relative_distance": 0.9, "agree": False,
+                               "tensors": {}}], "tolerance": 1e-4}),
             ],
             time.time(),
         )
@@ -325,6 +335,21 @@ async def test_flag_page_shows_scores_and_layers(hub, browser):
     assert "&lt;b&gt;0.bias&lt;/b&gt;" in html and "<b>0.bias" not in html
     assert "Node history" in html and hub.node_id in html
     assert 'name="verdict" value="confirm"' in html
+
+
+async def test_flag_page_shows_the_referees_re_executed_segments(hub, browser):
+    await browser.login(hub.hub.auditor_token)
+    status, html, _ = await browser.get(f"/console/flags/{hub.flags[3]}")
+    assert status == 200
+    assert "Referee re-execution" in html and "12\u201324" in html
+    assert "2.47" in html and "0.15" in html and "reproduced" in html and "mismatch" in html
+    assert "re-executed segment (steps 12-24)" in html  # both distances against their thresholds
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{hub.url}/v1/flags/{hub.flags[3]}", headers=hub.hub.auth(hub.hub.auditor_token)) as r:
+        doc = await r.json()
+    assert [(x["update"], x["outcome"], x["distance"]) for x in doc["referee"]] == [
+        ("u-test-4", "mismatch", 2.47), ("u-test-5", "reproduced", 3.1e-7)]
+    assert sum(1 for x in doc["scores"] if "re-executed segment" in x["name"]) == 2
 
 
 async def test_revoked_token_ends_the_session(hub, browser):

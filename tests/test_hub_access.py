@@ -22,7 +22,14 @@ import pytest_asyncio
 from gpuflex.hub.appkeys import DB, LEDGER
 from gpuflex.hub.openapi import openapi_document
 from gpuflex.hub.tokens import create_token
-from gpuflex.protocol.messages import Abandon, Assignment, BlobRequest, Heartbeat, WorkRequest
+from gpuflex.protocol.messages import (
+    Abandon,
+    Assignment,
+    BlobRequest,
+    Heartbeat,
+    StateUpload,
+    WorkRequest,
+)
 from gpuflex.protocol.signing import new_nonce, seal
 
 from tests.helpers import RunningHub, SimNode, start_hub
@@ -67,6 +74,10 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                          other_node=(403, "not_assigned")),
     ("POST", "/v1/updates"): _node(unsigned=(401, "missing_auth"), node=(200, None),
                                    other_node=(403, "not_your_assignment")),
+    # no state request is open in this world: a signed upload names none (tests/test_hub_referee.py has
+    # the open request that only its node may answer: 403 not_your_request for any other)
+    ("POST", "/v1/states"): _node(unsigned=(401, "missing_auth"), node=(404, "unknown_request"),
+                                  other_node=(404, "unknown_request")),
     ("POST", "/v1/jobs"): _bearer(owner=(201, None), other=(201, None), auditor=WRONG_ROLE, admin=(201, None)),
     ("GET", "/v1/jobs"): _bearer(owner=(200, "sees"), other=(200, "blind"), auditor=WRONG_ROLE,
                                  admin=(200, "sees")),
@@ -200,6 +211,13 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
             headers["X-GPUFlex-Auth"] = _b64(seal(signer.key, BlobRequest(sha256=sha, timestamp=now,
                                                                           nonce=new_nonce())))
         return {"method": method, "path": f"/v1/blobs/{sha}", "headers": headers}
+    if path == "/v1/states":
+        if signer is not None:
+            headers["X-GPUFlex-State"] = _b64(seal(signer.key, StateUpload(
+                request_id="sr-none", step=0, state_sha256="0" * 64, state_size=4, timestamp=now,
+                nonce=new_nonce())))
+        headers["Content-Type"] = "application/octet-stream"
+        return {"method": method, "path": path, "headers": headers, "data": b"\0" * 4}
     if path == "/v1/updates":
         node = signer or w.node
         blob, samples, loss = await w.node.train(a)
@@ -278,7 +296,8 @@ CELLS = [(route, role) for route in TABLE for role in ROLES]
 async def test_route_by_role(world: World, route: tuple[str, str], role: str) -> None:
     status, detail = TABLE[route][role]
     builder = _node_request if any(route[1].startswith(p) for p in (
-        "/v1/nodes/register", "/v1/work", "/v1/heartbeat", "/v1/abandon", "/v1/blobs", "/v1/updates")) \
+        "/v1/nodes/register", "/v1/work", "/v1/heartbeat", "/v1/abandon", "/v1/blobs", "/v1/updates",
+        "/v1/states")) \
         else _bearer_request
     kw = await builder(world, route, role)
     path = kw.pop("path")

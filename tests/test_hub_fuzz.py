@@ -19,9 +19,11 @@ from gpuflex.protocol.messages import (
     Abandon,
     Benchmark,
     BlobRequest,
+    Commitment,
     DeviceInfo,
     Heartbeat,
     Hello,
+    StateUpload,
     UpdateHeader,
     WorkRequest,
 )
@@ -91,9 +93,14 @@ def _message(kind: str):
         return "/v1/abandon", Abandon(assignment_id="a-1", reason="x", timestamp=now, nonce=new_nonce())
     if kind == "blob":
         return "/v1/blobs/" + "a" * 64, BlobRequest(sha256="a" * 64, timestamp=now, nonce=new_nonce())
+    if kind == "state":
+        return "/v1/states", StateUpload(request_id="sr-1", step=3, state_sha256="c" * 64, state_size=4,
+                                         timestamp=now, nonce=new_nonce())
+    commitment = None if kind == "update" else Commitment(every=2, steps=4, precision="fp32",
+                                                             hashes=("d" * 64,) * 3, norms=(0.1, 0.2))
     return "/v1/updates", UpdateHeader(assignment_id="a-1", update_sha256="b" * 64, update_size=4, sample_count=1,
                                        metrics={"loss": 1.0}, timings={"train_s": 1.0}, timestamp=now,
-                                       nonce=new_nonce())
+                                       nonce=new_nonce(), commitment=commitment)
 
 
 mutation = st.one_of(
@@ -121,7 +128,8 @@ def _mutate(data: bytes, m) -> bytes:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update"]), m=mutation)
+@given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
+                             "state"]), m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread
     path, msg = _message(kind)
@@ -132,9 +140,12 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
             conn.request("GET", path, headers={"X-GPUFlex-Auth": base64.urlsafe_b64encode(data).decode()})
             r = conn.getresponse()
             status, body = r.status, r.read()
-        elif kind == "update":
+        elif kind in ("update", "update_committed"):
             status, body = _post(conn, path, b"\x00" * 4,
                                  {"X-GPUFlex-Update": base64.urlsafe_b64encode(data).decode()})
+        elif kind == "state":
+            status, body = _post(conn, path, b"\x00" * 4,
+                                 {"X-GPUFlex-State": base64.urlsafe_b64encode(data).decode()})
         else:
             status, body = _post(conn, path, data)
     finally:
@@ -143,6 +154,27 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     assert 400 <= status < 500, (status, body[:200])
     doc = json.loads(body)
     assert set(doc) == {"error", "detail"} and doc["detail"] and "\n" not in doc["detail"]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request_id=st.text("abcdefghij0123456789-_", min_size=1, max_size=64), step=st.integers(0, 1 << 40),
+       sha=st.text("0123456789abcdef", min_size=64, max_size=64), size=st.integers(0, 1 << 40),
+       body=st.binary(max_size=256))
+def test_validly_signed_hostile_state_uploads_get_clean_4xx(hub_thread, request_id, step, sha, size, body):
+    """POST /v1/states with a correctly signed header naming anything: never a 5xx, never stored."""
+    hub, key = hub_thread
+    hdr = StateUpload(request_id=request_id, step=step, state_sha256=sha, state_size=size, timestamp=time.time(),
+                      nonce=new_nonce())
+    conn = _conn(hub.url)
+    try:
+        status, raw = _post(conn, "/v1/states", body,
+                            {"X-GPUFlex-State": base64.urlsafe_b64encode(seal(key, hdr)).decode()})
+    finally:
+        conn.close()
+    assert 400 <= status < 500, (status, raw[:200])
+    doc = json.loads(raw)
+    assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
+    assert doc["error"] == "unknown_request"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

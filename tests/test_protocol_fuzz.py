@@ -40,7 +40,13 @@ from gpuflex.protocol import (
     state_from_safetensors,
     state_to_safetensors,
 )
-from gpuflex.protocol.messages import MESSAGE_TYPES, ComputeClass
+from gpuflex.protocol.messages import (
+    MESSAGE_TYPES,
+    Commitment,
+    ComputeClass,
+    StateRequest,
+    StateUpload,
+)
 from gpuflex.protocol.modelspec import LAYERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -85,7 +91,13 @@ SAMPLES: list[Any] = [
     UpdateHeader(
         "as-1", "0" * 64, 100, 64, {"loss": 0.3, "acc": 0.9}, {"train_s": 1.5}, 1000.0, NONCE
     ),
+    UpdateHeader(
+        "as-2", "1" * 64, 100, 64, {"loss": 0.3}, {"train_s": 1.5}, 1000.0, NONCE,
+        Commitment(4, 9, "bf16", ("2" * 64, "3" * 64, "4" * 64, "5" * 64), (0.5, 0.25, 0.125)),
+    ),
     Ack(True, "ok", 1030.0),
+    StateRequest("sr-1", "job-1", 3, "as-1", (0, 12, 96), 1100.0),
+    StateUpload("sr-1", 12, "e" * 64, 4096, 1000.0, NONCE),
 ]
 WIRE = [encode_message(m) for m in SAMPLES]
 KEY = SigningKey.from_seed(b"\x01" * 32)

@@ -36,7 +36,10 @@ from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
     PRECISIONS,
     UNKNOWN_CLASS,
+    Commitment,
     ComputeClass,
+    StateRequest,
+    StateUpload,
     peek_kind,
 )
 from hypothesis import given, settings
@@ -181,8 +184,18 @@ MESSAGES = {
         ),
         timestamp=timestamps,
         nonce=nonces,
+        commitment=st.none() | st.builds(
+            Commitment, every=st.integers(1, 1 << 20), steps=st.integers(0, 1 << 20),
+            precision=st.sampled_from(["fp32", "tf32", "bf16", "fp16"]),
+            hashes=st.lists(blob_ids, max_size=40).map(tuple), norms=st.lists(pos_floats, max_size=40).map(tuple)),
     ),
     Ack: st.builds(Ack, ok=st.booleans(), detail=texts, deadline=timestamps),
+    StateRequest: st.builds(
+        StateRequest, request_id=ids, job_id=ids, round=st.integers(0, 2**31), assignment_id=ids,
+        steps=st.lists(st.integers(0, 1 << 40), max_size=8).map(tuple), deadline=timestamps),
+    StateUpload: st.builds(
+        StateUpload, request_id=ids, step=st.integers(0, 1 << 40), state_sha256=blob_ids, state_size=counts,
+        timestamp=timestamps, nonce=nonces),
 }
 
 

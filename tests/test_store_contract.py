@@ -226,6 +226,47 @@ async def test_ending_a_job_cancels_its_live_assignments(opened) -> None:
     assert fate is not None and fate.state == "cancelled"
 
 
+async def test_a_commitment_and_the_referees_requests_survive_a_restart(opened) -> None:
+    from gpuflex.hub.jobs import StateRequestState
+    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.protocol.messages import Commitment
+
+    kind, where, store = opened
+    job = await _job(where, store, replication="1.0")
+    shard = _carve(job)
+    shard.wanted = 2
+    a = _assignment(job, "gf1-n1")
+    await store.issue_assignment(a, shard, [job.chunks[0], job.chunks[1]])
+    c = Commitment(every=2, steps=4, precision="bf16", hashes=("a" * 64, "b" * 64, "c" * 64), norms=(0.5, 0.25))
+    upd = UpdateState(id="u-1", assignment_id="a-1", shard_id=shard.id, node_id="gf1-n1", sha="ab" * 32,
+                      size=10, sample_count=shard.samples, loss=0.5, train_s=0.1, received_at=time.time(),
+                      commitment=c)
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+    node = NodeState(id="gf1-n1", public_key=b"k" * 32, bench_sps=1.0, ema_sps=3.0, last_seen=1.0)
+    await store.accept_update(upd, job_id=job.id, round=0, metrics={"loss": 0.5}, timings={"train_s": 0.1},
+                              node=node, first_update=True, settles=False)
+    req = StateRequestState(id="sr-1", job_id=job.id, round=0, shard_id=shard.id, update_id="u-1", node_id="gf1-n1",
+                            assignment_id="a-1", reason="spot_check", segment=1, steps=(2, 4), requested_at=1.0,
+                            deadline=61.0)
+    await store.open_state_requests([req])
+    await store.record_state("sr-1", 2, "b" * 64)
+    await store.close_state_requests([("sr-1", "mismatch", {"distance": 2.5, "threshold": 0.05})])
+    store = await _reopen(kind, where, store)
+    try:
+        (again,) = (await store.load()).jobs
+        (u,) = again.shards[shard.id].accepted
+        assert u.commitment == c
+        (back, status, evidence), = await store.referee_requests()  # the shard is still open
+        assert (back.id, back.update_id, back.steps, back.states, status) == (
+            "sr-1", "u-1", (2, 4), {2: "b" * 64}, "mismatch")
+        assert evidence == {"distance": 2.5, "threshold": 0.05} and back.segment == 1
+        row = await store.query(lambda conn: dict(conn.execute("SELECT * FROM state_requests").fetchone()))
+        assert (row["status"], row["states"], row["steps"]) == ("mismatch", '{"2":"' + "b" * 64 + '"}', "[2,4]")
+        assert '"distance":2.5' in row["verdict"]
+    finally:
+        store.close()
+
+
 def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> None:
     """Data folders written by the previous release keep their nodes' track records and jobs."""
     path = tmp_path / "hub.sqlite3"
@@ -241,6 +282,7 @@ def test_a_version_1_database_is_migrated_keeping_its_data(tmp_path: Path) -> No
         conn.execute(f"ALTER TABLE {table} RENAME COLUMN {new} TO {old}")
     for column in SYBIL_COLUMNS:  # added by version 4
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
+    _undo_referee_schema(conn)  # added by version 5
     conn.executescript(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
         " last_seen, agreed, disagreed, consecutive_valid, flags_confirmed, flags_dismissed)"
@@ -269,6 +311,7 @@ def test_a_version_2_database_gains_the_compute_class_column(tmp_path: Path) -> 
     conn.execute("ALTER TABLE nodes DROP COLUMN compute_class")
     for column in SYBIL_COLUMNS:  # added by version 4
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
+    _undo_referee_schema(conn)  # added by version 5
     conn.executescript(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
         " last_seen, agreements_total) VALUES ('gf1-v2', x'00', '0.1', '{}', '{}', 1, 1, 0, 0, 5);"
@@ -314,6 +357,7 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
     conn = sqlite3.connect(path)
     for column in SYBIL_COLUMNS:
         conn.execute(f"ALTER TABLE nodes DROP COLUMN {column}")
+    _undo_referee_schema(conn)  # added by version 5
     conn.executescript(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps, registered_at,"
         " last_seen, agreements_total, consecutive_agreements, banned)"
@@ -328,6 +372,34 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
         db.close()
     assert (row["agreements_total"], row["consecutive_agreements"], row["banned"]) == (9, 4, 1)
     assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
+
+
+def _undo_referee_schema(conn: sqlite3.Connection) -> None:
+    """Undo schema 5 (the referee's commitment column and state_requests table)."""
+    conn.execute("DROP INDEX state_requests_open")
+    conn.execute("DROP TABLE state_requests")
+    conn.execute("ALTER TABLE updates DROP COLUMN commitment")
+
+
+def test_a_version_4_database_gains_the_referees_tables_keeping_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    _undo_referee_schema(conn)
+    conn.executescript(
+        "INSERT INTO updates (id, assignment_id, shard_id, job_id, round, node_id, sha, size, sample_count, loss,"
+        " train_s, metrics, timings, status, received_at) VALUES ('u-old', 'a-old', 's', 'j', 0, 'n', 'ab', 1, 1,"
+        " 0.5, 1.0, '{}', '{}', 'included', 0);"
+        "PRAGMA user_version = 4;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM updates").fetchone()))
+        n = db.write_sync(lambda c: c.execute("SELECT count(*) FROM state_requests").fetchone()[0])
+    finally:
+        db.close()
+    assert row["id"] == "u-old" and row["commitment"] is None and n == 0
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:

@@ -638,7 +638,7 @@ async def test_the_real_node_enrolls_and_connects_from_its_source_address(tmp_pa
 
 
 def test_the_trainer_reports_steps_and_losses_for_the_progress_chain():
-    """node/trainer.py's on_step callback: (step, loss) at the progress points, steps increasing,
+    """node/trainer.py's on_loss callback: (step, loss) at the progress points, steps increasing,
     ending at the last step; the node folds them into the heartbeat's digest."""
     from gpuflex.node.trainer import train_assignment
     from gpuflex.protocol.modelspec import build_model
@@ -649,7 +649,7 @@ def test_the_trainer_reports_steps_and_losses_for_the_progress_chain():
     chunk = {"x": torch.randn(64, 4), "y": torch.randint(0, 2, (64,))}
     seen: list[tuple[int, float]] = []
     res = train_assignment(job.model, state, [chunk], job.train.train_config(), 1, device=torch.device("cpu"),
-                           on_step=lambda step, loss: seen.append((step, loss)))
+                           on_loss=lambda step, loss: seen.append((step, loss)))
     steps = [s for s, _ in seen]
     assert steps == sorted(set(steps)) and steps[-1] == res.steps == shard_steps(64, 8, 2)
     assert all(math.isfinite(v) and v > 0 for _, v in seen)

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_UPDATES",
     "candidate_shas",
     "layer_profile",
+    "referee_rows",
     "round_layer_evidence",
     "threshold_scores",
 ]
@@ -107,6 +108,35 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
+def referee_rows(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The referee's re-executed segments behind a flag (hub/referee.py): this update's first,
+    then the other replicas' of its group. Each row: node, update, round, steps (start, end),
+    precision, reason (disagreement | spot_check), outcome, distance, threshold, why."""
+    ev: Mapping[str, Any] = flag.get("evidence") or {}
+    if not isinstance(ev, Mapping):
+        return []
+    mine = ev.get("referee")
+    group = ev.get("group")
+    items = [mine] if isinstance(mine, Mapping) else list(mine) if isinstance(mine, list) else []
+    if isinstance(group, list):
+        items += [g for g in group if isinstance(g, Mapping) and all(g.get("update") != i.get("update")
+                                                                     for i in items if isinstance(i, Mapping))]
+    rows = []
+    for v in items:
+        if not isinstance(v, Mapping):
+            continue
+        steps = v.get("steps") if isinstance(v.get("steps"), list) else []
+        rows.append({
+            "node": str(v.get("node", "")), "update": str(v.get("update", "")),
+            "round": v.get("round"), "steps": [int(x) for x in steps if isinstance(x, int)],
+            "precision": str(v.get("precision", "")), "reason": str(v.get("reason", "")),
+            "outcome": str(v.get("outcome", "mismatch" if "why" in v else "")),
+            "distance": _num(v.get("distance")), "threshold": _num(v.get("threshold")),
+            "why": str(v.get("why", "")), "this": v.get("update") == flag.get("update_id"),
+        })
+    return rows
+
+
 def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A flag's scores against the thresholds they broke: rows of name, value, threshold,
     the rule in words, ``ok`` (None when there is no threshold) and ``bad_when``.
@@ -171,4 +201,12 @@ def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
         )
     if "train_s" in ev:
         score("train time (s)", ev.get("train_s"), None, "above", "node claims")
+    for row in referee_rows(flag):
+        who = "this update's" if row["this"] else f"replica {row['update'][:14]}'s"
+        steps = f" (steps {row['steps'][0]}-{row['steps'][1]})" if len(row["steps"]) == 2 else ""
+        score(f"{who} re-executed segment{steps}", row["distance"], row["threshold"], "above",
+              "must be ≤ {th} (segment tolerance, " + (row["precision"] or "fp32") + ")")
+    if "relative_distance" in ev and "vouched_for" in ev:
+        score("distance to the update it vouched for", ev.get("relative_distance"), limits.get("tolerance"),
+              "below", "agreed within {th}")
     return scores

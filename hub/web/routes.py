@@ -498,6 +498,7 @@ def evidence_view(
         problems = [str(ev["why"])]
     return {
         "layer_note": centre_note if isinstance(layers, list) and layers else "",
+        "referee": evidence.referee_rows(flag),
         "scores": scores,
         "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
         "replica": replica,

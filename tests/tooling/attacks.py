@@ -41,6 +41,8 @@ Faults (``FAULTS``, not attacks: they change timing, never an update):
   training honestly it waits (factor - 1) x as long again, inside the training step, so
   the time it reports and the time the hub sees both grow. Benches use it for a node of
   half speed beside full-speed ones without needing a slower machine.
+- ``withhold``: trains and uploads honestly but never hands over a checkpoint state the
+  hub's referee asks for (node/checkpoints.py): it must be flagged ``unverifiable``.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ ATTACKS = (
 )
 
 
-FAULTS = ("stall", "slow")
+FAULTS = ("stall", "slow", "withhold")
 
 
 def make_attack(name: str) -> Attack:
@@ -419,6 +421,18 @@ def slow_agent_class(*, factor: float) -> type:
     return SlowAgent
 
 
+def withhold_agent_class() -> type:
+    """A real node that ignores the referee's state requests (it answers none of them)."""
+    from gpuflex.node.agent import NodeAgent
+
+    class WithholdAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        async def hand_over(self, asked: Any) -> None:
+            self.output.event("state_withheld", request_id=asked.request_id)
+            await self.pause_state.sleep(0.5)  # the request stays open: do not spin on it
+
+    return WithholdAgent
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tests.tooling.attacks --attack NAME <gpuflex-node run args>``."""
     parser = argparse.ArgumentParser(
@@ -438,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cls = stall_agent_class(after=args.stall_after, seconds=args.stall_s)
     elif args.attack == "slow":
         cls = slow_agent_class(factor=max(1.0, args.slow_factor))
+    elif args.attack == "withhold":
+        cls = withhold_agent_class()
     else:
         cls = agent_class(args.attack)
     return int(cli.main(["run", *rest], agent_cls=cls))

@@ -1,0 +1,247 @@
+"""The referee: re-execute one committed segment of a node's training and judge it.
+
+Why: two honest replicas on numerically different hardware (fp32 vs bf16, other kernels,
+thread counts, oneDNN) drift apart over a whole round, so a whole-update comparison cannot
+tell them from a cheat. A SHORT segment started from the SAME state stays close
+(proof-of-learning, Jia et al. 2021; Gensyn's Verde). A node commits to its full training
+state every k steps (protocol/checkpoint.py, node/checkpoints.py); the referee (the hub, in a
+worker thread) asks for the states around one segment, re-executes that segment with the
+same seed, data order and claimed precision, and compares the end state it gets with the
+one the node committed to.
+
+Pure functions (tensors in, a verdict out); the round engine (hub/rounds.py) gathers the
+inputs and the policy (hub/policy.py) applies the verdicts.
+
+- ``pick_segment``: which segment to re-execute. Alone (a spot-check): the one with the
+  largest committed update norm (PoL). Beside a disagreeing replica with the same checkpoint
+  grid: the first segment whose committed norms differ by more than ``NORM_SPLIT`` (Verde's
+  first diverging step, found from the commitments without a download), else the largest.
+- ``fetch_steps``: the states to ask for: the segment's start and end and the last state.
+- ``judge_segment``: checks, in order: the states say the steps they were asked for; a
+  segment that starts at step 0 starts from the round's model with a fresh optimizer; the
+  last state minus the round's model IS the uploaded update, bit for bit (so the commitment
+  binds the update); the re-executed segment end lies within ``tolerance`` of the committed
+  one: distance = ||committed end - re-executed end|| / ||re-executed end - start|| over the
+  model's floating tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gpuflex.protocol.checkpoint import model_part, segment_norm, step_of
+from gpuflex.protocol.messages import Commitment, TrainConfig
+from gpuflex.protocol.modelspec import ModelSpec, build_for_state
+from torch import Tensor, nn
+
+__all__ = [
+    "NORM_SPLIT",
+    "SegmentVerdict",
+    "fetch_steps",
+    "judge_segment",
+    "pick_segment",
+    "referee_grid_ok",
+    "replay_segment",
+    "segment_distance",
+    "stack_data",
+]
+
+#: relative difference of two replicas' committed segment norms taken as "diverged here"
+NORM_SPLIT = 1e-3
+
+
+@dataclass(frozen=True)
+class SegmentVerdict:
+    """The referee's verdict on one update. ``outcome``: "reproduced" | "mismatch" |
+    "unverifiable". ``evidence``: round, step range, whose states, the distance(s) and
+    the threshold; shown to the auditor."""
+
+    update_id: str
+    node_id: str
+    outcome: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "reproduced"
+
+
+def _grid(c: Commitment) -> list[int]:
+    return [*range(0, c.steps, c.every), c.steps]
+
+
+def referee_grid_ok(c: Commitment, local_epochs: int, samples: int, batch_size: int) -> bool:
+    """The commitment covers exactly the assignment's steps, one hash per checkpoint of its
+    grid and one norm per segment."""
+    steps = math.ceil(samples / max(batch_size, 1)) * local_epochs
+    return c.steps == steps and c.every >= 1 and len(c.hashes) == len(_grid(c)) == len(c.norms) + 1
+
+
+def pick_segment(c: Commitment, other: Commitment | None = None) -> int:
+    """Index i of the segment [grid[i], grid[i+1]] to re-execute (see the module docstring)."""
+    if not c.norms:
+        return 0
+    if other is not None and other.every == c.every and other.steps == c.steps and len(other.norms) == len(c.norms):
+        for i, (a, b) in enumerate(zip(c.norms, other.norms, strict=True)):
+            if abs(a - b) > NORM_SPLIT * max(a, b, 1e-30):
+                return i
+    return max(range(len(c.norms)), key=lambda i: (c.norms[i], -i))
+
+
+def fetch_steps(c: Commitment, segment: int) -> tuple[int, int, int]:
+    """(start, end, last) steps of ``segment`` (the last state binds the update)."""
+    grid = _grid(c)
+    return grid[segment], grid[segment + 1], grid[-1]
+
+
+def stack_data(chunks: Sequence[Mapping[str, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The shard's samples in assignment order, as the node's trainer stacks them."""
+    xs = [c["x"] for c in chunks]
+    ys = [c["y"] for c in chunks]
+    return (xs[0] if len(xs) == 1 else torch.cat(xs)), (ys[0] if len(ys) == 1 else torch.cat(ys))
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig, start: Mapping[str, Tensor]) -> torch.optim.Optimizer:
+    """torch.optim's optimizer for ``cfg`` holding the optimizer state of checkpoint ``start``
+    (the node's fused optimizer follows torch.optim's rules; the referee uses torch's own)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    opt: torch.optim.Optimizer
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        for n, p in named:
+            buf = start.get(f"opt.momentum.{n}")
+            if buf is not None:
+                opt.state[p]["momentum_buffer"] = buf.clone()
+        return opt
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    opt = cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, eps=1e-8)
+    t = start.get("opt.t")
+    if t is not None:
+        for n, p in named:
+            opt.state[p]["step"] = torch.tensor(float(int(t.reshape(-1)[0])))
+            opt.state[p]["exp_avg"] = start[f"opt.exp_avg.{n}"].clone()
+            opt.state[p]["exp_avg_sq"] = start[f"opt.exp_avg_sq.{n}"].clone()
+    return opt
+
+
+def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: Tensor, cfg: TrainConfig,
+                   seed: int, start_step: int, end_step: int, precision: str = "fp32") -> dict[str, Tensor]:
+    """Re-execute steps [start_step, end_step) from checkpoint ``start``; the module state at
+    ``end_step``. Same contract as the node's trainer (node/trainer.py): the epoch's shuffle is
+    ``randperm(n, Generator().manual_seed(seed + epoch))``, batches are its consecutive slices,
+    dropout draws from the checkpoint's CPU RNG state, ``precision`` "bf16" runs the forward
+    under bf16 autocast."""
+    model = build_for_state(spec, model_part(start))
+    model.train()
+    n = int(x.shape[0])
+    bs = int(cfg.batch_size)
+    per_epoch = math.ceil(n / bs)
+    loss_fn: nn.Module = nn.CrossEntropyLoss() if cfg.loss == "cross_entropy" else nn.MSELoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(model, cfg, start)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    perm = torch.empty(0, dtype=torch.int64)
+    perm_epoch = -1
+    with torch.random.fork_rng(devices=[]):
+        rng = start.get("rng")
+        if rng is not None:
+            torch.set_rng_state(rng.clone())
+        for step in range(start_step, end_step):
+            epoch, b = divmod(step, per_epoch)
+            if epoch != perm_epoch:
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+                perm_epoch = epoch
+            idx = perm[b * bs : (b + 1) * bs]
+            xb = x.index_select(0, idx)  # (batch, *input_shape)
+            yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
+            opt.zero_grad(set_to_none=True)
+            with autocast:
+                loss = loss_fn(model(xb), yb)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def segment_distance(start: Mapping[str, Tensor], committed_end: Mapping[str, Tensor],
+                     replayed_end: Mapping[str, Tensor]) -> float:
+    """||committed - replayed|| / ||replayed - start|| over the module's floating tensors."""
+    names = sorted(k for k, v in replayed_end.items() if v.is_floating_point())
+    diff = segment_norm(replayed_end, committed_end, names)
+    scale = segment_norm(start, replayed_end, names)
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / scale
+
+
+def _verdict(update_id: str, node_id: str, outcome: str, base: Mapping[str, Any], **more: Any) -> SegmentVerdict:
+    return SegmentVerdict(update_id, node_id, outcome, {**base, **more})
+
+
+def judge_segment(
+    *,
+    update_id: str,
+    node_id: str,
+    round: int,
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    seed: int,
+    commitment: Commitment,
+    segment: int,
+    states: Mapping[int, Mapping[str, Tensor]],
+    global_state: Mapping[str, Tensor],
+    delta: Mapping[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    tolerance: float,
+) -> SegmentVerdict:
+    """Judge one update from its committed states (already checked against the commitment's
+    hashes) by re-executing ``segment``."""
+    s, e, last = fetch_steps(commitment, segment)
+    base: dict[str, Any] = {"check": "segment_replay", "round": round, "node": node_id, "update": update_id,
+                            "steps": [s, e], "last_step": last, "precision": commitment.precision,
+                            "threshold": tolerance, "segments": len(commitment.norms),
+                            "segment_norm": commitment.norms[segment] if commitment.norms else 0.0}
+    for step in (s, e, last):
+        st = states.get(step)
+        if st is None:
+            return _verdict(update_id, node_id, "unverifiable", base, why=f"state of step {step} not handed over")
+        try:
+            if step_of(st) != step:
+                return _verdict(update_id, node_id, "mismatch", base, why=f"the state of step {step} says step {step_of(st)}")
+        except Exception as exc:
+            return _verdict(update_id, node_id, "mismatch", base, why=f"state of step {step}: {exc}"[:200])
+    start, end, final = states[s], states[e], states[last]
+    start_m, end_m, final_m = model_part(start), model_part(end), model_part(final)
+    names = set(global_state)
+    for label, m in (("start", start_m), ("end", end_m), ("last", final_m)):
+        if set(m) != names or any(m[k].shape != global_state[k].shape or m[k].dtype != global_state[k].dtype
+                                  for k in names):
+            return _verdict(update_id, node_id, "mismatch", base, why=f"the {label} state does not fit the model")
+    if s == 0:
+        fresh = not any(k.startswith("opt.") for k in start)
+        same = all(torch.equal(start_m[k], global_state[k]) for k in names)
+        if not (fresh and same):
+            return _verdict(update_id, node_id, "mismatch", base,
+                            why="step 0 is not the round's model with a fresh optimizer")
+    # The commitment binds the update: last state - round model == the uploaded delta, exactly.
+    bound = set(delta) == names and all(
+        torch.equal(final_m[k].to(global_state[k].dtype) - global_state[k], delta[k])
+        if global_state[k].is_floating_point() else torch.equal(final_m[k], delta[k])
+        for k in names)
+    if not bound:
+        off = segment_norm(delta, {k: final_m[k].double() - global_state[k].double() for k in names
+                                   if global_state[k].is_floating_point()},
+                           sorted(k for k in names if global_state[k].is_floating_point()))
+        return _verdict(update_id, node_id, "mismatch", base, why="the update is not the committed last state"
+                        " minus the round's model", binding_distance=off)
+    replayed = replay_segment(spec, start, x, y, cfg, seed, s, e, commitment.precision)
+    dist = segment_distance(start_m, end_m, replayed)
+    outcome = "reproduced" if dist <= tolerance else "mismatch"
+    return _verdict(update_id, node_id, outcome, base, distance=dist if math.isfinite(dist) else 1e300)

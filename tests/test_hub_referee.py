@@ -1,0 +1,186 @@
+"""The referee's node-facing side on a real hub over loopback: a spot-check asks the node for
+its committed states in the answer to POST /v1/work, and POST /v1/states takes only the
+states that node committed to, for the steps asked, before the deadline."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import sqlite3
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
+from gpuflex.node.trainer import train_assignment
+from gpuflex.protocol.checkpoint import auto_every
+from gpuflex.protocol.messages import (
+    Ack,
+    Assignment,
+    NoWork,
+    StateRequest,
+    StateUpload,
+    WorkRequest,
+)
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+
+
+async def _train_committed(n: SimNode, a: Assignment, store: CheckpointStore) -> tuple[bytes, int, float, object]:
+    torch.set_num_threads(1)
+    g = decode_state(bytearray(await n.blob(a.model_hash)))
+    chunks = [decode_state(bytearray(await n.blob(c.sha256))) for c in a.chunks]
+    samples = sum(c.samples for c in a.chunks)
+    total = math.ceil(samples / a.train.batch_size) * a.train.local_epochs
+    rec = CheckpointRecorder(total_steps=total, every=auto_every(total, a.train.checkpoint_every), store=store,
+                             assignment_id=a.assignment_id)
+    res = train_assignment(ModelSpec.from_dict(a.model_spec), g, chunks, a.train, a.seed,
+                           device=torch.device("cpu"), on_step=rec)
+    return encode_state(res.delta), res.sample_count, res.loss, rec.commitment()
+
+
+async def _post_state(n: SimNode, hdr: StateUpload, body: bytes, **headers: str) -> aiohttp.ClientResponse:
+    return await n.session.post(n.url + "/v1/states", data=body, headers={
+        "X-GPUFlex-State": base64.urlsafe_b64encode(seal(n.key, hdr)).decode(),
+        "Content-Type": "application/octet-stream", **headers})
+
+
+async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp_path: Path) -> None:
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0,
+                                         spot_check=1.0)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            nodes = [SimNode(s, hub.url), SimNode(s, hub.url)]
+            for n in nodes:
+                await n.register()
+            work = [await n.work(0.5) for n in nodes]
+            assert all(isinstance(a, Assignment) for a in work)
+            stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n in nodes}
+            for n, a in zip(nodes, work, strict=True):
+                blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+                resp = await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob)
+                ack = await n.open_response(resp, Ack)
+                assert ack.ok
+            # the agreeing, untrusted pair is spot-checked: one of them is asked for its states
+            asked: StateRequest | None = None
+            deadline = time.monotonic() + 30
+            while asked is None and time.monotonic() < deadline:
+                for n in nodes:
+                    req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+                    got = await n.open_response(await n.post("/v1/work", seal(n.key, req)),
+                                                StateRequest, Assignment, NoWork)
+                    if isinstance(got, StateRequest):
+                        asked, owner = got, n
+                        break
+            assert asked is not None and len(asked.steps) >= 2
+            other = next(n for n in nodes if n is not owner)
+            store = stores[owner.node_id]
+            first = store.read(asked.assignment_id, asked.steps[0])
+            assert first is not None
+
+            def hdr(step: int, data: bytes) -> StateUpload:
+                return StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                                   state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+
+            async def code(resp: aiohttp.ClientResponse) -> tuple[int, str]:
+                body = await resp.read()
+                return resp.status, json.loads(body)["error"] if resp.status != 200 else "ok"
+
+            assert await code(await _post_state(other, hdr(asked.steps[0], first), first)) == (403, "not_your_request")
+            unasked = next(i for i in range(10_000) if i not in asked.steps)
+            assert await code(await _post_state(owner, hdr(unasked, first), first)) == (400, "bad_step")
+            forged = bytearray(first)
+            forged[-1] ^= 1
+            assert await code(await _post_state(owner, hdr(asked.steps[0], bytes(forged)), bytes(forged))) == (
+                422, "not_committed")
+            assert (await _post_state(owner, hdr(asked.steps[0], first), first[:-1])).status == 400  # size
+            for step in asked.steps:
+                data = store.read(asked.assignment_id, step)
+                assert data is not None
+                assert await code(await _post_state(owner, hdr(step, data), data)) == (200, "ok")
+            doc = await wait_job(s, hub, job_id)
+            assert doc["state"] == "done"
+            assert doc["history"][0]["flags"] == []
+            async with s.get(hub.url + "/metrics") as r:
+                text = await r.text()
+            assert "gpuflex_referee_requests_total 1" in text
+            assert 'gpuflex_referee_verdicts_total{outcome="reproduced"} 1' in text
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            (status, reason, verdict), = conn.execute("SELECT status, reason, verdict FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert (status, reason) == ("reproduced", "spot_check")
+        ev = json.loads(verdict)
+        assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
+    finally:
+        await hub.stop()
+
+
+async def test_an_open_state_request_and_the_states_handed_over_survive_a_restart(tmp_path: Path) -> None:
+    """The hub stops after the node handed over one of its states: the new hub asks for the same
+    request again, takes the rest, and the referee judges with all of them."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0,
+                                         spot_check=1.0)
+    hub = await start_hub(tmp_path / "hub")
+    tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
+    async with aiohttp.ClientSession() as s:
+        job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+        nodes = [SimNode(s, hub.url), SimNode(s, hub.url)]
+        for n in nodes:
+            await n.register()
+        work = [await n.work(0.5) for n in nodes]
+        stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n in nodes}
+        for n, a in zip(nodes, work, strict=True):
+            blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+            assert (await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob)).status == 200
+        asked, owner = await _asked(nodes)
+        data = stores[owner.node_id].read(asked.assignment_id, asked.steps[0])
+        assert data is not None
+        up = StateUpload(request_id=asked.request_id, step=asked.steps[0], state_sha256=hashlib.sha256(data).hexdigest(),
+                         state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+        assert (await _post_state(owner, up, data)).status == 200
+    await hub.stop()
+
+    hub = await start_hub(tmp_path / "hub", tokens=tokens)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for n in nodes:
+                n.session, n.url = s, hub.url
+            again, who = await _asked(nodes)
+            assert (again.request_id, who.node_id) == (asked.request_id, owner.node_id)
+            for step in again.steps[1:]:
+                data = stores[owner.node_id].read(again.assignment_id, step)
+                assert data is not None
+                up = StateUpload(request_id=again.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                                 state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+                assert (await _post_state(owner, up, data)).status == 200
+            doc = await wait_job(s, hub, job_id)
+            assert doc["state"] == "done" and doc["history"][0]["flags"] == []
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            rows = conn.execute("SELECT id, status FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert rows == [(asked.request_id, "reproduced")]
+    finally:
+        await hub.stop()
+
+
+async def _asked(nodes: list[SimNode]) -> tuple[StateRequest, SimNode]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for n in nodes:
+            req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+            got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
+            if isinstance(got, StateRequest):
+                return got, n
+    raise AssertionError("no state request within 30 s")

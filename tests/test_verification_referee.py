@@ -1,0 +1,417 @@
+"""The referee (hub/referee.py) and the commitments it checks (protocol/checkpoint.py,
+node/checkpoints.py): real training with the node's trainer, states written to and read back
+from disk in the GFT1 codec, segments re-executed by the hub's code in other numeric classes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gpuflex.hub import policy
+from gpuflex.hub.referee import (
+    SegmentVerdict,
+    fetch_steps,
+    judge_segment,
+    pick_segment,
+    referee_grid_ok,
+)
+from gpuflex.hub.verification import Reputation, UpdateRecord
+from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore, training_state
+from gpuflex.node.optim import SGD, Adam
+from gpuflex.node.trainer import train_assignment
+from gpuflex.protocol.checkpoint import (
+    auto_every,
+    canonical_bytes,
+    checkpoint_steps,
+    model_part,
+    state_hash,
+)
+from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
+from gpuflex.protocol.messages import Commitment
+from gpuflex.protocol.modelspec import build_model
+from gpuflex.protocol.tensors import decode_state
+from torch import Tensor
+
+from tests.helpers import digits_arrays
+from tests.tooling import attacks
+
+MODELS = {
+    "mlp": '[model]\nkind = "mlp"\ninput = 64\nhidden = [128]\noutputs = 10\n',
+    "cnn": '[model]\nkind = "cnn"\nimage = [1, 8, 8]\nchannels = [16, 32]\nhidden = [64]\noutputs = 10\n',
+}
+FP32_TOL = VerificationSpec().segment_tolerance
+LOW_TOL = VerificationSpec().segment_tolerance_low
+
+
+@contextlib.contextmanager
+def numeric_class(threads: int, onednn: bool) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclasses.dataclass
+class Trained:
+    spec: Any
+    cfg: Any
+    x: Tensor
+    y: Tensor
+    global_state: dict[str, Tensor]
+    delta: dict[str, Tensor]
+    commitment: Commitment
+    states: dict[int, dict[str, Tensor]]
+
+
+def _job(kind: str, optimizer: str = "sgd", epochs: int = 2) -> Any:
+    extra = 'optimizer = "sgd"\nlr = 0.05\nmomentum = 0.9\n' if optimizer == "sgd" else \
+        f'optimizer = "{optimizer}"\nlr = 0.003\nweight_decay = 0.01\n'
+    return parse_job_spec(f'[job]\nname = "r"\n{MODELS[kind]}[train]\nlocal_epochs = {epochs}\nbatch_size = 32\n{extra}')
+
+
+def train(tmp: Path, kind: str = "mlp", *, precision: str = "fp32", threads: int = 2, onednn: bool = True,
+          optimizer: str = "sgd", n: int = 320, seed: int = 11) -> Trained:
+    job = _job(kind, optimizer)
+    xtr, ytr, _, _ = digits_arrays()
+    x = torch.from_numpy(xtr[:n].copy())
+    if kind == "cnn":
+        x = x.reshape(-1, 1, 8, 8)
+    y = torch.from_numpy(ytr[:n].copy())
+    cfg = job.train.train_config()
+    global_state = {k: v.detach().clone() for k, v in build_model(job.model, seed=0).state_dict().items()}
+    total = math.ceil(n / cfg.batch_size) * cfg.local_epochs
+    store = CheckpointStore(tmp / "ckpt")
+    rec = CheckpointRecorder(total_steps=total, every=auto_every(total), precision=precision, store=store,
+                             assignment_id="as-1")
+    with numeric_class(threads, onednn):
+        res = train_assignment(job.model, global_state, [{"x": x, "y": y}], dataclasses.replace(cfg, precision=precision),
+                               seed, device=torch.device("cpu"), on_step=rec)
+    c = rec.commitment()
+    states = {}
+    for step in rec.steps:
+        data = store.read("as-1", step)
+        assert data is not None
+        states[step] = {k: v.clone() for k, v in decode_state(bytearray(data)).items()}
+    return Trained(job.model, cfg, x, y, global_state, res.delta, c, states)
+
+
+def judge(t: Trained, *, segment: int | None = None, commitment: Commitment | None = None,
+          states: dict[int, dict[str, Tensor]] | None = None, delta: dict[str, Tensor] | None = None,
+          threads: int = 2, onednn: bool = True, seed: int = 11) -> SegmentVerdict:
+    c = commitment or t.commitment
+    seg = pick_segment(c) if segment is None else segment
+    tol = FP32_TOL if c.precision == "fp32" else LOW_TOL
+    with numeric_class(threads, onednn):
+        return judge_segment(update_id="u-1", node_id="n-1", round=0, spec=t.spec, cfg=t.cfg, seed=seed,
+                             commitment=c, segment=seg, states=states or t.states, global_state=t.global_state,
+                             delta=delta or t.delta, x=t.x, y=t.y, tolerance=tol)
+
+
+def recommit(t: Trained, states: dict[int, dict[str, Tensor]]) -> Commitment:
+    """A liar's commitment that is consistent with crafted states (hashes and norms recomputed)."""
+    steps = checkpoint_steps(t.commitment.steps, t.commitment.every)
+    hashes = tuple(state_hash(states[s]) for s in steps)
+    norms = []
+    for a, b in itertools.pairwise(steps):
+        ma, mb = model_part(states[a]), model_part(states[b])
+        norms.append(math.sqrt(sum(float(((mb[k].double() - ma[k].double()) ** 2).sum()) for k in ma)))
+    return dataclasses.replace(t.commitment, hashes=hashes, norms=tuple(norms))
+
+
+def with_final(t: Trained, delta: dict[str, Tensor]) -> dict[int, dict[str, Tensor]]:
+    """The honest states, except that the last one holds global + ``delta`` (what a liar commits)."""
+    states = {s: dict(v) for s, v in t.states.items()}
+    last = t.commitment.steps
+    for k, d in delta.items():
+        g = t.global_state[k]
+        states[last][f"model.{k}"] = (g + d) if g.is_floating_point() else d.clone()
+    return states
+
+
+# --------------------------------------------------------------------------- commitments
+
+
+def test_state_hash_is_canonical_and_sensitive() -> None:
+    a = {"model.w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": torch.tensor([3])}
+    b = {"step": torch.tensor([3]), "model.w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    assert state_hash(a) == state_hash(b)  # insertion order does not matter
+    assert canonical_bytes(a)[:4] == b"GFT1"  # the product's tensor codec, never pickle
+    c = dict(a)
+    c["model.w"] = a["model.w"].clone()
+    c["model.w"][0, 0] = torch.nextafter(c["model.w"][0, 0], torch.tensor(1.0))
+    assert state_hash(c) != state_hash(a)
+
+
+def test_recorder_commits_every_checkpoint_and_binds_the_update(tmp_path: Path) -> None:
+    t = train(tmp_path)
+    c = t.commitment
+    assert c.steps == 20 and c.every == auto_every(20) == 3
+    assert len(c.hashes) == len(checkpoint_steps(20, 3)) == 8 and len(c.norms) == 7
+    assert referee_grid_ok(c, 2, 320, 32)
+    assert not referee_grid_ok(c, 3, 320, 32)
+    for step, st in t.states.items():  # what is on disk is what was committed
+        assert state_hash(st) == c.hashes[checkpoint_steps(20, 3).index(step)]
+        assert int(st["step"][0]) == step
+    final = model_part(t.states[20])
+    for k, d in t.delta.items():
+        assert torch.equal(final[k] - t.global_state[k], d)
+    assert all(n > 0 for n in c.norms)
+    assert "opt.momentum.layers.0.weight" in t.states[3] or any(k.startswith("opt.momentum.") for k in t.states[3])
+    assert not any(k.startswith("opt.") for k in t.states[0])  # step 0: a fresh optimizer
+
+
+def test_checkpoint_store_prunes_to_the_newest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2, max_bytes=1 << 20)
+    for i in range(4):
+        store.write(f"a-{i}", 0, b"x" * 10)
+        folder = store.folder(f"a-{i}")
+        import os
+        os.utime(folder, (1000 + i, 1000 + i))
+    store.prune()
+    assert store.read("a-3", 0) == b"x" * 10 and store.read("a-2", 0) is not None
+    assert store.read("a-1", 0) is None and store.read("a-0", 0) is None
+    assert store.read("../etc", 0) is None
+
+
+def test_adam_states_round_trip(tmp_path: Path) -> None:
+    t = train(tmp_path, optimizer="adamw")
+    assert any(k.startswith("opt.exp_avg_sq.") for k in t.states[t.commitment.every])
+    v = judge(t, threads=1)
+    assert v.outcome == "reproduced", v.evidence
+
+
+def test_training_state_covers_the_optimizer() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = SGD(list(model.parameters()), lr=0.1, momentum=0.9, weight_decay=0.0)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    st = training_state(model, opt, 1)
+    assert {"opt.momentum.weight", "opt.momentum.bias", "step", "rng"} <= set(st)
+    adam = Adam(list(model.parameters()), lr=0.1, betas=(0.9, 0.99), weight_decay=0.0, decoupled=False)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    st = training_state(model, adam, 2)
+    assert int(st["opt.t"][0]) == 1 and "opt.exp_avg.weight" in st
+
+
+# --------------------------------------------------------------------------- honest classes reproduce
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize(("node", "referee"), [
+    (("fp32", 2, True), (1, True)),
+    (("fp32", 1, True), (2, False)),
+    (("fp32", 2, False), (1, True)),
+    (("bf16", 2, True), (1, True)),
+    (("bf16", 2, True), (2, False)),   # oneDNN's bf16 kernels against torch's own: the widest honest gap
+    (("bf16", 1, False), (2, True)),
+])
+def test_an_honest_segment_reproduces_across_numeric_classes(
+        tmp_path: Path, kind: str, node: tuple[str, int, bool], referee: tuple[int, bool]) -> None:
+    precision, threads, onednn = node
+    t = train(tmp_path, kind, precision=precision, threads=threads, onednn=onednn)
+    for seg in range(len(t.commitment.norms)):
+        v = judge(t, segment=seg, threads=referee[0], onednn=referee[1])
+        assert v.outcome == "reproduced", (seg, v.evidence)
+        assert v.evidence["distance"] <= v.evidence["threshold"]
+        assert v.evidence["steps"] == list(fetch_steps(t.commitment, seg)[:2])
+
+
+def test_honest_replicas_of_different_classes_disagree_over_the_whole_update(tmp_path: Path) -> None:
+    """Why the referee exists: the strict whole-update comparison (1e-4) flags these two."""
+    a = train(tmp_path / "a", "cnn", precision="fp32")
+    b = train(tmp_path / "b", "cnn", precision="bf16")
+    num = math.sqrt(sum(float(((a.delta[k].double() - b.delta[k].double()) ** 2).sum()) for k in a.delta))
+    den = math.sqrt(sum(float((a.delta[k].double() ** 2).sum()) for k in a.delta))
+    assert num / den > VerificationSpec().tolerance
+    assert judge(a).ok and judge(b, threads=1).ok
+
+
+# --------------------------------------------------------------------------- lies are caught
+
+
+CRAFTED = {
+    "scale x3.5": lambda d: attacks.scale(d, 3.5),
+    "sign_flip": attacks.sign_flip,
+    "gaussian_noise": lambda d: attacks.gaussian_noise(d, seed=3),
+    "free_rider": attacks.zero_update,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_update_with_honest_checkpoints_is_not_bound(tmp_path: Path, name: str) -> None:
+    t = train(tmp_path)
+    v = judge(t, delta=CRAFTED[name](t.delta))
+    assert v.outcome == "mismatch" and "not the committed last state" in v.evidence["why"]
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_update_with_consistent_checkpoints_fails_the_segment(tmp_path: Path, name: str) -> None:
+    """The liar commits to states that end at its crafted update: the largest segment is the jump."""
+    t = train(tmp_path)
+    states = with_final(t, CRAFTED[name](t.delta))
+    final = model_part(states[t.commitment.steps])
+    bad = {k: final[k] - g if g.is_floating_point() else final[k] for k, g in t.global_state.items()}  # bound
+    c = recommit(t, states)
+    v = judge(t, commitment=c, states=states, delta=bad)
+    assert v.outcome == "mismatch", v.evidence
+    assert v.evidence["distance"] > 10 * FP32_TOL
+
+
+def test_a_stale_update_replayed_in_a_later_round_fails(tmp_path: Path) -> None:
+    """Stale replay: the node re-sends an old round's trajectory; its step 0 is not this round's model."""
+    old = train(tmp_path / "old")
+    now = dataclasses.replace(old, global_state={k: v + 0.01 if v.is_floating_point() else v
+                                                 for k, v in old.global_state.items()})
+    v = judge(now, segment=0)
+    assert v.outcome == "mismatch" and "step 0" in v.evidence["why"]
+
+
+def test_a_tampered_intermediate_state_fails(tmp_path: Path) -> None:
+    t = train(tmp_path)
+    seg = pick_segment(t.commitment)
+    _s, e, _ = fetch_steps(t.commitment, seg)
+    states = {k: dict(v) for k, v in t.states.items()}
+    states[e] = {k: (v * 1.01 if k.startswith("model.") and v.is_floating_point() else v) for k, v in states[e].items()}
+    v = judge(t, segment=seg, states=states, commitment=recommit(t, states))
+    assert v.outcome == "mismatch"
+
+
+def test_missing_states_are_unverifiable(tmp_path: Path) -> None:
+    t = train(tmp_path)
+    seg = pick_segment(t.commitment)
+    s, _, _ = fetch_steps(t.commitment, seg)
+    v = judge(t, segment=seg, states={k: v for k, v in t.states.items() if k != s})
+    assert v.outcome == "unverifiable"
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_node_that_trains_bf16_but_claims_fp32_is_caught(tmp_path: Path, kind: str) -> None:
+    t = train(tmp_path, kind, precision="bf16")
+    lie = dataclasses.replace(t.commitment, precision="fp32")
+    dists = [judge(t, segment=i, commitment=lie) for i in range(len(lie.norms))]
+    assert all(v.outcome == "mismatch" for v in dists), [v.evidence.get("distance") for v in dists]
+
+
+def test_pick_segment_largest_norm_or_first_divergence() -> None:
+    c = Commitment(every=2, steps=6, precision="fp32", hashes=("a" * 64,) * 4, norms=(1.0, 5.0, 2.0))
+    assert pick_segment(c) == 1
+    other = dataclasses.replace(c, norms=(1.0, 5.0, 2.5))
+    assert pick_segment(c, other) == 2
+    assert fetch_steps(c, 2) == (4, 6, 6)
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+SPEC = VerificationSpec()
+HONEST = Reputation()
+
+
+def _rec(uid: str, node: str, delta: dict[str, Tensor]) -> UpdateRecord:
+    return UpdateRecord(update_id=uid, node_id=node, shard_id="s", samples_claimed=320, shard_samples=320,
+                        loss=0.5, train_s=1.0, node_samples_per_s=1000.0, delta=delta)
+
+
+def _ok(uid: str, node: str) -> SegmentVerdict:
+    return SegmentVerdict(uid, node, "reproduced", {"distance": 1e-6, "threshold": FP32_TOL, "steps": [0, 3]})
+
+
+def _bad(uid: str, node: str, outcome: str = "mismatch") -> SegmentVerdict:
+    return SegmentVerdict(uid, node, outcome, {"distance": 2.5, "threshold": FP32_TOL, "steps": [0, 3]})
+
+
+def test_policy_asks_the_referee_on_a_disagreement_and_does_not_flag_honest_classes() -> None:
+    d = {"w": torch.ones(10)}
+    ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10) * 1.01})]
+    state = policy.ReplicaState(wanted=2)
+    plain = policy.decide_shard(ups, SPEC, state, {})
+    assert not isinstance(plain, policy.Referee)  # without commitments: the strict rules
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=frozenset({"u-a", "u-b"}))
+    assert isinstance(ask, policy.Referee) and set(ask.update_ids) == {"u-a", "u-b"}
+    assert ask.reason == "disagreement"
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=frozenset({"u-a", "u-b"}),
+                               verdicts={"u-a": _ok("u-a", "n-a"), "u-b": _ok("u-b", "n-b")})
+    assert isinstance(done, policy.Settle) and not done.flags and done.unverified is None
+    assert set(done.agreed_nodes) == {"n-a", "n-b"} and done.evidence["cross_class"]
+
+
+def test_policy_flags_the_replica_whose_segment_does_not_reproduce() -> None:
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)}), _rec("u-b", "n-b", {"w": -torch.ones(10)})]
+    done = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=2), {}, committed=frozenset({"u-a", "u-b"}),
+                               verdicts={"u-a": _ok("u-a", "n-a"), "u-b": _bad("u-b", "n-b")})
+    assert isinstance(done, policy.Settle) and done.representative == "u-a"
+    assert [(f.update_id, f.reason) for f in done.flags] == [("u-b", "referee_mismatch")]
+    assert done.statuses["u-b"] == "quarantined" and done.flagged_nodes == ("n-b",)
+    assert done.flags[0].evidence["referee"]["distance"] == 2.5
+
+
+def test_spot_check_catches_a_crafted_update_with_a_colluding_replica() -> None:
+    crafted = {"w": torch.ones(10) * 3.5}
+    ups = [_rec("u-a", "n-a", crafted), _rec("u-b", "n-b", {k: v.clone() for k, v in crafted.items()}),
+           _rec("u-c", "n-c", {k: v.clone() for k, v in crafted.items()})]
+    state = policy.ReplicaState(wanted=3)
+    committed = frozenset({"u-a", "u-b", "u-c"})
+    agreed = policy.decide_shard(ups, SPEC, state, {}, committed=committed)
+    assert isinstance(agreed, policy.Settle)  # nothing the strict comparison can see
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True)
+    assert isinstance(ask, policy.Referee) and ask.reason == "spot_check" and len(ask.update_ids) == 1
+    rep = ask.update_ids[0]
+    node = {u.update_id: u.node_id for u in ups}[rep]
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+                               verdicts={rep: _bad(rep, node)})
+    assert isinstance(done, policy.Drop) and done.reason == "referee"
+    assert {f.update_id for f in done.flags} == {"u-a", "u-b", "u-c"}  # the agreeing ones vouched for it
+    assert sum("vouched_for" in f.evidence for f in done.flags) == 2
+
+
+def test_spot_check_skips_a_group_with_a_trusted_node() -> None:
+    d = {"w": torch.ones(10)}
+    ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10)})]
+    trusted = Reputation(consecutive_agreements=SPEC.trust_after, agreements_total=SPEC.trust_after)
+    out = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=2), {"n-a": trusted},
+                              committed=frozenset({"u-a", "u-b"}), spot=True)
+    assert isinstance(out, policy.Settle)
+
+
+def test_an_unverifiable_node_is_flagged_and_left_out() -> None:
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)})]
+    done = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=2, waited_s=1e9), {},
+                               committed=frozenset(), spot=True,
+                               verdicts={"u-a": _bad("u-a", "n-a", "unverifiable")})
+    assert isinstance(done, policy.Drop)
+    assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
+    assert done.statuses == {"u-a": "quarantined"}
+
+
+def test_a_refusal_makes_no_one_vouch_and_the_rest_is_checked_before_it_counts() -> None:
+    d = {"w": torch.ones(10)}
+    ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10)})]
+    state = policy.ReplicaState(wanted=2)
+    committed = frozenset({"u-a", "u-b"})
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+                              verdicts={"u-a": _bad("u-a", "n-a", "unverifiable")})
+    assert isinstance(ask, policy.Referee) and ask.update_ids == ("u-b",) and ask.reason == "spot_check"
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+                               verdicts={"u-a": _bad("u-a", "n-a", "unverifiable"), "u-b": _ok("u-b", "n-b")})
+    assert isinstance(done, policy.Settle) and done.representative == "u-b"
+    assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
+    assert done.agreed_nodes == ("n-b",) and done.statuses == {"u-a": "quarantined"}
+
+
+def test_a_disagreement_without_any_commitment_keeps_the_strict_rules() -> None:
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)}), _rec("u-b", "n-b", {"w": -torch.ones(10)})]
+    state = policy.ReplicaState(wanted=2)
+    plain = policy.decide_shard(ups, SPEC, state, {})
+    same = policy.decide_shard(ups, SPEC, state, {}, committed=frozenset())
+    assert type(plain) is type(same) and not isinstance(same, policy.Referee)
