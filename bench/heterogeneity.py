@@ -27,8 +27,8 @@ real training with the node's own ``gpuflex.node.trainer.train_assignment``), wi
   ``coordinated_patient`` trains honestly until an identity is trusted (it sees that from how
   rarely its work is replicated) and crafts from then on, when it is replicated least;
 - baselines measured in the same run: plain fp32 federated training (one class, no replication,
-  every shard trained once) for accuracy and cost, and a clean run of each class alone for the
-  per-class accuracy.
+  no referee, every shard trained once) for accuracy and cost, and a clean run of each class alone
+  (with verification) for the per-class accuracy.
 
 Figures (``figures``):
 - ``cross_class_pairs``: honest replica pairs of different class keys that the policy compared;
@@ -39,8 +39,10 @@ Figures (``figures``):
   and per attack and class (``detection_by_attack_class``);
 - ``replication_overhead_steady``: extra trainings / shards once every honest node is trusted;
 - ``verification_cost_fraction``: CPU the hub spends verifying (decide_shard, judge_round, and the
-  referee's segment re-execution where it runs) over the CPU of all trainings (every node's,
-  replicas included), both with ``time.process_time``; also by steps where the referee counts them;
+  referee's segment re-execution, ``judge_segment``; ``time.thread_time`` of those calls) over the
+  CPU of all trainings (every node's, replicas included: ``time.process_time`` per step of the
+  trainings run here, checkpoint commitments included, times the steps every node trained);
+  ``verification_cost_fraction_steps``: the referee's re-executed steps / trained steps;
 - ``accuracy_gap_points``: per job and class, the class's final accuracy minus plain fp32's;
 - ``colluder_inclusion_rate``: the coordinated adversary's crafted updates that reached the
   aggregate / crafted updates submitted (the worse strategy; both in ``colluder_inclusion``).
@@ -220,10 +222,13 @@ class Coordinated(atk.Attack):
 
 @dataclass
 class Meter:
-    """CPU seconds (time.process_time) of the calls it wraps, by name."""
+    """CPU seconds of the calls it wraps, by name."""
 
     cpu: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    #: the calling thread's CPU: the wrapped calls run on it (1 intra-op thread outside a node's
+    #: class), and process_time would also count the checkpoint writer threads of the trainings
+    clock: Callable[[], float] = time.thread_time
 
     @contextlib.contextmanager
     def wrap(self, owner: Any, name: str) -> Iterator[None]:
@@ -235,11 +240,11 @@ class Meter:
             return
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.process_time()
+            t0 = self.clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - t0
+                self.cpu[name] = self.cpu.get(name, 0.0) + self.clock() - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
 
         setattr(owner, name, timed)
@@ -393,7 +398,7 @@ def run_job(job: str, setup: Setup, log: Callable[[str], None] = print) -> dict[
 
     fp32 = setup.classes[0]
     plain = go("plain_fp32", HeteroSimulation(world, None, 0, setup.rounds, classes=[fp32],
-                                              n_nodes=setup.n_nodes,
+                                              n_nodes=setup.n_nodes, referee=False,
                                               vspec=dataclasses.replace(VSPEC, replication=0.0)))
     per_class = {fp32: plain["accuracy"]}
     for klass in setup.classes[1:]:

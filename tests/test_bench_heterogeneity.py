@@ -68,10 +68,13 @@ def test_a_tiny_job_runs_every_part(mlp_job):
     steps = math.ceil(2 * 64 / 32) * TINY.epochs  # a shard = 2 chunks of 64
     assert plain["trainings"] == plain["shards"] == 2 * TINY.rounds  # no replica: every shard trained once
     assert plain["steps"] == plain["shards"] * steps and plain["cross_class_pairs"] == 0
+    assert plain["referee_checks"] == 0  # the plain baseline: no replica, no referee
     mixed = runs["mixed_clean"]
     assert mixed["trainings"] > mixed["shards"]  # new nodes are replicated
     assert mixed["cross_class_pairs"] > 0  # replicas met across classes and were compared
     assert mixed["cross_class_bitwise_equal"] < mixed["cross_class_pairs"]  # fp32 and bf16 differ
+    assert mixed["cross_class_flagged"] == 0 and mixed["honest_flagged"] == 0  # honest divergence is no flag
+    assert mixed["referee_checks"] > 0  # disagreeing cross-class replicas went to the referee
     assert runs["only_bf16"]["cross_class_pairs"] == 0
     assert mixed["verify_cpu_s"] > 0 and mixed["train_cpu_s"] > 0
     # one sign_flip attacker in every class, and every malicious update accounted for
