@@ -231,9 +231,10 @@ class Meter:
     clock: Callable[[], float] = time.thread_time
 
     @contextlib.contextmanager
-    def wrap(self, owner: Any, name: str) -> Iterator[None]:
+    def wrap(self, owner: Any, name: str, observe: Callable[[Any], None] | None = None) -> Iterator[None]:
         """Time every call of ``owner.name`` (a module attribute the simulation looks up at call
-        time) while the body runs; the function itself is untouched."""
+        time) while the body runs, and hand each result to ``observe``; the function itself is
+        untouched."""
         original: Callable[..., Any] | None = getattr(owner, name, None)
         if original is None:
             yield
@@ -242,10 +243,13 @@ class Meter:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = self.clock()
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 self.cpu[name] = self.cpu.get(name, 0.0) + self.clock() - t0
                 self.calls[name] = self.calls.get(name, 0) + 1
+            if observe is not None:
+                observe(result)
+            return result
 
         setattr(owner, name, timed)
         try:
@@ -282,8 +286,17 @@ class HeteroSimulation(rb.Simulation):
         self.h: dict[str, Any] = {
             "cross_class_pairs": 0, "cross_class_beyond_strict": 0, "cross_class_bitwise_equal": 0,
             "cross_class_flagged": 0, "max_distance": {}, "train_cpu_s": 0.0, "fresh_steps": 0,
-            "steps": 0, "malicious": {},
+            "steps": 0, "malicious": {}, "honest_flags": {},
         }
+
+    def _observe(self, decision: Any) -> None:
+        """Flags on honest nodes' updates, by reason (what honest_flagged counts, explained);
+        a replica_mismatch flag the round withdraws is dropped, as the hub does."""
+        for f in getattr(decision, "flags", ()):
+            if self.nodes[f.node_id].attack is None:
+                self.h["honest_flags"][(f.update_id, f.reason)] = self.klass[f.node_id]
+        for uid in getattr(decision, "withdrawn", ()):
+            self.h["honest_flags"].pop((uid, "replica_mismatch"), None)
 
     def replica_state(self, wanted: int, waited: float, taker: bool, members: set[str]) -> policy.ReplicaState:
         keys = {m: self.keys[self.klass[m]] for m in members}
@@ -335,7 +348,8 @@ class HeteroSimulation(rb.Simulation):
 
     def run(self) -> dict[str, Any]:
         m = self.meter
-        with m.wrap(policy, "decide_shard"), m.wrap(policy, "judge_round"), m.wrap(rb, "judge_segment"):
+        with (m.wrap(policy, "decide_shard", self._observe), m.wrap(policy, "judge_round", self._observe),
+              m.wrap(rb, "judge_segment")):
             out = super().run()
         h = self.h
         escaped = set(out.get("escaped", ()))
@@ -353,6 +367,9 @@ class HeteroSimulation(rb.Simulation):
             "cross_class_bitwise_equal": h["cross_class_bitwise_equal"],
             "cross_class_flagged": h["cross_class_flagged"], "max_distance": h["max_distance"],
             "by_attack_class": by,
+            "honest_flags_by_reason": {f"{reason}/{klass}": sum(1 for (_, r), k in h["honest_flags"].items()
+                                                               if (r, k) == (reason, klass))
+                                       for reason, klass in sorted({(r, k) for (_, r), k in h["honest_flags"].items()})},
             "attackers_by_class": {c: sum(1 for n in self.nodes.values() if n.attack and self.klass[n.node_id] == c)
                                    for c in sorted(set(self.klass.values()))},
             "steps": h["steps"], "train_cpu_s": train_cpu, "verify_cpu_s": verify_cpu,
@@ -376,6 +393,9 @@ class Setup:
     attacks: tuple[str, ...] = atk.ATTACKS
     coordinated: bool = True
     n_nodes: int = N_NODES
+    #: one 64-sample chunk a shard: twice the replica groups (agreements) of robustness.py's 2 for
+    #: the same training, so trust forms within 30 rounds among 20 nodes
+    chunks_per_shard: int = 1
 
 
 def n_bad(fraction: float, n: int) -> int:
@@ -385,6 +405,22 @@ def n_bad(fraction: float, n: int) -> int:
 def run_job(job: str, setup: Setup, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every run of one job: the baselines, the mixed-class clean run, each attack, the adversary."""
     world = make_world(job, epochs=setup.epochs, chunks=setup.chunks)
+    with shard_size(setup.chunks_per_shard):
+        return _run_job(job, world, setup, log)
+
+
+@contextlib.contextmanager
+def shard_size(chunks_per_shard: int) -> Iterator[None]:
+    """robustness.Simulation cuts a round's shards of its module's CHUNKS_PER_SHARD chunks."""
+    before = rb.CHUNKS_PER_SHARD
+    rb.CHUNKS_PER_SHARD = chunks_per_shard
+    try:
+        yield
+    finally:
+        rb.CHUNKS_PER_SHARD = before
+
+
+def _run_job(job: str, world: dict[str, Any], setup: Setup, log: Callable[[str], None]) -> dict[str, Any]:
     t0 = time.perf_counter()
     runs: dict[str, dict[str, Any]] = {}
 
@@ -475,6 +511,8 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "cross_class_beyond_strict": sum(r["cross_class_beyond_strict"] for _, _, r in verified),
         "cross_class_bitwise_equal": sum(r["cross_class_bitwise_equal"] for _, _, r in verified),
         "honest_flagged": sum(r["honest_flagged"] for _, _, r in verified),
+        "honest_flagged_by_reason": {f"{j}/{n}/{k}": c for j, n, r in verified
+                                     for k, c in r["honest_flags_by_reason"].items()},
         "detection_rate": caught / submitted if submitted else None,
         "detection_by_attack_class": {k: round(c["caught"] / c["submitted"], 4) for k, c in sorted(cells.items())},
         "detection_min_cell": min((c["caught"] / c["submitted"] for c in cells.values()), default=None),
@@ -555,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "classes": {c: {"precision": CLASSES[c][0], "threads": CLASSES[c][1], "onednn": CLASSES[c][2],
                         "class_key": keys[c]} for c in setup.classes},
         "config": {**dataclasses.asdict(setup), "nodes": setup.n_nodes, "chunk_size": 64,
-                   "chunks_per_shard": rb.CHUNKS_PER_SHARD, "attack_fraction": ATTACK_FRACTION,
+                   "attack_fraction": ATTACK_FRACTION,
                    "coordinated_fraction": COORDINATED_FRACTION, "collude_scale": COLLUDE_SCALE,
                    "train": "SGD lr 0.05 momentum 0.9 batch 32", "verification": dataclasses.asdict(VSPEC),
                    "replica_placement": "any class (no same-class node online: cross-class verification)"},

@@ -62,11 +62,13 @@ def test_crafted_update_flips_the_output_layer_under_the_norm_bound():
 
 def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
+    assert het.rb.CHUNKS_PER_SHARD == 2  # robustness.py's shard size is back after the job
     assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
                           "coordinated_patient"]
     plain = runs["plain_fp32"]
-    steps = math.ceil(2 * 64 / 32) * TINY.epochs  # a shard = 2 chunks of 64
-    assert plain["trainings"] == plain["shards"] == 2 * TINY.rounds  # no replica: every shard trained once
+    steps = math.ceil(TINY.chunks_per_shard * 64 / 32) * TINY.epochs
+    shards = TINY.chunks // TINY.chunks_per_shard * TINY.rounds
+    assert plain["trainings"] == plain["shards"] == shards  # no replica: every shard trained once
     assert plain["steps"] == plain["shards"] * steps and plain["cross_class_pairs"] == 0
     assert plain["referee_checks"] == 0  # the plain baseline: no replica, no referee
     mixed = runs["mixed_clean"]
@@ -74,6 +76,7 @@ def test_a_tiny_job_runs_every_part(mlp_job):
     assert mixed["cross_class_pairs"] > 0  # replicas met across classes and were compared
     assert mixed["cross_class_bitwise_equal"] < mixed["cross_class_pairs"]  # fp32 and bf16 differ
     assert mixed["cross_class_flagged"] == 0 and mixed["honest_flagged"] == 0  # honest divergence is no flag
+    assert mixed["honest_flags_by_reason"] == {}
     assert mixed["referee_checks"] > 0  # disagreeing cross-class replicas went to the referee
     assert runs["only_bf16"]["cross_class_pairs"] == 0
     assert mixed["verify_cpu_s"] > 0 and mixed["train_cpu_s"] > 0
