@@ -5,8 +5,10 @@ Issue 14's bench. It drives the hub's own round policy, never a copy of it: benc
 when the round closes, ``aggregate`` and ``ServerOptimizer``, in the order RoundEngine calls them;
 real training with the node's own ``gpuflex.node.trainer.train_assignment``), with:
 
-- a compute class per node. Four classes that really differ numerically on this CPU (fp32 with 1
-  thread and oneDNN on; fp32 with 2 intra-op threads; fp32 with oneDNN off; bf16 autocast). Each
+- a compute class per node, four CPU classes (fp32 with 1 thread and oneDNN on; fp32 with 2
+  intra-op threads; fp32 with oneDNN off; bf16 autocast). Measured here (``max_distance`` of the
+  mixed runs): all four differ on the CNN; fp32 and fp32 without oneDNN train bit-identically on
+  the MLP and the sequence model, so those jobs have three numerically different classes. Each
   node's training runs inside its class (``torch.set_num_threads``, ``torch.backends.mkldnn``,
   ``[train] precision``), and its class key is the product's own
   (``gpuflex.node.device.compute_class`` read inside the class, ``gpuflex.protocol.compute.class_key``).
@@ -93,8 +95,8 @@ from tests.tooling import attacks as atk  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "heterogeneity.json"
 
-#: class name -> (precision, intra-op threads, oneDNN). bench/class_distance.py measured that each
-#: pair of these differs on this CPU for at least one model (oneDNN on/off: not for the MLP).
+#: class name -> (precision, intra-op threads, oneDNN). Each pair differs numerically on this CPU for
+#: at least one job (oneDNN on/off only on the CNN; bench/class_distance.py, and max_distance here).
 CLASSES: dict[str, tuple[str, int, bool]] = {
     "fp32": ("fp32", 1, True),
     "fp32-t2": ("fp32", 2, True),
