@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/aggregate.py
 	$(PY) bench/hub_load.py
 	$(PY) bench/robustness.py
+	$(PY) bench/heterogeneity.py
 	$(PY) bench/class_distance.py
 	$(PY) bench/referee_calibration.py
 	$(PY) bench/scaling.py

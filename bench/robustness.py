@@ -144,7 +144,9 @@ def train_committed(spec: Any, state: dict, chunks: list, cfg: Any, seed: int) -
     """The node's training with its checkpoint commitments: (TrainResult with commitment, states)."""
     n = sum(int(c["x"].shape[0]) for c in chunks)
     total = math.ceil(n / cfg.batch_size) * cfg.local_epochs
-    rec = _Keeper(total_steps=total, every=auto_every(total, cfg.checkpoint_every))
+    # the precision it trains in (cfg.precision) goes into the commitment, as the node's agent does
+    rec = _Keeper(total_steps=total, every=auto_every(total, cfg.checkpoint_every),
+                  precision=str(getattr(cfg, "precision", "fp32")))
     res = train_assignment(spec, state, chunks, cfg, seed, device=torch.device("cpu"), on_step=rec)
     return replace(res, commitment=rec.commitment()), rec.states
 
@@ -254,6 +256,14 @@ class Simulation:
             self.stats["referee_checks"] += 1
 
     # ------------------------------------------------------------------ one shard
+    def replica_state(
+        self, wanted: int, waited: float, taker: bool, members: set[str]
+    ) -> policy.ReplicaState:
+        """What RoundEngine._replica_state hands the policy (no replica assignment is ever
+        out here: ``live`` False). No compute classes in this bench: every group is
+        same-class; bench/heterogeneity.py adds the members' class keys."""
+        return policy.ReplicaState(wanted=wanted, waited_s=waited, live=False, taker=taker)
+
     def settle_shard(
         self, group: list[Work], wanted: int, active: list[Node], issue: Any
     ) -> tuple[policy.Settle | policy.Drop, list[Work]]:
@@ -266,9 +276,7 @@ class Simulation:
             ordered = sorted(group, key=lambda g: (g.sha, g.rec.update_id))  # the engine's order
             members = {g.rec.node_id for g in group}
             takers = vf.replica_candidates({n.node_id: n.rep for n in active}, members, self.vspec)
-            state = policy.ReplicaState(
-                wanted=wanted, waited_s=waited, live=False, taker=bool(takers)
-            )
+            state = self.replica_state(wanted, waited, bool(takers), members)
             reps = {m: self.nodes[m].rep for m in members}
             referee: dict[str, Any] = {}
             if self.referee:
