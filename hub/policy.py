@@ -135,6 +135,7 @@ def judge_cross_class(
     *,
     trusted: Collection[str] | None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
 ) -> ReplicaOutcome:
     """THE place a cross-class replica group is judged.
 
@@ -147,7 +148,7 @@ def judge_cross_class(
     ``tolerance``.
     """
     loose = dataclasses.replace(spec, tolerance=float(spec.cross_class_tolerance))
-    out = compare_replicas(records, loose, trusted=trusted, slice_elems=slice_elems)
+    out = compare_replicas(records, loose, trusted=trusted, slice_elems=slice_elems, distances=distances)
     return dataclasses.replace(out, evidence=dict(out.evidence) | {"strict_tolerance": float(spec.tolerance)})
 
 
@@ -242,8 +243,9 @@ def _decide_plain(
     reputations: Mapping[str, Reputation],
     *,
     slice_elems: int,
+    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
 ) -> ShardDecision:
-    decision = _decide_shard(updates, spec, state, reputations, slice_elems=slice_elems)
+    decision = _decide_shard(updates, spec, state, reputations, slice_elems=slice_elems, distances=distances)
     if isinstance(decision, Settle) and decision.unverified and spec.unverified == "hold":
         # agreeing replicas that cannot vouch for each other yet: ask for one more, past the wait
         more = decision.unverified == "replica_wait" and state.wanted < int(spec.max_replicas)
@@ -272,10 +274,13 @@ def _with_referee(
     ids = [u.update_id for u in ups]
     node_of = {u.update_id: u.node_id for u in ups}
     pairs: list[dict[str, Any]] = []
+    # the pairs measured once: the plain rules below judge the same group again
+    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
     if len(ups) >= 2:
         trusted = {u.node_id for u in ups
                    if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)}
-        pairs = list(compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems).evidence.get("pairs") or [])
+        pairs = list(compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems,
+                                      distances=distances).evidence.get("pairs") or [])
     failed = {u for u in ids if u in verdicts and not verdicts[u].ok}
     if failed:
         flags: list[Flag] = []
@@ -326,7 +331,7 @@ def _with_referee(
             evidence["class_keys"] = dict(state.class_keys)
         return Settle(rep, {u: "redundant" for u in ids if u != rep}, (), tuple(sorted(set(node_of.values()))), (),
                       evidence)
-    decision = _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems)
+    decision = _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems, distances=distances)
     if not isinstance(decision, Settle):
         return decision
     rep = decision.representative
@@ -347,6 +352,7 @@ def _decide_shard(
     reputations: Mapping[str, Reputation],
     *,
     slice_elems: int,
+    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
 ) -> ShardDecision:
     """Rules 1-3 of the module docstring.
 
@@ -375,9 +381,9 @@ def _decide_shard(
         if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)
     }
     if state.comparison == "cross_class":
-        out = judge_cross_class(ups, spec, trusted=trusted, slice_elems=slice_elems)
+        out = judge_cross_class(ups, spec, trusted=trusted, slice_elems=slice_elems, distances=distances)
     else:
-        out = compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems)
+        out = compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems, distances=distances)
     evidence = dict(out.evidence) | {"comparison": state.comparison}
     if state.class_keys:
         evidence["class_keys"] = dict(state.class_keys)

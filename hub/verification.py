@@ -315,8 +315,13 @@ def compare_replicas(
     *,
     trusted: Collection[str] | None = None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
+    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
 ) -> ReplicaOutcome:
     """Decide one replica group (updates of the same shard, seed and chunks).
+
+    ``distances``: a memo of pairwise distances by update-id pair, shared by calls that
+    judge one group more than once (hub/policy.py asks with the strict tolerance, then
+    with the cross-class one): each pair is measured once.
 
     ``trusted``: ids of the nodes that are trusted now (``is_trusted``); pass it
     (the hub should). When NO member of the group is trusted, agreement proves
@@ -366,9 +371,15 @@ def compare_replicas(
     pages = PageReleaser()
     for i in range(n):
         for j in range(i + 1, n):
-            d, per = relative_distance(
-                records[i].delta, records[j].delta, slice_elems=slice_elems, pages=pages
-            )
+            key = (ids[i], ids[j])
+            known = distances.get(key) if distances is not None else None
+            if known is None:
+                known = relative_distance(
+                    records[i].delta, records[j].delta, slice_elems=slice_elems, pages=pages
+                )
+                if distances is not None:
+                    distances[key] = known
+            d, per = known
             dist[i][j] = dist[j][i] = d
             worst = sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS]
             pairs.append(

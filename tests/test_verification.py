@@ -604,3 +604,25 @@ def test_judge_round_flags_the_vouching_majority_and_withdraws_the_minority_flag
     assert out.review.included == [o.update_id for o in others]
     empty = judge_round([], 0.0, SPEC, {})
     assert empty.review.included == [] and empty.flags == () and dict(empty.statuses) == {}
+
+
+def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
+    """policy judges a group twice on the referee path (strict, then the plain rules): the memo
+    carries the measured pairs to the second call, and the second call really reads it."""
+    from gpuflex.hub.verification import UpdateRecord, compare_replicas
+    from gpuflex.protocol.jobspec import VerificationSpec
+
+    def rec(uid: str, node: str, value: float) -> UpdateRecord:
+        return UpdateRecord(update_id=uid, node_id=node, shard_id="s", samples_claimed=8, shard_samples=8,
+                            loss=0.1, train_s=1.0, node_samples_per_s=0.0,
+                            delta={"w": torch.full((16,), value)})
+
+    spec = VerificationSpec(quorum=2, max_replicas=3)
+    group = [rec("a", "n1", 1.0), rec("b", "n2", 2.0)]  # far apart: a split
+    memo: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
+    first = compare_replicas(group, spec, trusted={"n1", "n2"}, distances=memo)
+    assert set(memo) == {("a", "b")} and memo[("a", "b")][0] > 0.3
+    assert not first.agreed
+    memo[("a", "b")] = (0.0, {})  # a memo that says they agree is believed: no second measurement
+    second = compare_replicas(group, spec, trusted={"n1", "n2"}, distances=memo)
+    assert second.agreed and second.evidence["pairs"][0]["relative_distance"] == 0.0
