@@ -305,40 +305,31 @@ class HubClient:
             raise HubUnavailable(f"GET blob {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
 
     async def upload_update(self, header: UpdateHeader, body: bytes | memoryview) -> Ack:
-        token = base64.urlsafe_b64encode(seal(self.key, header)).decode("ascii")
-        self.requests += 1
-        try:
-            async with self.session.post(
-                self._url("/v1/updates"),
-                data=body,
-                headers={"X-GPUFlex-Update": token, "Content-Type": "application/octet-stream"},
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=120),
-            ) as resp:
-                data = await _read_limited(resp, MAX_RESPONSE_BYTES)
-                if resp.status != 200:
-                    raise _error_from(resp.status, data, "POST /v1/updates")
-        except _NET_ERRORS as exc:
-            raise HubUnavailable(f"POST /v1/updates: {type(exc).__name__}: {exc}"[:300]) from exc
-        return self._signed_answer(data, Ack, "upload")
-
+        return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload")
 
     async def upload_state(self, header: StateUpload, body: bytes) -> Ack:
         """Hand over one committed checkpoint state the hub's referee asked for."""
-        token = base64.urlsafe_b64encode(seal(self.key, header)).decode("ascii")
+        return await self._post_sealed("/v1/states", "X-GPUFlex-State", seal(self.key, header), body,
+                                       "state upload")
+
+    async def _post_sealed(self, path: str, header_name: str, sealed: bytes, body: bytes | memoryview,
+                           what: str) -> Ack:
+        """POST raw bytes with their signed header (base64 in ``header_name``); the hub's signed Ack."""
+        token = base64.urlsafe_b64encode(sealed).decode("ascii")
         self.requests += 1
         try:
             async with self.session.post(
-                self._url("/v1/states"),
+                self._url(path),
                 data=body,
-                headers={"X-GPUFlex-State": token, "Content-Type": "application/octet-stream"},
+                headers={header_name: token, "Content-Type": "application/octet-stream"},
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=120),
             ) as resp:
                 data = await _read_limited(resp, MAX_RESPONSE_BYTES)
                 if resp.status != 200:
-                    raise _error_from(resp.status, data, "POST /v1/states")
+                    raise _error_from(resp.status, data, f"POST {path}")
         except _NET_ERRORS as exc:
-            raise HubUnavailable(f"POST /v1/states: {type(exc).__name__}: {exc}"[:300]) from exc
-        return self._signed_answer(data, Ack, "state upload")
+            raise HubUnavailable(f"POST {path}: {type(exc).__name__}: {exc}"[:300]) from exc
+        return self._signed_answer(data, Ack, what)
 
 
 def _range_start(content_range: str) -> int:
