@@ -203,7 +203,7 @@ def train_assignment(
         raise TrainError("local_epochs and batch_size must be >= 1")
     if cfg.loss not in ("cross_entropy", "mse"):
         raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
-    precision = str(getattr(cfg, "precision", "fp32"))
+    precision = cfg.precision
     _prepare_device(device, precision)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
     x_cpu, y_cpu = stack_chunks(spec, chunks)
