@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpuflex.hub.aggregation import aggregate
+from gpuflex.hub.aggregation import aggregate, readonly_mapping
 from gpuflex.protocol.jobspec import AggregationSpec
 from gpuflex.protocol.tensors import decode_state, encode_state
 
@@ -64,18 +64,23 @@ def write_blobs(directory: Path, n: int, params: int) -> list[Path]:
 
 
 def open_views(paths: list[Path]) -> tuple[list[dict[str, torch.Tensor]], list[tuple]]:
+    """Read-only mmaps of the blobs, registered with the PageReleasers as the hub's open_deltas does."""
     handles, views = [], []
     for p in paths:
         fh = open(p, "rb")
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        handles.append((fh, mm))
+        reg = readonly_mapping(mm)
+        reg.__enter__()
+        handles.append((fh, mm, reg))
         views.append(decode_state(mm))
     return views, handles
 
 
 def close_views(views: list, handles: list[tuple]) -> None:
     views.clear()
-    for fh, mm in handles:
+    for _, _, reg in handles:
+        reg.__exit__(None, None, None)
+    for fh, mm, _ in handles:
         try:
             mm.close()
         except BufferError:  # a tensor view still alive somewhere; the GC closes it

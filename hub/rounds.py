@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import policy
 from . import verification as vf
-from .aggregation import AggregationError, ServerOptimizer, aggregate
+from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_mapping
 from .auditlog import AuditLog, aggregation_body
 from .blobs import BlobStore
 from .evaluation import evaluate
@@ -58,10 +58,11 @@ log = logging.getLogger("gpuflex.hub.rounds")
 @contextlib.contextmanager
 def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str, Tensor]]]:
     """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a
-    read-only mmap), closed on exit."""
+    read-only mmap, registered with the PageReleasers while open), closed on exit."""
     maps: list[mmap.mmap] = []
     files = []
     states: list[dict[str, Tensor]] = []
+    registered = contextlib.ExitStack()
     try:
         for sha in shas:
             hot = blobs.hot(sha)
@@ -72,9 +73,11 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
             files.append(fh)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             maps.append(mm)
+            registered.enter_context(readonly_mapping(mm))
             states.append(decode_state(mm))
         yield states
     finally:
+        registered.close()  # out of the registry before anything is closed
         del states  # drop tensor views before closing their buffers
         for mm in maps:
             with contextlib.suppress(BufferError):
