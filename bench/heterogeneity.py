@@ -47,7 +47,12 @@ Figures (``figures``):
   ``verification_cost_fraction_steps``: the referee's re-executed steps / trained steps;
 - ``accuracy_gap_points``: per job and class, the class's final accuracy minus plain fp32's;
 - ``colluder_inclusion_rate``: the coordinated adversary's crafted updates that reached the
-  aggregate / crafted updates submitted (the worse strategy; both in ``colluder_inclusion``).
+  aggregate / crafted updates submitted (the worse strategy; both in ``colluder_inclusion``), at
+  the job spec's defaults; ``colluder_inclusion_rate_full_audit``: the patient strategy again with
+  ``spot_check_trusted = 1`` (every update a trusted node sends is re-executed on one segment
+  before it counts), with its ``verification_cost_fraction_full_audit`` and
+  ``referee_steps_fraction_full_audit`` beside ``verification_cost_fraction_patient_default``
+  (the same adversary at the defaults): the price of the strictest setting.
 
 Run (2 cores, about 10 min): .venv/bin/python bench/heterogeneity.py [--rounds 30] [--epochs 5]
     [--jobs mlp,cnn,seq] [--classes fp32,fp32-t2,fp32-nodnn,bf16] [--attacks ...] [--out PATH]
@@ -110,6 +115,9 @@ COORDINATED_FRACTION = 0.3
 COORDINATED = "coordinated"  # crafts from its first update on
 PATIENT = "coordinated_patient"  # trains honestly until the identity is trusted, then crafts
 ADVERSARIES = (COORDINATED, PATIENT)
+#: the patient adversary's run with ``spot_check_trusted = 1`` (every trusted update re-executed on one
+#: segment before it counts): what the job's strictest setting buys, and what it costs
+FULL_AUDIT = "patient_full_audit"
 #: the crafted update's scale: under the default norm_bound (2.5 x the round's median norm per sample)
 COLLUDE_SCALE = 2.2
 VSPEC = VerificationSpec()  # the job spec's defaults, as the hub runs them
@@ -450,6 +458,10 @@ def _run_job(job: str, world: dict[str, Any], setup: Setup, log: Callable[[str],
         k = n_bad(COORDINATED_FRACTION, setup.n_nodes)
         go(adversary, HeteroSimulation(world, adversary, k, setup.rounds, classes=setup.classes,
                                        n_nodes=setup.n_nodes))
+    if setup.coordinated:  # the patient adversary again, with every trusted update audited
+        k = n_bad(COORDINATED_FRACTION, setup.n_nodes)
+        go(FULL_AUDIT, HeteroSimulation(world, PATIENT, k, setup.rounds, classes=setup.classes, n_nodes=setup.n_nodes,
+                                        vspec=dataclasses.replace(VSPEC, spot_check_trusted=1.0)))
     return {
         "model": world["spec"].kind, "train_chunks": len(world["chunks"]), "val_samples": int(world["yva"].shape[0]),
         "per_class_accuracy": {k: round(v, 4) for k, v in per_class.items()},
@@ -479,7 +491,8 @@ def row_line(job: str, name: str, r: dict[str, Any]) -> str:
 
 def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's figures over every job and run (baselines excluded where they would flatter)."""
-    verified = [(j, n, r) for j, d in jobs.items() for n, r in d["runs"].items() if n != "plain_fp32"]
+    verified = [(j, n, r) for j, d in jobs.items() for n, r in d["runs"].items() if n not in ("plain_fp32", FULL_AUDIT)]
+    audited = [r for d in jobs.values() for n, r in d["runs"].items() if n == FULL_AUDIT]
     attacked = [(j, n, r) for j, n, r in verified if r["malicious_updates"]]
     cells: dict[str, dict[str, int]] = {}
     for _, n, r in attacked:
@@ -537,6 +550,21 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # the worse of the two strategies; per strategy: [crafted updates aggregated, submitted]
         "colluder_inclusion_rate": max(rates) if rates else None,
         "colluder_inclusion": {a: {"aggregated": i, "submitted": c} for a, (i, c) in inclusion.items()},
+        # the patient adversary at spot_check_trusted = 1 (the job's strictest setting), and its cost
+        "colluder_inclusion_rate_full_audit": (
+            sum(len(r.get("escaped", ())) for r in audited) / max(sum(r["malicious_updates"] for r in audited), 1)
+            if audited else None),
+        "colluder_inclusion_full_audit": {"aggregated": sum(len(r.get("escaped", ())) for r in audited),
+                                          "submitted": sum(r["malicious_updates"] for r in audited)},
+        "verification_cost_fraction_full_audit": (
+            sum(r["verify_cpu_s"] for r in audited) / max(sum(r["train_cpu_s"] for r in audited), 1e-12)
+            if audited else None),
+        "verification_cost_fraction_patient_default": (
+            sum(r["verify_cpu_s"] for _, n, r in verified if n == PATIENT)
+            / max(sum(r["train_cpu_s"] for _, n, r in verified if n == PATIENT), 1e-12)),
+        "referee_steps_fraction_full_audit": (
+            sum(r["referee_steps"] or 0 for r in audited) / max(sum(r["steps"] for r in audited), 1)
+            if audited else None),
         "training_steps_vs_plain_fp32": clean_steps / plain_steps if plain_steps else None,
         "compute_vs_plain_fp32": cpu_of("mixed_clean") / cpu_of("plain_fp32") if cpu_of("plain_fp32") else None,
     }
@@ -571,6 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    # torch imports its compiler stack the first time an optimizer is made (about 1.7 s of CPU here):
+    # pay it before anything is measured, or the first timed call (a training or a referee replay) carries it
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     setup = Setup(rounds=args.rounds, epochs=args.epochs, chunks=args.chunks,
                   classes=tuple(c for c in args.classes.split(",") if c),
                   attacks=tuple(a for a in args.attacks.split(",") if a), coordinated=not args.no_coordinated)

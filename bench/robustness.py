@@ -44,8 +44,8 @@ Metrics per (attack, fraction):
 The referee (issue 14; on unless ``--no-referee``): every node records the checkpoint
 commitments the shipped node records (gpuflex.node.checkpoints.CheckpointRecorder, states
 kept in memory: the node hands them over), the updates carry them into ``decide_shard``
-(``committed``, ``verdicts`` and the spot-check draw at ``verification.spot_check``, as
-RoundEngine._referee_inputs passes them), and a ``Referee`` decision is answered with
+(``committed``, ``verdicts`` and the shard's spot-check draw, which the policy holds against
+``verification.spot_check`` or ``spot_check_trusted``, as RoundEngine._referee_inputs passes them), and a ``Referee`` decision is answered with
 ``gpuflex.hub.referee.judge_segment`` on the segment ``pick_segment`` chooses, as
 RoundEngine._judge does. ``verification_cost_fraction``: re-executed steps / trained steps.
 
@@ -271,7 +271,7 @@ class Simulation:
         wants while a node can take one, else let the replica window run out."""
         waited = 0.0
         verdicts: dict[str, SegmentVerdict] = {}
-        spot = seed_of(self.seed, "spot", issue.rnd, issue.key) / float(1 << 63) < self.vspec.spot_check
+        spot_draw = seed_of(self.seed, "spot", issue.rnd, issue.key) / float(1 << 63)  # the engine's draw, in [0, 1)
         while True:
             ordered = sorted(group, key=lambda g: (g.sha, g.rec.update_id))  # the engine's order
             members = {g.rec.node_id for g in group}
@@ -281,7 +281,7 @@ class Simulation:
             referee: dict[str, Any] = {}
             if self.referee:
                 referee = {"committed": frozenset(g.rec.update_id for g in group if g.commitment is not None),
-                           "verdicts": dict(verdicts), "spot": spot}
+                           "verdicts": dict(verdicts), "spot_draw": spot_draw}
             decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps, **referee)
             if isinstance(decision, policy.Referee):
                 self.judge(decision, group, verdicts)

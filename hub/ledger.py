@@ -38,6 +38,7 @@ from gpuflex.protocol.messages import (
 from gpuflex.protocol.signing import SigningKey, fingerprint, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
+from . import policy
 from .admission import Admission, address_block
 from .auditlog import AuditLog, verdict_body
 from .blobs import BlobStore
@@ -51,14 +52,23 @@ from .errors import (
     Unauthorized,
     Unprocessable,
 )
-from .jobs import AssignmentState, JobState, StateRequestState, UpdateState, ingest_job, new_id
+from .jobs import (
+    AssignmentState,
+    JobState,
+    ShardState,
+    StateRequestState,
+    UpdateState,
+    ingest_job,
+    new_id,
+)
+from .keys import audit_secret
 from .metrics import HubMetrics
 from .progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
 from .rounds import RoundEngine
 from .scheduler import NodeState, Plan, Scheduler, WorkSignal, clamp_sps, peak_flops
 from .store import FlagRecord, NodeProfile, Store
 from .tokens import Principal
-from .verification import record_verdict
+from .verification import is_trusted, record_verdict
 
 log = logging.getLogger("gpuflex.hub.ledger")
 
@@ -93,7 +103,7 @@ class Ledger:
         self.metrics = metrics
         self.audit = audit
         self.rounds = RoundEngine(store=store, blobs=blobs, scheduler=scheduler, metrics=metrics,
-                                  signal=signal, audit=audit)
+                                  signal=signal, audit=audit, audit_secret=audit_secret(key))
         self._verdicts = asyncio.Lock()
         self.admission = Admission(config)
         self._progress: dict[str, Progress] = {}  # live assignment id -> the last progress proved
@@ -376,8 +386,10 @@ class Ledger:
                                           self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
         node.updates_accepted += 1
         first = shard.first_update_at is None
-        # an unreplicated shard is settled by its one update, in the same transaction
-        settles = shard.wanted == 1 and not shard.accepted and shard.state == "open"
+        # an unreplicated shard is settled by its one update, in the same transaction, unless the
+        # referee's draw picks it for a spot-check (then the round engine decides it, hub/policy.py)
+        settles = (shard.wanted == 1 and not shard.accepted and shard.state == "open"
+                   and not self._spot_checked(job, shard, node))
         try:
             await self.store.accept_update(upd, job_id=job.id, round=a.round, metrics=dict(hdr.metrics),
                                            timings=dict(hdr.timings), node=node, first_update=first,
@@ -398,6 +410,13 @@ class Ledger:
         self.metrics.updates_accepted += 1
         self.rounds.poke(job.id)
         return upd
+
+    def _spot_checked(self, job: JobState, shard: ShardState, node: NodeState) -> bool:
+        """Will the referee re-execute this shard's lone update before it counts? The engine's
+        draw for the shard against the rate for the node's trust (policy.spot_rate)."""
+        vspec = job.spec.verification
+        rate = policy.spot_rate(is_trusted(node.reputation, vspec), vspec)
+        return rate > 0.0 and self.rounds.spot_draw(job.id, shard.id) < rate
 
     # -- the referee: checkpoint states a node is asked for (hub/referee.py, hub/rounds.py) ---
     def pending_state_request(self, node: NodeState) -> bytes | None:

@@ -48,9 +48,13 @@ The rules of ``decide_shard``, in order:
    honest, whatever their whole-update distance (numerically different hardware); a member
    whose segment does not, or who did not hand over its states (``unverifiable``), is
    flagged and left out, and so is every member that agreed with it without being
-   reproduced itself (it vouched for it). A shard that would settle on an untrusted group
-   is spot-checked when ``spot`` is set (the engine's seeded draw at
-   ``[verification] spot_check``): its representative is re-executed before it counts.
+   reproduced itself (it vouched for it). A shard that would settle is spot-checked when
+   ``spot_draw`` (the engine's secret draw in [0, 1) for the shard) falls under its rate
+   (``spot_rate``): ``[verification] spot_check`` for a group of untrusted nodes,
+   ``spot_check_trusted`` for work a trusted node did (usually a lone, unreplicated update).
+   Its representative is re-executed before it counts. Trust saves a node the replica, never
+   every check: a node that earned trust and then crafts (a patient colluder) meets the
+   referee at that rate.
 5. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
    and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
    (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing
@@ -95,6 +99,7 @@ __all__ = [
     "judge_cross_class",
     "judge_round",
     "shard_due",
+    "spot_rate",
 ]
 
 
@@ -226,13 +231,13 @@ def decide_shard(
     slice_elems: int = DEFAULT_SLICE_ELEMS,
     committed: frozenset[str] | None = None,
     verdicts: Mapping[str, SegmentVerdict] | None = None,
-    spot: bool = False,
+    spot_draw: float = 1.0,
 ) -> ShardDecision:
     """Decide one shard (rules in the module docstring). Under ``unverified = "hold"`` a shard
     that would settle unverified keeps waiting for a replica instead (rule 5). ``committed``,
-    ``verdicts`` and ``spot``: the referee's inputs (rule 4)."""
+    ``verdicts`` and ``spot_draw`` (1.0: never spot-checked): the referee's inputs (rule 4)."""
     if committed is not None and shard_due(len(updates), spec, state):
-        return _with_referee(updates, spec, state, reputations, committed, verdicts or {}, spot, slice_elems)
+        return _with_referee(updates, spec, state, reputations, committed, verdicts or {}, spot_draw, slice_elems)
     return _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems)
 
 
@@ -265,7 +270,7 @@ def _with_referee(
     reputations: Mapping[str, Reputation],
     committed: frozenset[str],
     verdicts: Mapping[str, SegmentVerdict],
-    spot: bool,
+    spot_draw: float,
     slice_elems: int,
 ) -> ShardDecision:
     """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
@@ -339,10 +344,17 @@ def _with_referee(
         agreed = tuple(sorted({*decision.agreed_nodes, node_of[rep]}))
         return Settle(rep, decision.statuses, decision.flags, agreed, decision.flagged_nodes,
                       dict(decision.evidence) | {"referee": _referee_evidence(verdicts, [rep])}, None)
-    untrusted = not any((r := reputations.get(u.node_id)) is not None and is_trusted(r, spec) for u in ups)
-    if spot and untrusted and not decision.flags:
+    trusted = any((r := reputations.get(u.node_id)) is not None and is_trusted(r, spec) for u in ups)
+    if not decision.flags and spot_draw < spot_rate(trusted, spec):
         return Referee((rep,), "spot_check", dict(decision.evidence))
     return decision
+
+
+def spot_rate(trusted: bool, spec: VerificationSpec) -> float:
+    """The share of settling shards the referee spot-checks: ``spot_check_trusted`` when a
+    trusted node did the work (its update usually stands alone), else ``spot_check``. The
+    ledger asks it too, before it lets a lone update settle the shard at upload."""
+    return float(spec.spot_check_trusted if trusted else spec.spot_check)
 
 
 def _decide_shard(

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -86,6 +87,16 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
             fh.close()
 
 
+def spot_draw(secret: bytes, job_id: str, shard_id: str) -> float:
+    """A shard's spot-check draw in [0, 1): an HMAC of its ids under the hub's audit secret
+    (keys.audit_secret). The same after a restart (the secret comes from the hub's key), and
+    unknowable to a node: shard ids are plain (job, round, sequence) and a node learns a
+    replicated shard's id, so with a bare hash of the ids colluders could compute which shards
+    the referee will check and craft only the others."""
+    mac = hmac.new(secret, f"{job_id}/{shard_id}/spot".encode(), hashlib.sha256).digest()
+    return int.from_bytes(mac[:6], "big") / float(1 << 48)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -106,7 +117,10 @@ class RoundEngine:
         metrics: HubMetrics,
         signal: WorkSignal,
         audit: AuditLog,
+        audit_secret: bytes,
     ) -> None:
+        #: keys the referee's spot-check draws (``spot_draw``); derived from the hub's signing key
+        self.audit_secret = audit_secret
         self.store = store
         self.blobs = blobs
         self.scheduler = scheduler
@@ -203,12 +217,13 @@ class RoundEngine:
         return False
 
     # -- the referee (hub/referee.py): ask nodes for committed states, re-execute a segment ----
-    @staticmethod
-    def _referee_inputs(job: JobState, shard: ShardState, ups: Sequence[UpdateState]) -> dict[str, Any]:
-        rate = float(job.spec.verification.spot_check)
-        draw = int(hashlib.sha256(f"{job.id}/{shard.id}/spot".encode()).hexdigest()[:12], 16) / float(1 << 48)
+    def spot_draw(self, job_id: str, shard_id: str) -> float:
+        """The shard's spot-check draw (``spot_draw`` under this hub's audit secret)."""
+        return spot_draw(self.audit_secret, job_id, shard_id)
+
+    def _referee_inputs(self, job: JobState, shard: ShardState, ups: Sequence[UpdateState]) -> dict[str, Any]:
         return {"committed": frozenset(u.id for u in ups if u.commitment is not None),
-                "verdicts": dict(shard.verdicts), "spot": draw < rate}
+                "verdicts": dict(shard.verdicts), "spot_draw": self.spot_draw(job.id, shard.id)}
 
     async def _ask_referee(self, job: JobState, shard: ShardState, decision: policy.Referee) -> bool:
         """Open a state request for each update the policy wants re-executed (persisted first);

@@ -123,6 +123,11 @@ class VerificationSpec:
     checkpoint_every: int = 0
     #: share of settled untrusted shards whose representative the referee re-executes a segment of
     spot_check: float = 0.25
+    #: share of shards that would settle on work a trusted node did (mostly unreplicated) whose
+    #: representative the referee re-executes a segment of, before it counts: trust saves the
+    #: replica, never every check. 1.0 re-executes every trusted update (bench/heterogeneity.py
+    #: measures inclusion against cost at several rates)
+    spot_check_trusted: float = 0.1
     #: relative distance (re-executed vs committed segment end, over the segment's update) under
     #: which a segment claimed in fp32 reproduces (bench/referee_calibration.py: honest classes
     #: <= 1.1e-6 on the digits MLP and CNN, a bf16 node claiming fp32 >= 9.2e-3)
@@ -297,6 +302,7 @@ def _verification(s: _Section) -> VerificationSpec:
         untrusted_share=s.get_float("untrusted_share", d.untrusted_share, 0.0, 1.0, lo_open=True),
         checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 0, 1 << 30),
         spot_check=s.get_float("spot_check", d.spot_check, 0.0, 1.0),
+        spot_check_trusted=s.get_float("spot_check_trusted", d.spot_check_trusted, 0.0, 1.0),
         segment_tolerance=s.get_float("segment_tolerance", d.segment_tolerance, 0.0, 10.0, lo_open=True),
         segment_tolerance_low=s.get_float("segment_tolerance_low", d.segment_tolerance_low, 0.0, 10.0,
                                           lo_open=True),

@@ -70,6 +70,7 @@ split = "stratified"
 replication = {replication}
 replica_wait_s = {replica_wait_s}
 spot_check = {spot_check}
+spot_check_trusted = {spot_check_trusted}
 """
 
 
@@ -81,6 +82,7 @@ def digits_spec(
     replication: str = "0.0",
     replica_wait_s: float = 30.0,
     spot_check: float = 0.0,
+    spot_check_trusted: float = 0.0,
     extra: str = "",
 ) -> str:
     return (
@@ -91,6 +93,7 @@ def digits_spec(
             replication=replication,
             replica_wait_s=replica_wait_s,
             spot_check=spot_check,
+            spot_check_trusted=spot_check_trusted,
         )
         + extra
     )

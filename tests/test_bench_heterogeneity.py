@@ -64,7 +64,7 @@ def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
     assert het.rb.CHUNKS_PER_SHARD == 2  # robustness.py's shard size is back after the job
     assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
-                          "coordinated_patient"]
+                          "coordinated_patient", "patient_full_audit"]
     plain = runs["plain_fp32"]
     steps = math.ceil(TINY.chunks_per_shard * 64 / 32) * TINY.epochs
     shards = TINY.chunks // TINY.chunks_per_shard * TINY.rounds
@@ -96,7 +96,7 @@ def test_a_tiny_job_runs_every_part(mlp_job):
 def test_figures_and_verdicts(mlp_job):
     jobs = {"mlp": mlp_job}
     fig = het.figures(jobs)
-    runs = [r for n, r in mlp_job["runs"].items() if n != "plain_fp32"]
+    runs = [r for n, r in mlp_job["runs"].items() if n not in ("plain_fp32", "patient_full_audit")]
     assert fig["cross_class_pairs"] == sum(r["cross_class_pairs"] for r in runs) > 0
     assert fig["honest_flagged"] == sum(r["honest_flagged"] for r in runs)
     assert fig["malicious_updates"] == mlp_job["runs"]["sign_flip"]["malicious_updates"]
@@ -105,6 +105,9 @@ def test_figures_and_verdicts(mlp_job):
     assert fig["colluder_inclusion"]["coordinated"]["submitted"] > 0
     # the patient adversary is not trusted within 2 rounds: it trains honestly, nothing is crafted
     assert mlp_job["runs"]["coordinated_patient"]["malicious_updates"] == 0
+    assert fig["colluder_inclusion_full_audit"] == {"aggregated": 0, "submitted": 0}
+    assert fig["referee_steps_fraction_full_audit"] == (mlp_job["runs"]["patient_full_audit"]["referee_steps"] or 0) / \
+        mlp_job["runs"]["patient_full_audit"]["steps"]
     assert set(fig["accuracy_gap_points"]) == {"mlp/fp32", "mlp/bf16"}
     check = het.verdicts(fig)
     assert check["cross_class_pairs"]["met"] is False  # 2 rounds cannot reach 1,000 pairs

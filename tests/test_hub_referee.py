@@ -4,6 +4,7 @@ states that node committed to, for the steps asked, before the deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -121,6 +122,74 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         assert (status, reason) == ("reproduced", "spot_check")
         ev = json.loads(verdict)
         assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
+    finally:
+        await hub.stop()
+
+
+async def _answer_state_request(n: SimNode, store: CheckpointStore) -> StateRequest:
+    """Poll /v1/work until the hub asks ``n`` for states; hand over every one asked for."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+        got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
+        if isinstance(got, StateRequest):
+            for step in got.steps:
+                data = store.read(got.assignment_id, step)
+                assert data is not None
+                hdr = StateUpload(request_id=got.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                                  state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+                assert (await _post_state(n, hdr, data)).status == 200
+            return got
+    raise AssertionError("the hub never asked for states")
+
+
+async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_out(tmp_path: Path) -> None:
+    """Trust saves a node the replica, not the referee: at spot_check_trusted = 1 a trusted node's
+    unreplicated update is re-executed before it counts. An honest one is reproduced (and the node
+    credited); a crafted one (x3.5, what a patient colluder sends once trusted) is flagged
+    referee_mismatch and left out of the aggregate."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=2, replication="0.0", spot_check=0.0,
+                                         spot_check_trusted=1.0, extra="trust_after = 0\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            n = SimNode(s, hub.url)
+            await n.register()
+            store = CheckpointStore(tmp_path / "states")
+            for crafted in (False, True):
+                a = await n.work(2.0)
+                assert isinstance(a, Assignment) and a.replica_group == ""  # not replicated
+                blob, samples, loss, c = await _train_committed(n, a, store)
+                if crafted:
+                    blob = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
+                ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
+                                                               blob), Ack)
+                assert ack.ok
+                asked = await _answer_state_request(n, store)
+                assert asked.assignment_id == a.assignment_id
+                if not crafted:  # the round closes on the reproduced update, with no flag
+                    deadline = time.monotonic() + 30
+                    while not (doc := await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
+                                                         headers=hub.auth(hub.admin_token))).json())["history"]:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.1)
+                    assert doc["history"][0]["flags"] == []
+            deadline = time.monotonic() + 30
+            flags: list = []
+            while not flags and time.monotonic() < deadline:
+                async with s.get(hub.url + "/v1/flags", headers=hub.auth(hub.auditor_token)) as r:
+                    flags = (await r.json())["flags"]
+                await asyncio.sleep(0.2)
+            assert [(f["reason"], f["node_id"]) for f in flags] == [("referee_mismatch", n.node_id)]
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            rows = conn.execute("SELECT status, reason FROM state_requests ORDER BY requested_at").fetchall()
+            statuses = dict(conn.execute("SELECT id, status FROM updates").fetchall())
+        finally:
+            conn.close()
+        assert rows == [("reproduced", "spot_check"), ("mismatch", "spot_check")]
+        assert sorted(statuses.values()) == ["included", "quarantined"]
     finally:
         await hub.stop()
 

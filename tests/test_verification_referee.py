@@ -364,30 +364,50 @@ def test_spot_check_catches_a_crafted_update_with_a_colluding_replica() -> None:
     committed = frozenset({"u-a", "u-b", "u-c"})
     agreed = policy.decide_shard(ups, SPEC, state, {}, committed=committed)
     assert isinstance(agreed, policy.Settle)  # nothing the strict comparison can see
-    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True)
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot_draw=0.0)
     assert isinstance(ask, policy.Referee) and ask.reason == "spot_check" and len(ask.update_ids) == 1
     rep = ask.update_ids[0]
     node = {u.update_id: u.node_id for u in ups}[rep]
-    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot_draw=0.0,
                                verdicts={rep: _bad(rep, node)})
     assert isinstance(done, policy.Drop) and done.reason == "referee"
     assert {f.update_id for f in done.flags} == {"u-a", "u-b", "u-c"}  # the agreeing ones vouched for it
     assert sum("vouched_for" in f.evidence for f in done.flags) == 2
 
 
-def test_spot_check_skips_a_group_with_a_trusted_node() -> None:
-    d = {"w": torch.ones(10)}
-    ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10)})]
-    trusted = Reputation(consecutive_agreements=SPEC.trust_after, agreements_total=SPEC.trust_after)
-    out = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=2), {"n-a": trusted},
-                              committed=frozenset({"u-a", "u-b"}), spot=True)
-    assert isinstance(out, policy.Settle)
+def test_spot_check_rate_follows_trust_and_trusted_work_is_still_checked() -> None:
+    """An untrusted group is spot-checked at spot_check, work a trusted node did at
+    spot_check_trusted: trust saves the replica, never every check (a patient colluder)."""
+    spec = dataclasses.replace(SPEC, spot_check=0.25, spot_check_trusted=0.1)
+    trusted = Reputation(consecutive_agreements=spec.trust_after, agreements_total=spec.trust_after)
+    ups = [_rec(f"u-{n}", f"n-{n}", {"w": torch.ones(10)}) for n in "abc"]
+    committed = frozenset({"u-a", "u-b", "u-c"})
+    state = policy.ReplicaState(wanted=3)
+    assert policy.spot_rate(False, spec) == 0.25 and policy.spot_rate(True, spec) == 0.1
+    # a draw between the two rates: the untrusted pair is checked, the one with a trusted member is not
+    untrusted = policy.decide_shard(ups, spec, state, {}, committed=committed, spot_draw=0.2)
+    assert isinstance(untrusted, policy.Referee) and untrusted.reason == "spot_check"
+    assert isinstance(policy.decide_shard(ups, spec, state, {"n-a": trusted}, committed=committed, spot_draw=0.2),
+                      policy.Settle)
+    # a trusted node's lone, unreplicated update under the trusted rate: re-executed before it counts
+    lone = [_rec("u-t", "n-a", {"w": torch.ones(10)})]
+    ask = policy.decide_shard(lone, spec, policy.ReplicaState(wanted=1), {"n-a": trusted},
+                              committed=frozenset({"u-t"}), spot_draw=0.05)
+    assert isinstance(ask, policy.Referee) and ask.update_ids == ("u-t",) and ask.reason == "spot_check"
+    caught = policy.decide_shard(lone, spec, policy.ReplicaState(wanted=1), {"n-a": trusted},
+                                 committed=frozenset({"u-t"}), spot_draw=0.05,
+                                 verdicts={"u-t": _bad("u-t", "n-a", "mismatch")})
+    assert isinstance(caught, policy.Drop) and [(f.update_id, f.reason) for f in caught.flags] == [
+        ("u-t", "referee_mismatch")]
+    # never drawn (1.0, what a caller without a draw passes): no check
+    assert isinstance(policy.decide_shard(lone, spec, policy.ReplicaState(wanted=1), {"n-a": trusted},
+                                          committed=frozenset({"u-t"})), policy.Settle)
 
 
 def test_an_unverifiable_node_is_flagged_and_left_out() -> None:
     ups = [_rec("u-a", "n-a", {"w": torch.ones(10)})]
     done = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=2, waited_s=1e9), {},
-                               committed=frozenset(), spot=True,
+                               committed=frozenset(), spot_draw=0.0,
                                verdicts={"u-a": _bad("u-a", "n-a", "unverifiable")})
     assert isinstance(done, policy.Drop)
     assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
@@ -399,10 +419,10 @@ def test_a_refusal_makes_no_one_vouch_and_the_rest_is_checked_before_it_counts()
     ups = [_rec("u-a", "n-a", d), _rec("u-b", "n-b", {"w": torch.ones(10)})]
     state = policy.ReplicaState(wanted=2)
     committed = frozenset({"u-a", "u-b"})
-    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+    ask = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot_draw=0.0,
                               verdicts={"u-a": _bad("u-a", "n-a", "unverifiable")})
     assert isinstance(ask, policy.Referee) and ask.update_ids == ("u-b",) and ask.reason == "spot_check"
-    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot=True,
+    done = policy.decide_shard(ups, SPEC, state, {}, committed=committed, spot_draw=0.0,
                                verdicts={"u-a": _bad("u-a", "n-a", "unverifiable"), "u-b": _ok("u-b", "n-b")})
     assert isinstance(done, policy.Settle) and done.representative == "u-b"
     assert [(f.update_id, f.reason) for f in done.flags] == [("u-a", "unverifiable")]
@@ -415,3 +435,25 @@ def test_a_disagreement_without_any_commitment_keeps_the_strict_rules() -> None:
     plain = policy.decide_shard(ups, SPEC, state, {})
     same = policy.decide_shard(ups, SPEC, state, {}, committed=frozenset())
     assert type(plain) is type(same) and not isinstance(same, policy.Referee)
+
+
+def test_the_spot_check_draw_is_keyed_by_the_hubs_secret() -> None:
+    """A node knows its shard's id; it must not be able to tell whether the referee will check it."""
+    import hashlib
+
+    from gpuflex.hub.keys import audit_secret
+    from gpuflex.hub.rounds import spot_draw
+    from gpuflex.protocol.signing import SigningKey
+
+    a, b = audit_secret(SigningKey.from_seed(bytes(32))), audit_secret(SigningKey.from_seed(bytes([1]) * 32))
+    assert a == audit_secret(SigningKey.from_seed(bytes(32))) and a != b  # stable per hub key, differs between hubs
+    ids = [("j-1", f"j-1-r0-s{i}") for i in range(2000)]
+    draws = [spot_draw(a, j, s) for j, s in ids]
+    assert all(0.0 <= d < 1.0 for d in draws) and draws == [spot_draw(a, j, s) for j, s in ids]
+    assert 0.2 < sum(d < 0.25 for d in draws) / len(draws) < 0.3  # uniform enough for the rate
+    public = [int(hashlib.sha256(f"{j}/{s}/spot".encode()).hexdigest()[:12], 16) / float(1 << 48) for j, s in ids]
+    other = [spot_draw(b, j, s) for j, s in ids]
+    # what a node could compute from the ids tells it nothing: agreement on "checked" is at chance level
+    for guess in (public, other):
+        agree = sum((x < 0.25) == (y < 0.25) for x, y in zip(draws, guess, strict=True)) / len(draws)
+        assert agree < 0.7
