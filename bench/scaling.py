@@ -5,8 +5,9 @@ Every run is the product as users run it: `gpuflex-hub serve` in its own process
 and the figures read back from `GET /v1/jobs/{id}` (the per-round shards, their training
 times and the nodes' shares that the hub records). The model (an MLP 64-512-512-10 on
 scikit-learn's digits, several local epochs a round) is large enough that training, not
-the protocol, takes the round. Replication is off: this measures how the work spreads, not
-what verification costs (bench/robustness.py does that).
+the protocol, takes the round. Replication and the referee's spot-checks are off (so nodes
+commit to no checkpoints): this measures how the work spreads, not what verification costs
+(bench/robustness.py and bench/heterogeneity.py do that).
 
 Figures (written to scaling.json under bench/results):
 - time to accuracy: from the first round's opening to the first round whose validation
@@ -79,6 +80,8 @@ chunk_size = {chunk_size}
 
 [verification]
 replication = 0.0
+spot_check = 0.0
+spot_check_trusted = 0.0
 """)
     return train, val, spec
 

@@ -235,7 +235,8 @@ class Ledger:
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
             seed=shard.seed, issued_at=now, deadline=plan.deadline,
             train=dataclasses.replace(job.spec.train.train_config(self.scheduler.precision_for(job, node)),
-                                      checkpoint_every=int(job.spec.verification.checkpoint_every)),
+                                      checkpoint_every=int(job.spec.verification.checkpoint_every),
+                                      commit=job.spec.verification.asks_referee()),
             replica_group=shard.replica_group,
         )
         sealed = seal(self.key, msg)

@@ -221,6 +221,11 @@ class NodeAgent:
                 cur.digest = progress_digest(cur.digest, step, loss)
                 cur.steps = step
 
+        if not assignment.train.commit:  # the job never asks the referee: no checkpoint to pay for
+            return train_assignment(
+                spec, global_state, chunks, assignment.train, assignment.seed,
+                device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_loss=on_loss,
+            )
         n = sum(int(c["x"].shape[0]) for c in chunks)
         total = math.ceil(n / max(assignment.train.batch_size, 1)) * assignment.train.local_epochs
         every = auto_every(total, assignment.train.checkpoint_every)

@@ -139,6 +139,12 @@ class VerificationSpec:
     #: how long a node has to hand over a requested checkpoint state before it is unverifiable
     state_wait_s: float = 60.0
 
+    def asks_referee(self) -> bool:
+        """Can the referee ever re-execute this job's work? Not when nothing is replicated (no
+        disagreement to settle) and nothing is spot-checked; then nodes need not commit."""
+        never_replicated = not isinstance(self.replication, str) and float(self.replication) == 0.0
+        return not (never_replicated and self.spot_check == 0.0 and self.spot_check_trusted == 0.0)
+
 
 @dataclass(frozen=True)
 class JobSpec:

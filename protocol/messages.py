@@ -364,6 +364,9 @@ class TrainConfig:
     precision: Annotated[str, Text(choices=PRECISIONS)] = "fp32"
     #: steps between committed checkpoints (protocol/checkpoint.py); 0 = about 8 segments
     checkpoint_every: Annotated[int, Int(0, 1 << 30)] = 0
+    #: commit to checkpoints at all; False when the job can never ask the referee (no replica,
+    #: no spot-check: VerificationSpec.asks_referee), so the node skips the commitment's cost
+    commit: Annotated[bool, Bool()] = True
 
 
 @dataclass(frozen=True)

@@ -223,3 +223,14 @@ layers = [
 ]
 """)
     assert job.model.kind == "sequential" and len(job.model.layers) == 3
+
+
+def test_asks_referee_only_when_something_can_be_checked() -> None:
+    from gpuflex.protocol.jobspec import VerificationSpec
+
+    assert VerificationSpec().asks_referee()  # adaptive replication, spot-checks on
+    none = VerificationSpec(replication=0.0, spot_check=0.0, spot_check_trusted=0.0)
+    assert not none.asks_referee()
+    assert VerificationSpec(replication=0.0, spot_check=0.0, spot_check_trusted=0.1).asks_referee()
+    assert VerificationSpec(replication=0.5, spot_check=0.0, spot_check_trusted=0.0).asks_referee()
+    assert VerificationSpec(replication="adaptive", spot_check=0.0, spot_check_trusted=0.0).asks_referee()
