@@ -290,7 +290,7 @@ class HeteroSimulation(rb.Simulation):
         self.nodes = {n: rb.Node(n, attack_of(n)) for n in ids}
         self.klass = {nid: classes[i % len(classes)] for i, nid in enumerate(ids)}
         self.keys = {name: key_of(name) for name in set(classes)}
-        self.worlds = {name: dict(world, cfg=dataclasses.replace(world["cfg"], precision=CLASSES[name][0]))
+        self.worlds = {name: dict(self.w, cfg=dataclasses.replace(self.w["cfg"], precision=CLASSES[name][0]))
                        for name in set(classes)}
         self.meter = Meter()
         self.h: dict[str, Any] = {

@@ -169,7 +169,8 @@ class Simulation:
         vspec: VerificationSpec = VSPEC,
         referee: bool = True,
     ):
-        self.w = world
+        # the checkpoint interval reaches the nodes' training settings as the hub sends it
+        self.w = dict(world, cfg=dataclasses.replace(world["cfg"], checkpoint_every=int(vspec.checkpoint_every)))
         self.referee = referee
         self.vspec = vspec
         self.rounds = rounds

@@ -28,6 +28,10 @@ FAST_HUB = ("--long-poll-max", "2", "--min-deadline", "4")
 # the work is spread over the nodes however quickly this machine closes rounds.
 SPREAD_HUB = ("--long-poll-max", "10", "--min-deadline", "4")
 
+#: these runs kill or hang nodes on purpose: no referee spot-check may wait on a node that is gone
+#: (tests/test_e2e_referee.py covers the referee end to end)
+NO_REFEREE = "spot_check = 0.0\nspot_check_trusted = 0.0\n"
+
 
 @pytest.fixture(scope="module")
 def bench_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -140,7 +144,8 @@ def _run_single_node_job(
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
-            tmp_path / "job", rounds=3, local_epochs=8, replication=0.0, round_target_s=86400.0
+            tmp_path / "job", rounds=3, local_epochs=8, replication=0.0, round_target_s=86400.0,
+            extra_toml=NO_REFEREE,
         )
         if kill_hub_in_round is None:
             node = cluster.start_node("solo")
@@ -199,7 +204,8 @@ def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path, bench_cac
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
-            tmp_path / "job", rounds=2, local_epochs=10, replication=0.0, round_target_s=1.0
+            tmp_path / "job", rounds=2, local_epochs=10, replication=0.0, round_target_s=1.0,
+            extra_toml=NO_REFEREE,
         )
         # The victim's device hangs before training, so the kill always lands mid-assignment
         # (an honest node finishes this shard in ~0.1 s, faster than the test can react).
@@ -232,7 +238,8 @@ def test_restarted_node_keeps_identity_and_cache(tmp_path: Path, bench_cache: Pa
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
-            tmp_path / "job", rounds=4, local_epochs=1, replication=0.0, round_target_s=86400.0
+            tmp_path / "job", rounds=4, local_epochs=1, replication=0.0, round_target_s=86400.0,
+            extra_toml=NO_REFEREE,
         )
         # The first run trains one assignment, then hangs on the next until it is stopped:
         # the SIGTERM always lands mid-job, however fast the machine finishes rounds.
@@ -332,7 +339,8 @@ def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> No
         cluster.start_hub()
         token = cluster.create_token("owner", "alice")
         files = digits_job(
-            tmp_path / "job", rounds=10, local_epochs=4, replication=0.0, round_target_s=0.05
+            tmp_path / "job", rounds=10, local_epochs=4, replication=0.0, round_target_s=0.05,
+            extra_toml=NO_REFEREE,
         )
         job_id = _submit(cluster, token, files.spec, files.train, files.val)
         live: dict[str, Proc] = {name: cluster.start_node(name) for name in ("c0", "c1", "c2")}

@@ -115,6 +115,7 @@ chunk_size = 16
 split = "random"
 [verification]
 replication = 0.0
+spot_check = 0.0
 """
 
 

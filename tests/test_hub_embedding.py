@@ -49,6 +49,7 @@ split = "random"
 
 [verification]
 replication = 0.0
+spot_check = 0.0
 """
 
 

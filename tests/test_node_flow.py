@@ -273,15 +273,14 @@ async def test_a_job_the_referee_never_checks_trains_without_checkpoint_commitme
     checkpoint (none of the commitment's cost) and its update carries none; by default it does."""
     hub = await Hub(tmp_path / "hub").start()
     try:
-        off = "\nspot_check = 0.0\nspot_check_trusted = 0.0\n"
-        bare = await hub.submit(spec_toml(rounds=1) + off, dataset())
+        bare = await hub.submit(spec_toml(rounds=1, spot_check=0.0) + "spot_check_trusted = 0.0\n", dataset())
         code = await agent(tmp_path / "n1", hub.url, EventLog(), max_assignments=1).run()
         assert code == 0
         rows = hub.db_rows("SELECT commitment FROM updates WHERE job_id = ?", (bare,))
         assert rows and all(r["commitment"] is None for r in rows)
         assert not list((tmp_path / "n1").glob("checkpoints/**/*.gft"))
         await wait_for(lambda: hub.db_rows("SELECT state FROM jobs WHERE id = ?", (bare,))[0]["state"] == "done")
-        checked = await hub.submit(spec_toml(rounds=1), dataset())  # the defaults: spot-checks on
+        checked = await hub.submit(spec_toml(rounds=1, spot_check=0.25), dataset())  # the default rate
         assert await agent(tmp_path / "n2", hub.url, EventLog(), max_assignments=1).run() == 0
         rows = hub.db_rows("SELECT commitment FROM updates WHERE job_id = ?", (checked,))
         assert rows and all(json.loads(r["commitment"])["steps"] > 0 for r in rows)

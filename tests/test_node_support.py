@@ -55,6 +55,7 @@ def spec_toml(
     extra_train: str = "",
     round_target_s: float = 1000.0,
     quorum: int = 2,
+    spot_check: float = 0.0,
 ) -> str:
     return f"""
 [job]
@@ -81,6 +82,7 @@ split = "random"
 replication = {replication}
 quorum = {quorum}
 replica_wait_s = 30.0
+spot_check = {spot_check}
 """
 
 
