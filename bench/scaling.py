@@ -14,9 +14,11 @@ Figures (written to scaling.json under bench/results):
   accuracy reaches the 1-node run's final accuracy; `ratios.speedup_2_nodes` = 1-node time /
   2-node time (the target is >= 1.8 on this 2-core machine; 4 nodes share 2 cores, so that
   row shows that nothing breaks and that shards balance, not a speedup);
-- time per round;
-- `figures.shard_balance`: the largest, over rounds, of max/mean shard training time
-  across the equal-speed nodes of a round (target <= 1.25);
+- time per round, and rounds to accuracy (time to accuracy is their product: the first is the
+  system's, the second FedAvg's: two nodes each training half the data for the same local
+  epochs move the averaged model less per round than one node training all of it);
+- `figures.shard_balance`: the largest, over rounds, of max/mean training time across the
+  equal-speed nodes of a round (a node's time: its shards' together; target <= 1.25);
 - heterogeneity: 2 nodes, one slowed to half speed (test tooling's `slow` fault: it waits as
   long again as it trained), and the slow node's share of samples by round 3 (about 1/3 is
   what "shard size follows throughput" means) and how long rounds wait on it.
@@ -121,16 +123,30 @@ def time_to(doc: dict[str, Any], accuracy: float) -> float | None:
     return None
 
 
+def rounds_to(doc: dict[str, Any], accuracy: float) -> int | None:
+    """How many rounds (counting round 0) it took to reach ``accuracy``."""
+    for i, h in enumerate(rounds_of(doc)):
+        if h["accuracy"] is not None and h["accuracy"] >= accuracy - 1e-9:
+            return i + 1
+    return None
+
+
 def per_round_s(doc: dict[str, Any]) -> float:
     hist = rounds_of(doc)
     return statistics.median(h["closed_at"] - h["opened_at"] for h in hist)
 
 
 def balance(doc: dict[str, Any]) -> list[float]:
-    """max/mean shard training time per round (rounds with more than one shard)."""
+    """max/mean over the round's nodes of each node's training time in the round (the sum over the
+    shards it trained: an unproven node's first round is several capped shards, one after another),
+    per round with more than one node."""
     out = []
     for h in rounds_of(doc):
-        times = [s["train_s"] for s in h["shards"] if s["train_s"] > 0]
+        per_node: dict[str, float] = {}
+        for s in h["shards"]:
+            for nid in s["nodes"]:
+                per_node[nid] = per_node.get(nid, 0.0) + s["train_s"]
+        times = [t for t in per_node.values() if t > 0]
         if len(times) > 1:
             out.append(max(times) / statistics.fmean(times))
     return out
@@ -168,7 +184,8 @@ def main() -> int:
             bal = balance(doc)
             hist = rounds_of(doc)
             row = {
-                "nodes": n, "time_to_accuracy_s": tta, "seconds_per_round": per_round_s(doc),
+                "nodes": n, "time_to_accuracy_s": tta, "rounds_to_accuracy": rounds_to(doc, target),
+                "seconds_per_round": per_round_s(doc),
                 "final_accuracy": hist[-1]["accuracy"], "rounds_run": len(hist),
                 "shards_per_round": statistics.fmean(h["parallel"]["shards"] for h in hist),
                 "parallel_efficiency": doc["parallel"]["efficiency"],
@@ -202,7 +219,12 @@ def main() -> int:
                if two and two["time_to_accuracy_s"] else None)
     per_round = (one["seconds_per_round"] / two["seconds_per_round"]) if two else None
     bal_all = [r["shard_balance_max"] for r in table if r["shard_balance_max"] is not None]
-    results["ratios"] = {"speedup_2_nodes": speedup, "per_round_speedup_2_nodes": per_round}
+    # time to accuracy = rounds to accuracy x time per round: the system's share (per round) and
+    # the algorithm's (how many more rounds averaging two half-shards needs) are reported apart
+    rounds_ratio = (one["rounds_to_accuracy"] / two["rounds_to_accuracy"]
+                    if two and one["rounds_to_accuracy"] and two["rounds_to_accuracy"] else None)
+    results["ratios"] = {"speedup_2_nodes": speedup, "per_round_speedup_2_nodes": per_round,
+                         "rounds_to_accuracy_1_over_2": rounds_ratio}
     results["figures"] = {"shard_balance": max(bal_all) if bal_all else None, "target_accuracy": target,
                           "slow_node_share_round_3": hetero["slow_share_round_3"] if hetero else None}
     results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
@@ -216,7 +238,8 @@ def main() -> int:
         bal = f"{r['shard_balance_max']:.2f}" if r["shard_balance_max"] is not None else "-"
         print(f"{r['nodes']:>5} {tta:>16} {r['seconds_per_round']:>8.2f} {r['shards_per_round']:>10.1f} "
               f"{r['parallel_efficiency']:>10.2f} {bal:>11} {r['final_accuracy']:>9.4f}")
-    print(f"speedup, 2 nodes, time to accuracy: {speedup}  (per round: {per_round})")
+    print(f"speedup, 2 nodes, time to accuracy: {speedup}  (per round: {per_round}; rounds to accuracy, "
+          f"1 node / 2 nodes: {rounds_ratio})")
     if hetero:
         print(f"half-speed node's share by round: {[round(s, 2) for s in hetero['slow_share_by_round']]}; "
               f"round wall / fast node's issue-to-upload: {hetero['round_wall_over_fast_elapsed_median']}")
