@@ -6,7 +6,11 @@ adversary. Everything the hub decides is the hub's own code, called the way the 
 it: `Scheduler.plan` (the gathering, the balanced carve, replicas first) on a simulated
 clock, `policy.decide_shard` each time a shard's update arrives or its replica wait runs
 out, and `policy.judge_round` when the round is covered. Reputations move with
-verification's `record_agreement` / `record_flag`, as the engine applies them.
+verification's `record_agreement` / `record_flag`, as the engine applies them. Waiting nodes
+are woken as the hub's WorkSignal wakes its long-polls (hub/worksignal.py): everyone when a
+round opens; for chunks back in the pool, the longest-waiting poll first, the offer passed on
+(`pass_on`) while polls get work, until 3 in a row find nothing; for a wanted replica, the
+longest-waiting poll of a node that may take it (`Scheduler.may_take_replica`).
 
 An update is a small real tensor (256 floats): an honest node returns the shard's true
 update (a function of the round's direction and the shard's seed, so honest replicas agree
@@ -26,6 +30,7 @@ Run: .venv/bin/python bench/simulation.py [--nodes 100,300,1000,3000,10000] [--r
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import heapq
 import json
@@ -50,6 +55,7 @@ from gpuflex.hub import verification as vf  # noqa: E402
 from gpuflex.hub.config import HubConfig  # noqa: E402
 from gpuflex.hub.jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState  # noqa: E402
 from gpuflex.hub.scheduler import NodeState, Scheduler  # noqa: E402
+from gpuflex.hub.worksignal import Target, Wake, pass_on  # noqa: E402
 from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402
 
 DIM = 256
@@ -155,7 +161,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             sched.poll_started(sn.state.id)
         cpu = 0.0
         heap: list[tuple[float, int, str, AssignmentState]] = []
-        idle: list[SimNode] = []
+        idle: collections.deque[SimNode] = collections.deque()  # the waiting polls, longest first
         deltas: dict[str, torch.Tensor] = {}
         shard_flags: set[str] = set()  # update ids flagged when their shard settled
         issued = 0
@@ -191,10 +197,23 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
         if len(carve_times) > 1:
             stats.balance.append(max(carve_times) / statistics.fmean(carve_times))
 
-        def wake(t: float) -> None:
-            for sn in list(idle):
-                if serve(sn, t):
-                    idle.remove(sn)
+        def offer(t: float, to: Target | None = None) -> None:
+            """WorkSignal.offer as the hub's long-polls answer it (hub/worksignal.py): the poll that
+            has waited longest (of a node ``to`` accepts) plans first and passes the offer on
+            (``pass_on``); a poll that found nothing waits again, last."""
+            wake = Wake("offer", 0, to)
+            while True:
+                sn = next((x for x in idle if to is None or to(x.state.id)), None)
+                if sn is None:
+                    break
+                idle.remove(sn)
+                got = serve(sn, t)
+                if not got:
+                    idle.append(sn)
+                misses = pass_on(wake, got)
+                if misses is None:
+                    break
+                wake = Wake("offer", misses, to)
 
         def decide(shard: ShardState, t: float, waited: float | None = None) -> None:
             nonlocal cpu
@@ -213,7 +232,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                 if d.wanted != shard.wanted:
                     shard.wanted = d.wanted
                     sched.want_replica(job, shard)
-                    wake(t)
+                    offer(t, to=lambda nid: sched.may_take_replica(job, shard, nid, t))
                 return
             for a in list(shard.live.values()):
                 sched.detach(a)
@@ -231,7 +250,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                 shard.state = "dropped"
                 job.shards.pop(shard.id, None)
                 job.release(shard.chunk_idxs)
-                wake(t)
+                offer(t)
 
         while True:
             if heap:

@@ -42,9 +42,10 @@ from .ledger import Ledger
 from .loops import LoopHealth, supervise
 from .metrics import HubMetrics
 from .openapi import openapi_document
-from .scheduler import Scheduler, WorkSignal
+from .scheduler import Scheduler
 from .store_sqlite import SqliteStore
 from .wire import error_response, json_response, protocol_to_hub
+from .worksignal import WorkSignal
 
 log = logging.getLogger("gpuflex.hub")
 

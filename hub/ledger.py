@@ -65,10 +65,11 @@ from .keys import audit_secret
 from .metrics import HubMetrics
 from .progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
 from .rounds import RoundEngine
-from .scheduler import NodeState, Plan, Scheduler, WorkSignal, clamp_sps, peak_flops
+from .scheduler import NodeState, Plan, Scheduler, clamp_sps, peak_flops
 from .store import FlagRecord, NodeProfile, Store
 from .tokens import Principal
 from .verification import is_trusted, record_verdict
+from .worksignal import WorkSignal
 
 log = logging.getLogger("gpuflex.hub.ledger")
 
@@ -313,7 +314,7 @@ class Ledger:
             raise Conflict("an update for this assignment is being uploaded", code="busy")
         await self.store.end_assignments([a.id], "abandoned")
         self._release(a)
-        self.signal.notify()
+        self.signal.offer()  # its chunks, for some waiting node
         return "abandoned; the shard goes back to the pool"
 
     async def expire_overdue(self, now: float) -> int:
@@ -330,7 +331,8 @@ class Ledger:
                 node.stalls += 1
                 node.stall_until = now + stall_backoff(node.stalls, self.config.stall_backoff_s)
         self.metrics.assignments_expired += len(expired)
-        self.signal.notify()
+        if expired:
+            self.signal.offer()  # their chunks, for the waiting nodes (the offer travels while they take work)
         return len(expired)
 
     def may_read_blob(self, node: NodeState, sha: str) -> bool:
@@ -526,6 +528,6 @@ class Ledger:
                     node.banned_at = time.time()
                     self.admission.banned(node.blocks, node.operator, node.banned_at)
         if newly_banned:
-            self.signal.notify()  # its long-polls answer 'banned' now
+            self.signal.for_node(flag.node_id)  # its long-polls answer "banned" now
         return Verdict(decided, banned, newly_banned)
 

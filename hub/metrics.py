@@ -20,6 +20,8 @@ class HubMetrics:
     #: the referee (hub/referee.py): state requests opened, verdicts by outcome
     referee_requests: int = 0
     referee_verdicts: Counter[str] = field(default_factory=Counter)
+    #: long-polls woken, by why (hub/worksignal.py: all | offer | node | moved)
+    poll_wakeups: Counter[str] = field(default_factory=Counter)
 
     def render(self, gauges: Callable[[], dict[str, float]]) -> str:
         lines: list[str] = []
@@ -55,5 +57,10 @@ class HubMetrics:
             "gpuflex_referee_verdicts_total", "counter", "Referee verdicts on re-executed segments, by outcome.",
             [(f'{{outcome="{o}"}}', n) for o, n in sorted(self.referee_verdicts.items())]
             or [('{outcome="none"}', 0)],
+        )
+        metric(
+            "gpuflex_poll_wakeups_total", "counter",
+            "Long-polls woken before their wait ran out, by why (all, offer, node, moved).",
+            [(f'{{kind="{k}"}}', n) for k, n in sorted(self.poll_wakeups.items())] or [('{kind="none"}', 0)],
         )
         return "\n".join(lines) + "\n"

@@ -50,8 +50,9 @@ from .referee import (
     referee_grid_ok,
     stack_data,
 )
-from .scheduler import Scheduler, WorkSignal
+from .scheduler import Scheduler
 from .store import RoundResult, Store
+from .worksignal import WorkSignal
 
 log = logging.getLogger("gpuflex.hub.rounds")
 
@@ -260,7 +261,8 @@ class RoundEngine:
         if requests:
             self.metrics.referee_requests += len(requests)
             asyncio.get_running_loop().call_later(float(vspec.state_wait_s) + 0.05, self.poke, job.id)
-            self.signal.notify()  # the nodes asked wake from their long-polls
+            for r in requests:  # the nodes asked wake from their long-polls
+                self.signal.for_node(r.node_id)
         return bool(at_once) and not requests
 
     def resume_referee(self, rows: Sequence[tuple[StateRequestState, str, Mapping[str, Any]]]) -> None:
@@ -340,7 +342,8 @@ class RoundEngine:
             await self.store.want_replicas(shard.id, decision.wanted, dict(decision.evidence))
             shard.wanted = decision.wanted
             self.scheduler.want_replica(job, shard)
-            self.signal.notify()
+            # a replica, for the longest-waiting node that may take it
+            self.signal.offer(to=lambda nid: self.scheduler.may_take_replica(job, shard, nid, time.time()))
             return
         settled = isinstance(decision, policy.Settle)
         representative = decision.representative if isinstance(decision, policy.Settle) else None
@@ -371,7 +374,7 @@ class RoundEngine:
             job.shards.pop(shard.id, None)
             job.release(shard.chunk_idxs)
         if not settled or cancelled:
-            self.signal.notify()
+            self.signal.offer()  # the chunks back in the pool
 
     def _reputations_after(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
         """The nodes' reputations after verification's transitions (memory is not touched)."""

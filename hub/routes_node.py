@@ -54,6 +54,7 @@ from .wire import (
     read_body,
     sealed_response,
 )
+from .worksignal import Wake, WorkSignal, pass_on
 
 routes = web.RouteTableDef()
 UPLOAD_READ = 1 << 20
@@ -92,20 +93,26 @@ async def work(request: web.Request) -> web.Response:
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     loop = asyncio.get_running_loop()
     give_up = loop.time() + wait_s
-    wake = ledger.signal  # the WorkSignal that long-polls wait on
+    wake = ledger.signal  # the WorkSignal that long-polls wait on (hub/worksignal.py)
+    woken = Wake("timeout")
     with ledger.polling(node):
         while not wake.closing:
+            since = wake.generation
             asked = ledger.pending_state_request(node)  # the referee's request comes first
             if asked is not None:
+                _pass_on(wake, woken, got_work=False)
                 request.app[METRICS].bytes_out += len(asked)
                 return web.Response(body=asked, content_type="application/x-msgpack")
             issued = await ledger.next_assignment(node, cached)
+            _pass_on(wake, woken, got_work=issued is not None)
             if issued is not None:
                 return _assignment_response(request, issued.sealed, issued.model_hash, cached)
             left = give_up - loop.time()
             if left <= 0:
                 break
-            await wake.wait(left)
+            woken = await wake.wait(node.id, left, since)
+            if woken.kind != "timeout":
+                request.app[METRICS].poll_wakeups[woken.kind] += 1
     running = any(j.state == "running" for j in ledger.scheduler.jobs.values())
     refusal = ledger.scheduler.precision_refusal(node)
     if wake.closing:
@@ -117,6 +124,13 @@ async def work(request: web.Request) -> web.Response:
     else:
         reason, retry = "no job is running", cfg.node_poll_s
     return sealed_response(request, NoWork(retry_after_s=retry, reason=reason))
+
+
+def _pass_on(wake: WorkSignal, woken: Wake, *, got_work: bool) -> None:
+    """An offer this poll was woken by travels on to the next waiting poll (worksignal.pass_on)."""
+    misses = pass_on(woken, got_work)
+    if misses is not None:
+        wake.offer(misses, woken.to)
 
 
 def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, cached: frozenset[str]) -> web.Response:

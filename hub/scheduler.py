@@ -31,7 +31,6 @@ All state here lives on the event loop; the ledger persists what it returns.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import time
@@ -398,6 +397,14 @@ class Scheduler:
         return any(self.separated(n, shard.nodes) for nid in pool.reps
                    if nid not in shard.nodes and (n := self.nodes.get(nid)) is not None)
 
+    def may_take_replica(self, job: JobState, shard: ShardState, node_id: str, now: float) -> bool:
+        """Could node ``node_id`` take another replica of ``shard`` now (the pool's rule: not a
+        member, trusted nodes first; and, with separate replicas, another block and operator)?"""
+        node = self.nodes.get(node_id)
+        if node is None or node_id in shard.nodes or not self.replica_pool(job, now).eligible(node_id, shard.nodes):
+            return False
+        return not self.separate_replicas or self.separated(node, shard.nodes)
+
     def replica_takers(self, job: JobState, shard: ShardState, now: float) -> list[str]:
         """Online nodes that could take another replica of `shard` right now."""
         ids = replica_candidates(self._online_reputations(now), shard.nodes, job.spec.verification)
@@ -552,32 +559,3 @@ class Scheduler:
         seen = clamp_sps(samples * max(1, epochs) / elapsed_s / factor)
         node.ema_sps = (1 - alpha) * node.ema_sps + alpha * seen
 
-
-class WorkSignal:
-    """Wakes every waiting long-poll at once when work may have appeared.
-
-    Each notify() sets the current event and starts a fresh one, so a waiter that
-    grabbed the event before the change is woken and one that arrives later waits.
-    """
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-        self.closing = False
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    def close(self) -> None:
-        """The hub is stopping: wake every long-poll now so none holds the shutdown up."""
-        self.closing = True
-        self.notify()
-
-    async def wait(self, within_s: float) -> bool:
-        event = self._event
-        try:
-            async with asyncio.timeout(max(0.0, within_s)):
-                await event.wait()
-        except TimeoutError:
-            return False
-        return True
