@@ -182,7 +182,7 @@ class PgConnection:
         if args:
             cur.execute(pg_sql(sql), args)
         else:  # psycopg reads no placeholder (and no %%) in a statement without parameters
-            cur.execute(sql)  # type: ignore[arg-type]
+            cur.execute(sql)
         return cur
 
     def executemany(self, sql: str, rows: Iterable[Iterable[Any]]) -> psycopg.Cursor[Any]:
@@ -194,7 +194,7 @@ class PgConnection:
 
     @property
     def in_transaction(self) -> bool:
-        return self.raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        return bool(self.raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
 
     def commit(self) -> None:
         self.raw.commit()
@@ -236,7 +236,7 @@ def connect(url: str) -> PgConnection:
     params.setdefault("connect_timeout", 10)
     params.setdefault("application_name", "gpuflex-hub")
     try:
-        raw = psycopg.connect(**params)  # type: ignore[arg-type]
+        raw = psycopg.connect(**params)
     except psycopg.Error as exc:
         raise StoreUnavailable(f"cannot reach PostgreSQL at {redact(url)}: {_first_line(exc)}") from None
     try:
@@ -267,12 +267,12 @@ def _migrate(raw: psycopg.Connection[Any], url: str) -> None:
             return
         if version == 0:
             for statement in schema_statements():
-                raw.execute(statement)  # type: ignore[arg-type]
+                raw.execute(statement)
             raw.execute("INSERT INTO gpuflex_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
             return
         for v in range(version, SCHEMA_VERSION):
             for statement in migration(v):
-                raw.execute(statement)  # type: ignore[arg-type]
+                raw.execute(statement)
         raw.execute("UPDATE gpuflex_schema SET version = %s", (SCHEMA_VERSION,))
 
 
@@ -306,7 +306,7 @@ class PgDatabase(Database):
                 if savepoints:
                     conn.execute(f"SAVEPOINT w{i}")
                 try:
-                    value = op.fn(conn)
+                    value = op.fn(conn)  # type: ignore[arg-type]  # sqlite3.Connection's interface
                 except BaseException as exc:
                     if savepoints:
                         conn.execute(f"ROLLBACK TO SAVEPOINT w{i}")
@@ -324,7 +324,7 @@ class PgDatabase(Database):
                 conn.rollback()
         except BaseException as exc:  # the transaction itself failed: nothing is durable
             try:
-                self._conn.rollback()  # type: ignore[attr-defined]
+                self._conn.rollback()
             except (psycopg.Error, AttributeError):
                 pass
             for op in batch:

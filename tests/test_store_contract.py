@@ -518,3 +518,23 @@ def test_postgres_rows_read_like_sqlite_rows(postgres_url: str) -> None:
         conn.rollback()
     finally:
         conn.close()
+
+
+async def test_a_postgres_store_reconnects_after_its_connection_drops(postgres_url: str) -> None:
+    """A server restart or a dropped connection fails the call in flight, not the hub: the next
+    call opens a new connection."""
+    import psycopg
+    from gpuflex.hub.store_postgres import PgDatabase, PostgresStore
+
+    store = PostgresStore(PgDatabase(postgres_url))
+    try:
+        await store.ping()
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                          " WHERE application_name = 'gpuflex-hub' AND datname = current_database()")
+        with pytest.raises(psycopg.OperationalError):
+            await store.ping()
+        await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+        assert [n.id for n in (await store.load()).nodes] == ["gf1-n1"]
+    finally:
+        store.close()

@@ -58,7 +58,9 @@ def _free_port() -> int:
 @dataclass
 class PostgresServer:
     bin_dir: Path
-    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gpuflex-pg-")))
+    # under root, in /tmp: the server's user must reach it (a root-only $TMPDIR would stop it)
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(
+        prefix="gpuflex-pg-", dir="/tmp" if os.geteuid() == 0 else None)))
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -70,12 +72,15 @@ class PostgresServer:
     def log(self) -> Path:
         return self.root / "postgres.log"
 
-    def _as_server_user(self, argv: list[str]) -> list[str]:
-        """Root runs the server as `nobody` (PostgreSQL refuses root); anyone else as themselves."""
+    def _as_server_user(self, argv: list[str], *, die_with_us: bool = False) -> list[str]:
+        """Root runs the server as `nobody` (PostgreSQL refuses root); anyone else as themselves.
+        `die_with_us`: the server gets SIGINT (fast shutdown) if the test run dies without its teardown."""
+        setpriv = ["setpriv", "--pdeathsig", "INT"] if die_with_us and shutil.which("setpriv") else []
         if os.geteuid() != 0:
-            return argv
+            return [*setpriv, *argv]
         nobody = pwd.getpwnam("nobody")
-        return ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups", *argv]
+        return [*(setpriv or ["setpriv"]), f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+                "--clear-groups", *argv]
 
     def start(self, timeout_s: float = 60.0) -> None:
         if os.geteuid() == 0:
@@ -93,7 +98,7 @@ class PostgresServer:
                 self.proc = subprocess.Popen(self._as_server_user([
                     str(self.bin_dir / "postgres"), "-D", str(self.data), "-h", "127.0.0.1",
                     "-p", str(self.port), "-k", str(self.root), "-c", "fsync=off",
-                    "-c", "full_page_writes=off", "-c", "max_connections=200"]),
+                    "-c", "full_page_writes=off", "-c", "max_connections=200"], die_with_us=True),
                     stdout=log, stderr=subprocess.STDOUT)
             if self._wait_ready(timeout_s):
                 return
@@ -123,7 +128,7 @@ class PostgresServer:
 
         name = f"t_{secrets.token_hex(6)}"
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")  # type: ignore[arg-type]
+            conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
     def stop_server(self) -> None:
