@@ -208,7 +208,7 @@ class PgConnection:
 
 def redact(url: str) -> str:
     """The URL without its password (for messages and logs)."""
-    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    return re.sub(r"(password=)[^&]*", r"\1***", re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url))
 
 
 def check_url(url: str) -> None:
@@ -238,12 +238,15 @@ def connect(url: str) -> PgConnection:
     try:
         raw = psycopg.connect(**params)
     except psycopg.Error as exc:
-        raise StoreUnavailable(f"cannot reach PostgreSQL at {redact(url)}: {_first_line(exc)}") from None
+        raise StoreUnavailable(f"cannot connect to PostgreSQL at {redact(url)}: {_first_line(exc)}") from None
     try:
         raw.adapters.register_loader("numeric", _NumberLoader)
         raw.execute("SET synchronous_commit TO on")  # a committed write is on the server's disk
         raw.commit()
         _migrate(raw, url)
+    except psycopg.Error as exc:  # no right to create tables, say
+        raw.close()
+        raise StoreUnavailable(f"PostgreSQL at {redact(url)} refused the hub's schema: {_first_line(exc)}") from None
     except BaseException:
         raw.close()
         raise

@@ -494,7 +494,7 @@ def test_an_unreachable_postgres_server_is_one_line_without_the_password() -> No
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(StoreUnavailable, match=f"cannot reach PostgreSQL at postgresql://hub:\\*\\*\\*@127.0.0.1:{port}/"
+    with pytest.raises(StoreUnavailable, match=f"cannot connect to PostgreSQL at postgresql://hub:\\*\\*\\*@127.0.0.1:{port}/"
                        ) as caught:
         PgDatabase(f"postgresql://hub:s3cret@127.0.0.1:{port}/gpuflex")
     assert "s3cret" not in caught.value.detail and "\n" not in caught.value.detail
@@ -538,3 +538,18 @@ async def test_a_postgres_store_reconnects_after_its_connection_drops(postgres_u
         assert [n.id for n in (await store.load()).nodes] == ["gf1-n1"]
     finally:
         store.close()
+
+
+def test_a_postgres_user_without_the_right_to_create_tables_is_told_in_one_line(postgres_url: str) -> None:
+    """PostgreSQL 15 lets only a database's owner create tables in its public schema."""
+    import psycopg
+    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable, redact
+
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute("DO $$ BEGIN CREATE ROLE weak LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    weak = postgres_url.replace("://gpuflex@", "://weak:pw@")
+    with pytest.raises(StoreUnavailable, match="refused the hub's schema: permission denied") as caught:
+        PgDatabase(weak)
+    assert "\n" not in caught.value.detail and ":pw@" not in caught.value.detail
+    assert redact("postgresql://u@h/db?password=x&sslmode=require") == (
+        "postgresql://u@h/db?password=***&sslmode=require")
