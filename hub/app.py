@@ -43,6 +43,7 @@ from .loops import LoopHealth, supervise
 from .metrics import HubMetrics
 from .openapi import openapi_document
 from .scheduler import Scheduler
+from .store import Store
 from .store_sqlite import SqliteStore
 from .wire import error_response, json_response, protocol_to_hub
 from .worksignal import WorkSignal
@@ -83,16 +84,28 @@ async def error_middleware(
         return error_response(500, "internal", "the hub hit an unexpected error; see its log")
 
 
+def open_store(config: HubConfig) -> tuple[Database, Store]:
+    """The database and the `Store` on it: SQLite in the data folder, or PostgreSQL when
+    `config.store` names one (StoreUnavailable, one line, when it cannot be used)."""
+    if config.store is None:
+        db = Database(config.db_path)
+        return db, SqliteStore(db)
+    from .store_postgres import PgDatabase, PostgresStore
+
+    pg = PgDatabase(config.store)
+    return pg, PostgresStore(pg)
+
+
 def create_app(config: HubConfig) -> web.Application:
-    """Build the hub. First start creates the key (0600), the database (WAL) and the blob store."""
+    """Build the hub. First start creates the key (0600), the database (SQLite's WAL file, or the
+    schema in the PostgreSQL database `config.store` names) and the blob store."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     with contextlib.suppress(OSError):
         os.chmod(config.data_dir, 0o700)
     key, _created = load_or_create_hub_key(config.key_path)
-    db = Database(config.db_path)
-    store = SqliteStore(db)
+    db, store = open_store(config)
     admin_token = store.first_admin_token_sync()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_message_bytes)
     metrics = HubMetrics()

@@ -17,7 +17,7 @@ from .metrics import HubMetrics
 from .store import Store
 
 CONFIG = web.AppKey("config", HubConfig)
-#: the SQLite database: the store's, and the read model's and tokens' queries
+#: the store's database (SQLite, or PostgreSQL's PgDatabase): the read model's and tokens' queries
 DB = web.AppKey("db", Database)
 #: every state change goes through the ledger (it holds the scheduler, the round engine, the store)
 LEDGER = web.AppKey("ledger", Ledger)

@@ -63,8 +63,12 @@ async def _serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
+    if args.store is not None:
+        from .store_postgres import check_url
+
+        check_url(args.store)  # a bad URL: one line, before anything is created
     config = HubConfig(
-        data_dir=Path(args.data), host=args.host, port=args.port,
+        data_dir=Path(args.data), store=args.store, host=args.host, port=args.port,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         long_poll_max_s=args.long_poll_max, min_deadline_s=args.min_deadline,
@@ -121,14 +125,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_token_create(args: argparse.Namespace) -> int:
     from .tokens import create_token
 
-    print(create_token(Path(args.data), args.role, args.name))
+    print(create_token(Path(args.data), args.role, args.name, store=args.store))
     return 0
 
 
 def cmd_token_list(args: argparse.Namespace) -> int:
     from .tokens import list_tokens
 
-    for t in list_tokens(Path(args.data)):
+    for t in list_tokens(Path(args.data), store=args.store):
         state = "revoked" if t["revoked_at"] else "live"
         created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(t["created_at"])))  # type: ignore[arg-type]
         print(f"{t['id']:>4}  {t['role']:<8} {t['name']:<24} {created}  {state}")
@@ -138,7 +142,7 @@ def cmd_token_list(args: argparse.Namespace) -> int:
 def cmd_token_revoke(args: argparse.Namespace) -> int:
     from .tokens import revoke_token
 
-    revoke_token(Path(args.data), args.id)
+    revoke_token(Path(args.data), args.id, store=args.store)
     print(f"token {args.id} revoked")
     return 0
 
@@ -301,6 +305,12 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="URL",
+                   help="keep the hub's state in this PostgreSQL database (postgresql://user@host:port/database;"
+                        " password from PGPASSWORD or ~/.pgpass); default: SQLite in --data")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuflex-hub", description="GPUFlex hub: serve, tokens, jobs.")
     parser.add_argument("--version", action="version", version=f"gpuflex-hub {_software_version()}")
@@ -308,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the hub")
     p.add_argument("--data", required=True, help="data directory (key, database, blobs)")
+    _store_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tls-cert")
@@ -341,15 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
         dest="token_command", metavar="ACTION", required=True)
     p = tok.add_parser("create", help="create a token and print it (once)")
     p.add_argument("--data", required=True)
+    _store_arg(p)
     p.add_argument("--role", required=True, choices=("owner", "auditor", "admin", "enroll"),
                    help="enroll: a token for node operators (gpuflex-node --enroll-token), no API access")
     p.add_argument("--name", required=True)
     p.set_defaults(func=cmd_token_create)
     p = tok.add_parser("list", help="list tokens (never their values)")
     p.add_argument("--data", required=True)
+    _store_arg(p)
     p.set_defaults(func=cmd_token_list)
     p = tok.add_parser("revoke", help="revoke a token by id")
     p.add_argument("--data", required=True)
+    _store_arg(p)
     p.add_argument("id", help="the id `token list` shows (e<N> for an enrollment token)")
     p.set_defaults(func=cmd_token_revoke)
 

@@ -14,6 +14,9 @@ class HubConfig:
     """
 
     data_dir: Path
+    #: where the hub's state lives: None = SQLite in data_dir (hub.sqlite3); a postgresql:// URL =
+    #: that PostgreSQL database (hub/store_postgres.py). Key, blobs and audit log stay in data_dir.
+    store: str | None = None
     host: str = "127.0.0.1"
     port: int = 8470
     tls_cert: Path | None = None

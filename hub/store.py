@@ -5,14 +5,16 @@ The ledger (hub/ledger.py) decides every state change and then calls exactly one
 was given in one transaction, or nothing, and returns only after the commit is
 durable, so a 2xx built on it survives kill -9.
 
-`SqliteStore` (hub/store_sqlite.py) is the first implementation. Another one
-(PostgreSQL) implements the same methods and runs the same contract tests
-(tests/test_store_contract.py); nothing above this interface knows which store it
-talks to.
+Two implementations run the same statements (`SqlStore`, hub/store_sqlite.py) and the
+same contract tests (tests/test_store_contract.py): `SqliteStore`, the default, and
+`PostgresStore` (hub/store_postgres.py, `serve --store postgresql://...`). Nothing above
+this interface knows which store it talks to.
 
 The read side (job status documents, flag lists, the console's pages) is not here:
 those are queries, not state changes; they run through `Store.query` (see
-hub/readmodel.py).
+hub/readmodel.py) on a connection with sqlite3's interface: a `sqlite3.Connection`, or
+on PostgreSQL a `PgConnection` that takes the same `?` statements and gives rows read by
+name or position, as `sqlite3.Row` does.
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ class Store(abc.ABC):
     # -- the read side -----------------------------------------------------------------------
     @abc.abstractmethod
     async def query(self, fn: Callable[[Any], T]) -> T:
-        """Run a read-only query function against the store's connection (hub/readmodel.py)."""
+        """Run a read-only query function against the store's connection (hub/readmodel.py):
+        sqlite3's interface on either store (`?` placeholders, rows by name or position)."""
 
     @abc.abstractmethod
     async def ping(self) -> None:

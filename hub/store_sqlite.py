@@ -1,5 +1,11 @@
-"""`SqliteStore`: the `Store` on the hub's SQLite database (hub/db.py: WAL, synchronous=FULL,
-one writer thread, group commit). Each method below is one transaction."""
+"""`SqlStore`: the `Store`'s methods as SQL that SQLite and PostgreSQL both run, and `SqliteStore`,
+the `Store` on the hub's SQLite database (hub/db.py: WAL, synchronous=FULL, one writer thread,
+group commit). Each method below is one transaction.
+
+The statements are written once, in the dialect both databases share (`?` placeholders, which the
+PostgreSQL connection (hub/store_postgres.py) turns into its own; `INSERT ... ON CONFLICT`); what
+differs, the database clock and the integrity error, is a class attribute. One text for both
+stores keeps them from drifting apart; tests/test_store_contract.py runs against both."""
 
 from __future__ import annotations
 
@@ -32,13 +38,16 @@ from .verification import Flag, Reputation
 
 T = TypeVar("T")
 
-_REPUTATION_SQL = (
-    "UPDATE nodes SET agreements_total = ?, flags_total = ?, consecutive_agreements = ?,"
-    " confirmed_flags = ?, dismissed_flags = ?, banned = ?,"
-    # the first time a node is banned, the database's clock stamps it (its block and operator cool down)
-    " banned_at = CASE WHEN banned_at IS NULL AND ? = 1 THEN (julianday('now') - 2440587.5) * 86400.0"
-    " ELSE banned_at END WHERE id = ?"
-)
+def reputation_sql(clock: str) -> str:
+    """The statement that writes a node's reputation; `clock` is the database's Unix time in SQL."""
+    # `clock` is a store's constant, never input
+    return (
+        "UPDATE nodes SET agreements_total = ?, flags_total = ?, consecutive_agreements = ?,"  # noqa: S608
+        " confirmed_flags = ?, dismissed_flags = ?, banned = ?,"
+        # the first time a node is banned, the database's clock stamps it (its block and operator cool down)
+        f" banned_at = CASE WHEN banned_at IS NULL AND ? = 1 THEN {clock}"
+        " ELSE banned_at END WHERE id = ?"
+    )
 
 
 class DuplicateUpdate(Conflict):
@@ -87,9 +96,17 @@ def flag_record(row: sqlite3.Row) -> FlagRecord:
         created_at=row["created_at"], decided_at=row["decided_at"])
 
 
-class SqliteStore(Store):
+class SqlStore(Store):
+    """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit)."""
+
+    #: the database's clock as Unix seconds, in its SQL
+    clock_sql = "(julianday('now') - 2440587.5) * 86400.0"
+    #: what the connection raises on a broken UNIQUE constraint
+    integrity_errors: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
+
     def __init__(self, db: Database) -> None:
         self.db = db
+        self._reputation_sql = reputation_sql(self.clock_sql)
 
     # -- start -------------------------------------------------------------------------------
     async def load(self) -> LoadedState:
@@ -129,7 +146,7 @@ class SqliteStore(Store):
 
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:
         rows = [_reputation_row(n, r) for n, r in reputations]
-        await self.db.write(lambda c: c.executemany(_REPUTATION_SQL, rows))
+        await self.db.write(lambda c: c.executemany(self._reputation_sql, rows))
 
     # -- jobs --------------------------------------------------------------------------------
     def insert_job_sync(self, job: JobState, spec_text: str, train_samples: int, val_samples: int) -> None:
@@ -225,7 +242,7 @@ class SqliteStore(Store):
 
         try:
             await self.db.write(write)
-        except sqlite3.IntegrityError:
+        except self.integrity_errors:
             raise DuplicateUpdate("an update for this assignment was already accepted") from None
 
     async def want_replicas(self, shard_id: str, wanted: int, evidence: dict[str, Any]) -> None:
@@ -242,7 +259,7 @@ class SqliteStore(Store):
             conn.executemany("UPDATE updates SET status = ? WHERE id = ?", [(s, u) for u, s in statuses.items()])
             _end_live(conn, cancelled, "cancelled")
             insert_flags(conn, shard.job_id, round, flags, now)
-            conn.executemany(_REPUTATION_SQL, rows)
+            conn.executemany(self._reputation_sql, rows)
 
         await self.db.write(write)
 
@@ -253,7 +270,7 @@ class SqliteStore(Store):
         next_round = job.round + 1
 
         def write(conn: sqlite3.Connection) -> None:
-            conn.executemany(_REPUTATION_SQL, rows)
+            conn.executemany(self._reputation_sql, rows)
             conn.executemany("UPDATE updates SET status = ? WHERE id = ?",
                              [(s, u) for u, s in result.statuses.items()])
             insert_flags(conn, job.id, job.round, flags, now)
@@ -269,15 +286,20 @@ class SqliteStore(Store):
                 (result.model_hash, now, result.train_loss, result.metrics.get("loss"),
                  result.metrics.get("accuracy"), _json(result.metrics), _json(result.evidence),
                  job.id, job.round))
-            conn.execute("INSERT OR REPLACE INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)",
-                         (job.id, next_round, result.model_hash, now))
+            conn.execute("INSERT INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)"
+                         " ON CONFLICT (job_id, version) DO UPDATE SET sha = excluded.sha,"
+                         " created_at = excluded.created_at", (job.id, next_round, result.model_hash, now))
             conn.execute(
                 "UPDATE jobs SET round = ?, model_hash = ?, opt_state_sha = ?, state = ?, updated_at = ?"
                 " WHERE id = ?",
                 (next_round, result.model_hash, result.opt_state_sha, "done" if last else "running", now, job.id))
             if not last:
-                conn.execute("INSERT OR REPLACE INTO rounds (job_id, round, model_hash, opened_at)"
-                             " VALUES (?, ?, ?, ?)", (job.id, next_round, result.model_hash, now))
+                # a fresh round row, as the round opens (what a row left from before held is cleared)
+                conn.execute("INSERT INTO rounds (job_id, round, model_hash, opened_at) VALUES (?, ?, ?, ?)"
+                             " ON CONFLICT (job_id, round) DO UPDATE SET model_hash = excluded.model_hash,"
+                             " opened_at = excluded.opened_at, new_model_hash = NULL, closed_at = NULL,"
+                             " train_loss = NULL, loss = NULL, accuracy = NULL, metrics = NULL, evidence = NULL",
+                             (job.id, next_round, result.model_hash, now))
 
         await self.db.write(write)
 
@@ -298,7 +320,7 @@ class SqliteStore(Store):
             if cur.rowcount == 0:
                 return None
             if rep_row is not None:
-                conn.execute(_REPUTATION_SQL, rep_row)
+                conn.execute(self._reputation_sql, rep_row)
                 if moot_note is not None:
                     conn.execute(
                         "UPDATE flags SET status = 'moot', verdict_note = ?, auditor = 'hub', decided_at = ?"
@@ -359,6 +381,10 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         self.db.close()
+
+
+class SqliteStore(SqlStore):
+    """The `Store` on the hub's SQLite file (hub/db.py)."""
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -6,14 +6,16 @@ entropy, so a plain hash is enough) and compares hashes in constant time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .db import connect
 from .errors import BadRequest, Forbidden, NotFound, Unauthorized
@@ -69,21 +71,38 @@ def insert_token(conn: sqlite3.Connection, role: str, name: str) -> str:
     return token
 
 
-def create_token(data_dir: Path, role: str, name: str) -> str:
-    """Create a token (same path as `gpuflex-hub token create`); returns it. Works while a hub runs."""
+@contextlib.contextmanager
+def _hub_db(data_dir: Path, store: str | None) -> Iterator[Any]:
+    """One transaction on the hub's database: SQLite under `data_dir`, or the PostgreSQL database
+    `store` names (hub/store_postgres.py). Commits when the block ends without an error."""
+    if store is not None:
+        from .store_postgres import connect as connect_postgres
+
+        pg = connect_postgres(store)
+        try:
+            yield pg
+            pg.commit()
+        finally:
+            pg.close()
+        return
     conn = connect(Path(data_dir) / "hub.sqlite3")
     try:
         conn.execute("BEGIN IMMEDIATE")
-        token = insert_token(conn, role, name)
+        yield conn
         conn.execute("COMMIT")
-        return token
     finally:
-        conn.close()
+        conn.close()  # without COMMIT: rolled back
 
 
-def list_tokens(data_dir: Path) -> list[dict[str, object]]:
-    conn = connect(Path(data_dir) / "hub.sqlite3")
-    try:
+def create_token(data_dir: Path, role: str, name: str, store: str | None = None) -> str:
+    """Create a token (same path as `gpuflex-hub token create`); returns it. Works while a hub runs.
+    `store`: the hub's PostgreSQL URL when it runs on one (HubConfig.store)."""
+    with _hub_db(data_dir, store) as conn:
+        return insert_token(conn, role, name)
+
+
+def list_tokens(data_dir: Path, store: str | None = None) -> list[dict[str, object]]:
+    with _hub_db(data_dir, store) as conn:
         rows = conn.execute(
             "SELECT id, role, name, created_at, revoked_at FROM tokens ORDER BY id"
         ).fetchall()
@@ -91,27 +110,22 @@ def list_tokens(data_dir: Path) -> list[dict[str, object]]:
             "SELECT 'e' || id AS id, 'enroll' AS role, name, created_at, revoked_at FROM enroll_tokens ORDER BY id"
         ).fetchall()
         return [dict(r) for r in rows] + [dict(r) for r in enroll]
-    finally:
-        conn.close()
 
 
-def revoke_token(data_dir: Path, token_id: int | str) -> None:
+def revoke_token(data_dir: Path, token_id: int | str, store: str | None = None) -> None:
     """Revoke an API token by id, or an enrollment token by its 'e<id>' (as `token list` shows)."""
     text = str(token_id)
     table = "enroll_tokens" if text.startswith("e") else "tokens"
     number = text.removeprefix("e")
     if not number.isdigit():
         raise NotFound(f"no token with id {text} (see `gpuflex-hub token list`)")
-    conn = connect(Path(data_dir) / "hub.sqlite3")
-    try:
+    with _hub_db(data_dir, store) as conn:
         cur = conn.execute(
             f"UPDATE {table} SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",  # noqa: S608 - fixed names
             (time.time(), int(number)),
         )
         if cur.rowcount != 1:
             raise NotFound(f"no live token with id {token_id} (see `gpuflex-hub token list`)")
-    finally:
-        conn.close()
 
 
 def lookup_token(conn: sqlite3.Connection, token: str) -> Principal:

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +110,32 @@ def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# -- PostgreSQL (the second Store, hub/store_postgres.py) -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """A real PostgreSQL server for the whole run (tests/tooling/postgres.py), stopped and
+    removed at the end. Without the binaries: a skip that names them, or under CI=true a failure."""
+    from tests.tooling.postgres import MISSING, PostgresServer, find_bin_dir
+    from tests.tooling.skips import _in_ci
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None or not (bin_dir / "initdb").exists():
+        if _in_ci():
+            pytest.fail(f"{MISSING}; CI=true requires it (.ci/run installs it)", pytrace=False)
+        pytest.skip(MISSING)
+    server = PostgresServer(bin_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: Any) -> str:
+    """The URL of a fresh, empty database on the session's PostgreSQL server."""
+    return str(postgres_server.new_database())

@@ -184,7 +184,8 @@ class RunningHub:
 async def start_hub(
     data_dir: Path, tokens: dict[str, str] | None = None, **config_kw: Any
 ) -> RunningHub:
-    """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir."""
+    """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir
+    (and store: `store=` a PostgreSQL URL runs it on PostgreSQL)."""
     from gpuflex.hub.app import create_app
     from gpuflex.hub.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
     from gpuflex.hub.config import HubConfig
@@ -199,10 +200,11 @@ async def start_hub(
         config_kw.setdefault(key, value)
     app = create_app(HubConfig(data_dir=data_dir, port=0, **config_kw))
     if tokens is None:
+        store = config_kw.get("store")  # a PostgreSQL URL, or None: SQLite in data_dir
         tokens = {
-            "owner": create_token(data_dir, "owner", "alice"),
-            "auditor": create_token(data_dir, "auditor", "audrey"),
-            "admin": app[FIRST_ADMIN_TOKEN] or create_token(data_dir, "admin", "root"),
+            "owner": create_token(data_dir, "owner", "alice", store=store),
+            "auditor": create_token(data_dir, "auditor", "audrey", store=store),
+            "admin": app[FIRST_ADMIN_TOKEN] or create_token(data_dir, "admin", "root", store=store),
         }
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()

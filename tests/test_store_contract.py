@@ -23,18 +23,25 @@ from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass, nested_to_dic
 
 from tests.helpers import write_digits
 
-IMPLEMENTATIONS = ["sqlite"]
+IMPLEMENTATIONS = ["sqlite", "postgres"]
 PROFILE = NodeProfile(software_version="0.1.0", device={"kind": "cpu"}, benchmark={"samples_per_s": 10.0})
 
 
 def _open(kind: str, where: Path) -> Store:
+    """`where` is the test's folder; a PostgreSQL store's database URL is in where/store-url."""
     if kind == "sqlite":
         return SqliteStore(Database(where / "hub.sqlite3"))
+    if kind == "postgres":
+        from gpuflex.hub.store_postgres import PgDatabase, PostgresStore
+
+        return PostgresStore(PgDatabase((where / "store-url").read_text()))
     raise AssertionError(kind)
 
 
 @pytest_asyncio.fixture(params=IMPLEMENTATIONS)
 async def opened(request, tmp_path) -> AsyncIterator[tuple[str, Path, Store]]:
+    if request.param == "postgres":  # a fresh database on the session's server (tests/conftest.py)
+        (tmp_path / "store-url").write_text(request.getfixturevalue("postgres_url"))
     store = _open(request.param, tmp_path)
     try:
         yield request.param, tmp_path, store
@@ -409,3 +416,140 @@ def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(RuntimeError, match="upgrade gpuflex"):
         Database(path)
+
+
+# -- PostgreSQL: its schema, its versions, its URL -------------------------------------------------
+
+
+def _sqlite_columns(path: Path) -> dict[str, list[str]]:
+    conn = sqlite3.connect(path)
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: sorted(r[1] for r in conn.execute(f"PRAGMA table_info({t})")) for t in tables}
+    finally:
+        conn.close()
+
+
+def test_postgres_has_sqlites_tables_and_columns_at_the_same_version(tmp_path: Path, postgres_url: str) -> None:
+    """One schema in two dialects: a store written for one reads the same columns in the other."""
+    import psycopg
+    from gpuflex.hub import store_postgres
+
+    Database(tmp_path / "hub.sqlite3").close()
+    store_postgres.connect(postgres_url).close()
+    with psycopg.connect(postgres_url) as conn:
+        rows = conn.execute("SELECT table_name, column_name FROM information_schema.columns"
+                            " WHERE table_schema = 'public' AND table_name != 'gpuflex_schema'").fetchall()
+        version = conn.execute("SELECT version FROM gpuflex_schema").fetchall()
+    pg: dict[str, list[str]] = {}
+    for table, column in rows:
+        pg.setdefault(table, []).append(column)
+    assert {t: sorted(c) for t, c in pg.items()} == _sqlite_columns(tmp_path / "hub.sqlite3")
+    assert version == [(SCHEMA_VERSION,)] and store_postgres.SCHEMA_VERSION == SCHEMA_VERSION
+
+
+def test_a_postgres_database_from_a_newer_hub_is_refused_in_one_line(postgres_url: str) -> None:
+    import psycopg
+    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable
+
+    PgDatabase(postgres_url).close()
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute("UPDATE gpuflex_schema SET version = version + 1")
+    with pytest.raises(StoreUnavailable, match="upgrade gpuflex") as caught:
+        PgDatabase(postgres_url)
+    assert "\n" not in caught.value.detail and f"schema version {SCHEMA_VERSION + 1}" in caught.value.detail
+
+
+def test_a_postgres_store_reopened_twice_at_once_migrates_once(postgres_url: str) -> None:
+    """Two hubs starting together on one new database: the advisory lock lets one create the schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuflex.hub.store_postgres import connect
+
+    with ThreadPoolExecutor(4) as pool:
+        conns = list(pool.map(lambda _: connect(postgres_url), range(4)))
+    for conn in conns:
+        assert conn.execute("SELECT version FROM gpuflex_schema").fetchone()[0] == SCHEMA_VERSION
+        conn.close()
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mysql://root@localhost/hub", "--store takes a postgresql://"),
+    ("/var/lib/hub.sqlite3", "--store takes a postgresql://"),
+    ("postgresql://u@h:5432/db?sslmode=sometimes&nonsense=1", "not a valid PostgreSQL URL"),
+])
+def test_a_bad_store_url_is_refused_in_one_line(url: str, says: str) -> None:
+    from gpuflex.hub.store_postgres import StoreUnavailable, check_url
+
+    with pytest.raises(StoreUnavailable, match=says) as caught:
+        check_url(url)
+    assert "\n" not in caught.value.detail
+
+
+def test_an_unreachable_postgres_server_is_one_line_without_the_password() -> None:
+    import socket
+
+    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StoreUnavailable, match=f"cannot connect to PostgreSQL at postgresql://hub:\\*\\*\\*@127.0.0.1:{port}/"
+                       ) as caught:
+        PgDatabase(f"postgresql://hub:s3cret@127.0.0.1:{port}/gpuflex")
+    assert "s3cret" not in caught.value.detail and "\n" not in caught.value.detail
+
+
+def test_postgres_rows_read_like_sqlite_rows(postgres_url: str) -> None:
+    """What the read model (hub/readmodel.py, hub/web) does with a row: by name, by position,
+    dict(row), tuple(row); `?` placeholders; a `%` in a literal; SUM of a BIGINT is an int."""
+    from gpuflex.hub.store_postgres import connect
+
+    conn = connect(postgres_url)
+    try:
+        conn.executemany("INSERT INTO chunks (job_id, idx, sha, samples, size) VALUES (?, ?, ?, ?, ?)",
+                         [("j", i, f"s{i}", 10, 5) for i in range(3)])
+        row = conn.execute("SELECT COUNT(*) AS n, SUM(samples) AS total, '100%' AS pct FROM chunks"
+                           " WHERE job_id = ? AND sha LIKE ?", ("j", "s%")).fetchone()
+        assert (row[0], row["total"], row["pct"], tuple(row), dict(row)) == (
+            3, 30, "100%", (3, 30, "100%"), {"n": 3, "total": 30, "pct": "100%"})
+        assert type(row["total"]) is int
+        assert conn.execute("SELECT 'a?b' || ? AS s", ("c",)).fetchone()["s"] == "a?bc"
+        conn.rollback()
+    finally:
+        conn.close()
+
+
+async def test_a_postgres_store_reconnects_after_its_connection_drops(postgres_url: str) -> None:
+    """A server restart or a dropped connection fails the call in flight, not the hub: the next
+    call opens a new connection."""
+    import psycopg
+    from gpuflex.hub.store_postgres import PgDatabase, PostgresStore
+
+    store = PostgresStore(PgDatabase(postgres_url))
+    try:
+        await store.ping()
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                          " WHERE application_name = 'gpuflex-hub' AND datname = current_database()")
+        with pytest.raises(psycopg.OperationalError):
+            await store.ping()
+        await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+        assert [n.id for n in (await store.load()).nodes] == ["gf1-n1"]
+    finally:
+        store.close()
+
+
+def test_a_postgres_user_without_the_right_to_create_tables_is_told_in_one_line(postgres_url: str) -> None:
+    """PostgreSQL 15 lets only a database's owner create tables in its public schema."""
+    import psycopg
+    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable, redact
+
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute("DO $$ BEGIN CREATE ROLE weak LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+    weak = postgres_url.replace("://gpuflex@", "://weak:pw@")
+    with pytest.raises(StoreUnavailable, match="refused the hub's schema: permission denied") as caught:
+        PgDatabase(weak)
+    assert "\n" not in caught.value.detail and ":pw@" not in caught.value.detail
+    assert redact("postgresql://u@h/db?password=x&sslmode=require") == (
+        "postgresql://u@h/db?password=***&sslmode=require")

