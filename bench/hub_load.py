@@ -16,7 +16,15 @@ chunks give every node one shard per round. Reports:
 - a baseline measured in the same run: a bare aiohttp echo handler driven by the same
   client with the same concurrency and body size; ratio = hub requests/s / echo requests/s.
 
-Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--hub process|inproc] [--out bench/results/hub_load.json]
+Stores (``--stores``, issue 16): each node count runs once per store, the hub's SQLite file
+and a PostgreSQL database (a throwaway PostgreSQL 15 server on 127.0.0.1 that the bench starts
+with the tests' own tooling, tests/tooling/postgres.py; the hub connects over TCP), and
+``configs`` in the results holds one object per store at the last node count, each naming its
+``store`` and ``workers``. Several hub processes behind one address (``--workers N``) are not
+built yet, so every configuration has ``workers`` 1.
+
+Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--stores sqlite,postgresql]
+    [--hub process|inproc] [--out bench/results/hub_load.json]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -62,6 +72,9 @@ from gpuflex.protocol.signing import SigningKey, new_nonce, open_envelope, open_
 from gpuflex.protocol.tensors import encode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tooling: the tests' PostgreSQL server
+from tests.tooling.postgres import MISSING, PostgresServer, find_bin_dir
+
 SPEC = """
 [job]
 name = "hub-load"
@@ -79,6 +92,8 @@ chunk_size = 4
 split = "random"
 [verification]
 replication = 0.0
+spot_check = 0.0
+spot_check_trusted = 0.0
 """
 MSGPACK = {"Content-Type": "application/x-msgpack"}
 
@@ -215,17 +230,18 @@ class Node:
 class HubProcess:
     """`gpuflex-hub serve` as its own process, as deployed: the simulated nodes do not share its CPU."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, store: str | None = None) -> None:
         self.data = data
         bindir = Path(sys.executable).parent
         cli = [str(bindir / "gpuflex-hub")]
-        made = subprocess.run([*cli, "token", "create", "--data", str(data), "--role", "owner", "--name", "bench"],
-                              capture_output=True, text=True, check=True)
+        on_store = ["--store", store] if store else []
+        made = subprocess.run([*cli, "token", "create", "--data", str(data), "--role", "owner", "--name", "bench",
+                               *on_store], capture_output=True, text=True, check=True)
         self.owner = made.stdout.strip().splitlines()[-1].strip()
         self.log = open(data.parent / "hub.log", "wb")
         self.proc = subprocess.Popen(
             [*cli, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", "0",
-             "--long-poll-max", "30", "--min-deadline", "120"], stdout=self.log, stderr=subprocess.STDOUT)
+             "--long-poll-max", "30", "--min-deadline", "120", *on_store], stdout=self.log, stderr=subprocess.STDOUT)
         url_file = data / "hub.url"
         for _ in range(600):
             if url_file.exists() and self.proc.poll() is None:
@@ -245,11 +261,12 @@ class HubProcess:
         self.log.close()
 
 
-async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
+async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None) -> dict[str, object]:
     """One complete run with `n` nodes and a fresh hub; returns its figures.
 
     hub_mode "process": `gpuflex-hub serve` in its own process (as deployed);
     "inproc": the app in this process, sharing the simulated nodes' CPU.
+    store: a PostgreSQL URL (an empty database), or None for the hub's SQLite file.
     """
     tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
     # when each round opened (the moment its work existed), wall clock
@@ -258,7 +275,7 @@ async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
     hub_proc: HubProcess | None = None
     if hub_mode == "inproc":
         app = create_app(HubConfig(data_dir=tmp / "hub", port=0, long_poll_max_s=30.0, min_deadline_s=120.0,
-                                   sweep_interval_s=0.5))
+                                   sweep_interval_s=0.5, store=store))
         engine = app[LEDGER].rounds
         original_close = engine._close
 
@@ -276,9 +293,9 @@ async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
 
         sched.add_job = add_and_mark  # type: ignore[method-assign]
         runner, url = await start(app)
-        owner = create_token(tmp / "hub", "owner", "bench")
+        owner = create_token(tmp / "hub", "owner", "bench", store=store)
     else:
-        hub_proc = HubProcess(tmp / "hub")
+        hub_proc = HubProcess(tmp / "hub", store)
         url, owner = hub_proc.url, hub_proc.owner
 
     # data: exactly one 4-sample chunk per node per round
@@ -345,6 +362,8 @@ async def run_once(n: int, rounds: int, hub_mode: str) -> dict[str, object]:
     echo_rps = await echo_baseline(min(n, 200), max(5, 2000 // min(n, 200)), body,
                                    own_process=hub_mode == "process")
     return {
+        "store": "postgresql" if store else "sqlite",
+        "workers": 1,
         "nodes": n,
         "rounds": rounds,
         "requests_per_s": round(rps, 1),
@@ -375,21 +394,34 @@ async def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hub", choices=("process", "inproc"), default="process",
                     help="the hub as its own `gpuflex-hub serve` process (as deployed) or inside this one")
+    ap.add_argument("--stores", default="sqlite,postgresql",
+                    help="comma-separated: sqlite (the hub's file), postgresql (a server the bench starts)")
     ap.add_argument("--out", default="bench/results/hub_load.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    stores = [v for v in args.stores.split(",") if v]
+    if unknown := [v for v in stores if v not in ("sqlite", "postgresql")]:
+        ap.error(f"unknown store {unknown[0]!r}: sqlite or postgresql")
     runs = []
-    for n in (int(v) for v in args.nodes.split(",")):
-        runs.append(await run_once(n, args.rounds, args.hub))
-        print(json.dumps(runs[-1]), flush=True)
-    figures = runs[-1]
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(postgres_server()) if "postgresql" in stores else None
+        for n in (int(v) for v in args.nodes.split(",")):
+            for store in stores:
+                url = server.new_database() if store == "postgresql" and server is not None else None
+                runs.append(await run_once(n, args.rounds, args.hub, url))
+                print(json.dumps(runs[-1]), flush=True)
+    last = max(int(r["nodes"]) for r in runs)  # type: ignore[call-overload]
+    configs = [r for r in runs if r["nodes"] == last]
+    figures = max(configs, key=lambda r: float(r["ratio_vs_echo"]))  # type: ignore[arg-type]
     result = {
         "benchmark": "hub_load",
         "figures": figures,
+        "configs": configs,
         "runs": runs,
-        "targets": {"nodes": 1000, "p99_assignment_ms": 250, "turnaround_ms": 50},
+        "targets": {"nodes": 1000, "p99_assignment_ms": 250, "turnaround_ms": 50, "ratio_vs_echo": 0.4},
         "meets": {"p99_assignment_ms": figures["p99_assignment_ms"] < 250,  # type: ignore[operator]
-                  "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50},  # type: ignore[operator]
+                  "turnaround_ms": figures["turnaround_ms"] is not None and figures["turnaround_ms"] < 50,  # type: ignore[operator]
+                  "ratio_vs_echo": float(figures["ratio_vs_echo"]) >= 0.4},  # type: ignore[arg-type]
         "notes": ("echo_bound_p99_ms = 0.99 * nodes / baseline_echo_requests_per_s: the p99 a bare aiohttp "
                   "echo handler would reach when every node's request arrives at the same moment (a round "
                   "opening), the floor for any single-process Python hub in this harness. hub=process: "
@@ -408,6 +440,20 @@ async def main() -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
     return 0
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL server on 127.0.0.1 (the tests' own, tests/tooling/postgres.py)."""
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        raise SystemExit(f"{MISSING}; run with --stores sqlite to measure the SQLite store alone")
+    server = PostgresServer(bin_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

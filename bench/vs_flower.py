@@ -601,7 +601,10 @@ split = "stratified"
 method = "fedavg"
 
 [verification]
+# Flower verifies nothing: no replica and no referee spot-check here either (like for like)
 replication = 0.0
+spot_check = 0.0
+spot_check_trusted = 0.0
 """
 
 
