@@ -1,0 +1,37 @@
+"""The benches' cores on tiny configurations, so that a bench cannot rot unseen.
+
+bench/hub_load.py broke once without anyone noticing: the Sybil defences turned its simulated
+nodes (all from 127.0.0.1) away at registration. These run each bench's own measuring code
+(hub_load's run_once on both stores, the simulation's simulate) small enough for every CI run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import hub_load  # noqa: E402
+import simulation  # noqa: E402
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+async def test_hub_load_serves_a_small_job_on_each_store(store: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("postgres_url") if store == "postgresql" else None
+    r = await hub_load.run_once(6, 2, "inproc", url)
+    assert r["final_state"] == "done" and r["store"] == store and r["workers"] == 1
+    assert r["nodes"] == 6 and r["rounds"] == 2
+    assert 0 < r["p50_assignment_ms"] <= r["p99_assignment_ms"] <= r["max_assignment_ms"]
+    assert r["requests_per_s"] > 0 and r["baseline_echo_requests_per_s"] > 0
+    assert r["ratio_vs_echo"] == pytest.approx(r["requests_per_s"] / r["baseline_echo_requests_per_s"], rel=0.01)
+
+
+def test_the_simulation_runs_the_hubs_policy_and_catches_the_adversary() -> None:
+    r = simulation.simulate(60, 4, attackers=0.2, churn=0.05, trust_after=2, seed=0)
+    assert r["nodes"] == 60 and r["rounds"] == 4 and r["shards_per_round"] > 1
+    assert r["adversary_updates"] > 0 and r["detection_rate"] == 1.0 and r["honest_flagged"] == 0
+    assert r["hub_cpu_ms_per_node_round"] > 0 and r["shard_balance_median"] >= 1.0
