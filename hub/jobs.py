@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,6 +149,7 @@ class JobState:
     #: open replicated shards that may still want a replica (the scheduler drops those that do not
     #: as it meets them; a detach or a raised `wanted` puts a shard back)
     replicated: dict[str, ShardState] = field(default_factory=dict)
+    _by_idx: dict[int, ChunkInfo] | None = field(default=None, repr=False, compare=False)
     #: the most holders (shard.nodes) any shard in `replicated` has had this round: a bound
     #: the scheduler uses to rule a node out of every pending replica at once
     most_holders: int = 0
@@ -199,6 +201,14 @@ class JobState:
             and all(s.state != "open" for s in self.shards.values())
             and any(s.state == "settled" for s in self.shards.values())
         )
+
+    def chunks_at(self, idxs: Iterable[int]) -> list[ChunkInfo]:
+        """The chunks with these idxs, in that order (an index kept beside ``chunks``, which a job
+        never changes after ingest: a dict per assignment cost O(chunks) each, 74 us at 1,000)."""
+        by = self._by_idx
+        if by is None or len(by) != len(self.chunks):
+            by = self._by_idx = {c.idx: c for c in self.chunks}
+        return [by[i] for i in idxs]
 
     def open_round(self) -> None:
         self.shards = {}

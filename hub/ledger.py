@@ -226,8 +226,7 @@ class Ledger:
     async def _issue(self, node: NodeState, plan: Plan) -> Issued:
         """Sign and store an assignment for `plan`; the row is committed before it is sent."""
         job, shard = plan.job, plan.shard
-        by_idx = {c.idx: c for c in job.chunks}
-        chunks = [by_idx[i] for i in shard.chunk_idxs]
+        chunks = job.chunks_at(shard.chunk_idxs)
         now = time.time()
         aid = new_id("a")
         msg = Assignment(

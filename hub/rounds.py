@@ -301,8 +301,7 @@ class RoundEngine:
         spec = job.spec
         vspec = spec.verification
         global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
-        chunk_sha = {c.idx: c.sha for c in job.chunks}
-        x, y = stack_data([decode_state(bytearray(self.blobs.read(chunk_sha[i]))) for i in shard.chunk_idxs])
+        x, y = stack_data([decode_state(bytearray(self.blobs.read(c.sha))) for c in job.chunks_at(shard.chunk_idxs)])
         cfg = dataclasses.replace(spec.train.train_config(), checkpoint_every=int(vspec.checkpoint_every))
         out: dict[str, SegmentVerdict] = {}
         for r in reqs:
