@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpuflex.protocol.jobspec import SERVER_OPTIMIZERS as JOBSPEC_SERVER_OPTIMIZERS
 from gpuflex.protocol.jobspec import AggregationSpec
 from torch import Tensor
 
@@ -83,7 +84,7 @@ __all__ = [
 ]
 
 METHODS = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
-SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
+SERVER_OPTIMIZERS = JOBSPEC_SERVER_OPTIMIZERS  # the job spec's list (protocol/jobspec.py): one source
 DEFAULT_SLICE_ELEMS = 1 << 20
 FEDAVG_BLOCK_ELEMS = 1 << 16
 SMALL_MODEL_ELEMS = 1 << 16  # fedavg flattens whole updates below this
@@ -618,6 +619,9 @@ class ServerOptimizer:
 
     - ``none``:    x <- x + lr * delta            (lr = 1 is plain FedAvg)
     - ``fedavgm``: v <- momentum * v + delta; x <- x + lr * v     (Hsu et al. 2019)
+    - ``nesterov``: v <- momentum * v + delta; x <- x + lr * (delta + momentum * v): SGD with
+                   Nesterov momentum on the pseudo-gradient -delta, DiLoCo's outer optimizer
+                   (Douillard et al. 2023: lr 0.7, momentum 0.9)
     - ``fedadam``: m <- b1*m + (1-b1)*delta; v <- b2*v + (1-b2)*delta^2;
                    x <- x + lr * m / (sqrt(v) + eps)   (no bias correction, as in the paper;
                    eps is the paper's tau. Note lr is then a per-coordinate step size: the
@@ -700,11 +704,11 @@ class ServerOptimizer:
             d = raw.detach().to(g.dtype)
             if self.kind == "none":
                 upd = d * self.lr
-            elif self.kind == "fedavgm":
+            elif self.kind in ("fedavgm", "nesterov"):
                 prev_v = self._m.get(k)
                 v = d.clone() if prev_v is None else prev_v * self.momentum + d
                 self._m[k] = v
-                upd = v * self.lr
+                upd = (v if self.kind == "fedavgm" else d + v * self.momentum) * self.lr
             else:
                 prev_m, prev_v = self._m.get(k), self._v.get(k)
                 m = (

@@ -27,7 +27,7 @@ OPTIMIZERS: Final = ("sgd", "adam", "adamw")
 LOSSES: Final = ("cross_entropy", "mse")
 SPLITS: Final = ("random", "stratified")
 METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
-SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam")
+SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam", "nesterov")  # append only: codes are stored
 UNVERIFIED: Final = ("accept", "hold")
 
 

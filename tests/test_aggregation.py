@@ -269,7 +269,26 @@ def test_fedavgm_and_fedadam_follow_their_formulas():
         assert torch.allclose(state["w"], expect, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["none", "fedavgm", "fedadam"])
+def test_nesterov_is_torch_sgd_with_nesterov_momentum_on_the_pseudo_gradient():
+    """DiLoCo's outer step: torch.optim.SGD(nesterov=True) applied to -delta, step for step."""
+    ds = [{"w": torch.randn(4, 3, dtype=torch.float64)} for _ in range(5)]
+    opt = ServerOptimizer(kind="nesterov", lr=0.7, momentum=0.9)
+    state = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    ref = torch.nn.Parameter(state["w"].clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    for d in ds:
+        state = opt.step(state, d)
+        ref.grad = -d["w"]
+        sgd.step()
+        assert torch.allclose(state["w"], ref.detach(), atol=1e-12)
+    # and it differs from plain server momentum (fedavgm) after the first step
+    m = ServerOptimizer(kind="fedavgm", lr=0.7, momentum=0.9)
+    s0 = {"w": torch.zeros(4, 3, dtype=torch.float64)}
+    n = ServerOptimizer(kind="nesterov", lr=0.7, momentum=0.9)
+    assert not torch.allclose(m.step(s0, ds[0])["w"], n.step(s0, ds[0])["w"])
+
+
+@pytest.mark.parametrize("kind", ["none", "fedavgm", "fedadam", "nesterov"])
 def test_server_optimizer_state_round_trips_through_the_tensor_codec(kind):
     from gpuflex.protocol.tensors import decode_state, encode_state
 
