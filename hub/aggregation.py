@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpuflex.protocol.jobspec import METHODS as JOBSPEC_METHODS
 from gpuflex.protocol.jobspec import SERVER_OPTIMIZERS as JOBSPEC_SERVER_OPTIMIZERS
 from gpuflex.protocol.jobspec import AggregationSpec
 from torch import Tensor
@@ -83,7 +84,7 @@ __all__ = [
     "update_norm",
 ]
 
-METHODS = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
+METHODS = JOBSPEC_METHODS  # the job spec's list (protocol/jobspec.py)
 SERVER_OPTIMIZERS = JOBSPEC_SERVER_OPTIMIZERS  # the job spec's list (protocol/jobspec.py): one source
 DEFAULT_SLICE_ELEMS = 1 << 20
 FEDAVG_BLOCK_ELEMS = 1 << 16
