@@ -52,7 +52,10 @@ Figures (``figures``):
   ``spot_check_trusted = 1`` (every update a trusted node sends is re-executed on one segment
   before it counts), with its ``verification_cost_fraction_full_audit`` and
   ``referee_steps_fraction_full_audit`` beside ``verification_cost_fraction_patient_default``
-  (the same adversary at the defaults): the price of the strictest setting.
+  (the same adversary at the defaults): the price of the strictest setting;
+  ``verification_cost_fraction_full_audit_every1`` and ``node_commit_cost_every1_vs_default``: the
+  same full audit on one-step segments (``checkpoint_every = 1``), the cheapest re-execution a
+  commitment allows, and what committing every step costs the nodes' training.
 
 Run (2 cores, about 10 min): .venv/bin/python bench/heterogeneity.py [--rounds 30] [--epochs 5]
     [--jobs mlp,cnn,seq] [--classes fp32,fp32-t2,fp32-nodnn,bf16] [--attacks ...] [--out PATH]
@@ -118,6 +121,9 @@ ADVERSARIES = (COORDINATED, PATIENT)
 #: the patient adversary's run with ``spot_check_trusted = 1`` (every trusted update re-executed on one
 #: segment before it counts): what the job's strictest setting buys, and what it costs
 FULL_AUDIT = "patient_full_audit"
+#: the same on the finest checkpoint grid (``checkpoint_every = 1``: a segment is one step), the
+#: cheapest re-execution a commitment allows: what the audit then costs the hub, and the node
+FULL_AUDIT_FINE = "patient_full_audit_every1"
 #: the crafted update's scale: under the default norm_bound (2.5 x the round's median norm per sample)
 COLLUDE_SCALE = 2.2
 VSPEC = VerificationSpec()  # the job spec's defaults, as the hub runs them
@@ -462,6 +468,9 @@ def _run_job(job: str, world: dict[str, Any], setup: Setup, log: Callable[[str],
         k = n_bad(COORDINATED_FRACTION, setup.n_nodes)
         go(FULL_AUDIT, HeteroSimulation(world, PATIENT, k, setup.rounds, classes=setup.classes, n_nodes=setup.n_nodes,
                                         vspec=dataclasses.replace(VSPEC, spot_check_trusted=1.0)))
+        go(FULL_AUDIT_FINE, HeteroSimulation(world, PATIENT, k, setup.rounds, classes=setup.classes,
+                                             n_nodes=setup.n_nodes, vspec=dataclasses.replace(
+                                                 VSPEC, spot_check_trusted=1.0, checkpoint_every=1)))
     return {
         "model": world["spec"].kind, "train_chunks": len(world["chunks"]), "val_samples": int(world["yva"].shape[0]),
         "per_class_accuracy": {k: round(v, 4) for k, v in per_class.items()},
@@ -491,8 +500,10 @@ def row_line(job: str, name: str, r: dict[str, Any]) -> str:
 
 def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's figures over every job and run (baselines excluded where they would flatter)."""
-    verified = [(j, n, r) for j, d in jobs.items() for n, r in d["runs"].items() if n not in ("plain_fp32", FULL_AUDIT)]
+    verified = [(j, n, r) for j, d in jobs.items() for n, r in d["runs"].items()
+                if n not in ("plain_fp32", FULL_AUDIT, FULL_AUDIT_FINE)]
     audited = [r for d in jobs.values() for n, r in d["runs"].items() if n == FULL_AUDIT]
+    fine = [r for d in jobs.values() for n, r in d["runs"].items() if n == FULL_AUDIT_FINE]
     attacked = [(j, n, r) for j, n, r in verified if r["malicious_updates"]]
     cells: dict[str, dict[str, int]] = {}
     for _, n, r in attacked:
@@ -565,6 +576,17 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "referee_steps_fraction_full_audit": (
             sum(r["referee_steps"] or 0 for r in audited) / max(sum(r["steps"] for r in audited), 1)
             if audited else None),
+        # the full audit on one-step segments: the hub's cost, and what committing every step costs
+        # the nodes (their training CPU against the default grid's, the same steps and adversary)
+        "verification_cost_fraction_full_audit_every1": (
+            sum(r["verify_cpu_s"] for r in fine) / max(sum(r["train_cpu_s"] for r in fine), 1e-12)
+            if fine else None),
+        "colluder_inclusion_rate_full_audit_every1": (
+            sum(len(r.get("escaped", ())) for r in fine) / max(sum(r["malicious_updates"] for r in fine), 1)
+            if fine else None),
+        "node_commit_cost_every1_vs_default": (
+            sum(r["train_cpu_s"] for r in fine) / max(sum(r["train_cpu_s"] for r in audited), 1e-12) - 1
+            if fine and audited else None),
         "training_steps_vs_plain_fp32": clean_steps / plain_steps if plain_steps else None,
         "compute_vs_plain_fp32": cpu_of("mixed_clean") / cpu_of("plain_fp32") if cpu_of("plain_fp32") else None,
     }

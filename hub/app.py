@@ -34,6 +34,7 @@ from .appkeys import (
 from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
+from .datalock import DataLock
 from .db import Database
 from .edge import guard_edge
 from .errors import HubError, TooManyRequests
@@ -41,6 +42,7 @@ from .keys import load_or_create_hub_key
 from .ledger import Ledger
 from .loops import LoopHealth, supervise
 from .metrics import HubMetrics
+from .migrate import refuse_if_migrated
 from .openapi import openapi_document
 from .scheduler import Scheduler
 from .store import Store
@@ -88,6 +90,7 @@ def open_store(config: HubConfig) -> tuple[Database, Store]:
     """The database and the `Store` on it: SQLite in the data folder, or PostgreSQL when
     `config.store` names one (StoreUnavailable, one line, when it cannot be used)."""
     if config.store is None:
+        refuse_if_migrated(config.data_dir)
         db = Database(config.db_path)
         return db, SqliteStore(db)
     from .store_postgres import PgDatabase, PostgresStore
@@ -104,8 +107,13 @@ def create_app(config: HubConfig) -> web.Application:
         torch.set_num_threads(config.torch_threads)
     with contextlib.suppress(OSError):
         os.chmod(config.data_dir, 0o700)
-    key, _created = load_or_create_hub_key(config.key_path)
-    db, store = open_store(config)
+    lock = DataLock(config.data_dir, "a hub").acquire()  # one hub process per data folder
+    try:
+        key, _created = load_or_create_hub_key(config.key_path)
+        db, store = open_store(config)
+    except BaseException:
+        lock.release()
+        raise
     admin_token = store.first_admin_token_sync()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_message_bytes)
     metrics = HubMetrics()
@@ -136,6 +144,11 @@ def create_app(config: HubConfig) -> web.Application:
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/openapi.json", openapi)
     app.cleanup_ctx.append(background)
+
+    async def release_data_folder(_app: web.Application) -> None:  # after background's cleanup
+        lock.release()
+
+    app.on_cleanup.append(release_data_folder)
     app.on_shutdown.append(_wake_long_polls)
     guard_edge(app)  # malformed HTTP, undocumented query parameters: 4xx, one log line (hub/edge.py)
     _attach_console(app)

@@ -150,6 +150,20 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
 # -- output --------------------------------------------------------------------------------------
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Move the hub's state from SQLite in --data to the PostgreSQL database --to (hub/migrate.py)."""
+    from .migrate import migrate
+    from .store_postgres import redact
+
+    data = Path(args.data)
+    copies = migrate(data, args.to, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print_columns(["table", "rows", "verified"], [[c.table, str(c.rows), "count + digest"] for c in copies],
+                  title=f"{data} -> {redact(args.to)}")
+    print(f"done: start the hub with --data {data} --store <that URL>; the SQLite database is kept as"
+          f" {data / 'hub.sqlite3.migrated'}")
+    return 0
+
+
 def print_columns(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str = "") -> None:
     """Plain aligned columns that never cut a value: ids are copied from here into the next
     command, so a narrow terminal wraps a long line rather than shortening an id."""
@@ -366,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(p)
     p.add_argument("id", help="the id `token list` shows (e<N> for an enrollment token)")
     p.set_defaults(func=cmd_token_revoke)
+
+    p = sub.add_parser("migrate", help="move a stopped hub's state from SQLite to PostgreSQL")
+    p.add_argument("--data", required=True, help="the hub's data directory (hub.sqlite3 in it)")
+    p.add_argument("--to", required=True, metavar="URL",
+                   help="an empty PostgreSQL database: postgresql://user@host:port/database")
+    p.set_defaults(func=cmd_migrate)
 
     job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(
         dest="job_command", metavar="ACTION", required=True)

@@ -64,7 +64,7 @@ def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
     assert het.rb.CHUNKS_PER_SHARD == 2  # robustness.py's shard size is back after the job
     assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
-                          "coordinated_patient", "patient_full_audit"]
+                          "coordinated_patient", "patient_full_audit", "patient_full_audit_every1"]
     plain = runs["plain_fp32"]
     steps = math.ceil(TINY.chunks_per_shard * 64 / 32) * TINY.epochs
     shards = TINY.chunks // TINY.chunks_per_shard * TINY.rounds
@@ -96,7 +96,8 @@ def test_a_tiny_job_runs_every_part(mlp_job):
 def test_figures_and_verdicts(mlp_job):
     jobs = {"mlp": mlp_job}
     fig = het.figures(jobs)
-    runs = [r for n, r in mlp_job["runs"].items() if n not in ("plain_fp32", "patient_full_audit")]
+    runs = [r for n, r in mlp_job["runs"].items()
+            if n not in ("plain_fp32", "patient_full_audit", "patient_full_audit_every1")]
     assert fig["cross_class_pairs"] == sum(r["cross_class_pairs"] for r in runs) > 0
     assert fig["honest_flagged"] == sum(r["honest_flagged"] for r in runs)
     assert fig["malicious_updates"] == mlp_job["runs"]["sign_flip"]["malicious_updates"]
@@ -108,6 +109,10 @@ def test_figures_and_verdicts(mlp_job):
     assert fig["colluder_inclusion_full_audit"] == {"aggregated": 0, "submitted": 0}
     assert fig["referee_steps_fraction_full_audit"] == (mlp_job["runs"]["patient_full_audit"]["referee_steps"] or 0) / \
         mlp_job["runs"]["patient_full_audit"]["steps"]
+    fine, coarse = mlp_job["runs"]["patient_full_audit_every1"], mlp_job["runs"]["patient_full_audit"]
+    assert fine["steps"] == coarse["steps"]  # the same work, committed at every step
+    assert fig["node_commit_cost_every1_vs_default"] == fine["train_cpu_s"] / coarse["train_cpu_s"] - 1
+    assert fig["verification_cost_fraction_full_audit_every1"] == fine["verify_cpu_s"] / fine["train_cpu_s"]
     assert set(fig["accuracy_gap_points"]) == {"mlp/fp32", "mlp/bf16"}
     check = het.verdicts(fig)
     assert check["cross_class_pairs"]["met"] is False  # 2 rounds cannot reach 1,000 pairs

@@ -267,10 +267,10 @@ async def test_a_banned_nodes_block_and_operator_get_no_fresh_identity(tmp_path)
             fresh = await register_raw(SimNode(s_other_block, hub.url), enroll_token=token)
             assert fresh.status == 403 and (await fresh.json())["error"] == "cooldown"
             assert (await register_raw(SimNode(s_clean, hub.url))).status == 200
-        hub2 = await start_hub(tmp_path / "hub", tokens={"owner": hub.owner_token, "auditor": hub.auditor_token,
-                                                         "admin": hub.admin_token})
     finally:
         await hub.stop()
+    hub2 = await start_hub(tmp_path / "hub", tokens={"owner": hub.owner_token, "auditor": hub.auditor_token,
+                                                     "admin": hub.admin_token})  # one hub per folder: after the first
     try:  # the cooldown survives a restart (the ban time is stored)
         async with sessions("127.0.81.3") as (s,):
             again = await register_raw(SimNode(s, hub2.url))
