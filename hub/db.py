@@ -373,14 +373,24 @@ class Database:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
-            for op in batch:
-                if not op.future.done():
-                    op.future.set_exception(exc)
+            fail_batch(batch, exc)
             return
-        for op, ok, value in results:
-            if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
-                continue
-            if ok:
-                op.future.set_result(value)
-            else:
-                op.future.set_exception(value)
+        settle_batch(results)
+
+
+def fail_batch(batch: list[_Op], exc: BaseException) -> None:
+    """The transaction itself failed: every caller of the batch gets ``exc``."""
+    for op in batch:
+        if not op.future.done():
+            op.future.set_exception(exc)
+
+
+def settle_batch(results: list[tuple[_Op, bool, Any]]) -> None:
+    """After COMMIT: each caller gets its value, or the error its own savepoint rolled back."""
+    for op, ok, value in results:
+        if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
+            continue
+        if ok:
+            op.future.set_result(value)
+        else:
+            op.future.set_exception(value)

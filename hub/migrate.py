@@ -74,16 +74,22 @@ def _identity_columns(table_sql: str) -> list[str]:
     return re.findall(r"(\w+) INTEGER PRIMARY KEY\b", table_sql)
 
 
+def _canon(value: Any) -> Any:
+    """One value as both databases' drivers return it, in a JSON-able form."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, float):
+        return repr(value)
+    return value
+
+
 def row_digest(rows: Iterable[Sequence[Any]]) -> tuple[int, str]:
     """(count, digest) of ``rows`` in any order: the sum mod 2**256 of each row's sha256 over a
     canonical text of its values (ints, floats by repr, text, bytes as hex, None)."""
     total = 0
     count = 0
     for row in rows:
-        canon = json.dumps([v.hex() if isinstance(v, (bytes, bytearray, memoryview)) and not isinstance(v, str)
-                            else (repr(float(v)) if isinstance(v, float) else v) for v in
-                            (bytes(x) if isinstance(x, memoryview) else x for x in row)],
-                           separators=(",", ":"), ensure_ascii=False)
+        canon = json.dumps([_canon(v) for v in row], separators=(",", ":"), ensure_ascii=False)
         total = (total + int.from_bytes(hashlib.sha256(canon.encode()).digest(), "big")) % _MOD
         count += 1
     return count, f"{total:064x}"

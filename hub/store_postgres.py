@@ -32,7 +32,7 @@ from psycopg.adapt import Loader
 from psycopg.conninfo import conninfo_to_dict
 
 from . import db as sqlite_db
-from .db import Database, _Op
+from .db import Database, _Op, fail_batch, settle_batch
 from .errors import HubError
 from .store_sqlite import SqlStore
 
@@ -330,17 +330,9 @@ class PgDatabase(Database):
                 self._conn.rollback()
             except (psycopg.Error, AttributeError):
                 pass
-            for op in batch:
-                if not op.future.done():
-                    op.future.set_exception(exc)
+            fail_batch(batch, exc)
             return
-        for op, ok, value in results:
-            if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
-                continue
-            if ok:
-                op.future.set_result(value)
-            else:
-                op.future.set_exception(value)
+        settle_batch(results)
 
 
 class PostgresStore(SqlStore):
