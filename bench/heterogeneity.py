@@ -45,6 +45,10 @@ Figures (``figures``):
   CPU of all trainings (every node's, replicas included: ``time.process_time`` per step of the
   trainings run here, checkpoint commitments included, times the steps every node trained);
   ``verification_cost_fraction_steps``: the referee's re-executed steps / trained steps;
+  ``referee_checks_by_reason``: the referee's re-executions by why (disagreement, spot_check,
+  against_trend: an update with a layer against the model's trend, hub/policy.py rule 4) and
+  whether the update was honest; ``trend_audit_honest_rate``: honest ``against_trend``
+  re-executions per training;
 - ``accuracy_gap_points``: per job and class, the class's final accuracy minus plain fp32's;
 - ``colluder_inclusion_rate``: the coordinated adversary's crafted updates that reached the
   aggregate / crafted updates submitted (the worse strategy; both in ``colluder_inclusion``), at
@@ -57,7 +61,13 @@ Figures (``figures``):
   same full audit on one-step segments (``checkpoint_every = 1``), the cheapest re-execution a
   commitment allows, and what committing every step costs the nodes' training.
 
+The referee re-executes a segment as the hub does (``gpuflex.hub.referee.replay_onednn`` of the
+node's compute class: a CPU node's own oneDNN setting).
+
 Run (2 cores, about 10 min): .venv/bin/python bench/heterogeneity.py [--rounds 30] [--epochs 5]
+An AVX-512 host can run as an AVX2 one (the kernels that exposed an honest fp32 node without oneDNN
+before the referee replayed in its class): ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 in the
+environment (recorded in ``machine.isa_caps``).
     [--jobs mlp,cnn,seq] [--classes fp32,fp32-t2,fp32-nodnn,bf16] [--attacks ...] [--out PATH]
 -> bench/results/heterogeneity.json, and a table on stdout.
 """
@@ -97,6 +107,7 @@ from gpuflex.hub import verification as vf  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
 from gpuflex.protocol.jobspec import VerificationSpec  # noqa: E402
+from gpuflex.protocol.messages import ComputeClass  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
@@ -127,6 +138,8 @@ FULL_AUDIT_FINE = "patient_full_audit_every1"
 #: the crafted update's scale: under the default norm_bound (2.5 x the round's median norm per sample)
 COLLUDE_SCALE = 2.2
 VSPEC = VerificationSpec()  # the job spec's defaults, as the hub runs them
+#: environment variables that cap the instruction set torch's kernels use (oneDNN's, ATen's own)
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
 # --------------------------------------------------------------------------- compute classes
@@ -153,11 +166,16 @@ def numeric_class(name: str) -> Iterator[tuple[str, int, bool]]:
         torch.set_num_threads(before)
 
 
+def compute_of_class(name: str) -> ComputeClass:
+    """The ComputeClass a node in class ``name`` says in its hello (read inside the class)."""
+    with numeric_class(name):
+        return compute_class(torch.device("cpu"))
+
+
 def key_of(name: str) -> str:
-    """The product's class key of a node in class ``name`` (its hello's ComputeClass, read inside
-    the class, and the precision it trains the job in)."""
-    with numeric_class(name) as (precision, _, _):
-        return class_key(compute_class(torch.device("cpu")), precision)
+    """The product's class key of a node in class ``name`` (its hello's ComputeClass and the
+    precision it trains the job in)."""
+    return class_key(compute_of_class(name), CLASSES[name][0])
 
 
 # --------------------------------------------------------------------------- the jobs
@@ -296,6 +314,7 @@ class HeteroSimulation(rb.Simulation):
         self.nodes = {n: rb.Node(n, attack_of(n)) for n in ids}
         self.klass = {nid: classes[i % len(classes)] for i, nid in enumerate(ids)}
         self.keys = {name: key_of(name) for name in set(classes)}
+        self.computes = {name: compute_of_class(name) for name in set(classes)}
         self.worlds = {name: dict(self.w, cfg=dataclasses.replace(self.w["cfg"], precision=CLASSES[name][0]))
                        for name in set(classes)}
         self.meter = Meter()
@@ -313,6 +332,9 @@ class HeteroSimulation(rb.Simulation):
                 self.h["honest_flags"][(f.update_id, f.reason)] = self.klass[f.node_id]
         for uid in getattr(decision, "withdrawn", ()):
             self.h["honest_flags"].pop((uid, "replica_mismatch"), None)
+
+    def compute_of(self, node_id: str) -> ComputeClass:
+        return self.computes[self.klass[node_id]]
 
     def replica_state(self, wanted: int, waited: float, taker: bool, members: set[str]) -> policy.ReplicaState:
         keys = {m: self.keys[self.klass[m]] for m in members}
@@ -391,6 +413,7 @@ class HeteroSimulation(rb.Simulation):
             "steps": h["steps"], "train_cpu_s": train_cpu, "verify_cpu_s": verify_cpu,
             "verify_cpu_by_call": {k: round(v, 4) for k, v in m.cpu.items()},
             "referee_steps": s.get("steps_replayed"), "referee_checks": s.get("referee_checks"),
+            "referee_by_reason": dict(s.get("referee_by_reason", {})),
             "shards": s["shards"], "trainings": s["trainings"], "shards_trusted": s["shards_trusted"],
             "trainings_trusted": s["trainings_trusted"],
         })
@@ -552,6 +575,11 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             j: round(sum(r["verify_cpu_s"] for jj, _, r in mixed if jj == j)
                      / max(sum(r["train_cpu_s"] for jj, _, r in mixed if jj == j), 1e-12), 4) for j in jobs},
         "verification_cost_fraction_steps": (sum(referee_steps) / steps) if referee_steps and steps else None,
+        "referee_checks_by_reason": {k: sum(r["referee_by_reason"].get(k, 0) for _, _, r in mixed)
+                                     for k in sorted({k for _, _, r in mixed for k in r["referee_by_reason"]})},
+        # the model's trend (hub/policy.py rule 4): how many honest trainings it sent to the referee
+        "trend_audit_honest_rate": sum(r["referee_by_reason"].get("against_trend/honest", 0) for _, _, r in mixed)
+        / max(sum(r["trainings"] for _, _, r in mixed), 1),
         "accuracy_gap_points": {f"{j}/{k}": v for j, d in jobs.items() for k, v in d["accuracy_gap_points"].items()},
         "accuracy_gap_points_max_abs": max((abs(v) for d in jobs.values() for v in d["accuracy_gap_points"].values()),
                                            default=None),
@@ -644,7 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 " members' class keys, judge_round, aggregate, ServerOptimizer, in RoundEngine's order) with a"
                 " compute class per node; real training with the node's trainer inside each class",
         "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "python": platform.python_version(), "loadavg_at_end": list(os.getloadavg())},
+                    "python": platform.python_version(), "loadavg_at_end": list(os.getloadavg()),
+                    "isa_caps": {k: v for k in ISA_CAPS if (v := os.environ.get(k))}},
         "classes": {c: {"precision": CLASSES[c][0], "threads": CLASSES[c][1], "onednn": CLASSES[c][2],
                         "class_key": keys[c]} for c in setup.classes},
         "config": {**dataclasses.asdict(setup), "nodes": setup.n_nodes, "chunk_size": 64,

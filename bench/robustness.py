@@ -83,13 +83,14 @@ from gpuflex.hub.referee import (  # noqa: E402
     judge_segment,
     pick_segment,
     referee_grid_ok,
+    replay_onednn,
     stack_data,
 )
 from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
 from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec  # noqa: E402
-from gpuflex.protocol.messages import Commitment  # noqa: E402
+from gpuflex.protocol.messages import Commitment, ComputeClass  # noqa: E402
 from gpuflex.protocol.tensors import encode_state  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
@@ -192,6 +193,7 @@ class Simulation:
             "steps_trained": 0,
             "steps_replayed": 0,
             "referee_checks": 0,
+            "referee_by_reason": {},  # "<reason>/honest|malicious" -> re-executions
         }
         self.trusted_from: int | None = None
 
@@ -235,6 +237,11 @@ class Simulation:
         self.stats["steps_trained"] += res.steps
         return Work(rec, sha, malicious, res.commitment if self.referee else None, states, chunks, seed, state)
 
+    def compute_of(self, node_id: str) -> ComputeClass | None:
+        """The node's compute class from its hello, as the hub's scheduler holds it (None here:
+        this bench's nodes all train in the bench's own class; bench/heterogeneity.py says)."""
+        return None
+
     def judge(self, decision: policy.Referee, group: list[Work], verdicts: dict) -> None:
         """What RoundEngine._ask_referee / _judge do, the node handing its states over at once."""
         cfg = self.w["cfg"]
@@ -252,9 +259,12 @@ class Simulation:
             verdicts[uid] = judge_segment(
                 update_id=uid, node_id=g.rec.node_id, round=0, spec=self.w["spec"], cfg=cfg, seed=g.seed,
                 commitment=c, segment=seg, states={st: g.states[st] for st in steps if st in g.states},
-                global_state=g.global_state, delta=g.rec.delta, x=x, y=y, tolerance=tol)
+                global_state=g.global_state, delta=g.rec.delta, x=x, y=y, tolerance=tol,
+                onednn=replay_onednn(self.compute_of(g.rec.node_id)))
             self.stats["steps_replayed"] += steps[1] - steps[0]
             self.stats["referee_checks"] += 1
+            why = f"{decision.reason}/{'malicious' if g.malicious else 'honest'}"
+            self.stats["referee_by_reason"][why] = self.stats["referee_by_reason"].get(why, 0) + 1
 
     # ------------------------------------------------------------------ one shard
     def replica_state(
@@ -282,7 +292,7 @@ class Simulation:
             referee: dict[str, Any] = {}
             if self.referee:
                 referee = {"committed": frozenset(g.rec.update_id for g in group if g.commitment is not None),
-                           "verdicts": dict(verdicts), "spot_draw": spot_draw}
+                           "verdicts": dict(verdicts), "spot_draw": spot_draw, "trend": self.trend(group, issue)}
             decision = policy.decide_shard([g.rec for g in ordered], self.vspec, state, reps, **referee)
             if isinstance(decision, policy.Referee):
                 self.judge(decision, group, verdicts)
@@ -298,10 +308,20 @@ class Simulation:
                 raise RuntimeError("decide_shard still waits after the replica window ran out")
             waited = float(self.vspec.replica_wait_s)  # nobody else comes: the window runs out
 
+    def trend(self, group: list[Work], issue: Any) -> dict[str, tuple[float, str]]:
+        """What RoundEngine._decide measures: each update against the model's trend (the
+        current model minus the one ``policy.trend_base_round`` names), with the hub's function."""
+        base = policy.trend_base_round(issue.rnd, self.vspec)
+        if base is None:
+            return {}
+        then = self.models[base]
+        return {g.rec.update_id: vf.trend_alignment(g.rec.delta, issue.state, then) for g in group}
+
     # ------------------------------------------------------------------ the round loop
     def run(self) -> dict[str, Any]:
         w = self.w
         state = {k: v.clone() for k, v in w["state0"].items()}
+        self.models = [state]  # the global model by round (the trend's base is one of them)
         opt = ServerOptimizer.from_spec(AGG)
         chunks = w["chunks"]
         s = self.stats
@@ -409,6 +429,7 @@ class Simulation:
                     AGG, scales=scales if any(x < 1.0 for x in scales) else None,
                 )
                 state = opt.step(state, agg)
+            self.models.append(state)
         acc = atk.accuracy(w["spec"], state, w["xva"], w["yva"])
         extra_trusted = s["trainings_trusted"] - s["shards_trusted"]
         return {

@@ -23,6 +23,7 @@ from gpuflex.protocol.tensors import encode_state
 from .blobs import BlobStore
 from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, validate_arrays
 from .errors import Unprocessable
+from .policy import trend_base_round
 
 if TYPE_CHECKING:
     from .referee import SegmentVerdict
@@ -157,6 +158,8 @@ class JobState:
     by_sha: dict[str, int] = field(default_factory=dict)
     #: why the job failed, or what went wrong while it could not be recorded yet (shown in its status)
     error: str | None = None
+    #: the global model's blob by round, as far back as the trend audit looks (``trend_base``)
+    models: dict[int, str] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -201,6 +204,19 @@ class JobState:
             and all(s.state != "open" for s in self.shards.values())
             and any(s.state == "settled" for s in self.shards.values())
         )
+
+    def note_model(self, round_: int, sha: str) -> None:
+        """The model round ``round_`` trains from; rounds older than the trend's span are dropped."""
+        self.models[round_] = sha
+        keep = int(self.spec.verification.trend_rounds)
+        for r in [r for r in self.models if r < round_ - keep]:
+            del self.models[r]
+
+    def trend_base(self) -> str | None:
+        """The model the current round's trend is measured from (policy.trend_base_round); None
+        when there is none or it is not known."""
+        base = trend_base_round(self.round, self.spec.verification)
+        return None if base is None else self.models.get(base)
 
     def chunks_at(self, idxs: Iterable[int]) -> list[ChunkInfo]:
         """The chunks with these idxs, in that order (an index kept beside ``chunks``, which a job
@@ -290,6 +306,7 @@ def ingest_job(
         opt_state_sha=None,
         created_at=now,
     )
+    job.note_model(0, model_hash)
     job.open_round()
     store.insert_job_sync(job, spec_text.decode("utf-8"), len(train), len(val) if val is not None else 0)
     return job

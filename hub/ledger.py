@@ -389,9 +389,10 @@ class Ledger:
         node.updates_accepted += 1
         first = shard.first_update_at is None
         # an unreplicated shard is settled by its one update, in the same transaction, unless the
-        # referee's draw picks it for a spot-check (then the round engine decides it, hub/policy.py)
+        # referee's draw picks it for a spot-check or its alignment with the model's trend is to be
+        # measured first (then the round engine decides it, off the event loop: hub/policy.py)
         settles = (shard.wanted == 1 and not shard.accepted and shard.state == "open"
-                   and not self._spot_checked(job, shard, node))
+                   and job.trend_base() is None and not self._spot_checked(job, shard, node))
         try:
             await self.store.accept_update(upd, job_id=job.id, round=a.round, metrics=dict(hdr.metrics),
                                            timings=dict(hdr.timings), node=node, first_update=first,

@@ -17,6 +17,10 @@ inputs and the policy (hub/policy.py) applies the verdicts.
   grid: the first segment whose committed norms differ by more than ``NORM_SPLIT`` (Verde's
   first diverging step, found from the commitments without a download), else the largest.
 - ``fetch_steps``: the states to ask for: the segment's start and end and the last state.
+- ``replay_onednn``: the oneDNN setting the replay runs with: a CPU node's own (its class key
+  names it; oneDNN's convolutions and ATen's own sum in different orders, which a short segment
+  of a small shard does not average out: a 2-step CNN segment measured 7.0e-3 apart on an
+  AVX2 host), the referee's default for a GPU node. Process-wide in torch, so replays take turns.
 - ``judge_segment``: checks, in order: the states say the steps they were asked for; a
   segment that starts at step 0 starts from the round's model with a fresh optimizer; the
   last state minus the round's model IS the uploaded update, bit for bit (so the commitment
@@ -27,14 +31,16 @@ inputs and the policy (hub/policy.py) applies the verdicts.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from gpuflex.protocol.checkpoint import model_part, segment_norm, step_of
-from gpuflex.protocol.messages import Commitment, TrainConfig
+from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
 from torch import Tensor, nn
 
@@ -45,6 +51,7 @@ __all__ = [
     "judge_segment",
     "pick_segment",
     "referee_grid_ok",
+    "replay_onednn",
     "replay_segment",
     "segment_distance",
     "stack_data",
@@ -52,6 +59,28 @@ __all__ = [
 
 #: relative difference of two replicas' committed segment norms taken as "diverged here"
 NORM_SPLIT = 1e-3
+
+#: torch's oneDNN switch is one flag for the whole process: replays that set it take turns
+_ONEDNN_TURN = threading.Lock()
+
+
+def replay_onednn(cc: ComputeClass | None) -> bool:
+    """Whether the referee re-executes a segment of a node of class ``cc`` with oneDNN's CPU
+    kernels: a CPU node's own setting (part of its class key), else on (torch's default; the
+    referee runs on the hub's CPU, and a GPU node's kernels are not reproducible there anyway)."""
+    return bool(cc.onednn) if cc is not None and cc.device_kind == "cpu" else True
+
+
+@contextlib.contextmanager
+def _onednn(enabled: bool) -> Iterator[None]:
+    """Run the body with torch's oneDNN CPU kernels on or off, restored after; one at a time."""
+    with _ONEDNN_TURN:
+        before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = enabled
+        try:
+            yield
+        finally:
+            torch.backends.mkldnn.enabled = before
 
 
 @dataclass(frozen=True)
@@ -130,12 +159,13 @@ def _optimizer(model: nn.Module, cfg: TrainConfig, start: Mapping[str, Tensor]) 
 
 
 def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: Tensor, cfg: TrainConfig,
-                   seed: int, start_step: int, end_step: int, precision: str = "fp32") -> dict[str, Tensor]:
+                   seed: int, start_step: int, end_step: int, precision: str = "fp32",
+                   onednn: bool = True) -> dict[str, Tensor]:
     """Re-execute steps [start_step, end_step) from checkpoint ``start``; the module state at
     ``end_step``. Same contract as the node's trainer (node/trainer.py): the epoch's shuffle is
     ``randperm(n, Generator().manual_seed(seed + epoch))``, batches are its consecutive slices,
     dropout draws from the checkpoint's CPU RNG state, ``precision`` "bf16" runs the forward
-    under bf16 autocast."""
+    under bf16 autocast, ``onednn`` says whether oneDNN's CPU kernels run (``replay_onednn``)."""
     model = build_for_state(spec, model_part(start))
     model.train()
     n = int(x.shape[0])
@@ -147,7 +177,7 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     perm = torch.empty(0, dtype=torch.int64)
     perm_epoch = -1
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _onednn(onednn):
         rng = start.get("rng")
         if rng is not None:
             torch.set_rng_state(rng.clone())
@@ -200,13 +230,14 @@ def judge_segment(
     x: Tensor,
     y: Tensor,
     tolerance: float,
+    onednn: bool = True,
 ) -> SegmentVerdict:
     """Judge one update from its committed states (already checked against the commitment's
-    hashes) by re-executing ``segment``."""
+    hashes) by re-executing ``segment`` (with oneDNN's kernels or not: ``replay_onednn``)."""
     s, e, last = fetch_steps(commitment, segment)
     base: dict[str, Any] = {"check": "segment_replay", "round": round, "node": node_id, "update": update_id,
                             "steps": [s, e], "last_step": last, "precision": commitment.precision,
-                            "threshold": tolerance, "segments": len(commitment.norms),
+                            "threshold": tolerance, "segments": len(commitment.norms), "onednn": onednn,
                             "segment_norm": commitment.norms[segment] if commitment.norms else 0.0}
     for step in (s, e, last):
         st = states.get(step)
@@ -241,7 +272,7 @@ def judge_segment(
                            sorted(k for k in names if global_state[k].is_floating_point()))
         return _verdict(update_id, node_id, "mismatch", base, why="the update is not the committed last state"
                         " minus the round's model", binding_distance=off)
-    replayed = replay_segment(spec, start, x, y, cfg, seed, s, e, commitment.precision)
+    replayed = replay_segment(spec, start, x, y, cfg, seed, s, e, commitment.precision, onednn)
     dist = segment_distance(start_m, end_m, replayed)
     outcome = "reproduced" if dist <= tolerance else "mismatch"
     return _verdict(update_id, node_id, outcome, base, distance=dist if math.isfinite(dist) else 1e300)

@@ -48,6 +48,7 @@ from .referee import (
     judge_segment,
     pick_segment,
     referee_grid_ok,
+    replay_onednn,
     stack_data,
 )
 from .scheduler import Scheduler
@@ -205,8 +206,9 @@ class RoundEngine:
     async def _settle(self, job: JobState, shard: ShardState, state: policy.ReplicaState) -> bool:
         """Decide the shard and apply it; True when the referee gave verdicts at once (decide again)."""
         ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
-        if len(ups) == 1:
-            # A lone update is never compared: its delta is not opened (no thread, no mmap).
+        if len(ups) == 1 and job.trend_base() is None:
+            # A lone update is never compared, nor measured against a trend: its delta is not
+            # opened (no thread, no mmap).
             records = self._records(job, {ups[0].id: shard}, ups, [{}])
             decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups),
                                            **self._referee_inputs(job, shard, ups))
@@ -312,9 +314,11 @@ class RoundEngine:
             states = {step: decode_state(bytearray(self.blobs.read(sha))) for step, sha in r.states.items()}
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
             delta = decode_state(bytearray(self.blobs.read(u.sha)))
+            node = self.scheduler.nodes.get(u.node_id)
             v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=cfg,
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
-                              global_state=global_state, delta=delta, x=x, y=y, tolerance=tol)
+                              global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
+                              onednn=replay_onednn(None if node is None else node.compute))
             out[u.id] = SegmentVerdict(v.update_id, v.node_id, v.outcome,
                                        dict(v.evidence) | {"reason": r.reason, "request": r.id})
         return out
@@ -324,11 +328,16 @@ class RoundEngine:
 
     def _decide(self, job: JobState, shard: ShardState, ups: list[UpdateState],
                 state: policy.ReplicaState) -> policy.ShardDecision:
-        """Worker thread: open the replicas' deltas and ask the policy."""
-        with open_deltas(self.blobs, [u.sha for u in ups]) as deltas:
+        """Worker thread: open the replicas' deltas (and the models the trend is measured on)
+        and ask the policy."""
+        base = job.trend_base()
+        with (open_deltas(self.blobs, [u.sha for u in ups]) as deltas,
+              open_deltas(self.blobs, [job.model_hash, base] if base else []) as models):
             records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
+            trend = {u.id: vf.trend_alignment(d, models[0], models[1]) for u, d in zip(ups, deltas, strict=True)
+                     } if models else {}
             decision = policy.decide_shard(records, job.spec.verification, state, self._reputations(ups),
-                                           **self._referee_inputs(job, shard, ups))
+                                           **self._referee_inputs(job, shard, ups), trend=trend)
             del records
         return decision
 
@@ -482,6 +491,7 @@ class RoundEngine:
         job.model_hash = result["model_hash"]
         job.opt_state_sha = result["opt_state_sha"]
         job.round += 1
+        job.note_model(job.round, job.model_hash)
         self.metrics.rounds_closed += 1
         if last:
             job.end("done")

@@ -442,6 +442,10 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
             model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
             opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
         )
+        for m in conn.execute("SELECT version, sha FROM models WHERE job_id = ? AND version >= ? ORDER BY version",
+                              (job.id, job.round - spec.verification.trend_rounds)):
+            job.note_model(m["version"], m["sha"])
+        job.note_model(job.round, job.model_hash)
         job.open_round()
         by_idx = {c.idx: c for c in chunks}
         for s in conn.execute(

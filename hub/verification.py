@@ -85,6 +85,7 @@ __all__ = [
     "compare_replicas",
     "cosine_and_norms",
     "is_trusted",
+    "layer_of",
     "record_agreement",
     "record_flag",
     "record_verdict",
@@ -93,6 +94,7 @@ __all__ = [
     "replication_probability",
     "review_round",
     "should_replicate",
+    "trend_alignment",
 ]
 
 REASONS = ("replica_mismatch", "outlier", "free_rider", "implausible")
@@ -296,6 +298,46 @@ def _cosine_layers(
         layers.append((k, math.sqrt(x), math.sqrt(y), _cos(z, math.sqrt(x), math.sqrt(y))))
     na, nb = math.sqrt(aa), math.sqrt(bb)
     return _cos(ab, na, nb), na, nb, layers
+
+
+def layer_of(key: str) -> str:
+    """The module a state-dict key belongs to ("2.weight" -> "2"): a layer's weight and bias
+    are judged together."""
+    return key.rsplit(".", 1)[0] if "." in key else key
+
+
+def trend_alignment(
+    delta: Mapping[str, Tensor],
+    now: Mapping[str, Tensor],
+    then: Mapping[str, Tensor],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> tuple[float, str]:
+    """How ``delta`` lines up with the model's trend ``now - then`` (the global model now and
+    some rounds earlier): the lowest cosine over its layers, and that layer. Honest updates
+    follow the trend in every layer (cosine > 0 in all but about 1 % of them on the digits
+    CNN against a 10-round trend); an update crafted to undo or invert one layer points
+    against it there. Layers where either side did not move are skipped; (1.0, "") when
+    none is left, or the layouts differ (nothing to say)."""
+    keys = _same_layout(delta, now)
+    if keys is None or _same_layout(now, then) != keys:
+        return 1.0, ""
+    sums: dict[str, list[float]] = {}
+    for k in keys:
+        fu, fa, fb = _flat(delta[k]), _flat(now[k]), _flat(then[k])
+        acc = sums.setdefault(layer_of(k), [0.0, 0.0, 0.0])  # u.t, u.u, t.t
+        for i in range(0, fu.numel(), slice_elems):
+            u = fu[i : i + slice_elems].to(torch.float64)
+            t = fa[i : i + slice_elems].to(torch.float64) - fb[i : i + slice_elems].to(torch.float64)
+            acc[0] += float(torch.dot(u, t))
+            acc[1] += float(torch.dot(u, u))
+            acc[2] += float(torch.dot(t, t))
+    worst, where = 1.0, ""
+    for layer, (ut, uu, tt) in sums.items():
+        nu, nt = math.sqrt(uu), math.sqrt(tt)
+        if nu > EPS and nt > EPS and ut / (nu * nt) < worst:
+            worst, where = ut / (nu * nt), layer
+    return worst, where
 
 
 def _norm(delta: Mapping[str, Tensor], slice_elems: int, pages: PageReleaser | None) -> float:

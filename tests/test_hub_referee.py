@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import torch
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
+from gpuflex.node.device import compute_class
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.messages import (
@@ -59,14 +60,18 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
-            nodes = [SimNode(s, hub.url), SimNode(s, hub.url)]
+            # CPU nodes that train with oneDNN off (`gpuflex-node run --onednn off`): the referee must replay so
+            with torch.backends.mkldnn.flags(enabled=False):
+                no_onednn = compute_class(torch.device("cpu"))
+            nodes = [SimNode(s, hub.url, compute=no_onednn), SimNode(s, hub.url, compute=no_onednn)]
             for n in nodes:
                 await n.register()
             work = [await n.work(0.5) for n in nodes]
             assert all(isinstance(a, Assignment) for a in work)
             stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n in nodes}
             for n, a in zip(nodes, work, strict=True):
-                blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+                with torch.backends.mkldnn.flags(enabled=False):
+                    blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
                 resp = await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob)
                 ack = await n.open_response(resp, Ack)
                 assert ack.ok
@@ -122,6 +127,7 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         assert (status, reason) == ("reproduced", "spot_check")
         ev = json.loads(verdict)
         assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
+        assert ev["onednn"] is False  # replayed in the node's class, as its hello said
     finally:
         await hub.stop()
 
@@ -190,6 +196,58 @@ async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_
             conn.close()
         assert rows == [("reproduced", "spot_check"), ("mismatch", "spot_check")]
         assert sorted(statuses.values()) == ["included", "quarantined"]
+    finally:
+        await hub.stop()
+
+
+async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_check_is_drawn(tmp_path: Path) -> None:
+    """A trusted node is never spot-checked here (spot_check_trusted = 0) and its work is not
+    replicated. Its honest round-1 update follows the model's trend and counts at once; in round 2
+    it sends what a patient colluder sends (its output layer sign-flipped, x2.2, every threshold
+    it can see respected): that layer points against the trend, so the referee asks for its states
+    first, finds the update is not what it trained, and it is flagged and left out."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=3, replication="0.0", spot_check=0.25,
+                                         spot_check_trusted=0.0, extra="trust_after = 0\ntrend_rounds = 1\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            n = SimNode(s, hub.url)
+            await n.register()
+            store = CheckpointStore(tmp_path / "states")
+            for rnd in range(3):
+                a = await n.work(2.0)
+                assert isinstance(a, Assignment) and a.replica_group == "" and a.round == rnd
+                blob, samples, loss, c = await _train_committed(n, a, store)
+                if rnd == 2:
+                    delta = decode_state(bytearray(blob))
+                    out = {k for k in delta if k.startswith("2.")}  # the output layer of 64-128-10
+                    blob = encode_state({k: (-v if k in out else v) * 2.2 for k, v in delta.items()})
+                ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
+                                                               blob), Ack)
+                assert ack.ok
+                if rnd < 2:  # followed the trend (or had none yet): the round closes without the referee
+                    deadline = time.monotonic() + 30
+                    while len((doc := await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
+                                                         headers=hub.auth(hub.admin_token))).json())["history"]) <= rnd:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.1)
+                    assert doc["history"][rnd]["flags"] == []
+            asked = await _answer_state_request(n, store)
+            assert asked.assignment_id == a.assignment_id
+            deadline = time.monotonic() + 30
+            flags: list = []
+            while not flags and time.monotonic() < deadline:
+                async with s.get(hub.url + "/v1/flags", headers=hub.auth(hub.auditor_token)) as r:
+                    flags = (await r.json())["flags"]
+                await asyncio.sleep(0.2)
+            assert [(f["reason"], f["node_id"]) for f in flags] == [("referee_mismatch", n.node_id)]
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            rows = conn.execute("SELECT status, reason, verdict FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert [(st, reason) for st, reason, _ in rows] == [("mismatch", "against_trend")]
     finally:
         await hub.stop()
 

@@ -15,15 +15,18 @@ from typing import Any
 import pytest
 import torch
 from gpuflex.hub import policy
+from gpuflex.hub import verification as vf
 from gpuflex.hub.referee import (
     SegmentVerdict,
     fetch_steps,
     judge_segment,
     pick_segment,
     referee_grid_ok,
+    replay_onednn,
 )
 from gpuflex.hub.verification import Reputation, UpdateRecord
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore, training_state
+from gpuflex.node.device import compute_class
 from gpuflex.node.optim import SGD, Adam
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.checkpoint import (
@@ -34,7 +37,7 @@ from gpuflex.protocol.checkpoint import (
     state_hash,
 )
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
-from gpuflex.protocol.messages import Commitment
+from gpuflex.protocol.messages import Commitment, ComputeClass
 from gpuflex.protocol.modelspec import build_model
 from gpuflex.protocol.tensors import decode_state
 from torch import Tensor
@@ -114,7 +117,7 @@ def judge(t: Trained, *, segment: int | None = None, commitment: Commitment | No
     with numeric_class(threads, onednn):
         return judge_segment(update_id="u-1", node_id="n-1", round=0, spec=t.spec, cfg=t.cfg, seed=seed,
                              commitment=c, segment=seg, states=states or t.states, global_state=t.global_state,
-                             delta=delta or t.delta, x=t.x, y=t.y, tolerance=tol)
+                             delta=delta or t.delta, x=t.x, y=t.y, tolerance=tol, onednn=onednn)
 
 
 def recommit(t: Trained, states: dict[int, dict[str, Tensor]]) -> Commitment:
@@ -225,6 +228,32 @@ def test_an_honest_segment_reproduces_across_numeric_classes(
         assert v.outcome == "reproduced", (seg, v.evidence)
         assert v.evidence["distance"] <= v.evidence["threshold"]
         assert v.evidence["steps"] == list(fetch_steps(t.commitment, seg)[:2])
+
+
+def _cpu_class(onednn: bool) -> ComputeClass:
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        return compute_class(torch.device("cpu"))
+
+
+def test_the_referee_replays_a_cpu_node_with_its_own_onednn_setting(tmp_path: Path) -> None:
+    """A CNN node with oneDNN off: replayed as its class says, the segment is reproduced bit for
+    bit; replayed with oneDNN on (the referee's default before) it is not (other kernels, another
+    order of sums: on an AVX2 host a 2-step segment of such a node measured 7.0e-3, over the
+    1e-3 threshold). The switch is process-wide and comes back as it was."""
+    node = _cpu_class(onednn=False)
+    assert node.onednn is False and replay_onednn(node) is False
+    assert replay_onednn(_cpu_class(onednn=True)) is True
+    assert replay_onednn(dataclasses.replace(node, device_kind="cuda")) is True  # a GPU's kernels: the hub's own
+    assert replay_onednn(None) is True
+    t = train(tmp_path, "cnn", threads=1, onednn=False)
+    before = torch.backends.mkldnn.enabled
+    own = [judge(t, segment=seg, threads=1, onednn=replay_onednn(node)) for seg in range(len(t.commitment.norms))]
+    assert torch.backends.mkldnn.enabled == before
+    assert all(v.outcome == "reproduced" and v.evidence["onednn"] is False for v in own)
+    assert max(v.evidence["distance"] for v in own) == 0.0
+    if torch.backends.mkldnn.is_available():
+        other = [judge(t, segment=seg, threads=1, onednn=True) for seg in range(len(t.commitment.norms))]
+        assert max(v.evidence["distance"] for v in other) > 0.0
 
 
 def test_honest_replicas_of_different_classes_disagree_over_the_whole_update(tmp_path: Path) -> None:
@@ -457,3 +486,62 @@ def test_the_spot_check_draw_is_keyed_by_the_hubs_secret() -> None:
     for guess in (public, other):
         agree = sum((x < 0.25) == (y < 0.25) for x, y in zip(draws, guess, strict=True)) / len(draws)
         assert agree < 0.7
+
+
+# --------------------------------------------------------------------------- the model's trend
+
+
+def test_trend_alignment_names_the_layer_that_points_against_the_trend() -> None:
+    """Honest training follows the model's movement in every layer; an update crafted to invert
+    one layer (a patient colluder's sign-flipped output layer) points against it there."""
+    job = _job("mlp")
+    xtr, ytr, _, _ = digits_arrays()
+    chunks = [{"x": torch.from_numpy(xtr[i:i + 128].copy()), "y": torch.from_numpy(ytr[i:i + 128].copy())}
+              for i in range(0, 640, 128)]
+    cfg = job.train.train_config()
+    then = {k: v.detach().clone() for k, v in build_model(job.model, seed=0).state_dict().items()}
+    now = dict(then)
+    for r in range(3):  # three rounds of FedAvg over five shards: the trend
+        deltas = [train_assignment(job.model, now, [c], cfg, 100 * r + i, device=torch.device("cpu")).delta
+                  for i, c in enumerate(chunks)]
+        now = {k: now[k] + sum(d[k] for d in deltas) / len(deltas) for k in now}
+    honest = [train_assignment(job.model, now, [c], cfg, 900 + i, device=torch.device("cpu")).delta
+              for i, c in enumerate(chunks)]
+    for d in honest:
+        cos, layer = vf.trend_alignment(d, now, then)
+        assert cos > 0.0, (cos, layer)
+    out = [k for k in honest[0] if k.startswith("2.")]  # the output layer of 64-128-10
+    for d in honest:
+        crafted = {k: (-v if k in out else v) * 2.2 for k, v in d.items()}
+        cos, layer = vf.trend_alignment(crafted, now, then, slice_elems=7)  # sliced sums: the same answer
+        assert cos < 0.0 and layer == "2", (cos, layer)
+    assert vf.trend_alignment(honest[0], now, now) == (1.0, "")  # no movement: nothing to say
+    assert vf.trend_alignment({"x": torch.ones(3)}, now, then) == (1.0, "")  # another layout
+    assert vf.layer_of("net.0.weight") == "net.0" and vf.layer_of("w") == "w"
+
+
+def test_an_update_against_the_trend_meets_the_referee_whatever_the_draw() -> None:
+    """A trusted node's lone update, never drawn for a spot-check: re-executed first when a layer
+    points against the trend, settled at once when it follows it; off with trend_rounds = 0 or
+    where the job verifies nothing."""
+    spec = dataclasses.replace(SPEC, spot_check_trusted=0.0)
+    trusted = {"n-a": Reputation(consecutive_agreements=spec.trust_after, agreements_total=spec.trust_after)}
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)})]
+    state = policy.ReplicaState(wanted=1)
+    committed = frozenset({"u-a"})
+    against = {"u-a": (-0.4, "2")}
+    ask = policy.decide_shard(ups, spec, state, trusted, committed=committed, trend=against)
+    assert isinstance(ask, policy.Referee) and ask.reason == "against_trend" and ask.update_ids == ("u-a",)
+    assert ask.evidence["trend"] == {"cosine": -0.4, "layer": "2", "threshold": 0.0, "rounds": 10}
+    assert isinstance(policy.decide_shard(ups, spec, state, trusted, committed=committed, trend={"u-a": (0.3, "2")}),
+                      policy.Settle)
+    done = policy.decide_shard(ups, spec, state, trusted, committed=committed, trend=against,
+                               verdicts={"u-a": _ok("u-a", "n-a")})  # reproduced: it counts, and earns
+    assert isinstance(done, policy.Settle) and done.agreed_nodes == ("n-a",) and not done.flags
+    off = dataclasses.replace(spec, trend_rounds=0)
+    assert isinstance(policy.decide_shard(ups, off, state, trusted, committed=committed, trend=against),
+                      policy.Settle)
+    nothing = dataclasses.replace(spec, replication=0.0, spot_check=0.0)
+    assert not nothing.audits_trend() and spec.audits_trend()
+    assert policy.trend_base_round(0, spec) is None and policy.trend_base_round(3, spec) == 0
+    assert policy.trend_base_round(25, spec) == 15 and policy.trend_base_round(25, off) is None
