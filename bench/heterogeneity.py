@@ -24,10 +24,13 @@ real training with the node's own ``gpuflex.node.trainer.train_assignment``), wi
 - a coordinated adversary holding 30 % of the identities, spread over the classes: every identity
   sends the same crafted update for a shard (computed once, by whichever of them trains the shard
   first), built to stay under the thresholds it can see: the honest update with its output layer's
-  sign flipped, scaled by ``COLLUDE_SCALE`` (under ``norm_bound`` x the round's median). Two
+  sign flipped, scaled by ``COLLUDE_SCALE`` (under ``norm_bound`` x the round's median). Three
   strategies, one run each: ``coordinated`` crafts from its first update on;
   ``coordinated_patient`` trains honestly until an identity is trusted (it sees that from how
   rarely its work is replicated) and crafts from then on, when it is replicated least;
+  ``coordinated_adaptive`` is patient and also stays over the trend audit's threshold: it bends
+  its inverted layer towards the model's trend (which it computes from the models it is sent, as
+  the hub does) until that layer's cosine to it is ``ADAPTIVE_COSINE``;
 - baselines measured in the same run: plain fp32 federated training (one class, no replication,
   no referee, every shard trained once) for accuracy and cost, and a clean run of each class alone
   (with verification) for the per-class accuracy.
@@ -51,12 +54,13 @@ Figures (``figures``):
   re-executions per training;
 - ``accuracy_gap_points``: per job and class, the class's final accuracy minus plain fp32's;
 - ``colluder_inclusion_rate``: the coordinated adversary's crafted updates that reached the
-  aggregate / crafted updates submitted (the worse strategy; both in ``colluder_inclusion``), at
-  the job spec's defaults; ``colluder_inclusion_rate_full_audit``: the patient strategy again with
-  ``spot_check_trusted = 1`` (every update a trusted node sends is re-executed on one segment
-  before it counts), with its ``verification_cost_fraction_full_audit`` and
-  ``referee_steps_fraction_full_audit`` beside ``verification_cost_fraction_patient_default``
-  (the same adversary at the defaults): the price of the strictest setting;
+  aggregate / crafted updates submitted (the worst strategy; each in ``colluder_inclusion``), at
+  the job spec's defaults, and ``colluder_accuracy_drop_points``: what each strategy's run lost
+  against the clean mixed run; ``colluder_inclusion_rate_full_audit``: the adaptive strategy
+  (the strongest) again with ``spot_check_trusted = 1`` (every update a trusted node sends is
+  re-executed on one segment before it counts), with its ``verification_cost_fraction_full_audit``
+  and ``referee_steps_fraction_full_audit`` beside ``verification_cost_fraction_patient_default``
+  (the patient adversary at the defaults): the price of the strictest setting;
   ``verification_cost_fraction_full_audit_every1`` and ``node_commit_cost_every1_vs_default``: the
   same full audit on one-step segments (``checkpoint_every = 1``), the cheapest re-execution a
   commitment allows, and what committing every step costs the nodes' training.
@@ -128,13 +132,19 @@ ATTACK_FRACTION = 0.2
 COORDINATED_FRACTION = 0.3
 COORDINATED = "coordinated"  # crafts from its first update on
 PATIENT = "coordinated_patient"  # trains honestly until the identity is trusted, then crafts
-ADVERSARIES = (COORDINATED, PATIENT)
-#: the patient adversary's run with ``spot_check_trusted = 1`` (every trusted update re-executed on one
+#: patient, and it knows the hub's trend audit: it bends its inverted layer towards the model's trend
+#: (which every node can compute from the models it is sent) until that layer's cosine to it is
+#: ADAPTIVE_COSINE, just over trend_cosine_min, so the trend never picks it
+ADAPTIVE = "coordinated_adaptive"
+ADAPTIVE_COSINE = 0.05
+ADVERSARIES = (COORDINATED, PATIENT, ADAPTIVE)
+WAITS_FOR_TRUST = (PATIENT, ADAPTIVE)
+#: the adaptive adversary's run with ``spot_check_trusted = 1`` (every trusted update re-executed on one
 #: segment before it counts): what the job's strictest setting buys, and what it costs
-FULL_AUDIT = "patient_full_audit"
+FULL_AUDIT = "adaptive_full_audit"
 #: the same on the finest checkpoint grid (``checkpoint_every = 1``: a segment is one step), the
 #: cheapest re-execution a commitment allows: what the audit then costs the hub, and the node
-FULL_AUDIT_FINE = "patient_full_audit_every1"
+FULL_AUDIT_FINE = "adaptive_full_audit_every1"
 #: the crafted update's scale: under the default norm_bound (2.5 x the round's median norm per sample)
 COLLUDE_SCALE = 2.2
 VSPEC = VerificationSpec()  # the job spec's defaults, as the hub runs them
@@ -236,18 +246,60 @@ def craft(delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for k, t in delta.items()}
 
 
+def bend_towards(v: torch.Tensor, t: torch.Tensor, cosine: float) -> torch.Tensor:
+    """``v`` plus the least multiple of ``t``'s direction that brings cos(v, t) up to ``cosine``
+    (``v`` itself when it is there already); found by bisection, float64."""
+    v64, t64 = v.double().reshape(-1), t.double().reshape(-1)
+    tn = t64 / t64.norm().clamp_min(1e-30)
+    vn = float(v64.norm())
+
+    def cos(mu: float) -> float:
+        w = v64 + mu * tn
+        return float(w @ tn / w.norm().clamp_min(1e-30))
+
+    if vn == 0.0 or cos(0.0) >= cosine:
+        return v.clone()
+    lo, hi = 0.0, vn
+    while cos(hi) < cosine:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cos(mid) < cosine else (lo, mid)
+    return (v64 + hi * tn).to(v.dtype).reshape(v.shape)
+
+
+def craft_adaptive(delta: dict[str, torch.Tensor], trend: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """craft(), with the inverted output layer bent towards the trend until its cosine to it is
+    ADAPTIVE_COSINE (weight and bias together, as verification.trend_alignment measures a layer)."""
+    out = craft(delta)
+    if trend is None:
+        return out
+    keys = output_layer(delta)
+    flat = torch.cat([out[k].reshape(-1) for k in keys])
+    bent = bend_towards(flat, torch.cat([trend[k].reshape(-1) for k in keys]), ADAPTIVE_COSINE)
+    at = 0
+    for k in keys:
+        n = out[k].numel()
+        out[k] = bent[at : at + n].reshape(out[k].shape).to(out[k].dtype)
+        at += n
+    return out
+
+
 class Coordinated(atk.Attack):
     """One identity of the coordinated adversary. Every identity shares ``crafted``: a shard's
     crafted update is made once (from the first identity's honest training) and sent by every
-    identity that gets the shard, so colluding replicas agree bit for bit."""
+    identity that gets the shard, so colluding replicas agree bit for bit. ``trend``: the model's
+    trend as the hub measures it this round (set by the simulation; the adaptive strategy reads it)."""
 
     def __init__(self, crafted: dict[int, Any], name: str = COORDINATED) -> None:
         super().__init__(name)
         self.crafted = crafted
+        self.trend: dict[str, torch.Tensor] | None = None
 
     def finish(self, result: Any, *, claimed_samples: int, seed: int) -> Any:
         if seed not in self.crafted:  # the shard issue's seed names it
-            self.crafted[seed] = craft(result.delta)
+            self.crafted[seed] = craft_adaptive(result.delta, self.trend) if self.name == ADAPTIVE \
+                else craft(result.delta)
         return dataclasses.replace(result, delta=self.crafted[seed])
 
 
@@ -345,8 +397,12 @@ class HeteroSimulation(rb.Simulation):
              cache: dict) -> rb.Work:
         """The node's work, trained inside its class (a class's results are cached apart)."""
         klass = self.klass[node.node_id]
-        if node.attack is not None and node.attack.name == PATIENT and not vf.is_trusted(node.rep, self.vspec):
+        if node.attack is not None and node.attack.name in WAITS_FOR_TRUST and not vf.is_trusted(node.rep, self.vspec):
             node = rb.Node(node.node_id, None, node.rep)  # earning trust: an honest update
+        if isinstance(node.attack, Coordinated):  # what every node can compute from the models it was sent
+            base = policy.trend_base_round(len(self.models) - 1, self.vspec)
+            node.attack.trend = None if base is None else {k: state[k] - self.models[base][k]
+                                                           for k in state if state[k].is_floating_point()}
         sub = cache.setdefault(("class", klass), {})
         before = len(sub)
         base = self.w
@@ -487,11 +543,11 @@ def _run_job(job: str, world: dict[str, Any], setup: Setup, log: Callable[[str],
         k = n_bad(COORDINATED_FRACTION, setup.n_nodes)
         go(adversary, HeteroSimulation(world, adversary, k, setup.rounds, classes=setup.classes,
                                        n_nodes=setup.n_nodes))
-    if setup.coordinated:  # the patient adversary again, with every trusted update audited
+    if setup.coordinated:  # the adaptive adversary again, with every trusted update audited
         k = n_bad(COORDINATED_FRACTION, setup.n_nodes)
-        go(FULL_AUDIT, HeteroSimulation(world, PATIENT, k, setup.rounds, classes=setup.classes, n_nodes=setup.n_nodes,
+        go(FULL_AUDIT, HeteroSimulation(world, ADAPTIVE, k, setup.rounds, classes=setup.classes, n_nodes=setup.n_nodes,
                                         vspec=dataclasses.replace(VSPEC, spot_check_trusted=1.0)))
-        go(FULL_AUDIT_FINE, HeteroSimulation(world, PATIENT, k, setup.rounds, classes=setup.classes,
+        go(FULL_AUDIT_FINE, HeteroSimulation(world, ADAPTIVE, k, setup.rounds, classes=setup.classes,
                                              n_nodes=setup.n_nodes, vspec=dataclasses.replace(
                                                  VSPEC, spot_check_trusted=1.0, checkpoint_every=1)))
     return {
@@ -586,9 +642,13 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "mixed_accuracy_gap_points": {j: round(100 * (d["runs"]["mixed_clean"]["accuracy"]
                                                       - d["runs"]["plain_fp32"]["accuracy"]), 2)
                                       for j, d in jobs.items()},
-        # the worse of the two strategies; per strategy: [crafted updates aggregated, submitted]
+        # the worst of the strategies; per strategy: [crafted updates aggregated, submitted]
         "colluder_inclusion_rate": max(rates) if rates else None,
         "colluder_inclusion": {a: {"aggregated": i, "submitted": c} for a, (i, c) in inclusion.items()},
+        # what each strategy's included updates did: the run's accuracy below the clean mixed run's, per job
+        "colluder_accuracy_drop_points": {
+            a: {j: round(100 * (d["runs"]["mixed_clean"]["accuracy"] - d["runs"][a]["accuracy"]), 2)
+                for j, d in jobs.items() if a in d["runs"]} for a in ADVERSARIES},
         # the patient adversary at spot_check_trusted = 1 (the job's strictest setting), and its cost
         "colluder_inclusion_rate_full_audit": (
             sum(len(r.get("escaped", ())) for r in audited) / max(sum(r["malicious_updates"] for r in audited), 1)

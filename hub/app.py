@@ -202,12 +202,31 @@ async def openapi(request: web.Request) -> web.Response:
 # -- background ---------------------------------------------------------------------------------
 
 
+#: seconds between two looks for interrupted uploads whose assignment is over
+PARTIAL_SWEEP_S = 30.0
+
+
 async def _sweep(app: web.Application) -> None:
-    """Expire overdue assignments (their chunks go back to the pool); settle waiting replicas."""
+    """Expire overdue assignments (their chunks go back to the pool); settle waiting replicas;
+    now and then, drop what interrupted uploads left for assignments that are over."""
     cfg = app[CONFIG]
+    next_partials = 0.0
     while True:
         await asyncio.sleep(cfg.sweep_interval_s)
         await _sweep_once(app)
+        if time.monotonic() >= next_partials:
+            next_partials = time.monotonic() + PARTIAL_SWEEP_S
+            await drop_stale_partials(app)
+
+
+async def drop_stale_partials(app: web.Application) -> int:
+    """Delete the bytes of interrupted uploads whose assignment is no longer live; how many."""
+    blobs = app[BLOBS]
+    held = await asyncio.to_thread(blobs.partial_uploads)
+    stale = app[LEDGER].stale_partials(held)
+    for path in stale:
+        await asyncio.to_thread(path.unlink, missing_ok=True)
+    return len(stale)
 
 
 async def _sweep_once(app: web.Application) -> None:

@@ -19,6 +19,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from gpuflex.protocol.messages import ID_RE
+
 from .errors import BadRequest, NotFound
 
 _BLOB_ID = re.compile(r"[0-9a-f]{64}")
@@ -58,6 +60,21 @@ class BlobStore:
         # Leftovers of a crash mid-upload are never referenced: clear them.
         for leftover in self.tmp.iterdir():
             leftover.unlink(missing_ok=True)
+        #: what interrupted uploads left, by assignment and update hash, for the node to resume
+        #: (kept across a restart; the hub's sweep drops those whose assignment is over)
+        self.partial = root / "partial"
+        self.partial.mkdir(exist_ok=True)
+
+    def partial_path(self, assignment_id: str, sha: str) -> Path:
+        """Where the leading bytes of ``sha``, an update for ``assignment_id``, wait for the rest."""
+        check_blob_id(sha)
+        if not ID_RE.fullmatch(assignment_id):
+            raise NotFound(f"no assignment {assignment_id[:64]!r}", code="unknown_assignment")
+        return self.partial / f"{assignment_id}.{sha}.part"
+
+    def partial_uploads(self) -> list[tuple[str, Path]]:
+        """(assignment id, path) of every interrupted upload held."""
+        return [(p.name.split(".", 1)[0], p) for p in self.partial.iterdir() if p.name.endswith(".part")]
 
     def path(self, sha: str) -> Path:
         check_blob_id(sha)

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,11 +358,29 @@ class Ledger:
         job = self.scheduler.jobs[a.job_id]
         if content_length is None:
             raise LengthRequired("send the update with a Content-Length header", code="length_required")
-        if content_length != hdr.update_size:
-            raise BadRequest(f"Content-Length {content_length} differs from update_size {hdr.update_size}",
-                             code="size_mismatch")
+        if hdr.offset > hdr.update_size:
+            raise BadRequest(f"offset {hdr.offset} is past update_size {hdr.update_size}", code="size_mismatch")
+        if content_length != hdr.update_size - hdr.offset:
+            raise BadRequest(f"Content-Length {content_length} differs from update_size - offset"
+                             f" ({hdr.update_size - hdr.offset})", code="size_mismatch")
         a.uploading = True
         return a, job
+
+    def upload_target(self, node: NodeState, hdr: UpdateHeader) -> AssignmentState:
+        """The live assignment an interrupted upload of ``node`` was for (POST /v1/updates/offset)."""
+        a = self._owned_live(node, hdr.assignment_id)
+        if a is None:
+            theirs = self.scheduler.assignments.get(hdr.assignment_id)
+            if theirs is not None:
+                raise Forbidden("that assignment belongs to another node", code="not_your_assignment")
+            raise NotFound(f"no live assignment {hdr.assignment_id}", code="unknown_assignment")
+        if a.uploading:
+            raise Conflict("an upload of this update is still in progress", code="busy")
+        return a
+
+    def stale_partials(self, held: Sequence[tuple[str, Path]]) -> list[Path]:
+        """Of the interrupted uploads the blob store holds, those whose assignment is over."""
+        return [path for aid, path in held if aid not in self.scheduler.assignments]
 
     @staticmethod
     def end_upload(a: AssignmentState) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 class HubMetrics:
     rounds_closed: int = 0
     updates_accepted: int = 0
+    uploads_resumed: int = 0  # updates whose upload was resumed after an interruption (offset > 0)
     updates_rejected: Counter[str] = field(default_factory=Counter)  # by reason (error code)
     assignments_issued: int = 0
     assignments_expired: int = 0
@@ -41,6 +42,8 @@ class HubMetrics:
         metric("gpuflex_assignments_issued_total", "counter", "Assignments handed out.", [("", self.assignments_issued)])
         metric("gpuflex_assignments_expired_total", "counter", "Assignments that passed their deadline.", [("", self.assignments_expired)])
         metric("gpuflex_updates_accepted_total", "counter", "Updates stored.", [("", self.updates_accepted)])
+        metric("gpuflex_uploads_resumed_total", "counter", "Updates whose interrupted upload was resumed.",
+               [("", self.uploads_resumed)])
         metric(
             "gpuflex_updates_rejected_total", "counter", "Updates refused, by reason.",
             [(f'{{reason="{r}"}}', n) for r, n in sorted(self.updates_rejected.items())] or [('{reason="none"}', 0)],

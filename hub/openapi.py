@@ -107,11 +107,22 @@ def openapi_document() -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"}}}},
             "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
-            "description": "The body must carry a Content-Length equal to the header's update_size (411 without "
-                           "one). The tensor names, dtypes and shapes are checked before the size: 422 bad_manifest "
-                           "names the first tensor that is not the model's; 413 too_large only for an update whose "
-                           "tensors are the model's but whose bytes are more. 409 late_update / duplicate_update / "
-                           "replay; 422 bad_manifest / non_finite / hash_mismatch"}},
+            "description": "The body must carry a Content-Length equal to the header's update_size - offset (411 "
+                           "without one). The tensor names, dtypes and shapes are checked before the size: 422 "
+                           "bad_manifest names the first tensor that is not the model's; 413 too_large only for an "
+                           "update whose tensors are the model's but whose bytes are more. 409 late_update / "
+                           "duplicate_update / replay; 422 bad_manifest / non_finite / hash_mismatch. Resumable: an "
+                           "update over 1 MiB whose body stops short leaves its bytes with the hub (per assignment "
+                           "and hash, until the assignment ends); the node asks POST /v1/updates/offset how many and "
+                           "sends the rest with the header's offset set to that (409 offset_mismatch otherwise)"}},
+        "/v1/updates/offset": {"post": {
+            "summary": "how many leading bytes of an interrupted update upload the hub holds",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-Update", "in": "header", "required": True, "schema": {"type": "string"},
+                            "description": "urlsafe base64 of the sealed UpdateHeader of the upload to resume"}],
+            "responses": {"200": _sealed("UploadOffset"), **_errors(400, 401, 403, 404, 409)},
+            "description": "No body. 404 unknown_assignment when the assignment is not a live one of the caller; "
+                           "409 busy while the interrupted upload is still being closed"}},
         "/v1/states": {"post": {
             "summary": "hand over a committed checkpoint state the referee asked for (StateRequest)",
             "tags": ["node"],

@@ -26,6 +26,7 @@ from gpuflex.protocol.messages import (
     NoWork,
     StateUpload,
     UpdateHeader,
+    UploadOffset,
     Welcome,
     WorkRequest,
 )
@@ -37,6 +38,7 @@ from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, LEDGER, METRICS
 from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from .errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     HubError,
     LengthRequired,
@@ -280,43 +282,98 @@ async def _update(request: web.Request) -> web.Response:
     node = ledger.known_node(signer, request.remote)
     a, job = await ledger.begin_upload(node, hdr, request.content_length)
     blobs = app[BLOBS]
-    tmp = blobs.temp_path()
+    # A large update streams into a file kept per (assignment, hash): when the link drops mid-way,
+    # what arrived stays, and the node sends only the rest (POST /v1/updates/offset says how much).
+    resumable = hdr.update_size > SMALL_UPDATE and hdr.update_size <= job.model_size
+    tmp = blobs.partial_path(a.id, hdr.update_sha256) if resumable else blobs.temp_path()
+    keep = False
     try:
         if hdr.update_size > job.model_size:
             await check_streamed_manifest(request, hdr.update_size, manifest(job.spec.model))  # 422 names the tensor
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
                                   code="too_large")
-        await _receive_update(request, hdr.update_size, hdr.update_sha256, manifest(job.spec.model), tmp)
+        held = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _held_bytes, tmp) if resumable else 0
+        if hdr.offset != 0 and hdr.offset != held:
+            raise Conflict(f"the hub holds {held} bytes of this update; send it from offset {held}",
+                           code="offset_mismatch")
+        keep = resumable
+        await _receive_update(request, hdr, manifest(job.spec.model), tmp)
         upd = await ledger.accept_update(node, a, job, hdr)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        # a temp file goes; what an interrupted upload left stays, unless its bytes were refused
+        if not resumable or (keep and not _interrupted(exc)):
+            tmp.unlink(missing_ok=True)
         ledger.end_upload(a)
         raise
+    if hdr.offset:
+        app[METRICS].uploads_resumed += 1
     return sealed_response(request, Ack(ok=True, detail=f"accepted as {upd.id}", deadline=0.0))
 
 
-async def _receive_update(request: web.Request, size: int, sha: str, spec_manifest: object, tmp: Path) -> None:
+@routes.post("/v1/updates/offset")
+async def update_offset(request: web.Request) -> web.Response:
+    """How much of an interrupted upload the hub holds: the node's signed update header in
+    X-GPUFlex-Update (as for the upload itself), no body; a signed UploadOffset back."""
+    app = request.app
+    ledger = app[LEDGER]
+    data = b64_header(request, "X-GPUFlex-Update")
+    hdr, signer = open_node_message(request, data, UpdateHeader)
+    node = ledger.known_node(signer, request.remote)
+    a = ledger.upload_target(node, hdr)
+    held = 0
+    if hdr.update_size > SMALL_UPDATE:
+        path = app[BLOBS].partial_path(a.id, hdr.update_sha256)
+        held = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _held_bytes, path)
+    return sealed_response(request, UploadOffset(assignment_id=a.id, update_sha256=hdr.update_sha256,
+                                                 offset=min(held, hdr.update_size)))
+
+
+def _held_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+#: refusals about the update's content: what arrived of it is worth nothing to a resumed upload
+_CONTENT_CODES = frozenset({"hash_mismatch", "bad_manifest", "non_finite", "too_large", "body_too_long"})
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Did the upload stop for a reason a resume can get past (the link, the round's state), as
+    opposed to a refusal of the bytes themselves?"""
+    return not (isinstance(exc, HubError) and exc.code in _CONTENT_CODES)
+
+
+async def _receive_update(request: web.Request, hdr: UpdateHeader, spec_manifest: object, tmp: Path) -> None:
     """Read the body, hash it and check it against the model's manifest, then store it durably.
 
     Hashing, file writes, the manifest and finiteness checks and the fsync run in the I/O
     pool, never on the event loop. A small update is held in memory (creating a file costs
-    ~1 ms); a large one streams into a temp file, hashed piece by piece as it arrives.
+    ~1 ms); a large one streams into a file, hashed piece by piece as it arrives. A resumed one
+    (``hdr.offset`` > 0) appends to the bytes an interrupted upload left there, hashed first.
+    If the body stops short, what arrived is written before the error goes up (a resume starts
+    after it).
     """
     app = request.app
     pool = app[IO_POOL]
     loop = asyncio.get_running_loop()
     blobs = app[BLOBS]
-    digest = hashlib.sha256()
+    size, sha = hdr.update_size, hdr.update_sha256
     small = size <= SMALL_UPDATE
     pieces: list[bytes] = []
-    fh: BinaryIO | None = None if small else await loop.run_in_executor(pool, open, tmp, "wb")
+    fh: BinaryIO | None = None
+    digest = hashlib.sha256()
+    if not small:
+        fh = await loop.run_in_executor(pool, _open_for_append, tmp, hdr.offset, digest)
     received = buffered = 0
+    want = size - hdr.offset
     try:
         while True:
             piece = await request.content.read(UPLOAD_READ)
             received += len(piece)
-            if received > size:
-                raise BadRequest("body is longer than update_size", code="size_mismatch")
+            if received > want:
+                raise BadRequest("body is longer than update_size", code="body_too_long")
             if piece:
                 pieces.append(piece)
                 buffered += len(piece)
@@ -328,16 +385,34 @@ async def _receive_update(request: web.Request, size: int, sha: str, spec_manife
                 break
     finally:
         if fh is not None:
+            if pieces and received <= want:  # a body that stopped short: keep what came
+                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
             await loop.run_in_executor(pool, fh.close)
-    app[METRICS].bytes_in += received
-    if received != size:
-        raise BadRequest(f"body has {received} bytes, update_size says {size}", code="size_mismatch")
+        app[METRICS].bytes_in += received
+    if received != want:
+        raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
     if small:
         await loop.run_in_executor(pool, _ingest_update_bytes, b"".join(pieces), sha, spec_manifest, blobs)
     else:
         if digest.hexdigest() != sha:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
         await loop.run_in_executor(pool, _ingest_update_file, tmp, spec_manifest, blobs, sha)
+
+
+def _open_for_append(path: Path, offset: int, digest: hashlib._Hash) -> BinaryIO:
+    """The update's file, positioned at ``offset`` with ``digest`` fed the bytes before it (a
+    fresh upload, offset 0, starts it empty)."""
+    if offset == 0:
+        return open(path, "wb")
+    fh = open(path, "r+b")
+    while fh.tell() < offset:
+        block = fh.read(min(UPLOAD_READ, offset - fh.tell()))
+        if not block:
+            break
+        digest.update(block)
+    fh.seek(offset)
+    fh.truncate()
+    return fh
 
 
 def _hash_and_write(digest: hashlib._Hash, fh: BinaryIO, pieces: list[bytes]) -> None:

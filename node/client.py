@@ -33,6 +33,7 @@ from gpuflex.protocol.messages import (
     StateRequest,
     StateUpload,
     UpdateHeader,
+    UploadOffset,
     Welcome,
     WorkRequest,
 )
@@ -305,7 +306,13 @@ class HubClient:
             raise HubUnavailable(f"GET blob {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
 
     async def upload_update(self, header: UpdateHeader, body: bytes | memoryview) -> Ack:
+        """POST the update's bytes from ``header.offset`` on (``body`` is just those)."""
         return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload")
+
+    async def upload_offset(self, header: UpdateHeader) -> UploadOffset:
+        """How many leading bytes of this update an interrupted upload left with the hub."""
+        return await self._post_sealed("/v1/updates/offset", "X-GPUFlex-Update", seal(self.key, header), b"",
+                                       "upload offset", UploadOffset)
 
     async def upload_state(self, header: StateUpload, body: bytes) -> Ack:
         """Hand over one committed checkpoint state the hub's referee asked for."""
@@ -313,8 +320,9 @@ class HubClient:
                                        "state upload")
 
     async def _post_sealed(self, path: str, header_name: str, sealed: bytes, body: bytes | memoryview,
-                           what: str) -> Ack:
-        """POST raw bytes with their signed header (base64 in ``header_name``); the hub's signed Ack."""
+                           what: str, answer: type[M] = Ack) -> M:  # type: ignore[assignment]
+        """POST raw bytes with their signed header (base64 in ``header_name``); the hub's signed
+        answer (an Ack unless ``answer`` says otherwise)."""
         token = base64.urlsafe_b64encode(sealed).decode("ascii")
         self.requests += 1
         try:
@@ -329,7 +337,7 @@ class HubClient:
                     raise _error_from(resp.status, data, f"POST {path}")
         except _NET_ERRORS as exc:
             raise HubUnavailable(f"POST {path}: {type(exc).__name__}: {exc}"[:300]) from exc
-        return self._signed_answer(data, Ack, what)
+        return self._signed_answer(data, answer, what)
 
 
 def _range_start(content_range: str) -> int:

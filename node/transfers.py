@@ -189,25 +189,54 @@ class Transfers:
             return body, sha256_hex(body)
 
         body, digest = await asyncio.to_thread(encode)
+        view = memoryview(body).cast("B")
         encode_s = time.perf_counter() - t0
         backoff = Backoff(self._backoff_base_s, self._backoff_cap_s)
         reregistered = False
         resigned = False
-        while True:
-            header = UpdateHeader(
-                assignment_id=a.assignment_id, update_sha256=digest, update_size=len(body),
+        restarted = False  # a resumed upload that failed its hash was sent again from byte 0
+        offset = 0  # what the hub holds of this update (it says: POST /v1/updates/offset)
+        ask_offset = False
+        mismatches = 0
+
+        def header_at(at: int) -> UpdateHeader:
+            return UpdateHeader(
+                assignment_id=a.assignment_id, update_sha256=digest, update_size=len(view),
                 sample_count=result.sample_count, metrics={"loss": _finite(result.loss)},
                 timings={"train_s": result.train_s, "download_s": download_s, "encode_s": encode_s},
-                timestamp=client.now(), nonce=new_nonce(), commitment=result.commitment,
+                timestamp=client.now(), nonce=new_nonce(), commitment=result.commitment, offset=at,
             )
+
+        async def wait_or_give_up(exc: HubUnavailable) -> None:
+            if client.now() > deadline() or self.pause.exiting:
+                raise exc
+            delay = backoff.next_delay()
+            self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
+            await self.pause.interruptible(asyncio.sleep(delay))
+
+        while True:
+            if ask_offset:
+                # The link dropped mid-upload: the hub kept what arrived. Send only the rest.
+                try:
+                    held = (await client.upload_offset(header_at(0))).offset
+                except HubUnavailable as exc:
+                    await wait_or_give_up(exc)
+                    continue
+                except HubError as exc:
+                    if exc.code == "busy" and client.now() <= deadline() and not self.pause.exiting:
+                        # the hub is still closing the interrupted upload: ask again shortly
+                        await self.pause.interruptible(asyncio.sleep(backoff.next_delay()))
+                        continue
+                    held = 0  # the upload itself says what is wrong
+                ask_offset = False
+                offset = held if 0 <= held <= len(view) else 0
+                if offset:
+                    self.output.event("resume", assignment_id=a.assignment_id, offset=offset, size=len(view))
             try:
-                ack = await client.upload_update(header, body)
+                ack = await client.upload_update(header_at(offset), view[offset:])
             except HubUnavailable as exc:
-                if client.now() > deadline() or self.pause.exiting:
-                    raise
-                delay = backoff.next_delay()
-                self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
-                await self.pause.interruptible(asyncio.sleep(delay))
+                await wait_or_give_up(exc)
+                ask_offset = True
                 continue
             except UnknownNode as exc:
                 # The hub forgot us (restarted with a fresh node table): register again and
@@ -220,6 +249,7 @@ class Transfers:
                 if not await self.pause.interruptible(reregister()):
                     self._refused(a, exc)
                     return None
+                ask_offset = True
                 continue
             except HubError as exc:
                 if exc.code == "replay" and not resigned:
@@ -229,11 +259,23 @@ class Transfers:
                     resigned = True
                     self.output.event("error", **json_error_detail(exc), action="sign again")
                     await self.pause.interruptible(asyncio.sleep(0.5))
+                    ask_offset = True
+                    continue
+                if exc.code in ("offset_mismatch", "busy") and mismatches < 3:
+                    mismatches += 1  # the hub holds another count than we thought: ask again
+                    await self.pause.interruptible(asyncio.sleep(backoff.next_delay()))
+                    ask_offset = True
+                    continue
+                if exc.code == "hash_mismatch" and offset > 0 and not restarted:
+                    # what the hub kept did not add up (it dropped it): the whole update once more
+                    restarted = True
+                    offset = 0
+                    self.output.event("error", **json_error_detail(exc), action="send the whole update again")
                     continue
                 self._refused(a, exc)
                 return None
-            self.totals.bytes_uploaded += len(body)
-            return Uploaded(ack=ack, sha256=digest, size=len(body))
+            self.totals.bytes_uploaded += len(view) - offset
+            return Uploaded(ack=ack, sha256=digest, size=len(view))
 
     def _refused(self, a: Assignment, exc: Exception) -> None:
         self.totals.rejected += 1

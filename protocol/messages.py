@@ -489,6 +489,10 @@ class UpdateHeader:
     #: the checkpoint commitment (None: the node committed to nothing; a referee that asks
     #: for a state of it finds none, and flags it unverifiable)
     commitment: Annotated[Commitment | None, Nested(Commitment, optional=True)] = None
+    #: the body carries the update's bytes from here to ``update_size``: a resumed upload, whose
+    #: first ``offset`` bytes the hub already holds (it says how many: UploadOffset). The hash
+    #: and the size are always the whole update's
+    offset: Count = 0
 
 
 @dataclass(frozen=True)
@@ -527,8 +531,20 @@ class Ack:
     deadline: Timestamp
 
 
+@dataclass(frozen=True)
+class UploadOffset:
+    """Hub -> node, the answer to POST /v1/updates/offset: how many leading bytes of the update
+    (``update_sha256`` of ``assignment_id``) an interrupted upload left with the hub; the node
+    sends the rest with ``UpdateHeader.offset`` set to it."""
+
+    KIND: ClassVar[str] = "upload_offset"
+    assignment_id: IdStr
+    update_sha256: BlobIdStr
+    offset: Count
+
+
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
-           | StateRequest | StateUpload)
+           | StateRequest | StateUpload | UploadOffset)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -542,6 +558,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Ack,
     StateRequest,
     StateUpload,
+    UploadOffset,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -759,6 +776,7 @@ __all__ = [
     "StateUpload",
     "TrainConfig",
     "UpdateHeader",
+    "UploadOffset",
     "Welcome",
     "WorkRequest",
     "decode_message",

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import heterogeneity as het  # noqa: E402
+from gpuflex.hub import verification as vf  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
 
@@ -60,11 +61,30 @@ def test_crafted_update_flips_the_output_layer_under_the_norm_bound():
     assert norm == pytest.approx(het.COLLUDE_SCALE * base) and het.COLLUDE_SCALE < het.VSPEC.norm_bound
 
 
+def test_the_adaptive_adversary_bends_its_inverted_layer_just_over_the_trend_threshold():
+    """What it sends stays over trend_cosine_min by the hub's own measure, and is still the
+    inverted output layer in every direction the trend does not cover."""
+    gen = torch.Generator().manual_seed(3)
+    delta = {"0.weight": torch.randn(4, 3, generator=gen), "0.bias": torch.randn(4, generator=gen),
+             "2.weight": torch.randn(2, 4, generator=gen), "2.bias": torch.randn(2, generator=gen)}
+    trend = {k: v * 0.5 + 0.1 * torch.randn(v.shape, generator=gen) for k, v in delta.items()}
+    then = {k: torch.zeros_like(v) for k, v in delta.items()}
+    plain = het.craft(delta)
+    assert vf.trend_alignment(plain, trend, then)[0] < 0.0  # the inverted layer points against it
+    out = het.craft_adaptive(delta, trend)
+    cos, _ = vf.trend_alignment(out, trend, then)
+    assert cos == pytest.approx(het.ADAPTIVE_COSINE, abs=1e-6) and cos >= het.VSPEC.trend_cosine_min
+    assert all(torch.equal(out[k], plain[k]) for k in ("0.weight", "0.bias"))  # the other layers as crafted
+    no_trend = het.craft_adaptive(delta, None)
+    assert all(torch.equal(no_trend[k], plain[k]) for k in plain)
+
+
 def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
     assert het.rb.CHUNKS_PER_SHARD == 2  # robustness.py's shard size is back after the job
     assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
-                          "coordinated_patient", "patient_full_audit", "patient_full_audit_every1"]
+                          "coordinated_patient", "coordinated_adaptive", "adaptive_full_audit",
+                          "adaptive_full_audit_every1"]
     plain = runs["plain_fp32"]
     steps = math.ceil(TINY.chunks_per_shard * 64 / 32) * TINY.epochs
     shards = TINY.chunks // TINY.chunks_per_shard * TINY.rounds
@@ -97,7 +117,7 @@ def test_figures_and_verdicts(mlp_job):
     jobs = {"mlp": mlp_job}
     fig = het.figures(jobs)
     runs = [r for n, r in mlp_job["runs"].items()
-            if n not in ("plain_fp32", "patient_full_audit", "patient_full_audit_every1")]
+            if n not in ("plain_fp32", "adaptive_full_audit", "adaptive_full_audit_every1")]
     assert fig["cross_class_pairs"] == sum(r["cross_class_pairs"] for r in runs) > 0
     assert fig["honest_flagged"] == sum(r["honest_flagged"] for r in runs)
     assert fig["malicious_updates"] == mlp_job["runs"]["sign_flip"]["malicious_updates"]
@@ -106,10 +126,11 @@ def test_figures_and_verdicts(mlp_job):
     assert fig["colluder_inclusion"]["coordinated"]["submitted"] > 0
     # the patient adversary is not trusted within 2 rounds: it trains honestly, nothing is crafted
     assert mlp_job["runs"]["coordinated_patient"]["malicious_updates"] == 0
+    assert mlp_job["runs"]["coordinated_adaptive"]["malicious_updates"] == 0
     assert fig["colluder_inclusion_full_audit"] == {"aggregated": 0, "submitted": 0}
-    assert fig["referee_steps_fraction_full_audit"] == (mlp_job["runs"]["patient_full_audit"]["referee_steps"] or 0) / \
-        mlp_job["runs"]["patient_full_audit"]["steps"]
-    fine, coarse = mlp_job["runs"]["patient_full_audit_every1"], mlp_job["runs"]["patient_full_audit"]
+    assert fig["referee_steps_fraction_full_audit"] == (mlp_job["runs"]["adaptive_full_audit"]["referee_steps"] or 0) / \
+        mlp_job["runs"]["adaptive_full_audit"]["steps"]
+    fine, coarse = mlp_job["runs"]["adaptive_full_audit_every1"], mlp_job["runs"]["adaptive_full_audit"]
     assert fine["steps"] == coarse["steps"]  # the same work, committed at every step
     assert fig["node_commit_cost_every1_vs_default"] == fine["train_cpu_s"] / coarse["train_cpu_s"] - 1
     assert fig["verification_cost_fraction_full_audit_every1"] == fine["verify_cpu_s"] / fine["train_cpu_s"]

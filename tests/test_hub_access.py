@@ -74,6 +74,8 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                          other_node=(403, "not_assigned")),
     ("POST", "/v1/updates"): _node(unsigned=(401, "missing_auth"), node=(200, None),
                                    other_node=(403, "not_your_assignment")),
+    ("POST", "/v1/updates/offset"): _node(unsigned=(401, "missing_auth"), node=(200, None),
+                                          other_node=(403, "not_your_assignment")),
     # no state request is open in this world: a signed upload names none (tests/test_hub_referee.py has
     # the open request that only its node may answer: 403 not_your_request for any other)
     ("POST", "/v1/states"): _node(unsigned=(401, "missing_auth"), node=(404, "unknown_request"),
@@ -219,6 +221,12 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
                 nonce=new_nonce())))
         headers["Content-Type"] = "application/octet-stream"
         return {"method": method, "path": path, "headers": headers, "data": b"\0" * 4}
+    if path == "/v1/updates/offset":
+        if signer is not None:
+            blob = b"\0" * 4
+            headers["X-GPUFlex-Update"] = _b64(seal(signer.key, w.node.update_header(a, blob, 1, 1.0)))
+        headers["Content-Type"] = "application/octet-stream"
+        return {"method": method, "path": path, "headers": headers, "data": b""}
     if path == "/v1/updates":
         node = signer or w.node
         blob, samples, loss = await w.node.train(a)

@@ -129,7 +129,7 @@ def _mutate(data: bytes, m) -> bytes:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
-                             "state"]), m=mutation)
+                             "update_offset", "state"]), m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread
     path, msg = _message(kind)
@@ -142,6 +142,9 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
             status, body = r.status, r.read()
         elif kind in ("update", "update_committed"):
             status, body = _post(conn, path, b"\x00" * 4,
+                                 {"X-GPUFlex-Update": base64.urlsafe_b64encode(data).decode()})
+        elif kind == "update_offset":
+            status, body = _post(conn, "/v1/updates/offset", b"",
                                  {"X-GPUFlex-Update": base64.urlsafe_b64encode(data).decode()})
         elif kind == "state":
             status, body = _post(conn, path, b"\x00" * 4,

@@ -46,6 +46,7 @@ from gpuflex.protocol.messages import (
     ComputeClass,
     StateRequest,
     StateUpload,
+    UploadOffset,
 )
 from gpuflex.protocol.modelspec import LAYERS
 from hypothesis import HealthCheck, given, settings
@@ -98,6 +99,10 @@ SAMPLES: list[Any] = [
     Ack(True, "ok", 1030.0),
     StateRequest("sr-1", "job-1", 3, "as-1", (0, 12, 96), 1100.0),
     StateUpload("sr-1", 12, "e" * 64, 4096, 1000.0, NONCE),
+    UploadOffset("as-1", "0" * 64, 700_000),
+    UpdateHeader(
+        "as-3", "6" * 64, 2_000_000, 64, {"loss": 0.3}, {"train_s": 1.5}, 1000.0, NONCE, None, 700_000,
+    ),
 ]
 WIRE = [encode_message(m) for m in SAMPLES]
 KEY = SigningKey.from_seed(b"\x01" * 32)

@@ -40,6 +40,7 @@ from gpuflex.protocol.messages import (
     ComputeClass,
     StateRequest,
     StateUpload,
+    UploadOffset,
     peek_kind,
 )
 from hypothesis import given, settings
@@ -188,6 +189,7 @@ MESSAGES = {
             Commitment, every=st.integers(1, 1 << 20), steps=st.integers(0, 1 << 20),
             precision=st.sampled_from(["fp32", "tf32", "bf16", "fp16"]),
             hashes=st.lists(blob_ids, max_size=40).map(tuple), norms=st.lists(pos_floats, max_size=40).map(tuple)),
+        offset=counts,
     ),
     Ack: st.builds(Ack, ok=st.booleans(), detail=texts, deadline=timestamps),
     StateRequest: st.builds(
@@ -196,6 +198,7 @@ MESSAGES = {
     StateUpload: st.builds(
         StateUpload, request_id=ids, step=st.integers(0, 1 << 40), state_sha256=blob_ids, state_size=counts,
         timestamp=timestamps, nonce=nonces),
+    UploadOffset: st.builds(UploadOffset, assignment_id=ids, update_sha256=blob_ids, offset=counts),
 }
 
 
