@@ -366,6 +366,8 @@ class Simulation:
                             self.nodes[nid].rep = vf.record_agreement(self.nodes[nid].rep)
                     for nid in decision.flagged_nodes:
                         self.nodes[nid].rep = vf.record_flag(self.nodes[nid].rep)
+                    for nid in decision.missed_nodes:  # (none here: every node hands its states over)
+                        self.nodes[nid].rep = vf.record_missed(self.nodes[nid].rep)
                     by_id = {g.rec.update_id: g for g in group}
                     for f in decision.flags:
                         flags[(f.update_id, f.reason)] = (f, by_id[f.update_id].malicious)

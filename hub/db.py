@@ -202,7 +202,7 @@ CREATE TABLE IF NOT EXISTS state_requests (
     states TEXT NOT NULL DEFAULT '{}',  -- JSON {step: sha of the handed-over state blob}
     requested_at REAL NOT NULL,
     deadline REAL NOT NULL,
-    status TEXT NOT NULL DEFAULT 'open', -- open|reproduced|mismatch|unverifiable
+    status TEXT NOT NULL DEFAULT 'open', -- open|reproduced|mismatch|unverifiable|unreachable
     verdict TEXT                        -- JSON evidence of the verdict
 );
 CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status);

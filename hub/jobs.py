@@ -92,6 +92,9 @@ class StateRequestState:
     requested_at: float
     deadline: float
     states: dict[int, str] = field(default_factory=dict)
+    #: the node was handed the request (it polled for work since it was opened): a node that never
+    #: came back was offline, not refusing (hub/rounds.py: "unreachable", no flag)
+    asked: bool = False
 
     @property
     def complete(self) -> bool:

@@ -445,6 +445,7 @@ class Ledger:
         now = time.time()
         for r in self.rounds.state_requests.values():
             if r.node_id == node.id and not r.complete and now < r.deadline:
+                r.asked = True
                 return seal(self.key, StateRequest(request_id=r.id, job_id=r.job_id, round=r.round,
                                                    assignment_id=r.assignment_id, steps=r.steps, deadline=r.deadline))
         return None

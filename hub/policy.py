@@ -46,9 +46,11 @@ The rules of ``decide_shard``, in order:
    does): replicas that disagree are not judged by the strict comparison: every member is
    re-executed on one segment first (``Referee``). Members whose segment reproduces are
    honest, whatever their whole-update distance (numerically different hardware); a member
-   whose segment does not, or who did not hand over its states (``unverifiable``), is
-   flagged and left out, and so is every member that agreed with it without being
-   reproduced itself (it vouched for it). A shard that would settle is spot-checked when
+   whose segment does not, or who was asked and did not hand over its states
+   (``unverifiable``), is flagged and left out, and so is every member that agreed with it
+   without being reproduced itself (it vouched for it). A member that never came back for the
+   request before its deadline (``unreachable``: offline, a volunteer whose machine slept after
+   the upload) is left out with no flag; it loses its run of agreements (``missed_nodes``). A shard that would settle is spot-checked when
    ``spot_draw`` (the engine's secret draw in [0, 1) for the shard) falls under its rate
    (``spot_rate``): ``[verification] spot_check`` for a group of untrusted nodes,
    ``spot_check_trusted`` for work a trusted node did (usually a lone, unreplicated update).
@@ -189,6 +191,9 @@ class Settle:
     flagged_nodes: tuple[str, ...]
     evidence: Mapping[str, Any]
     unverified: str | None = None
+    #: nodes whose update was left out because they never came back for the referee's request
+    #: (offline): no flag, but their run of agreements starts over (verification.record_missed)
+    missed_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ class Drop:
     flags: tuple[Flag, ...]
     flagged_nodes: tuple[str, ...]
     evidence: Mapping[str, Any]
+    missed_nodes: tuple[str, ...] = ()  # as Settle.missed_nodes
 
 
 @dataclass(frozen=True)
@@ -299,10 +305,13 @@ def _with_referee(
         pairs = list(compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems,
                                       distances=distances).evidence.get("pairs") or [])
     failed = {u for u in ids if u in verdicts and not verdicts[u].ok}
+    # never came back for the request (offline): left out without a flag, and no one vouched
+    gone = {u for u in failed if verdicts[u].outcome == "unreachable"}
+    missed = tuple(sorted({node_of[u] for u in gone}))
     if failed:
         flags: list[Flag] = []
         for u in ids:
-            if u in failed:
+            if u in failed and u not in gone:
                 v = verdicts[u]
                 reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
                 flags.append(Flag(u, node_of[u], reason, {
@@ -322,11 +331,11 @@ def _with_referee(
                         "referee": _referee_evidence(verdicts, [theirs])[0]}))
         flagged = {f.update_id for f in flags}
         flagged_nodes = tuple(sorted({f.node_id for f in flags}))
-        rest = [u for u in ids if u not in flagged]
+        rest = [u for u in ids if u not in flagged and u not in gone]
         evidence: dict[str, Any] = {"replicas": len(ids), "referee": _referee_evidence(verdicts, ids), "pairs": pairs}
-        statuses = {u: "quarantined" for u in flagged}
+        statuses = {u: "quarantined" for u in flagged} | {u: "excluded" for u in gone}
         if not rest:
-            return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence)
+            return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence, missed)
         lacking = tuple(u for u in rest if u not in verdicts)
         if lacking:  # after a failure, what is left counts only once the referee has seen it too
             split = any(not p.get("agree") for p in pairs if p["a"] in rest and p["b"] in rest)
@@ -335,7 +344,7 @@ def _with_referee(
         for u in rest[1:]:
             statuses[u] = "redundant"
         agreed = tuple(sorted({node_of[u] for u in rest if u in verdicts and verdicts[u].ok}))
-        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence)
+        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence, missed_nodes=missed)
     if any(not p.get("agree") for p in pairs) and committed & set(ids):
         lacking = tuple(u for u in ids if u not in verdicts)
         if lacking:

@@ -319,8 +319,13 @@ class RoundEngine:
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
                               onednn=replay_onednn(None if node is None else node.compute))
-            out[u.id] = SegmentVerdict(v.update_id, v.node_id, v.outcome,
-                                       dict(v.evidence) | {"reason": r.reason, "request": r.id})
+            outcome, evidence = v.outcome, dict(v.evidence) | {"reason": r.reason, "request": r.id}
+            if outcome == "unverifiable" and not r.asked:
+                # it never polled for work again before the deadline: offline (a volunteer's laptop
+                # closed after the upload), not a refusal. Left out and no longer trusted, no flag.
+                outcome = "unreachable"
+                evidence["why"] = "the node did not come back for the request before its deadline"
+            out[u.id] = SegmentVerdict(v.update_id, v.node_id, outcome, evidence)
         return out
 
     def _reputations(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
@@ -361,7 +366,7 @@ class RoundEngine:
         for f in decision.flags:  # the run a flag resets, restored if the round withdraws the flag
             if (n := self.scheduler.nodes.get(f.node_id)) is not None:
                 self._run_before_flag[f.update_id] = (f.node_id, n.reputation.consecutive_agreements)
-        touched = self._reputations_after(agreed_nodes, decision.flagged_nodes)
+        touched = self._reputations_after(agreed_nodes, decision.flagged_nodes, decision.missed_nodes)
         await self.store.settle_shard(
             shard, state="settled" if settled else "dropped", evidence=dict(decision.evidence),
             statuses=statuses, cancelled=[a.id for a in cancelled], flags=list(decision.flags),
@@ -384,10 +389,13 @@ class RoundEngine:
         if not settled or cancelled:
             self.signal.offer()  # the chunks back in the pool
 
-    def _reputations_after(self, agreed: Sequence[str], flagged: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
+    def _reputations_after(self, agreed: Sequence[str], flagged: Sequence[str],
+                           missed: Sequence[str] = ()) -> list[tuple[str, vf.Reputation]]:
         """The nodes' reputations after verification's transitions (memory is not touched)."""
         after: dict[str, vf.Reputation] = {}
-        for nid, step in [(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]:
+        steps = ([(n, vf.record_agreement) for n in agreed] + [(n, vf.record_flag) for n in flagged]
+                 + [(n, vf.record_missed) for n in missed])
+        for nid, step in steps:
             node = self.scheduler.nodes.get(nid)
             if node is not None:
                 after[nid] = step(after.get(nid, node.reputation))

@@ -88,6 +88,7 @@ __all__ = [
     "layer_of",
     "record_agreement",
     "record_flag",
+    "record_missed",
     "record_verdict",
     "relative_distance",
     "replica_candidates",
@@ -777,6 +778,13 @@ def record_agreement(rep: Reputation) -> Reputation:
 def record_flag(rep: Reputation) -> Reputation:
     """Any flag (before any verdict) resets the run of agreements: trust is re-earned."""
     return replace(rep, consecutive_agreements=0, flags_total=rep.flags_total + 1)
+
+
+def record_missed(rep: Reputation) -> Reputation:
+    """The node did not come back for a referee's request (offline): its update was left out,
+    and it must earn trust again (its run of agreements starts over); no flag, nothing counted
+    against it. A cheater that goes quiet whenever it is checked gains nothing by it."""
+    return replace(rep, consecutive_agreements=0)
 
 
 def record_withdrawn(rep: Reputation, run_before: int) -> Reputation:

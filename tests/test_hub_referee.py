@@ -252,6 +252,64 @@ async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_
         await hub.stop()
 
 
+async def test_a_node_offline_after_its_upload_is_left_out_without_a_flag(tmp_path: Path) -> None:
+    """The referee asks a trusted node for its states; the node never polls again (its machine
+    slept after the upload). At the deadline its update is left out, unflagged ("unreachable":
+    an honest volunteer is not accused for being offline), and it must earn trust again."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=2, replication="0.0", spot_check=0.0,
+                                         spot_check_trusted=1.0, extra="trust_after = 0\nstate_wait_s = 2.0\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            n = SimNode(s, hub.url)
+            await n.register()
+            store = CheckpointStore(tmp_path / "states")
+            for rnd in range(2):
+                a = await n.work(2.0)
+                assert isinstance(a, Assignment) and a.round == rnd
+                blob, samples, loss, c = await _train_committed(n, a, store)
+                ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
+                                                               blob), Ack)
+                assert ack.ok
+                if rnd == 0:  # online: it hands its states over, is reproduced and earns an agreement
+                    await _answer_state_request(n, store)
+                    deadline = time.monotonic() + 30
+                    while not (await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
+                                                  headers=hub.auth(hub.admin_token))).json())["history"]:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.1)
+                    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+                    try:
+                        assert conn.execute("SELECT consecutive_agreements FROM nodes").fetchone() == (1,)
+                    finally:
+                        conn.close()
+            # round 1: it never polls again
+            deadline = time.monotonic() + 30
+            while True:
+                conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+                try:
+                    rows = conn.execute("SELECT status, verdict FROM state_requests WHERE round = 1").fetchall()
+                    (status,) = conn.execute("SELECT status FROM updates WHERE id LIKE ?",
+                                             ("u-" + a.assignment_id.removeprefix("a-"),)).fetchone()
+                    (run,) = conn.execute("SELECT consecutive_agreements FROM nodes").fetchone()
+                finally:
+                    conn.close()
+                if rows and rows[0][0] != "open":
+                    break
+                assert time.monotonic() < deadline, rows
+                await asyncio.sleep(0.2)
+            assert rows[0][0] == "unreachable"
+            assert "did not come back" in json.loads(rows[0][1])["why"]
+            assert status == "excluded" and run == 0
+            async with s.get(hub.url + "/v1/flags", headers=hub.auth(hub.auditor_token)) as r:
+                assert (await r.json())["flags"] == []
+            async with s.get(hub.url + "/metrics") as r:
+                assert 'gpuflex_referee_verdicts_total{outcome="unreachable"} 1' in await r.text()
+    finally:
+        await hub.stop()
+
+
 async def test_an_open_state_request_and_the_states_handed_over_survive_a_restart(tmp_path: Path) -> None:
     """The hub stops after the node handed over one of its states: the new hub asks for the same
     request again, takes the rest, and the referee judges with all of them."""

@@ -545,3 +545,22 @@ def test_an_update_against_the_trend_meets_the_referee_whatever_the_draw() -> No
     assert not nothing.audits_trend() and spec.audits_trend()
     assert policy.trend_base_round(0, spec) is None and policy.trend_base_round(3, spec) == 0
     assert policy.trend_base_round(25, spec) == 15 and policy.trend_base_round(25, off) is None
+
+
+def test_a_node_that_never_came_back_for_the_request_is_left_out_without_a_flag() -> None:
+    """Offline is not refusing: an unreachable node's update is left out, nobody is flagged, no
+    one vouched for it, and the node loses its run of agreements (missed_nodes)."""
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)})]
+    alone = policy.decide_shard(ups, SPEC, policy.ReplicaState(wanted=1), {}, committed=frozenset({"u-a"}),
+                                verdicts={"u-a": _bad("u-a", "n-a", "unreachable")})
+    assert isinstance(alone, policy.Drop) and alone.reason == "referee"
+    assert alone.flags == () and alone.flagged_nodes == () and alone.missed_nodes == ("n-a",)
+    assert alone.statuses == {"u-a": "excluded"}
+    pair = [_rec("u-a", "n-a", {"w": torch.ones(10)}), _rec("u-b", "n-b", {"w": torch.ones(10)})]
+    done = policy.decide_shard(pair, SPEC, policy.ReplicaState(wanted=2), {}, committed=frozenset({"u-a", "u-b"}),
+                               verdicts={"u-a": _bad("u-a", "n-a", "unreachable"), "u-b": _ok("u-b", "n-b")})
+    assert isinstance(done, policy.Settle) and done.representative == "u-b" and done.flags == ()
+    assert done.statuses == {"u-a": "excluded"} and done.missed_nodes == ("n-a",) and done.agreed_nodes == ("n-b",)
+    trusted = Reputation(consecutive_agreements=20, agreements_total=20, flags_total=1)
+    after = vf.record_missed(trusted)
+    assert after.consecutive_agreements == 0 and after.flags_total == 1 and after.agreements_total == 20
