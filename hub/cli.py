@@ -258,7 +258,7 @@ def _status_view(doc: dict[str, Any]) -> Any:
                     f" parallel efficiency {par['efficiency']:.0%} (training time summed over the nodes /"
                     " (nodes x round wall time))")
     table = Table("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
-                  "efficiency", "updates", "flags")
+                  "efficiency", "updates", "flags", "MB up / down", "compression")
 
     def fmt(v: Any, spec: str = ".4f") -> str:
         return "-" if v is None else format(v, spec)
@@ -268,10 +268,14 @@ def _status_view(doc: dict[str, Any]) -> Any:
         share_text = "\n".join(f"{n} {v:.0%}" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
         p = h.get("parallel") or {}
         unverified = len(h.get("unverified") or {})
+        t = h.get("transfer") or {}
+        down = t.get("bytes_down")
         table.add_row(str(h["round"]), fmt(h["loss"]), fmt(h["accuracy"], ".3f"), fmt(h["train_loss"]),
                       str(p.get("shards", "-")), share_text or "-", fmt(p.get("efficiency"), ".0%"),
                       str(sum(1 for u in h["updates"] if u["status"] == "included"))
-                      + (f" ({unverified} unverified)" if unverified else ""), str(len(h["flags"])))
+                      + (f" ({unverified} unverified)" if unverified else ""), str(len(h["flags"])),
+                      f"{t.get('bytes_up', 0) / 1e6:.2f} / " + ("-" if down is None else f"{down / 1e6:.2f}"),
+                      fmt(t.get("compression_ratio"), ".1f") + "x" if t.get("compression_ratio") else "-")
     return Group(head, table)
 
 

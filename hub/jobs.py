@@ -163,6 +163,9 @@ class JobState:
     error: str | None = None
     #: the global model's blob by round, as far back as the trend audit looks (``trend_base``)
     models: dict[int, str] = field(default_factory=dict)
+    #: bytes of models and chunks served to this round's assignments (since this hub started the
+    #: round: a restart mid-round starts it again from 0); written into the round's metrics
+    bytes_down: int = 0
 
     @property
     def active(self) -> bool:
@@ -231,6 +234,7 @@ class JobState:
 
     def open_round(self) -> None:
         self.shards = {}
+        self.bytes_down = 0
         self.replicated = {}
         self.most_holders = 0
         self.free = {c.idx for c in self.chunks}

@@ -338,6 +338,16 @@ class Ledger:
         """A node reads the model and the chunks of its live assignments, nothing else."""
         return any(a.model_hash == sha or sha in a.chunk_shas for a in self.scheduler.live_for(node.id))
 
+    def count_served(self, node: NodeState, sha: str, nbytes: int) -> None:
+        """``nbytes`` of ``sha`` went to ``node``: they count for the round of the live assignment
+        that names it (the round's bytes down, in its job status)."""
+        for a in self.scheduler.live_for(node.id):
+            if a.model_hash == sha or sha in a.chunk_shas:
+                job = self.scheduler.jobs.get(a.job_id)
+                if job is not None and job.round == a.round:
+                    job.bytes_down += nbytes
+                return
+
     # -- updates -----------------------------------------------------------------------------
     async def begin_upload(self, node: NodeState, hdr: UpdateHeader,
                            content_length: int | None) -> tuple[AssignmentState, JobState]:

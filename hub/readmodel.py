@@ -12,6 +12,7 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -74,7 +75,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         if r["closed_at"] is None:
             continue
         ups = conn.execute(
-            "SELECT u.id, u.node_id, u.status, u.sample_count, u.loss, u.train_s, s.id AS shard_id, s.samples,"
+            "SELECT u.id, u.node_id, u.status, u.sample_count, u.loss, u.train_s, u.size, s.id AS shard_id, s.samples,"
             " s.replica_group, u.received_at - a.issued_at AS elapsed_s,"
             " (SELECT COUNT(*) FROM shard_chunks sc WHERE sc.shard_id = s.id) AS nchunks"
             " FROM updates u JOIN shards s ON s.id = u.shard_id JOIN assignments a ON a.id = u.assignment_id"
@@ -83,10 +84,12 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         flags = conn.execute("SELECT id, node_id, reason, status FROM flags WHERE job_id = ? AND round = ?",
                              (job_id, r["round"])).fetchall()
         trained = sum(u["samples"] for u in ups)
+        metrics = json.loads(r["metrics"] or "{}")
         history.append({
             "round": r["round"], "loss": r["loss"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
             "model_hash": r["new_model_hash"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
-            "metrics": json.loads(r["metrics"] or "{}"),
+            "metrics": {k: v for k, v in metrics.items() if k != "bytes_down"},
+            "transfer": _transfer(ups, row["model_size"], metrics.get("bytes_down")),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
             "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
             # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
@@ -118,6 +121,16 @@ def _job_parallelism(history: list[dict[str, Any]]) -> dict[str, Any]:
             "nodes": sum(p["nodes"] for p in ps) / len(ps),
             "speedup": sum(p["speedup"] for p in ps) / len(ps),
             "efficiency": sum(p["efficiency"] for p in ps) / len(ps)}
+
+
+def _transfer(ups: Sequence[sqlite3.Row], model_size: int, bytes_down: float | None) -> dict[str, Any]:
+    """A round's traffic: the updates' bytes up (every update received, whatever became of it),
+    the models' and chunks' bytes down (None when the hub did not count them: rounds closed before
+    it did), and the compression ratio: what the updates would weigh as full fp32 models over what
+    they weighed (1.0 until updates are encoded)."""
+    up = sum(int(u["size"]) for u in ups)
+    return {"updates": len(ups), "bytes_up": up, "bytes_down": None if bytes_down is None else int(bytes_down),
+            "compression_ratio": (len(ups) * model_size / up) if up else None}
 
 
 def _parallelism(ups: list[sqlite3.Row], wall_s: float) -> dict[str, Any]:

@@ -482,10 +482,12 @@ class RoundEngine:
         for s in job.shards.values():  # the round's flags that stand keep the reset
             for u in s.accepted:
                 self._run_before_flag.pop(u.id, None)
+        # what went down the wire for this round (its models and chunks; updates are in the store)
+        metrics = {**result["metrics"], "bytes_down": float(job.bytes_down)}
         outcome = RoundResult(
             model_hash=result["model_hash"], opt_state_sha=result["opt_state_sha"],
             statuses=dict(judgement.statuses), flags=list(judgement.flags), evidence=result["evidence"],
-            metrics=result["metrics"], train_loss=result["train_loss"], flagged_nodes=list(judgement.flagged_nodes))
+            metrics=metrics, train_loss=result["train_loss"], flagged_nodes=list(judgement.flagged_nodes))
         try:
             await self.store.close_round(job, outcome, flags=list(judgement.flags), withdrawn=list(judgement.withdrawn),
                                          cancelled=[a.id for a in leftovers], reputations=touched, last=last,

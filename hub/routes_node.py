@@ -47,6 +47,7 @@ from .errors import (
     Unprocessable,
 )
 from .manifests import check_streamed_manifest
+from .scheduler import NodeState
 from .tokens import enrollment_operator
 from .wire import (
     b64_header,
@@ -108,7 +109,7 @@ async def work(request: web.Request) -> web.Response:
             issued = await ledger.next_assignment(node, cached)
             _pass_on(wake, woken, got_work=issued is not None)
             if issued is not None:
-                return _assignment_response(request, issued.sealed, issued.model_hash, cached)
+                return _assignment_response(request, issued.sealed, issued.model_hash, cached, node)
             left = give_up - loop.time()
             if left <= 0:
                 break
@@ -135,7 +136,8 @@ def _pass_on(wake: WorkSignal, woken: Wake, *, got_work: bool) -> None:
         wake.offer(misses, woken.to)
 
 
-def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, cached: frozenset[str]) -> web.Response:
+def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, cached: frozenset[str],
+                         node: NodeState) -> web.Response:
     """The sealed assignment, followed by the model's bytes when the node asked for them inline.
 
     A node that sends ``X-GPUFlex-Inline-Max: N`` and does not list the model among its
@@ -155,6 +157,7 @@ def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, c
         if blob is not None and len(blob) <= inline_max:
             body = sealed + blob
             headers["X-GPUFlex-Sealed-Length"] = str(len(sealed))
+            request.app[LEDGER].count_served(node, model_hash, len(blob))
     request.app[METRICS].bytes_out += len(body)
     return web.Response(body=body, content_type="application/x-msgpack", headers=headers)
 
@@ -189,16 +192,26 @@ async def blob(request: web.Request) -> web.StreamResponse:
     if req.sha256 != sha:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
     ledger = app[LEDGER]
-    if not ledger.may_read_blob(ledger.known_node(signer, request.remote), sha):
+    node = ledger.known_node(signer, request.remote)
+    if not ledger.may_read_blob(node, sha):
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
     hot = app[BLOBS].hot(sha)
     if hot is not None:  # a small, recent blob (this round's model): no file to open
-        return _bytes_response(request, hot, headers)
+        resp = _bytes_response(request, hot, headers)
+        ledger.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
+        return resp
     path = app[BLOBS].path(sha)
     if not path.is_file():
         raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
-    app[METRICS].bytes_out += path.stat().st_size
+    size = path.stat().st_size
+    try:
+        start = request.http_range.start or 0
+    except ValueError:
+        start = 0
+    served = max(0, size - start) if start >= 0 else min(size, -start)
+    app[METRICS].bytes_out += served
+    ledger.count_served(node, sha, served)
     return web.FileResponse(path, headers=headers)
 
 

@@ -9,6 +9,7 @@ import sqlite3
 import time
 
 import aiohttp
+import pytest
 from gpuflex.hub.appkeys import LEDGER
 from gpuflex.protocol.messages import Ack, Assignment, NoWork, WorkRequest
 from gpuflex.protocol.signing import new_nonce, seal
@@ -41,6 +42,18 @@ async def test_one_node_job_runs_to_done(running_hub, digits_npz):
         assert [h["round"] for h in doc["history"]] == [0, 1]
         assert doc["history"][-1]["accuracy"] > 0.5
         assert doc["history"][-1]["updates"][0]["status"] == "included"
+        # what crossed the wire each round: round 0 the model and every chunk, round 1 the new
+        # model only (the node kept the chunks); one fp32 update up each round
+        (chunk_bytes,) = db_rows(running_hub, "SELECT SUM(size) FROM chunks WHERE job_id = ?", job["id"])[0]
+        models = dict(db_rows(running_hub, "SELECT version, sha FROM models WHERE job_id = ?", job["id"]))
+        model_bytes = [len(await node.blob(models[v])) for v in (0, 1)]
+        sizes = dict(db_rows(running_hub, "SELECT round, size FROM updates WHERE job_id = ?", job["id"]))
+        t0, t1 = (h["transfer"] for h in doc["history"])
+        assert t0["bytes_down"] == model_bytes[0] + chunk_bytes and t1["bytes_down"] == model_bytes[1]
+        assert (t0["bytes_up"], t1["bytes_up"]) == (sizes[0], sizes[1]) and t0["updates"] == 1
+        assert t0["compression_ratio"] == pytest.approx(model_bytes[0] / sizes[0]) and \
+            0.99 < t0["compression_ratio"] < 1.01  # fp32 updates: no compression yet
+        assert "bytes_down" not in doc["history"][0]["metrics"]
         assert isinstance(await node.work(0.1), NoWork)
         async with s.get(
             f"{running_hub.url}/v1/jobs/{job['id']}/model", headers=running_hub.auth()

@@ -223,6 +223,9 @@ async def job_page(request: web.Request) -> web.StreamResponse:
                 "efficiency": (h.get("parallel") or {}).get("efficiency"),
                 "shares": sorted((h.get("node_shares") or {}).items(), key=lambda kv: -kv[1]),
                 "unverified": len(h.get("unverified") or {}),
+                "bytes_up": (h.get("transfer") or {}).get("bytes_up"),
+                "bytes_down": (h.get("transfer") or {}).get("bytes_down"),
+                "compression": (h.get("transfer") or {}).get("compression_ratio"),
             }
         )
     covered = sum(len(sh["chunks"]) for sh in d["shards"] if sh["state"] == "settled")
