@@ -92,6 +92,7 @@ from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
 from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec  # noqa: E402
 from gpuflex.protocol.messages import Commitment, ComputeClass  # noqa: E402
 from gpuflex.protocol.tensors import encode_state  # noqa: E402
+from gpuflex.protocol.workload import assignment_steps  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
 
@@ -248,7 +249,8 @@ class Simulation:
         for uid in decision.update_ids:
             g = next(x for x in group if x.rec.update_id == uid)
             c = g.commitment
-            if c is None or not referee_grid_ok(c, cfg.local_epochs, g.rec.shard_samples, cfg.batch_size):
+            n_steps = assignment_steps(g.rec.shard_samples, cfg.batch_size, cfg.local_epochs, cfg.local_steps)
+            if c is None or not referee_grid_ok(c, n_steps):
                 verdicts[uid] = SegmentVerdict(uid, g.rec.node_id, "unverifiable", {"why": "no usable commitment"})
                 continue
             others = [o.commitment for o in group if o is not g and o.commitment is not None]

@@ -63,7 +63,7 @@ from .jobs import (
 )
 from .keys import audit_secret
 from .metrics import HubMetrics
-from .progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
+from .progress import Progress, heartbeat_deadline, stall_backoff
 from .rounds import RoundEngine
 from .scheduler import NodeState, Plan, Scheduler, clamp_sps, peak_flops
 from .store import FlagRecord, NodeProfile, Store
@@ -291,7 +291,7 @@ class Ledger:
         train = job.spec.train
         window = max(self.config.min_deadline_s, a.expected_s * train.deadline_slack)
         shard = job.shards.get(a.shard_id)
-        total = shard_steps(shard.samples if shard is not None else 0, train.batch_size, train.local_epochs)
+        total = train.steps(shard.samples if shard is not None else 0)
         last = self._progress.get(a.id, Progress())
         new_deadline, detail = heartbeat_deadline(
             now=now, issued_at=a.issued_at, deadline=a.deadline, window_s=window, steps=steps,
@@ -412,7 +412,7 @@ class Ledger:
             elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
         before = (node.ema_sps, node.updates_accepted)
-        self.scheduler.observe_throughput(node, shard.samples, job.spec.train.local_epochs, now - a.issued_at,
+        self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), 1, now - a.issued_at,
                                           self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
         node.updates_accepted += 1
         first = shard.first_update_at is None

@@ -21,10 +21,9 @@ re-execution (issue 14, item 4) can check. Pure function; the ledger applies it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-__all__ = ["Progress", "heartbeat_deadline", "shard_steps", "stall_backoff"]
+__all__ = ["Progress", "heartbeat_deadline", "stall_backoff"]
 
 MAX_STALL_BACKOFF_S = 3600.0
 
@@ -35,11 +34,6 @@ class Progress:
 
     steps: int = 0
     digest: bytes = b""
-
-
-def shard_steps(samples: int, batch_size: int, local_epochs: int) -> int:
-    """Optimizer steps one assignment of ``samples`` takes (the trainer's batches, every epoch)."""
-    return math.ceil(max(samples, 0) / max(batch_size, 1)) * max(local_epochs, 1)
 
 
 def heartbeat_deadline(*, now: float, issued_at: float, deadline: float, window_s: float, steps: int,

@@ -103,10 +103,9 @@ def _grid(c: Commitment) -> list[int]:
     return [*range(0, c.steps, c.every), c.steps]
 
 
-def referee_grid_ok(c: Commitment, local_epochs: int, samples: int, batch_size: int) -> bool:
-    """The commitment covers exactly the assignment's steps, one hash per checkpoint of its
-    grid and one norm per segment."""
-    steps = math.ceil(samples / max(batch_size, 1)) * local_epochs
+def referee_grid_ok(c: Commitment, steps: int) -> bool:
+    """The commitment covers exactly the assignment's ``steps`` (protocol/workload.py), one hash
+    per checkpoint of its grid and one norm per segment."""
     return c.steps == steps and c.every >= 1 and len(c.hashes) == len(_grid(c)) == len(c.norms) + 1
 
 

@@ -241,8 +241,7 @@ class RoundEngine:
             c = u.commitment
             base = {"check": "segment_replay", "round": job.round, "node": u.node_id, "update": uid,
                     "reason": decision.reason}
-            if c is None or not referee_grid_ok(c, job.spec.train.local_epochs, shard.samples,
-                                                job.spec.train.batch_size):
+            if c is None or not referee_grid_ok(c, job.spec.train.steps(shard.samples)):
                 at_once[uid] = SegmentVerdict(uid, u.node_id, "unverifiable", base | {
                     "why": "the update carries no usable checkpoint commitment"})
                 continue
@@ -446,7 +445,8 @@ class RoundEngine:
                 loss=u.loss, train_s=u.train_s,
                 node_samples_per_s=max(node.bench_sps, node.ema_sps) if node else 0.0, delta=d,
                 elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
-                param_count=params, local_epochs=int(job.spec.train.local_epochs),
+                param_count=params,
+                local_epochs=job.spec.train.processed(shard_of[u.id].samples) / max(shard_of[u.id].samples, 1),
             ))
         return out
 

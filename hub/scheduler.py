@@ -250,7 +250,7 @@ class Scheduler:
         return now + max(self.min_deadline_s, expected_s * job.spec.train.deadline_slack)
 
     def expected_s(self, job: JobState, samples: int, node: NodeState) -> float:
-        return samples * max(1, job.spec.train.local_epochs) / self.throughput(job, node)
+        return job.spec.train.processed(samples) / self.throughput(job, node)
 
     # -- compute classes and precision ----------------------------------------------------------
     @staticmethod
@@ -449,7 +449,10 @@ class Scheduler:
         speed = self.throughput(job, node)
         share = free_samples * speed / g.capacity if g.capacity > 0 else free_samples
         g.take(node.id)
-        want_samples = min(share, speed * train.round_target_s / max(1, train.local_epochs))
+        # what it trains in round_target_s: passes over the shard, or a fixed number of steps (then
+        # the time does not grow with the shard, and its share alone sizes it)
+        cap_samples = math.inf if train.local_steps > 0 else speed * train.round_target_s / max(1, train.local_epochs)
+        want_samples = min(share, cap_samples)
         picked: list[int] = []
         samples = 0
         cap = self.chunk_cap(node)

@@ -152,7 +152,8 @@ class UpdateRecord:
     elapsed_s: float | None = None
     peak_flops: float = 0.0
     param_count: int = 0
-    local_epochs: int = 1
+    #: passes over the shard the assignment asked for (local_steps makes it fractional)
+    local_epochs: float = 1
 
 
 @dataclass(frozen=True)
@@ -551,7 +552,7 @@ def _physical_min_train_s(r: UpdateRecord) -> float:
     """Fewest seconds the claimed training can take on this node (0 = unknown)."""
     if r.peak_flops <= 0 or r.param_count <= 0 or r.shard_samples <= 0:
         return 0.0
-    flops = 6.0 * r.param_count * r.shard_samples * max(r.local_epochs, 1)
+    flops = 6.0 * r.param_count * r.shard_samples * (r.local_epochs if r.local_epochs > 0 else 1)
     return flops / (r.peak_flops * FLOP_SAFETY)
 
 
@@ -568,7 +569,7 @@ def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
         if min_s >= MIN_TIMING_S and r.train_s < min_s:
             problems.append(
                 f"train_s {r.train_s:.4g} s is below the physical minimum {min_s:.4g} s "
-                f"(6 x {r.param_count} params x {r.shard_samples} samples x {r.local_epochs} epochs "
+                f"(6 x {r.param_count} params x {r.shard_samples} samples x {r.local_epochs:g} epochs "
                 f"at {FLOP_SAFETY:g}x the node's benchmarked {r.peak_flops:.3g} FLOP/s)"
             )
         if r.elapsed_s is not None and r.train_s > r.elapsed_s + 1.0:

@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -61,6 +60,7 @@ from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import SigningKey, fingerprint, new_nonce
 from gpuflex.protocol.tensors import check_finite
 from gpuflex.protocol.version import SOFTWARE_VERSION
+from gpuflex.protocol.workload import assignment_steps, samples_processed
 from torch import Tensor
 
 from .assignment import check_assignment, load_inputs
@@ -227,7 +227,8 @@ class NodeAgent:
                 device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_loss=on_loss,
             )
         n = sum(int(c["x"].shape[0]) for c in chunks)
-        total = math.ceil(n / max(assignment.train.batch_size, 1)) * assignment.train.local_epochs
+        t = assignment.train
+        total = assignment_steps(n, t.batch_size, t.local_epochs, t.local_steps)
         every = auto_every(total, assignment.train.checkpoint_every)
         recorder = CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
                                       store=self.checkpoints, assignment_id=assignment.assignment_id)
@@ -570,7 +571,9 @@ class NodeAgent:
                 check_finite(result.delta)
             except ProtocolError as exc:
                 raise TrainError(f"training diverged: {exc}") from exc
-            self.last_samples_per_s = result.sample_count * a.train.local_epochs / max(result.train_s, 1e-9)
+            processed = samples_processed(result.sample_count, a.train.batch_size, a.train.local_epochs,
+                                          a.train.local_steps)
+            self.last_samples_per_s = processed / max(result.train_s, 1e-9)
             self.output.event(
                 "trained", assignment_id=a.assignment_id, loss=result.loss, train_s=round(result.train_s, 4),
                 steps=result.steps, samples_per_s=round(self.last_samples_per_s, 1),
@@ -586,7 +589,7 @@ class NodeAgent:
             if sent is not None:
                 self._seen_assignments.add(a.assignment_id)  # done: the same one again is a replay
                 self.totals.uploaded += 1
-                self.totals.samples_trained += result.sample_count * a.train.local_epochs
+                self.totals.samples_trained += processed
                 self.totals.train_s += result.train_s
                 self.output.event(
                     "uploaded", assignment_id=a.assignment_id, update_sha256=sent.sha256, bytes=sent.size,

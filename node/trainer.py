@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from gpuflex.protocol.modelspec import build_for_state
+from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
 from .errors import TrainError, TrainingStopped
@@ -190,7 +191,9 @@ def train_assignment(
     on_step: Callable[[int, nn.Module, LocalOptimizer], None] | None = None,
     on_loss: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
-    """Train ``cfg.local_epochs`` epochs on the concatenated chunks; return the delta.
+    """Train ``cfg.local_epochs`` epochs on the concatenated chunks (or exactly
+    ``cfg.local_steps`` steps through the same per-epoch permutations when it is set,
+    protocol/workload.py); return the delta.
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
     when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
@@ -209,9 +212,9 @@ def train_assignment(
     x_cpu, y_cpu = stack_chunks(spec, chunks)
     n = int(x_cpu.shape[0])
     bs = int(cfg.batch_size)
-    epochs = int(cfg.local_epochs)
     steps_per_epoch = math.ceil(n / bs)
-    total_steps = steps_per_epoch * epochs
+    total_steps = assignment_steps(n, bs, int(cfg.local_epochs), int(cfg.local_steps))
+    epochs = math.ceil(total_steps / steps_per_epoch) if steps_per_epoch else 0
     report_every = max(1, min(total_steps // 100, 16))
 
     model = _load_model(spec, global_state, device)
@@ -246,11 +249,14 @@ def train_assignment(
         torch.manual_seed(seed)  # dropout and any other in-model randomness
         if on_step is not None:
             on_step(0, model, optimizer)
+        last_seen = 0  # samples the last (possibly partial) epoch ran through: its mean loss
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(seed + epoch)
             perm = torch.randperm(n, generator=gen).to(device)
             last_epoch = epoch == epochs - 1
             for start in range(0, n, bs):
+                if step >= total_steps:  # local_steps ends mid-epoch
+                    break
                 if stop():
                     raise TrainingStopped("training stopped between batches")
                 idx = perm[start : start + bs]
@@ -272,6 +278,7 @@ def train_assignment(
                     optimizer.step()
                 if last_epoch:
                     loss_sum += loss.detach().float() * idx.shape[0]
+                    last_seen += int(idx.shape[0])
                 step += 1
                 if on_step is not None:
                     on_step(step, model, optimizer)
@@ -279,7 +286,7 @@ def train_assignment(
                     progress(step / total_steps)
                 if on_loss is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
                     on_loss(step, float(loss.detach()))
-    mean_loss = float(loss_sum) / n  # synchronizes on CUDA
+    mean_loss = float(loss_sum) / max(last_seen, 1)  # synchronizes on CUDA
     train_s = time.perf_counter() - started
     if progress is not None and step % report_every != 0:
         progress(1.0)

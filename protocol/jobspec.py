@@ -19,6 +19,7 @@ from .compute import JOB_PRECISIONS
 from .errors import SpecError
 from .messages import TrainConfig
 from .modelspec import ModelSpec
+from .workload import assignment_steps, samples_processed
 
 MAX_SPEC_BYTES: Final = 1 << 20
 MAX_SEED: Final = (1 << 63) - 1
@@ -50,6 +51,10 @@ class TrainSpec:
     #: fp32 | tf32 | bf16 | fp16, or "auto": each node's fastest (protocol/compute.auto_precision:
     #: bf16 on CUDA cc >= 8.0, fp16 on older CUDA, fp32 on a CPU or MPS)
     precision: str = "auto"
+    #: optimizer steps per assignment, in place of local_epochs passes (0: local_epochs decide).
+    #: With [aggregation] server_optimizer = "nesterov" this is a DiLoCo round: a fixed amount of
+    #: local work per model sent, whatever the shard's size
+    local_steps: int = 0
 
     def train_config(self, precision: str | None = None) -> TrainConfig:
         """The per-assignment training settings sent to nodes. ``precision``: what this node
@@ -68,7 +73,16 @@ class TrainSpec:
             loss=self.loss,
             grad_clip=self.grad_clip,
             precision=precision,
+            local_steps=self.local_steps,
         )
+
+    def steps(self, samples: int) -> int:
+        """Optimizer steps of one assignment over ``samples`` (protocol/workload.py)."""
+        return assignment_steps(samples, self.batch_size, self.local_epochs, self.local_steps)
+
+    def processed(self, samples: int) -> int:
+        """Samples one assignment over ``samples`` runs through (protocol/workload.py)."""
+        return samples_processed(samples, self.batch_size, self.local_epochs, self.local_steps)
 
 
 @dataclass(frozen=True)
@@ -236,6 +250,7 @@ def _train(s: _Section, task: str) -> TrainSpec:
     spec = TrainSpec(
         rounds=s.get_int("rounds", d.rounds, 1, 1_000_000),
         local_epochs=s.get_int("local_epochs", d.local_epochs, 1, 1000),
+        local_steps=s.get_int("local_steps", d.local_steps, 0, 1 << 30),
         batch_size=s.get_int("batch_size", d.batch_size, 1, 1 << 20),
         optimizer=s.get_choice("optimizer", d.optimizer, OPTIMIZERS),
         lr=s.get_float("lr", d.lr, 0.0, 100.0, lo_open=True),

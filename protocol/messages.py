@@ -367,6 +367,9 @@ class TrainConfig:
     #: commit to checkpoints at all; False when the job can never ask the referee (no replica,
     #: no spot-check: VerificationSpec.asks_referee), so the node skips the commitment's cost
     commit: Annotated[bool, Bool()] = True
+    #: optimizer steps per assignment instead of ``local_epochs`` passes (0: the epochs);
+    #: protocol/workload.py
+    local_steps: Annotated[int, Int(0, 1 << 30)] = 0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from gpuflex.hub.admission import Admission, address_block
 from gpuflex.hub.config import HubConfig
 from gpuflex.hub.errors import Forbidden, TooManyRequests
 from gpuflex.hub.policy import bound_weights, norm_bound_scales
-from gpuflex.hub.progress import Progress, heartbeat_deadline, shard_steps, stall_backoff
+from gpuflex.hub.progress import Progress, heartbeat_deadline, stall_backoff
 from gpuflex.hub.tokens import create_token
 from gpuflex.hub.verification import Reputation, is_trusted, record_flag, record_withdrawn
 from gpuflex.protocol.errors import SpecError
@@ -36,6 +36,7 @@ from gpuflex.protocol.messages import Ack, Assignment, NoWork, progress_digest
 from gpuflex.protocol.signing import new_nonce, seal_bytes
 from gpuflex.protocol.tensors import decode_state, encode_state, state_from_safetensors
 from gpuflex.protocol.version import PROTOCOL_VERSION
+from gpuflex.protocol.workload import assignment_steps
 
 from tests.helpers import (
     SimNode,
@@ -651,7 +652,7 @@ def test_the_trainer_reports_steps_and_losses_for_the_progress_chain():
     res = train_assignment(job.model, state, [chunk], job.train.train_config(), 1, device=torch.device("cpu"),
                            on_loss=lambda step, loss: seen.append((step, loss)))
     steps = [s for s, _ in seen]
-    assert steps == sorted(set(steps)) and steps[-1] == res.steps == shard_steps(64, 8, 2)
+    assert steps == sorted(set(steps)) and steps[-1] == res.steps == assignment_steps(64, 8, 2)
     assert all(math.isfinite(v) and v > 0 for _, v in seen)
     digest = bytes(32)
     for step, loss in seen:
@@ -717,7 +718,7 @@ def test_heartbeat_deadline_rule():
     assert heartbeat_deadline(steps=51, digest=d1, last=Progress(), **kw)[0] == 120.0  # more than the shard has
     late = {**kw, "now": 200.0, "deadline": 205.0}
     assert heartbeat_deadline(steps=2, digest=d1, last=Progress(1, bytes(32)), **late)[0] == 210.0  # 90 + 4 x 30
-    assert shard_steps(100, 32, 2) == 8
+    assert assignment_steps(100, 32, 2) == 8
     assert [stall_backoff(n, 30.0) for n in range(4)] == [0.0, 30.0, 60.0, 120.0]
     assert stall_backoff(30, 30.0) == 3600.0
 
