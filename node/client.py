@@ -17,7 +17,7 @@ import base64
 import json
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -51,6 +51,7 @@ from .errors import (
 )
 
 M = TypeVar("M")
+UPLOAD_PIECE = 1 << 20  # an upload that reports progress goes out this many bytes at a time
 
 MAX_RESPONSE_BYTES = 2 << 20  # sealed control messages are <= 1 MiB
 INLINE_MODEL_MAX = 1 << 20  # a model this small may come inside the work answer (no extra request)
@@ -305,9 +306,12 @@ class HubClient:
         except _NET_ERRORS as exc:
             raise HubUnavailable(f"GET blob {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
 
-    async def upload_update(self, header: UpdateHeader, body: bytes | memoryview) -> Ack:
-        """POST the update's bytes from ``header.offset`` on (``body`` is just those)."""
-        return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload")
+    async def upload_update(self, header: UpdateHeader, body: bytes | memoryview,
+                            on_bytes: Callable[[int], None] | None = None) -> Ack:
+        """POST the update's bytes from ``header.offset`` on (``body`` is just those);
+        ``on_bytes(n)`` as each MiB goes out."""
+        return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload",
+                                       on_bytes=on_bytes)
 
     async def upload_offset(self, header: UpdateHeader) -> UploadOffset:
         """How many leading bytes of this update an interrupted upload left with the hub."""
@@ -320,16 +324,31 @@ class HubClient:
                                        "state upload")
 
     async def _post_sealed(self, path: str, header_name: str, sealed: bytes, body: bytes | memoryview,
-                           what: str, answer: type[M] = Ack) -> M:  # type: ignore[assignment]
+                           what: str, answer: type[M] = Ack,  # type: ignore[assignment]
+                           on_bytes: Callable[[int], None] | None = None) -> M:
         """POST raw bytes with their signed header (base64 in ``header_name``); the hub's signed
-        answer (an Ack unless ``answer`` says otherwise)."""
+        answer (an Ack unless ``answer`` says otherwise). With ``on_bytes`` the body goes out a
+        MiB at a time (with its Content-Length, never chunked), reporting each."""
         token = base64.urlsafe_b64encode(sealed).decode("ascii")
         self.requests += 1
+        headers = {header_name: token, "Content-Type": "application/octet-stream"}
+        data: Any = body
+        if on_bytes is not None:
+            view = memoryview(body).cast("B")
+            headers["Content-Length"] = str(len(view))
+
+            async def pieces() -> AsyncIterator[memoryview]:
+                for at in range(0, len(view), UPLOAD_PIECE):
+                    piece = view[at : at + UPLOAD_PIECE]
+                    yield piece
+                    on_bytes(len(piece))
+
+            data = pieces()
         try:
             async with self.session.post(
                 self._url(path),
-                data=body,
-                headers={header_name: token, "Content-Type": "application/octet-stream"},
+                data=data,
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=120),
             ) as resp:
                 data = await _read_limited(resp, MAX_RESPONSE_BYTES)

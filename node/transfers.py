@@ -39,6 +39,30 @@ log = logging.getLogger(__name__)
 
 DOWNLOADS_IN_FLIGHT = 4  # round trips overlap, memory stays bounded
 DOWNLOAD_ATTEMPTS = 6
+#: a transfer at least this big reports its progress (a `progress` event), at most every
+#: PROGRESS_EVERY_S and once more when it is complete
+PROGRESS_MIN_BYTES = 1 << 20
+PROGRESS_EVERY_S = 1.0
+
+
+class TransferProgress:
+    """Counts one transfer's bytes and says how far it is: ``progress`` events with what moves
+    (upload | download), the blob, the bytes so far (a resumed transfer starts at its offset)
+    and the total; quiet below PROGRESS_MIN_BYTES."""
+
+    def __init__(self, output: Output, what: str, sha256: str, total: int, start: int = 0) -> None:
+        self.output, self.what, self.sha256, self.total = output, what, sha256, total
+        self.done = start
+        self._last = time.monotonic()
+        self._loud = total >= PROGRESS_MIN_BYTES
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self._loud and (self.done >= self.total or now - self._last >= PROGRESS_EVERY_S):
+            self._last = now
+            self.output.event("progress", what=self.what, sha256=self.sha256, bytes=self.done, total=self.total,
+                              percent=round(100.0 * self.done / self.total, 1) if self.total else 100.0)
 
 
 @dataclass(frozen=True)
@@ -142,14 +166,19 @@ class Transfers:
         backoff = Backoff(self._backoff_base_s, self._backoff_cap_s)
         got = 0
 
+        meter: TransferProgress | None = None
+
         def count(n: int) -> None:
             nonlocal got
             got += n
             self.totals.bytes_downloaded += n
+            if meter is not None:
+                meter.add(n)
 
         for attempt in range(DOWNLOAD_ATTEMPTS):
             # Opening a resumable writer re-hashes the partial file: a worker thread's job.
             writer = await asyncio.to_thread(self.cache.writer, sha, size, resume=True)
+            meter = TransferProgress(self.output, "download", sha, size, writer.offset)
             try:
                 await client.download_blob(sha, writer, on_bytes=count)
                 await asyncio.to_thread(writer.commit)
@@ -232,8 +261,9 @@ class Transfers:
                 offset = held if 0 <= held <= len(view) else 0
                 if offset:
                     self.output.event("resume", assignment_id=a.assignment_id, offset=offset, size=len(view))
+            meter = TransferProgress(self.output, "upload", digest, len(view), offset)
             try:
-                ack = await client.upload_update(header_at(offset), view[offset:])
+                ack = await client.upload_update(header_at(offset), view[offset:], on_bytes=meter.add)
             except HubUnavailable as exc:
                 await wait_or_give_up(exc)
                 ask_offset = True

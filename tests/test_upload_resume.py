@@ -50,6 +50,9 @@ async def test_a_node_resumes_an_update_upload_the_line_cut_in_the_middle(tmp_pa
         resumed = out.of("resume")
         assert len(resumed) == 1, out.raw
         assert 0 < resumed[0]["offset"] < size and resumed[0]["size"] == size
+        # the long transfer said how far it was: the resumed upload counts from its offset, to the end
+        ups = [e for e in out.of("progress") if e["what"] == "upload"]
+        assert ups and ups[-1]["bytes"] == ups[-1]["total"] == size and ups[-1]["percent"] == 100.0
         # The node sent the update once, not once and 40 %: what came before the cut stayed.
         assert size < relay.sent_watched < size + (64 << 10), (relay.sent_watched, size)
         deadline = time.monotonic() + 30
