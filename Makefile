@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/codec.py
 	$(PY) bench/trainer.py
 	$(PY) bench/aggregate.py
+	$(PY) bench/model_delta.py
 	$(PY) bench/hub_load.py
 	$(PY) bench/robustness.py
 	$(PY) bench/heterogeneity.py

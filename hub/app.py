@@ -22,6 +22,7 @@ from .appkeys import (
     BLOBS,
     CONFIG,
     DB,
+    DELTAS,
     FIRST_ADMIN_TOKEN,
     HUB_KEY,
     IO_POOL,
@@ -36,6 +37,7 @@ from .blobs import BlobStore
 from .config import HubConfig
 from .datalock import DataLock
 from .db import Database
+from .deltas import ModelDeltas
 from .edge import guard_edge
 from .errors import HubError, TooManyRequests
 from .keys import load_or_create_hub_key
@@ -134,6 +136,7 @@ def create_app(config: HubConfig) -> web.Application:
     app[AUDIT] = audit
     app[LOOPS] = LoopHealth()
     app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
+    app[DELTAS] = ModelDeltas(blobs, app[IO_POOL])
     app[FIRST_ADMIN_TOKEN] = admin_token
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)

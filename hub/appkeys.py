@@ -11,6 +11,7 @@ from .auditlog import AuditLog
 from .blobs import BlobStore
 from .config import HubConfig
 from .db import Database
+from .deltas import ModelDeltas
 from .ledger import Ledger
 from .loops import LoopHealth
 from .metrics import HubMetrics
@@ -25,6 +26,8 @@ STORE = web.AppKey("store", Store)
 #: the background loops' health (a dead loop turns /healthz 503)
 LOOPS = web.AppKey("loops", LoopHealth)
 BLOBS = web.AppKey("blobs", BlobStore)
+#: model deltas for nodes that hold the previous model (hub/deltas.py)
+DELTAS = web.AppKey("deltas", ModelDeltas)
 HUB_KEY = web.AppKey("hub_key", SigningKey)
 REPLAY = web.AppKey("replay", ReplayGuard)
 METRICS = web.AppKey("metrics", HubMetrics)

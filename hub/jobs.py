@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from .store import Store
 
 ACTIVE_STATES = ("queued", "running")
+#: earlier models kept named in memory at least: a node holding one gets the next as a delta
+DELTA_BASES = 2
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ class JobState:
     def note_model(self, round_: int, sha: str) -> None:
         """The model round ``round_`` trains from; rounds older than the trend's span are dropped."""
         self.models[round_] = sha
-        keep = int(self.spec.verification.trend_rounds)
+        keep = max(int(self.spec.verification.trend_rounds), DELTA_BASES)
         for r in [r for r in self.models if r < round_ - keep]:
             del self.models[r]
 

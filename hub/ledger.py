@@ -338,6 +338,16 @@ class Ledger:
         """A node reads the model and the chunks of its live assignments, nothing else."""
         return any(a.model_hash == sha or sha in a.chunk_shas for a in self.scheduler.live_for(node.id))
 
+    def delta_base_ok(self, node: NodeState, sha: str, base: str) -> bool:
+        """May ``node`` have model ``sha`` as a delta from ``base``? Only when ``sha`` is the model of
+        one of its live assignments and ``base`` an earlier model of that job (a delta from any
+        other blob would let a node read what it was never sent)."""
+        for a in self.scheduler.live_for(node.id):
+            if a.model_hash == sha:
+                job = self.scheduler.jobs.get(a.job_id)
+                return job is not None and base != sha and base in job.models.values()
+        return False
+
     def count_served(self, node: NodeState, sha: str, nbytes: int) -> None:
         """``nbytes`` of ``sha`` went to ``node``: they count for the round of the live assignment
         that names it (the round's bytes down, in its job status)."""

@@ -99,6 +99,21 @@ def openapi_document() -> dict[str, Any]:
             ],
             "responses": {"200": {"description": "blob bytes"}, "206": {"description": "partial blob"},
                           **_errors(400, 401, 403, 404, 409, 416)}}},
+        "/v1/blobs/{sha256}/from/{base}": {"get": {
+            "summary": "a model as a delta (GFD1: shuffled XOR, deflated) from an earlier model of the same job",
+            "tags": ["node"],
+            "parameters": [
+                {"name": "sha256", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+                {"name": "base", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+                {"name": "X-GPUFlex-Auth", "in": "header", "required": True,
+                 "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed BlobRequest for sha256"},
+            ],
+            "responses": {"200": {"description": "the delta (protocol/blobdelta.py); X-GPUFlex-Delta-From names the base"},
+                          **_errors(400, 401, 403, 404)},
+            "description": "sha256 must be the model of a live assignment of the caller (403 not_assigned), base an "
+                           "earlier model of that job the hub still names (404 no_delta otherwise, and when the two "
+                           "differ in layout): the node applies it to the base it holds and checks the result against "
+                           "the signed model_hash; on 404 it downloads the whole model"}},
         "/v1/updates": {"post": {
             "summary": "upload a trained update: signed header + raw update blob, streamed and hashed",
             "tags": ["node"],

@@ -34,7 +34,7 @@ from gpuflex.protocol.modelspec import manifest
 from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
-from .appkeys import BLOBS, CONFIG, DB, HUB_KEY, IO_POOL, LEDGER, METRICS
+from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
 from .blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from .errors import (
     BadRequest,
@@ -213,6 +213,32 @@ async def blob(request: web.Request) -> web.StreamResponse:
     app[METRICS].bytes_out += served
     ledger.count_served(node, sha, served)
     return web.FileResponse(path, headers=headers)
+
+
+@routes.get("/v1/blobs/{sha256}/from/{base}")
+async def blob_delta(request: web.Request) -> web.Response:
+    """Model ``sha256`` as a delta from ``base``, an earlier model of the same job the node holds
+    (protocol/blobdelta.py); the node applies it and checks the result against the signed
+    model_hash. 404 no_delta when there is none to give: the node downloads the whole model."""
+    app = request.app
+    sha = check_blob_id(request.match_info["sha256"])
+    base = check_blob_id(request.match_info["base"])
+    data = b64_header(request, "X-GPUFlex-Auth")
+    req, signer = open_node_message(request, data, BlobRequest)
+    if req.sha256 != sha:
+        raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
+    ledger = app[LEDGER]
+    node = ledger.known_node(signer, request.remote)
+    if not ledger.may_read_blob(node, sha):
+        raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
+    if not ledger.delta_base_ok(node, sha, base):
+        raise NotFound("no delta to that model from this base: download the whole model", code="no_delta")
+    delta = await app[DELTAS].get(base, sha)
+    if delta is None:
+        raise NotFound("the two models differ in layout: download the whole model", code="no_delta")
+    app[METRICS].bytes_out += len(delta)
+    ledger.count_served(node, sha, len(delta))
+    return web.Response(body=delta, headers={"Content-Type": "application/octet-stream", "X-GPUFlex-Delta-From": base})
 
 
 def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:

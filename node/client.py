@@ -313,6 +313,24 @@ class HubClient:
         return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload",
                                        on_bytes=on_bytes)
 
+    async def download_delta(self, sha256: str, base: str, limit: int) -> bytes:
+        """Model ``sha256`` as a delta from ``base`` (protocol/blobdelta.py), at most ``limit``
+        bytes; HubError ``no_delta`` when the hub has none to give."""
+        req = BlobRequest(sha256=sha256, timestamp=self.now(), nonce=new_nonce())
+        auth = base64.urlsafe_b64encode(seal(self.key, req)).decode("ascii")
+        self.requests += 1
+        try:
+            async with self.session.get(
+                self._url(f"/v1/blobs/{sha256}/from/{base}"), headers={"X-GPUFlex-Auth": auth},
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60),
+            ) as resp:
+                data = await _read_limited(resp, limit)
+                if resp.status != 200:
+                    raise _error_from(resp.status, data, f"GET delta {sha256[:12]}")
+                return data
+        except _NET_ERRORS as exc:
+            raise HubUnavailable(f"GET delta {sha256[:12]}: {type(exc).__name__}: {exc}"[:300]) from exc
+
     async def upload_offset(self, header: UpdateHeader) -> UploadOffset:
         """How many leading bytes of this update an interrupted upload left with the hub."""
         return await self._post_sealed("/v1/updates/offset", "X-GPUFlex-Update", seal(self.key, header), b"",

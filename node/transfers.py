@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from gpuflex.protocol.blobdelta import apply_delta
+from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Ack, Assignment, UpdateHeader
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import StateEncoder, sha256_hex
@@ -134,12 +136,19 @@ class Transfers:
                 self.cache.touch(sha)
             else:
                 missing.append((sha, size, kind))
-        if self._last_model is not None and self._last_model != a.model_hash:
-            self.cache.discard(self._last_model)  # a model blob serves one round: do not let them pile up
+        previous = self._last_model
+        by_delta = 0
+        if previous is not None and previous != a.model_hash and any(k == "model" for _, _, k in missing):
+            # the node holds last round's model: ask for this one as a delta from it
+            by_delta = await self.model_from_delta(client, a, previous)
+            if by_delta:
+                missing = [m for m in missing if m[2] != "model"]
+        if previous is not None and previous != a.model_hash:
+            self.cache.discard(previous)  # a model blob serves one round: do not let them pile up
         self._last_model = a.model_hash
         self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
                           misses=len(missing))
-        fetched = 0
+        fetched = by_delta
         gate = asyncio.Semaphore(DOWNLOADS_IN_FLIGHT)
 
         async def one(sha: str, size: int, kind: str) -> None:
@@ -160,6 +169,37 @@ class Transfers:
                 first = first.exceptions[0]
             raise first from None
         return fetched
+
+    async def model_from_delta(self, client: HubClient, a: Assignment, base: str) -> int:
+        """Make the assignment's model from the cached ``base`` and the hub's delta; the delta's
+        bytes once the model is in the cache, checked against the signed model_hash (0: not done;
+        any failure, no delta, a bad one, the network, leaves the whole download to the caller)."""
+        if not self.cache.has(base):
+            return 0
+        try:
+            delta = await client.download_delta(a.model_hash, base, a.model_size + (64 << 10))
+        except (HubError, HubUnavailable) as exc:
+            if getattr(exc, "code", "") != "no_delta":
+                self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc),
+                                  action="download the whole model")
+            return 0
+
+        def build() -> None:
+            model = apply_delta(self.cache.touch(base).read_bytes(), delta)
+            writer = self.cache.writer(a.model_hash, a.model_size, resume=False)
+            writer.write(model)
+            writer.commit()  # checks the sha256 against the signed model_hash
+
+        try:
+            await asyncio.to_thread(build)
+        except (BlobError, ProtocolError, OSError) as exc:
+            self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc),
+                              action="download the whole model")
+            return 0
+        self.totals.bytes_downloaded += len(delta)
+        self.output.event("download", assignment_id=a.assignment_id, sha256=a.model_hash, kind="model",
+                          bytes=len(delta), delta_from=base, model_bytes=a.model_size)
+        return len(delta)
 
     async def download(self, client: HubClient, sha: str, size: int) -> int:
         """One blob into the cache, resuming a partial file; bytes received."""

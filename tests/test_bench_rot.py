@@ -37,3 +37,14 @@ def test_the_simulation_runs_the_hubs_policy_and_catches_the_adversary() -> None
     assert r["nodes"] == 60 and r["rounds"] == 4 and r["shards_per_round"] > 1
     assert r["adversary_updates"] > 0 and r["detection_rate"] == 1.0 and r["honest_flagged"] == 0
     assert r["hub_cpu_ms_per_node_round"] > 0 and r["shard_balance_median"] >= 1.0
+
+
+def test_model_delta_bench_runs_on_one_small_job(tmp_path: Path) -> None:
+    import json
+
+    import model_delta
+
+    out = tmp_path / "d.json"
+    assert model_delta.main(["--rounds", "1", "--jobs", "cnn", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["ratios"]["cnn_model_bytes_vs_delta"] > 1.0 and r["figures"]["cnn"]["rounds"][0]["delta_bytes"] > 0

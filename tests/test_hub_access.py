@@ -72,6 +72,9 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                    other_node=(403, "not_your_assignment")),
     ("GET", "/v1/blobs/{sha256}"): _node(unsigned=(401, "missing_auth"), node=(200, None),
                                          other_node=(403, "not_assigned")),
+    # the world's jobs are in round 0: no earlier model to make a delta from
+    ("GET", "/v1/blobs/{sha256}/from/{base}"): _node(unsigned=(401, "missing_auth"), node=(404, "no_delta"),
+                                                     other_node=(403, "not_assigned")),
     ("POST", "/v1/updates"): _node(unsigned=(401, "missing_auth"), node=(200, None),
                                    other_node=(403, "not_your_assignment")),
     ("POST", "/v1/updates/offset"): _node(unsigned=(401, "missing_auth"), node=(200, None),
@@ -208,6 +211,12 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
     if role in TOKEN_ROLES:
         headers["Authorization"] = f"Bearer {w.tokens[role]}"
     now = time.time()
+    if path == "/v1/blobs/{sha256}/from/{base}":
+        sha = a.model_hash
+        if signer is not None:
+            headers["X-GPUFlex-Auth"] = _b64(seal(signer.key, BlobRequest(sha256=sha, timestamp=now,
+                                                                          nonce=new_nonce())))
+        return {"method": method, "path": f"/v1/blobs/{sha}/from/{'0' * 64}", "headers": headers}
     if path == "/v1/blobs/{sha256}":
         sha = a.chunks[0].sha256
         if signer is not None:
