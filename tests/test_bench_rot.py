@@ -48,3 +48,9 @@ def test_model_delta_bench_runs_on_one_small_job(tmp_path: Path) -> None:
     assert model_delta.main(["--rounds", "1", "--jobs", "cnn", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["ratios"]["cnn_model_bytes_vs_delta"] > 1.0 and r["figures"]["cnn"]["rounds"][0]["delta_bytes"] > 0
+
+
+async def test_hub_load_sustained_mode_spreads_the_arrivals() -> None:
+    r = await hub_load.run_once(6, 2, "inproc", None, spread_s=0.3)
+    assert r["mode"] == "sustained" and r["spread_s"] == 0.3 and r["final_state"] == "done"
+    assert r["nodes"] == 6 and float(r["p99_assignment_ms"]) >= 0  # type: ignore[arg-type]
