@@ -2,7 +2,8 @@
 the event loop, and kept for the few pairs a round asks for.
 
 Every node that held last round's model asks for the same delta, so the first request makes it
-(in the I/O pool) and the others wait on that one; the newest ``keep`` deltas stay in memory.
+(in the I/O pool) and the others wait on that one; the newest ``keep`` deltas stay in memory, and
+never more than ``max_bytes`` of them (a 100 MB model's delta is some 60 MB).
 """
 
 from __future__ import annotations
@@ -17,14 +18,21 @@ from .blobs import BlobStore
 
 #: deltas kept in memory (a round's model from its one or two predecessors, for a few jobs)
 KEEP = 8
+#: and at most this many bytes of them (the newest one is always kept)
+MAX_BYTES = 256 << 20
 
 
 class ModelDeltas:
-    def __init__(self, blobs: BlobStore, pool: Executor, keep: int = KEEP) -> None:
+    def __init__(self, blobs: BlobStore, pool: Executor, keep: int = KEEP, max_bytes: int = MAX_BYTES) -> None:
         self.blobs = blobs
         self.pool = pool
         self.keep = keep
+        self.max_bytes = max_bytes
         self._made: OrderedDict[tuple[str, str], asyncio.Future[bytes | None]] = OrderedDict()
+
+    def _held(self) -> int:
+        return sum(len(f.result() or b"") for f in self._made.values()
+                   if f.done() and not f.cancelled() and f.exception() is None)
 
     async def get(self, base: str, new: str) -> bytes | None:
         """The delta from blob ``base`` to blob ``new`` (None: they differ in size)."""
@@ -38,11 +46,14 @@ class ModelDeltas:
         else:
             self._made.move_to_end(key)
         try:
-            return await asyncio.shield(fut)
+            delta = await asyncio.shield(fut)
         except BaseException:
             if fut.done():
                 self._made.pop(key, None)  # a failed one is made again next time
             raise
+        while len(self._made) > 1 and self._held() > self.max_bytes:
+            self._made.popitem(last=False)
+        return delta
 
     def _make(self, base: str, new: str) -> bytes | None:
         return make_delta(self.blobs.read(base), self.blobs.read(new))

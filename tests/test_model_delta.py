@@ -135,3 +135,24 @@ async def test_a_delta_is_given_only_from_an_earlier_model_of_the_same_job(tmp_p
             assert await ask(a.model_hash, "0" * 64, other) == (403, "not_assigned")
     finally:
         await hub.stop()
+
+
+async def test_the_hub_makes_each_delta_once_and_keeps_a_bounded_few(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuflex.hub.blobs import BlobStore
+    from gpuflex.hub.deltas import ModelDeltas
+
+    blobs = BlobStore(tmp_path / "blobs")
+    models = [blobs.put(os.urandom(4096)) for _ in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        deltas = ModelDeltas(blobs, pool, keep=8, max_bytes=6000)
+        made = []
+        original = deltas._make
+        deltas._make = lambda b, n: made.append((b, n)) or original(b, n)  # type: ignore[method-assign]
+        first, again = await asyncio.gather(deltas.get(models[0], models[1]), deltas.get(models[0], models[1]))
+        assert first == again and made == [(models[0], models[1])]  # two asks, one delta made
+        assert apply_delta(blobs.read(models[0]), first) == blobs.read(models[1])
+        await deltas.get(models[1], models[2])
+        await deltas.get(models[2], models[3])
+        assert list(deltas._made) == [(models[2], models[3])]  # random bytes: ~4 KB each, 6,000 bytes kept at most
