@@ -422,7 +422,7 @@ class Ledger:
             elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
         before = (node.ema_sps, node.updates_accepted)
-        self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), 1, now - a.issued_at,
+        self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
                                           self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
         node.updates_accepted += 1
         first = shard.first_update_at is None

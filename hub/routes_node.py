@@ -183,18 +183,26 @@ async def abandon(request: web.Request) -> web.Response:
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
-@routes.get("/v1/blobs/{sha256}")
-async def blob(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    sha = check_blob_id(request.match_info["sha256"])  # before anything touches the disk
+def _blob_reader(request: web.Request, sha: str) -> NodeState:
+    """The node whose signed BlobRequest (X-GPUFlex-Auth) names ``sha``, a blob one of its live
+    assignments names; 400/401/403 otherwise."""
     data = b64_header(request, "X-GPUFlex-Auth")
     req, signer = open_node_message(request, data, BlobRequest)
     if req.sha256 != sha:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
-    ledger = app[LEDGER]
+    ledger = request.app[LEDGER]
     node = ledger.known_node(signer, request.remote)
     if not ledger.may_read_blob(node, sha):
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
+    return node
+
+
+@routes.get("/v1/blobs/{sha256}")
+async def blob(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    sha = check_blob_id(request.match_info["sha256"])  # before anything touches the disk
+    node = _blob_reader(request, sha)
+    ledger = app[LEDGER]
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
     hot = app[BLOBS].hot(sha)
     if hot is not None:  # a small, recent blob (this round's model): no file to open
@@ -223,14 +231,8 @@ async def blob_delta(request: web.Request) -> web.Response:
     app = request.app
     sha = check_blob_id(request.match_info["sha256"])
     base = check_blob_id(request.match_info["base"])
-    data = b64_header(request, "X-GPUFlex-Auth")
-    req, signer = open_node_message(request, data, BlobRequest)
-    if req.sha256 != sha:
-        raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
+    node = _blob_reader(request, sha)
     ledger = app[LEDGER]
-    node = ledger.known_node(signer, request.remote)
-    if not ledger.may_read_blob(node, sha):
-        raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
     if not ledger.delta_base_ok(node, sha, base):
         raise NotFound("no delta to that model from this base: download the whole model", code="no_delta")
     delta = await app[DELTAS].get(base, sha)

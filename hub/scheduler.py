@@ -554,11 +554,12 @@ class Scheduler:
     def expired(self, now: float) -> list[AssignmentState]:
         return [a for a in self.assignments.values() if a.deadline < now and not a.uploading]
 
-    def observe_throughput(self, node: NodeState, samples: int, epochs: int, elapsed_s: float, alpha: float,
+    def observe_throughput(self, node: NodeState, processed: int, elapsed_s: float, alpha: float,
                            factor: float = 1.0) -> None:
-        """``factor``: the node's precision factor for the job (the EMA is kept fp32-equivalent)."""
-        if elapsed_s <= 0 or samples <= 0:
+        """``processed``: the samples the assignment ran through (TrainSpec.processed);
+        ``factor``: the node's precision factor for the job (the EMA is kept fp32-equivalent)."""
+        if elapsed_s <= 0 or processed <= 0:
             return
-        seen = clamp_sps(samples * max(1, epochs) / elapsed_s / factor)
+        seen = clamp_sps(processed / elapsed_s / factor)
         node.ema_sps = (1 - alpha) * node.ema_sps + alpha * seen
 

@@ -267,9 +267,7 @@ class HubClient:
         beyond the declared size. Raises HubUnavailable on network errors (the partial
         file stays for a resume), BlobError on size/hash failure.
         """
-        req = BlobRequest(sha256=sha256, timestamp=self.now(), nonce=new_nonce())
-        auth = base64.urlsafe_b64encode(seal(self.key, req)).decode("ascii")
-        headers = {"X-GPUFlex-Auth": auth}
+        headers = self._blob_auth(sha256)
         if writer.offset:
             headers["Range"] = f"bytes={writer.offset}-"
         self.requests += 1
@@ -313,15 +311,18 @@ class HubClient:
         return await self._post_sealed("/v1/updates", "X-GPUFlex-Update", seal(self.key, header), body, "upload",
                                        on_bytes=on_bytes)
 
+    def _blob_auth(self, sha256: str) -> dict[str, str]:
+        """The X-GPUFlex-Auth header of a blob read: a fresh signed BlobRequest for ``sha256``."""
+        req = BlobRequest(sha256=sha256, timestamp=self.now(), nonce=new_nonce())
+        return {"X-GPUFlex-Auth": base64.urlsafe_b64encode(seal(self.key, req)).decode("ascii")}
+
     async def download_delta(self, sha256: str, base: str, limit: int) -> bytes:
         """Model ``sha256`` as a delta from ``base`` (protocol/blobdelta.py), at most ``limit``
         bytes; HubError ``no_delta`` when the hub has none to give."""
-        req = BlobRequest(sha256=sha256, timestamp=self.now(), nonce=new_nonce())
-        auth = base64.urlsafe_b64encode(seal(self.key, req)).decode("ascii")
         self.requests += 1
         try:
             async with self.session.get(
-                self._url(f"/v1/blobs/{sha256}/from/{base}"), headers={"X-GPUFlex-Auth": auth},
+                self._url(f"/v1/blobs/{sha256}/from/{base}"), headers=self._blob_auth(sha256),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60),
             ) as resp:
                 data = await _read_limited(resp, limit)
