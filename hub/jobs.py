@@ -9,16 +9,17 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import Commitment
-from gpuflex.protocol.modelspec import build_model
-from gpuflex.protocol.tensors import encode_state
+from gpuflex.protocol.modelspec import build_model, manifest
+from gpuflex.protocol.tensors import Manifest, encode_state
 
 from .blobs import BlobStore
 from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, validate_arrays
@@ -26,6 +27,8 @@ from .errors import Unprocessable
 from .policy import trend_base_round
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from .referee import SegmentVerdict
     from .store import Store
 
@@ -131,6 +134,25 @@ class ShardState:
         return self.wanted - len(self.live) - len(self.accepted)
 
 
+@dataclass(frozen=True)
+class UpdateLayout:
+    """A job's update encoding with the model's manifest and the encoded one."""
+
+    encoding: UpdateEncoding
+    model: Manifest
+    wire: Manifest
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> UpdateLayout:
+        enc = spec.communication.encoding
+        model = manifest(spec.model)
+        return cls(enc, model, enc.wire_manifest(model))
+
+    def dense(self, wire: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The update as the model's tensors (the views themselves for fp32)."""
+        return self.encoding.decode(wire, self.model)
+
+
 @dataclass
 class JobState:
     id: str
@@ -168,6 +190,14 @@ class JobState:
     #: bytes of models and chunks served to this round's assignments (since this hub started the
     #: round: a restart mid-round starts it again from 0); written into the round's metrics
     bytes_down: int = 0
+    _layout: UpdateLayout | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def layout(self) -> UpdateLayout:
+        """What this job's updates look like on the wire (its [communication] encoding)."""
+        if self._layout is None:
+            self._layout = UpdateLayout.of(self.spec)
+        return self._layout
 
     @property
     def active(self) -> bool:

@@ -236,8 +236,13 @@ class Ledger:
             seed=shard.seed, issued_at=now, deadline=plan.deadline,
             train=dataclasses.replace(job.spec.train.train_config(self.scheduler.precision_for(job, node)),
                                       checkpoint_every=int(job.spec.verification.checkpoint_every),
-                                      commit=job.spec.verification.asks_referee()),
-            replica_group=shard.replica_group,
+                                      commit=job.spec.verification.asks_referee(),
+                                      update=job.spec.communication.update,
+                                      topk_fraction=job.spec.communication.topk_fraction,
+                                      error_feedback=job.spec.communication.error_feedback),
+            # Never the shard's replica group: a node that knew its work is checked could behave
+            # only then (a signed assignment looked different when replicated until 2026-11).
+            replica_group="",
         )
         sealed = seal(self.key, msg)
         a = AssignmentState(
@@ -492,8 +497,10 @@ class Ledger:
         expected = c.hashes[index]
         if hdr.state_sha256 != expected:
             raise Unprocessable(f"state of step {hdr.step} is not the one committed to", code="not_committed")
-        # params + optimizer state (<= 2 more copies) + step + RNG state: a bound, not a guess
-        return r, expected, 3 * job.model_size + (1 << 20)
+        # params + optimizer state (<= 2 more copies) + error feedback's residual (one more, in the
+        # last state) + step + RNG state: a bound, not a guess
+        copies = 4 if job.spec.communication.error_feedback else 3
+        return r, expected, copies * job.model_size + (1 << 20)
 
     async def accept_state(self, r: StateRequestState, step: int, sha: str) -> None:
         """The state's blob is stored (durably): record it; the engine judges once all are in."""

@@ -170,6 +170,9 @@ class LocalCluster:
     #: each node connects from its own 127.0.N.1 (Linux routes all of 127.0.0.0/8 to loopback), so
     #: the nodes sit in distinct address blocks and the hub's Sybil defences run as in production
     distinct_blocks: bool = True
+    #: where the hub listens: "0.0.0.0" lets nodes in other network namespaces reach it (the
+    #: bandwidth bench's shaped home lines); the owner's side still talks to 127.0.0.1
+    hub_host: str = "127.0.0.1"
     _addresses: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -220,7 +223,7 @@ class LocalCluster:
             url_file.unlink()
         argv = [
             sys.executable, "-m", "gpuflex.hub", "serve",
-            "--data", str(self.hub_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--data", str(self.hub_dir), "--host", self.hub_host, "--port", str(self.port),
             *self.hub_args,
         ]  # fmt: skip
         self.hub = self._spawn("hub", argv)
@@ -233,6 +236,8 @@ class LocalCluster:
             time.sleep(0.05)
         self.url = url_file.read_text().strip()
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        if self.hub_host == "0.0.0.0":
+            self.url = f"http://127.0.0.1:{self.port}"
         self.fingerprint = SigningKey.load(self.hub_dir / "hub.key").fingerprint
         return self.hub
 
@@ -245,17 +250,20 @@ class LocalCluster:
             self._addresses[name] = f"127.{n // 250}.{n % 250 + 1}.1"
         return self._addresses[name]
 
-    def start_node(self, name: str, *, attack: str | None = None, extra: Sequence[str] = ()) -> Proc:
-        """Start a node process (one thread); its identity is created here first so we know its id."""
+    def start_node(self, name: str, *, attack: str | None = None, extra: Sequence[str] = (),
+                   hub_url: str | None = None, prefix: Sequence[str] = ()) -> Proc:
+        """Start a node process (one thread); its identity is created here first so we know its id.
+        ``prefix`` runs it through a wrapper (``ip netns exec NS``: a node on its own network),
+        reaching the hub at ``hub_url``."""
         data_dir = self.workdir / "nodes" / name
         data_dir.mkdir(parents=True, exist_ok=True)
         key = SigningKey.load_or_create(data_dir / "node.key")
         self.benchmark_once()
         run_args = [
-            "run", "--hub", self.url, "--hub-key", self.fingerprint, "--data-dir", str(data_dir),
+            "run", "--hub", hub_url or self.url, "--hub-key", self.fingerprint, "--data-dir", str(data_dir),
             "--device", "cpu", "--threads", "1", "--bench-cache", str(self.bench_cache), *extra,
         ]  # fmt: skip
-        if (source := self.source_address(name)) is not None:
+        if not prefix and (source := self.source_address(name)) is not None:
             run_args += ["--source-address", source]
         if attack is None:
             argv = [sys.executable, "-m", "gpuflex.node", *run_args]
@@ -263,7 +271,7 @@ class LocalCluster:
             if not attack_tooling_available():
                 raise RuntimeError("misbehaving nodes need the test tooling of a source checkout")
             argv = [sys.executable, "-m", "tests.tooling.attacks", "--attack", attack, *run_args]
-        proc = self._spawn(name, argv)
+        proc = self._spawn(name, [*prefix, *argv])
         proc.node_id = key.fingerprint
         proc.data_dir = data_dir
         return proc

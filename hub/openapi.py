@@ -124,7 +124,9 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
             "description": "The body must carry a Content-Length equal to the header's update_size - offset (411 "
                            "without one). The tensor names, dtypes and shapes are checked before the size: 422 "
-                           "bad_manifest names the first tensor that is not the model's; 413 too_large only for an "
+                           "bad_manifest names the first tensor that is not the job's encoding of the model's (its "
+                           "[communication] update: fp32 = the model's own tensors; protocol/encoding.py); 422 "
+                           "non_finite also for values no encoder makes; 413 too_large only for an "
                            "update whose tensors are the model's but whose bytes are more. 409 late_update / "
                            "duplicate_update / replay; 422 bad_manifest / non_finite / hash_mismatch. Resumable: an "
                            "update over 1 MiB whose body stops short leaves its bytes with the hub (per assignment "

@@ -127,7 +127,7 @@ def _transfer(ups: Sequence[sqlite3.Row], model_size: int, bytes_down: float | N
     """A round's traffic: the updates' bytes up (every update received, whatever became of it),
     the models' and chunks' bytes down (None when the hub did not count them: rounds closed before
     it did), and the compression ratio: what the updates would weigh as full fp32 models over what
-    they weighed (1.0 until updates are encoded)."""
+    they weighed (1.0 for fp32 updates, about 4 for int8: the job's [communication] update)."""
     up = sum(int(u["size"]) for u in ups)
     return {"updates": len(ups), "bytes_up": up, "bytes_down": None if bytes_down is None else int(bytes_down),
             "compression_ratio": (len(ups) * model_size / up) if up else None}

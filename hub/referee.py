@@ -39,9 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gpuflex.protocol.checkpoint import model_part, segment_norm, step_of
+from gpuflex.protocol.checkpoint import feedback_part, model_part, segment_norm, step_of
+from gpuflex.protocol.encoding import UpdateEncoding
+from gpuflex.protocol.errors import TensorError
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
+from gpuflex.protocol.tensors import TensorSpec, dtype_name
 from torch import Tensor, nn
 
 __all__ = [
@@ -230,6 +233,7 @@ def judge_segment(
     y: Tensor,
     tolerance: float,
     onednn: bool = True,
+    encoding: UpdateEncoding | None = None,
 ) -> SegmentVerdict:
     """Judge one update from its committed states (already checked against the commitment's
     hashes) by re-executing ``segment`` (with oneDNN's kernels or not: ``replay_onednn``)."""
@@ -260,11 +264,29 @@ def judge_segment(
         if not (fresh and same):
             return _verdict(update_id, node_id, "mismatch", base,
                             why="step 0 is not the round's model with a fresh optimizer")
-    # The commitment binds the update: last state - round model == the uploaded delta, exactly.
-    bound = set(delta) == names and all(
-        torch.equal(final_m[k].to(global_state[k].dtype) - global_state[k], delta[k])
-        if global_state[k].is_floating_point() else torch.equal(final_m[k], delta[k])
-        for k in names)
+    # The commitment binds the update: last state - round model == the uploaded delta, exactly;
+    # for an encoded update, its encoding (with the residual the last state commits) == the upload.
+    # in the model's order: topk lays the model's tensors end to end in it (protocol/encoding.py)
+    dense = {k: final_m[k].to(v.dtype) - v if v.is_floating_point() else final_m[k] for k, v in global_state.items()}
+    if encoding is None or encoding.identity:
+        bound = set(delta) == names and all(torch.equal(dense[k], delta[k]) for k in names)
+    else:
+        try:
+            expected = encoding.encode(dense, feedback_part(final) if encoding.error_feedback else None).wire
+        except TensorError as exc:
+            return _verdict(update_id, node_id, "mismatch", base, why=f"the last state cannot be encoded: {exc}"[:200])
+        bound = set(delta) == set(expected) and all(torch.equal(expected[k], delta[k]) for k in expected)
+        base["encoding"] = encoding.kind
+        if not bound:
+            layout = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in global_state.items())
+            floating = sorted(k for k in names if global_state[k].is_floating_point())
+            try:
+                off = segment_norm(encoding.decode(delta, layout), encoding.decode(expected, layout), floating)
+            except (TensorError, KeyError):
+                off = math.inf
+            return _verdict(update_id, node_id, "mismatch", base, binding_distance=off if math.isfinite(off) else 1e300,
+                            why=f"the update is not the {encoding.kind} encoding of the committed last state"
+                                " minus the round's model")
     if not bound:
         off = segment_norm(delta, {k: final_m[k].double() - global_state[k].double() for k in names
                                    if global_state[k].is_floating_point()},

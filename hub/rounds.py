@@ -40,7 +40,7 @@ from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_
 from .auditlog import AuditLog, aggregation_body
 from .blobs import BlobStore
 from .evaluation import evaluate
-from .jobs import JobState, ShardState, StateRequestState, UpdateState, new_id
+from .jobs import JobState, ShardState, StateRequestState, UpdateLayout, UpdateState, new_id
 from .metrics import HubMetrics
 from .referee import (
     SegmentVerdict,
@@ -59,9 +59,12 @@ log = logging.getLogger("gpuflex.hub.rounds")
 
 
 @contextlib.contextmanager
-def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str, Tensor]]]:
+def open_deltas(blobs: BlobStore, shas: Sequence[str],
+                layout: UpdateLayout | None = None) -> Iterator[list[dict[str, Tensor]]]:
     """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a
-    read-only mmap, registered with the PageReleasers while open), closed on exit."""
+    read-only mmap, registered with the PageReleasers while open), closed on exit. With a
+    ``layout`` whose encoding is not fp32, each update is decoded into the model's dense tensors
+    (a copy: fp16, int8 and topk are not the model's bytes)."""
     maps: list[mmap.mmap] = []
     files = []
     states: list[dict[str, Tensor]] = []
@@ -70,14 +73,14 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
         for sha in shas:
             hot = blobs.hot(sha)
             if hot is not None:
-                states.append(decode_state(hot))
+                states.append(_dense(decode_state(hot), layout))
                 continue
             fh = open(blobs.path(sha), "rb")
             files.append(fh)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             maps.append(mm)
             registered.enter_context(readonly_mapping(mm))
-            states.append(decode_state(mm))
+            states.append(_dense(decode_state(mm), layout))
         yield states
     finally:
         registered.close()  # out of the registry before anything is closed
@@ -87,6 +90,10 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str]) -> Iterator[list[dict[str
                 mm.close()
         for fh in files:
             fh.close()
+
+
+def _dense(wire: dict[str, Tensor], layout: UpdateLayout | None) -> dict[str, Tensor]:
+    return wire if layout is None or layout.encoding.identity else layout.dense(wire)
 
 
 def spot_draw(secret: bytes, job_id: str, shard_id: str) -> float:
@@ -317,7 +324,8 @@ class RoundEngine:
             v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=cfg,
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
-                              onednn=replay_onednn(None if node is None else node.compute))
+                              onednn=replay_onednn(None if node is None else node.compute),
+                              encoding=job.layout.encoding)
             outcome, evidence = v.outcome, dict(v.evidence) | {"reason": r.reason, "request": r.id}
             if outcome == "unverifiable" and not r.asked:
                 # it never polled for work again before the deadline: offline (a volunteer's laptop
@@ -335,7 +343,7 @@ class RoundEngine:
         """Worker thread: open the replicas' deltas (and the models the trend is measured on)
         and ask the policy."""
         base = job.trend_base()
-        with (open_deltas(self.blobs, [u.sha for u in ups]) as deltas,
+        with (open_deltas(self.blobs, [u.sha for u in ups], job.layout) as deltas,
               open_deltas(self.blobs, [job.model_hash, base] if base else []) as models):
             records = self._records(job, {u.id: shard for u in ups}, ups, deltas)
             trend = {u.id: vf.trend_alignment(d, models[0], models[1]) for u, d in zip(ups, deltas, strict=True)
@@ -516,7 +524,7 @@ class RoundEngine:
         Worker thread; no DB writes."""
         spec = job.spec
         global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
-        with open_deltas(self.blobs, [u.sha for u in reps]) as deltas:
+        with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
             gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
                                   if t.is_floating_point())) if reps else 0.0
             records = self._records(job, shard_of, reps, deltas)

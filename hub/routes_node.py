@@ -30,7 +30,6 @@ from gpuflex.protocol.messages import (
     Welcome,
     WorkRequest,
 )
-from gpuflex.protocol.modelspec import manifest
 from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
@@ -46,6 +45,7 @@ from .errors import (
     PayloadTooLarge,
     Unprocessable,
 )
+from .jobs import UpdateLayout
 from .manifests import check_streamed_manifest
 from .scheduler import NodeState
 from .tokens import enrollment_operator
@@ -262,16 +262,16 @@ def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) 
                         headers={**headers, "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
 
 
-def _ingest_update_bytes(body: bytes, sha: str, spec_manifest: object, blobs: BlobStore) -> None:
+def _ingest_update_bytes(body: bytes, sha: str, layout: UpdateLayout, blobs: BlobStore) -> None:
     """An update held in memory: hash and check it, then store it durably (and keep it in memory
     for the round's close). Worker thread."""
     if hashlib.sha256(body).hexdigest() != sha:
         raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
-    _check_update(body, spec_manifest)
+    _check_update(body, layout)
     blobs.put(body, sha=sha)
 
 
-def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha: str) -> None:
+def _ingest_update_file(path: Path, layout: UpdateLayout, blobs: BlobStore, sha: str) -> None:
     """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -279,7 +279,7 @@ def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha
             raise Unprocessable("update is empty", code="bad_manifest")
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            _check_update(mm, spec_manifest)
+            _check_update(mm, layout)
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
@@ -287,17 +287,19 @@ def _ingest_update_file(path: Path, spec_manifest: object, blobs: BlobStore, sha
     blobs.commit_temp(path, sha)
 
 
-def _check_update(buf: bytes | mmap.mmap, spec_manifest: object) -> None:
-    """The update's tensors match the model's manifest and are all finite."""
+def _check_update(buf: bytes | mmap.mmap, layout: UpdateLayout) -> None:
+    """The update's tensors are the job's encoding of the model's (names, dtypes, shapes), hold
+    only values its encoder makes, and are all finite."""
     if len(buf) == 0:
         raise Unprocessable("update is empty", code="bad_manifest")
     try:
-        check_manifest(buf, spec_manifest)  # type: ignore[arg-type]
+        check_manifest(buf, layout.wire)
         state = decode_state(buf)
     except ProtocolError as exc:
         raise Unprocessable(f"update does not match the model: {exc}", code="bad_manifest") from None
     try:
         check_finite(state)
+        layout.encoding.check(state, layout.model)
     except TensorError as exc:
         raise Unprocessable(str(exc), code="non_finite") from None
     finally:
@@ -330,7 +332,7 @@ async def _update(request: web.Request) -> web.Response:
     keep = False
     try:
         if hdr.update_size > job.model_size:
-            await check_streamed_manifest(request, hdr.update_size, manifest(job.spec.model))  # 422 names the tensor
+            await check_streamed_manifest(request, hdr.update_size, job.layout.wire)  # 422 names the tensor
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
                                   code="too_large")
         held = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _held_bytes, tmp) if resumable else 0
@@ -338,7 +340,7 @@ async def _update(request: web.Request) -> web.Response:
             raise Conflict(f"the hub holds {held} bytes of this update; send it from offset {held}",
                            code="offset_mismatch")
         keep = resumable
-        await _receive_update(request, hdr, manifest(job.spec.model), tmp)
+        await _receive_update(request, hdr, job.layout, tmp)
         upd = await ledger.accept_update(node, a, job, hdr)
     except BaseException as exc:
         # a temp file goes; what an interrupted upload left stays, unless its bytes were refused
@@ -386,7 +388,7 @@ def _interrupted(exc: BaseException) -> bool:
     return not (isinstance(exc, HubError) and exc.code in _CONTENT_CODES)
 
 
-async def _receive_update(request: web.Request, hdr: UpdateHeader, spec_manifest: object, tmp: Path) -> None:
+async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: UpdateLayout, tmp: Path) -> None:
     """Read the body, hash it and check it against the model's manifest, then store it durably.
 
     Hashing, file writes, the manifest and finiteness checks and the fsync run in the I/O
@@ -433,11 +435,11 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, spec_manifest
     if received != want:
         raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
     if small:
-        await loop.run_in_executor(pool, _ingest_update_bytes, b"".join(pieces), sha, spec_manifest, blobs)
+        await loop.run_in_executor(pool, _ingest_update_bytes, b"".join(pieces), sha, layout, blobs)
     else:
         if digest.hexdigest() != sha:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
-        await loop.run_in_executor(pool, _ingest_update_file, tmp, spec_manifest, blobs, sha)
+        await loop.run_in_executor(pool, _ingest_update_file, tmp, layout, blobs, sha)
 
 
 def _open_for_append(path: Path, offset: int, digest: hashlib._Hash) -> BinaryIO:

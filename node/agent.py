@@ -21,6 +21,8 @@ Test tooling builds misbehaving contributors by overriding two methods (contract
 
 * ``train(assignment, chunks, global_state) -> TrainResult`` (runs in a worker thread)
 * ``transform_update(assignment, result) -> TrainResult`` (identity here)
+* ``encode_update(assignment, result, residual) -> Encoded`` (the job's update encoding with
+  its error feedback, protocol/encoding.py)
 
 Trust rules: the hub key is pinned before anything else; every assignment's signature
 and fields are checked before a byte is downloaded; a work answer signed by any other key
@@ -46,6 +48,7 @@ import aiohttp
 import torch
 from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.compute import class_key
+from gpuflex.protocol.encoding import Encoded
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import (
     Assignment,
@@ -85,6 +88,7 @@ from .errors import (
     TrainingStopped,
     UnknownNode,
 )
+from .feedback import FeedbackStore
 from .gpuyield import yield_gpu_while_busy
 from .identity import PIN_FILE, load_or_create_key
 from .output import Output
@@ -145,6 +149,8 @@ class Current:
     samples: int = 0
     started: float = field(default_factory=time.time)
     stop_reason: str = ""
+    #: error feedback's residual this update adds (node/feedback.py); the last checkpoint commits it
+    residual: dict[str, Tensor] | None = None
 
 
 class NodeAgent:
@@ -177,6 +183,7 @@ class NodeAgent:
             self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
             self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", keep=config.checkpoint_keep,
                                                max_bytes=config.max_checkpoint_bytes)
+            self.feedback = FeedbackStore(config.data_dir / "feedback")
         except BaseException:
             self.lock.release()
             raise
@@ -230,8 +237,10 @@ class NodeAgent:
         t = assignment.train
         total = assignment_steps(n, t.batch_size, t.local_epochs, t.local_steps)
         every = auto_every(total, assignment.train.checkpoint_every)
+        cur = self.current
         recorder = CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
-                                      store=self.checkpoints, assignment_id=assignment.assignment_id)
+                                      store=self.checkpoints, assignment_id=assignment.assignment_id,
+                                      feedback=cur.residual if cur is not None else None)
         self.checkpoints.prune(keep_id=assignment.assignment_id)
         try:
             result = train_assignment(
@@ -262,6 +271,12 @@ class NodeAgent:
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
         """The step between training and upload; identity in the shipped node."""
         return result
+
+    def encode_update(self, assignment: Assignment, result: TrainResult,
+                      residual: Mapping[str, Tensor] | None) -> Encoded:
+        """The update as it travels: the job's encoding of the dense delta plus the residual
+        (worker thread)."""
+        return assignment.train.encoding.encode(result.delta, residual)
 
     # ---------------------------------------------------------------- state others read
 
@@ -298,7 +313,7 @@ class NodeAgent:
                 "assignment_id": a.assignment_id, "job_id": a.job_id, "round": a.round,
                 "phase": cur.phase, "progress": round(cur.progress, 4), "chunks": len(a.chunks),
                 "samples": cur.samples, "deadline": cur.deadline,
-                "replica_group": a.replica_group, "precision": a.train.precision,
+                "precision": a.train.precision,
             }
         return {
             "node_id": self.node_id,
@@ -546,7 +561,7 @@ class NodeAgent:
         self.current = cur
         self.output.event(
             "assignment", assignment_id=a.assignment_id, job_id=a.job_id, round=a.round,
-            chunks=len(a.chunks), samples=cur.samples, replica_group=a.replica_group,
+            chunks=len(a.chunks), samples=cur.samples,
         )
         try:
             cur.phase = "downloading"
@@ -558,6 +573,9 @@ class NodeAgent:
             download_s = time.perf_counter() - t0
 
             global_state, chunks = await asyncio.to_thread(load_inputs, self.cache, a, spec)
+            if a.train.error_feedback:
+                shapes = {k: tuple(v.shape) for k, v in global_state.items() if v.is_floating_point()}
+                cur.residual = await asyncio.to_thread(self.feedback.load, a.job_id, shapes)
             cur.phase = "training"
             self.state = "training"
             self.output.progress_start(f"training {a.assignment_id[:12]} r{a.round}")
@@ -579,15 +597,21 @@ class NodeAgent:
                 steps=result.steps, samples_per_s=round(self.last_samples_per_s, 1),
             )
             result = self.transform_update(a, result)
+            try:
+                encoded = await asyncio.to_thread(self.encode_update, a, result, cur.residual)
+            except ProtocolError as exc:
+                raise TrainError(f"cannot encode the update as {a.train.update}: {exc}") from exc
             cur.phase = "uploading"
             self.state = "uploading"
             sent = await self.transfers.upload(
-                self._client(), a, result, download_s=download_s,
+                self._client(), a, dataclasses.replace(result, delta=encoded.wire), download_s=download_s,
                 deadline=lambda: self.current.deadline if self.current else a.deadline,
                 reregister=self._reregister,
             )
             if sent is not None:
                 self._seen_assignments.add(a.assignment_id)  # done: the same one again is a replay
+                if encoded.residual is not None and sent.ack.ok:  # only an accepted update moves it on
+                    await asyncio.to_thread(self.feedback.save, a.job_id, encoded.residual)
                 self.totals.uploaded += 1
                 self.totals.samples_trained += processed
                 self.totals.train_s += result.train_s

@@ -17,11 +17,16 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from gpuflex.protocol.checkpoint import canonical_bytes, checkpoint_steps, segment_norm
+from gpuflex.protocol.checkpoint import (
+    FEEDBACK_PREFIX,
+    canonical_bytes,
+    checkpoint_steps,
+    segment_norm,
+)
 from gpuflex.protocol.messages import Commitment
 from gpuflex.protocol.tensors import sha256_hex
 from torch import Tensor, nn
@@ -117,8 +122,10 @@ class CheckpointRecorder:
     """
 
     def __init__(self, *, total_steps: int, every: int, precision: str = "fp32",
-                 store: CheckpointStore | None = None, assignment_id: str = "") -> None:
+                 store: CheckpointStore | None = None, assignment_id: str = "",
+                 feedback: Mapping[str, Tensor] | None = None) -> None:
         self.every = every
+        self.feedback = feedback  # error feedback's residual: committed in the last state
         self.total_steps = total_steps
         self.precision = precision
         self.steps = checkpoint_steps(total_steps, every)
@@ -135,6 +142,8 @@ class CheckpointRecorder:
         if step not in self._wanted:
             return
         state = training_state(model, optimizer, step)  # a copy: training goes on at once
+        if step == self.steps[-1] and self.feedback:
+            state.update({f"{FEEDBACK_PREFIX}{k}": v.detach().to("cpu", copy=True) for k, v in self.feedback.items()})
         # Encoding, hashing, the norm and the write overlap the next steps (one writer, in order).
         self._pending.append(self._writer.submit(self._commit, step, state))
 

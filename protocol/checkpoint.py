@@ -10,7 +10,10 @@ as one flat state dict in the GFT1 codec (protocol/tensors.py; never pickle):
   stepped): the optimizer's state, by parameter name;
 - ``step``: int64 (1,), the number of optimizer steps taken;
 - ``rng``: uint8, the CPU generator's state (dropout draws from it; the epoch's shuffle is
-  re-derived from ``seed + epoch`` and needs no state).
+  re-derived from ``seed + epoch`` and needs no state);
+- ``feedback.<name>`` (the last checkpoint only, when the job's encoding carries error
+  feedback): the residual the node added to this update. Committing it lets the referee check
+  that the upload is exactly the encoding of (last state - round model + residual).
 
 The commitment to a checkpoint is ``state_hash``: the sha256 of its canonical encoding
 (tensors in sorted name order, contiguous, CPU). A node records one every ``every`` steps
@@ -48,6 +51,7 @@ DEFAULT_SEGMENTS: Final = 8
 #: bench/referee_calibration.py), while the commitment stays within MAX_CHECKPOINTS hashes
 MAX_SEGMENT_STEPS: Final = 16
 MODEL_PREFIX: Final = "model."
+FEEDBACK_PREFIX: Final = "feedback."
 
 
 def auto_every(total_steps: int, every: int = 0) -> int:
@@ -83,6 +87,13 @@ def model_part(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module's tensors of a checkpoint, under their module names."""
     n = len(MODEL_PREFIX)
     return {k[n:]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def feedback_part(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The error-feedback residual a last checkpoint commits (``feedback.<name>``: what the node
+    added to this update, protocol/encoding.py), under the model's names."""
+    n = len(FEEDBACK_PREFIX)
+    return {k[n:]: v for k, v in state.items() if k.startswith(FEEDBACK_PREFIX)}
 
 
 def step_of(state: Mapping[str, torch.Tensor]) -> int:

@@ -7,6 +7,7 @@ bad values raise SpecError naming ``section.key`` and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tomllib
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from .compute import JOB_PRECISIONS
-from .errors import SpecError
+from .encoding import ENCODINGS, UpdateEncoding, default_tolerance
+from .errors import SpecError, TensorError
 from .messages import TrainConfig
-from .modelspec import ModelSpec
+from .modelspec import ModelSpec, manifest
 from .workload import assignment_steps, samples_processed
 
 MAX_SPEC_BYTES: Final = 1 << 20
@@ -175,13 +177,33 @@ class VerificationSpec:
 
 
 @dataclass(frozen=True)
+class CommunicationSpec:
+    """How updates travel (protocol/encoding.py). ``error_feedback`` and ``tolerance`` are
+    resolved at parse time: their defaults depend on ``update``."""
+
+    update: str = "fp32"
+    topk_fraction: float = 0.01
+    #: carry what the encoding lost into the node's next update of the job (default: on for topk)
+    error_feedback: bool = False
+    #: relative distance the encoding adds between honest replicas; added to
+    #: verification.tolerance and cross_class_tolerance (protocol/encoding.DEFAULT_TOLERANCE)
+    tolerance: float = 0.0
+
+    @property
+    def encoding(self) -> UpdateEncoding:
+        return UpdateEncoding(self.update, self.topk_fraction, self.error_feedback)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     model: ModelSpec
     train: TrainSpec = field(default_factory=TrainSpec)
     data: DataSpec = field(default_factory=DataSpec)
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    #: as the owner wrote it, except that both tolerances include communication.tolerance
     verification: VerificationSpec = field(default_factory=VerificationSpec)
+    communication: CommunicationSpec = field(default_factory=CommunicationSpec)
 
 
 # ---------------------------------------------------------------------------
@@ -222,6 +244,12 @@ class _Section:
         value = self._value(key, default)
         if not isinstance(value, str) or value not in allowed:
             raise SpecError(f"{self.name}.{key}: expected one of {', '.join(allowed)}, got {_short(value)}")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self._value(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"{self.name}.{key}: expected true or false, got {_short(value)}")
         return value
 
     def get_text(self, key: str, default: str | None, max_len: int = 128) -> str:
@@ -347,13 +375,30 @@ def _verification(s: _Section) -> VerificationSpec:
     )
 
 
+def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:
+    d = CommunicationSpec()  # the defaults live in the dataclass only
+    update = s.get_choice("update", d.update, ENCODINGS)
+    feedback = s.get_bool("error_feedback", update == "topk")
+    spec = CommunicationSpec(
+        update=update,
+        topk_fraction=s.get_float("topk_fraction", d.topk_fraction, 0.0, 1.0, lo_open=True),
+        error_feedback=feedback,
+        tolerance=s.get_float("tolerance", default_tolerance(update, feedback), 0.0, 10.0),
+    )
+    try:
+        spec.encoding.wire_manifest(manifest(model))
+    except TensorError as exc:
+        raise SpecError(f"communication.update: {exc}") from None
+    return spec
+
+
 def _norm_bound(value: float) -> float:
     if 0.0 < value < 1.0:
         raise SpecError(f"verification.norm_bound: 0 (off) or at least 1, got {value:g}")
     return value
 
 
-SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification")
+SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification", "communication")
 
 
 def parse_job_spec(text: str | bytes) -> JobSpec:
@@ -385,15 +430,21 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     job.finish()
     model = ModelSpec.from_dict(_Section(doc["model"], "model").table, where="model")
     sections: dict[str, _Section] = {
-        key: _Section(doc.get(key, {}), key) for key in ("train", "data", "aggregation", "verification")
+        key: _Section(doc.get(key, {}), key)
+        for key in ("train", "data", "aggregation", "verification", "communication")
     }
     train = _train(sections["train"], model.task)
     data = _data(sections["data"])
     aggregation = _aggregation(sections["aggregation"])
     verification = _verification(sections["verification"])
+    communication = _communication(sections["communication"], model)
     for section in sections.values():
         section.finish()
-    return JobSpec(name, model, train, data, aggregation, verification)
+    if communication.tolerance:
+        verification = dataclasses.replace(
+            verification, tolerance=verification.tolerance + communication.tolerance,
+            cross_class_tolerance=verification.cross_class_tolerance + communication.tolerance)
+    return JobSpec(name, model, train, data, aggregation, verification, communication)
 
 
 def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
@@ -408,6 +459,7 @@ def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
 
 __all__ = [
     "AggregationSpec",
+    "CommunicationSpec",
     "DataSpec",
     "JobSpec",
     "TrainSpec",

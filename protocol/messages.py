@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Final, TypeVar
 
 import msgpack
 
+from .encoding import ENCODINGS, UpdateEncoding
 from .errors import DecodeError, EncodeError, ProtocolError, VersionError
 from .modelspec import ModelSpec
 from .version import PROTOCOL_VERSION
@@ -370,6 +371,14 @@ class TrainConfig:
     #: optimizer steps per assignment instead of ``local_epochs`` passes (0: the epochs);
     #: protocol/workload.py
     local_steps: Annotated[int, Int(0, 1 << 30)] = 0
+    #: how the update travels (protocol/encoding.py): the job's [communication]
+    update: Annotated[str, Text(choices=ENCODINGS)] = "fp32"
+    topk_fraction: Annotated[float, Float(1e-9, 1.0)] = 0.01
+    error_feedback: Annotated[bool, Bool()] = False
+
+    @property
+    def encoding(self) -> UpdateEncoding:
+        return UpdateEncoding(self.update, self.topk_fraction, self.error_feedback)
 
 
 @dataclass(frozen=True)
@@ -419,6 +428,9 @@ class Assignment:
     train: Annotated[TrainConfig, Nested(TrainConfig)]
     issued_at: Timestamp
     deadline: Timestamp
+    #: always "" from this hub: whether a shard is replicated or spot-checked is never told to the
+    #: node that trains it (one that knew could cheat only where nobody looks). Kept on the wire so
+    #: that nodes of earlier versions still read the message.
     replica_group: Annotated[str, Text(64, pattern=ID_RE, allow_empty_pattern=True)]
 
 

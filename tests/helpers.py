@@ -180,6 +180,26 @@ class RunningHub:
     def auth(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.owner_token}"}
 
+    def replica_group(self, assignment_id: str) -> str:
+        """The hub's own record of a live assignment's replica group ("" = not replicated): the
+        signed assignment never says, so tests ask the hub."""
+        from gpuflex.hub.appkeys import LEDGER
+
+        scheduler = self.app[LEDGER].scheduler
+        a = scheduler.assignments.get(assignment_id)
+        if a is not None:
+            return scheduler.jobs[a.job_id].shards[a.shard_id].replica_group
+        import sqlite3  # no longer live (uploaded): the SQLite store's rows
+
+        conn = sqlite3.connect(self.data_dir / "hub.sqlite3")
+        try:
+            row = conn.execute("SELECT s.replica_group FROM assignments a JOIN shards s ON s.id = a.shard_id"
+                               " WHERE a.id = ?", (assignment_id,)).fetchone()
+        finally:
+            conn.close()
+        assert row is not None, f"the hub has no assignment {assignment_id}"
+        return str(row[0])
+
 
 async def start_hub(
     data_dir: Path, tokens: dict[str, str] | None = None, **config_kw: Any

@@ -341,15 +341,15 @@ async def test_a_replica_goes_to_a_node_of_the_same_class_first_then_cross_class
                 for n in (a, b, c):
                     await n.register()
                 first = await a.work(0.5)  # alone in its gathering: every chunk, replicated (untrusted)
-                assert isinstance(first, Assignment) and first.replica_group
+                assert isinstance(first, Assignment) and hub.replica_group(first.assignment_id)
                 if cross_after is None:
                     assert isinstance(await c.work(0.3), NoWork), "no replica for the other class"
                     second = await b.work(0.5)
-                    assert isinstance(second, Assignment) and second.replica_group == first.replica_group
+                    assert isinstance(second, Assignment) and hub.replica_group(second.assignment_id) == hub.replica_group(first.assignment_id)
                 else:
                     await asyncio.sleep(cross_after + 0.05)
                     second = await c.work(0.5)
-                    assert isinstance(second, Assignment) and second.replica_group == first.replica_group
+                    assert isinstance(second, Assignment) and hub.replica_group(second.assignment_id) == hub.replica_group(first.assignment_id)
         finally:
             await hub.stop()
 
@@ -371,7 +371,7 @@ async def test_honest_replicas_of_two_classes_are_compared_cross_class_and_not_f
                 a1, a2 = await fp32.work(0.5), await bf16.work(0.5)
                 assert isinstance(a1, Assignment) and isinstance(a2, Assignment)
                 assert (a1.train.precision, a2.train.precision) == ("fp32", "bf16")
-                assert a1.replica_group == a2.replica_group
+                assert hub.replica_group(a1.assignment_id) == hub.replica_group(a2.assignment_id)
                 blobs = [await n.train(a) for n, a in ((fp32, a1), (bf16, a2))]
                 for n, a, (blob, samples, loss) in ((fp32, a1, blobs[0]), (bf16, a2, blobs[1])):
                     assert (await n.upload(a, blob, samples, loss)).ok

@@ -37,7 +37,7 @@ async def test_one_node_job_runs_to_done(running_hub, digits_npz):
         for _ in range(2):
             a = await node.step()
             assert isinstance(a, Assignment)
-            assert a.job_id == job["id"] and a.replica_group == ""
+            assert a.job_id == job["id"] and running_hub.replica_group(a.assignment_id) == ""
         doc = await wait_job(s, running_hub, job["id"])
         assert [h["round"] for h in doc["history"]] == [0, 1]
         assert doc["history"][-1]["accuracy"] > 0.5
@@ -302,7 +302,10 @@ async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
             a1 = await n1.work(0.5)
             a2 = await n2.work(0.5)
             assert isinstance(a1, Assignment) and isinstance(a2, Assignment)
-            assert a1.replica_group and a1.replica_group == a2.replica_group
+            assert hub.replica_group(a1.assignment_id) and hub.replica_group(a1.assignment_id) == hub.replica_group(a2.assignment_id)
+            # ...and neither node is told: a signed assignment looks the same replicated or not, so a
+            # node cannot behave only where it is checked.
+            assert a1.replica_group == a2.replica_group == ""
             assert (a1.seed, [c.sha256 for c in a1.chunks]) == (
                 a2.seed,
                 [c.sha256 for c in a2.chunks],
@@ -325,6 +328,37 @@ async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
         await hub.stop()
 
 
+async def test_a_node_that_cheats_only_when_unwatched_is_caught(tmp_path):
+    """The attack the wire used to allow: a node reads its signed assignment, and cheats (here it
+    flips its update's sign) only where the shard is not replicated. The hub never says, so the
+    cheat lands on a replicated shard too, loses the vote to two honest replicas and is flagged."""
+    from gpuflex.protocol.tensors import decode_state, encode_state
+
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            sly, h1, h2 = SimNode(s, hub.url), SimNode(s, hub.url), SimNode(s, hub.url)
+            for n in (sly, h1, h2):
+                await n.register()
+            cheated = []
+            for n in (sly, h1, h2):
+                a = await n.work(0.5)
+                assert isinstance(a, Assignment) and hub.replica_group(a.assignment_id)
+                blob, samples, loss = await n.train(a)
+                if n is sly and a.replica_group == "":  # "nobody is checking this one"
+                    blob = encode_state({k: -t for k, t in decode_state(blob).items()})
+                    cheated.append(a.assignment_id)
+                await n.upload(a, blob, samples, loss)
+            assert cheated, "the node could not tell a replicated shard from another"
+            doc = await wait_job(s, hub, job_id)
+            flags = doc["history"][0]["flags"]
+            assert [f["node_id"] for f in flags] == [sly.node_id], flags
+    finally:
+        await hub.stop()
+
+
 async def test_a_lone_untrusted_node_waits_for_a_replica_then_is_marked_unverified(tmp_path):
     """Adaptive replication: an untrusted node's shard always wants a replica. Alone, it waits
     replica_wait_s, then (unverified = "accept") it is aggregated and the round's status and
@@ -337,7 +371,7 @@ async def test_a_lone_untrusted_node_waits_for_a_replica_then_is_marked_unverifi
             node = SimNode(s, hub.url)
             await node.register()
             a = await node.step()
-            assert a is not None and a.replica_group != "", "an untrusted node's shard is replicated"
+            assert a is not None and hub.replica_group(a.assignment_id) != "", "an untrusted node's shard is replicated"
             t0 = time.monotonic()
             doc = await wait_job(s, hub, job_id, timeout=20)
             assert time.monotonic() - t0 >= 0.5, "the round must wait for a replica first"
@@ -365,7 +399,7 @@ async def test_hold_keeps_a_lone_untrusted_update_out_until_a_replica_agrees(tmp
             first = SimNode(s, hub.url)
             await first.register()
             a = await first.step()
-            assert a is not None and a.replica_group
+            assert a is not None and hub.replica_group(a.assignment_id)
             await asyncio.sleep(1.5)  # the replica wait runs out: "hold" keeps the round open
             async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth()) as r:
                 doc = await r.json()
@@ -374,7 +408,7 @@ async def test_hold_keeps_a_lone_untrusted_update_out_until_a_replica_agrees(tmp
                 other = SimNode(s, hub.url)
                 await other.register()
                 b = await other.step()
-                assert b is not None and b.replica_group == a.replica_group, "a newcomer takes the replica"
+                assert b is not None and hub.replica_group(b.assignment_id) == hub.replica_group(a.assignment_id), "a newcomer takes the replica"
             doc = await wait_job(s, hub, job_id, timeout=20)
             (h,) = doc["history"]
             assert h["unverified"] == {}

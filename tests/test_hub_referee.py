@@ -165,7 +165,7 @@ async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_
             store = CheckpointStore(tmp_path / "states")
             for crafted in (False, True):
                 a = await n.work(2.0)
-                assert isinstance(a, Assignment) and a.replica_group == ""  # not replicated
+                assert isinstance(a, Assignment) and hub.replica_group(a.assignment_id) == ""  # not replicated
                 blob, samples, loss, c = await _train_committed(n, a, store)
                 if crafted:
                     blob = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
@@ -217,7 +217,7 @@ async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_
             store = CheckpointStore(tmp_path / "states")
             for rnd in range(3):
                 a = await n.work(2.0)
-                assert isinstance(a, Assignment) and a.replica_group == "" and a.round == rnd
+                assert isinstance(a, Assignment) and hub.replica_group(a.assignment_id) == "" and a.round == rnd
                 blob, samples, loss, c = await _train_committed(n, a, store)
                 if rnd == 2:
                     delta = decode_state(bytearray(blob))

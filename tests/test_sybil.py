@@ -108,13 +108,13 @@ async def test_three_identities_of_one_block_never_hold_replicas_of_one_shard(tm
             for n in (*colluders, honest):
                 await n.register()
             first = await colluders[0].work(0.5)
-            assert isinstance(first, Assignment) and first.replica_group, "an untrusted node's shard is replicated"
+            assert isinstance(first, Assignment) and hub.replica_group(first.assignment_id), "an untrusted node's shard is replicated"
             for c in colluders[1:]:
                 got = await c.work(0.5)
-                assert not (isinstance(got, Assignment) and got.replica_group == first.replica_group), (
+                assert not (isinstance(got, Assignment) and hub.replica_group(got.assignment_id) == hub.replica_group(first.assignment_id)), (
                     "a second identity of the same address block got a replica of the first one's shard")
             replica = await honest.work(0.5)
-            assert isinstance(replica, Assignment) and replica.replica_group == first.replica_group
+            assert isinstance(replica, Assignment) and hub.replica_group(replica.assignment_id) == hub.replica_group(first.assignment_id)
             assert [c.sha256 for c in replica.chunks] == [c.sha256 for c in first.chunks]
             async with owner.get(hub.url + "/v1/nodes", headers=hub.auth(hub.auditor_token)) as resp:
                 listed = {n["id"]: n for n in (await resp.json())["nodes"]}
@@ -140,11 +140,11 @@ async def test_two_nodes_of_one_operator_in_distinct_blocks_never_replicate_each
                 resp = await register_raw(n, enroll_token=tok)
                 assert resp.status == 200, await resp.text()
             first = await a.work(0.5)
-            assert isinstance(first, Assignment) and first.replica_group
+            assert isinstance(first, Assignment) and hub.replica_group(first.assignment_id)
             second = await b.work(0.5)
-            assert not (isinstance(second, Assignment) and second.replica_group == first.replica_group)
+            assert not (isinstance(second, Assignment) and hub.replica_group(second.assignment_id) == hub.replica_group(first.assignment_id))
             third = await other.work(0.5)
-            assert isinstance(third, Assignment) and third.replica_group == first.replica_group
+            assert isinstance(third, Assignment) and hub.replica_group(third.assignment_id) == hub.replica_group(first.assignment_id)
     finally:
         await hub.stop()
 
@@ -506,7 +506,7 @@ async def test_a_crafted_update_whose_partner_replica_stalls_is_bounded_too(tmp_
             a_c1 = await c1.work(1.0)
             a_c2 = await c2.work(1.0)  # the partner takes the replica, and never delivers it
             assert isinstance(a_c1, Assignment) and isinstance(a_c2, Assignment)
-            assert a_c2.replica_group == a_c1.replica_group
+            assert hub.replica_group(a_c2.assignment_id) == hub.replica_group(a_c1.assignment_id)
             blob, count, loss = await c1.train(a_c1)
             crafted = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
             await c1.upload(a_c1, crafted, count, loss)
@@ -588,15 +588,15 @@ async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(
             a_h = await h.work(1.0)
             a_c1 = await c1.work(1.0)
             assert isinstance(a_h, Assignment) and isinstance(a_c1, Assignment)
-            assert a_c1.replica_group == a_h.replica_group
+            assert hub.replica_group(a_c1.assignment_id) == hub.replica_group(a_h.assignment_id)
             honest_blob, count, loss = await h.train(a_h)
             crafted = encode_state({k: -v for k, v in decode_state(bytearray(honest_blob)).items()})
             await h.upload(a_h, honest_blob, count, loss)
             await c1.upload(a_c1, crafted, count, loss)
-            shard = job.shards[a_h.replica_group]
+            shard = job.shards[hub.replica_group(a_h.assignment_id)]
             await _wait(lambda: shard.wanted == 3)  # the disagreement asks for a third replica
             a_c2 = await c2.work(1.0)
-            assert isinstance(a_c2, Assignment) and a_c2.replica_group == a_h.replica_group
+            assert isinstance(a_c2, Assignment) and hub.replica_group(a_c2.assignment_id) == hub.replica_group(a_h.assignment_id)
             await c2.upload(a_c2, crafted, count, loss)
             await _wait(lambda: shard.state == "settled")
             assert ledger.scheduler.nodes[h.node_id].reputation.consecutive_agreements == 0  # outvoted, flagged

@@ -375,6 +375,35 @@ def agent_class(name: str) -> type:
     return AttackAgent
 
 
+def quant_nudge(wire: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
+    """The attack hidden inside quantization noise: every element of an encoded update moved by
+    one step of its encoding, all the same way (int8 codes +1, fp16/bf16 one ulp up, topk values
+    by the smallest kept magnitude). Each element stays within what rounding could have done;
+    together they push the model in a direction of the attacker's choosing."""
+    out = dict(wire)
+    for name, t in wire.items():
+        if kind == "int8" and t.dtype == torch.int8:
+            out[name] = (t.to(torch.int16) + 1).clamp(-127, 127).to(torch.int8)
+        elif kind in ("fp16", "bf16") and t.dtype in (torch.float16, torch.bfloat16):
+            out[name] = torch.nextafter(t, torch.full_like(t, math.inf))
+        elif kind == "topk" and name == "topk:value" and t.numel():
+            out[name] = t + t.abs().min()
+    return out
+
+
+def quant_nudge_agent_class() -> type:
+    """A real node that trains honestly and nudges its encoded update (``quant_nudge``)."""
+    from gpuflex.node.agent import NodeAgent
+    from gpuflex.protocol.encoding import Encoded
+
+    class QuantNudgeAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        def encode_update(self, assignment: Any, result: Any, residual: Any) -> Any:
+            honest = super().encode_update(assignment, result, residual)
+            return Encoded(quant_nudge(honest.wire, assignment.train.update), honest.residual)
+
+    return QuantNudgeAgent
+
+
 def stall_agent_class(*, after: int, seconds: float | None) -> type:
     """A real node whose assignments after the first ``after`` wait before training.
 

@@ -1,0 +1,208 @@
+"""Update encodings (protocol/encoding.py): what each loses, error feedback, the wire layout,
+hostile encoded updates, the job spec's [communication] and the node's residual file."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import pytest
+import torch
+from gpuflex.protocol.encoding import INT8_BLOCK, UpdateEncoding
+from gpuflex.protocol.errors import ProtocolError, SpecError, TensorError
+from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.tensors import check_manifest, decode_state, encode_state, manifest_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+KINDS = ("fp32", "fp16", "bf16", "int8", "topk")
+
+
+def delta(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "fc1.weight": torch.randn(64, 100, generator=g) * 0.01,  # 6,400: three int8 blocks, the last short
+        "fc1.bias": torch.randn(64, generator=g) * 0.01,
+        "bn.num_batches_tracked": torch.tensor(7),  # not floating: travels as it is
+        "empty": torch.zeros(0),
+    }
+
+
+def model_manifest(d: dict[str, torch.Tensor]):
+    return manifest_of(d)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_encoding_loses_only_what_it_says(kind):
+    d = delta()
+    enc = UpdateEncoding(kind, topk_fraction=0.05)
+    wire = enc.encode(d).wire
+    assert manifest_of(wire) == enc.wire_manifest(model_manifest(d))
+    blob = encode_state(wire)
+    check_manifest(blob, enc.wire_manifest(model_manifest(d)))
+    back = enc.decode(decode_state(blob), model_manifest(d))
+    assert manifest_of(back) == model_manifest(d)
+    assert torch.equal(back["bn.num_batches_tracked"], d["bn.num_batches_tracked"])
+    x, y = d["fc1.weight"], back["fc1.weight"]
+    err = (x - y).abs()
+    if kind == "fp32":
+        assert torch.equal(x, y)
+    elif kind == "fp16":  # below 2**-14 fp16 is subnormal: a fixed absolute step of 2**-24
+        assert bool((err <= torch.maximum(x.abs() * 2.0**-11, torch.tensor(2.0**-25))).all())
+    elif kind == "bf16":
+        assert float((err / x.abs().clamp_min(1e-30)).max()) <= 2.0**-8
+    elif kind == "int8":
+        flat, e = x.reshape(-1), err.reshape(-1)
+        for b in range(math.ceil(flat.numel() / INT8_BLOCK)):
+            block = slice(b * INT8_BLOCK, (b + 1) * INT8_BLOCK)
+            step = float(flat[block].abs().max()) / 127
+            assert float(e[block].max()) <= step / 2 * (1 + 1e-5)
+    else:  # one budget over the whole model's floating elements, laid end to end
+        xs = torch.cat([d["fc1.weight"].reshape(-1), d["fc1.bias"]])
+        ys = torch.cat([back["fc1.weight"].reshape(-1), back["fc1.bias"]])
+        kept = ys != 0
+        assert int(kept.sum()) == math.ceil(0.05 * xs.numel())
+        assert torch.equal(ys[kept], xs[kept])  # kept values are exact
+        assert float(xs[~kept].abs().max()) <= float(xs[kept].abs().min())
+    # the same input always gives the same bytes: the referee re-encodes and compares codes
+    assert encode_state(enc.encode(d).wire) == blob
+
+
+def test_bytes_shrink_as_documented():
+    d = {"w": torch.randn(1000, 1000)}
+    size = {k: len(encode_state(UpdateEncoding(k, topk_fraction=0.01).encode(d).wire)) for k in KINDS}
+    assert size["fp16"] / size["fp32"] == pytest.approx(0.5, abs=1e-3)
+    assert size["int8"] / size["fp32"] == pytest.approx(0.25 * (1 + 4 / INT8_BLOCK), abs=1e-3)
+    assert size["topk"] / size["fp32"] == pytest.approx(0.02, abs=1e-3)  # 1% kept, 8 bytes each
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "topk"])
+def test_error_feedback_delays_and_never_loses(kind):
+    """Over any number of rounds: sum of what was sent == sum of the updates - the residual left."""
+    enc = UpdateEncoding(kind, topk_fraction=0.02, error_feedback=True)
+    residual = None
+    sent = torch.zeros(64, 100, dtype=torch.float64)
+    total = torch.zeros(64, 100, dtype=torch.float64)
+    for r in range(12):
+        d = delta(r)
+        out = enc.encode(d, residual)
+        residual = out.residual
+        assert residual is not None and set(residual) == {"fc1.weight", "fc1.bias", "empty"}
+        sent += enc.decode(out.wire, model_manifest(d))["fc1.weight"].double()
+        total += d["fc1.weight"].double()
+    assert torch.allclose(sent + residual["fc1.weight"].double(), total, atol=1e-6)
+    if kind == "topk":
+        # Updates that point the same way round after round (as a model's do): without feedback
+        # the same 2% is sent every round and the rest never; with it, everything arrives in turn.
+        rounds = [{"w": delta(0)["fc1.weight"] + 0.1 * delta(r)["fc1.weight"]} for r in range(40)]
+        man = manifest_of(rounds[0])
+        total = sum(r["w"].double() for r in rounds)
+        ef, residual, plain = 0.0, None, 0.0
+        for r in rounds:
+            out = enc.encode(r, residual)
+            residual = out.residual
+            ef = ef + enc.decode(out.wire, man)["w"].double()
+            bare = UpdateEncoding(kind, topk_fraction=0.02)
+            plain = plain + bare.decode(bare.encode(r).wire, man)["w"].double()
+        assert float((ef - total).norm()) < 0.6 * float((plain - total).norm())
+
+
+def _wire(kind: str) -> dict[str, torch.Tensor]:
+    return UpdateEncoding(kind, topk_fraction=0.05).encode(delta()).wire
+
+
+@pytest.mark.parametrize(("kind", "name", "change", "message"), [
+    ("int8", "fc1.weight:scale", lambda t: t.__setitem__(0, -1.0), "scales must be finite"),
+    ("int8", "fc1.weight:scale", lambda t: t.__setitem__(1, math.nan), "scales must be finite"),
+    ("int8", "fc1.weight", lambda t: t.__setitem__((0, 0), -128), "-128"),
+    ("topk", "topk:index", lambda t: t.__setitem__(1, t[0]), "rise strictly"),
+    ("topk", "topk:index", lambda t: t.__setitem__(-1, 6464), "rise strictly"),
+    ("topk", "topk:index", lambda t: t.__setitem__(0, -5), "rise strictly"),
+    ("topk", "topk:value", lambda t: t.__setitem__(0, math.inf), "NaN or infinite"),
+    ("fp16", "fc1.bias", lambda t: t.__setitem__(0, math.inf), "NaN or infinite"),
+])
+def test_values_no_encoder_makes_are_refused_with_one_line(kind, name, change, message):
+    wire = {k: v.clone() for k, v in _wire(kind).items()}
+    change(wire[name])
+    enc = UpdateEncoding(kind, topk_fraction=0.05)
+    for check in (enc.check, enc.decode):
+        with pytest.raises(TensorError, match=message) as info:
+            check(wire, model_manifest(delta()))
+        assert "\n" not in str(info.value)
+
+
+def test_a_name_the_encoding_needs_is_refused_at_the_spec():
+    with pytest.raises(TensorError, match="already has a tensor"):
+        UpdateEncoding("int8").wire_manifest(manifest_of({"w": torch.zeros(3), "w:scale": torch.zeros(1)}))
+    with pytest.raises(TensorError, match="already has a tensor"):
+        UpdateEncoding("topk").wire_manifest(manifest_of({"w": torch.zeros(3), "topk:index": torch.zeros(1, dtype=torch.int64)}))
+    with pytest.raises(TensorError, match="unknown"):
+        UpdateEncoding("int4")
+    with pytest.raises(TensorError, match="topk_fraction"):
+        UpdateEncoding("topk", topk_fraction=0.0)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["int8", "topk", "fp16", "bf16"]), data=st.data())
+def test_fuzz_encoded_tensors(kind, data):
+    """Any bytes in an encoded update's tensors: a ProtocolError or a finite dense update."""
+    wire = {k: v.clone() for k, v in _wire(kind).items()}
+    for name, t in wire.items():
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else t
+        n = raw.numel()
+        if n:
+            for _ in range(data.draw(st.integers(0, 4))):
+                raw[data.draw(st.integers(0, n - 1))] = data.draw(st.integers(0, 255))
+        wire[name] = t
+    try:
+        dense = UpdateEncoding(kind, topk_fraction=0.05).decode(wire, model_manifest(delta()))
+    except ProtocolError:
+        return
+    assert all(bool(torch.isfinite(v).all()) for v in dense.values() if v.is_floating_point())
+
+
+SPEC = """[job]
+name = "e"
+[model]
+kind = "mlp"
+input = 64
+hidden = [32]
+outputs = 10
+"""
+
+
+def test_the_job_spec_communication_section():
+    plain = parse_job_spec(SPEC)
+    assert plain.communication.update == "fp32" and plain.verification.tolerance == 1e-4
+    topk = parse_job_spec(SPEC + '[communication]\nupdate = "topk"\ntopk_fraction = 0.02\n')
+    assert topk.communication.error_feedback is True and topk.communication.encoding.topk_fraction == 0.02
+    int8 = parse_job_spec(SPEC + '[communication]\nupdate = "int8"\ntolerance = 0.01\n')
+    assert int8.communication.error_feedback is False
+    assert int8.verification.tolerance == pytest.approx(1e-4 + 0.01)
+    assert int8.verification.cross_class_tolerance == pytest.approx(parse_job_spec(SPEC).verification.cross_class_tolerance + 0.01)
+    for bad, message in [('update = "int4"', "communication.update: expected one of"),
+                         ('update = "int8"\nerror_feedback = "yes"', "communication.error_feedback: expected true or false"),
+                         ("topk_fraction = 0", r"communication.topk_fraction: expected a number in \(0, 1\]"),
+                         ("speed = 1", "communication.'speed': unknown key")]:
+        with pytest.raises(SpecError, match=message) as info:
+            parse_job_spec(SPEC + "[communication]\n" + bad + "\n")
+        assert "\n" not in str(info.value)
+
+
+def test_the_node_keeps_its_residual_0600_and_drops_what_no_longer_fits(tmp_path):
+    from gpuflex.node.feedback import FeedbackStore
+
+    store = FeedbackStore(tmp_path / "fb")
+    residual = {"w": torch.randn(4, 5), "b": torch.randn(5)}
+    assert store.load("j-1", {"w": (4, 5), "b": (5,)}) is None
+    store.save("j-1", residual)
+    path = store.path("j-1")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    back = store.load("j-1", {"w": (4, 5), "b": (5,)})
+    assert back is not None and all(torch.equal(back[k], residual[k]) for k in residual)
+    assert store.load("j-1", {"w": (4, 6), "b": (5,)}) is None  # the model changed shape
+    path.write_bytes(b"GFT1 but not really")
+    assert store.load("j-1", {"w": (4, 5), "b": (5,)}) is None  # a damaged file: start again from zero
+    with pytest.raises(Exception, match="bad job id"):
+        store.path("../etc")
