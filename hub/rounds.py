@@ -34,7 +34,7 @@ from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
-from . import policy
+from . import downlink, policy
 from . import verification as vf
 from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_mapping
 from .auditlog import AuditLog, aggregation_body
@@ -548,13 +548,18 @@ class RoundEngine:
                        for i in included]
             scales = [judgement.scales.get(reps[i].id, 1.0) for i in included]
             opt = ServerOptimizer.from_spec(spec.aggregation)
+            residual: dict[str, Tensor] = {}
             if job.opt_state_sha:
-                opt.load_state_dict(decode_state(bytearray(self.blobs.read(job.opt_state_sha))))
+                stored, residual = downlink.split_state(decode_state(bytearray(self.blobs.read(job.opt_state_sha))))
+                opt.load_state_dict(stored)
             if use:
                 agg = aggregate(use, weights, spec.aggregation,
                                 scales=scales if any(x < 1.0 for x in scales) else None)
                 new_state = opt.step(global_state, agg)
                 del agg
+                if spec.communication.download == "topk":
+                    new_state, residual = downlink.sparse_step(global_state, new_state,
+                                                               spec.communication.download_fraction, residual)
             else:
                 new_state = {k: v.clone() for k, v in global_state.items()}
                 evidence["empty"] = "no update was included; the model is unchanged"
@@ -565,7 +570,8 @@ class RoundEngine:
         compared_shas = {reps[i].sha: c for i in included if (c := shard_of[reps[i].id].comparison)}
         model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
         model_hash = self.blobs.put(model_blob)
-        opt_sha = self.blobs.put(encode_state(opt.state_dict())) if opt.kind != "none" else None
+        kept = opt.state_dict() | {downlink.RESIDUAL_PREFIX + k: v for k, v in residual.items()}
+        opt_sha = self.blobs.put(encode_state(kept)) if opt.kind != "none" or residual else None
         metrics: dict[str, float] = {}
         if job.val_sha:
             val = decode_state(bytearray(self.blobs.read(job.val_sha)))

@@ -29,7 +29,9 @@ replays and compare codes.
 (Seide et al. 2014; Deep Gradient Compression; PowerSGD). Nothing is lost in the long run,
 only delayed. The residual is the node's own state (node/feedback.py keeps it on disk), so
 two replicas of one shard carry different residuals: their decoded updates differ by about
-one encoding's noise, which ``[communication] tolerance`` allows for.
+one int8 step, or for topk by most of what the update holds. ``[communication] tolerance``
+allows for it (``DEFAULT_TOLERANCE``); the referee, which re-encodes with the residual the
+node committed in its last checkpoint, is the exact check.
 """
 
 from __future__ import annotations
@@ -167,8 +169,7 @@ class UpdateEncoding:
                 wire.update(self._encode_one(name, x))
         if self.kind == "topk":
             flat = torch.cat([x.reshape(-1) for x in xs.values()]) if xs else torch.zeros(0)
-            k = self.kept(flat.numel())
-            idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values if k else torch.zeros(0, dtype=torch.int64)
+            idx = _top_positions(flat, self.kept(flat.numel()))
             wire[TOPK_INDEX], wire[TOPK_VALUE] = idx.to(torch.int32), flat[idx].clone()
         if not feedback:
             return Encoded(wire, None)
@@ -260,6 +261,22 @@ class UpdateEncoding:
                 dense = wire[name].reshape(-1).to(torch.float32) * _expand(wire[name + SCALE], numel)
                 out[name] = dense.to(dtype).reshape(shape)
         return out
+
+
+def _top_positions(flat: Tensor, k: int) -> Tensor:
+    """The positions of the ``k`` largest |x|, ascending; among equal magnitudes at the cut the
+    lowest positions win. ``torch.topk`` alone may break such ties differently from one build to
+    another (a model with frozen, all-zero updates is all ties), and the referee re-encodes
+    with its own build."""
+    import torch
+
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    mag = flat.abs()
+    cut = torch.topk(mag, k, sorted=False).values.min()
+    above = torch.nonzero(mag > cut).reshape(-1)
+    at = torch.nonzero(mag == cut).reshape(-1)[: k - above.numel()]
+    return torch.cat([above, at]).sort().values
 
 
 def _blocks(numel: int) -> int:

@@ -32,6 +32,7 @@ SPLITS: Final = ("random", "stratified")
 METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
 SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam", "nesterov")  # append only: codes are stored
 UNVERIFIED: Final = ("accept", "hold")
+DOWNLOADS: Final = ("full", "topk")
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,10 @@ class CommunicationSpec:
     #: relative distance the encoding adds between honest replicas; added to
     #: verification.tolerance and cross_class_tolerance (protocol/encoding.DEFAULT_TOLERANCE)
     tolerance: float = 0.0
+    #: "topk": the hub applies only the largest download_fraction of each round's model change
+    #: (the rest carried over, hub/downlink.py), so the next model downloads as a small delta
+    download: str = "full"
+    download_fraction: float = 0.05
 
     @property
     def encoding(self) -> UpdateEncoding:
@@ -384,6 +389,8 @@ def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:
         topk_fraction=s.get_float("topk_fraction", d.topk_fraction, 0.0, 1.0, lo_open=True),
         error_feedback=feedback,
         tolerance=s.get_float("tolerance", default_tolerance(update, feedback), 0.0, 10.0),
+        download=s.get_choice("download", d.download, DOWNLOADS),
+        download_fraction=s.get_float("download_fraction", d.download_fraction, 0.0, 1.0, lo_open=True),
     )
     try:
         spec.encoding.wire_manifest(manifest(model))

@@ -69,6 +69,15 @@ def test_each_encoding_loses_only_what_it_says(kind):
     assert encode_state(enc.encode(d).wire) == blob
 
 
+def test_topk_breaks_ties_by_position_whatever_torch_would_pick():
+    """A frozen layer's update is all zeros: which zeros make the cut must not depend on the build."""
+    enc = UpdateEncoding("topk", topk_fraction=0.5)
+    d = {"frozen": torch.zeros(10), "live": torch.tensor([0.0, 3.0, -2.0, 0.0])}
+    wire = enc.encode(d).wire
+    assert wire["topk:index"].tolist() == [0, 1, 2, 3, 4, 11, 12]  # 7 of 14: 2 live, then the first zeros
+    assert wire["topk:value"].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 3.0, -2.0]
+
+
 def test_bytes_shrink_as_documented():
     d = {"w": torch.randn(1000, 1000)}
     size = {k: len(encode_state(UpdateEncoding(k, topk_fraction=0.01).encode(d).wire)) for k in KINDS}

@@ -112,3 +112,33 @@ def test_without_feedback_replicas_encode_alike_and_the_nudge_loses_the_vote() -
     assert pairs[("u-h1", "u-h2")] == 0.0
     assert pairs[("u-h1", "u-bad")] > 3 * job.verification.tolerance
     assert job.verification.tolerance == pytest.approx(VerificationSpec().tolerance + 3e-3)
+
+
+async def test_a_sparse_download_publishes_models_that_differ_in_few_elements(tmp_path) -> None:
+    """[communication] download = "topk": each round's model differs from the last in at most
+    download_fraction of its elements (the rest of the change waits in the hub's residual), and the
+    node holding the last model fetches the next as a delta a fraction of the model's size."""
+    from gpuflex.hub.appkeys import BLOBS
+    from gpuflex.protocol.blobdelta import make_delta
+    from gpuflex.protocol.tensors import decode_state
+
+    spec = spec_toml(rounds=4, chunk_size=64, hidden=256) + (
+        '[communication]\nupdate = "int8"\ndownload = "topk"\ndownload_fraction = 0.02\n')
+    hub, job_id, _events, doc = await _run(tmp_path, spec)
+    try:
+        assert doc["state"] == "done", doc
+        rows = hub.db_rows("SELECT round, model_hash, new_model_hash FROM rounds WHERE job_id = ? ORDER BY round",
+                           (job_id,))
+        blobs = hub.app[BLOBS]
+        n = None
+        for r in rows:
+            old, new = (decode_state(bytearray(blobs.read(r[k]))) for k in ("model_hash", "new_model_hash"))
+            n = sum(t.numel() for t in old.values() if t.is_floating_point())
+            changed = sum(int((old[k] != new[k]).sum()) for k in old if old[k].is_floating_point())
+            assert 0 < changed <= -(-n * 2 // 100), (r["round"], changed, n)
+            # what a node holding the old model downloads (this small model travels inline with the
+            # work answer; a large one is fetched as this delta, hub/deltas.py)
+            old_b, new_b = blobs.read(r["model_hash"]), blobs.read(r["new_model_hash"])
+            assert len(make_delta(old_b, new_b)) < 0.15 * len(new_b), r["round"]
+    finally:
+        await hub.stop()
