@@ -8,7 +8,7 @@
 
    * the digits MLP (64-128-10) and the digits CNN, 2 nodes, a balanced shard each per round;
    * the 25M-parameter MLP (1024-4096-4096-1024-10, 101 MB in fp32) on a synthetic
-     1024-feature task, with DiLoCo settings (``big``): ``local_steps`` (200) per round, outer
+     1024-feature task, with DiLoCo settings (``big``): ``local_steps`` (500, as DiLoCo) per round, outer
      Nesterov (``server_lr`` 0.7, momentum 0.9, as OpenDiLoCo); once more with
      ``download = "topk"`` (hub/downlink.py: the model's change sparse, so the next model
      downloads as a small delta); and again with a few local steps (``brief``, 10), where moving
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20, help="rounds of the digits jobs")
     ap.add_argument("--big-rounds", type=int, default=4)
-    ap.add_argument("--local-steps", type=int, default=200, help="DiLoCo inner steps of the 25M job")
+    ap.add_argument("--local-steps", type=int, default=500, help="inner steps of the 25M job (DiLoCo: 500)")
     ap.add_argument("--brief-steps", type=int, default=10, help="local steps of the 25M job's brief rounds")
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600.0)

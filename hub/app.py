@@ -136,10 +136,11 @@ def create_app(config: HubConfig) -> web.Application:
     app[AUDIT] = audit
     app[LOOPS] = LoopHealth()
     app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
-    app[DELTAS] = ModelDeltas(blobs, app[IO_POOL])
+    app[DELTAS] = deltas = ModelDeltas(blobs, app[IO_POOL])
     app[FIRST_ADMIN_TOKEN] = admin_token
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)
+    app[LEDGER].rounds.on_new_model = deltas.prepare  # a published model's delta is made at once
     app.add_routes(routes_node.routes)
     app.add_routes(routes_owner.routes)
     app.add_routes(routes_audit.routes)

@@ -34,17 +34,27 @@ class ModelDeltas:
         return sum(len(f.result() or b"") for f in self._made.values()
                    if f.done() and not f.cancelled() and f.exception() is None)
 
+    def prepare(self, base: str, new: str) -> None:
+        """Start making the delta now (the I/O pool), without waiting: the hub calls it as a
+        round publishes its model, so the nodes that ask a moment later find it made or under
+        way. Must be called on the event loop."""
+        key = (base, new)
+        if key in self._made:
+            return
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, self._make, base, new)
+        fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # never "never retrieved"
+        self._made[key] = fut
+        while len(self._made) > self.keep:
+            self._made.popitem(last=False)
+
     async def get(self, base: str, new: str) -> bytes | None:
         """The delta from blob ``base`` to blob ``new`` (None: they differ in size)."""
         key = (base, new)
-        fut = self._made.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().run_in_executor(self.pool, self._make, base, new)
-            self._made[key] = fut
-            while len(self._made) > self.keep:
-                self._made.popitem(last=False)
+        if key not in self._made:
+            self.prepare(base, new)
         else:
             self._made.move_to_end(key)
+        fut = self._made[key]
         try:
             delta = await asyncio.shield(fut)
         except BaseException:

@@ -26,7 +26,7 @@ import logging
 import math
 import mmap
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from . import downlink, policy
 from . import verification as vf
 from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_mapping
 from .auditlog import AuditLog, aggregation_body
-from .blobs import BlobStore
+from .blobs import HOT_BLOB_MAX, BlobStore
 from .evaluation import evaluate
 from .jobs import JobState, ShardState, StateRequestState, UpdateLayout, UpdateState, new_id
 from .metrics import HubMetrics
@@ -146,6 +146,9 @@ class RoundEngine:
         self._run_before_flag: dict[str, tuple[str, int]] = {}
         #: the referee's open state requests, by id (hub/referee.py; the ledger answers nodes from it)
         self.state_requests: dict[str, StateRequestState] = {}
+        #: called (on the loop) with (last model, new model) when a round publishes a model the
+        #: next round trains: the app starts making the delta nodes will download (hub/deltas.py)
+        self.on_new_model: Callable[[str, str], None] | None = None
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -506,6 +509,7 @@ class RoundEngine:
             self.scheduler.detach(a)
         self._apply_reputations(touched)
         job.error = None  # a failure noted while this round could not close is over
+        previous = job.model_hash
         job.model_hash = result["model_hash"]
         job.opt_state_sha = result["opt_state_sha"]
         job.round += 1
@@ -515,6 +519,8 @@ class RoundEngine:
             job.end("done")
         else:
             job.open_round()
+            if self.on_new_model is not None and job.model_size > HOT_BLOB_MAX and previous != job.model_hash:
+                self.on_new_model(previous, job.model_hash)  # a large model: it downloads as a delta
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
 

@@ -11,6 +11,7 @@ import os
 import time
 
 import torch
+from gpuflex.hub.appkeys import LEDGER
 from gpuflex.protocol.blobdelta import apply_delta, make_delta
 from gpuflex.protocol.errors import DecodeError
 from gpuflex.protocol.messages import Assignment, BlobRequest
@@ -87,6 +88,11 @@ async def test_a_node_gets_each_next_model_as_a_delta_from_the_one_it_holds(tmp_
     hub = await Hub(tmp_path / "hub").start()
     try:
         job_id = await hub.submit(spec_toml(rounds=3, epochs=1, hidden=WIDE, chunk_size=256), dataset(n=256))
+        engine = hub.app[LEDGER].rounds
+        prepared: list[tuple[str, str]] = []
+        made_now = engine.on_new_model
+        assert made_now is not None  # the app wires it: a round's delta is made as it publishes the model
+        engine.on_new_model = lambda base, new: (prepared.append((base, new)), made_now(base, new))[-1]
         events = EventLog()
         node = agent(tmp_path / "node", hub.url, events)
         task = asyncio.create_task(node.run())
@@ -101,6 +107,8 @@ async def test_a_node_gets_each_next_model_as_a_delta_from_the_one_it_holds(tmp_
         for prev, cur in itertools.pairwise(models):
             assert cur["delta_from"] == prev["sha256"] and cur["bytes"] < cur["model_bytes"] / 1.2, cur
         assert [h["round"] for h in doc["history"]] == [0, 1, 2]
+        # rounds 0 and 1 published the models rounds 1 and 2 train; the last one trains nothing
+        assert prepared == [(prev["sha256"], cur["sha256"]) for prev, cur in itertools.pairwise(models)]
         size = models[0]["bytes"]
         assert doc["history"][1]["transfer"]["bytes_down"] == models[1]["bytes"] < size  # the delta, not the model
     finally:
