@@ -17,7 +17,7 @@ The concerns around the loop live in their own modules, none of which imports th
     datadir.py       the data dir's lock (one node per folder)
     totals.py        the counters and their file
 
-Test tooling builds misbehaving contributors by overriding two methods (contract):
+Test tooling builds misbehaving contributors by overriding three methods (contract):
 
 * ``train(assignment, chunks, global_state) -> TrainResult`` (runs in a worker thread)
 * ``transform_update(assignment, result) -> TrainResult`` (identity here)
