@@ -44,7 +44,7 @@ from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import TensorError
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
-from gpuflex.protocol.tensors import TensorSpec, dtype_name
+from gpuflex.protocol.tensors import manifest_of
 from torch import Tensor, nn
 
 __all__ = [
@@ -278,7 +278,7 @@ def judge_segment(
         bound = set(delta) == set(expected) and all(torch.equal(expected[k], delta[k]) for k in expected)
         base["encoding"] = encoding.kind
         if not bound:
-            layout = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in global_state.items())
+            layout = manifest_of(global_state)
             floating = sorted(k for k in names if global_state[k].is_floating_point())
             try:
                 off = segment_norm(encoding.decode(delta, layout), encoding.decode(expected, layout), floating)

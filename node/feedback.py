@@ -10,18 +10,17 @@ the node has not worked for in ``max_age_s`` are removed.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.tensors import decode_state, encode_state
+from gpuflex.protocol.tensors import encode_state, load_state_file
 from torch import Tensor
 
 from .errors import TrainError
+from .files import write_private_file
 
 __all__ = ["FeedbackStore"]
 
@@ -45,12 +44,8 @@ class FeedbackStore:
         model's floating tensors (``shapes``) or cannot be read: the node then starts the
         feedback again from zero, which loses only what the residual held."""
         try:
-            data = self.path(job_id).read_bytes()
-        except OSError:
-            return None
-        try:
-            state = decode_state(bytearray(data))
-        except ProtocolError:
+            state = load_state_file(self.path(job_id))  # a read-only map: the residual is only read
+        except (OSError, ProtocolError):
             return None
         if set(state) != set(shapes) or any(tuple(t.shape) != shapes[k] for k, t in state.items()):
             return None
@@ -59,18 +54,7 @@ class FeedbackStore:
     def save(self, job_id: str, residual: Mapping[str, Tensor]) -> None:
         target = self.path(job_id)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        data = encode_state(residual)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_private_file(target, encode_state(residual))
         self.prune()
 
     def prune(self) -> None:

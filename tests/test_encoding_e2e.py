@@ -34,10 +34,7 @@ async def _run(tmp_path, spec: str, cls=None, until=None) -> tuple[Hub, str, Eve
     node = agent(tmp_path / "node", hub.url, events, **({"cls": cls} if cls else {}))
     task = asyncio.create_task(node.run())
     try:
-        deadline = asyncio.get_running_loop().time() + 90
-        while (doc := await hub.job(job_id))["state"] not in ("done", "failed") and not (until and until(hub)):
-            assert asyncio.get_running_loop().time() < deadline, doc
-            await asyncio.sleep(0.2)
+        doc = await hub.wait_job(job_id, 90, ended=("done", "failed"), until=until)
     finally:
         node.request_exit("test")
         await asyncio.wait_for(task, 15)

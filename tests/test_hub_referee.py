@@ -12,6 +12,7 @@ import math
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import torch
@@ -31,7 +32,7 @@ from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+from tests.helpers import RunningHub, SimNode, start_hub, submit_job, wait_job, write_digits
 
 
 async def _train_committed(n: SimNode, a: Assignment, store: CheckpointStore) -> tuple[bytes, int, float, object]:
@@ -200,6 +201,16 @@ async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_
         await hub.stop()
 
 
+async def _history(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, rounds: int) -> dict[str, Any]:
+    """The job's status once its history holds ``rounds`` closed rounds (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while len((doc := await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
+                                         headers=hub.auth(hub.admin_token))).json())["history"]) < rounds:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    return doc
+
+
 async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_check_is_drawn(tmp_path: Path) -> None:
     """A trusted node is never spot-checked here (spot_check_trusted = 0) and its work is not
     replicated. Its honest round-1 update follows the model's trend and counts at once; in round 2
@@ -227,11 +238,7 @@ async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_
                                                                blob), Ack)
                 assert ack.ok
                 if rnd < 2:  # followed the trend (or had none yet): the round closes without the referee
-                    deadline = time.monotonic() + 30
-                    while len((doc := await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
-                                                         headers=hub.auth(hub.admin_token))).json())["history"]) <= rnd:
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.1)
+                    doc = await _history(s, hub, job_id, rnd + 1)
                     assert doc["history"][rnd]["flags"] == []
             asked = await _answer_state_request(n, store)
             assert asked.assignment_id == a.assignment_id
@@ -274,11 +281,7 @@ async def test_a_node_offline_after_its_upload_is_left_out_without_a_flag(tmp_pa
                 assert ack.ok
                 if rnd == 0:  # online: it hands its states over, is reproduced and earns an agreement
                     await _answer_state_request(n, store)
-                    deadline = time.monotonic() + 30
-                    while not (await (await s.get(f"{hub.url}/v1/jobs/{job_id}",
-                                                  headers=hub.auth(hub.admin_token))).json())["history"]:
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.1)
+                    await _history(s, hub, job_id, 1)
                     conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
                     try:
                         assert conn.execute("SELECT consecutive_agreements FROM nodes").fetchone() == (1,)

@@ -68,10 +68,7 @@ async def test_a_local_steps_job_runs_with_the_referee_checking_its_steps(tmp_pa
         node = agent(tmp_path / "node", hub.url, events)
         task = asyncio.create_task(node.run())
         await wait_for(lambda: len(events.of("uploaded")) >= 2, timeout=90)
-        deadline = asyncio.get_running_loop().time() + 30
-        while (doc := await hub.job(job_id))["state"] != "done":
-            assert asyncio.get_running_loop().time() < deadline, doc
-            await asyncio.sleep(0.2)
+        doc = await hub.wait_job(job_id, 30)
         node.request_exit("test")
         await asyncio.wait_for(task, 15)
         assert [e["steps"] for e in events.of("trained")] == [11, 11]

@@ -96,10 +96,7 @@ async def test_a_node_gets_each_next_model_as_a_delta_from_the_one_it_holds(tmp_
         events = EventLog()
         node = agent(tmp_path / "node", hub.url, events)
         task = asyncio.create_task(node.run())
-        deadline = asyncio.get_running_loop().time() + 120
-        while (doc := await hub.job(job_id))["state"] != "done":
-            assert asyncio.get_running_loop().time() < deadline, doc
-            await asyncio.sleep(0.2)
+        doc = await hub.wait_job(job_id, 120)
         node.request_exit("test")
         await asyncio.wait_for(task, 15)
         models = [e for e in events.of("download") if e["kind"] == "model"]

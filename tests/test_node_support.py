@@ -177,6 +177,15 @@ class Hub:
         ):
             return json.loads(await r.text())
 
+    async def wait_job(self, job_id: str, timeout: float, *, ended: tuple[str, ...] = ("done",),
+                       until: Callable[[Hub], Any] | None = None) -> dict[str, Any]:
+        """The job's status once its state is one of ``ended`` (or ``until(self)`` holds)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (doc := await self.job(job_id))["state"] not in ended and not (until and until(self)):
+            assert asyncio.get_running_loop().time() < deadline, doc
+            await asyncio.sleep(0.2)
+        return doc
+
     def db_rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         import sqlite3
 
