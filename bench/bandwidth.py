@@ -71,7 +71,7 @@ NODES = 2
 DIGITS_ENCODINGS = [("fp32", "fp32", 0.01, False, 0.0), ("fp16", "fp16", 0.01, False, 0.0),
                     ("bf16", "bf16", 0.01, False, 0.0), ("int8", "int8", 0.01, False, 0.0),
                     ("int8+ef", "int8", 0.01, True, 0.0), ("topk5%+ef", "topk", 0.05, True, 0.0),
-                    ("topk2%+ef", "topk", 0.02, True, 0.0)]
+                    ("topk2%+ef", "topk", 0.02, True, 0.0), ("sign+ef", "sign", 0.01, True, 0.0)]
 BIG_ENCODINGS = [("fp32", "fp32", 0.01, False, 0.0), ("int8", "int8", 0.01, False, 0.0),
                  ("topk1%+ef", "topk", 0.01, True, 0.0), ("topk1%+ef+down2%", "topk", 0.01, True, 0.02)]
 #: the same model with a few local steps a round: where moving the model is most of a round

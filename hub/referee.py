@@ -275,7 +275,7 @@ def judge_segment(
             expected = encoding.encode(dense, feedback_part(final) if encoding.error_feedback else None).wire
         except TensorError as exc:
             return _verdict(update_id, node_id, "mismatch", base, why=f"the last state cannot be encoded: {exc}"[:200])
-        bound = set(delta) == set(expected) and all(torch.equal(expected[k], delta[k]) for k in expected)
+        bound = encoding.same_code(expected, delta)
         base["encoding"] = encoding.kind
         if not bound:
             layout = manifest_of(global_state)

@@ -18,11 +18,22 @@ topk      (no per-tensor entry) ``topk:index`` int32 and ``topk:value`` float32,
           increasing, and their values; every other element is zero. One budget for the whole
           model (not one per tensor) spends it where the update is, and a small model's
           many small tensors cost no per-tensor header
+sign      (no per-tensor entry) ``sign:bits`` uint8 of ``ceil(N / 8)`` bytes, N as for topk:
+          one bit per element (bit ``i % 8`` of byte ``i // 8``, 1 = not negative), the bits
+          past N zero; and ``sign:scale`` float32: each tensor's blocks of SIGN_BLOCK
+          elements in turn (``ceil(numel / SIGN_BLOCK)`` per tensor, a tensor's last block
+          may be short), each block sent as ``±scale``, scale = the block's mean |x| (the
+          scale that minimises a sign's squared error). 1 bit plus 1/8 bit of scale per
+          element, about 1/28 of fp32, and two header entries for the whole model. Scaled
+          sign with error feedback is EF-signSGD (Karimireddy et al. 2019); unlike topk it
+          moves every element every round
 ========  ==========================================================================
 
 Tensors that are not floating (a BatchNorm's step counter) travel as they are. Every encoding
 is a deterministic function of its input on a CPU, so the hub can re-encode a state it
-replays and compare codes.
+replays and compare codes. The one reduction that adds floats, sign's block mean, sums in
+float64 and rounds to float32, so two builds that add in another order agree to the last bit
+almost always; ``same_code`` allows such a scale one part in 10^6 (its bits must be equal).
 
 **Error feedback** (``error_feedback = true``): what the encoding lost this round,
 ``x - decode(encode(x))``, is kept by the node and added to its next update of the same job
@@ -49,13 +60,19 @@ if TYPE_CHECKING:  # torch loads where a tensor is touched: specs parse without 
 
     from .tensors import Manifest
 
-ENCODINGS: Final = ("fp32", "fp16", "bf16", "int8", "topk")
+ENCODINGS: Final = ("fp32", "fp16", "bf16", "int8", "topk", "sign")
 FLOATING: Final = frozenset({"float32", "float16", "bfloat16", "float64"})
 INT8_BLOCK: Final = 2048
 INT8_MAX: Final = 127
+SIGN_BLOCK: Final = 256
+#: how far a sign scale re-encoded on another build may be from the node's (relative): the
+#: float64 block sum rounds to float32 the same way unless it sits on a rounding boundary
+SIGN_SCALE_RTOL: Final = 1e-6
 SCALE: Final = ":scale"
 TOPK_INDEX: Final = "topk:index"
 TOPK_VALUE: Final = "topk:value"
+SIGN_BITS: Final = "sign:bits"
+SIGN_SCALE: Final = "sign:scale"
 MAX_TOPK_NUMEL: Final = (1 << 31) - 1  # int32 positions
 HALF: Final = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -72,6 +89,7 @@ DEFAULT_TOLERANCE: Final[dict[tuple[str, bool], float]] = {
     ("bf16", False): 1e-3, ("bf16", True): 6e-3,
     ("int8", False): 3e-3, ("int8", True): 4e-2,
     ("topk", False): 1e-2, ("topk", True): 1.5,
+    ("sign", False): 5e-2, ("sign", True): 1.5,
 }
 
 
@@ -117,7 +135,7 @@ class UpdateEncoding:
         if self.identity:
             return model
         out: list[TensorSpec] = []
-        total = 0
+        total = scales = 0
         for spec in model:
             if spec.dtype not in FLOATING:
                 out.append(spec)
@@ -129,6 +147,9 @@ class UpdateEncoding:
             elif self.kind == "int8":
                 out.append(TensorSpec(spec.name, "int8", spec.shape))
                 out.append(TensorSpec(spec.name + SCALE, "float32", (_blocks(numel),)))
+            scales += _blocks(numel, SIGN_BLOCK)
+        if self.kind == "sign":
+            out += [TensorSpec(SIGN_BITS, "uint8", (-(-total // 8),)), TensorSpec(SIGN_SCALE, "float32", (scales,))]
         if self.kind == "topk":
             if total > MAX_TOPK_NUMEL:
                 raise TensorError(f"{total} floating elements is too many for topk's int32 positions")
@@ -165,8 +186,13 @@ class UpdateEncoding:
                     raise TensorError(f"tensor {name!r}: residual of shape {list(r.shape)}, update {list(t.shape)}")
                 x = x + r
             xs[name] = x
-            if self.kind != "topk":
+            if self.kind not in ("topk", "sign"):
                 wire.update(self._encode_one(name, x))
+        if self.kind == "sign":
+            parts = [x.reshape(-1) for x in xs.values()]
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+            wire[SIGN_BITS] = _pack_bits(flat >= 0)
+            wire[SIGN_SCALE] = torch.cat([_block_mean_abs(p) for p in parts]) if parts else torch.zeros(0)
         if self.kind == "topk":
             flat = torch.cat([x.reshape(-1) for x in xs.values()]) if xs else torch.zeros(0)
             idx = _top_positions(flat, self.kept(flat.numel()))
@@ -223,6 +249,14 @@ class UpdateEncoding:
                 if not bool(torch.isfinite(val).all()):
                     raise TensorError(f"tensor {TOPK_VALUE!r} contains NaN or infinite values")
             return
+        if self.kind == "sign":
+            bits, sc = wire[SIGN_BITS], wire[SIGN_SCALE]
+            if sc.numel() and not bool((torch.isfinite(sc) & (sc >= 0)).all()):
+                raise TensorError(f"tensor {SIGN_SCALE!r}: scales must be finite and not negative")
+            total = sum(math.prod(s.shape) for s in floating)
+            if total % 8 and int(bits[-1]) >> (total % 8):
+                raise TensorError(f"tensor {SIGN_BITS!r}: the bits past the model's {total} elements must be zero")
+            return
         for spec in floating:
             t = wire[spec.name]
             if self.kind in HALF:
@@ -234,6 +268,24 @@ class UpdateEncoding:
                 raise TensorError(f"tensor {spec.name + SCALE!r}: scales must be finite and not negative")
             if bool((t == -128).any()):
                 raise TensorError(f"tensor {spec.name!r}: int8 code -128 is outside [-127, 127]")
+
+    def same_code(self, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
+        """Whether two encoded updates are the same code: every tensor equal, except that a sign
+        scale may differ by SIGN_SCALE_RTOL (a float sum rounded on another build)."""
+        import torch
+
+        if set(a) != set(b):
+            return False
+        for k, x in a.items():
+            y = b[k]
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if k == SIGN_SCALE:
+                if not bool(torch.isclose(x, y, rtol=SIGN_SCALE_RTOL, atol=0.0).all()):
+                    return False
+            elif not torch.equal(x, y):
+                return False
+        return True
 
     def _decode_floating(self, wire: Mapping[str, Tensor],
                          floating: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
@@ -252,6 +304,17 @@ class UpdateEncoding:
                 n = math.prod(shape)
                 out[name] = flat[at:at + n].view(shape).to(dtype)
                 at += n
+            return out
+        if self.kind == "sign":
+            total = sum(math.prod(shape) for _, shape, _ in floating)
+            signs = _unpack_bits(wire[SIGN_BITS], total).to(torch.float32).mul_(2.0).sub_(1.0)
+            scales = wire[SIGN_SCALE]
+            at = block = 0
+            for name, shape, dtype in floating:
+                n, nb = math.prod(shape), _blocks(math.prod(shape), SIGN_BLOCK)
+                dense = signs[at:at + n] * _expand(scales[block:block + nb], n, SIGN_BLOCK)
+                out[name] = dense.to(dtype).reshape(shape)
+                at, block = at + n, block + nb
             return out
         for name, shape, dtype in floating:
             if self.kind in HALF:
@@ -272,6 +335,10 @@ def _top_positions(flat: Tensor, k: int) -> Tensor:
 
     if k == 0:
         return torch.zeros(0, dtype=torch.int64)
+    if flat.numel() >= _SELECT_MIN_NUMEL:
+        found = _top_positions_sampled(flat, k, _SELECT_SAMPLES)
+        if found is not None:
+            return found
     mag = flat.abs()
     cut = torch.topk(mag, k, sorted=False).values.min()
     above = torch.nonzero(mag > cut).reshape(-1)
@@ -279,8 +346,80 @@ def _top_positions(flat: Tensor, k: int) -> Tensor:
     return torch.cat([above, at]).sort().values
 
 
-def _blocks(numel: int) -> int:
-    return -(-numel // INT8_BLOCK)
+#: from this many elements up, ``_top_positions`` selects through a sampled threshold
+_SELECT_MIN_NUMEL: Final = 1 << 16
+_SELECT_SAMPLES: Final = 1 << 16
+
+
+def _top_positions_sampled(flat: Tensor, k: int, samples: int) -> Tensor | None:
+    """``_top_positions`` (0 < k <= numel) without a top-k over the whole input, the same index
+    set; None where it cannot tell (a NaN, or a threshold that kept fewer than k: the caller
+    selects the slow way). A threshold ``t`` read off an evenly strided sample keeps a little
+    over k candidates, ``|x| > t``; when at least k pass, the k-th largest |x| (the cut) is the
+    k-th largest among them, and every element above or at the cut is one of them. When fewer
+    than k pass but enough equal ``t``, the cut is ``t`` itself (ties: an all-zero update)."""
+    import torch
+
+    n = flat.numel()
+    if bool(torch.isnan(flat.max())):  # max propagates NaN: the slow way orders NaN as torch.topk does
+        return None
+    stride = max(1, n // max(1, samples))
+    sample = flat[::stride].abs()
+    s = sample.numel()
+    expected = k * s / n
+    rank = min(s, math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0))  # the sample's rank-th largest
+    t = torch.kthvalue(sample, s - rank + 1).values
+    cand = torch.nonzero(torch.gt(flat, t).logical_or_(torch.lt(flat, -t))).reshape(-1)  # |x| > t, ascending
+    c = cand.numel()
+    if c >= k:
+        mag = flat[cand].abs()
+        cut = torch.kthvalue(mag, c - k + 1).values
+        keep = mag > cut
+        tied = mag == cut
+        need = k - int(keep.sum())
+        return cand[keep.logical_or_(tied.logical_and_(tied.cumsum(0) <= need))]
+    at = torch.nonzero(torch.eq(flat, t).logical_or_(torch.eq(flat, -t))).reshape(-1)[: k - c]
+    if c + at.numel() < k:
+        return None
+    return torch.cat([cand, at]).sort().values
+
+
+def _blocks(numel: int, block: int = INT8_BLOCK) -> int:
+    return -(-numel // block)
+
+
+def _pack_bits(bits: Tensor) -> Tensor:
+    """Booleans as bytes, 8 to a byte, element i in bit i % 8 of byte i // 8; the last byte's
+    unused bits zero."""
+    import torch
+
+    n = bits.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8)
+    padded[:n] = bits.reshape(-1)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: Tensor, numel: int) -> Tensor:
+    """The first ``numel`` bits of ``_pack_bits``'s bytes, as uint8 0/1."""
+    import torch
+
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and_(1).reshape(-1)[:numel]
+
+
+def _block_mean_abs(flat: Tensor) -> Tensor:
+    """Each SIGN_BLOCK block's mean |x| (the last block may be short), summed in float64."""
+    import torch
+
+    n = flat.numel()
+    full = n // SIGN_BLOCK * SIGN_BLOCK
+    parts = []
+    if full:
+        parts.append(flat[:full].view(-1, SIGN_BLOCK).abs().sum(dim=1, dtype=torch.float64) / SIGN_BLOCK)
+    if n > full:
+        parts.append((flat[full:].abs().sum(dtype=torch.float64) / (n - full)).reshape(1))
+    return torch.cat(parts).to(torch.float32) if parts else torch.zeros(0)
 
 
 def _block_absmax(flat: Tensor) -> Tensor:
@@ -296,9 +435,9 @@ def _block_absmax(flat: Tensor) -> Tensor:
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def _expand(scales: Tensor, numel: int) -> Tensor:
+def _expand(scales: Tensor, numel: int, block: int = INT8_BLOCK) -> Tensor:
     """Per-block scales as one value per element (the last block may be short)."""
-    return scales.repeat_interleave(INT8_BLOCK)[:numel] if numel else scales.new_zeros(0)
+    return scales.repeat_interleave(block)[:numel] if numel else scales.new_zeros(0)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -317,6 +456,7 @@ __all__ = [
     "DEFAULT_TOLERANCE",
     "ENCODINGS",
     "INT8_BLOCK",
+    "SIGN_BLOCK",
     "Encoded",
     "UpdateEncoding",
     "default_tolerance",

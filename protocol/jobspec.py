@@ -184,7 +184,8 @@ class CommunicationSpec:
 
     update: str = "fp32"
     topk_fraction: float = 0.01
-    #: carry what the encoding lost into the node's next update of the job (default: on for topk)
+    #: carry what the encoding lost into the node's next update of the job (default: on for
+    #: topk and sign)
     error_feedback: bool = False
     #: relative distance the encoding adds between honest replicas; added to
     #: verification.tolerance and cross_class_tolerance (protocol/encoding.DEFAULT_TOLERANCE)
@@ -383,7 +384,7 @@ def _verification(s: _Section) -> VerificationSpec:
 def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:
     d = CommunicationSpec()  # the defaults live in the dataclass only
     update = s.get_choice("update", d.update, ENCODINGS)
-    feedback = s.get_bool("error_feedback", update == "topk")
+    feedback = s.get_bool("error_feedback", update in ("topk", "sign"))
     spec = CommunicationSpec(
         update=update,
         topk_fraction=s.get_float("topk_fraction", d.topk_fraction, 0.0, 1.0, lo_open=True),

@@ -9,14 +9,14 @@ import stat
 
 import pytest
 import torch
-from gpuflex.protocol.encoding import INT8_BLOCK, UpdateEncoding
+from gpuflex.protocol.encoding import INT8_BLOCK, SIGN_BLOCK, UpdateEncoding
 from gpuflex.protocol.errors import ProtocolError, SpecError, TensorError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import check_manifest, decode_state, encode_state, manifest_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-KINDS = ("fp32", "fp16", "bf16", "int8", "topk")
+KINDS = ("fp32", "fp16", "bf16", "int8", "topk", "sign")
 
 
 def delta(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,6 +58,14 @@ def test_each_encoding_loses_only_what_it_says(kind):
             block = slice(b * INT8_BLOCK, (b + 1) * INT8_BLOCK)
             step = float(flat[block].abs().max()) / 127
             assert float(e[block].max()) <= step / 2 * (1 + 1e-5)
+    elif kind == "sign":  # each tensor's blocks of SIGN_BLOCK: every element's sign times the block's mean |x|
+        for name in ("fc1.weight", "fc1.bias"):
+            flat, back_flat = d[name].reshape(-1), back[name].reshape(-1)
+            assert bool(((back_flat >= 0) == (flat >= 0)).all())
+            for b in range(math.ceil(flat.numel() / SIGN_BLOCK)):
+                block = slice(b * SIGN_BLOCK, (b + 1) * SIGN_BLOCK)
+                assert torch.allclose(back_flat[block].abs(), flat[block].abs().mean().expand_as(back_flat[block]),
+                                      rtol=1e-6)
     else:  # one budget over the whole model's floating elements, laid end to end
         xs = torch.cat([d["fc1.weight"].reshape(-1), d["fc1.bias"]])
         ys = torch.cat([back["fc1.weight"].reshape(-1), back["fc1.bias"]])
@@ -84,9 +92,15 @@ def test_bytes_shrink_as_documented():
     assert size["fp16"] / size["fp32"] == pytest.approx(0.5, abs=1e-3)
     assert size["int8"] / size["fp32"] == pytest.approx(0.25 * (1 + 4 / INT8_BLOCK), abs=1e-3)
     assert size["topk"] / size["fp32"] == pytest.approx(0.02, abs=1e-3)  # 1% kept, 8 bytes each
+    assert size["sign"] / size["fp32"] == pytest.approx((1 / 8 + 4 / SIGN_BLOCK) / 4, abs=1e-3)  # 1/28
+    # two header entries for the whole model, however many tensors it has: a small CNN's 8
+    # tensors cost no more header than one
+    many = {f"t{i}": torch.randn(100) for i in range(8)}
+    sizes = {k: len(encode_state(UpdateEncoding(k).encode(many).wire)) for k in ("fp32", "sign")}
+    assert sizes["sign"] < 0.1 * sizes["fp32"]
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "topk"])
+@pytest.mark.parametrize("kind", ["fp16", "int8", "topk", "sign"])
 def test_error_feedback_delays_and_never_loses(kind):
     """Over any number of rounds: sum of what was sent == sum of the updates - the residual left."""
     enc = UpdateEncoding(kind, topk_fraction=0.02, error_feedback=True)
@@ -130,15 +144,46 @@ def _wire(kind: str) -> dict[str, torch.Tensor]:
     ("topk", "topk:index", lambda t: t.__setitem__(0, -5), "rise strictly"),
     ("topk", "topk:value", lambda t: t.__setitem__(0, math.inf), "NaN or infinite"),
     ("fp16", "fc1.bias", lambda t: t.__setitem__(0, math.inf), "NaN or infinite"),
+    ("sign", "sign:scale", lambda t: t.__setitem__(0, -1.0), "scales must be finite"),
+    ("sign", "sign:scale", lambda t: t.__setitem__(-1, math.inf), "scales must be finite"),
+    ("sign", "sign:bits", lambda t: t.__setitem__(-1, 0xFF), None),  # 6,464 bits: the last byte is full
 ])
 def test_values_no_encoder_makes_are_refused_with_one_line(kind, name, change, message):
     wire = {k: v.clone() for k, v in _wire(kind).items()}
     change(wire[name])
     enc = UpdateEncoding(kind, topk_fraction=0.05)
+    if message is None:  # any bits are a sign when every bit stands for an element
+        enc.check(wire, model_manifest(delta()))
+        return
     for check in (enc.check, enc.decode):
         with pytest.raises(TensorError, match=message) as info:
             check(wire, model_manifest(delta()))
         assert "\n" not in str(info.value)
+
+
+def test_sign_bits_past_the_tensor_are_refused_and_scales_may_differ_in_the_last_bit():
+    enc = UpdateEncoding("sign")
+    d = {"w": torch.randn(300), "b": torch.randn(3)}
+    wire = {k: v.clone() for k, v in enc.encode(d).wire.items()}
+    assert manifest_of(wire) == enc.wire_manifest(manifest_of(d))
+    assert [tuple(wire[k].shape) for k in ("sign:bits", "sign:scale")] == [(38,), (3,)]  # w: 2 blocks, b: 1
+    assert torch.allclose(wire["sign:scale"], torch.stack([d["w"][:256].abs().mean(), d["w"][256:].abs().mean(),
+                                                           d["b"].abs().mean()]))
+    wire["sign:bits"][-1] |= 1 << 7  # bit 303 of a 303-element model (0 to 302 stand for elements)
+    with pytest.raises(TensorError, match="bits past the model's 303 elements must be zero") as info:
+        enc.decode(wire, manifest_of(d))
+    assert "\n" not in str(info.value)
+    # the referee's comparison: bits exact; a scale re-summed on another build may move one part in 10^6
+    a = enc.encode(d).wire
+    b = {k: v.clone() for k, v in a.items()}
+    b["sign:scale"] *= 1 + 1e-7
+    assert enc.same_code(a, b)
+    b["sign:scale"] *= 1 + 1e-5
+    assert not enc.same_code(a, b)
+    c = {k: v.clone() for k, v in a.items()}
+    c["sign:bits"][0] ^= 1
+    assert not enc.same_code(a, c)
+    assert not enc.same_code(a, {k: v for k, v in a.items() if k != "sign:scale"})
 
 
 def test_a_name_the_encoding_needs_is_refused_at_the_spec():
@@ -153,7 +198,7 @@ def test_a_name_the_encoding_needs_is_refused_at_the_spec():
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["int8", "topk", "fp16", "bf16"]), data=st.data())
+@given(kind=st.sampled_from(["int8", "topk", "fp16", "bf16", "sign"]), data=st.data())
 def test_fuzz_encoded_tensors(kind, data):
     """Any bytes in an encoded update's tensors: a ProtocolError or a finite dense update."""
     wire = {k: v.clone() for k, v in _wire(kind).items()}
@@ -186,6 +231,7 @@ def test_the_job_spec_communication_section():
     assert plain.communication.update == "fp32" and plain.verification.tolerance == 1e-4
     topk = parse_job_spec(SPEC + '[communication]\nupdate = "topk"\ntopk_fraction = 0.02\n')
     assert topk.communication.error_feedback is True and topk.communication.encoding.topk_fraction == 0.02
+    assert parse_job_spec(SPEC + '[communication]\nupdate = "sign"\n').communication.error_feedback is True
     int8 = parse_job_spec(SPEC + '[communication]\nupdate = "int8"\ntolerance = 0.01\n')
     assert int8.communication.error_feedback is False
     assert int8.verification.tolerance == pytest.approx(1e-4 + 0.01)

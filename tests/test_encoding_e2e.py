@@ -1,5 +1,5 @@
-"""Encoded updates end to end (issue 17): a real node agent and a real hub, int8 and topk with error
-feedback. The residual is committed in the last checkpoint, so the referee's spot check holds the
+"""Encoded updates end to end (issue 17): a real node agent and a real hub, int8, topk and sign with
+error feedback. The residual is committed in the last checkpoint, so the referee's spot check holds the
 upload to exactly the encoding of (last state - round model + residual): an attack hidden inside
 the quantization noise is caught there. Without feedback, replicas of one class encode to the
 same codes and the same attack loses the replica vote."""
@@ -41,17 +41,17 @@ async def _run(tmp_path, spec: str, cls=None, until=None) -> tuple[Hub, str, Eve
     return hub, job_id, events, doc
 
 
-@pytest.mark.parametrize("update", ["int8", "topk"])
+@pytest.mark.parametrize("update", ["int8", "topk", "sign"])
 async def test_an_encoded_job_with_feedback_runs_and_the_referee_reproduces_it(tmp_path, update) -> None:
     hub, job_id, events, doc = await _run(tmp_path, _spec(update))
     try:
         assert doc["state"] == "done" and all(not h["flags"] for h in doc["history"]), doc["history"]
         rows = hub.db_rows("SELECT status, verdict FROM state_requests ORDER BY requested_at")
         assert [r["status"] for r in rows] == ["reproduced"] * 3, rows
-        # what travelled: a quarter of fp32 (int8), or 10% kept at 8 bytes each (topk)
+        # what travelled: a quarter of fp32 (int8), 10% kept at 8 bytes each (topk), a bit each plus the header (sign)
         model = hub.db_rows("SELECT model_size FROM jobs WHERE id = ?", (job_id,))[0]["model_size"]
         sizes = [e["bytes"] for e in events.of("uploaded")]
-        assert len(sizes) == 3 and all(s < (0.3 if update == "int8" else 0.25) * model for s in sizes), (sizes, model)
+        assert len(sizes) == 3 and all(s < {"int8": 0.3, "topk": 0.25, "sign": 0.1}[update] * model for s in sizes), (sizes, model)
         # the residual is on disk, 0600, and moved on with each accepted update
         path = tmp_path / "node" / "feedback" / f"{job_id}.gft"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -378,8 +378,9 @@ def agent_class(name: str) -> type:
 def quant_nudge(wire: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
     """The attack hidden inside quantization noise: every element of an encoded update moved by
     one step of its encoding, all the same way (int8 codes +1, fp16/bf16 one ulp up, topk values
-    by the smallest kept magnitude). Each element stays within what rounding could have done;
-    together they push the model in a direction of the attacker's choosing."""
+    by the smallest kept magnitude, sign: one element in 8 set to +scale). Each element stays
+    within what rounding could have done; together they push the model in a direction of the
+    attacker's choosing."""
     out = dict(wire)
     for name, t in wire.items():
         if kind == "int8" and t.dtype == torch.int8:
@@ -388,6 +389,8 @@ def quant_nudge(wire: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
             out[name] = torch.nextafter(t, torch.full_like(t, math.inf))
         elif kind == "topk" and name == "topk:value" and t.numel():
             out[name] = t + t.abs().min()
+        elif kind == "sign" and t.dtype == torch.uint8 and t.numel():
+            out[name] = t | 1  # bit 0 of every byte: element 8i is sent as +scale
     return out
 
 
