@@ -1,10 +1,11 @@
 """Update encodings over home lines: bytes, round time, accuracy and compute utilisation.
 
 1. **Shaped links.** A real hub process and real node processes (hub/localcluster.py), each
-   node in its own network namespace behind a veth pair shaped by ``tc … tbf`` to a home line:
-   20 Mbit/s up, 100 Mbit/s down (tests/tooling/netshape.py; no netem in this kernel, so no
-   added delay or loss). The same jobs run once per encoding, one after another on the same
-   cluster, in one run, so every ratio compares runs on the same machine and links:
+   node in its own network namespace behind a line shaped like a home line: ``tc … tbf`` to
+   20 Mbit/s up, 100 Mbit/s down, and 30 ms round trip and 0.1% packet loss each way added by a
+   packet relay between TUN devices (tests/tooling/netshape.py; this kernel has no netem). The
+   same jobs run once per encoding, one after another on the same cluster, in one run, so every
+   ratio compares runs on the same machine and links:
 
    * the digits MLP (64-128-10) and the digits CNN, 2 nodes, a balanced shard each per round;
    * the 25M-parameter MLP (1024-4096-4096-1024-10, 101 MB in fp32) on a synthetic
@@ -66,6 +67,8 @@ from tests.tooling.cluster import LocalCluster  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "bandwidth.json"
 UP_MBIT, DOWN_MBIT = 20.0, 100.0
+#: the home line's round trip (half each way) and packet loss (each way), tests/tooling/netshape.py
+RTT_MS, LOSS = 30.0, 0.001
 NODES = 2
 #: (label, update, topk_fraction, error_feedback, download_fraction: 0 = whole model changes)
 DIGITS_ENCODINGS = [("fp32", "fp32", 0.01, False, 0.0), ("fp16", "fp16", 0.01, False, 0.0),
@@ -191,7 +194,7 @@ def shaped_runs(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         jobs.append(("big", args.big_rounds, args.local_steps, BIG_ENCODINGS))
         jobs.append(("brief", args.big_rounds, args.brief_steps, BRIEF_ENCODINGS))
     out: dict[str, Any] = {}
-    with netshape.HomeLines(NODES, up_mbit=UP_MBIT, down_mbit=DOWN_MBIT) as lines, \
+    with netshape.HomeLines(NODES, up_mbit=UP_MBIT, down_mbit=DOWN_MBIT, rtt_ms=RTT_MS, loss=LOSS) as lines, \
             LocalCluster(workdir / "cluster", hub_args=["--long-poll-max", "10"], hub_host="0.0.0.0") as cluster:
         cluster.start_hub()
         procs = [cluster.start_node(f"home{i}", prefix=line.prefix(), hub_url=f"http://{line.hub_ip}:{cluster.port}")
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {job:4} {label:10} honest max {r['honest_max']:.2e}  nudged min {r['nudged_min']:.2e}  "
                   f"allowance {r['allowance']:.1e}  {'ok' if r['honest_within'] else 'HONEST FLAGGED'}  "
                   f"{ {True: 'caught', False: 'not caught by replicas', None: '(no step to nudge)'}[r['nudge_caught']]}")
-    print(f"\nshaped home lines: {UP_MBIT:g} Mbit/s up, {DOWN_MBIT:g} Mbit/s down, {NODES} nodes")
+    print(f"\nshaped home lines: {UP_MBIT:g} Mbit/s up, {DOWN_MBIT:g} Mbit/s down, {RTT_MS:g} ms round trip, "
+          f"{LOSS:.1%} loss each way, {NODES} nodes")
     with tempfile.TemporaryDirectory(prefix="gpuflex-bandwidth-") as tmp:
         shaped = shaped_runs(args, Path(tmp))
     ratios: dict[str, Any] = {"bytes_per_round_vs_fp32": {}, "round_time_vs_fp32": {}, "accuracy_points_vs_fp32": {}}
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "bandwidth",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "links": {"up_mbit": UP_MBIT, "down_mbit": DOWN_MBIT, "delay": "none (no netem)", "nodes": NODES},
+                    "links": {"up_mbit": UP_MBIT, "down_mbit": DOWN_MBIT, "rtt_ms": RTT_MS, "loss": LOSS,
+                              "delay_and_loss": "tests/tooling/packetrelay.py (TUN packet relay)", "nodes": NODES},
                     "big_local_steps": args.local_steps, "brief_local_steps": args.brief_steps,
                     "rounds": args.rounds, "big_rounds": args.big_rounds, "digits_repeats": args.repeats},
         "baseline": "fp32 updates on the same cluster, links and jobs, in the same run",
