@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 import os
 import re
 import secrets
@@ -93,6 +94,24 @@ class BlobStore:
         data = p.read_bytes()
         self.remember(sha, data)
         return data
+
+    def read_private(self, sha: str) -> bytearray | mmap.mmap:
+        """The blob's bytes as a writable buffer of the caller's own, for ``decode_state`` to view:
+        a large blob's file mapped copy-on-write (no copy is made, and a write changes neither the
+        file nor anyone else's view), a small one's bytes copied (and kept hot, as ``read`` does)."""
+        hot = self.hot(sha)
+        if hot is not None:
+            return bytearray(hot)
+        p = self.path(sha)
+        if not p.is_file():
+            raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
+        with open(p, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size <= HOT_BLOB_MAX:
+                data = fh.read()
+                self.remember(sha, data)
+                return bytearray(data)
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # the map outlives the file object
 
     def hot(self, sha: str) -> bytes | None:
         """The blob's bytes when they are in the in-memory cache (it is on disk as well)."""

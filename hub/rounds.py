@@ -27,9 +27,11 @@ import math
 import mmap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from gpuflex.protocol.jobspec import JobSpec
 from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
@@ -110,6 +112,20 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def _norm(state: Mapping[str, Tensor]) -> float:
+    """The L2 norm of a state's floating tensors (summed in float64)."""
+    return math.sqrt(sum(float(t.double().pow_(2).sum()) for t in state.values() if t.is_floating_point()))
+
+
+def _all_finite(t: Tensor) -> bool:
+    """``torch.isfinite(t).all()`` in one pass and without a mask: the least and the greatest
+    element are finite only when every element is (both take a NaN when there is one)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _finite_or_none(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
@@ -146,8 +162,9 @@ class RoundEngine:
         self._run_before_flag: dict[str, tuple[str, int]] = {}
         #: the referee's open state requests, by id (hub/referee.py; the ledger answers nodes from it)
         self.state_requests: dict[str, StateRequestState] = {}
-        #: called (on the loop) with (last model, new model) when a round publishes a model the
-        #: next round trains: the app starts making the delta nodes will download (hub/deltas.py)
+        #: called (on the loop) with (last model, new model) when a round makes a model the next
+        #: round trains, as soon as its blob is durable (the rest of the close still under way):
+        #: the app starts making the delta nodes will download (hub/deltas.py)
         self.on_new_model: Callable[[str, str], None] | None = None
 
     # -- driving ---------------------------------------------------------------------------
@@ -478,7 +495,8 @@ class RoundEngine:
             groups = {s.representative: tuple(policy.GroupMember(u.id, u.node_id, u.status)
                                               for u in s.accepted if u.id != s.representative)
                       for s in shards}
-            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of, groups)
+            result = await asyncio.to_thread(self._aggregate, job, reps, shard_of, groups,
+                                             self._delta_starter(job))
         except BaseException:
             job.closing = False
             raise
@@ -509,7 +527,6 @@ class RoundEngine:
             self.scheduler.detach(a)
         self._apply_reputations(touched)
         job.error = None  # a failure noted while this round could not close is over
-        previous = job.model_hash
         job.model_hash = result["model_hash"]
         job.opt_state_sha = result["opt_state_sha"]
         job.round += 1
@@ -519,20 +536,60 @@ class RoundEngine:
             job.end("done")
         else:
             job.open_round()
-            if self.on_new_model is not None and job.model_size > HOT_BLOB_MAX and previous != job.model_hash:
-                self.on_new_model(previous, job.model_hash)  # a large model: it downloads as a delta
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
 
+    def _delta_starter(self, job: JobState) -> Callable[[str], None] | None:
+        """What ``_aggregate`` calls once the round's model blob is durable: a large model that the
+        next round trains downloads as a delta from the last (hub/deltas.py), and ``on_new_model``
+        starts making it then, on the loop, while the blob of the server optimizer, the evaluation
+        and the store's commit are still to come. A delta made for a round whose close then fails
+        is only a spare: nothing announces that model, and a node is served a delta only to a model
+        it is assigned."""
+        if self.on_new_model is None or job.round + 1 >= job.rounds or job.model_size <= HOT_BLOB_MAX:
+            return None
+        start, previous, loop = self.on_new_model, job.model_hash, asyncio.get_running_loop()
+
+        def started(model_hash: str) -> None:
+            if model_hash != previous:
+                with contextlib.suppress(RuntimeError):  # the loop closed (the hub stopping): no delta
+                    loop.call_soon_threadsafe(start, previous, model_hash)
+
+        return started
+
+    def _put_state(self, state: Mapping[str, Tensor]) -> str:
+        """Store a state dict as a GFT1 blob, durably; its id."""
+        return self.blobs.put(encode_state(state))
+
+    def _put_opt_state(self, opt: ServerOptimizer, residual: Mapping[str, Tensor]) -> str:
+        """The server optimizer's state with the download residual, stored as one blob."""
+        return self._put_state(opt.state_dict() | {downlink.RESIDUAL_PREFIX + k: v for k, v in residual.items()})
+
+    def _evaluate(self, spec: JobSpec, state: Mapping[str, Tensor], val_sha: str) -> dict[str, float]:
+        return evaluate(spec, state, decode_state(self.blobs.read_private(val_sha)))
+
     def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState],
-                   groups: Mapping[str, Sequence[policy.GroupMember]]) -> dict[str, Any]:
+                   groups: Mapping[str, Sequence[policy.GroupMember]],
+                   on_model: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Judge (hub/policy.judge_round), aggregate, step the server optimizer, evaluate, log.
-        Worker thread; no DB writes."""
+        Worker thread; no DB writes. ``on_model`` is called (on this thread) with the new model's
+        blob id as soon as the blob is durable, while the rest of the round's close goes on.
+
+        Work that does not wait on the rest runs beside it, in two more threads (torch's kernels,
+        hashing, copies, writes and fsync run outside the GIL): the model's norm while the updates
+        are opened, then the two blobs and the evaluation. Each is done, and each blob durable,
+        before this returns, and so before the round's close is committed."""
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="gpuflex-close") as pool:
+            return self._aggregate_with(pool, job, reps, shard_of, groups, on_model)
+
+    def _aggregate_with(self, pool: ThreadPoolExecutor, job: JobState, reps: list[UpdateState],
+                        shard_of: dict[str, ShardState], groups: Mapping[str, Sequence[policy.GroupMember]],
+                        on_model: Callable[[str], None] | None) -> dict[str, Any]:
         spec = job.spec
-        global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
+        global_state = decode_state(self.blobs.read_private(job.model_hash))
+        norm = pool.submit(_norm, global_state) if reps else None
         with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
-            gnorm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in global_state.values()
-                                  if t.is_floating_point())) if reps else 0.0
+            gnorm = norm.result() if norm is not None else 0.0
             records = self._records(job, shard_of, reps, deltas)
             judgement = policy.judge_round(records, gnorm, spec.verification, groups,
                                            vouched_by_trusted=self._vouched(job, reps, groups))
@@ -556,7 +613,7 @@ class RoundEngine:
             opt = ServerOptimizer.from_spec(spec.aggregation)
             residual: dict[str, Tensor] = {}
             if job.opt_state_sha:
-                stored, residual = downlink.split_state(decode_state(bytearray(self.blobs.read(job.opt_state_sha))))
+                stored, residual = downlink.split_state(decode_state(self.blobs.read_private(job.opt_state_sha)))
                 opt.load_state_dict(stored)
             if use:
                 agg = aggregate(use, weights, spec.aggregation,
@@ -571,17 +628,17 @@ class RoundEngine:
                 evidence["empty"] = "no update was included; the model is unchanged"
             del use
         for k, t in new_state.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and not _all_finite(t):
                 raise AggregationError(f"aggregated model tensor {k!r} is not finite")
         compared_shas = {reps[i].sha: c for i in included if (c := shard_of[reps[i].id].comparison)}
-        model_blob = encode_state({k: v.contiguous() for k, v in new_state.items()})
-        model_hash = self.blobs.put(model_blob)
-        kept = opt.state_dict() | {downlink.RESIDUAL_PREFIX + k: v for k, v in residual.items()}
-        opt_sha = self.blobs.put(encode_state(kept)) if opt.kind != "none" or residual else None
-        metrics: dict[str, float] = {}
-        if job.val_sha:
-            val = decode_state(bytearray(self.blobs.read(job.val_sha)))
-            metrics = evaluate(spec, new_state, val)
+        # the server optimizer's blob and the evaluation beside the model's blob
+        opt_put = pool.submit(self._put_opt_state, opt, residual) if opt.kind != "none" or residual else None
+        scored = pool.submit(self._evaluate, spec, new_state, job.val_sha) if job.val_sha else None
+        model_hash = self._put_state({k: v.contiguous() for k, v in new_state.items()})
+        if on_model is not None:
+            on_model(model_hash)
+        opt_sha = opt_put.result() if opt_put is not None else None
+        metrics: dict[str, float] = scored.result() if scored is not None else {}
         tot = sum(shard_of[reps[i].id].samples for i in included)
         train_loss = (sum(reps[i].loss * shard_of[reps[i].id].samples for i in included) / tot) if tot else None
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}

@@ -378,10 +378,17 @@ def _top_positions_sampled(flat: Tensor, k: int, samples: int) -> Tensor | None:
         tied = mag == cut
         need = k - int(keep.sum())
         return cand[keep.logical_or_(tied.logical_and_(tied.cumsum(0) <= need))]
-    at = torch.nonzero(torch.eq(flat, t).logical_or_(torch.eq(flat, -t))).reshape(-1)[: k - c]
-    if c + at.numel() < k:
+    ties: list[Tensor] = []  # the lowest k - c positions where |x| == t, a slice at a time
+    need, start, step = k - c, 0, max(k, 1 << 20)
+    while need > 0 and start < n:
+        part = flat[start:start + step]
+        at = torch.nonzero(torch.eq(part, t).logical_or_(torch.eq(part, -t))).reshape(-1)[:need]
+        ties.append(at + start)
+        need -= at.numel()
+        start += step
+    if need > 0:
         return None
-    return torch.cat([cand, at]).sort().values
+    return torch.cat([cand, *ties]).sort().values
 
 
 def _blocks(numel: int, block: int = INT8_BLOCK) -> int:
