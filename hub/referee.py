@@ -26,7 +26,10 @@ inputs and the policy (hub/policy.py) applies the verdicts.
   last state minus the round's model IS the uploaded update, bit for bit (so the commitment
   binds the update); the re-executed segment end lies within ``tolerance`` of the committed
   one: distance = ||committed end - re-executed end|| / ||re-executed end - start|| over the
-  model's floating tensors.
+  model's floating tensors. With error feedback, the residual the last state commits must be
+  what encoding one of the node's latest earlier uploads left (``residual_chain``; an upload
+  decoded plus its residual encodes to it again), or zero: without that check a node could
+  commit any residual and so send any code the encoding can carry.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "NORM_SPLIT",
+    "RESIDUAL_LOOKBACK",
     "SegmentVerdict",
     "fetch_steps",
     "judge_segment",
@@ -56,12 +60,17 @@ __all__ = [
     "referee_grid_ok",
     "replay_onednn",
     "replay_segment",
+    "residual_chain",
     "segment_distance",
     "stack_data",
 ]
 
 #: relative difference of two replicas' committed segment norms taken as "diverged here"
 NORM_SPLIT = 1e-3
+#: how many of a node's latest earlier uploads in a job the residual's chain is checked against
+#: (the newest first): an upload whose acknowledgement never reached the node did not move its
+#: residual on, so the node may be an upload or two behind what the hub stored
+RESIDUAL_LOOKBACK = 3
 
 #: torch's oneDNN switch is one flag for the whole process: replays that set it take turns
 _ONEDNN_TURN = threading.Lock()
@@ -212,6 +221,22 @@ def segment_distance(start: Mapping[str, Tensor], committed_end: Mapping[str, Te
     return diff / scale
 
 
+def residual_chain(encoding: UpdateEncoding, residual: Mapping[str, Tensor],
+                   previous: Sequence[Mapping[str, Tensor]], model: Any) -> str:
+    """Where the error-feedback residual a node committed comes from: "zero" (a node starting
+    over), "upload <i>" (what encoding its i-th latest earlier upload left, 0 = the latest; a
+    lost acknowledgement leaves the node one upload behind the hub, so a few are tried),
+    "no_upload" (not zero, and no earlier upload) or "forged" (none of them left it)."""
+    if all(not bool(r.any()) for r in residual.values()):
+        return "zero"
+    if not previous:
+        return "no_upload"
+    for i, wire in enumerate(previous):
+        if encoding.residual_fits(wire, residual, model):
+            return f"upload {i}"
+    return "forged"
+
+
 def _verdict(update_id: str, node_id: str, outcome: str, base: Mapping[str, Any], **more: Any) -> SegmentVerdict:
     return SegmentVerdict(update_id, node_id, outcome, {**base, **more})
 
@@ -234,9 +259,12 @@ def judge_segment(
     tolerance: float,
     onednn: bool = True,
     encoding: UpdateEncoding | None = None,
+    previous: Sequence[Mapping[str, Tensor]] | None = None,
 ) -> SegmentVerdict:
     """Judge one update from its committed states (already checked against the commitment's
-    hashes) by re-executing ``segment`` (with oneDNN's kernels or not: ``replay_onednn``)."""
+    hashes) by re-executing ``segment`` (with oneDNN's kernels or not: ``replay_onednn``).
+    ``previous``: with error feedback, the node's latest earlier uploads in this job (newest
+    first, up to ``RESIDUAL_LOOKBACK``; None: the residual's chain is not checked)."""
     s, e, last = fetch_steps(commitment, segment)
     base: dict[str, Any] = {"check": "segment_replay", "round": round, "node": node_id, "update": update_id,
                             "steps": [s, e], "last_step": last, "precision": commitment.precision,
@@ -277,6 +305,17 @@ def judge_segment(
             return _verdict(update_id, node_id, "mismatch", base, why=f"the last state cannot be encoded: {exc}"[:200])
         bound = encoding.same_code(expected, delta)
         base["encoding"] = encoding.kind
+        if bound and encoding.error_feedback and previous is not None:
+            chain = residual_chain(encoding, feedback_part(final), previous, manifest_of(global_state))
+            base["residual_chain"] = chain
+            if chain == "forged":
+                return _verdict(update_id, node_id, "mismatch", base,
+                                why="the committed residual is not what error feedback left after any of the"
+                                    f" node's last {len(previous)} uploads of this job")
+            if chain == "no_upload":
+                return _verdict(update_id, node_id, "mismatch", base,
+                                why="the committed residual is not zero, and the node has no earlier upload"
+                                    " of this job for it to come from")
         if not bound:
             layout = manifest_of(global_state)
             floating = sorted(k for k in names if global_state[k].is_floating_point())

@@ -45,6 +45,7 @@ from .evaluation import evaluate
 from .jobs import JobState, ShardState, StateRequestState, UpdateLayout, UpdateState, new_id
 from .metrics import HubMetrics
 from .referee import (
+    RESIDUAL_LOOKBACK,
     SegmentVerdict,
     fetch_steps,
     judge_segment,
@@ -315,7 +316,8 @@ class RoundEngine:
         thread), record the verdicts (store, then memory)."""
         reqs = list(shard.requests.values())
         by_id = {u.id: u for u in shard.accepted}
-        verdicts = await asyncio.to_thread(self._judge_blocking, job, shard, reqs, by_id)
+        earlier = await self._earlier_uploads(job, [by_id[r.update_id] for r in reqs])
+        verdicts = await asyncio.to_thread(self._judge_blocking, job, shard, reqs, by_id, earlier)
         await self.store.close_state_requests([(r.id, verdicts[r.update_id].outcome,
                                                 dict(verdicts[r.update_id].evidence)) for r in reqs])
         for r in reqs:
@@ -324,8 +326,24 @@ class RoundEngine:
             shard.verdicts[r.update_id] = verdicts[r.update_id]
         self.metrics.referee_verdicts.update(v.outcome for v in verdicts.values())
 
+    async def _earlier_uploads(self, job: JobState, ups: Sequence[UpdateState]) -> dict[str, list[str]]:
+        """For a job with error feedback: each update's node's latest earlier uploads in the job
+        (blob ids, newest first, up to RESIDUAL_LOOKBACK), for the referee's residual chain."""
+        enc = job.layout.encoding
+        if enc.identity or not enc.error_feedback or not ups:
+            return {}
+
+        def read(c: Any) -> dict[str, list[str]]:
+            return {u.id: [str(row[0]) for row in c.execute(
+                "SELECT sha FROM updates WHERE job_id = ? AND node_id = ? AND received_at < ? AND id != ?"
+                " ORDER BY received_at DESC LIMIT ?",
+                (job.id, u.node_id, u.received_at, u.id, RESIDUAL_LOOKBACK)).fetchall()] for u in ups}
+
+        return await self.store.query(read)
+
     def _judge_blocking(self, job: JobState, shard: ShardState, reqs: Sequence[StateRequestState],
-                        by_id: Mapping[str, UpdateState]) -> dict[str, SegmentVerdict]:
+                        by_id: Mapping[str, UpdateState],
+                        earlier: Mapping[str, Sequence[str]] | None = None) -> dict[str, SegmentVerdict]:
         spec = job.spec
         vspec = spec.verification
         global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
@@ -341,11 +359,14 @@ class RoundEngine:
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
             delta = decode_state(bytearray(self.blobs.read(u.sha)))
             node = self.scheduler.nodes.get(u.node_id)
+            previous = None
+            if earlier is not None and u.id in earlier:
+                previous = [decode_state(self.blobs.read_private(sha)) for sha in earlier[u.id]]
             v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=cfg,
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
                               onednn=replay_onednn(None if node is None else node.compute),
-                              encoding=job.layout.encoding)
+                              encoding=job.layout.encoding, previous=previous)
             outcome, evidence = v.outcome, dict(v.evidence) | {"reason": r.reason, "request": r.id}
             if outcome == "unverifiable" and not r.asked:
                 # it never polled for work again before the deadline: offline (a volunteer's laptop

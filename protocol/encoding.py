@@ -269,6 +269,55 @@ class UpdateEncoding:
             if bool((t == -128).any()):
                 raise TensorError(f"tensor {spec.name!r}: int8 code -128 is outside [-127, 127]")
 
+    def residual_fits(self, previous: Mapping[str, Tensor], residual: Mapping[str, Tensor],
+                      model: Manifest) -> bool:
+        """Whether ``residual`` is what error feedback leaves after encoding an update as
+        ``previous`` (an upload of this encoding whose layout matched ``wire_manifest(model)``):
+        x = decode(previous) + residual must encode to ``previous`` again. The node's residual
+        is ``x - decode(encode(x))`` in float32, and adding it back gives x exactly for fp16,
+        bf16, int8 and topk (the subtraction is exact: Sterbenz), so their codes must be equal.
+        For sign, x and its block's ±scale may differ in magnitude, so x comes back within a
+        rounding of the scale: a bit may differ where x is within 2^-20 of its block's scale
+        of zero, and a scale by 1e-5. A residual of zeros always fits (a node that lost its
+        file starts over). What this bounds: a node can put into the residual it commits only
+        what the encoding's own rounding could have left there, not an arbitrary vector."""
+        import torch
+
+        floating = [(s.name, s.shape, _torch_dtype(s.dtype)) for s in model if s.dtype in FLOATING]
+        names = {n for n, _, _ in floating}
+        if set(residual) - names or any(tuple(residual[n].shape) != tuple(shape)
+                                        for n, shape, _ in floating if n in residual):
+            return False
+        if all(not bool(r.any()) for r in residual.values()):
+            return True
+        if self.identity:
+            return False  # fp32 loses nothing: its residual is zero
+        try:
+            self.check(previous, model)
+        except TensorError:
+            return False
+        dense = self._decode_floating(previous, [(n, shape, torch.float32) for n, shape, _ in floating])
+        x = {n: (dense[n] + residual[n].to(torch.float32)) if n in residual else dense[n] for n, _, _ in floating}
+        if not all(bool(torch.isfinite(t).all()) for t in x.values()):
+            return False
+        bare = UpdateEncoding(self.kind, self.topk_fraction, error_feedback=False)
+        try:
+            again = bare.encode(x).wire
+        except TensorError:
+            return False
+        if self.kind != "sign":
+            return all(torch.equal(again[k], previous[k]) for k in again)
+        scales = previous[SIGN_SCALE]
+        if not bool(torch.isclose(again[SIGN_SCALE], scales, rtol=1e-5, atol=0.0).all()):
+            return False
+        total = sum(t.numel() for t in x.values())
+        differ = _unpack_bits(again[SIGN_BITS], total) != _unpack_bits(previous[SIGN_BITS], total)
+        if not bool(differ.any()):
+            return True
+        flat = torch.cat([t.reshape(-1) for t in x.values()])
+        near = torch.cat([_expand(scales[b:b + nb], n, SIGN_BLOCK) for b, nb, n in _sign_blocks(floating)])
+        return bool((flat[differ].abs() <= near[differ] * 2.0**-20).all())
+
     def same_code(self, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
         """Whether two encoded updates are the same code: every tensor equal, except that a sign
         scale may differ by SIGN_SCALE_RTOL (a float sum rounded on another build)."""
@@ -393,6 +442,16 @@ def _top_positions_sampled(flat: Tensor, k: int, samples: int) -> Tensor | None:
 
 def _blocks(numel: int, block: int = INT8_BLOCK) -> int:
     return -(-numel // block)
+
+
+def _sign_blocks(floating: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[int, int, int]]:
+    """Per floating tensor: (its first block in ``sign:scale``, its block count, its elements)."""
+    out, at = [], 0
+    for _, shape, _ in floating:
+        n = math.prod(shape)
+        out.append((at, _blocks(n, SIGN_BLOCK), n))
+        at += _blocks(n, SIGN_BLOCK)
+    return out
 
 
 def _pack_bits(bits: Tensor) -> Tensor:

@@ -261,3 +261,58 @@ def test_the_node_keeps_its_residual_0600_and_drops_what_no_longer_fits(tmp_path
     assert store.load("j-1", {"w": (4, 5), "b": (5,)}) is None  # a damaged file: start again from zero
     with pytest.raises(Exception, match="bad job id"):
         store.path("../etc")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["fp16", "bf16", "int8", "topk", "sign"]), seed=st.integers(0, 2**31 - 1),
+       scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e3]), tiny=st.booleans(), rounds=st.integers(1, 6))
+def test_the_residual_error_feedback_leaves_fits_the_upload_it_was_left_by(kind, seed, scale, tiny, rounds):
+    """What the referee's residual chain relies on (hub/referee.residual_chain): decoding an upload
+    and adding the residual its encoding left gives back an update that encodes to the same upload,
+    round after round, for any magnitudes (and elements near zero beside large ones)."""
+    g = torch.Generator().manual_seed(seed)
+    enc = UpdateEncoding(kind, topk_fraction=0.05, error_feedback=True)
+    residual = None
+    for _ in range(rounds):
+        d = {"w": torch.randn(40, 13, generator=g) * scale, "b": torch.randn(7, generator=g) * scale}
+        if tiny:
+            d["w"][0, :5] = torch.tensor([1e-30, -1e-30, 0.0, -0.0, scale * 1e-7])
+        out = enc.encode(d, residual)
+        if kind == "fp16" and not all(bool(torch.isfinite(t).all()) for t in out.wire.values()):
+            return
+        assert enc.residual_fits(out.wire, out.residual, manifest_of(d))
+        residual = out.residual
+
+
+@pytest.mark.parametrize("kind", ["int8", "topk", "sign", "fp16"])
+def test_a_residual_the_upload_did_not_leave_does_not_fit(kind):
+    enc = UpdateEncoding(kind, topk_fraction=0.05, error_feedback=True)
+    d = delta()
+    man = manifest_of(d)
+    first = enc.encode(d)
+    out = enc.encode(delta(1), first.residual)
+    assert enc.residual_fits(out.wire, out.residual, man)
+    assert enc.residual_fits(out.wire, {k: torch.zeros_like(v) for k, v in out.residual.items()}, man)  # starting over
+    pushed = {k: v + 1e-3 for k, v in out.residual.items()}
+    assert not enc.residual_fits(out.wire, pushed, man)
+    assert not enc.residual_fits(first.wire, out.residual, man)  # left by another upload
+    assert not enc.residual_fits(out.wire, {"fc1.weight": torch.ones(3)}, man)  # not the model's shape
+    assert not enc.residual_fits(out.wire, {"nope": torch.ones(3)}, man)
+    assert not UpdateEncoding("fp32").residual_fits(d, {"fc1.bias": torch.ones(64)}, man)
+
+
+def test_the_residual_chain_names_the_upload_the_residual_came_from():
+    """hub/referee.residual_chain: a node whose last acknowledgement was lost is an upload behind
+    the hub: its residual comes from the upload before the latest, and that is not a forgery."""
+    from gpuflex.hub.referee import residual_chain
+
+    enc = UpdateEncoding("int8", error_feedback=True)
+    man = manifest_of(delta())
+    a = enc.encode(delta(0))
+    b = enc.encode(delta(1), a.residual)  # uploaded and stored; its ack never reached the node
+    zero = {k: torch.zeros_like(v) for k, v in a.residual.items()}
+    assert residual_chain(enc, zero, [], man) == "zero"
+    assert residual_chain(enc, b.residual, [b.wire, a.wire], man) == "upload 0"
+    assert residual_chain(enc, a.residual, [b.wire, a.wire], man) == "upload 1"
+    assert residual_chain(enc, a.residual, [], man) == "no_upload"
+    assert residual_chain(enc, {k: v + 1e-3 for k, v in b.residual.items()}, [b.wire, a.wire], man) == "forged"

@@ -7,6 +7,7 @@ same codes and the same attack loses the replica vote."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 
@@ -48,6 +49,9 @@ async def test_an_encoded_job_with_feedback_runs_and_the_referee_reproduces_it(t
         assert doc["state"] == "done" and all(not h["flags"] for h in doc["history"]), doc["history"]
         rows = hub.db_rows("SELECT status, verdict FROM state_requests ORDER BY requested_at")
         assert [r["status"] for r in rows] == ["reproduced"] * 3, rows
+        # the residual each committed is what its last upload left (the first: none yet)
+        chains = [json.loads(r["verdict"])["residual_chain"] for r in rows]
+        assert chains[0] == "zero" and chains[1:] == ["upload 0"] * 2, chains
         # what travelled: a quarter of fp32 (int8), 10% kept at 8 bytes each (topk), a bit each plus the header (sign)
         model = hub.db_rows("SELECT model_size FROM jobs WHERE id = ?", (job_id,))[0]["model_size"]
         sizes = [e["bytes"] for e in events.of("uploaded")]
@@ -68,6 +72,30 @@ async def test_an_attack_inside_the_quantization_noise_is_caught_by_the_referee(
         rows = [r for r in hub.db_rows("SELECT status, verdict FROM state_requests") if r["status"] != "open"]
         assert rows and all(r["status"] == "mismatch" for r in rows), rows
         assert "int8 encoding of the committed last state" in rows[0]["verdict"]
+        flagged = await wait_for_flag(hub, job_id)
+        assert flagged["reason"].startswith("referee"), flagged
+    finally:
+        await hub.stop()
+
+
+@pytest.mark.parametrize("update", ["int8", "sign"])
+async def test_a_residual_the_earlier_uploads_did_not_leave_is_caught(tmp_path, update) -> None:
+    """The node commits and encodes with a residual pushed by 1e-3 everywhere from its second
+    assignment on: its uploads are the exact encoding of what it committed, so only the residual's
+    chain catches it. Its first, honest update is reproduced; every later one is not."""
+    def judged(hub: Hub) -> bool:
+        return len(hub.db_rows("SELECT id FROM state_requests WHERE status != 'open'")) >= 2
+
+    hub, job_id, _events, _doc = await _run(tmp_path, _spec(update, rounds=2),
+                                            atk.forged_residual_agent_class(after=1), judged)
+    try:
+        rows = [r for r in hub.db_rows("SELECT status, verdict FROM state_requests ORDER BY requested_at")
+                if r["status"] != "open"]
+        assert rows[0]["status"] == "reproduced" and json.loads(rows[0]["verdict"])["residual_chain"] == "zero", rows
+        assert len(rows) >= 2 and all(r["status"] == "mismatch" for r in rows[1:]), rows
+        for r in rows[1:]:
+            verdict = json.loads(r["verdict"])
+            assert verdict["residual_chain"] == "forged" and "committed residual" in verdict["why"], verdict
         flagged = await wait_for_flag(hub, job_id)
         assert flagged["reason"].startswith("referee"), flagged
     finally:

@@ -407,6 +407,33 @@ def quant_nudge_agent_class() -> type:
     return QuantNudgeAgent
 
 
+def forged_residual_agent_class(*, after: int = 1, push: float = 1e-3) -> type:
+    """A real node that moves its error-feedback residual, from its ``after``-th assignment on,
+    by ``push`` on every element (the same way). It trains honestly, commits the moved residual
+    in its last checkpoint and encodes with it, so its upload IS the encoding of what it
+    committed: the referee's binding check passes, and only the residual's chain (what encoding
+    its earlier uploads left, hub/referee.residual_chain) shows the push."""
+    from gpuflex.node.agent import NodeAgent
+
+    class ForgedResidualAgent(NodeAgent):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            loads = [0]
+            honest_load = self.feedback.load
+
+            def load(job_id: str, shapes: Any) -> Any:
+                residual = honest_load(job_id, shapes)
+                loads[0] += 1
+                if loads[0] <= after:
+                    return residual
+                base = residual or {k: torch.zeros(v) for k, v in shapes.items()}
+                return {k: v + push for k, v in base.items()}
+
+            self.feedback.load = load
+
+    return ForgedResidualAgent
+
+
 def stall_agent_class(*, after: int, seconds: float | None) -> type:
     """A real node whose assignments after the first ``after`` wait before training.
 
