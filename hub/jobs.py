@@ -7,6 +7,7 @@ from the store on start (`Store.load`), changed only by the ledger, on the loop.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -19,7 +20,7 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import Commitment
 from gpuflex.protocol.modelspec import build_model, manifest
-from gpuflex.protocol.tensors import Manifest, encode_state
+from gpuflex.protocol.tensors import ITEMSIZE, Manifest, encode_state
 
 from .blobs import BlobStore
 from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, validate_arrays
@@ -147,6 +148,11 @@ class UpdateLayout:
         enc = spec.communication.encoding
         model = manifest(spec.model)
         return cls(enc, model, enc.wire_manifest(model))
+
+    @property
+    def dense_bytes(self) -> int:
+        """The bytes of one update decoded to the model's tensors."""
+        return sum(math.prod(t.shape) * ITEMSIZE[t.dtype] for t in self.model)
 
     def dense(self, wire: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The update as the model's tensors (the views themselves for fp32)."""

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import mmap
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,23 +68,42 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str],
     """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a
     read-only mmap, registered with the PageReleasers while open), closed on exit. With a
     ``layout`` whose encoding is not fp32, each update is decoded into the model's dense tensors
-    (a copy: fp16, int8 and topk are not the model's bytes)."""
+    (fp16, int8, topk and sign are not the model's bytes): in memory for a model of up to
+    HOT_BLOB_MAX, else written to an unnamed temporary file (no fsync: it is gone when closed,
+    or with the process) and mapped read-only like an fp32 update, so a round of many encoded
+    updates streams through aggregation in O(model) memory as fp32 ones do, instead of holding
+    every dense update at once."""
     maps: list[mmap.mmap] = []
-    files = []
+    files: list[Any] = []
     states: list[dict[str, Tensor]] = []
     registered = contextlib.ExitStack()
+    spill = layout is not None and not layout.encoding.identity and layout.dense_bytes > HOT_BLOB_MAX
+
+    def mapped(fh: Any) -> mmap.mmap:
+        files.append(fh)
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        maps.append(mm)
+        registered.enter_context(readonly_mapping(mm))
+        return mm
+
     try:
         for sha in shas:
             hot = blobs.hot(sha)
-            if hot is not None:
-                states.append(_dense(decode_state(hot), layout))
+            source = hot if hot is not None else mapped(open(blobs.path(sha), "rb"))
+            if not spill:
+                states.append(_dense(decode_state(source), layout))
                 continue
-            fh = open(blobs.path(sha), "rb")
-            files.append(fh)
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            maps.append(mm)
-            registered.enter_context(readonly_mapping(mm))
-            states.append(_dense(decode_state(mm), layout))
+            assert layout is not None
+            dense = encode_state(layout.dense(decode_state(source)))
+            tmp = tempfile.TemporaryFile(dir=blobs.tmp)
+            try:
+                tmp.write(dense)
+                tmp.flush()
+            except BaseException:
+                tmp.close()
+                raise
+            del dense
+            states.append(decode_state(mapped(tmp)))
         yield states
     finally:
         registered.close()  # out of the registry before anything is closed

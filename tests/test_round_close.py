@@ -195,3 +195,36 @@ def test_all_finite_is_isfinite_all(values: list[float], dtype: torch.dtype, sha
     elif shape == "scalar":
         t = t[:1].reshape(()) if t.numel() else torch.tensor(math.inf, dtype=dtype)
     assert _all_finite(t) == bool(torch.isfinite(t).all())
+
+
+@pytest.mark.parametrize("update", ["int8", "topk", "sign"])
+def test_encoded_updates_of_a_large_model_stream_from_mapped_files(tmp_path: Path, update: str) -> None:
+    """open_deltas decodes each encoded update of a model over HOT_BLOB_MAX to an unnamed
+    temporary file and maps it read-only, as fp32 updates are mapped: the PageReleasers can drop
+    its pages, and a round of many updates does not hold them all decoded in memory."""
+    from gpuflex.hub.aggregation import _MAPPED, _MAPPED_LOCK
+    from gpuflex.hub.jobs import UpdateLayout
+
+    spec = parse_job_spec(SPEC.format(rounds=2).replace('update = "topk"', f'update = "{update}"'))
+    layout = UpdateLayout.of(spec)
+    assert layout.dense_bytes > HOT_BLOB_MAX
+    blobs = BlobStore(tmp_path / "blobs")
+    model = build_model(spec.model, 0).state_dict()
+    g = torch.Generator().manual_seed(1)
+    deltas = [{k: torch.randn(v.shape, generator=g) * 0.01 for k, v in model.items()} for _ in range(3)]
+    wires = [layout.encoding.encode(d).wire for d in deltas]
+    shas = [blobs.put(encode_state(w)) for w in wires]
+    with rounds.open_deltas(blobs, shas, layout) as states:
+        with _MAPPED_LOCK:
+            ranges = list(_MAPPED.values())
+        for state, wire in zip(states, wires, strict=True):
+            expected = layout.dense(wire)
+            assert set(state) == set(expected)
+            for k, t in state.items():
+                assert torch.equal(t, expected[k])
+                ptr = t.data_ptr()
+                assert any(lo <= ptr < hi for lo, hi in ranges), k  # a view of a registered mapping
+        assert not any(blobs.tmp.iterdir())  # unnamed: nothing to leave behind
+        del state, t
+    with _MAPPED_LOCK:
+        assert not any(r in _MAPPED.values() for r in ranges)
