@@ -81,9 +81,20 @@ def b64_header(request: web.Request, name: str, *, limit: int = 16384) -> bytes:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, up to ``limit`` bytes (PayloadTooLarge beyond). ``StreamReader.read(n)``
+    returns what has arrived so far, not the whole body: on a real line a body that spans TCP
+    segments arrives in pieces (on loopback it never does), so read until the end."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the {limit}-byte limit")
-    body = await request.content.read(limit + 1)
+    parts: list[bytes] = []
+    size = 0
+    while size <= limit:
+        piece = await request.content.read(limit + 1 - size)
+        if not piece:
+            break
+        parts.append(piece)
+        size += len(piece)
+    body = b"".join(parts)
     if len(body) > limit:
         raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
     request.app[METRICS].bytes_in += len(body)

@@ -346,3 +346,30 @@ async def test_an_undocumented_query_parameter_is_refused(running_hub):
             assert repr(path.split("?")[1].split("=")[0]) in body["detail"]
         async with s.get(f"{running_hub.url}/v1/flags?status=open&job=j-x", headers=auth) as r:
             assert r.status == 200
+
+
+async def test_a_body_that_arrives_in_pieces_is_read_whole(running_hub):
+    """On a real line a request body spans TCP segments that arrive apart (a lost segment is
+    sent again a round trip later). The hub must read the whole body, not what has arrived so
+    far: found by the bandwidth bench over a 30 ms, 0.1%-loss home line, where every node's
+    `POST /v1/work` came back "malformed msgpack (incomplete input)"."""
+    import asyncio
+    import socket
+    from urllib.parse import urlsplit
+
+    async with aiohttp.ClientSession() as s:
+        node = SimNode(s, running_hub.url)
+        body = seal(node.key, node.hello())
+    host, port = urlsplit(running_hub.url).hostname, urlsplit(running_hub.url).port
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = (f"POST /v1/nodes/register HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/x-msgpack\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    writer.write(head + body[:40])
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the rest a while later, as a retransmitted segment would come
+    writer.write(body[40:])
+    await writer.drain()
+    response = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert response.startswith(b"HTTP/1.1 200"), response[:300]
