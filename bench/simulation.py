@@ -256,7 +256,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             if heap:
                 t, _, nid, a = heapq.heappop(heap)
                 clock = max(clock, t)
-                shard = sched.detach(a)
+                shard = sched.delivered(a, clock)
                 sn = nodes[nid]
                 if shard is not None and shard.state == "open":
                     upd = UpdateState(id=f"u-{a.id}", assignment_id=a.id, shard_id=shard.id, node_id=nid,

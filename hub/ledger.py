@@ -446,7 +446,7 @@ class Ledger:
         a.uploading = False
         self._progress.pop(a.id, None)
         node.stalls = 0
-        self.scheduler.detach(a)
+        self.scheduler.delivered(a, now)
         shard.accepted.append(upd)
         if first:
             shard.first_update_at = now

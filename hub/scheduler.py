@@ -523,6 +523,20 @@ class Scheduler:
         if node is not None:
             node.live.add(a.id)
 
+    def delivered(self, a: AssignmentState, now: float) -> ShardState | None:
+        """An update for ``a`` was accepted: forget the assignment (``detach``), and a node left
+        with no other work counts as between two polls from now on, in the gathering of the round
+        its upload may just have closed: a node asks for work again as soon as the
+        acknowledgement reaches it, a round trip later. Without this, on a real line (measured:
+        30 ms round trip) the node whose upload closed a round was never in the next round's
+        gathering: the node already waiting carved the whole round, and rounds alternated
+        between the two nodes of bench/bandwidth.py, one shard each, instead of splitting."""
+        shard = self.detach(a)
+        node = self.nodes.get(a.node_id)
+        if node is not None and not node.live:
+            self.last_poll[node.id] = now
+        return shard
+
     def detach(self, a: AssignmentState) -> ShardState | None:
         """Forget a live assignment; returns its shard (None when the job or shard is gone)."""
         self.assignments.pop(a.id, None)

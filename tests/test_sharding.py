@@ -197,3 +197,53 @@ def test_ruled_out_never_hides_a_node_that_some_shard_would_take():
                 for exclude in itertools.combinations(others, size):
                     assert not pool.eligible(n, set(exclude)), (trial, n, exclude)
     assert ruled > 100
+
+
+async def test_the_node_whose_upload_closes_a_round_keeps_its_share_of_the_next(tmp_path):
+    """On a real line a node asks for work again a round trip after its upload is acknowledged.
+    When that upload closes the round, the node already waiting in a long-poll is woken at once:
+    it must carve only its share of the new round, leaving the other half for the node on its
+    way back (Scheduler.delivered). Measured before the fix over a 30 ms home line
+    (bench/bandwidth.py): one shard of the whole dataset a round, the two nodes taking turns."""
+    import asyncio
+
+    import aiohttp
+    from gpuflex.protocol.messages import Assignment
+
+    from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+
+    train, val, spec = write_digits(tmp_path / "d", rounds=2)
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            a_node, b_node = SimNode(s, hub.url, samples_per_s=500.0), SimNode(s, hub.url, samples_per_s=500.0)
+            for n in (a_node, b_node):
+                await n.register()
+            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in (a_node, b_node)]
+            await asyncio.sleep(0.3)
+            r = await submit_job(s, hub, spec, train, val)
+            assert r.status == 201, await r.text()
+            job = await r.json()
+            first_a, first_b = await asyncio.gather(*polls)
+            assert isinstance(first_a, Assignment) and isinstance(first_b, Assignment)
+            trained_a, trained_b = await a_node.train(first_a), await b_node.train(first_b)
+            await asyncio.sleep(0.5)  # both train about as long (the hub measures their speed so)
+            await a_node.upload(first_a, *trained_a)
+            waiting = asyncio.create_task(a_node.work(wait_s=8.0))  # a waits for round 1
+            await asyncio.sleep(0.05)
+            await b_node.upload(first_b, *trained_b)  # closes round 0; a is woken at once
+            second_a = await waiting
+            await asyncio.sleep(0.2)  # b's next request, a round trip later
+            second_b = await b_node.work(wait_s=8.0)
+            assert isinstance(second_a, Assignment) and second_a.round == 1
+            assert isinstance(second_b, Assignment) and second_b.round == 1, second_b
+            sizes = [sum(c.samples for c in x.chunks) for x in (second_a, second_b)]
+            assert sum(len(x.chunks) for x in (second_a, second_b)) == job["chunks"]
+            assert min(sizes) >= 0.35 * sum(sizes), f"unbalanced: {sizes}"
+            for n, x in ((a_node, second_a), (b_node, second_b)):
+                blob, samples, loss = await n.train(x)
+                await n.upload(x, blob, samples, loss)
+            doc = await wait_job(s, hub, job["id"])
+        assert [h["parallel"]["shards"] for h in sorted(doc["history"], key=lambda h: h["round"])] == [2, 2]
+    finally:
+        await hub.stop()
