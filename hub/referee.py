@@ -47,7 +47,7 @@ from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import TensorError
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
-from gpuflex.protocol.tensors import manifest_of
+from gpuflex.protocol.tensors import Manifest, manifest_of
 from torch import Tensor, nn
 
 __all__ = [
@@ -222,7 +222,7 @@ def segment_distance(start: Mapping[str, Tensor], committed_end: Mapping[str, Te
 
 
 def residual_chain(encoding: UpdateEncoding, residual: Mapping[str, Tensor],
-                   previous: Sequence[Mapping[str, Tensor]], model: Any) -> str:
+                   previous: Sequence[Mapping[str, Tensor]], model: Manifest) -> str:
     """Where the error-feedback residual a node committed comes from: "zero" (a node starting
     over), "upload <i>" (what encoding its i-th latest earlier upload left, 0 = the latest; a
     lost acknowledgement leaves the node one upload behind the hub, so a few are tried),

@@ -77,7 +77,8 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str],
     files: list[Any] = []
     states: list[dict[str, Tensor]] = []
     registered = contextlib.ExitStack()
-    spill = layout is not None and not layout.encoding.identity and layout.dense_bytes > HOT_BLOB_MAX
+    spill = layout if layout is not None and not layout.encoding.identity and layout.dense_bytes > HOT_BLOB_MAX \
+        else None
 
     def mapped(fh: Any) -> mmap.mmap:
         files.append(fh)
@@ -88,22 +89,12 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str],
 
     try:
         for sha in shas:
+            if spill is not None:
+                states.append(decode_state(mapped(_spilled(blobs, sha, spill))))
+                continue
             hot = blobs.hot(sha)
             source = hot if hot is not None else mapped(open(blobs.path(sha), "rb"))
-            if not spill:
-                states.append(_dense(decode_state(source), layout))
-                continue
-            assert layout is not None
-            dense = encode_state(layout.dense(decode_state(source)))
-            tmp = tempfile.TemporaryFile(dir=blobs.tmp)
-            try:
-                tmp.write(dense)
-                tmp.flush()
-            except BaseException:
-                tmp.close()
-                raise
-            del dense
-            states.append(decode_state(mapped(tmp)))
+            states.append(_dense(decode_state(source), layout))
         yield states
     finally:
         registered.close()  # out of the registry before anything is closed
@@ -113,6 +104,26 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str],
                 mm.close()
         for fh in files:
             fh.close()
+
+
+def _spilled(blobs: BlobStore, sha: str, layout: UpdateLayout) -> Any:
+    """An unnamed temporary file holding the encoded update ``sha`` decoded to the model's
+    tensors (a GFT1 blob). The encoded blob is read and let go here, so a round of N updates
+    holds N open files, not 2N."""
+    hot = blobs.hot(sha)
+    if hot is not None:
+        dense = encode_state(layout.dense(decode_state(hot)))
+    else:
+        with open(blobs.path(sha), "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            dense = encode_state(layout.dense(decode_state(mm)))  # a copy: no view of mm outlives this
+    tmp = tempfile.TemporaryFile(dir=blobs.tmp)
+    try:
+        tmp.write(dense)
+        tmp.flush()
+    except BaseException:
+        tmp.close()
+        raise
+    return tmp
 
 
 def _dense(wire: dict[str, Tensor], layout: UpdateLayout | None) -> dict[str, Tensor]:
@@ -350,24 +361,18 @@ class RoundEngine:
         """For a job with error feedback: each update's node's latest earlier uploads in the job
         (blob ids, newest first, up to RESIDUAL_LOOKBACK), for the referee's residual chain."""
         enc = job.layout.encoding
-        if enc.identity or not enc.error_feedback or not ups:
+        if enc.identity or not enc.error_feedback:
             return {}
-
-        def read(c: Any) -> dict[str, list[str]]:
-            return {u.id: [str(row[0]) for row in c.execute(
-                "SELECT sha FROM updates WHERE job_id = ? AND node_id = ? AND received_at < ? AND id != ?"
-                " ORDER BY received_at DESC LIMIT ?",
-                (job.id, u.node_id, u.received_at, u.id, RESIDUAL_LOOKBACK)).fetchall()] for u in ups}
-
-        return await self.store.query(read)
+        return {u.id: await self.store.uploads_before(job.id, u.node_id, u.received_at, but=u.id,
+                                                      limit=RESIDUAL_LOOKBACK) for u in ups}
 
     def _judge_blocking(self, job: JobState, shard: ShardState, reqs: Sequence[StateRequestState],
                         by_id: Mapping[str, UpdateState],
                         earlier: Mapping[str, Sequence[str]] | None = None) -> dict[str, SegmentVerdict]:
         spec = job.spec
         vspec = spec.verification
-        global_state = decode_state(bytearray(self.blobs.read(job.model_hash)))
-        x, y = stack_data([decode_state(bytearray(self.blobs.read(c.sha))) for c in job.chunks_at(shard.chunk_idxs)])
+        global_state = decode_state(self.blobs.read_private(job.model_hash))
+        x, y = stack_data([decode_state(self.blobs.read_private(c.sha)) for c in job.chunks_at(shard.chunk_idxs)])
         cfg = dataclasses.replace(spec.train.train_config(), checkpoint_every=int(vspec.checkpoint_every))
         out: dict[str, SegmentVerdict] = {}
         for r in reqs:
@@ -375,9 +380,9 @@ class RoundEngine:
             c = u.commitment
             if c is None:  # not reached: requests are opened only for committed updates
                 continue
-            states = {step: decode_state(bytearray(self.blobs.read(sha))) for step, sha in r.states.items()}
+            states = {step: decode_state(self.blobs.read_private(sha)) for step, sha in r.states.items()}
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
-            delta = decode_state(bytearray(self.blobs.read(u.sha)))
+            delta = decode_state(self.blobs.read_private(u.sha))
             node = self.scheduler.nodes.get(u.node_id)
             previous = None
             if earlier is not None and u.id in earlier:

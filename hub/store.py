@@ -207,6 +207,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def update_sha(self, update_id: str) -> str | None: ...
 
+    @abc.abstractmethod
+    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
+                             limit: int) -> list[str]:
+        """The blob ids of a node's latest updates in a job received before ``before`` (newest
+        first, at most ``limit``, not the update ``but``)."""
+
     # -- the read side -----------------------------------------------------------------------
     @abc.abstractmethod
     async def query(self, fn: Callable[[Any], T]) -> T:

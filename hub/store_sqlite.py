@@ -372,6 +372,13 @@ class SqlStore(Store):
                                                       (update_id,)).fetchone())
         return None if row is None else str(row["sha"])
 
+    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
+                             limit: int) -> list[str]:
+        rows = await self.db.read(lambda c: c.execute(
+            "SELECT sha FROM updates WHERE job_id = ? AND node_id = ? AND received_at < ? AND id != ?"
+            " ORDER BY received_at DESC LIMIT ?", (job_id, node_id, before, but, limit)).fetchall())
+        return [str(r["sha"]) for r in rows]
+
     # -- the read side -----------------------------------------------------------------------
     async def query(self, fn: Callable[[Any], T]) -> T:
         return await self.db.read(fn)

@@ -315,7 +315,7 @@ class UpdateEncoding:
         if not bool(differ.any()):
             return True
         flat = torch.cat([t.reshape(-1) for t in x.values()])
-        near = torch.cat([_expand(scales[b:b + nb], n, SIGN_BLOCK) for b, nb, n in _sign_blocks(floating)])
+        near = torch.cat([dense[n].reshape(-1).abs() for n, _, _ in floating])  # each element's scale
         return bool((flat[differ].abs() <= near[differ] * 2.0**-20).all())
 
     def same_code(self, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
@@ -442,16 +442,6 @@ def _top_positions_sampled(flat: Tensor, k: int, samples: int) -> Tensor | None:
 
 def _blocks(numel: int, block: int = INT8_BLOCK) -> int:
     return -(-numel // block)
-
-
-def _sign_blocks(floating: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[int, int, int]]:
-    """Per floating tensor: (its first block in ``sign:scale``, its block count, its elements)."""
-    out, at = [], 0
-    for _, shape, _ in floating:
-        n = math.prod(shape)
-        out.append((at, _blocks(n, SIGN_BLOCK), n))
-        at += _blocks(n, SIGN_BLOCK)
-    return out
 
 
 def _pack_bits(bits: Tensor) -> Tensor:
