@@ -33,7 +33,7 @@ from .appkeys import (
     STORE,
 )
 from .auditlog import AuditLog
-from .blobs import BlobStore
+from .blobs import open_blob_store
 from .config import HubConfig
 from .datalock import DataLock
 from .db import Database
@@ -112,6 +112,7 @@ def create_app(config: HubConfig) -> web.Application:
     lock = DataLock(config.data_dir, "a hub").acquire()  # one hub process per data folder
     try:
         key, _created = load_or_create_hub_key(config.key_path)
+        blobs = open_blob_store(config)  # a bucket that cannot be used: one line, here at start-up
         db, store = open_store(config)
     except BaseException:
         lock.release()
@@ -119,7 +120,6 @@ def create_app(config: HubConfig) -> web.Application:
     admin_token = store.first_admin_token_sync()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_message_bytes)
     metrics = HubMetrics()
-    blobs = BlobStore(config.blob_dir)
     audit = AuditLog(config.audit_log_path, key)
     scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,
                           rng=random.Random(int.from_bytes(os.urandom(8), "big")),
@@ -240,7 +240,7 @@ async def _sweep_once(app: web.Application) -> None:
         if job.state != "running":
             continue
         waiting = any(s.state == "open" and s.accepted for s in job.shards.values())
-        if waiting or job.round_complete():
+        if waiting or job.round_complete(time.time(), ledger.scheduler.is_online):
             ledger.rounds.poke(job.id)
 
 

@@ -1,4 +1,5 @@
-"""Content-addressed blob store on the local disk.
+"""Content-addressed blob store: the local disk (`BlobStore`), or an S3-compatible bucket
+(`hub/blobs_s3.py`'s `S3BlobStore`, a subclass: `open_blob_store` picks by the hub's config).
 
 A blob's id is the sha256 hex of its bytes. Writes go to a temporary name in
 `tmp/`, are fsynced, renamed into place and the directory is fsynced, so a blob
@@ -6,6 +7,11 @@ that exists under its id is complete and survives a crash.
 
 Small blobs that were just written or read (a round's model, which every node fetches
 next) are also kept in a bounded in-memory cache, so serving them costs no file open.
+
+The contract both stores keep (tests/test_blobs_s3.py runs it on each): `put` and `commit_temp`
+return only once the blob is durable where the store keeps it; `path` gives a local file holding
+a stored blob's bytes (a missing blob: a path where no file is); `has`, `read`, `read_private`;
+`temp_path` and `partial_path`, the local working area of uploads.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ import secrets
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuflex.protocol.messages import ID_RE
 
-from .errors import BadRequest, NotFound
+from .errors import BadRequest, HubError, NotFound
+
+if TYPE_CHECKING:
+    from .config import HubConfig
 
 _BLOB_ID = re.compile(r"[0-9a-f]{64}")
 HOT_BLOB_MAX = 1 << 20  # blobs up to this size are kept in memory...
@@ -38,6 +48,67 @@ def check_blob_id(value: str) -> str:
     if not is_blob_id(value):
         raise BadRequest("blob id must be 64 lowercase hex characters", code="bad_blob_id")
     return value
+
+
+class BlobStoreUnavailable(HubError):
+    """The blob store cannot be used: a bad --blobs URL, an unreachable or refusing bucket, a
+    blob whose bytes in the bucket do not hash to its id. One line naming the endpoint and bucket."""
+
+    status = 503
+    code = "blob_store_unavailable"
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_PREFIX = re.compile(r"[A-Za-z0-9!_.*'()/-]{1,512}")
+
+
+def parse_blobs_url(url: str) -> tuple[str, str]:
+    """(bucket, key prefix) of ``s3://BUCKET[/PREFIX]``; the prefix defaults to ``blobs``.
+    BlobStoreUnavailable (one line) for anything else."""
+    usage = "--blobs takes s3://BUCKET[/PREFIX] (leave it out to keep blobs in the folder blobs/ under --data)"
+    if not url.startswith("s3://"):
+        raise BlobStoreUnavailable(f"{usage}, not {url[:200]!r}", code="bad_blobs_url")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    prefix = prefix.strip("/") or "blobs"
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise BlobStoreUnavailable(f"{usage}: {bucket[:100]!r} is not a bucket name (3-63 lowercase letters,"
+                                   " digits, dots and hyphens)", code="bad_blobs_url")
+    if not _PREFIX.fullmatch(prefix) or "//" in prefix or any(p in (".", "..") for p in prefix.split("/")):
+        raise BlobStoreUnavailable(f"{usage}: {prefix[:100]!r} is not a key prefix (letters, digits and"
+                                   " !_.*'()/- in non-empty parts)", code="bad_blobs_url")
+    return bucket, prefix
+
+
+def check_s3_options(blobs: str | None, endpoint: str | None, region: str | None) -> None:
+    """Refuse, in one line, a bad --blobs URL, a bad --s3-endpoint, or S3 options without --blobs."""
+    if blobs is None:
+        if endpoint is not None or region is not None:
+            raise BlobStoreUnavailable("--s3-endpoint and --s3-region need --blobs s3://BUCKET[/PREFIX]",
+                                       code="bad_blobs_url")
+        return
+    parse_blobs_url(blobs)
+    if endpoint is not None and not re.fullmatch(r"https?://[^/\s?#]+/?", endpoint):
+        raise BlobStoreUnavailable(f"--s3-endpoint takes http(s)://HOST[:PORT], not {endpoint[:200]!r}",
+                                   code="bad_blobs_url")
+
+
+def open_blob_store(config: HubConfig) -> BlobStore:
+    """The hub's blob store: the folder ``config.blob_dir``, or the bucket ``config.blobs`` names
+    (that folder then its working area and read cache). BlobStoreUnavailable, one line, when the
+    bucket cannot be used (checked here, at start-up)."""
+    if config.blobs is None:
+        return BlobStore(config.blob_dir)
+    check_s3_options(config.blobs, config.s3_endpoint, config.s3_region)
+    try:
+        from .blobs_s3 import S3BlobStore
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("boto3", "botocore"):
+            raise
+        raise BlobStoreUnavailable(f"--blobs {config.blobs} needs boto3: pip install 'gpuflex[s3]'",
+                                   code="blob_store_unavailable") from None
+    bucket, prefix = parse_blobs_url(config.blobs)
+    return S3BlobStore(config.blob_dir, bucket=bucket, prefix=prefix, endpoint=config.s3_endpoint,
+                       region=config.s3_region, cache_bytes=config.blob_cache_bytes)
 
 
 def _fsync_dir(path: Path) -> None:

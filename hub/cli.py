@@ -67,8 +67,12 @@ async def _serve(args: argparse.Namespace) -> int:
         from .store_postgres import check_url
 
         check_url(args.store)  # a bad URL: one line, before anything is created
+    from .blobs import check_s3_options
+
+    check_s3_options(args.blobs, args.s3_endpoint, args.s3_region)  # likewise
     config = HubConfig(
         data_dir=Path(args.data), store=args.store, host=args.host, port=args.port,
+        blobs=args.blobs, s3_endpoint=args.s3_endpoint, s3_region=args.s3_region,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         long_poll_max_s=args.long_poll_max, min_deadline_s=args.min_deadline,
@@ -217,9 +221,11 @@ def _check_spec_file(path: Path) -> None:
 def cmd_job_submit(args: argparse.Namespace) -> int:
     from .datafiles import check_dataset_file
 
-    spec, train, val = Path(args.spec), Path(args.train), Path(args.val) if args.val else None
+    spec, val = Path(args.spec), Path(args.val) if args.val else None
+    train = Path(args.train) if args.train else None
     _check_spec_file(spec)
-    check_dataset_file(train, "--train")
+    if train is not None:
+        check_dataset_file(train, "--train")
     if val is not None:
         check_dataset_file(val, "--val")
     hub, token = _hub_and_token(args)
@@ -257,6 +263,17 @@ def _status_view(doc: dict[str, Any]) -> Any:
         head.append(f"\nspread: {par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"
                     f" parallel efficiency {par['efficiency']:.0%} (training time summed over the nodes /"
                     " (nodes x round wall time))")
+    dp = doc.get("privacy")
+    if dp:  # [privacy] dp = "central" (hub/privacy.py)
+        eps = "inf (no noise)" if dp["epsilon"] is None else f"{dp['epsilon']:.3g}"
+        end = "inf" if dp["epsilon_at_end"] is None else f"{dp['epsilon_at_end']:.3g}"
+        head.append(f"\nprivacy: ε = {eps} at δ = {dp['delta']:g} after {dp['rounds']} rounds"
+                    f" ({dp['mechanism']}: clip {dp['clip_norm']:g}, noise multiplier {dp['noise_multiplier']:g};"
+                    f" ε = {end} after all {doc['rounds']})")
+    silos = doc.get("silos")
+    if silos is not None:  # [data] source = "node-local": what the hub knows of each silo
+        head.append(f"\nsilos: {len(silos)} attached, {sum(s['samples'] for s in silos)} samples in all"
+                    " (the rows stay on their nodes)")
     table = Table("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
                   "efficiency", "updates", "flags", "MB up / down", "compression")
 
@@ -337,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the hub")
     p.add_argument("--data", required=True, help="data directory (key, database, blobs)")
     _store_arg(p)
+    p.add_argument("--blobs", metavar="s3://BUCKET[/PREFIX]",
+                   help="keep blobs (datasets, models, updates) in this S3-compatible bucket under PREFIX/"
+                        " (default blobs); credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY;"
+                        " default: the folder blobs/ in --data")
+    p.add_argument("--s3-endpoint", metavar="URL",
+                   help="the bucket's S3-compatible server, http(s)://HOST[:PORT] (default: AWS S3)")
+    p.add_argument("--s3-region", metavar="R", help="the bucket's region (default: AWS_DEFAULT_REGION)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tls-cert")
@@ -393,9 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(
         dest="job_command", metavar="ACTION", required=True)
-    p = job.add_parser("submit", help="submit SPEC.toml with a training set")
+    p = job.add_parser("submit", help="submit SPEC.toml with a training set (none for node-local data)")
     p.add_argument("spec")
-    p.add_argument("--train", required=True, help=".npz with x and y, or CSV")
+    p.add_argument("--train", help=".npz with x and y, or CSV; left out for a [data] source = \"node-local\" job, "
+                                   "whose data stays on the nodes")
     p.add_argument("--val", help="validation set (optional)")
     _client_args(p)
     p.set_defaults(func=cmd_job_submit)

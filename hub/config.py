@@ -15,8 +15,18 @@ class HubConfig:
 
     data_dir: Path
     #: where the hub's state lives: None = SQLite in data_dir (hub.sqlite3); a postgresql:// URL =
-    #: that PostgreSQL database (hub/store_postgres.py). Key, blobs and audit log stay in data_dir.
+    #: that PostgreSQL database (hub/store_postgres.py). Key and audit log stay in data_dir (blobs too,
+    #: unless `blobs` names a bucket).
     store: str | None = None
+    #: where committed blobs live: None = the folder blobs/ in data_dir; "s3://BUCKET[/PREFIX]" =
+    #: that S3-compatible bucket (hub/blobs_s3.py; credentials from AWS_ACCESS_KEY_ID and
+    #: AWS_SECRET_ACCESS_KEY), blobs/ then only the working area and a read cache
+    blobs: str | None = None
+    #: the bucket's S3-compatible server (None: AWS S3) and region
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    #: the most bytes of blobs from the bucket the local read cache keeps (least recently used go first)
+    blob_cache_bytes: int = 8 << 30
     host: str = "127.0.0.1"
     port: int = 8470
     tls_cert: Path | None = None

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -71,6 +71,9 @@ CREATE TABLE IF NOT EXISTS chunks (
     sha TEXT NOT NULL,
     samples INTEGER NOT NULL,
     size INTEGER NOT NULL,
+    owner_node TEXT,                    -- node-local job: the node whose silo this is (schema v6)
+    histogram TEXT,                     -- its label counts as JSON, when its operator shared them
+    registered_at REAL,                 -- when the silo was attached (or last replaced)
     PRIMARY KEY (job_id, idx)
 );
 CREATE TABLE IF NOT EXISTS models (
@@ -272,6 +275,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status)",
     ),
     # ---- end of 4 -> 5 ----------------------------------------------------------------------------
+    # ---- 5 -> 6: node-local data (issue 18). A node-local job's chunks are its silos: one row per
+    # node that attached one (its blob id, size and sample count; never a row of data).
+    5: ("ALTER TABLE chunks ADD COLUMN owner_node TEXT",
+        "ALTER TABLE chunks ADD COLUMN histogram TEXT",
+        "ALTER TABLE chunks ADD COLUMN registered_at REAL"),
 }
 
 

@@ -10,22 +10,31 @@ import hashlib
 import math
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import Commitment
-from gpuflex.protocol.modelspec import build_model, manifest
-from gpuflex.protocol.tensors import ITEMSIZE, Manifest, encode_state
+from gpuflex.protocol.modelspec import ModelSpec, build_model, manifest
+from gpuflex.protocol.tensors import ITEMSIZE, MAX_HEADER_BYTES, Manifest, encode_state
 
 from .blobs import BlobStore
-from .dataset import encode_arrays, make_chunks, read_arrays, split_validation, validate_arrays
+from .dataset import (
+    Arrays,
+    encode_arrays,
+    make_chunks,
+    read_arrays,
+    split_validation,
+    validate_arrays,
+)
 from .errors import Unprocessable
 from .policy import trend_base_round
+from .secagg_round import SecAggRound, secagg_length
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -44,6 +53,8 @@ class ChunkInfo:
     sha: str
     samples: int
     size: int
+    #: a node-local job's chunk is a silo: the one node that holds it (None: a hub chunk)
+    owner: str | None = None
 
 
 @dataclass
@@ -197,6 +208,42 @@ class JobState:
     #: round: a restart mid-round starts it again from 0); written into the round's metrics
     bytes_down: int = 0
     _layout: UpdateLayout | None = field(default=None, repr=False, compare=False)
+    #: when this hub opened the current round (a restart opens it again): a node-local round's
+    #: deadline counts from it
+    round_opened_at: float = 0.0
+    #: node-local: node id -> the index of its silo in ``chunks``
+    silo_of: dict[str, int] = field(default_factory=dict)
+    #: [privacy] secure_aggregation: this round's protocol state (hub/secagg_round.py), and the last
+    #: round's (its members may still ask how it ended)
+    secagg: SecAggRound | None = None
+    secagg_last: SecAggRound | None = None
+
+    @property
+    def node_local(self) -> bool:
+        return self.spec.data.node_local
+
+    def attach_silo(self, node_id: str, sha: str, samples: int, size: int) -> ChunkInfo:
+        """A node's silo joins the job (or replaces its earlier one, keeping its index). A silo
+        that no shard of this round holds yet is trained in this round too."""
+        idx = self.silo_of.get(node_id)
+        if idx is None:
+            idx = len(self.chunks)
+            chunk = ChunkInfo(idx, sha, samples, size, node_id)
+            self.chunks.append(chunk)
+            self.silo_of[node_id] = idx
+            if self.active:
+                self.free.add(idx)
+                self.free_total += samples
+        else:
+            old = self.chunks[idx]
+            chunk = ChunkInfo(idx, sha, samples, size, node_id)
+            self.chunks[idx] = chunk
+            self.by_sha.pop(old.sha, None)
+            if idx in self.free:
+                self.free_total += samples - old.samples
+        self.by_sha[sha] = idx
+        self._by_idx = None
+        return chunk
 
     @property
     def layout(self) -> UpdateLayout:
@@ -242,12 +289,38 @@ class JobState:
     def covered_chunks(self) -> int:
         return sum(len(s.chunk_idxs) for s in self.shards.values() if s.state == "settled")
 
-    def round_complete(self) -> bool:
+    def round_complete(self, now: float | None = None, online: Callable[[str], bool] | None = None) -> bool:
+        """Every chunk trained and every shard decided. A node-local round instead closes once
+        ``quorum`` silos have settled and no shard is being decided, when every silo whose node is
+        ``online`` has delivered, or at ``round_deadline_s`` (a round short of its quorum waits
+        for more silos to attach and deliver, however long)."""
+        if self.secagg is not None:  # its masked updates settle their shards; the protocol ends the round
+            return self.secagg.settled
+        if self.node_local:
+            return self._silo_round_complete(time.time() if now is None else now, online)
         return (
             not self.free
             and all(s.state != "open" for s in self.shards.values())
             and any(s.state == "settled" for s in self.shards.values())
         )
+
+    def _silo_round_complete(self, now: float, online: Callable[[str], bool] | None) -> bool:
+        shards = self.shards.values()
+        if any(s.state == "open" and (s.accepted or s.requests) for s in shards):
+            return False  # an update is being decided
+        settled = sum(1 for s in shards if s.state == "settled")
+        if settled < max(1, int(self.spec.data.quorum)):
+            return False  # (until enough silos are attached and deliver: job status shows how many)
+        if now >= self.round_opened_at + float(self.spec.data.round_deadline_s):
+            return True
+        if any(s.state == "open" and s.live for s in shards):
+            return False  # a silo still trains
+        return not any(online is None or (owner := self.chunks[i].owner) is None or online(owner)
+                       for i in self.free)
+
+    def silo_round_deadline(self) -> float:
+        """When a node-local round closes with its quorum, whoever is still training."""
+        return self.round_opened_at + float(self.spec.data.round_deadline_s)
 
     def note_model(self, round_: int, sha: str) -> None:
         """The model round ``round_`` trains from; rounds older than the trend's span are dropped."""
@@ -271,6 +344,15 @@ class JobState:
         return [by[i] for i in idxs]
 
     def open_round(self) -> None:
+        self.round_opened_at = time.time()
+        p = self.spec.privacy
+        if p.secure_aggregation:
+            self.secagg_last = self.secagg
+            floats = sum(math.prod(t.shape) for t in self.layout.model if t.dtype.startswith(("float", "bfloat")))
+            self.secagg = SecAggRound(self.id, self.round, secagg_length(floats), quorum=int(self.spec.data.quorum),
+                                      phase_s=float(p.secagg_phase_s), clip=float(p.secagg_clip),
+                                      bits=int(p.secagg_bits), keys_s=float(self.spec.data.round_deadline_s),
+                                      phase_at=self.round_opened_at)
         self.shards = {}
         self.bytes_down = 0
         self.replicated = {}
@@ -281,6 +363,16 @@ class JobState:
         self.next_seq = 0
         if len(self.by_sha) != len(self.chunks):
             self.by_sha = {c.sha: c.idx for c in self.chunks}
+        if self.node_local and len(self.silo_of) != len(self.chunks):
+            self.silo_of = {c.owner: c.idx for c in self.chunks if c.owner is not None}
+
+
+def silo_size_bounds(spec: ModelSpec, samples: int) -> tuple[int, int]:
+    """The bytes a chunk blob of ``samples`` rows of this model's data takes (encode_state of x
+    and y: the raw rows plus the GFT1 header), as the node checks a chunk's declared size."""
+    x_item = 8 if spec.input_dtype == torch.int64 else 4
+    row = math.prod(spec.input_shape) * x_item + (8 if spec.task == "classification" else spec.outputs * 4)
+    return samples * row, samples * row + MAX_HEADER_BYTES + 64
 
 
 def shard_seed(job_seed: int, round_: int, seq: int) -> int:
@@ -302,10 +394,12 @@ def ingest_job(
     *,
     owner: str,
     spec_text: bytes,
-    train_path: Path,
+    train_path: Path | None,
     val_path: Path | None,
 ) -> JobState:
-    """Validate a submission and store it (blobs, then rows). Runs in a worker thread."""
+    """Validate a submission and store it (blobs, then rows). Runs in a worker thread. A
+    node-local job ([data] source = "node-local") comes with no training set: its chunks are the
+    silos nodes attach later; an optional validation set is the owner's own."""
     try:
         spec = parse_job_spec(spec_text)
     except ProtocolError as exc:
@@ -313,20 +407,34 @@ def ingest_job(
     mspec = spec.model
     dspec = spec.data
     stratified = dspec.split == "stratified" and mspec.task == "classification"
-    x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
-    train = validate_arrays(x, y, mspec, what="train")
-    if val_path is not None:
-        vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
-        val = validate_arrays(vx, vy, mspec, what="val")
-    else:
-        train, val = split_validation(
-            train, dspec.validation_fraction, stratified=stratified, seed=spec.train.seed
-        )
-    pieces = make_chunks(train, dspec.chunk_size, stratified=stratified, seed=spec.train.seed)
+    val: Arrays | None = None
     chunks: list[ChunkInfo] = []
-    for idx, (data, samples) in enumerate(pieces):
-        sha = blobs.put(data)
-        chunks.append(ChunkInfo(idx, sha, samples, len(data)))
+    train_samples = 0
+    if dspec.node_local:
+        if train_path is not None:
+            raise Unprocessable("a node-local job takes no training set: its data stays on the nodes "
+                                "(gpuflex-node data add); give only the spec and an optional val", code="bad_form")
+        if val_path is not None:
+            vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
+            val = validate_arrays(vx, vy, mspec, what="val")
+    else:
+        if train_path is None:
+            raise Unprocessable("a job needs a training set (part 'train': .npz or .csv), or "
+                                "[data] source = \"node-local\"", code="bad_form")
+        x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
+        train = validate_arrays(x, y, mspec, what="train")
+        if val_path is not None:
+            vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
+            val = validate_arrays(vx, vy, mspec, what="val")
+        else:
+            train, val = split_validation(
+                train, dspec.validation_fraction, stratified=stratified, seed=spec.train.seed
+            )
+        pieces = make_chunks(train, dspec.chunk_size, stratified=stratified, seed=spec.train.seed)
+        for idx, (data, samples) in enumerate(pieces):
+            sha = blobs.put(data)
+            chunks.append(ChunkInfo(idx, sha, samples, len(data)))
+        train_samples = len(train)
     val_sha = blobs.put(encode_arrays(val)) if val is not None else None
     try:
         model = build_model(mspec, seed=spec.train.seed)
@@ -353,5 +461,5 @@ def ingest_job(
     )
     job.note_model(0, model_hash)
     job.open_round()
-    store.insert_job_sync(job, spec_text.decode("utf-8"), len(train), len(val) if val is not None else 0)
+    store.insert_job_sync(job, spec_text.decode("utf-8"), train_samples, len(val) if val is not None else 0)
     return job

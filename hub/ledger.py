@@ -25,11 +25,19 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuflex.protocol.messages import (
     Assignment,
     ChunkRef,
     Hello,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggShares,
+    SecAggState,
+    SecAggUnmask,
+    SiloRegistration,
+    SiloSchema,
     StateRequest,
     StateUpload,
     UpdateHeader,
@@ -54,18 +62,21 @@ from .errors import (
 )
 from .jobs import (
     AssignmentState,
+    ChunkInfo,
     JobState,
     ShardState,
     StateRequestState,
     UpdateState,
     ingest_job,
     new_id,
+    silo_size_bounds,
 )
 from .keys import audit_secret
 from .metrics import HubMetrics
 from .progress import Progress, heartbeat_deadline, stall_backoff
 from .rounds import RoundEngine
 from .scheduler import NodeState, Plan, Scheduler, clamp_sps, peak_flops
+from .secagg_round import SecAggRound
 from .store import FlagRecord, NodeProfile, Store
 from .tokens import Principal
 from .verification import is_trusted, record_verdict
@@ -90,6 +101,15 @@ class Verdict:
     flag: FlagRecord
     node_banned: bool  # the node is banned now
     banned_by_this_verdict: bool  # ... and this verdict is what banned it
+
+
+def _secagg_settings(job: JobState) -> dict[str, Any]:
+    """An assignment's secure-aggregation settings (none unless the job asks for it)."""
+    p = job.spec.privacy
+    if not p.secure_aggregation:
+        return {}
+    return {"secagg": True, "secagg_clip": p.secagg_clip, "secagg_bits": p.secagg_bits,
+            "secagg_max_samples": job.spec.data.max_samples}
 
 
 class Ledger:
@@ -126,6 +146,10 @@ class Ledger:
             if node.banned:
                 self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen)
         for job in loaded.jobs:
+            if job.secagg is not None and job.shards:
+                # what the protocol held was in memory: the round closes unchanged, the next one starts
+                job.secagg.abort("the hub restarted during this round's secure aggregation; the round closes "
+                                 "with the model unchanged")
             self.scheduler.add_job(job)
             self.rounds.poke(job.id)  # a round with every update in aggregates now
         for job_id, reason in loaded.broken:
@@ -239,7 +263,8 @@ class Ledger:
                                       commit=job.spec.verification.asks_referee(),
                                       update=job.spec.communication.update,
                                       topk_fraction=job.spec.communication.topk_fraction,
-                                      error_feedback=job.spec.communication.error_feedback),
+                                      error_feedback=job.spec.communication.error_feedback,
+                                      **_secagg_settings(job)),
             # Never the shard's replica group: a node that knew its work is checked could behave
             # only then (a signed assignment looked different when replicated until 2026-11).
             replica_group="",
@@ -509,8 +534,142 @@ class Ledger:
         if r.complete:
             self.rounds.poke(r.job_id)
 
+    # -- node-local data (silos) -------------------------------------------------------------
+    def _silo_job(self, job_id: str) -> JobState:
+        """A running node-local job; NotFound / Conflict otherwise."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is None or not job.active:
+            raise NotFound(f"no running job {job_id}", code="unknown_job")
+        if not job.node_local:
+            raise Conflict(f"job {job_id} trains on data uploaded to the hub; it takes no silos",
+                           code="not_node_local")
+        return job
+
+    def silo_schema(self, node: NodeState, job_id: str) -> SiloSchema:
+        """What a silo of ``job_id`` must hold (its model's input and outputs, the sample bounds)."""
+        job = self._silo_job(job_id)
+        d = job.spec.data
+        idx = job.silo_of.get(node.id)
+        return SiloSchema(job_id=job.id, model_spec=job.spec.model.to_dict(), min_samples=d.min_samples,
+                          max_samples=d.max_samples, label_column=d.label_column,
+                          label_histogram=d.label_histogram, attached="" if idx is None else job.chunks[idx].sha)
+
+    async def attach_silo(self, node: NodeState, msg: SiloRegistration) -> str:
+        """A node's silo joins a node-local job (durably, before the 2xx); what the hub knows of
+        it is the blob id, the size, the sample count and, if shared, the label histogram."""
+        job = self._silo_job(msg.job_id)
+        d, mspec = job.spec.data, job.spec.model
+        if not d.min_samples <= msg.samples <= d.max_samples:
+            raise Unprocessable(f"a silo of job {job.id} holds {d.min_samples}..{d.max_samples} samples; "
+                                f"this one claims {msg.samples}", code="bad_silo")
+        low, high = silo_size_bounds(mspec, msg.samples)
+        if not low <= msg.size <= high:
+            raise Unprocessable(f"a silo of {msg.samples} samples encodes to {low}..{high} bytes for this "
+                                f"model; this one claims {msg.size}", code="bad_silo")
+        histogram: tuple[int, ...] | None = None
+        if msg.label_histogram:
+            if not d.label_histogram:
+                raise Unprocessable(f"job {job.id} does not ask for label histograms; send none",
+                                    code="bad_silo")
+            if mspec.task != "classification" or len(msg.label_histogram) != mspec.outputs \
+                    or sum(msg.label_histogram) != msg.samples:
+                raise Unprocessable(f"a label histogram has {mspec.outputs} counts that sum to the sample "
+                                    f"count ({msg.samples})", code="bad_silo")
+            histogram = tuple(msg.label_histogram)
+        owner = job.chunks[i].owner if (i := job.by_sha.get(msg.sha256)) is not None else None
+        if owner is not None and owner != node.id:
+            raise Conflict("another node attached a silo with this blob id to the job", code="silo_taken")
+        current = job.silo_of.get(node.id)
+        if current is not None and job.chunks[current].sha == msg.sha256:
+            return "attached already"
+        if current is not None and current not in job.free and any(
+                current in s.chunk_idxs and s.state == "open" for s in job.shards.values()):
+            raise Conflict("this node's silo is being trained in the current round; attach the new one "
+                           "after its update is in", code="silo_busy")
+        idx = len(job.chunks) if current is None else current
+        await self.store.save_silo(job.id, ChunkInfo(idx, msg.sha256, msg.samples, msg.size, node.id),
+                                   histogram=histogram, now=time.time())
+        job.attach_silo(node.id, msg.sha256, msg.samples, msg.size)
+        self.signal.notify()
+        return "replaced" if current is not None else "attached"
+
+    # -- secure aggregation (hub/secagg_round.py) -------------------------------------------
+    def _secagg(self, node: NodeState, assignment_id: str) -> tuple[AssignmentState | None, JobState, SecAggRound]:
+        """The round protocol the node's assignment is in, and the assignment while it is live (a
+        member's assignment is delivered once its masked update is in); 404/409 otherwise."""
+        a = self._owned_live(node, assignment_id)
+        if a is not None:
+            job = self.scheduler.jobs.get(a.job_id)
+            if job is None or job.secagg is None or job.round != a.round:
+                raise Conflict("this assignment's round has no secure aggregation running", code="no_secagg")
+            return a, job, job.secagg
+        for job in self.scheduler.jobs.values():
+            for sa in (job.secagg, job.secagg_last):
+                if sa is not None and (m := sa.members.get(node.id)) is not None and m.assignment_id == assignment_id:
+                    return None, job, sa
+        raise NotFound(f"no live assignment or secure aggregation holds {assignment_id}", code="unknown_assignment")
+
+    def _live(self, a: AssignmentState | None) -> AssignmentState:
+        if a is None:
+            raise Conflict("this assignment delivered its masked update already", code="secagg_phase")
+        return a
+
+    async def _keep_alive(self, job: JobState, a: AssignmentState) -> None:
+        """A member's assignment lives through the protocol's steps (its training is done)."""
+        deadline = time.time() + 5 * float(job.spec.privacy.secagg_phase_s)
+        if deadline > a.deadline:
+            await self.store.extend_deadline(a.id, deadline)
+            a.deadline = deadline
+
+    async def secagg_keys(self, node: NodeState, msg: SecAggKeys) -> SecAggState:
+        a, job, sa = self._secagg(node, msg.assignment_id)
+        a = self._live(a)
+        sa.add_keys(node.id, a.id, bytes(msg.c_pk), bytes(msg.s_pk))
+        await self._keep_alive(job, a)
+        self.rounds.poke(job.id)
+        return sa.state_for(node.id, a.id)
+
+    def secagg_state(self, node: NodeState, assignment_id: str) -> SecAggState:
+        _, job, sa = self._secagg(node, assignment_id)
+        self.rounds.poke(job.id)  # a step may have timed out: the engine moves it on
+        return sa.state_for(node.id, assignment_id)
+
+    async def secagg_shares(self, node: NodeState, msg: SecAggShares) -> SecAggState:
+        a, job, sa = self._secagg(node, msg.assignment_id)
+        a = self._live(a)
+        sa.add_shares(node.id, a.id, msg.shares)
+        await self._keep_alive(job, a)
+        self.rounds.poke(job.id)
+        return sa.state_for(node.id, a.id)
+
+    def secagg_may_mask(self, node: NodeState, hdr: SecAggMasked) -> tuple[AssignmentState, JobState, SecAggRound]:
+        """Before the body is read: is this masked update expected, and of that size?"""
+        a, job, sa = self._secagg(node, hdr.assignment_id)
+        a = self._live(a)
+        sa.may_mask(node.id, a.id, hdr.size)
+        return a, job, sa
+
+    async def secagg_masked(self, node: NodeState, hdr: SecAggMasked, vector: Any) -> SecAggState:
+        """The masked update's blob is stored (durably): record it as the shard's update (with
+        its plain figures: samples, loss, time) and hand the vector to the protocol."""
+        a, job, sa = self.secagg_may_mask(node, hdr)
+        await self.accept_update(node, a, job, UpdateHeader(
+            assignment_id=a.id, update_sha256=hdr.sha256, update_size=hdr.size, sample_count=hdr.sample_count,
+            metrics={"loss": hdr.loss}, timings={"train_s": hdr.train_s}, timestamp=hdr.timestamp,
+            nonce=hdr.nonce))
+        sa.add_masked(node.id, a.id, vector)
+        self.rounds.poke(job.id)
+        return sa.state_for(node.id, a.id)
+
+    def secagg_unmask(self, node: NodeState, msg: SecAggUnmask) -> SecAggState:
+        _, job, sa = self._secagg(node, msg.assignment_id)
+        sa.add_unmask(node.id, msg.assignment_id, msg.shares)
+        self.rounds.poke(job.id)
+        return sa.state_for(node.id, msg.assignment_id)
+
     # -- jobs --------------------------------------------------------------------------------
-    async def submit_job(self, owner: str, spec_text: bytes, train_path: Path, val_path: Path | None) -> JobState:
+    async def submit_job(self, owner: str, spec_text: bytes, train_path: Path | None,
+                         val_path: Path | None) -> JobState:
         """Validate, chunk and store a job (in a worker thread), then open its first round."""
         job = await asyncio.to_thread(ingest_job, self.store, self.blobs, owner=owner, spec_text=spec_text,
                                       train_path=train_path, val_path=val_path)

@@ -88,6 +88,37 @@ def openapi_document() -> dict[str, Any]:
                                            (400, 401, 403, 404, 409))},
         "/v1/abandon": {"post": _node_op("give an assignment back to the pool", "Abandon", "Ack",
                                          (400, 401, 403, 404, 409))},
+        "/v1/silos/schema": {"post": _node_op(
+            "what a silo of a node-local job must hold: the model's input and outputs, the sample bounds, whether "
+            "the job asks for label histograms, and the blob id of the silo this node attached (if any)",
+            "SiloQuery", "SiloSchema", (400, 401, 403, 404, 409))},
+        "/v1/secagg/keys": {"post": _node_op(
+            "secure aggregation, step 1: this member's two fresh public keys for the round (after it trained)",
+            "SecAggKeys", "SecAggState", (400, 401, 403, 404, 409, 422))},
+        "/v1/secagg/poll": {"post": _node_op(
+            "where the round's secure aggregation stands for this member (roster, survivors, its inbox of "
+            "encrypted shares, who to unmask)", "SecAggPoll", "SecAggState", (400, 401, 403, 404, 409))},
+        "/v1/secagg/shares": {"post": _node_op(
+            "secure aggregation, step 2: one encrypted share for each other member of the roster",
+            "SecAggShares", "SecAggState", (400, 401, 403, 404, 409, 422))},
+        "/v1/secagg/masked": {"post": {
+            "summary": "secure aggregation, step 3: the masked update (uint32 little-endian); header "
+                       "X-GPUFlex-Masked is the urlsafe base64 of a sealed SecAggMasked naming its size and SHA-256. "
+                       "Stored durably before the 2xx",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-Masked", "in": "header", "required": True,
+                            "schema": {"type": "string"}}],
+            "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                "format": "binary"}}}},
+            "responses": {"200": {"description": "sealed SecAggState"},
+                          **{str(c): {"description": "error"} for c in (400, 401, 403, 404, 409, 413, 422)}}}},
+        "/v1/secagg/unmask": {"post": _node_op(
+            "secure aggregation, step 4: the shares that unmask the sum (of survivors' seeds, of dropped members' "
+            "mask keys; never both for one member)", "SecAggUnmask", "SecAggState", (400, 401, 403, 404, 409, 422))},
+        "/v1/silos": {"post": _node_op(
+            "attach this node's silo to a node-local job: its blob id, size, sample count and (opt-in) label "
+            "histogram; never a row. Durable before the 2xx; the node trains it from the next round it asks in",
+            "SiloRegistration", "Ack (detail: attached | replaced | attached already)", (400, 401, 403, 404, 409, 422))},
         "/v1/blobs/{sha256}": {"get": {
             "summary": "a model or chunk blob named by a live assignment of the caller; supports Range",
             "tags": ["node"],

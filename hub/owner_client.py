@@ -51,7 +51,7 @@ async def request_json(hub: str, token: str, method: str, path: str, *, data: An
     return json.loads(body)
 
 
-async def submit_job(hub: str, token: str, spec: Path, train: Path, val: Path | None = None) -> dict[str, Any]:
+async def submit_job(hub: str, token: str, spec: Path, train: Path | None, val: Path | None = None) -> dict[str, Any]:
     """POST /v1/jobs; returns {"id", "job_id", "name", "state", "rounds", "chunks", "model_hash"}."""
     import aiohttp
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -18,11 +19,13 @@ from typing import Any
 from aiohttp import web
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, LEDGER, STORE
 from .errors import BadRequest, Conflict, Forbidden, NotFound
+from .privacy import epsilon
 from .tokens import Principal
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
@@ -71,6 +74,11 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
     chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
                                  (job_id,)).fetchone()[0]
+    silos = [{"node_id": c["owner_node"], "samples": c["samples"], "blob": c["sha"], "size": c["size"],
+              "label_histogram": None if c["histogram"] is None else json.loads(c["histogram"]),
+              "attached_at": c["registered_at"]}
+             for c in conn.execute("SELECT owner_node, samples, sha, size, histogram, registered_at FROM chunks"
+                                   " WHERE job_id = ? AND owner_node IS NOT NULL ORDER BY idx", (job_id,))]
     for r in rounds:
         if r["closed_at"] is None:
             continue
@@ -92,14 +100,22 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             "transfer": _transfer(ups, row["model_size"], metrics.get("bytes_down")),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
             "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
+            # [privacy] secure_aggregation: the protocol's round (roster, survivors, summed, or why aborted)
+            **({"secure_aggregation": ev["secure_aggregation"]}
+               if "secure_aggregation" in (ev := json.loads(r["evidence"] or "{}")) else {}),
             # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
             "replica_comparison": json.loads(r["evidence"] or "{}").get("replica_comparison", {}),
+            # [privacy] dp = "central": the round's clip, noise and the updates it clipped (hub/privacy.py)
+            **({"privacy": p} if (p := json.loads(r["evidence"] or "{}").get("privacy")) else {}),
             "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
                          "samples": u["samples"], "loss": u["loss"], "status": u["status"],
                          "replica_group": u["replica_group"]} for u in ups],
             "flags": [{"flag_id": f["id"], "node_id": f["node_id"], "reason": f["reason"],
                        "status": f["status"]} for f in flags],
-            "replication_overhead": (trained - chunk_samples) / chunk_samples if chunk_samples else 0.0,
+            # a node-local job is never replicated (each silo is on one node): its rounds train
+            # the silos that were online, not every chunk
+            "replication_overhead": (trained - chunk_samples) / chunk_samples if chunk_samples and not silos
+            else 0.0,
             **_parallelism(ups, r["closed_at"] - r["opened_at"]),
         })
     return {
@@ -108,8 +124,41 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         "train_samples": row["train_samples"], "val_samples": row["val_samples"],
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
+        "data_source": _data_source(row),
+        # node-local data: the silos attached (what the hub knows of each: never a row)
+        **({"silos": silos} if silos or _data_source(row) == "node-local" else {}),
         "parallel": _job_parallelism(history),
+        **({"privacy": dp} if (dp := _privacy(row, len(history))) is not None else {}),
     }
+
+
+def _data_source(row: sqlite3.Row) -> str:
+    """Where the job's training data lives ([data] source: "hub" or "node-local")."""
+    try:
+        return parse_job_spec(row["spec_toml"]).data.source
+    except (ProtocolError, IndexError, KeyError):
+        return "hub"
+
+
+def _privacy(row: sqlite3.Row, closed: int) -> dict[str, Any] | None:
+    """[privacy] dp = "central": the mechanism and the job's (ε, δ) after its closed rounds and at
+    its last (hub/privacy.py's accountant); None when the job has no differential privacy. An ε
+    with no finite bound (noise_multiplier 0) is null."""
+    try:
+        spec = parse_job_spec(row["spec_toml"])
+    except (ProtocolError, IndexError, KeyError):
+        return None
+    dp = spec.privacy
+    if not dp.central:
+        return None
+
+    def finite(eps: float) -> float | None:
+        return eps if math.isfinite(eps) else None
+
+    return {"mechanism": "central gaussian, fixed clipping", "clip_norm": dp.clip_norm,
+            "noise_multiplier": dp.noise_multiplier, "delta": dp.delta, "rounds": closed,
+            "epsilon": finite(epsilon(closed, dp.noise_multiplier, dp.delta)),
+            "epsilon_at_end": finite(epsilon(spec.train.rounds, dp.noise_multiplier, dp.delta))}
 
 
 def _job_parallelism(history: list[dict[str, Any]]) -> dict[str, Any]:

@@ -37,9 +37,9 @@ from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
-from . import downlink, policy
+from . import downlink, policy, privacy
 from . import verification as vf
-from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_mapping
+from .aggregation import AggregationError, ServerOptimizer, aggregate, readonly_mapping, update_norm
 from .auditlog import AuditLog, aggregation_body
 from .blobs import HOT_BLOB_MAX, BlobStore
 from .evaluation import evaluate
@@ -233,6 +233,8 @@ class RoundEngine:
         async with self._lock:
             now = time.time() if now is None else now
             vspec = job.spec.verification
+            if job.secagg is not None and not job.secagg.settled:
+                job.secagg.advance(now, self._secagg_expected(job))
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
@@ -247,8 +249,12 @@ class RoundEngine:
                         break
                     if not await self._settle(job, shard, state):
                         break
-            if job.state == "running" and job.round_complete():
+            if job.state == "running" and job.round_complete(now, self.scheduler.is_online):
                 await self._close(job)
+
+    def _secagg_expected(self, job: JobState) -> set[str]:
+        """Who the round's secure aggregation waits for at its keys: every silo whose node is online."""
+        return {c.owner for c in job.chunks if c.owner is not None and self.scheduler.is_online(c.owner)}
 
     # -- replicas: gather the policy's inputs, ask it (hub/policy.decide_shard) ---------------
     def _replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
@@ -633,46 +639,68 @@ class RoundEngine:
                         on_model: Callable[[str], None] | None) -> dict[str, Any]:
         spec = job.spec
         global_state = decode_state(self.blobs.read_private(job.model_hash))
-        norm = pool.submit(_norm, global_state) if reps else None
-        with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
-            gnorm = norm.result() if norm is not None else 0.0
-            records = self._records(job, shard_of, reps, deltas)
-            judgement = policy.judge_round(records, gnorm, spec.verification, groups,
-                                           vouched_by_trusted=self._vouched(job, reps, groups))
-            del records
-            keep = set(judgement.review.included)
-            included = [i for i, u in enumerate(reps) if u.id in keep]
-            flagged = {f.update_id: f.reason for f in judgement.review.flags}
-            evidence = dict(judgement.review.evidence)
-            evidence["bounds"] = dict(judgement.bounds)
-            unverified = {reps[i].id: shard_of[reps[i].id].unverified for i in included
-                          if shard_of[reps[i].id].unverified}
-            if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
-                evidence["unverified"] = unverified
-            compared = {s.id: s.comparison for s in shard_of.values() if s.comparison}
-            if compared:  # replica groups: one compute class (strict tolerance) or several
-                evidence["replica_comparison"] = dict(sorted(compared.items()))
-            use = [deltas[i] for i in included]
-            weights = [float(shard_of[reps[i].id].samples) * judgement.weight_factors.get(reps[i].id, 1.0)
-                       for i in included]
-            scales = [judgement.scales.get(reps[i].id, 1.0) for i in included]
-            opt = ServerOptimizer.from_spec(spec.aggregation)
-            residual: dict[str, Tensor] = {}
-            if job.opt_state_sha:
-                stored, residual = downlink.split_state(decode_state(self.blobs.read_private(job.opt_state_sha)))
-                opt.load_state_dict(stored)
-            if use:
-                agg = aggregate(use, weights, spec.aggregation,
-                                scales=scales if any(x < 1.0 for x in scales) else None)
-                new_state = opt.step(global_state, agg)
-                del agg
-                if spec.communication.download == "topk":
-                    new_state, residual = downlink.sparse_step(global_state, new_state,
-                                                               spec.communication.download_fraction, residual)
-            else:
-                new_state = {k: v.clone() for k, v in global_state.items()}
-                evidence["empty"] = "no update was included; the model is unchanged"
-            del use
+        if job.secagg is not None:  # the hub holds only the sum of the masked updates (hub/secagg_round.py)
+            judgement, included, flagged, evidence, opt, residual, new_state = self._secagg_step(
+                job, reps, global_state)
+        else:
+            norm = pool.submit(_norm, global_state) if reps else None
+            with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
+                gnorm = norm.result() if norm is not None else 0.0
+                records = self._records(job, shard_of, reps, deltas)
+                judgement = policy.judge_round(records, gnorm, spec.verification, groups,
+                                               vouched_by_trusted=self._vouched(job, reps, groups))
+                del records
+                keep = set(judgement.review.included)
+                included = [i for i, u in enumerate(reps) if u.id in keep]
+                flagged = {f.update_id: f.reason for f in judgement.review.flags}
+                evidence = dict(judgement.review.evidence)
+                evidence["bounds"] = dict(judgement.bounds)
+                unverified = {reps[i].id: shard_of[reps[i].id].unverified for i in included
+                              if shard_of[reps[i].id].unverified}
+                if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
+                    evidence["unverified"] = unverified
+                compared = {s.id: s.comparison for s in shard_of.values() if s.comparison}
+                if compared:  # replica groups: one compute class (strict tolerance) or several
+                    evidence["replica_comparison"] = dict(sorted(compared.items()))
+                use = [deltas[i] for i in included]
+                dp = spec.privacy
+                if dp.central:
+                    # Central DP (hub/privacy.py): every included update clipped to the privacy clip and
+                    # averaged with equal weights. The norm bound and the untrusted weight share depend
+                    # on the other silos' updates and would break the sensitivity bound: not applied
+                    # (the round's flags still are: a flagged update is not in `included`).
+                    weights = [1.0] * len(use)
+                    scales = [privacy.clip_factor(update_norm(d), dp.clip_norm) for d in use]
+                    evidence["bounds"]["applied"] = False
+                else:
+                    weights = [float(shard_of[reps[i].id].samples) * judgement.weight_factors.get(reps[i].id, 1.0)
+                               for i in included]
+                    scales = [judgement.scales.get(reps[i].id, 1.0) for i in included]
+                opt = ServerOptimizer.from_spec(spec.aggregation)
+                residual: dict[str, Tensor] = {}
+                if job.opt_state_sha:
+                    stored, residual = downlink.split_state(decode_state(self.blobs.read_private(job.opt_state_sha)))
+                    opt.load_state_dict(stored)
+                if use:
+                    agg = aggregate(use, weights, spec.aggregation,
+                                    scales=scales if any(x < 1.0 for x in scales) else None)
+                    if dp.central:  # the noise goes on the mean, before the server optimizer (post-processing)
+                        std = privacy.noise_std(dp.noise_multiplier, dp.clip_norm, len(use))
+                        privacy.add_noise(agg, std)
+                        evidence["privacy"] = {
+                            "clip_norm": dp.clip_norm, "noise_multiplier": dp.noise_multiplier, "noise_std": std,
+                            "updates": len(use),
+                            "clipped": {reps[i].id: round(f, 6) for i, f in zip(included, scales, strict=True)
+                                        if f < 1.0}}
+                    new_state = opt.step(global_state, agg)
+                    del agg
+                    if spec.communication.download == "topk":
+                        new_state, residual = downlink.sparse_step(global_state, new_state,
+                                                                   spec.communication.download_fraction, residual)
+                else:
+                    new_state = {k: v.clone() for k, v in global_state.items()}
+                    evidence["empty"] = "no update was included; the model is unchanged"
+                del use
         for k, t in new_state.items():
             if t.is_floating_point() and not _all_finite(t):
                 raise AggregationError(f"aggregated model tensor {k!r} is not finite")
@@ -704,6 +732,48 @@ class RoundEngine:
             "model_hash": model_hash, "opt_state_sha": opt_sha, "judgement": judgement,
             "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
         }
+
+    def _secagg_step(self, job: JobState, reps: list[UpdateState], global_state: dict[str, Tensor]) -> tuple[
+            policy.RoundJudgement, list[int], dict[str, str], dict[str, Any], ServerOptimizer, dict[str, Tensor],
+            dict[str, Tensor]]:
+        """A secure-aggregation round: the weighted mean of the updates whose masks came off (the
+        protocol's sum, never one update), or, when the protocol aborted, the model unchanged. No
+        update can be scored or bounded: the hub never sees one."""
+        sa = job.secagg
+        assert sa is not None
+        alive = set(sa.alive) if sa.phase == "done" else set()
+        included = [i for i, u in enumerate(reps) if u.node_id in alive]
+        statuses = {u.id: "included" if i in included else "excluded" for i, u in enumerate(reps)}
+        evidence: dict[str, Any] = {"secure_aggregation": {
+            "phase": sa.phase, "roster": len(sa.roster), "threshold": sa.threshold, "survivors": len(sa.survivors),
+            "summed": len(alive), "clip": sa.clip, "bits": sa.bits, **({"detail": sa.detail} if sa.detail else {})}}
+        opt = ServerOptimizer.from_spec(job.spec.aggregation)
+        residual: dict[str, Tensor] = {}
+        if job.opt_state_sha:
+            stored, residual = downlink.split_state(decode_state(self.blobs.read_private(job.opt_state_sha)))
+            opt.load_state_dict(stored)
+        if included:
+            mean, weight = sa.mean_update()
+            evidence["secure_aggregation"]["weight"] = round(weight, 6)
+            agg: dict[str, Tensor] = {}
+            at = 0
+            for t in job.layout.model:
+                if not t.dtype.startswith(("float", "bfloat")):
+                    continue
+                n = math.prod(t.shape)
+                ref = global_state[t.name]
+                agg[t.name] = torch.from_numpy(mean[at:at + n]).to(ref.dtype).reshape(ref.shape)
+                at += n
+            new_state = opt.step(global_state, agg)
+            if job.spec.communication.download == "topk":
+                new_state, residual = downlink.sparse_step(global_state, new_state,
+                                                           job.spec.communication.download_fraction, residual)
+        else:
+            new_state = {k: v.clone() for k, v in global_state.items()}
+            evidence["empty"] = f"secure aggregation {sa.phase}: the model is unchanged"
+        review = vf.RoundReview([reps[i].id for i in included], [], {})
+        judgement = policy.RoundJudgement(review, statuses, (), (), ())
+        return judgement, included, {}, evidence, opt, residual, new_state
 
     # -- failure / cancel ------------------------------------------------------------------
     async def fail_job(self, job: JobState, reason: str) -> None:

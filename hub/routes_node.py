@@ -12,9 +12,11 @@ import contextlib
 import hashlib
 import mmap
 import os
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 from aiohttp import web
 from gpuflex.protocol.errors import ProtocolError, TensorError
 from gpuflex.protocol.messages import (
@@ -24,6 +26,13 @@ from gpuflex.protocol.messages import (
     Heartbeat,
     Hello,
     NoWork,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggPoll,
+    SecAggShares,
+    SecAggUnmask,
+    SiloQuery,
+    SiloRegistration,
     StateUpload,
     UpdateHeader,
     UploadOffset,
@@ -183,6 +192,79 @@ async def abandon(request: web.Request) -> web.Response:
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
+@routes.post("/v1/silos/schema")
+async def silo_schema(request: web.Request) -> web.Response:
+    """What a silo of a node-local job must hold (signed SiloQuery -> signed SiloSchema)."""
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_message_bytes)
+    msg, signer = open_node_message(request, body, SiloQuery)
+    ledger = app[LEDGER]
+    return sealed_response(request, ledger.silo_schema(ledger.known_node(signer, request.remote), msg.job_id))
+
+
+@routes.post("/v1/silos")
+async def attach_silo(request: web.Request) -> web.Response:
+    """A node attaches its silo to a node-local job (signed SiloRegistration -> signed Ack):
+    the blob id, size, sample count and opt-in label histogram; never a row."""
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_message_bytes)
+    msg, signer = open_node_message(request, body, SiloRegistration)
+    ledger = app[LEDGER]
+    detail = await ledger.attach_silo(ledger.known_node(signer, request.remote), msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+# -- secure aggregation (hub/secagg_round.py; each answer is the node's SecAggState) -------------
+@routes.post("/v1/secagg/keys")
+async def secagg_keys(request: web.Request) -> web.Response:
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggKeys)
+    ledger = app[LEDGER]
+    return sealed_response(request, await ledger.secagg_keys(ledger.known_node(signer, request.remote), msg))
+
+
+@routes.post("/v1/secagg/poll")
+async def secagg_poll(request: web.Request) -> web.Response:
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggPoll)
+    ledger = app[LEDGER]
+    return sealed_response(request, ledger.secagg_state(ledger.known_node(signer, request.remote), msg.assignment_id))
+
+
+@routes.post("/v1/secagg/shares")
+async def secagg_shares(request: web.Request) -> web.Response:
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggShares)
+    ledger = app[LEDGER]
+    return sealed_response(request, await ledger.secagg_shares(ledger.known_node(signer, request.remote), msg))
+
+
+@routes.post("/v1/secagg/masked")
+async def secagg_masked(request: web.Request) -> web.Response:
+    """The masked update (header X-GPUFlex-Masked: a sealed SecAggMasked; body: uint32 LE). It is
+    stored like any update blob (durably, before the 2xx), then handed to the round's protocol."""
+    app = request.app
+    hdr, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Masked"), SecAggMasked)
+    ledger = app[LEDGER]
+    node = ledger.known_node(signer, request.remote)
+    ledger.secagg_may_mask(node, hdr)  # the size is the protocol's: checked before the body is read
+    body = await read_body(request, hdr.size)
+    if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
+        raise BadRequest("the masked update's bytes do not match its signed size and SHA-256", code="bad_masked")
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(app[IO_POOL], partial(app[BLOBS].put, body, sha=hdr.sha256))
+    vector = np.frombuffer(body, dtype="<u4").astype(np.uint32)
+    return sealed_response(request, await ledger.secagg_masked(node, hdr, vector))
+
+
+@routes.post("/v1/secagg/unmask")
+async def secagg_unmask(request: web.Request) -> web.Response:
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggUnmask)
+    ledger = app[LEDGER]
+    return sealed_response(request, ledger.secagg_unmask(ledger.known_node(signer, request.remote), msg))
+
+
 def _blob_reader(request: web.Request, sha: str) -> NodeState:
     """The node whose signed BlobRequest (X-GPUFlex-Auth) names ``sha``, a blob one of its live
     assignments names; 400/401/403 otherwise."""
@@ -209,7 +291,8 @@ async def blob(request: web.Request) -> web.StreamResponse:
         resp = _bytes_response(request, hot, headers)
         ledger.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
         return resp
-    path = app[BLOBS].path(sha)
+    # off the loop: a bucket-backed store (hub/blobs_s3.py) fetches a blob missing from its cache
+    path = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
     if not path.is_file():
         raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
     size = path.stat().st_size

@@ -234,6 +234,11 @@ class Scheduler:
                 if node is not None:
                     node.live.add(a.id)
 
+    def is_online(self, node_id: str) -> bool:
+        """Was the node seen within the online window (and is it not banned)?"""
+        node = self.nodes.get(node_id)
+        return node is not None and not node.banned and time.time() - node.last_seen <= self.online_window_s
+
     def online_nodes(self, now: float) -> int:
         return sum(1 for n in self.nodes.values() if now - n.last_seen <= self.online_window_s and not n.banned)
 
@@ -298,6 +303,12 @@ class Scheduler:
                 exp = self.expected_s(job, shard.samples, node)
                 return Plan(job, shard, False, exp, self.deadline_for(job, exp, now))
         for job in jobs:
+            if job.node_local:
+                silo = self._silo_shard(job, node, now)
+                if silo is None:
+                    continue
+                exp = self.expected_s(job, silo.samples, node)
+                return Plan(job, silo, True, exp, self.deadline_for(job, exp, now))
             if job.free:
                 shard = self._carve(job, node, cached, now)
                 exp = self.expected_s(job, shard.samples, node)
@@ -489,6 +500,26 @@ class Scheduler:
         if wanted > 1:
             shard.replica_group = shard.id
             job.replicated[shard.id] = shard
+        job.shards[shard.id] = shard
+        return shard
+
+    @staticmethod
+    def _silo_shard(job: JobState, node: NodeState, now: float) -> ShardState | None:
+        """A node-local job's shard for ``node``: its own silo, once a round, never replicated
+        (no other node holds that data). None when it has no silo in the job or trained it."""
+        idx = job.silo_of.get(node.id)
+        if idx is None or idx not in job.free:
+            return None
+        if job.secagg is not None and job.secagg.phase != "keys":
+            return None  # the round's secure aggregation fixed its roster: the next round takes this silo
+        job.take([idx])
+        seq = job.next_seq
+        job.next_seq += 1
+        shard = ShardState(
+            id=f"{job.id}-r{job.round}-s{seq}", job_id=job.id, round=job.round, seq=seq,
+            seed=shard_seed(job.spec.train.seed, job.round, seq), chunk_idxs=(idx,),
+            samples=job.chunks[idx].samples, replica_group="", wanted=1, carved_at=now,
+        )
         job.shards[shard.id] = shard
         return shard
 

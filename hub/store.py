@@ -134,6 +134,11 @@ class Store(abc.ABC):
     async def end_job(self, job_id: str, state: str, error: str | None, cancelled: Sequence[str]) -> None:
         """The job leaves the running states (done by close_round; cancelled; failed)."""
 
+    @abc.abstractmethod
+    async def save_silo(self, job_id: str, chunk: ChunkInfo, *, histogram: Sequence[int] | None, now: float) -> None:
+        """A node's silo for a node-local job (``chunk.owner``): a new chunk row, or its earlier
+        silo's row (same index) replaced."""
+
     # -- assignments -------------------------------------------------------------------------
     @abc.abstractmethod
     async def issue_assignment(self, a: AssignmentState, new_shard: ShardState | None,

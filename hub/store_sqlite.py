@@ -167,6 +167,18 @@ class SqlStore(Store):
 
         self.db.write_sync(write)
 
+    async def save_silo(self, job_id: str, chunk: ChunkInfo, *, histogram: Sequence[int] | None, now: float) -> None:
+        hist = None if histogram is None else json.dumps(list(histogram))
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM chunks WHERE job_id = ? AND idx = ?", (job_id, chunk.idx))
+            conn.execute(
+                "INSERT INTO chunks (job_id, idx, sha, samples, size, owner_node, histogram, registered_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, chunk.idx, chunk.sha, chunk.samples, chunk.size, chunk.owner, hist, now))
+
+        await self.db.write(write)
+
     async def job_state(self, job_id: str) -> str | None:
         row = await self.db.read(lambda c: c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone())
         return None if row is None else str(row["state"])
@@ -438,9 +450,9 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
             broken.append((row["id"], str(exc)))
             continue
         chunks = [
-            ChunkInfo(r["idx"], r["sha"], r["samples"], r["size"])
+            ChunkInfo(r["idx"], r["sha"], r["samples"], r["size"], r["owner_node"])
             for r in conn.execute(
-                "SELECT idx, sha, samples, size FROM chunks WHERE job_id = ? ORDER BY idx", (row["id"],)
+                "SELECT idx, sha, samples, size, owner_node FROM chunks WHERE job_id = ? ORDER BY idx", (row["id"],)
             )
         ]
         job = JobState(

@@ -15,6 +15,7 @@ The concerns around the loop live in their own modules, none of which imports th
     control.py       the local control endpoint (status, pause, resume)
     gpuyield.py      pausing while another process uses the GPU
     datadir.py       the data dir's lock (one node per folder)
+    silos.py         node-local data: a chunk that is one of this node's silos is read from its disk
     totals.py        the counters and their file
 
 Test tooling builds misbehaving contributors by overriding three methods (contract):
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -66,6 +68,7 @@ from gpuflex.protocol.version import SOFTWARE_VERSION
 from gpuflex.protocol.workload import assignment_steps, samples_processed
 from torch import Tensor
 
+from . import secagg_flow
 from .assignment import check_assignment, load_inputs
 from .cache import BlobCache
 from .checkpoints import CheckpointRecorder, CheckpointStore
@@ -95,6 +98,7 @@ from .output import Output
 from .pause import Interrupted, PauseState
 from .registration import register
 from .signals import EXIT_SECOND_INTERRUPT, exit_on_signals
+from .silos import SiloError, SiloStore
 from .totals import Totals, TotalsFile
 from .trainer import TrainResult, train_assignment
 from .transfers import Transfers
@@ -184,6 +188,8 @@ class NodeAgent:
             self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", keep=config.checkpoint_keep,
                                                max_bytes=config.max_checkpoint_bytes)
             self.feedback = FeedbackStore(config.data_dir / "feedback")
+            # node-local data (`gpuflex-node data add`, another process): read again for every assignment
+            self.silos = SiloStore(config.data_dir / "silos")
         except BaseException:
             self.lock.release()
             raise
@@ -377,6 +383,8 @@ class NodeAgent:
             device=str(self.device), threads=torch.get_num_threads(), version=SOFTWARE_VERSION,
             onednn=self.compute.onednn, precisions=list(self.compute.precisions),
         )
+        with contextlib.suppress(OSError, SiloError):  # replaced silos no assignment is in flight for
+            await asyncio.to_thread(self.silos.prune)
         benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
         local = (self.config.source_address, 0) if self.config.source_address else None
         connector = aiohttp.TCPConnector(limit=8, local_addr=local)
@@ -535,12 +543,33 @@ class NodeAgent:
 
     # ---------------------------------------------------------------- one assignment
 
-    def check_assignment(self, a: Assignment) -> ModelSpec:
-        """Field checks beyond the protocol's own; raises AssignmentRejected."""
+    def check_assignment(self, a: Assignment, local: frozenset[str] = frozenset()) -> ModelSpec:
+        """Field checks beyond the protocol's own; raises AssignmentRejected. ``local``: the
+        chunks that are this node's silos (``silo_chunks``)."""
         return check_assignment(
             a, node_id=self.node_id, now=self._client().now(), seen=self._seen_assignments,
-            cache_cap_bytes=self.cache.max_bytes, precisions=self.compute.precisions,
+            cache_cap_bytes=self.cache.max_bytes, precisions=self.compute.precisions, local=local,
         )
+
+    def silo_chunks(self, a: Assignment) -> frozenset[str]:
+        """The assignment's chunks that are this node's silos, from the silo store as it is now
+        (the operator may have run ``gpuflex-node data add`` since the last one). A chunk that
+        was a silo the operator removed is refused here: it is on no hub to download."""
+        held = self.silos.blob_ids()
+        local = frozenset(c.sha256 for c in a.chunks if c.sha256 in held)
+        try:
+            retired = self.silos.retired()
+        except SiloError as exc:
+            log.warning("silo index unreadable: %s", exc)
+            retired = {}
+        for c in a.chunks:
+            job = retired.get(c.sha256)
+            if job is not None and c.sha256 not in local:
+                raise AssignmentRejected(
+                    f"assignment {a.assignment_id}: chunk {c.sha256[:12]}… is the silo of job {job} that was "
+                    "removed from this node (gpuflex-node data remove); not trained"
+                )
+        return local
 
     async def _handle(self, a: Assignment, *, inline_model: bytes | None = None) -> bool:
         """Work one assignment; True when it ran to an end (uploaded or refused), False if abandoned.
@@ -550,7 +579,8 @@ class NodeAgent:
         pause = self.pause_state
         self.totals.assignments += 1
         try:
-            spec = self.check_assignment(a)
+            local = self.silo_chunks(a)
+            spec = self.check_assignment(a, local)
         except AssignmentRejected as exc:
             if a.node_id == self.node_id:
                 await self._tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
@@ -561,7 +591,7 @@ class NodeAgent:
         self.current = cur
         self.output.event(
             "assignment", assignment_id=a.assignment_id, job_id=a.job_id, round=a.round,
-            chunks=len(a.chunks), samples=cur.samples,
+            chunks=len(a.chunks), samples=cur.samples, **({"silo_chunks": len(local)} if local else {}),
         )
         try:
             cur.phase = "downloading"
@@ -569,10 +599,11 @@ class NodeAgent:
             t0 = time.perf_counter()
             if inline_model is not None:
                 await self.transfers.accept_inline_model(a, inline_model)
-            fetched = await pause.interruptible(self.transfers.fetch_all(self._client(), a))
+            fetched = await pause.interruptible(self.transfers.fetch_all(self._client(), a, local=local))
             download_s = time.perf_counter() - t0
 
-            global_state, chunks = await asyncio.to_thread(load_inputs, self.cache, a, spec)
+            global_state, chunks = await asyncio.to_thread(
+                functools.partial(load_inputs, self.cache, a, spec, silos=self.silos, local=local))
             if a.train.error_feedback:
                 shapes = {k: tuple(v.shape) for k, v in global_state.items() if v.is_floating_point()}
                 cur.residual = await asyncio.to_thread(self.feedback.load, a.job_id, shapes)
@@ -597,6 +628,22 @@ class NodeAgent:
                 steps=result.steps, samples_per_s=round(self.last_samples_per_s, 1),
             )
             result = self.transform_update(a, result)
+            if a.train.secagg:  # the update leaves masked (node/secagg_flow.py), never in the clear
+                cur.phase = "uploading"
+                self.state = "uploading"
+                outcome = await secagg_flow.take_part(self._client(), self.node_id, a, result.delta,
+                                                      sample_count=result.sample_count, loss=result.loss,
+                                                      train_s=result.train_s)
+                self._seen_assignments.add(a.assignment_id)
+                if outcome.phase == "unmasked":
+                    self.totals.uploaded += 1
+                    self.totals.samples_trained += processed
+                    self.totals.train_s += result.train_s
+                self.output.event("uploaded", assignment_id=a.assignment_id, update_sha256=outcome.sha256,
+                                  bytes=outcome.size, ok=outcome.phase == "unmasked", masked=True,
+                                  detail=outcome.detail or "secure aggregation: the hub sums the masked updates",
+                                  fetched_bytes=fetched)
+                return True
             try:
                 encoded = await asyncio.to_thread(self.encode_update, a, result, cur.residual)
             except ProtocolError as exc:
@@ -655,6 +702,9 @@ class NodeAgent:
             self.totals_file.save()
             with contextlib.suppress(OSError):
                 self.cache.evict()
+            if local:  # a replaced silo's blob served its last assignment
+                with contextlib.suppress(OSError, SiloError):
+                    self.silos.prune()
         return False
 
     async def _abandon(self, a: Assignment, reason: str) -> None:

@@ -4,6 +4,10 @@ The protocol already checked the signature and every field's type and bounds; th
 the checks only the node can make: is it for this node, in a precision it trains, not a replay, are its times
 plausible, does the declared model size fit the model the spec builds, does every chunk's
 declared size fit its sample count, does it all fit the cache cap.
+
+A chunk may be one of this node's silos (node-local data, node/silos.py): it passes the same
+per-chunk checks, does not count against the cache, and is read from the silo store (its
+SHA-256 checked again), never from the cache or the network.
 """
 
 from __future__ import annotations
@@ -15,11 +19,18 @@ import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.modelspec import ModelSpec, manifest, param_count
-from gpuflex.protocol.tensors import ITEMSIZE, MAX_HEADER_BYTES, check_manifest, load_state_file
+from gpuflex.protocol.tensors import (
+    ITEMSIZE,
+    MAX_HEADER_BYTES,
+    check_manifest,
+    decode_state,
+    load_state_file,
+)
 from torch import Tensor
 
 from .cache import BlobCache
 from .errors import AssignmentRejected, TrainError
+from .silos import SiloError, SiloStore
 
 MAX_BLOB_BYTES = 8 << 30
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600.0
@@ -29,13 +40,14 @@ HEADER_ALLOWANCE = MAX_HEADER_BYTES + 64  # GFT1 header + alignment on top of ra
 
 def check_assignment(
     a: Assignment, *, node_id: str, now: float, seen: Container[str], cache_cap_bytes: int,
-    precisions: Sequence[str] = ("fp32",),
+    precisions: Sequence[str] = ("fp32",), local: Container[str] = frozenset(),
 ) -> ModelSpec:
     """The assignment's model spec when every check passes; AssignmentRejected otherwise.
 
     ``now`` is the hub's clock as the node estimates it; ``seen`` the assignment ids this
     node already finished (the same one again is a replay); ``precisions`` what this node
-    trains in (its compute class): an assignment in another precision is refused.
+    trains in (its compute class): an assignment in another precision is refused; ``local``
+    the blob ids of this node's silos (read from its disk: not counted against the cache).
     """
     if a.node_id != node_id:
         raise AssignmentRejected(f"assignment {a.assignment_id} is for {a.node_id}, not this node")
@@ -80,7 +92,7 @@ def check_assignment(
             )
         if c.size > MAX_BLOB_BYTES:
             raise AssignmentRejected(f"chunk {c.sha256[:12]}… is larger than {MAX_BLOB_BYTES} bytes")
-    need = a.model_size + sum(c.size for c in a.chunks)
+    need = a.model_size + sum(c.size for c in a.chunks if c.sha256 not in local)
     if need > cache_cap_bytes:
         raise AssignmentRejected(
             f"assignment {a.assignment_id} needs {need / 1e9:.2f} GB of cache, cap is "
@@ -90,25 +102,34 @@ def check_assignment(
 
 
 def load_inputs(
-    cache: BlobCache, a: Assignment, spec: ModelSpec
+    cache: BlobCache, a: Assignment, spec: ModelSpec, *, silos: SiloStore | None = None,
+    local: Container[str] = frozenset(),
 ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
     """The global model and the chunks, read from the cache (disk I/O: call it in a thread).
 
-    Each must fit what the assignment declares: the model the spec's manifest, each chunk
-    its sample count; TrainError otherwise (nothing is trained).
+    A chunk in ``local`` is one of this node's silos: read from ``silos``, its size and SHA-256
+    checked on the way. Each must fit what the assignment declares: the model the spec's
+    manifest, each chunk its sample count; TrainError otherwise (nothing is trained).
     """
     try:
         global_state = load_state_file(cache.touch(a.model_hash))
         check_manifest(global_state, manifest(spec))
         chunks = []
         for c in a.chunks:
-            chunk = load_state_file(cache.touch(c.sha256))
+            if c.sha256 in local:
+                if silos is None:
+                    raise TrainError(f"chunk {c.sha256[:12]}… is a silo, and no silo store was given")
+                chunk = decode_state(silos.read_blob(c.sha256, c.size))
+            else:
+                chunk = load_state_file(cache.touch(c.sha256))
             x = chunk.get("x")
             if x is None or x.shape[0] != c.samples:
                 raise TrainError(f"chunk {c.sha256[:12]}… does not hold {c.samples} samples")
             chunks.append(chunk)
     except ProtocolError as exc:
         raise TrainError(f"assignment {a.assignment_id}: inputs refused: {exc}") from exc
+    except SiloError as exc:
+        raise TrainError(f"assignment {a.assignment_id}: {exc}") from exc
     return global_state, chunks
 
 

@@ -4,6 +4,8 @@
     gpuflex-node bench [--device D] [--json]                         measure this machine
     gpuflex-node status | pause | resume                            drive the running node
     gpuflex-node id                                                 print this node's id
+    gpuflex-node data add JOB PATH [--share-histogram] [--subset N]  attach a dataset that stays here
+    gpuflex-node data list | data remove JOB                         this node's silos
 
 Exit codes: 0 done, 1 error, 2 usage, 3 hub key mismatch, 4 banned, 5 protocol mismatch.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import NodeError
+from .errors import HubKeyMismatch, NodeError
 from .files import software_version
 
 if TYPE_CHECKING:
@@ -105,6 +108,32 @@ def build_parser() -> argparse.ArgumentParser:
     ident = sub.add_parser("id", help="print this node's id (its key fingerprint; read only: "
                            "the first `run` creates the key)")
     _add_data_dir(ident)
+
+    data = sub.add_parser("data", help="node-local data: datasets that stay on this node and train "
+                          "node-local jobs (the hub never gets a row)")
+    data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    add = data_sub.add_parser("add", help="check a dataset against a node-local job and attach it; the hub "
+                              "learns its blob id, size and sample count only")
+    add.add_argument("job", metavar="JOB", help="the node-local job's id")
+    add.add_argument("path", metavar="PATH", help=".npz (arrays x and y) or .csv (a header row with the "
+                     "job's label column)")
+    add.add_argument("--share-histogram", action="store_true",
+                     help="also send the count of samples per label, when the job asks for it (default: not sent)")
+    add.add_argument("--subset", "--max-samples", dest="subset", type=int, metavar="N",
+                     help="keep N rows of the file (seeded: the same rows every time), for a file larger "
+                          "than the job takes")
+    add.add_argument("--hub", metavar="URL", help="hub base URL (default: the hub this node last "
+                     "registered with, from DIR/hub.pin)")
+    add.add_argument("--hub-key", metavar="FINGERPRINT",
+                     help="the hub key fingerprint to trust (gf1-...); default: the pinned one")
+    _add_data_dir(add)
+    listing = data_sub.add_parser("list", help="the silos this node holds")
+    _add_data_dir(listing)
+    listing.add_argument("--json", action="store_true", help="print raw JSON")
+    remove = data_sub.add_parser("remove", help="stop training a job's silo and delete its copy here "
+                                 "(local only: the hub is not told)")
+    remove.add_argument("job", metavar="JOB")
+    _add_data_dir(remove)
     return parser
 
 
@@ -299,6 +328,174 @@ def _cmd_id(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hub_url(data_dir: Path, given: str | None) -> str:
+    """--hub, else the URL of the hub pinned in DIR/hub.pin (the last one `run` registered with)."""
+    from .errors import ConfigError
+    from .identity import PIN_FILE
+
+    url = given
+    if url is None:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            url = str(json.loads((data_dir / PIN_FILE).read_text(encoding="utf-8")).get("url") or "") or None
+    if url is None:
+        raise ConfigError(f"no hub URL: pass --hub URL (no hub pinned in {data_dir / PIN_FILE} yet)")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--hub {url!r}: expected an http:// or https:// URL")
+    return url
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    if args.data_command == "add":
+        return _cmd_data_add(args)
+    if args.data_command == "list":
+        return _cmd_data_list(args)
+    return _cmd_data_remove(args)
+
+
+def _cmd_data_add(args: argparse.Namespace) -> int:
+    """Fetch the job's schema, check the file here, store it, register it; print what left the
+    node. Any failure leaves the silo index as it was (the blob is written, registered, and only
+    then committed; a refused one is deleted)."""
+    from gpuflex.protocol.dataset import DatasetError, check_dataset_file
+    from gpuflex.protocol.errors import ProtocolError
+    from gpuflex.protocol.messages import ID_RE
+
+    from .errors import ConfigError
+    from .identity import KEY_FILE, load_key
+    from .silos import SiloError
+
+    data_dir = _data_dir(args)
+    path = Path(args.path).expanduser()
+    if args.subset is not None and args.subset < 1:
+        raise ConfigError(f"--subset {args.subset}: must be at least 1")
+    try:
+        check_dataset_file(path, "silo")  # before any request: a missing file needs no hub
+    except DatasetError as exc:
+        raise SiloError(str(exc), code=exc.code) from None
+    key = load_key(data_dir)
+    if key is None:
+        raise ConfigError(
+            f"no identity yet: {data_dir / KEY_FILE} does not exist; start `gpuflex-node run --hub URL"
+            f"{'' if args.data_dir is None else f' --data-dir {data_dir}'}` once so the hub knows this node, "
+            "then add the data"
+        )
+    if ID_RE.fullmatch(args.job) is None:
+        raise ConfigError(f"JOB {args.job[:80]!r}: not a job id (letters, digits, _ and -; at most 64)")
+    hub_url = _hub_url(data_dir, args.hub)
+    try:
+        lines = asyncio.run(_data_add(args, data_dir, key, hub_url, path.resolve()))
+    except ProtocolError as exc:
+        raise NodeError(f"data add: {exc}") from None
+    except OSError as exc:
+        raise NodeError(f"data add: cannot write the silo under {data_dir / 'silos'}: {exc}") from None
+    print("\n".join(lines))
+    return 0
+
+
+async def _data_add(args: argparse.Namespace, data_dir: Path, key: Any, hub_url: str, path: Path) -> list[str]:
+    import aiohttp
+    from gpuflex.protocol.messages import MAX_LIST
+    from gpuflex.protocol.modelspec import ModelSpec
+    from gpuflex.protocol.version import PROTOCOL_VERSION
+
+    from .client import HubClient
+    from .errors import HubError, UnknownNode
+    from .identity import check_hub_key
+    from .silos import SiloError, SiloStore, label_histogram, load_silo
+
+    job = args.job
+    async with aiohttp.ClientSession() as session:
+        client = HubClient(hub_url, key, session)
+        public_key, claimed, proto = await client.hub_info()
+        pin = check_hub_key(data_dir, hub_url, public_key, claimed, args.hub_key)
+        if proto != PROTOCOL_VERSION:
+            raise HubError(f"hub speaks protocol {proto}, this node {PROTOCOL_VERSION}; upgrade the older side",
+                           code="version_mismatch")
+        client.hub_public_key = pin.public_key
+        try:
+            schema = await client.silo_schema(job)
+        except UnknownNode:
+            raise HubError(f"the hub at {hub_url} does not know this node yet: start `gpuflex-node run` once "
+                           "so it registers, then add the data", code="unknown_node") from None
+        arrays = await asyncio.to_thread(load_silo, path, schema, keep=args.subset)
+        spec = ModelSpec.from_dict(schema.model_spec)  # load_silo built it already: valid
+        histogram: tuple[int, ...] = ()
+        if not schema.label_histogram:
+            shared = "not shared (the job does not ask for it)"
+        elif not args.share_histogram:
+            shared = "not shared (the job asks for it; pass --share-histogram to send it)"
+        elif spec.task != "classification" or spec.outputs > MAX_LIST:
+            shared = "not shared (the job's labels are not classes this node can count)"
+        else:
+            histogram = label_histogram(arrays, spec.outputs)
+            shared = f"shared: {len(histogram)} counts, one per label"
+        store = SiloStore(data_dir / "silos")
+        before = store.get(job)
+        blob = await asyncio.to_thread(store.write_blob, arrays)
+        try:
+            ack = await client.register_silo(job, blob.sha256, blob.size, blob.samples, histogram)
+            if not ack.ok:
+                raise SiloError(f"the hub refused the silo for job {job}: {ack.detail or 'no reason given'}",
+                                code="refused")
+        except UnknownNode:
+            store.drop_blob(blob.sha256)
+            raise HubError(f"the hub at {hub_url} does not know this node yet: start `gpuflex-node run` once "
+                           "so it registers, then add the data", code="unknown_node") from None
+        except BaseException:
+            store.drop_blob(blob.sha256)
+            raise
+        record = store.commit(job, blob, path, bool(histogram))
+    lines = [
+        f"job        {job}",
+        f"samples    {record.samples}" + (f" (--subset {args.subset} of the file's rows)" if args.subset else ""),
+        f"blob id    {record.sha256} ({record.size:,} bytes, kept 0600 in {store.root})",
+        f"histogram  {shared}",
+    ]
+    if before is not None and before.sha256 != record.sha256:
+        lines.append(f"replaces   the silo {before.sha256[:12]}… this node held for the job")
+    lines.append("Nothing else about the rows left this node: the hub got the blob id, its size and the sample "
+                 f"count{' and the label histogram' if histogram else ''}. The node trains it when the hub "
+                 "assigns it, from this disk.")
+    return lines
+
+
+def _cmd_data_list(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from .silos import SiloStore
+
+    records = SiloStore(_data_dir(args) / "silos").records()
+    if args.json:
+        print(json.dumps({"silos": [dataclasses.asdict(r) for r in records]}, indent=1))
+        return 0
+    if not records:
+        print("no silos on this node (attach one: gpuflex-node data add JOB PATH)")
+        return 0
+    rows = [("job", "samples", "bytes", "blob id", "histogram", "added", "source")]
+    for r in records:
+        added = datetime.fromtimestamp(r.added_at).strftime("%Y-%m-%d %H:%M")
+        rows.append((r.job_id, f"{r.samples:,}", f"{r.size:,}", r.sha256[:16] + "…",
+                     "shared" if r.histogram_shared else "not shared", added, r.source))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+    return 0
+
+
+def _cmd_data_remove(args: argparse.Namespace) -> int:
+    from .silos import SiloError, SiloStore
+
+    store = SiloStore(_data_dir(args) / "silos")
+    record = store.remove(args.job)
+    if record is None:
+        raise SiloError(f"no silo for job {args.job} on this node (see gpuflex-node data list)", code="no_silo")
+    print(f"removed the silo of job {record.job_id} ({record.samples:,} samples, blob {record.sha256[:12]}…) "
+          "from this node: it no longer trains it and refuses assignments that name it")
+    print(f"local only: the hub was not told (it keeps the silo's blob id and count); your file {record.source} "
+          "is untouched")
+    return 0
+
+
 def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = None) -> int:
     """The CLI. ``agent_cls`` lets test tooling run ``run`` with a NodeAgent subclass."""
     parser = build_parser()
@@ -308,13 +505,16 @@ def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = N
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr,
     )
     handlers = {"run": _cmd_run, "bench": _cmd_bench, "status": _cmd_control,
-                "pause": _cmd_control, "resume": _cmd_control, "id": _cmd_id}
+                "pause": _cmd_control, "resume": _cmd_control, "id": _cmd_id, "data": _cmd_data}
     try:
         if args.command == "run":
             return _cmd_run(args, agent_cls)
         return handlers[args.command](args)
+    except HubKeyMismatch as exc:
+        print(f"gpuflex-node: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_KEY_MISMATCH
     except NodeError as exc:
-        print(f"gpuflex-node: error: {exc}", file=sys.stderr)
+        print(f"gpuflex-node: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -30,8 +30,19 @@ from gpuflex.protocol.messages import (
     Heartbeat,
     Hello,
     NoWork,
+    Sealed,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggPoll,
+    SecAggShares,
+    SecAggState,
+    SecAggUnmask,
+    SiloQuery,
+    SiloRegistration,
+    SiloSchema,
     StateRequest,
     StateUpload,
+    UnmaskShare,
     UpdateHeader,
     UploadOffset,
     Welcome,
@@ -254,6 +265,26 @@ class HubClient:
         msg = Abandon(assignment_id=assignment_id, reason=reason[:256], timestamp=self.now(), nonce=new_nonce())
         return self._signed_answer(await self._post("/v1/abandon", msg, limit_s=limit_s), Ack, "abandon")
 
+    async def silo_schema(self, job_id: str) -> SiloSchema:
+        """POST /v1/silos/schema: what a node-local job's silo must hold (its model's input and
+        outputs, the sample bounds, whether it asks for a label histogram, the blob this node
+        attached)."""
+        msg = SiloQuery(job_id=job_id, timestamp=self.now(), nonce=new_nonce())
+        schema = self._signed_answer(await self._post("/v1/silos/schema", msg), SiloSchema, "silo schema")
+        if schema.job_id != job_id:
+            raise HubError(f"silo schema: asked for job {job_id}, the hub answered for {schema.job_id}",
+                           code="bad_answer")
+        return schema
+
+    async def register_silo(self, job_id: str, sha256: str, size: int, samples: int,
+                            histogram: tuple[int, ...] = ()) -> Ack:
+        """POST /v1/silos: attach this node's silo to a node-local job. All that leaves the node
+        about its rows: the blob id, its size, the sample count and ``histogram`` (empty: not
+        shared)."""
+        msg = SiloRegistration(job_id=job_id, sha256=sha256, size=size, samples=samples, timestamp=self.now(),
+                               nonce=new_nonce(), label_histogram=tuple(histogram))
+        return self._signed_answer(await self._post("/v1/silos", msg), Ack, "silo registration")
+
     async def download_blob(
         self,
         sha256: str,
@@ -341,6 +372,30 @@ class HubClient:
         """Hand over one committed checkpoint state the hub's referee asked for."""
         return await self._post_sealed("/v1/states", "X-GPUFlex-State", seal(self.key, header), body,
                                        "state upload")
+
+    # -- secure aggregation (node/secagg_flow.py) -----------------------------------------------
+    async def secagg_keys(self, assignment_id: str, c_pk: bytes, s_pk: bytes) -> SecAggState:
+        msg = SecAggKeys(assignment_id=assignment_id, c_pk=c_pk, s_pk=s_pk, timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/secagg/keys", msg), SecAggState, "secure aggregation keys")
+
+    async def secagg_poll(self, assignment_id: str) -> SecAggState:
+        msg = SecAggPoll(assignment_id=assignment_id, timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/secagg/poll", msg, limit_s=15), SecAggState,
+                                   "secure aggregation poll")
+
+    async def secagg_shares(self, assignment_id: str, shares: tuple[Sealed, ...]) -> SecAggState:
+        msg = SecAggShares(assignment_id=assignment_id, shares=shares, timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/secagg/shares", msg), SecAggState,
+                                   "secure aggregation shares")
+
+    async def secagg_masked(self, header: SecAggMasked, body: bytes) -> SecAggState:
+        return await self._post_sealed("/v1/secagg/masked", "X-GPUFlex-Masked", seal(self.key, header), body,
+                                       "masked update", SecAggState)
+
+    async def secagg_unmask(self, assignment_id: str, shares: tuple[UnmaskShare, ...]) -> SecAggState:
+        msg = SecAggUnmask(assignment_id=assignment_id, shares=shares, timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/secagg/unmask", msg), SecAggState,
+                                   "secure aggregation unmask")
 
     async def _post_sealed(self, path: str, header_name: str, sealed: bytes, body: bytes | memoryview,
                            what: str, answer: type[M] = Ack,  # type: ignore[assignment]

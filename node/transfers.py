@@ -1,6 +1,7 @@
 """Moving bytes between the hub and the node: downloads checked by sha256, the update upload.
 
-* Downloads: the blobs an assignment names that the cache lacks, a few at a time, each
+* Downloads: the blobs an assignment names that the cache lacks (never a chunk that is one of
+  this node's silos: that one is on its disk, node/silos.py), a few at a time, each
   streamed into ``partial/`` and hashed as it arrives, resumed with Range after a dropped
   connection, and visible in the cache only once its sha256 matched (``BlobWriter``).
 * Upload: the update is encoded and hashed once, then offered until the hub answers:
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass
 
 from gpuflex.protocol.blobdelta import apply_delta
@@ -124,9 +125,13 @@ class Transfers:
             return
         self.totals.bytes_downloaded += len(data)
 
-    async def fetch_all(self, client: HubClient, a: Assignment) -> int:
-        """Download the model and the chunks the cache lacks; return the bytes fetched."""
-        wanted = [(a.model_hash, a.model_size, "model")] + [(c.sha256, c.size, "chunk") for c in a.chunks]
+    async def fetch_all(self, client: HubClient, a: Assignment, *, local: Container[str] = frozenset()) -> int:
+        """Download the model and the chunks the cache lacks; return the bytes fetched.
+
+        A chunk in ``local`` is one of this node's silos (node/silos.py): read from its disk
+        later, never downloaded (the hub does not have it)."""
+        wanted = [(a.model_hash, a.model_size, "model")] + [(c.sha256, c.size, "chunk") for c in a.chunks
+                                                             if c.sha256 not in local]
         missing = []
         for sha, size, kind in wanted:
             # A blob left by an earlier run is re-hashed once before use (the cache does not fsync).
@@ -146,8 +151,9 @@ class Transfers:
         if previous is not None and previous != a.model_hash:
             self.cache.discard(previous)  # a model blob serves one round: do not let them pile up
         self._last_model = a.model_hash
+        silo_chunks = len(a.chunks) + 1 - len(wanted)
         self.output.event("cache", assignment_id=a.assignment_id, hits=len(wanted) - len(missing),
-                          misses=len(missing))
+                          misses=len(missing), **({"silo_chunks": silo_chunks} if silo_chunks else {}))
         fetched = by_delta
         gate = asyncio.Semaphore(DOWNLOADS_IN_FLIGHT)
 

@@ -44,12 +44,31 @@ class SpecError(ProtocolError):
     """A model or job specification that is invalid; names ``section.key``."""
 
 
+class DatasetError(ProtocolError):
+    """A dataset file or its arrays break the rules (``protocol/dataset.py``): a format the
+    protocol does not read, or arrays that do not fit the model spec. ``code`` names the rule
+    for the adapters: ``bad_dataset`` (unreadable, wrong format, wrong name, no samples),
+    ``bad_shape``, ``non_finite``, ``bad_labels``, ``bad_tokens``."""
+
+    def __init__(self, message: str, *, code: str = "bad_dataset") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SecAggError(ProtocolError):
+    """A secure-aggregation step that is refused or cannot complete (``protocol/secagg.py``):
+    a bad roster, share ciphertext or unmask answer, a request that would reveal a client's
+    update, or too few shares to unmask the sum."""
+
+
 __all__ = [
+    "DatasetError",
     "DecodeError",
     "EncodeError",
     "KeyFileError",
     "ProtocolError",
     "ReplayError",
+    "SecAggError",
     "SignatureError",
     "SpecError",
     "TensorError",

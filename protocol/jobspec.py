@@ -1,8 +1,8 @@
 """Job specs: a TOML file validated into frozen dataclasses.
 
 Sections: ``[job]``, ``[model]`` (see :mod:`.modelspec`), ``[train]``,
-``[data]``, ``[aggregation]``, ``[verification]``. Unknown sections or keys and
-bad values raise SpecError naming ``section.key`` and what is allowed.
+``[data]``, ``[aggregation]``, ``[verification]``, ``[communication]``, ``[privacy]``.
+Unknown sections or keys and bad values raise SpecError naming ``section.key`` and what is allowed.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum")
 SERVER_OPTIMIZERS: Final = ("none", "fedavgm", "fedadam", "nesterov")  # append only: codes are stored
 UNVERIFIED: Final = ("accept", "hold")
 DOWNLOADS: Final = ("full", "topk")
+#: where a job's training data lives: uploaded to the hub, or in silos on the nodes
+DATA_SOURCES: Final = ("hub", "node-local")
+MAX_SILO_SAMPLES: Final = 50_000_000
+#: [data] keys that only a node-local job may set
+SILO_KEYS: Final = ("min_samples", "max_samples", "label_histogram", "quorum", "round_deadline_s")
+#: [privacy] dp: off, or central differential privacy (the hub clips and adds the noise)
+DP_MODES: Final = ("off", "central")
+#: [privacy] keys that only dp = "central" may set
+PRIVACY_KEYS: Final = ("clip_norm", "noise_multiplier", "delta")
+SECAGG_KEYS: Final = ("secagg_clip", "secagg_bits", "secagg_phase_s")
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,26 @@ class DataSpec:
     split: str = "stratified"
     validation_fraction: float = 0.0
     label_column: str = "label"
+    #: "hub": the owner uploads the training set and the hub cuts it into chunks; "node-local":
+    #: the data stays in silos on the nodes (``gpuflex-node data add``), the hub never gets a row,
+    #: and each round trains the silos that are online (README, "Data that stays on its node")
+    source: str = "hub"
+    #: node-local: the fewest samples a silo may hold, and the most its update is weighted by
+    #: (a larger silo is refused at ``data add``; the node may keep a subset with --max-samples)
+    min_samples: int = 1
+    max_samples: int = 1_000_000
+    #: node-local: the job asks nodes for their label histogram (an operator still opts in with
+    #: ``data add --share-histogram``; without it nothing but the count and hash leaves the node)
+    label_histogram: bool = False
+    #: node-local: updates a round needs before it may close (it waits, however long, for this
+    #: many silos to be attached and deliver) ...
+    quorum: int = 2
+    #: ... once every online silo has delivered, or this long after the round opened
+    round_deadline_s: float = 300.0
+
+    @property
+    def node_local(self) -> bool:
+        return self.source == "node-local"
 
 
 @dataclass(frozen=True)
@@ -201,6 +231,35 @@ class CommunicationSpec:
 
 
 @dataclass(frozen=True)
+class PrivacySpec:
+    """User-level differential privacy for a node-local job (hub/privacy.py says what it protects
+    and which checks it changes). ``dp = "central"``: each round the hub clips every included silo update to L2 norm
+    ``clip_norm`` (all its floating tensors together), averages them with equal weights and adds
+    Gaussian noise of standard deviation ``noise_multiplier * clip_norm / n`` (n updates) to every
+    coordinate of the mean before the server optimizer steps. The unit protected is one silo's
+    whole update in a round; ``delta`` is the δ the job's ε is reported at."""
+
+    dp: str = "off"
+    clip_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+    #: secure aggregation (protocol/secagg.py, hub/secagg_round.py): the hub learns only the sum of
+    #: a round's updates. Each node weights its update by its share of ``max_samples``, clips every
+    #: coordinate to +-``secagg_clip`` (at least 1: the weight travels as one more coordinate),
+    #: quantizes it to ``secagg_bits`` bits and masks it
+    secure_aggregation: bool = False
+    secagg_clip: float = 2.0
+    secagg_bits: int = 22
+    #: how long the hub waits for the members at each step of the protocol before it goes on
+    #: without those who did not answer
+    secagg_phase_s: float = 30.0
+
+    @property
+    def central(self) -> bool:
+        return self.dp == "central"
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     model: ModelSpec
@@ -210,6 +269,7 @@ class JobSpec:
     #: as the owner wrote it, except that both tolerances include communication.tolerance
     verification: VerificationSpec = field(default_factory=VerificationSpec)
     communication: CommunicationSpec = field(default_factory=CommunicationSpec)
+    privacy: PrivacySpec = field(default_factory=PrivacySpec)
 
 
 # ---------------------------------------------------------------------------
@@ -234,14 +294,15 @@ class _Section:
         return value
 
     def get_float(
-        self, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+        self, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
     ) -> float:
         value = self._value(key, default)
-        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(f"{self.name}.{key}: expected a number in {bounds}, got {_short(value)}")
         number = float(value)
-        ok = math.isfinite(number) and (lo < number if lo_open else lo <= number) and number <= hi
+        ok = (math.isfinite(number) and (lo < number if lo_open else lo <= number)
+              and (number < hi if hi_open else number <= hi))
         if not ok:
             raise SpecError(f"{self.name}.{key}: expected a number in {bounds}, got {number}")
         return number
@@ -308,12 +369,38 @@ def _train(s: _Section, task: str) -> TrainSpec:
 
 def _data(s: _Section) -> DataSpec:
     d = DataSpec()  # the defaults live in the dataclass only
-    return DataSpec(
+    spec = DataSpec(
         chunk_size=s.get_int("chunk_size", d.chunk_size, 1, 1_000_000),
         split=s.get_choice("split", d.split, SPLITS),
         validation_fraction=s.get_float("validation_fraction", d.validation_fraction, 0.0, 0.9),
         label_column=s.get_text("label_column", d.label_column, 64),
+        source=s.get_choice("source", d.source, DATA_SOURCES),
+        min_samples=s.get_int("min_samples", d.min_samples, 1, MAX_SILO_SAMPLES),
+        max_samples=s.get_int("max_samples", d.max_samples, 1, MAX_SILO_SAMPLES),
+        label_histogram=s.get_bool("label_histogram", d.label_histogram),
+        quorum=s.get_int("quorum", d.quorum, 1, 100_000),
+        round_deadline_s=s.get_float("round_deadline_s", d.round_deadline_s, 0.0, 7 * 86_400.0, lo_open=True),
     )
+    if spec.max_samples < spec.min_samples:
+        raise SpecError(f"data.max_samples: must be at least min_samples ({spec.min_samples}), got {spec.max_samples}")
+    if not spec.node_local:
+        for key in SILO_KEYS:
+            if key in s.table:
+                raise SpecError(f"data.{key}: only for source = \"node-local\"")
+    elif "validation_fraction" in s.table or "chunk_size" in s.table or "split" in s.table:
+        raise SpecError("data.source: a node-local job has no training set at the hub to chunk, split or hold out from")
+    return spec
+
+
+def _node_local_verification(s: _Section, spec: VerificationSpec) -> VerificationSpec:
+    """Node-local data: every silo is different, so nothing can be replicated, and the hub has no
+    rows to re-execute a segment on. Replication and spot checks are off (asking for them is an
+    error); the round's scores, the norm bound and the aggregation rule still apply."""
+    for key in ("replication", "spot_check", "spot_check_trusted"):
+        if key in s.table and s.table[key] not in (0, 0.0):
+            raise SpecError(f"verification.{key}: a node-local job cannot be replicated or re-executed "
+                            "(each silo's data exists on one node only); leave it out or set 0")
+    return dataclasses.replace(spec, replication=0.0, spot_check=0.0, spot_check_trusted=0.0)
 
 
 def _aggregation(s: _Section) -> AggregationSpec:
@@ -400,13 +487,85 @@ def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:
     return spec
 
 
+def _secure_aggregation(s: _Section, data: DataSpec, aggregation: AggregationSpec,
+                        communication: CommunicationSpec) -> PrivacySpec:
+    """[privacy] secure_aggregation and its keys: only over silos (quorum >= 3: with two, each
+    learns the other's update from the sum), FedAvg (the hub never sees an update to judge or
+    sort), fp32 updates without error feedback (the node quantizes them itself)."""
+    d = PrivacySpec()
+    on = s.get_bool("secure_aggregation", d.secure_aggregation)
+    if not on:
+        for key in SECAGG_KEYS:
+            if key in s.table:
+                raise SpecError(f"privacy.{key}: only with secure_aggregation = true")
+        s.used.update(SECAGG_KEYS)
+        return d
+    bits = s.get_int("secagg_bits", d.secagg_bits, 1, 31)
+    out = PrivacySpec(
+        secure_aggregation=True,
+        secagg_clip=s.get_float("secagg_clip", d.secagg_clip, 1.0, 1e6),
+        secagg_bits=bits,
+        secagg_phase_s=s.get_float("secagg_phase_s", d.secagg_phase_s, 0.0, 86_400.0, lo_open=True),
+    )
+    if not data.node_local:
+        raise SpecError("privacy.secure_aggregation: for [data] source = \"node-local\" jobs")
+    if data.quorum < 3:
+        raise SpecError("privacy.secure_aggregation: needs [data] quorum >= 3 (with two silos, each learns the "
+                        "other's update from the sum)")
+    if data.quorum * ((1 << bits) - 1) >= 1 << 32 or data.quorum > 4096:
+        raise SpecError(f"privacy.secagg_bits: {data.quorum} silos of {bits} bits could overflow the 32-bit sum; "
+                        "lower secagg_bits or the quorum")
+    if aggregation.method != "fedavg" or aggregation.clip_norm != 0.0:
+        raise SpecError("privacy.secure_aggregation: the hub sees only the sum, so [aggregation] must be "
+                        "method = \"fedavg\" without clip_norm")
+    if communication.update != "fp32" or communication.error_feedback:
+        raise SpecError("privacy.secure_aggregation: updates are quantized by the node; leave "
+                        "[communication] update = \"fp32\" without error_feedback")
+    return out
+
+
+def _privacy(s: _Section, data: DataSpec, aggregation: AggregationSpec,
+             communication: CommunicationSpec | None = None) -> PrivacySpec:
+    """[privacy]: its keys other than ``dp`` only with dp on; central DP only over silos (a hub
+    job's rows are at the hub: protecting them from the hub's own model is not what this does),
+    only with FedAvg (the noise is calibrated to a mean of clipped updates) and with no second
+    clip in [aggregation] (the privacy clip replaces it)."""
+    d = PrivacySpec()  # the defaults live in the dataclass only
+    secagg = _secure_aggregation(s, data, aggregation, communication or CommunicationSpec())
+    dp = s.get_choice("dp", d.dp, DP_MODES)
+    if dp == "off":
+        for key in PRIVACY_KEYS:
+            if key in s.table:
+                raise SpecError(f"privacy.{key}: only with dp = \"central\"")
+        s.used.update(PRIVACY_KEYS)  # an unknown key is still named as one (finish)
+        return secagg
+    if secagg.secure_aggregation:
+        raise SpecError("privacy.dp: central DP clips each update at the hub, which secure aggregation "
+                        "hides; not both in this release")
+    spec = PrivacySpec(
+        dp=dp,
+        clip_norm=s.get_float("clip_norm", d.clip_norm, 0.0, 1e12, lo_open=True),
+        noise_multiplier=s.get_float("noise_multiplier", d.noise_multiplier, 0.0, 1e6),
+        delta=s.get_float("delta", d.delta, 0.0, 1.0, lo_open=True, hi_open=True),
+    )
+    if not data.node_local:
+        raise SpecError("privacy.dp: central differential privacy is for [data] source = \"node-local\" jobs")
+    if aggregation.method != "fedavg":
+        raise SpecError(f"privacy.dp: central differential privacy averages with fedavg, not {aggregation.method}"
+                        " (set [aggregation] method = \"fedavg\")")
+    if aggregation.clip_norm != 0.0:
+        raise SpecError("aggregation.clip_norm: [privacy] clip_norm replaces it under dp = \"central\";"
+                        " leave it out or set 0")
+    return spec
+
+
 def _norm_bound(value: float) -> float:
     if 0.0 < value < 1.0:
         raise SpecError(f"verification.norm_bound: 0 (off) or at least 1, got {value:g}")
     return value
 
 
-SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification", "communication")
+SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification", "communication", "privacy")
 
 
 def parse_job_spec(text: str | bytes) -> JobSpec:
@@ -439,20 +598,23 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     model = ModelSpec.from_dict(_Section(doc["model"], "model").table, where="model")
     sections: dict[str, _Section] = {
         key: _Section(doc.get(key, {}), key)
-        for key in ("train", "data", "aggregation", "verification", "communication")
+        for key in ("train", "data", "aggregation", "verification", "communication", "privacy")
     }
     train = _train(sections["train"], model.task)
     data = _data(sections["data"])
     aggregation = _aggregation(sections["aggregation"])
     verification = _verification(sections["verification"])
+    if data.node_local:
+        verification = _node_local_verification(sections["verification"], verification)
     communication = _communication(sections["communication"], model)
+    privacy = _privacy(sections["privacy"], data, aggregation, communication)
     for section in sections.values():
         section.finish()
     if communication.tolerance:
         verification = dataclasses.replace(
             verification, tolerance=verification.tolerance + communication.tolerance,
             cross_class_tolerance=verification.cross_class_tolerance + communication.tolerance)
-    return JobSpec(name, model, train, data, aggregation, verification, communication)
+    return JobSpec(name, model, train, data, aggregation, verification, communication, privacy)
 
 
 def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
@@ -470,6 +632,7 @@ __all__ = [
     "CommunicationSpec",
     "DataSpec",
     "JobSpec",
+    "PrivacySpec",
     "TrainSpec",
     "VerificationSpec",
     "load_job_spec",

@@ -156,6 +156,21 @@ class Blob(Rule):
         return value
 
 
+class Bytes(Rule):
+    """Bytes of at most ``max_len`` (at least ``min_len``)."""
+
+    def __init__(self, max_len: int, min_len: int = 0) -> None:
+        self.max_len = max_len
+        self.min_len = min_len
+
+    def decode(self, value: object) -> bytes:
+        if not isinstance(value, bytes):
+            raise _Fail(f"expected bytes, got {_describe(value)}")
+        if not self.min_len <= len(value) <= self.max_len:
+            raise _Fail(f"expected {self.min_len}..{self.max_len} bytes, got {len(value)}")
+        return value
+
+
 class Seq(Rule):
     def __init__(self, item: Rule, max_len: int = MAX_LIST) -> None:
         self.item = item
@@ -375,6 +390,13 @@ class TrainConfig:
     update: Annotated[str, Text(choices=ENCODINGS)] = "fp32"
     topk_fraction: Annotated[float, Float(1e-9, 1.0)] = 0.01
     error_feedback: Annotated[bool, Bool()] = False
+    #: secure aggregation (protocol/secagg.py): the node sends its update masked, never in the
+    #: clear: weighted by samples / ``secagg_max_samples``, each coordinate clipped to
+    #: +-``secagg_clip`` and quantized to ``secagg_bits`` bits
+    secagg: Annotated[bool, Bool()] = False
+    secagg_clip: Annotated[float, Float(0.0, 1e6)] = 2.0
+    secagg_bits: Annotated[int, Int(1, 31)] = 22
+    secagg_max_samples: Annotated[int, Int(1, 1 << 40)] = 1
 
     @property
     def encoding(self) -> UpdateEncoding:
@@ -558,8 +580,169 @@ class UploadOffset:
     offset: Count
 
 
+@dataclass(frozen=True)
+class SiloQuery:
+    """Node -> hub, POST /v1/silos/schema: what a node-local job's silos must hold."""
+
+    KIND: ClassVar[str] = "silo_query"
+    job_id: IdStr
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class SiloSchema:
+    """Hub -> node: a node-local job's schema. The rows must fit ``model_spec``'s input (shape;
+    float32, or int64 token ids for an Embedding-first model) and its outputs (labels
+    0..outputs-1, or regression targets), and number ``min_samples``..``max_samples``.
+    ``label_histogram``: the job asks for the silo's label counts (the operator may decline);
+    ``attached``: the blob id of the silo this node has attached to the job ("" = none)."""
+
+    KIND: ClassVar[str] = "silo_schema"
+    job_id: IdStr
+    model_spec: Annotated[dict[str, Any], ModelSpecDict()]
+    min_samples: Count
+    max_samples: Count
+    label_column: Annotated[str, Text(64)]
+    label_histogram: Annotated[bool, Bool()]
+    attached: Annotated[str, Text(64, pattern=BLOB_ID_RE, allow_empty_pattern=True)]
+
+
+@dataclass(frozen=True)
+class SiloRegistration:
+    """Node -> hub, POST /v1/silos: a silo attached to a node-local job. All that leaves the
+    node about its data: the blob id (SHA-256) and size of the encoded silo, its sample count
+    and, only when the operator opted in and the job asks, its label histogram (counts per
+    label; empty = not shared). Answered with an Ack."""
+
+    KIND: ClassVar[str] = "silo"
+    job_id: IdStr
+    sha256: BlobIdStr
+    size: Count
+    samples: Count
+    timestamp: Timestamp
+    nonce: Nonce
+    label_histogram: Annotated[tuple[int, ...], Seq(Int(), MAX_LIST)] = ()
+
+
+# -- secure aggregation (protocol/secagg.py; hub/secagg_round.py runs the server's side) ------------
+#: the phases of a round's secure aggregation, as the hub reports them to a node
+SECAGG_PHASES: Final = ("keys", "shares", "masked", "unmask", "done", "aborted")
+CIPHERTEXT_MAX: Final = 1024
+
+
+@dataclass(frozen=True)
+class SecAggKeys:
+    """Node -> hub, POST /v1/secagg/keys: the node's two public keys for this round (X25519: one
+    to encrypt the shares others send it, one for its pairwise masks), after it trained."""
+
+    KIND: ClassVar[str] = "secagg_keys"
+    assignment_id: IdStr
+    c_pk: Annotated[bytes, Blob(32)]
+    s_pk: Annotated[bytes, Blob(32)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class SecAggPoll:
+    """Node -> hub, POST /v1/secagg/poll: where the round's secure aggregation stands (answered
+    with a SecAggState)."""
+
+    KIND: ClassVar[str] = "secagg_poll"
+    assignment_id: IdStr
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class RosterMember:
+    node_id: IdStr
+    c_pk: Annotated[bytes, Blob(32)]
+    s_pk: Annotated[bytes, Blob(32)]
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A ciphertext from or to one node (``node_id``: the receiver in SecAggShares, the sender in
+    a SecAggState's inbox); the hub cannot read it."""
+
+    node_id: IdStr
+    ciphertext: Annotated[bytes, Bytes(CIPHERTEXT_MAX, 1)]
+
+
+@dataclass(frozen=True)
+class UnmaskShare:
+    """One share a node hands over to unmask the sum: of node ``node_id``'s self-mask seed
+    (``kind`` "b", a node whose masked update came) or of its mask key (``kind`` "s", a node that
+    dropped out after sharing its keys); never both for one node."""
+
+    node_id: IdStr
+    kind: Annotated[str, Text(1, choices=("b", "s"))]
+    share: Annotated[bytes, Bytes(CIPHERTEXT_MAX, 1)]
+
+
+@dataclass(frozen=True)
+class SecAggState:
+    """Hub -> node: the round's secure aggregation as far as it concerns this node. ``roster`` and
+    ``threshold`` from phase "shares" on; ``survivors`` (who shared) and ``inbox`` (the shares sent
+    to this node) from "masked" on; ``alive`` (whose masked update came) and ``dropped`` in
+    "unmask"; ``detail`` says why a round was "aborted"."""
+
+    KIND: ClassVar[str] = "secagg_state"
+    assignment_id: IdStr
+    phase: Annotated[str, Text(16, choices=SECAGG_PHASES)]
+    roster: Annotated[tuple[RosterMember, ...], Seq(Nested(RosterMember), MAX_LIST)] = ()
+    threshold: Annotated[int, Int(0, MAX_LIST)] = 0
+    survivors: Annotated[tuple[str, ...], Seq(Text(64, pattern=ID_RE), MAX_LIST)] = ()
+    inbox: Annotated[tuple[Sealed, ...], Seq(Nested(Sealed), MAX_LIST)] = ()
+    alive: Annotated[tuple[str, ...], Seq(Text(64, pattern=ID_RE), MAX_LIST)] = ()
+    dropped: Annotated[tuple[str, ...], Seq(Text(64, pattern=ID_RE), MAX_LIST)] = ()
+    detail: ShortText = ""
+
+
+@dataclass(frozen=True)
+class SecAggShares:
+    """Node -> hub, POST /v1/secagg/shares: this node's encrypted shares, one per other member."""
+
+    KIND: ClassVar[str] = "secagg_shares"
+    assignment_id: IdStr
+    shares: Annotated[tuple[Sealed, ...], Seq(Nested(Sealed), MAX_LIST)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class SecAggMasked:
+    """Node -> hub, POST /v1/secagg/masked (header X-GPUFlex-Masked; the body is the masked vector,
+    uint32 little-endian, ``size`` bytes of SHA-256 ``sha256``): what the node trained, masked.
+    ``sample_count``, ``loss`` and ``train_s`` are the plain figures every update reports."""
+
+    KIND: ClassVar[str] = "secagg_masked"
+    assignment_id: IdStr
+    sha256: BlobIdStr
+    size: Count
+    sample_count: Count
+    loss: Annotated[float, Float(0.0, 1e12)]
+    train_s: Annotated[float, Float(0.0, 1e9)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class SecAggUnmask:
+    """Node -> hub, POST /v1/secagg/unmask: the shares the hub asked for (SecAggState "unmask")."""
+
+    KIND: ClassVar[str] = "secagg_unmask"
+    assignment_id: IdStr
+    shares: Annotated[tuple[UnmaskShare, ...], Seq(Nested(UnmaskShare), MAX_LIST)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
-           | StateRequest | StateUpload | UploadOffset)
+           | StateRequest | StateUpload | UploadOffset | SiloQuery | SiloSchema | SiloRegistration | SecAggKeys
+           | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -574,6 +757,15 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     StateRequest,
     StateUpload,
     UploadOffset,
+    SiloQuery,
+    SiloSchema,
+    SiloRegistration,
+    SecAggKeys,
+    SecAggPoll,
+    SecAggState,
+    SecAggShares,
+    SecAggMasked,
+    SecAggUnmask,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -773,6 +965,7 @@ __all__ = [
     "MESSAGE_KINDS",
     "MESSAGE_TYPES",
     "PRECISIONS",
+    "SECAGG_PHASES",
     "UNKNOWN_CLASS",
     "Abandon",
     "Ack",
@@ -787,9 +980,21 @@ __all__ = [
     "Hello",
     "Message",
     "NoWork",
+    "RosterMember",
+    "Sealed",
+    "SecAggKeys",
+    "SecAggMasked",
+    "SecAggPoll",
+    "SecAggShares",
+    "SecAggState",
+    "SecAggUnmask",
+    "SiloQuery",
+    "SiloRegistration",
+    "SiloSchema",
     "StateRequest",
     "StateUpload",
     "TrainConfig",
+    "UnmaskShare",
     "UpdateHeader",
     "UploadOffset",
     "Welcome",

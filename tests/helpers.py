@@ -375,6 +375,26 @@ class SimNode:
         resp = await self.post("/v1/work", seal(self.key, req))
         return await self.open_response(resp, Assignment, NoWork)
 
+    async def silo_schema(self, job_id: str) -> Any:
+        """POST /v1/silos/schema: the job's silo schema (a SiloSchema)."""
+        from gpuflex.protocol.messages import SiloQuery, SiloSchema
+
+        resp = await self.post("/v1/silos/schema", seal(self.key, SiloQuery(job_id=job_id, timestamp=time.time(),
+                                                                          nonce=new_nonce())))
+        return await self.open_response(resp, SiloSchema)
+
+    async def attach_silo(self, job_id: str, blob: bytes, samples: int, histogram: tuple[int, ...] = (),
+                          **over: Any) -> aiohttp.ClientResponse:
+        """POST /v1/silos for an encoded silo ``blob`` (kept here, as a node keeps it on its disk:
+        ``blob`` then never downloads it); the raw response (``over`` changes the message's fields)."""
+        from gpuflex.protocol.messages import SiloRegistration
+
+        sha = hashlib.sha256(blob).hexdigest()
+        self.cache[sha] = blob
+        msg = SiloRegistration(job_id=job_id, sha256=sha, size=len(blob), samples=samples, timestamp=time.time(),
+                               nonce=new_nonce(), label_histogram=histogram)
+        return await self.post("/v1/silos", seal(self.key, dataclasses.replace(msg, **over)))
+
     def blob_auth(self, sha: str) -> dict[str, str]:
         return {
             "X-GPUFlex-Auth": b64(

@@ -27,6 +27,13 @@ from gpuflex.protocol.messages import (
     Assignment,
     BlobRequest,
     Heartbeat,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggPoll,
+    SecAggShares,
+    SecAggUnmask,
+    SiloQuery,
+    SiloRegistration,
     StateUpload,
     WorkRequest,
 )
@@ -83,6 +90,18 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
     # the open request that only its node may answer: 403 not_your_request for any other)
     ("POST", "/v1/states"): _node(unsigned=(401, "missing_auth"), node=(404, "unknown_request"),
                                   other_node=(404, "unknown_request")),
+    # the world's jobs train on data uploaded to the hub: a silo for them is refused, to any node
+    # (tests/test_silos.py has the node-local job)
+    ("POST", "/v1/silos/schema"): _node(unsigned=(400, "bad_message"), node=(409, "not_node_local"),
+                                        other_node=(409, "not_node_local")),
+    ("POST", "/v1/silos"): _node(unsigned=(400, "bad_message"), node=(409, "not_node_local"),
+                                 other_node=(409, "not_node_local")),
+    # ... and has no secure aggregation (tests/test_secagg.py runs one): the node's own live assignment
+    # is refused with no_secagg, another node's is not its to name
+    **{("POST", f"/v1/secagg/{step}"): _node(unsigned=(401, "missing_auth") if step == "masked" else
+                                            (400, "bad_message"), node=(409, "no_secagg"),
+                                            other_node=(403, "not_your_assignment"))
+       for step in ("keys", "poll", "shares", "masked", "unmask")},
     ("POST", "/v1/jobs"): _bearer(owner=(201, None), other=(201, None), auditor=WRONG_ROLE, admin=(201, None)),
     ("GET", "/v1/jobs"): _bearer(owner=(200, "sees"), other=(200, "blind"), auditor=WRONG_ROLE,
                                  admin=(200, "sees")),
@@ -230,6 +249,13 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
                 nonce=new_nonce())))
         headers["Content-Type"] = "application/octet-stream"
         return {"method": method, "path": path, "headers": headers, "data": b"\0" * 4}
+    if path == "/v1/secagg/masked":
+        if signer is not None:
+            headers["X-GPUFlex-Masked"] = _b64(seal(signer.key, SecAggMasked(
+                assignment_id=a.assignment_id, sha256="0" * 64, size=8, sample_count=1, loss=0.1, train_s=0.1,
+                timestamp=now, nonce=new_nonce())))
+        headers["Content-Type"] = "application/octet-stream"
+        return {"method": method, "path": path, "headers": headers, "data": b"\0" * 8}
     if path == "/v1/updates/offset":
         if signer is not None:
             blob = b"\0" * 4
@@ -249,6 +275,22 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
             body = seal(signer.key, signer.hello())
         elif path == "/v1/work":
             body = seal(signer.key, WorkRequest(timestamp=now, nonce=new_nonce(), wait_s=0.0, cached_chunks=()))
+        elif path == "/v1/secagg/keys":
+            body = seal(signer.key, SecAggKeys(assignment_id=a.assignment_id, c_pk=b"\x01" * 32, s_pk=b"\x02" * 32,
+                                               timestamp=now, nonce=new_nonce()))
+        elif path == "/v1/secagg/poll":
+            body = seal(signer.key, SecAggPoll(assignment_id=a.assignment_id, timestamp=now, nonce=new_nonce()))
+        elif path == "/v1/secagg/shares":
+            body = seal(signer.key, SecAggShares(assignment_id=a.assignment_id, shares=(), timestamp=now,
+                                                 nonce=new_nonce()))
+        elif path == "/v1/secagg/unmask":
+            body = seal(signer.key, SecAggUnmask(assignment_id=a.assignment_id, shares=(), timestamp=now,
+                                                 nonce=new_nonce()))
+        elif path == "/v1/silos/schema":
+            body = seal(signer.key, SiloQuery(job_id=w.job, timestamp=now, nonce=new_nonce()))
+        elif path == "/v1/silos":
+            body = seal(signer.key, SiloRegistration(job_id=w.job, sha256="0" * 64, size=48, samples=1,
+                                                     timestamp=now, nonce=new_nonce()))
         elif path == "/v1/heartbeat":
             body = seal(signer.key, Heartbeat(assignment_id=a.assignment_id, progress=0.5, timestamp=now,
                                               nonce=new_nonce()))
@@ -315,7 +357,7 @@ async def test_route_by_role(world: World, route: tuple[str, str], role: str) ->
     status, detail = TABLE[route][role]
     builder = _node_request if any(route[1].startswith(p) for p in (
         "/v1/nodes/register", "/v1/work", "/v1/heartbeat", "/v1/abandon", "/v1/blobs", "/v1/updates",
-        "/v1/states")) \
+        "/v1/states", "/v1/silos", "/v1/secagg")) \
         else _bearer_request
     kw = await builder(world, route, role)
     path = kw.pop("path")

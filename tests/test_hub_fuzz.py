@@ -23,13 +23,15 @@ from gpuflex.protocol.messages import (
     DeviceInfo,
     Heartbeat,
     Hello,
+    SiloQuery,
+    SiloRegistration,
     StateUpload,
     UpdateHeader,
     WorkRequest,
 )
 from gpuflex.protocol.signing import SigningKey, new_nonce, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import start_hub
@@ -93,6 +95,11 @@ def _message(kind: str):
         return "/v1/abandon", Abandon(assignment_id="a-1", reason="x", timestamp=now, nonce=new_nonce())
     if kind == "blob":
         return "/v1/blobs/" + "a" * 64, BlobRequest(sha256="a" * 64, timestamp=now, nonce=new_nonce())
+    if kind == "silo_schema":
+        return "/v1/silos/schema", SiloQuery(job_id="j-1", timestamp=now, nonce=new_nonce())
+    if kind == "silo":
+        return "/v1/silos", SiloRegistration(job_id="j-1", sha256="e" * 64, size=4096, samples=10, timestamp=now,
+                                             nonce=new_nonce(), label_histogram=(5, 5))
     if kind == "state":
         return "/v1/states", StateUpload(request_id="sr-1", step=3, state_sha256="c" * 64, state_size=4,
                                          timestamp=now, nonce=new_nonce())
@@ -129,7 +136,7 @@ def _mutate(data: bytes, m) -> bytes:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
-                             "update_offset", "state"]), m=mutation)
+                             "update_offset", "state", "silo_schema", "silo"]), m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread
     path, msg = _message(kind)
@@ -199,3 +206,74 @@ def test_arbitrary_multipart_part_headers_get_clean_4xx(hub_thread, header, valu
     if r.getheader("Content-Type", "").startswith("application/json"):
         doc = json.loads(raw)
         assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
+
+
+SILO_SPEC = b"""[job]
+name = "fuzz-silos"
+[model]
+kind = "mlp"
+input = 4
+hidden = [4]
+outputs = 3
+[data]
+source = "node-local"
+min_samples = 5
+max_samples = 100
+label_histogram = true
+"""
+
+
+@pytest.fixture(scope="module")
+def silo_job(hub_thread):
+    hub, _ = hub_thread
+    boundary = "fuzzsilo"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"spec\"; filename=\"s.toml\"\r\n"
+            "Content-Type: application/toml\r\n\r\n").encode() + SILO_SPEC + f"\r\n--{boundary}--\r\n".encode()
+    conn = _conn(hub.url)
+    conn.request("POST", "/v1/jobs", body=body, headers={
+        "Content-Type": f"multipart/form-data; boundary={boundary}", "Authorization": f"Bearer {hub.owner_token}"})
+    r = conn.getresponse()
+    doc = json.loads(r.read())
+    assert r.status == 201, doc
+    return doc["id"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(samples=st.one_of(st.integers(0, 120), st.integers(0, 1 << 40)), data=st.data(),
+       sha=st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_signed_silo_registrations_with_any_fields_are_refused_cleanly_or_attached(hub_thread, silo_job, samples,
+                                                                                   data, sha):
+    """A correctly signed SiloRegistration for a node-local job, with any values: a clean 4xx that
+    attaches nothing, or a 200 for a silo the schema allows (5..100 samples of 4 floats and a label,
+    3 label counts that sum to them when sent)."""
+    from gpuflex.hub.appkeys import LEDGER
+    from gpuflex.hub.jobs import silo_size_bounds
+
+    hub, _ = hub_thread
+    row = 4 * 4 + 8  # 4 float32 features and an int64 label
+    size = data.draw(st.one_of(st.integers(0, 1 << 40), st.integers(samples * row - 2, samples * row + 300)))
+    a, b = sorted(data.draw(st.lists(st.integers(0, samples), min_size=2, max_size=2)))
+    counts = [a, b - a, samples - b]  # three label counts that sum to the sample count
+    histogram = data.draw(st.one_of(st.just([]), st.lists(st.integers(0, 1 << 40), max_size=6), st.just(counts)))
+    key = SigningKey.generate()  # a fresh node each time: no earlier silo to replace
+    conn = _conn(hub.url)
+    try:
+        assert _post(conn, "/v1/nodes/register", seal(key, _hello()))[0] == 200
+        msg = SiloRegistration(job_id=silo_job, sha256=sha, size=size, samples=samples, timestamp=time.time(),
+                               nonce=new_nonce(), label_histogram=tuple(histogram))
+        status, body = _post(conn, "/v1/silos", seal(key, msg))
+    finally:
+        conn.close()
+    job = hub.app[LEDGER].scheduler.jobs[silo_job]
+    lo, hi = silo_size_bounds(job.spec.model, samples)
+    allowed = (5 <= samples <= 100 and lo <= size <= hi
+               and (not histogram or (len(histogram) == 3 and sum(histogram) == samples)))
+    event(f"status {status}")
+    if status == 200:
+        assert allowed and job.silo_of.get(key.fingerprint) is not None
+        return
+    assert 400 <= status < 500, (status, body[:200])
+    doc = json.loads(body)
+    assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
+    assert key.fingerprint not in job.silo_of
+    assert not allowed or doc["error"] == "silo_taken"  # the same blob id drawn twice

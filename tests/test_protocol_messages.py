@@ -35,11 +35,24 @@ from gpuflex.protocol import (
 from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
     PRECISIONS,
+    SECAGG_PHASES,
     UNKNOWN_CLASS,
     Commitment,
     ComputeClass,
+    RosterMember,
+    Sealed,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggPoll,
+    SecAggShares,
+    SecAggState,
+    SecAggUnmask,
+    SiloQuery,
+    SiloRegistration,
+    SiloSchema,
     StateRequest,
     StateUpload,
+    UnmaskShare,
     UploadOffset,
     peek_kind,
 )
@@ -117,6 +130,10 @@ model_specs = st.builds(
     st.sampled_from(["relu", "gelu", "tanh", "sigmoid"]),
     st.sampled_from([0.0, 0.1, 0.5]),
 )
+
+keys32 = st.binary(min_size=32, max_size=32)
+sealeds = st.lists(st.builds(Sealed, node_id=ids, ciphertext=st.binary(min_size=1, max_size=1024)),
+                   max_size=5).map(tuple)
 
 MESSAGES = {
     Hello: st.builds(
@@ -199,6 +216,28 @@ MESSAGES = {
         StateUpload, request_id=ids, step=st.integers(0, 1 << 40), state_sha256=blob_ids, state_size=counts,
         timestamp=timestamps, nonce=nonces),
     UploadOffset: st.builds(UploadOffset, assignment_id=ids, update_sha256=blob_ids, offset=counts),
+    SiloQuery: st.builds(SiloQuery, job_id=ids, timestamp=timestamps, nonce=nonces),
+    SiloSchema: st.builds(SiloSchema, job_id=ids, model_spec=model_specs,
+                          min_samples=counts, max_samples=counts, label_column=st.text(max_size=64),
+                          label_histogram=st.booleans(), attached=st.just("") | blob_ids),
+    SiloRegistration: st.builds(SiloRegistration, job_id=ids, sha256=blob_ids, size=counts, samples=counts,
+                                timestamp=timestamps, nonce=nonces,
+                                label_histogram=st.lists(counts, max_size=20).map(tuple)),
+    SecAggKeys: st.builds(SecAggKeys, assignment_id=ids, c_pk=keys32, s_pk=keys32, timestamp=timestamps,
+                          nonce=nonces),
+    SecAggPoll: st.builds(SecAggPoll, assignment_id=ids, timestamp=timestamps, nonce=nonces),
+    SecAggState: st.builds(
+        SecAggState, assignment_id=ids, phase=st.sampled_from(SECAGG_PHASES),
+        roster=st.lists(st.builds(RosterMember, node_id=ids, c_pk=keys32, s_pk=keys32), max_size=5).map(tuple),
+        threshold=st.integers(0, 4096), survivors=st.lists(ids, max_size=5).map(tuple), inbox=sealeds,
+        alive=st.lists(ids, max_size=5).map(tuple), dropped=st.lists(ids, max_size=5).map(tuple), detail=texts),
+    SecAggShares: st.builds(SecAggShares, assignment_id=ids, shares=sealeds, timestamp=timestamps, nonce=nonces),
+    SecAggMasked: st.builds(SecAggMasked, assignment_id=ids, sha256=blob_ids, size=counts, sample_count=counts,
+                            loss=st.floats(0.0, 1e12), train_s=st.floats(0.0, 1e9), timestamp=timestamps,
+                            nonce=nonces),
+    SecAggUnmask: st.builds(SecAggUnmask, assignment_id=ids, shares=st.lists(st.builds(
+        UnmaskShare, node_id=ids, kind=st.sampled_from(["b", "s"]), share=st.binary(min_size=1, max_size=1024)),
+        max_size=5).map(tuple), timestamp=timestamps, nonce=nonces),
 }
 
 

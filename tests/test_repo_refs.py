@@ -19,7 +19,9 @@ def _sources() -> list[Path]:
     out = []
     for folder in FOLDERS:
         for path in sorted((REPO / folder).rglob("*")):
-            if path.suffix in (".py", ".sh", ".ps1", ".html", ".md", ".toml") and "artifacts" not in path.parts:
+            # (".peers": the peers' own venvs, which bench/vs_flower.py builds there, git-ignored)
+            if path.suffix in (".py", ".sh", ".ps1", ".html", ".md", ".toml") and "artifacts" not in path.parts \
+                    and ".peers" not in path.parts:
                 out.append(path)
     return out
 

@@ -381,8 +381,15 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
     assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
 
 
+def _undo_silo_columns(conn: sqlite3.Connection) -> None:
+    """Undo schema 6 (a node-local job's silo columns on chunks)."""
+    for column in ("owner_node", "histogram", "registered_at"):
+        conn.execute(f"ALTER TABLE chunks DROP COLUMN {column}")
+
+
 def _undo_referee_schema(conn: sqlite3.Connection) -> None:
-    """Undo schema 5 (the referee's commitment column and state_requests table)."""
+    """Undo schema 5 (the referee's commitment column and state_requests table), and 6 after it."""
+    _undo_silo_columns(conn)
     conn.execute("DROP INDEX state_requests_open")
     conn.execute("DROP TABLE state_requests")
     conn.execute("ALTER TABLE updates DROP COLUMN commitment")
@@ -407,6 +414,45 @@ def test_a_version_4_database_gains_the_referees_tables_keeping_its_data(tmp_pat
     finally:
         db.close()
     assert row["id"] == "u-old" and row["commitment"] is None and n == 0
+
+
+def test_a_version_5_database_gains_the_silo_columns_keeping_its_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    _undo_silo_columns(conn)
+    conn.executescript("INSERT INTO chunks (job_id, idx, sha, samples, size) VALUES ('j', 0, 'ab', 64, 100);"
+                       "PRAGMA user_version = 5;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM chunks").fetchone()))
+    finally:
+        db.close()
+    assert (row["sha"], row["samples"], row["owner_node"], row["histogram"]) == ("ab", 64, None, None)
+
+
+async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened) -> None:
+    from gpuflex.hub.jobs import ChunkInfo
+
+    kind, where, store = opened
+    spec = (where / "silo.toml")
+    spec.write_text('[job]\nname = "s"\n[model]\nkind = "mlp"\ninput = 4\nhidden = [4]\noutputs = 2\n'
+                    '[data]\nsource = "node-local"\nlabel_histogram = true\n')
+    job = await asyncio.to_thread(ingest_job, store, BlobStore(where / "blobs"), owner="alice",
+                                  spec_text=spec.read_bytes(), train_path=None, val_path=None)
+    assert job.chunks == []
+    await store.save_silo(job.id, ChunkInfo(0, "aa" * 32, 10, 400, "gf1-a"), histogram=(4, 6), now=1.0)
+    await store.save_silo(job.id, ChunkInfo(1, "bb" * 32, 20, 700, "gf1-b"), histogram=None, now=2.0)
+    await store.save_silo(job.id, ChunkInfo(0, "cc" * 32, 12, 480, "gf1-a"), histogram=None, now=3.0)
+    store = await _reopen(kind, where, store)
+    try:
+        (again,) = (await store.load()).jobs
+    finally:
+        store.close()
+    assert again.chunks == [ChunkInfo(0, "cc" * 32, 12, 480, "gf1-a"), ChunkInfo(1, "bb" * 32, 20, 700, "gf1-b")]
+    assert again.silo_of == {"gf1-a": 0, "gf1-b": 1} and again.free == {0, 1} and again.free_total == 32
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:

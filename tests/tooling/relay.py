@@ -4,7 +4,8 @@ Stands for a home line that drops: every connection is forwarded byte for byte t
 until the first request line that starts with ``cut_on`` (an update upload by default) has
 been followed by ``cut_after`` more bytes from the node's side: then that connection is closed
 in both directions at exactly that byte. It counts what crossed each way, so a test can tell a
-resumed upload (the rest only) from one sent again from byte 0.
+resumed upload (the rest only) from one sent again from byte 0, and can keep every byte the node
+sent (``captured``), so a test can search them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class CuttingRelay:
     #: whatever follows it on its connection)
     sent_watched: int = 0
     cut: bool = False
+    #: when given, every byte the node sends (all connections, in arrival order) is appended here
+    captured: bytearray | None = None
     _server: asyncio.base_events.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -73,6 +76,8 @@ class CuttingRelay:
             tail = b""
             try:
                 while data := await reader.read(1 << 16):
+                    if self.captured is not None:
+                        self.captured += data
                     if start is None:
                         at = (tail + data).find(self.cut_on)
                         if at >= 0:

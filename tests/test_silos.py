@@ -1,0 +1,296 @@
+"""Node-local data (issue 18): a job whose rows stay in silos on the nodes.
+
+A real hub on 127.0.0.1 with its SQLite file, nodes that sign every request (tests/helpers.py
+SimNode) and train with the node's own trainer; the silos are scikit-learn's digits, split over
+the nodes with a Dirichlet(0.5) label split (tests/tooling/partition.py) as flwr-datasets does.
+The node process end to end (``gpuflex-node data add``, the bytes a node sends) is
+tests/test_node_silos_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from gpuflex.hub.appkeys import LEDGER
+from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.messages import Ack, Assignment, NoWork
+from gpuflex.protocol.tensors import encode_state
+from sklearn.datasets import load_digits
+
+from tests.helpers import SimNode, start_hub
+from tests.tooling.partition import dirichlet_split
+
+SPEC = """
+[job]
+name = "silos"
+[model]
+kind = "mlp"
+input = 64
+hidden = [32]
+outputs = 10
+[train]
+rounds = {rounds}
+local_epochs = 2
+batch_size = 32
+lr = 0.1
+seed = 3
+[data]
+source = "node-local"
+min_samples = 20
+max_samples = 1000
+label_histogram = true
+quorum = {quorum}
+round_deadline_s = {deadline}
+"""
+
+
+def spec(rounds: int = 3, quorum: int = 2, deadline: float = 60.0) -> str:
+    return SPEC.format(rounds=rounds, quorum=quorum, deadline=deadline)
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+
+
+def silo_blob(x: np.ndarray, y: np.ndarray) -> bytes:
+    """A silo encoded as the node encodes it: the chunk format (encode_state of x and y)."""
+    return encode_state({"x": torch.from_numpy(np.ascontiguousarray(x)), "y": torch.from_numpy(np.ascontiguousarray(y))})
+
+
+def npz(x: np.ndarray, y: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, x=x, y=y)
+    return buf.getvalue()
+
+
+async def submit(session: aiohttp.ClientSession, hub: Any, text: str, *, train: bytes | None = None,
+                 val: bytes | None = None) -> aiohttp.ClientResponse:
+    form = aiohttp.FormData()
+    form.add_field("spec", text.encode(), filename="spec.toml")
+    if train is not None:
+        form.add_field("train", train, filename="train.npz")
+    if val is not None:
+        form.add_field("val", val, filename="val.npz")
+    return await session.post(f"{hub.url}/v1/jobs", data=form, headers={"Authorization": f"Bearer {hub.owner_token}"})
+
+
+async def status(session: aiohttp.ClientSession, hub: Any, job_id: str) -> dict[str, Any]:
+    async with session.get(f"{hub.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {hub.owner_token}"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()  # type: ignore[no-any-return]
+
+
+async def error_of(resp: aiohttp.ClientResponse) -> tuple[int, str, str]:
+    doc = await resp.json()
+    return resp.status, doc["error"], doc["detail"]
+
+
+# -- the spec ------------------------------------------------------------------------------------
+
+
+def test_a_node_local_spec_turns_replication_and_the_referee_off():
+    s = parse_job_spec(spec())
+    assert s.data.node_local and s.data.max_samples == 1000 and s.data.quorum == 2
+    assert s.verification.replication == 0.0 and not s.verification.asks_referee()
+    assert not s.verification.audits_trend()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("[verification]\nreplication = \"adaptive\"\n", "verification.replication: a node-local job cannot be replicated"),
+    ("[verification]\nspot_check = 0.5\n", "verification.spot_check: a node-local job cannot"),
+])
+def test_a_node_local_spec_refuses_what_silos_cannot_give(extra, message):
+    with pytest.raises(SpecError, match=message):
+        parse_job_spec(spec() + extra)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ('source = "node-local"\nchunk_size = 10\n', "no training set at the hub"),
+    ('source = "node-local"\nmin_samples = 10\nmax_samples = 5\n', "data.max_samples: must be at least min_samples"),
+    ("quorum = 3\n", 'data.quorum: only for source = "node-local"'),
+    ('source = "elsewhere"\n', "data.source"),
+])
+def test_data_section_mistakes_are_one_line_errors(data, message):
+    text = '[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 4\nhidden = [4]\noutputs = 2\n[data]\n' + data
+    with pytest.raises(SpecError, match=message) as info:
+        parse_job_spec(text)
+    assert "\n" not in str(info.value)
+
+
+# -- submitting and attaching ---------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_submission_without_rows_and_silo_refusals(tmp_path):
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3)
+    x, y = digits()
+    try:
+        async with aiohttp.ClientSession() as session:
+            r = await submit(session, hub, spec(), train=npz(x, y))  # rows for a node-local job: refused
+            assert (await error_of(r))[:2] == (422, "bad_form")
+            r = await submit(session, hub, spec().replace('source = "node-local"\n', "")
+                             .split("min_samples")[0])  # a hub job without rows: refused
+            assert r.status == 400 and "train" in (await r.json())["detail"]
+            r = await submit(session, hub, spec(), val=npz(x[:200], y[:200]))
+            assert r.status == 201, await r.text()
+            job = (await r.json())["id"]
+            assert (await r.json())["chunks"] == 0
+            doc = await status(session, hub, job)
+            assert doc["data_source"] == "node-local" and doc["silos"] == [] and doc["train_samples"] == 0
+
+            a, b = SimNode(session, hub.url), SimNode(session, hub.url)
+            await a.register()
+            await b.register()
+            schema = await a.silo_schema(job)
+            assert (schema.min_samples, schema.max_samples, schema.label_histogram, schema.attached) == (20, 1000, True, "")
+            assert schema.model_spec["input"] == 64
+            ok = silo_blob(x[:100], y[:100])
+            hist = tuple(int(c) for c in np.bincount(y[:100], minlength=10))
+            cases = [
+                ({"samples": 10}, silo_blob(x[:10], y[:10]), "holds 20..1000 samples"),
+                ({"samples": 1500}, silo_blob(x[:1500], y[:1500]), "holds 20..1000 samples"),
+                ({"size": 7}, ok, "encodes to"),
+                ({"label_histogram": (100,) + (0,) * 8}, ok, "label histogram has 10 counts"),
+                ({"label_histogram": (1,) * 10}, ok, "sum to the sample count"),
+            ]
+            for over, blob, message in cases:
+                samples = over.pop("samples", 100)
+                got = await error_of(await a.attach_silo(job, blob, samples, **over))
+                assert got[:2] == (422, "bad_silo") and message in got[2], got
+            assert await status(session, hub, job) == doc | {"updated_at": doc["updated_at"]}  # nothing changed
+            assert await error_of(await a.attach_silo("j-nope", ok, 100)) == (404, "unknown_job", "no running job j-nope")
+
+            r = await a.attach_silo(job, ok, 100, histogram=hist)
+            assert (await a.open_response(r, Ack)).detail == "attached"
+            r = await a.attach_silo(job, ok, 100, histogram=hist)
+            assert (await a.open_response(r, Ack)).detail == "attached already"
+            got = await error_of(await b.attach_silo(job, ok, 100))
+            assert got[:2] == (409, "silo_taken")
+            assert (await a.silo_schema(job)).attached == hashlib.sha256(ok).hexdigest()
+            doc = await status(session, hub, job)
+            assert [(s["node_id"], s["samples"], s["label_histogram"]) for s in doc["silos"]] == [
+                (a.node_id, 100, list(hist))]
+    finally:
+        await hub.stop()
+    # the silo survives a restart: it is in the SQLite file, and the job trains it again
+    hub = await start_hub(tmp_path, tokens={"owner": hub.owner_token, "auditor": hub.auditor_token,
+                                            "admin": hub.admin_token}, long_poll_max_s=0.3)
+    try:
+        live = hub.app[LEDGER].scheduler.jobs[job]
+        assert [(c.owner, c.samples) for c in live.chunks] == [(a.node_id, 100)]
+        assert live.silo_of == {a.node_id: 0} and live.free == {0}
+    finally:
+        await hub.stop()
+
+
+# -- rounds over silos ------------------------------------------------------------------------------
+
+
+async def _train_and_upload(node: SimNode, a: Assignment) -> None:
+    blob, samples, loss = await node.train(a)
+    hdr = node.update_header(a, blob, samples, loss)
+    from gpuflex.protocol.signing import seal
+
+    from tests.helpers import b64
+
+    async with node.session.post(f"{node.url}/v1/updates", data=blob, headers={
+            "Content-Type": "application/octet-stream", "X-GPUFlex-Update": b64(seal(node.key, hdr))}) as r:
+        assert r.status == 200, await r.text()
+
+
+async def _serve(node: SimNode, job: str, *, served: list[tuple[int, str, str]],
+                 stop: asyncio.Event) -> None:
+    """A node that works until ``stop``: each assignment it gets, trained on its own silo."""
+    while not stop.is_set():
+        got = await node.work(0.3)
+        if isinstance(got, NoWork):
+            continue
+        assert isinstance(got, Assignment) and got.job_id == job
+        served.append((got.round, node.node_id, got.chunks[0].sha256))
+        await _train_and_upload(node, got)
+
+
+@pytest.mark.asyncio
+async def test_rounds_train_each_silo_on_its_own_node_weighted_by_count(tmp_path):
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3)
+    x, y = digits()
+    val = np.arange(0, len(y), 6)  # the owner's own held-out rows
+    rest = np.setdiff1d(np.arange(len(y)), val)
+    parts = [rest[p] for p in dirichlet_split(y[rest], 3, 0.5, seed=1, min_size=60)]
+    try:
+        async with aiohttp.ClientSession() as session:
+            r = await submit(session, hub, spec(rounds=4, quorum=3), val=npz(x[val], y[val]))
+            job = (await r.json())["id"]
+            nodes = [SimNode(session, hub.url) for _ in parts]
+            silos = {}
+            for node, idx in zip(nodes, parts, strict=True):
+                await node.register()
+                blob = silo_blob(x[idx], y[idx])
+                assert (await node.attach_silo(job, blob, len(idx))).status == 200
+                silos[node.node_id] = (hashlib.sha256(blob).hexdigest(), len(idx))
+            served: list[tuple[int, str, str]] = []
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes]
+            give_up = time.monotonic() + 120
+            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        await hub.stop()
+    assert doc["state"] == "done", doc.get("error")
+    # every node trained only its own silo, once a round, and nobody downloaded another's
+    assert all(sha == silos[nid][0] for _, nid, sha in served)
+    assert sorted((r, n) for r, n, _ in served) == sorted((r, n.node_id) for r in range(4) for n in nodes)
+    for h in doc["history"]:
+        assert sorted((u["node_id"], u["samples"]) for u in h["updates"]) == sorted(
+            (nid, n) for nid, (_, n) in silos.items())
+        assert h["replication_overhead"] == 0.0
+    accuracy = [h["accuracy"] for h in doc["history"]]
+    # a real model, trained where the data is (non-IID silos: ~0.8 after 4 rounds, 0.1 is chance)
+    assert accuracy[-1] > 0.65 and accuracy[-1] > accuracy[0] + 0.2, accuracy
+
+
+@pytest.mark.asyncio
+async def test_a_round_closes_on_its_quorum_at_its_deadline_and_at_once_without_an_offline_silo(tmp_path):
+    # online window 4 s, round deadline 2 s; the third node attaches its silo, then never asks
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3, online_window_s=4.0)
+    x, y = digits()
+    try:
+        async with aiohttp.ClientSession() as session:
+            r = await submit(session, hub, spec(rounds=4, quorum=2, deadline=2.0))
+            job = (await r.json())["id"]
+            nodes = [SimNode(session, hub.url) for _ in range(3)]
+            for i, node in enumerate(nodes):
+                await node.register()
+                lo = 100 * i
+                assert (await node.attach_silo(job, silo_blob(x[lo:lo + 100], y[lo:lo + 100]), 100)).status == 200
+            served: list[tuple[int, str, str]] = []
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes[:2]]
+            give_up = time.monotonic() + 60
+            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        await hub.stop()
+    assert doc["state"] == "done", doc.get("error")
+    assert all(len(h["updates"]) == 2 for h in doc["history"])
+    assert {n for _, n, _ in served} == {nodes[0].node_id, nodes[1].node_id}
+    took = [h["closed_at"] - h["opened_at"] for h in doc["history"]]
+    # round 0: the silent node is online (it just attached), so the round waits for it until its
+    # deadline and closes on the quorum of two; once it is offline, rounds close as soon as the
+    # two online silos are in
+    assert 1.9 < took[0] < 3.5, took
+    assert max(took[2:]) < 1.5, took
