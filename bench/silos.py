@@ -150,8 +150,10 @@ def run_gpuflex_silos(job: vsf.Job, work: Path, base_env: dict[str, str], timeou
         url = (hub_data / "hub.url").read_text().strip()
         node_logs = [run_dir / f"node{i}.log" for i in range(job.nodes)]
         for i, nlog in enumerate(node_logs):
+            # each silo from its own address block (127.0.N.1; Linux routes 127/8 to loopback), as
+            # hospitals on their own networks are: the hub's Sybil defences run at their defaults
             procs.popen([*node_bin, "run", "--hub", url, "--data-dir", str(run_dir / f"node{i}"), "--threads", "1",
-                         "--device", "cpu", *cache_args], nlog)
+                         "--device", "cpu", "--source-address", f"127.0.{i + 1}.1", *cache_args], nlog)
         vsf.wait_for(lambda: all('"registered"' in vsf.read_text(p) for p in node_logs), 300,
                      f"{job.nodes} gpuflex nodes to register")
         spec = silo_spec(job, noise=noise, secagg=secagg).encode()

@@ -89,6 +89,9 @@ class AssignmentState:
     model_hash: str
     chunk_shas: frozenset[str]
     uploading: bool = False
+    #: node-local, [data] late = "next": the round it was issued in, once a round close carried it
+    #: into the next (it is carried once; memory only)
+    carried_from: int | None = None
 
 
 @dataclass
@@ -138,6 +141,8 @@ class ShardState:
     unverified: str | None = None  # why its representative was never confirmed by a replica
     carved_at: float | None = None  # when the scheduler cut it (memory only; None after a restart)
     comparison: str | None = None  # a settled replica group: "same_class" | "cross_class" (policy.Comparison)
+    #: node-local, late = "next": the round whose close carried this shard's assignment here
+    carried_from: int | None = None
     #: the referee's open state requests (update id -> request) and its verdicts (update id -> verdict)
     requests: dict[str, StateRequestState] = field(default_factory=dict)
     verdicts: dict[str, SegmentVerdict] = field(default_factory=dict)

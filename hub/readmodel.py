@@ -103,6 +103,10 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
             # [privacy] secure_aggregation: the protocol's round (roster, survivors, summed, or why aborted)
             **({"secure_aggregation": ev["secure_aggregation"]}
                if "secure_aggregation" in (ev := json.loads(r["evidence"] or "{}")) else {}),
+            # node-local with the owner's validation set: each update's effect on its loss (evidence)
+            **({"probe": ev["probe"]} if "probe" in ev else {}),
+            # node-local, late = "next": updates of the round before's stragglers (update id -> round)
+            **({"late": ev["late"]} if "late" in ev else {}),
             # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
             "replica_comparison": json.loads(r["evidence"] or "{}").get("replica_comparison", {}),
             # [privacy] dp = "central": the round's clip, noise and the updates it clipped (hub/privacy.py)

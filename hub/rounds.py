@@ -59,6 +59,9 @@ from .scheduler import Scheduler
 from .store import RoundResult, Store
 from .worksignal import WorkSignal
 
+#: rows of the owner's validation set each update of a node-local job is probed on (``_probe``)
+PROBE_SAMPLES = 512
+
 log = logging.getLogger("gpuflex.hub.rounds")
 
 
@@ -552,10 +555,19 @@ class RoundEngine:
         except BaseException:
             job.closing = False
             raise
-        # live assignments of a finished round are void (replicas of settled shards were already cancelled)
+        # live assignments of a finished round are void (replicas of settled shards were already
+        # cancelled), except a node-local job's stragglers under late = "next": they count in the next
+        # round (once), on a shard of their silo there
         leftovers = [a for s in job.shards.values() for a in s.live.values()]
         now = time.time()
         last = job.round + 1 >= job.rounds
+        carry = [a for a in leftovers if job.node_local and job.spec.data.late == "next" and job.secagg is None
+                 and a.carried_from is None and not last and a.shard_id in job.shards]
+        carried = [(a, ShardState(
+            id=f"{job.id}-r{job.round + 1}-s{seq}", job_id=job.id, round=job.round + 1, seq=seq,
+            seed=job.shards[a.shard_id].seed, chunk_idxs=job.shards[a.shard_id].chunk_idxs,
+            samples=job.shards[a.shard_id].samples, replica_group="", wanted=1, carved_at=now,
+            carried_from=job.round)) for seq, a in enumerate(carry)]
         # Apply the round's judgement (hub/policy.judge_round): the store, then memory.
         judgement: policy.RoundJudgement = result["judgement"]
         touched = self._reputations_after([], judgement.flagged_nodes)
@@ -571,8 +583,8 @@ class RoundEngine:
             metrics=metrics, train_loss=result["train_loss"], flagged_nodes=list(judgement.flagged_nodes))
         try:
             await self.store.close_round(job, outcome, flags=list(judgement.flags), withdrawn=list(judgement.withdrawn),
-                                         cancelled=[a.id for a in leftovers], reputations=touched, last=last,
-                                         now=now)
+                                         cancelled=[a.id for a in leftovers if a not in carry], reputations=touched,
+                                         last=last, now=now, carried=[(a.id, s) for a, s in carried])
         finally:
             job.closing = False
         for a in leftovers:
@@ -588,6 +600,12 @@ class RoundEngine:
             job.end("done")
         else:
             job.open_round()
+            for a, shard in carried:
+                job.take(shard.chunk_idxs)
+                job.shards[shard.id] = shard
+                job.next_seq = max(job.next_seq, shard.seq + 1)
+                a.carried_from, a.round, a.shard_id = a.round, job.round, shard.id
+                self.scheduler.attach(a, shard)
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
 
@@ -619,6 +637,23 @@ class RoundEngine:
 
     def _evaluate(self, spec: JobSpec, state: Mapping[str, Tensor], val_sha: str) -> dict[str, float]:
         return evaluate(spec, state, decode_state(self.blobs.read_private(val_sha)))
+
+    def _probe(self, job: JobState, global_state: Mapping[str, Tensor], reps: Sequence[UpdateState],
+               deltas: Sequence[Mapping[str, Tensor]]) -> dict[str, Any]:
+        """Each update's effect on the loss of the owner's validation set (its first PROBE_SAMPLES
+        rows): the loss of the model plus that update minus the model's, as evidence for the
+        auditors. Not a rule: measured over 30 rounds of 10 Dirichlet(0.5) digits silos, honest
+        updates reached 23 MADs above the round's median change while a sign-flipped one sat under
+        1, so a threshold that flags it flags honest silos (README, "Data that stays on its node")."""
+        val = decode_state(self.blobs.read_private(job.val_sha or ""))
+        probe = {k: v[:PROBE_SAMPLES] for k, v in val.items()}
+        before = evaluate(job.spec, global_state, probe)["loss"]
+        changes: dict[str, float | None] = {}
+        for u, d in zip(reps, deltas, strict=True):
+            moved = {k: (t + d[k].to(t.dtype) if k in d and t.is_floating_point() else t) for k, t in global_state.items()}
+            after = evaluate(job.spec, moved, probe)["loss"]
+            changes[u.id] = round(after - before, 6) if math.isfinite(after - before) else None
+        return {"samples": int(probe["x"].shape[0]), "loss_before": round(before, 6), "loss_change": changes}
 
     def _aggregate(self, job: JobState, reps: list[UpdateState], shard_of: dict[str, ShardState],
                    groups: Mapping[str, Sequence[policy.GroupMember]],
@@ -659,6 +694,11 @@ class RoundEngine:
                               if shard_of[reps[i].id].unverified}
                 if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
                     evidence["unverified"] = unverified
+                if job.node_local and job.val_sha and reps:  # the owner's probe set (Templar's Gauntlet)
+                    evidence["probe"] = self._probe(job, global_state, reps, deltas)
+                late = {u.id: c for u in reps if (c := shard_of[u.id].carried_from) is not None}
+                if late:  # stragglers of the round before (late = "next"): trained on that round's model
+                    evidence["late"] = late
                 compared = {s.id: s.comparison for s in shard_of.values() if s.comparison}
                 if compared:  # replica groups: one compute class (strict tolerance) or several
                     evidence["replica_comparison"] = dict(sorted(compared.items()))

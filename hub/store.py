@@ -176,8 +176,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close_round(self, job: JobState, result: RoundResult, *, flags: Sequence[Flag],
                           withdrawn: Sequence[str], cancelled: Sequence[str],
-                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float) -> None:
-        """The round's outcome and the next model; the job moves on (or is done)."""
+                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float,
+                          carried: Sequence[tuple[str, ShardState]] = ()) -> None:
+        """The round's outcome and the next model; the job moves on (or is done). ``carried``:
+        live assignments that count in the next round (node-local, late = "next"), each with its
+        new shard of that round."""
 
     # -- the referee (hub/referee.py) --------------------------------------------------------
     @abc.abstractmethod

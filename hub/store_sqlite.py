@@ -88,6 +88,16 @@ def _end_live(conn: sqlite3.Connection, ids: Sequence[str], state: str) -> None:
                      [(state, i) for i in ids])
 
 
+def _insert_shard(conn: sqlite3.Connection, s: ShardState, chunks: Sequence[ChunkInfo]) -> None:
+    """A new open shard and its chunks, in their order."""
+    conn.execute(
+        "INSERT INTO shards (id, job_id, round, seq, seed, samples, replica_group, wanted, state)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'open')",
+        (s.id, s.job_id, s.round, s.seq, s.seed, s.samples, s.replica_group, s.wanted))
+    conn.executemany("INSERT INTO shard_chunks (shard_id, pos, chunk_idx, chunk_sha) VALUES (?, ?, ?, ?)",
+                     [(s.id, pos, c.idx, c.sha) for pos, c in enumerate(chunks)])
+
+
 def flag_record(row: sqlite3.Row) -> FlagRecord:
     return FlagRecord(
         id=row["id"], job_id=row["job_id"], round=row["round"], update_id=row["update_id"],
@@ -198,14 +208,7 @@ class SqlStore(Store):
                                chunks: Sequence[ChunkInfo]) -> None:
         def write(conn: sqlite3.Connection) -> None:
             if new_shard is not None:
-                s = new_shard
-                conn.execute(
-                    "INSERT INTO shards (id, job_id, round, seq, seed, samples, replica_group, wanted, state)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'open')",
-                    (s.id, s.job_id, s.round, s.seq, s.seed, s.samples, s.replica_group, s.wanted))
-                conn.executemany(
-                    "INSERT INTO shard_chunks (shard_id, pos, chunk_idx, chunk_sha) VALUES (?, ?, ?, ?)",
-                    [(s.id, pos, c.idx, c.sha) for pos, c in enumerate(chunks)])
+                _insert_shard(conn, new_shard, chunks)
             conn.execute(
                 "INSERT INTO assignments (id, shard_id, job_id, round, node_id, issued_at, expected_s, deadline,"
                 " state, sealed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'live', ?)",
@@ -277,7 +280,8 @@ class SqlStore(Store):
 
     async def close_round(self, job: JobState, result: RoundResult, *, flags: Sequence[Flag],
                           withdrawn: Sequence[str], cancelled: Sequence[str],
-                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float) -> None:
+                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float,
+                          carried: Sequence[tuple[str, ShardState]] = ()) -> None:
         rows = [_reputation_row(n, r) for n, r in reputations]
         next_round = job.round + 1
 
@@ -312,6 +316,10 @@ class SqlStore(Store):
                              " opened_at = excluded.opened_at, new_model_hash = NULL, closed_at = NULL,"
                              " train_loss = NULL, loss = NULL, accuracy = NULL, metrics = NULL, evidence = NULL",
                              (job.id, next_round, result.model_hash, now))
+                for aid, s in carried:  # a straggler's assignment, and its shard, move to the next round
+                    _insert_shard(conn, s, job.chunks_at(s.chunk_idxs))
+                    conn.execute("UPDATE assignments SET shard_id = ?, round = ? WHERE id = ? AND state = 'live'",
+                                 (s.id, next_round, aid))
 
         await self.db.write(write)
 

@@ -37,7 +37,9 @@ DOWNLOADS: Final = ("full", "topk")
 DATA_SOURCES: Final = ("hub", "node-local")
 MAX_SILO_SAMPLES: Final = 50_000_000
 #: [data] keys that only a node-local job may set
-SILO_KEYS: Final = ("min_samples", "max_samples", "label_histogram", "quorum", "round_deadline_s")
+SILO_KEYS: Final = ("min_samples", "max_samples", "label_histogram", "quorum", "round_deadline_s", "late")
+#: what becomes of an update still training when a node-local round closes
+LATE: Final = ("drop", "next")
 #: [privacy] dp: off, or central differential privacy (the hub clips and adds the noise)
 DP_MODES: Final = ("off", "central")
 #: [privacy] keys that only dp = "central" may set
@@ -120,6 +122,9 @@ class DataSpec:
     quorum: int = 2
     #: ... once every online silo has delivered, or this long after the round opened
     round_deadline_s: float = 300.0
+    #: node-local: an update still training when its round closes is "drop"ped (its upload is
+    #: refused as late) or counts in the "next" round (trained on the model before: one round stale)
+    late: str = "drop"
 
     @property
     def node_local(self) -> bool:
@@ -380,6 +385,7 @@ def _data(s: _Section) -> DataSpec:
         label_histogram=s.get_bool("label_histogram", d.label_histogram),
         quorum=s.get_int("quorum", d.quorum, 1, 100_000),
         round_deadline_s=s.get_float("round_deadline_s", d.round_deadline_s, 0.0, 7 * 86_400.0, lo_open=True),
+        late=s.get_choice("late", d.late, LATE),
     )
     if spec.max_samples < spec.min_samples:
         raise SpecError(f"data.max_samples: must be at least min_samples ({spec.min_samples}), got {spec.max_samples}")
@@ -521,6 +527,9 @@ def _secure_aggregation(s: _Section, data: DataSpec, aggregation: AggregationSpe
     if communication.update != "fp32" or communication.error_feedback:
         raise SpecError("privacy.secure_aggregation: updates are quantized by the node; leave "
                         "[communication] update = \"fp32\" without error_feedback")
+    if data.late != "drop":
+        raise SpecError("data.late: a masked update belongs to its round's roster; with secure_aggregation "
+                        "a late update is dropped (late = \"drop\")")
     return out
 
 

@@ -71,6 +71,7 @@ def test_the_spec_allows_secure_aggregation_only_where_it_holds():
         (("secure_aggregation = true", 'secure_aggregation = true\ndp = "central"'), "not both"),
         (("secure_aggregation = true", "secure_aggregation = true\nsecagg_bits = 31"), "overflow"),
         (("secure_aggregation = true", "secure_aggregation = false"), "only with secure_aggregation"),
+        (("round_deadline_s = 30", 'late = "next"\nround_deadline_s = 30'), "a late update is dropped"),
     ]:
         with pytest.raises(SpecError, match=message):
             parse_job_spec(base.replace(*change))

@@ -19,11 +19,12 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.appkeys import LEDGER
+from gpuflex.hub.appkeys import BLOBS, LEDGER
+from gpuflex.hub.evaluation import evaluate
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.messages import Ack, Assignment, NoWork
-from gpuflex.protocol.tensors import encode_state
+from gpuflex.protocol.tensors import decode_state, encode_state
 from sklearn.datasets import load_digits
 
 from tests.helpers import SimNode, start_hub
@@ -196,8 +197,13 @@ async def test_submission_without_rows_and_silo_refusals(tmp_path):
 # -- rounds over silos ------------------------------------------------------------------------------
 
 
+#: update id -> the update's blob, as its node uploaded it (what the hub's probe evidence is about)
+UPLOADED: dict[str, bytes] = {}
+
+
 async def _train_and_upload(node: SimNode, a: Assignment) -> None:
     blob, samples, loss = await node.train(a)
+    UPLOADED["u-" + a.assignment_id.removeprefix("a-")] = blob
     hdr = node.update_header(a, blob, samples, loss)
     from gpuflex.protocol.signing import seal
 
@@ -241,14 +247,27 @@ async def test_rounds_train_each_silo_on_its_own_node_weighted_by_count(tmp_path
             served: list[tuple[int, str, str]] = []
             stop = asyncio.Event()
             tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes]
+            first_model = hub.app[LEDGER].scheduler.jobs[job].model_hash
             give_up = time.monotonic() + 120
             while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
                 await asyncio.sleep(0.2)
             stop.set()
             await asyncio.gather(*tasks)
+            first_state = decode_state(bytearray(hub.app[BLOBS].read(first_model)))
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
+    # the owner's validation set probes each update (evidence for the auditors): round 0's, again here
+    probe = doc["history"][0]["probe"]
+    assert probe["samples"] == len(val) and set(probe["loss_change"]) == {u["update_id"] for u in doc["history"][0]["updates"]}
+    val_set = {"x": torch.from_numpy(x[val]), "y": torch.from_numpy(y[val])}
+    jspec = parse_job_spec(spec(rounds=4, quorum=3))
+    before = evaluate(jspec, first_state, val_set)["loss"]
+    assert probe["loss_before"] == pytest.approx(before, abs=1e-5)
+    for uid, change in probe["loss_change"].items():
+        delta = decode_state(bytearray(UPLOADED[uid]))
+        moved = {k: t + delta[k] if k in delta else t for k, t in first_state.items()}
+        assert change == pytest.approx(evaluate(jspec, moved, val_set)["loss"] - before, abs=1e-5)
     # every node trained only its own silo, once a round, and nobody downloaded another's
     assert all(sha == silos[nid][0] for _, nid, sha in served)
     assert sorted((r, n) for r, n, _ in served) == sorted((r, n.node_id) for r in range(4) for n in nodes)
@@ -294,3 +313,59 @@ async def test_a_round_closes_on_its_quorum_at_its_deadline_and_at_once_without_
     # two online silos are in
     assert 1.9 < took[0] < 3.5, took
     assert max(took[2:]) < 1.5, took
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("late", ["next", "drop"])
+async def test_a_straggler_counts_in_the_next_round_or_is_dropped_as_the_job_says(tmp_path, late):
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3)
+    x, y = digits()
+    try:
+        async with aiohttp.ClientSession() as session:
+            text = spec(rounds=3, quorum=2, deadline=1.5).replace("round_deadline_s", f'late = "{late}"\nround_deadline_s')
+            job = (await (await submit(session, hub, text)).json())["id"]
+            nodes = [SimNode(session, hub.url) for _ in range(3)]
+            for i, node in enumerate(nodes):
+                await node.register()
+                lo = 100 * i
+                assert (await node.attach_silo(job, silo_blob(x[lo:lo + 100], y[lo:lo + 100]), 100)).status == 200
+            live = hub.app[LEDGER].scheduler.jobs[job]
+            slow = nodes[2]
+            got = await slow.work(0.3)  # the straggler takes its round-0 shard...
+            assert isinstance(got, Assignment) and got.round == 0
+            await slow.blob(got.model_hash)  # it has the model: it trains from it, offline
+            served: list[tuple[int, str, str]] = []
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes[:2]]
+            while live.round == 0:  # ... and is still training when round 0 closes at its deadline
+                await asyncio.sleep(0.05)
+            blob, samples, loss = await slow.train(got)
+            hdr = slow.update_header(got, blob, samples, loss)
+            from gpuflex.protocol.signing import seal
+
+            from tests.helpers import b64
+
+            async with session.post(f"{hub.url}/v1/updates", data=blob, headers={
+                    "Content-Type": "application/octet-stream", "X-GPUFlex-Update": b64(seal(slow.key, hdr))}) as r:
+                late_status, late_body = r.status, (await r.read()).decode(errors="replace")
+            tasks.append(asyncio.create_task(_serve(slow, job, served=served, stop=stop)))
+            give_up = time.monotonic() + 60
+            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        await hub.stop()
+    assert doc["state"] == "done", doc.get("error")
+    first, second, _ = doc["history"]
+    assert {u["node_id"] for u in first["updates"]} == {nodes[0].node_id, nodes[1].node_id}
+    late_update = "u-" + got.assignment_id.removeprefix("a-")
+    if late == "next":
+        assert late_status == 200, late_body
+        # trained on round 0's model, counted in round 1 with the other two, and said so
+        assert second["late"] == {late_update: 0}
+        assert {u["update_id"] for u in second["updates"] if u["node_id"] == slow.node_id} == {late_update}
+        assert len(second["updates"]) == 3 and all(u["status"] == "included" for u in second["updates"])
+    else:
+        assert late_status == 409 and "late_update" in late_body, late_body
+        assert "late" not in second and all(u["update_id"] != late_update for u in second["updates"])
