@@ -386,6 +386,13 @@ def shard_seed(job_seed: int, round_: int, seq: int) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
+def silo_seed(job_seed: int, round_: int, silo_sha: str) -> int:
+    """A node-local shard's seed: of (job seed, round, the silo's blob id), whatever the order the
+    silos were attached or trained in."""
+    digest = hashlib.sha256(f"gpuflex-silo:{job_seed}:{round_}:{silo_sha}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(8)}"
 

@@ -682,8 +682,12 @@ class RoundEngine:
             with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
                 gnorm = norm.result() if norm is not None else 0.0
                 records = self._records(job, shard_of, reps, deltas)
+                # A node-local job's silos can never earn trust (nothing to replicate them with), so
+                # the untrusted weight bound would cap every silo at the round's median count for good:
+                # its updates are weighted by their sample count, which the owner's max_samples caps
                 judgement = policy.judge_round(records, gnorm, spec.verification, groups,
-                                               vouched_by_trusted=self._vouched(job, reps, groups))
+                                               vouched_by_trusted=None if job.node_local
+                                               else self._vouched(job, reps, groups))
                 del records
                 keep = set(judgement.review.included)
                 included = [i for i, u in enumerate(reps) if u.id in keep]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from gpuflex.protocol.compute import class_key, resolve_precision
 from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
 
-from .jobs import AssignmentState, JobState, ShardState, shard_seed
+from .jobs import AssignmentState, JobState, ShardState, shard_seed, silo_seed
 from .verification import (
     ReplicaPool,
     Reputation,
@@ -515,9 +515,11 @@ class Scheduler:
         job.take([idx])
         seq = job.next_seq
         job.next_seq += 1
+        # the seed names the silo (its blob id), not the order nodes attached or asked in: a round
+        # trains the same batches whoever comes first (a run can be repeated, an auditor replay it)
         shard = ShardState(
             id=f"{job.id}-r{job.round}-s{seq}", job_id=job.id, round=job.round, seq=seq,
-            seed=shard_seed(job.spec.train.seed, job.round, seq), chunk_idxs=(idx,),
+            seed=silo_seed(job.spec.train.seed, job.round, job.chunks[idx].sha), chunk_idxs=(idx,),
             samples=job.chunks[idx].samples, replica_group="", wanted=1, carved_at=now,
         )
         job.shards[shard.id] = shard

@@ -21,6 +21,7 @@ import pytest
 import torch
 from gpuflex.hub.appkeys import BLOBS, LEDGER
 from gpuflex.hub.evaluation import evaluate
+from gpuflex.hub.jobs import silo_seed
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.messages import Ack, Assignment, NoWork
@@ -197,6 +198,8 @@ async def test_submission_without_rows_and_silo_refusals(tmp_path):
 # -- rounds over silos ------------------------------------------------------------------------------
 
 
+#: (round, silo blob id) -> the seed of the assignment that trained it
+SEEDS: dict[tuple[int, str], int] = {}
 #: update id -> the update's blob, as its node uploaded it (what the hub's probe evidence is about)
 UPLOADED: dict[str, bytes] = {}
 
@@ -223,6 +226,7 @@ async def _serve(node: SimNode, job: str, *, served: list[tuple[int, str, str]],
             continue
         assert isinstance(got, Assignment) and got.job_id == job
         served.append((got.round, node.node_id, got.chunks[0].sha256))
+        SEEDS[(got.round, got.chunks[0].sha256)] = got.seed
         await _train_and_upload(node, got)
 
 
@@ -254,9 +258,17 @@ async def test_rounds_train_each_silo_on_its_own_node_weighted_by_count(tmp_path
             stop.set()
             await asyncio.gather(*tasks)
             first_state = decode_state(bytearray(hub.app[BLOBS].read(first_model)))
+            after_first = decode_state(bytearray(hub.app[BLOBS].read(doc["history"][0]["model_hash"])))
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
+    # FedAvg by sample count: round 0 moved the model by the count-weighted mean of the three updates
+    # (no silo is capped at the round's median count, as an untrusted volunteer's update would be)
+    ups = {u["update_id"]: u["samples"] for u in doc["history"][0]["updates"]}
+    total = sum(ups.values())
+    for k, t in first_state.items():
+        want = sum(decode_state(bytearray(UPLOADED[uid]))[k].double() * n for uid, n in ups.items()) / total
+        assert torch.allclose(after_first[k].double() - t.double(), want, atol=1e-6), k
     # the owner's validation set probes each update (evidence for the auditors): round 0's, again here
     probe = doc["history"][0]["probe"]
     assert probe["samples"] == len(val) and set(probe["loss_change"]) == {u["update_id"] for u in doc["history"][0]["updates"]}
@@ -268,8 +280,10 @@ async def test_rounds_train_each_silo_on_its_own_node_weighted_by_count(tmp_path
         delta = decode_state(bytearray(UPLOADED[uid]))
         moved = {k: t + delta[k] if k in delta else t for k, t in first_state.items()}
         assert change == pytest.approx(evaluate(jspec, moved, val_set)["loss"] - before, abs=1e-5)
-    # every node trained only its own silo, once a round, and nobody downloaded another's
+    # every node trained only its own silo, once a round, and nobody downloaded another's; each
+    # round's seed names the silo (its blob id), whoever attached or asked first
     assert all(sha == silos[nid][0] for _, nid, sha in served)
+    assert all(SEEDS[(r, sha)] == silo_seed(3, r, sha) for r, _, sha in served)
     assert sorted((r, n) for r, n, _ in served) == sorted((r, n.node_id) for r in range(4) for n in nodes)
     for h in doc["history"]:
         assert sorted((u["node_id"], u["samples"]) for u in h["updates"]) == sorted(
