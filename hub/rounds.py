@@ -698,7 +698,9 @@ class RoundEngine:
                               if shard_of[reps[i].id].unverified}
                 if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
                     evidence["unverified"] = unverified
-                if job.node_local and job.val_sha and reps:  # the owner's probe set (Templar's Gauntlet)
+                # the owner's probe set (Templar's Gauntlet); not under central DP, where a per-update
+                # loss change would tell the owner what the noise is there to hide
+                if job.node_local and job.val_sha and reps and not spec.privacy.central:
                     evidence["probe"] = self._probe(job, global_state, reps, deltas)
                 late = {u.id: c for u in reps if (c := shard_of[u.id].carried_from) is not None}
                 if late:  # stragglers of the round before (late = "next"): trained on that round's model
@@ -733,9 +735,9 @@ class RoundEngine:
                         privacy.add_noise(agg, std)
                         evidence["privacy"] = {
                             "clip_norm": dp.clip_norm, "noise_multiplier": dp.noise_multiplier, "noise_std": std,
-                            "updates": len(use),
-                            "clipped": {reps[i].id: round(f, 6) for i, f in zip(included, scales, strict=True)
-                                        if f < 1.0}}
+                            # how many were clipped, not which or by how much: a factor is clip / the
+                            # update's norm, a per-update figure the guarantee does not cover
+                            "updates": len(use), "clipped": sum(1 for f in scales if f < 1.0)}
                     new_state = opt.step(global_state, agg)
                     del agg
                     if spec.communication.download == "topk":

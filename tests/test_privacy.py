@@ -314,11 +314,11 @@ async def test_a_private_job_reports_its_epsilon_and_learns_under_little_noise_b
             dp = h["privacy"]
             assert (dp["clip_norm"], dp["noise_multiplier"], dp["updates"]) == (clip, z, 3)
             assert dp["noise_std"] == pytest.approx(z * clip / 3)
-            assert set(dp["clipped"]) <= {u["update_id"] for u in h["updates"]}
-            assert all(0 < f < 1 for f in dp["clipped"].values())
+            assert 0 <= dp["clipped"] <= 3  # a count: which update, and its norm, stay hidden
+            assert "probe" not in h  # no per-update loss change from the owner's validation set either
     # two local epochs of lr 0.1 move the digits MLP by more than the clip: the first round's
     # updates are clipped
-    assert docs[0.1]["history"][0]["privacy"]["clipped"]
+    assert docs[0.1]["history"][0]["privacy"]["clipped"] >= 1
     learned = [h["accuracy"] for h in docs[0.1]["history"]]
     drowned = [h["accuracy"] for h in docs[50.0]["history"]]
     assert learned[-1] > 0.7, learned  # chance is 0.1
