@@ -74,6 +74,8 @@ __all__ = [
     "ServerOptimizer",
     "aggregate",
     "aggregate_detailed",
+    "bulyan",
+    "bulyan_select",
     "clip_factors",
     "coordinate_median",
     "fedavg",
@@ -538,6 +540,71 @@ def krum_select(
     return sorted(order[:m]), scores
 
 
+def bulyan_select(
+    deltas: Sequence[Mapping[str, Tensor]],
+    f: int,
+    *,
+    factors: Sequence[float] | None = None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> tuple[list[int], list[float]]:
+    """Bulyan's selection (El Mhamdi et al. 2018): theta = n - 2f updates, each round of it the
+    Krum choice among those left (scores over the remaining set, n' - f - 2 nearest). Needs
+    n >= 4f + 3. Returns (selected indices ascending, the first round's Krum scores)."""
+    n = len(deltas)
+    if not isinstance(f, int) or f < 0:
+        raise AggregationError(f"krum_f must be an int >= 0, got {f!r}")
+    if n < 4 * f + 3:
+        raise AggregationError(f"Bulyan with f={f} needs at least {4 * f + 3} updates, got {n}")
+    dist = pairwise_sq_distances(deltas, factors=factors, slice_elems=slice_elems)
+    left = list(range(n))
+    chosen: list[int] = []
+    first: list[float] = []
+    while len(chosen) < n - 2 * f:
+        closest = max(1, len(left) - f - 2)
+        scores = {i: float(torch.stack([dist[i, j] for j in left if j != i]).sort().values[:closest].sum())
+                  for i in left}
+        if not first:
+            first = [scores[i] for i in range(n)]
+        best = min(left, key=lambda i: (scores[i], i))
+        chosen.append(best)
+        left.remove(best)
+    return sorted(chosen), first
+
+
+def bulyan(
+    deltas: Sequence[Mapping[str, Tensor]],
+    f: int,
+    *,
+    factors: Sequence[float] | None = None,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+) -> tuple[dict[str, Tensor], list[int], list[float]]:
+    """Bulyan: Krum selects theta = n - 2f updates (``bulyan_select``), then each coordinate is the
+    mean of the beta = theta - 2f selected values closest to their median. Tolerates f Byzantine
+    updates out of n >= 4f + 3 (El Mhamdi et al. 2018). Unweighted, like the median rules."""
+    selected, scores = bulyan_select(deltas, f, factors=factors, slice_elems=slice_elems)
+    sub = [deltas[i] for i in selected]
+    sub_f = None if factors is None else [factors[i] for i in selected]
+    keys = _check_layout(sub)
+    pages = PageReleaser()
+    beta = len(sub) - 2 * f
+    out: dict[str, Tensor] = {}
+    for k in keys:
+        ref = sub[0][k]
+        result = torch.empty(ref.shape, dtype=ref.dtype)
+        rflat = result.view(-1)
+        flats = [_flat(d[k]) for d in sub]
+        pages.release_all(flats)
+        for s, e in _slices(rflat.numel(), slice_elems):
+            x = _stack(flats, s, e, sub_f, pages)  # (theta, slice) float64
+            med = x.median(dim=0).values  # torch's median: the lower of the two middle values
+            nearest = (x - med).abs().argsort(dim=0, stable=True)[:beta]
+            mean = x.gather(0, nearest).sum(dim=0) / beta
+            _finite_or_raise(k, mean)
+            rflat[s:e].copy_(mean)
+        out[k] = result
+    return out, selected, scores
+
+
 def aggregate_detailed(
     deltas: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
@@ -578,6 +645,9 @@ def aggregate_detailed(
         out = trimmed_mean(deltas, beta, factors=fac, slice_elems=slice_elems)
         return Aggregation(out, method, everyone, factors)
     f = int(spec.krum_f)
+    if method == "bulyan":
+        out, selected, scores = bulyan(deltas, f, factors=fac, slice_elems=slice_elems)
+        return Aggregation(out, method, selected, factors, scores)
     m = 1 if method == "krum" else int(spec.krum_m)
     selected, scores = krum_select(deltas, f, m, factors=fac, slice_elems=slice_elems)
     sub = [deltas[i] for i in selected]

@@ -378,3 +378,65 @@ def test_small_model_fast_path_gives_the_same_bits_as_the_sliced_path(monkeypatc
     for s in (1, 7, 1 << 20):
         sliced = fedavg(ups, w, slice_elems=s)
         assert all(torch.equal(fast[k], sliced[k]) for k in fast)
+
+
+# -- Bulyan ---------------------------------------------------------------------------------------
+
+
+def _bulyan_reference(xs: list[list[float]], f: int) -> tuple[list[int], list[float]]:
+    """Bulyan written out from the paper, plainly: repeated Krum over what is left, then per
+    coordinate the mean of the n - 4f selected values nearest the (lower) median."""
+    import numpy as np
+
+    a = np.asarray(xs, dtype=np.float64)
+    n = len(a)
+    d = ((a[:, None, :] - a[None, :, :]) ** 2).sum(axis=2)
+    left, chosen = list(range(n)), []
+    while len(chosen) < n - 2 * f:
+        k = max(1, len(left) - f - 2)
+        score = {i: float(np.sort([d[i, j] for j in left if j != i])[:k].sum()) for i in left}
+        best = min(left, key=lambda i: (score[i], i))
+        chosen.append(best)
+        left.remove(best)
+    chosen.sort()
+    sel = a[chosen]
+    beta = len(chosen) - 2 * f
+    out = []
+    for c in range(a.shape[1]):
+        col = sel[:, c]
+        med = np.sort(col)[(len(col) - 1) // 2]
+        near = np.argsort(np.abs(col - med), kind="stable")[:beta]
+        out.append(float(col[near].sum() / beta))
+    return chosen, out
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(7, 12), f=st.integers(1, 2), seed=st.integers(0, 10_000), slice_elems=st.sampled_from([1, 3, 64]))
+def test_bulyan_matches_the_papers_rule(n, f, seed, slice_elems):
+    if n < 4 * f + 3:
+        return
+    g = torch.Generator().manual_seed(seed)
+    deltas = [{"w": torch.randn(5, generator=g), "b": torch.randn(2, generator=g)} for _ in range(n)]
+    from gpuflex.hub.aggregation import bulyan
+
+    out, selected, _ = bulyan(deltas, f, slice_elems=slice_elems)
+    want_sel, want = _bulyan_reference([torch.cat([d["w"], d["b"]]).double().tolist() for d in deltas], f)
+    assert selected == want_sel
+    got = torch.cat([out["w"], out["b"]]).double()
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-6)
+
+
+def test_bulyan_holds_against_f_attackers_where_fedavg_does_not():
+    g = torch.Generator().manual_seed(1)
+    honest = [{"w": 1.0 + 0.1 * torch.randn(50, generator=g)} for _ in range(9)]
+    attackers = [{"w": torch.full((50,), -100.0)} for _ in range(2)]
+    spec = AggregationSpec(method="bulyan", krum_f=2)
+    got = aggregate(honest + attackers, [1.0] * 11, spec)["w"]
+    assert float((got - 1.0).abs().max()) < 0.2
+    assert float(aggregate(honest + attackers, [1.0] * 11, AggregationSpec())["w"].mean()) < -10
+
+
+def test_bulyan_needs_4f_plus_3_updates_and_says_so():
+    deltas = [{"w": torch.ones(3) * i} for i in range(10)]
+    with pytest.raises(AggregationError, match="Bulyan with f=2 needs at least 11 updates, got 10"):
+        aggregate(deltas, [1.0] * 10, AggregationSpec(method="bulyan", krum_f=2))
