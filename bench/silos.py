@@ -64,17 +64,8 @@ DP_CLIP = 1.0
 def prepare(root: Path, nodes: int, alpha: float, seed: int) -> tuple[Path, list[list[int]]]:
     """train/test .npz as vs_flower's, and ``nodes`` silos of the train split by Dirichlet(alpha)
     over the labels (shard_i.npz: Flower's supernode i and GPUFlex's node i load the same file)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
     out = root / f"silos-{nodes}-a{alpha}"
-    out.mkdir(parents=True, exist_ok=True)
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int64)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
-    np.savez(out / "train.npz", x=xtr, y=ytr)
-    np.savez(out / "test.npz", x=xte, y=yte)
+    xtr, ytr = vsf.write_split(out)
     hist = []
     for i, idx in enumerate(dirichlet_split(ytr, nodes, alpha, seed=seed, min_size=10)):
         np.savez(out / f"shard_{i}.npz", x=xtr[idx], y=ytr[idx])
@@ -83,30 +74,11 @@ def prepare(root: Path, nodes: int, alpha: float, seed: int) -> tuple[Path, list
 
 
 def silo_spec(job: vsf.Job, *, noise: float | None, secagg: bool = False) -> str:
-    hidden = ", ".join(map(str, job.hidden))
     privacy = "" if noise is None else (
         f'\n[privacy]\ndp = "central"\nclip_norm = {DP_CLIP}\nnoise_multiplier = {noise}\ndelta = {DP_DELTA}\n')
     if secagg:
         privacy = "\n[privacy]\nsecure_aggregation = true\n"
-    return f"""[job]
-name = "silos-{job.name}"
-
-[model]
-kind = "mlp"
-input = 64
-hidden = [{hidden}]
-outputs = 10
-activation = "relu"
-
-[train]
-rounds = {job.rounds}
-local_epochs = {job.local_epochs}
-batch_size = {job.batch_size}
-optimizer = "sgd"
-lr = {job.lr}
-momentum = {job.momentum}
-seed = 0
-
+    return vsf.job_head(job, f"silos-{job.name}") + f"""
 [data]
 source = "node-local"
 min_samples = 1

@@ -381,12 +381,12 @@ def param_count(hidden: list[int], inp: int = 64, out: int = 10) -> int:
     return sum(a * b + b for a, b in itertools.pairwise(dims))
 
 
-def prepare_data(root: Path, nodes: int) -> Path:
-    """train/test npz + `nodes` IID shards (stratified, like the hub's chunking)."""
+def write_split(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The reference split into ``out``: digits / 16, stratified 80/20 with random_state=0, as
+    train.npz and test.npz; returns the train part (x, y) for the shards."""
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import StratifiedKFold, train_test_split
+    from sklearn.model_selection import train_test_split
 
-    out = root / f"data-{nodes}"
     out.mkdir(parents=True, exist_ok=True)
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)
@@ -394,6 +394,15 @@ def prepare_data(root: Path, nodes: int) -> Path:
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
     np.savez(out / "train.npz", x=xtr, y=ytr)
     np.savez(out / "test.npz", x=xte, y=yte)
+    return xtr, ytr
+
+
+def prepare_data(root: Path, nodes: int) -> Path:
+    """train/test npz + `nodes` IID shards (stratified, like the hub's chunking)."""
+    from sklearn.model_selection import StratifiedKFold
+
+    out = root / f"data-{nodes}"
+    xtr, ytr = write_split(out)
     folds = StratifiedKFold(n_splits=nodes, shuffle=True, random_state=0).split(xtr, ytr)
     for i, (_, idx) in enumerate(folds):
         np.savez(out / f"shard_{i}.npz", x=xtr[idx], y=ytr[idx])
@@ -571,10 +580,12 @@ def gpuflex_bin(name: str) -> list[str]:
     return [sys.executable, "-m", mod]
 
 
-def gpuflex_spec(job: Job, chunk_size: int, round_target_s: float) -> str:
+def job_head(job: Job, name: str, train_extra: str = "") -> str:
+    """The [job], [model] and [train] sections of the reference job on GPUFlex (bench/silos.py
+    runs the same model and training over silos)."""
     hidden = ", ".join(map(str, job.hidden))
     return f"""[job]
-name = "vs-flower-{job.name}"
+name = "{name}"
 
 [model]
 kind = "mlp"
@@ -591,8 +602,11 @@ optimizer = "sgd"
 lr = {job.lr}
 momentum = {job.momentum}
 seed = 0
-round_target_s = {round_target_s}
+{train_extra}"""
 
+
+def gpuflex_spec(job: Job, chunk_size: int, round_target_s: float) -> str:
+    return job_head(job, f"vs-flower-{job.name}", f"round_target_s = {round_target_s}\n") + f"""
 [data]
 chunk_size = {chunk_size}
 split = "stratified"

@@ -52,7 +52,7 @@ import math
 import mmap
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -406,6 +406,32 @@ def _fedavg_small(
     return out
 
 
+def _per_coordinate(
+    deltas: Sequence[Mapping[str, Tensor]],
+    reduce: Callable[[Tensor], Tensor],
+    factors: Sequence[float] | None,
+    slice_elems: int,
+) -> dict[str, Tensor]:
+    """Each floating tensor, slice by slice: ``reduce`` maps the (N, slice) float64 stack of the
+    updates' values to that slice of the result (checked finite, cast to the tensor's dtype)."""
+    keys = _check_layout(deltas)
+    _check_slice(slice_elems)
+    pages = PageReleaser()
+    out: dict[str, Tensor] = {}
+    for k in keys:
+        ref = deltas[0][k]
+        result = torch.empty(ref.shape, dtype=ref.dtype)
+        rflat = result.view(-1)
+        flats = [_flat(d[k]) for d in deltas]
+        pages.release_all(flats)
+        for s, e in _slices(rflat.numel(), slice_elems):
+            value = reduce(_stack(flats, s, e, factors, pages))
+            _finite_or_raise(k, value)
+            rflat[s:e].copy_(value)
+        out[k] = result
+    return out
+
+
 def coordinate_median(
     deltas: Sequence[Mapping[str, Tensor]],
     *,
@@ -417,27 +443,13 @@ def coordinate_median(
     Unweighted by design: weighting would let one node claiming many samples
     move the median. Tolerates f < n/2 arbitrary updates per coordinate.
     """
-    keys = _check_layout(deltas)
-    _check_slice(slice_elems)
-    pages = PageReleaser()
     n = len(deltas)
-    out: dict[str, Tensor] = {}
-    for k in keys:
-        ref = deltas[0][k]
-        result = torch.empty(ref.shape, dtype=ref.dtype)
-        rflat = result.view(-1)
-        flats = [_flat(d[k]) for d in deltas]
-        pages.release_all(flats)
-        for s, e in _slices(rflat.numel(), slice_elems):
-            srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
-            if n % 2 == 1:
-                med = srt[n // 2]
-            else:
-                med = (srt[n // 2 - 1] + srt[n // 2]) * 0.5
-            _finite_or_raise(k, med)
-            rflat[s:e].copy_(med)
-        out[k] = result
-    return out
+
+    def median(x: Tensor) -> Tensor:
+        srt = x.sort(dim=0).values
+        return srt[n // 2] if n % 2 == 1 else (srt[n // 2 - 1] + srt[n // 2]) * 0.5
+
+    return _per_coordinate(deltas, median, factors, slice_elems)
 
 
 def trimmed_mean(
@@ -452,9 +464,8 @@ def trimmed_mean(
     Requires 0 <= beta < 0.5 and 2k < n. Tolerates f <= k Byzantine updates.
     Unweighted (as in Yin et al. 2018).
     """
-    keys = _check_layout(deltas)
+    _check_layout(deltas)
     _check_slice(slice_elems)
-    pages = PageReleaser()
     n = len(deltas)
     if not (0.0 <= beta < 0.5):
         raise AggregationError(f"trim_beta must be in [0, 0.5), got {beta}")
@@ -463,24 +474,16 @@ def trimmed_mean(
         raise AggregationError(
             f"trimmed mean with beta={beta} drops {2 * k_trim} of {n} updates: needs 2*floor(beta*n) < n"
         )
-    out: dict[str, Tensor] = {}
-    for k in keys:
-        ref = deltas[0][k]
-        result = torch.empty(ref.shape, dtype=ref.dtype)
-        rflat = result.view(-1)
-        flats = [_flat(d[k]) for d in deltas]
-        pages.release_all(flats)
-        for s, e in _slices(rflat.numel(), slice_elems):
-            srt = _stack(flats, s, e, factors, pages).sort(dim=0).values
-            # Fixed-order float64 sum, row by row: independent of slice boundaries.
-            acc = srt[k_trim].clone()
-            for j in range(k_trim + 1, n - k_trim):
-                acc.add_(srt[j])
-            mean = acc / (n - 2 * k_trim)
-            _finite_or_raise(k, mean)
-            rflat[s:e].copy_(mean)
-        out[k] = result
-    return out
+
+    def trimmed(x: Tensor) -> Tensor:
+        srt = x.sort(dim=0).values
+        # Fixed-order float64 sum, row by row: independent of slice boundaries.
+        acc = srt[k_trim].clone()
+        for j in range(k_trim + 1, n - k_trim):
+            acc.add_(srt[j])
+        return acc / (n - 2 * k_trim)
+
+    return _per_coordinate(deltas, trimmed, factors, slice_elems)
 
 
 def pairwise_sq_distances(
@@ -584,24 +587,14 @@ def bulyan(
     selected, scores = bulyan_select(deltas, f, factors=factors, slice_elems=slice_elems)
     sub = [deltas[i] for i in selected]
     sub_f = None if factors is None else [factors[i] for i in selected]
-    keys = _check_layout(sub)
-    pages = PageReleaser()
     beta = len(sub) - 2 * f
-    out: dict[str, Tensor] = {}
-    for k in keys:
-        ref = sub[0][k]
-        result = torch.empty(ref.shape, dtype=ref.dtype)
-        rflat = result.view(-1)
-        flats = [_flat(d[k]) for d in sub]
-        pages.release_all(flats)
-        for s, e in _slices(rflat.numel(), slice_elems):
-            x = _stack(flats, s, e, sub_f, pages)  # (theta, slice) float64
-            med = x.median(dim=0).values  # torch's median: the lower of the two middle values
-            nearest = (x - med).abs().argsort(dim=0, stable=True)[:beta]
-            mean = x.gather(0, nearest).sum(dim=0) / beta
-            _finite_or_raise(k, mean)
-            rflat[s:e].copy_(mean)
-        out[k] = result
+
+    def nearest_median(x: Tensor) -> Tensor:  # (theta, slice) float64
+        med = x.median(dim=0).values  # torch's median: the lower of the two middle values
+        nearest = (x - med).abs().argsort(dim=0, stable=True)[:beta]
+        return x.gather(0, nearest).sum(dim=0) / beta
+
+    out = _per_coordinate(sub, nearest_median, sub_f, slice_elems)
     return out, selected, scores
 
 

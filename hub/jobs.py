@@ -32,7 +32,7 @@ from .dataset import (
     split_validation,
     validate_arrays,
 )
-from .errors import Unprocessable
+from .errors import BadRequest, Unprocessable
 from .policy import trend_base_round
 from .secagg_round import SecAggRound, secagg_length
 
@@ -430,9 +430,9 @@ def ingest_job(
             vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
             val = validate_arrays(vx, vy, mspec, what="val")
     else:
-        if train_path is None:
-            raise Unprocessable("a job needs a training set (part 'train': .npz or .csv), or "
-                                "[data] source = \"node-local\"", code="bad_form")
+        if train_path is None:  # a missing form part: 400, as the route answers for a missing spec
+            raise BadRequest("a job needs a training set (part 'train': .npz or .csv), or "
+                             "[data] source = \"node-local\"", code="bad_form")
         x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
         train = validate_arrays(x, y, mspec, what="train")
         if val_path is not None:

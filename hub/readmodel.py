@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
@@ -70,6 +70,7 @@ def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
 def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
     """The status document: state, progress and one history entry per closed round."""
     job_id = row["id"]
+    spec = _spec_of(row)
     history: list[dict[str, Any]] = []
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
     chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
@@ -93,24 +94,20 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
                              (job_id, r["round"])).fetchall()
         trained = sum(u["samples"] for u in ups)
         metrics = json.loads(r["metrics"] or "{}")
+        ev = json.loads(r["evidence"] or "{}")
         history.append({
             "round": r["round"], "loss": r["loss"], "accuracy": r["accuracy"], "train_loss": r["train_loss"],
             "model_hash": r["new_model_hash"], "closed_at": r["closed_at"], "opened_at": r["opened_at"],
             "metrics": {k: v for k, v in metrics.items() if k != "bytes_down"},
             "transfer": _transfer(ups, row["model_size"], metrics.get("bytes_down")),
             # aggregated without a replica's confirmation: update id -> why (verification.unverified)
-            "unverified": json.loads(r["evidence"] or "{}").get("unverified", {}),
-            # [privacy] secure_aggregation: the protocol's round (roster, survivors, summed, or why aborted)
-            **({"secure_aggregation": ev["secure_aggregation"]}
-               if "secure_aggregation" in (ev := json.loads(r["evidence"] or "{}")) else {}),
-            # node-local with the owner's validation set: each update's effect on its loss (evidence)
-            **({"probe": ev["probe"]} if "probe" in ev else {}),
-            # node-local, late = "next": updates of the round before's stragglers (update id -> round)
-            **({"late": ev["late"]} if "late" in ev else {}),
+            "unverified": ev.get("unverified", {}),
             # replica groups: shard id -> same_class | cross_class (which tolerance judged it)
-            "replica_comparison": json.loads(r["evidence"] or "{}").get("replica_comparison", {}),
-            # [privacy] dp = "central": the round's clip, noise and the updates it clipped (hub/privacy.py)
-            **({"privacy": p} if (p := json.loads(r["evidence"] or "{}").get("privacy")) else {}),
+            "replica_comparison": ev.get("replica_comparison", {}),
+            # secure_aggregation: the protocol's round (roster, survivors, summed, or why aborted);
+            # probe: each update's effect on the owner's validation loss (node-local); late: the
+            # round before's stragglers (late = "next"); privacy: the round's clip and noise (dp)
+            **{k: ev[k] for k in ("secure_aggregation", "probe", "late", "privacy") if ev.get(k)},
             "updates": [{"update_id": u["id"], "node_id": u["node_id"], "chunks": u["nchunks"],
                          "samples": u["samples"], "loss": u["loss"], "status": u["status"],
                          "replica_group": u["replica_group"]} for u in ups],
@@ -128,30 +125,26 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
         "train_samples": row["train_samples"], "val_samples": row["val_samples"],
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
-        "data_source": _data_source(row),
+        "data_source": "hub" if spec is None else spec.data.source,
         # node-local data: the silos attached (what the hub knows of each: never a row)
-        **({"silos": silos} if silos or _data_source(row) == "node-local" else {}),
+        **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": _job_parallelism(history),
-        **({"privacy": dp} if (dp := _privacy(row, len(history))) is not None else {}),
+        **({"privacy": dp} if spec is not None and (dp := _privacy(spec, len(history))) is not None else {}),
     }
 
 
-def _data_source(row: sqlite3.Row) -> str:
-    """Where the job's training data lives ([data] source: "hub" or "node-local")."""
+def _spec_of(row: sqlite3.Row) -> JobSpec | None:
+    """The job's spec as stored (None for a row without one that parses)."""
     try:
-        return parse_job_spec(row["spec_toml"]).data.source
+        return parse_job_spec(row["spec_toml"])
     except (ProtocolError, IndexError, KeyError):
-        return "hub"
+        return None
 
 
-def _privacy(row: sqlite3.Row, closed: int) -> dict[str, Any] | None:
+def _privacy(spec: JobSpec, closed: int) -> dict[str, Any] | None:
     """[privacy] dp = "central": the mechanism and the job's (ε, δ) after its closed rounds and at
     its last (hub/privacy.py's accountant); None when the job has no differential privacy. An ε
     with no finite bound (noise_multiplier 0) is null."""
-    try:
-        spec = parse_job_spec(row["spec_toml"])
-    except (ProtocolError, IndexError, KeyError):
-        return None
     dp = spec.privacy
     if not dp.central:
         return None

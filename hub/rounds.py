@@ -56,6 +56,7 @@ from .referee import (
     stack_data,
 )
 from .scheduler import Scheduler
+from .secagg_round import SecAggRound
 from .store import RoundResult, Store
 from .worksignal import WorkSignal
 
@@ -676,7 +677,7 @@ class RoundEngine:
         global_state = decode_state(self.blobs.read_private(job.model_hash))
         if job.secagg is not None:  # the hub holds only the sum of the masked updates (hub/secagg_round.py)
             judgement, included, flagged, evidence, opt, residual, new_state = self._secagg_step(
-                job, reps, global_state)
+                job, job.secagg, reps, global_state)
         else:
             norm = pool.submit(_norm, global_state) if reps else None
             with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
@@ -779,14 +780,13 @@ class RoundEngine:
             "evidence": evidence, "metrics": metrics, "train_loss": _finite_or_none(train_loss),
         }
 
-    def _secagg_step(self, job: JobState, reps: list[UpdateState], global_state: dict[str, Tensor]) -> tuple[
+    def _secagg_step(self, job: JobState, sa: SecAggRound, reps: list[UpdateState],
+                     global_state: dict[str, Tensor]) -> tuple[
             policy.RoundJudgement, list[int], dict[str, str], dict[str, Any], ServerOptimizer, dict[str, Tensor],
             dict[str, Tensor]]:
         """A secure-aggregation round: the weighted mean of the updates whose masks came off (the
         protocol's sum, never one update), or, when the protocol aborted, the model unchanged. No
         update can be scored or bounded: the hub never sees one."""
-        sa = job.secagg
-        assert sa is not None
         alive = set(sa.alive) if sa.phase == "done" else set()
         included = [i for i, u in enumerate(reps) if u.node_id in alive]
         statuses = {u.id: "included" if i in included else "excluded" for i, u in enumerate(reps)}

@@ -14,7 +14,7 @@ import mmap
 import os
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -69,6 +69,7 @@ from .wire import (
 from .worksignal import Wake, WorkSignal, pass_on
 
 routes = web.RouteTableDef()
+M = TypeVar("M")
 UPLOAD_READ = 1 << 20
 SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
 
@@ -192,51 +193,46 @@ async def abandon(request: web.Request) -> web.Response:
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
+async def _signed(request: web.Request, cls: type[M]) -> tuple[M, NodeState]:
+    """The body's signed message of type ``cls`` and the registered node that signed it."""
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), cls)
+    return msg, app[LEDGER].known_node(signer, request.remote)
+
+
 @routes.post("/v1/silos/schema")
 async def silo_schema(request: web.Request) -> web.Response:
     """What a silo of a node-local job must hold (signed SiloQuery -> signed SiloSchema)."""
-    app = request.app
-    body = await read_body(request, app[CONFIG].max_message_bytes)
-    msg, signer = open_node_message(request, body, SiloQuery)
-    ledger = app[LEDGER]
-    return sealed_response(request, ledger.silo_schema(ledger.known_node(signer, request.remote), msg.job_id))
+    msg, node = await _signed(request, SiloQuery)
+    return sealed_response(request, request.app[LEDGER].silo_schema(node, msg.job_id))
 
 
 @routes.post("/v1/silos")
 async def attach_silo(request: web.Request) -> web.Response:
     """A node attaches its silo to a node-local job (signed SiloRegistration -> signed Ack):
     the blob id, size, sample count and opt-in label histogram; never a row."""
-    app = request.app
-    body = await read_body(request, app[CONFIG].max_message_bytes)
-    msg, signer = open_node_message(request, body, SiloRegistration)
-    ledger = app[LEDGER]
-    detail = await ledger.attach_silo(ledger.known_node(signer, request.remote), msg)
+    msg, node = await _signed(request, SiloRegistration)
+    detail = await request.app[LEDGER].attach_silo(node, msg)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
 # -- secure aggregation (hub/secagg_round.py; each answer is the node's SecAggState) -------------
 @routes.post("/v1/secagg/keys")
 async def secagg_keys(request: web.Request) -> web.Response:
-    app = request.app
-    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggKeys)
-    ledger = app[LEDGER]
-    return sealed_response(request, await ledger.secagg_keys(ledger.known_node(signer, request.remote), msg))
+    msg, node = await _signed(request, SecAggKeys)
+    return sealed_response(request, await request.app[LEDGER].secagg_keys(node, msg))
 
 
 @routes.post("/v1/secagg/poll")
 async def secagg_poll(request: web.Request) -> web.Response:
-    app = request.app
-    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggPoll)
-    ledger = app[LEDGER]
-    return sealed_response(request, ledger.secagg_state(ledger.known_node(signer, request.remote), msg.assignment_id))
+    msg, node = await _signed(request, SecAggPoll)
+    return sealed_response(request, request.app[LEDGER].secagg_state(node, msg.assignment_id))
 
 
 @routes.post("/v1/secagg/shares")
 async def secagg_shares(request: web.Request) -> web.Response:
-    app = request.app
-    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggShares)
-    ledger = app[LEDGER]
-    return sealed_response(request, await ledger.secagg_shares(ledger.known_node(signer, request.remote), msg))
+    msg, node = await _signed(request, SecAggShares)
+    return sealed_response(request, await request.app[LEDGER].secagg_shares(node, msg))
 
 
 @routes.post("/v1/secagg/masked")
@@ -259,10 +255,8 @@ async def secagg_masked(request: web.Request) -> web.Response:
 
 @routes.post("/v1/secagg/unmask")
 async def secagg_unmask(request: web.Request) -> web.Response:
-    app = request.app
-    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), SecAggUnmask)
-    ledger = app[LEDGER]
-    return sealed_response(request, ledger.secagg_unmask(ledger.known_node(signer, request.remote), msg))
+    msg, node = await _signed(request, SecAggUnmask)
+    return sealed_response(request, request.app[LEDGER].secagg_unmask(node, msg))
 
 
 def _blob_reader(request: web.Request, sha: str) -> NodeState:

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
-from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.jobspec import parse_job_spec
 
 from . import readmodel
 from .appkeys import BLOBS, CONFIG, LEDGER, METRICS, STORE
@@ -41,15 +39,6 @@ async def _save_part(part: BodyPartReader, dest: Path, limit: int) -> int:
     finally:
         await loop.run_in_executor(None, fh.close)
     return size
-
-
-def _node_local(spec_text: bytes) -> bool:
-    """Does the spec declare node-local data (so it comes without a training set)? A spec that
-    does not parse is refused later, with the parser's message."""
-    try:
-        return parse_job_spec(spec_text).data.node_local
-    except ProtocolError:
-        return False
 
 
 @routes.post("/v1/jobs")
@@ -92,8 +81,8 @@ async def submit_job(request: web.Request) -> web.Response:
                     raise BadRequest(f"unknown part {name!r}; expected spec, train, val", code="bad_form")
         except (ValueError, HttpProcessingError) as exc:  # aiohttp's multipart parser on malformed bodies
             raise BadRequest(f"malformed multipart body: {one_line(str(exc))}", code="bad_form") from None
-        if spec_text is None or ("train" not in paths and not _node_local(spec_text)):
-            raise BadRequest("a job needs the parts 'spec' (TOML) and 'train' (.npz or .csv), unless its "
+        if spec_text is None:  # 'train' too, unless the spec is node-local: jobs.ingest_job says which
+            raise BadRequest("a job needs the part 'spec' (TOML), and 'train' (.npz or .csv) unless its "
                              "[data] source is \"node-local\"", code="bad_form")
         app[METRICS].bytes_in += len(spec_text) + sum(p.stat().st_size for p in paths.values())
         job = await app[LEDGER].submit_job(who.name, spec_text, paths.get("train"), paths.get("val"))

@@ -117,8 +117,7 @@ class SecAggRound:
 
     def add_masked(self, node_id: str, assignment_id: str, vector: np.ndarray) -> None:
         m = self.may_mask(node_id, assignment_id, int(vector.size) * 4)
-        assert self._server is not None
-        self._server.add_masked(node_id, vector)
+        self._cryptography().add_masked(node_id, vector)
         m.masked = True
 
     def add_unmask(self, node_id: str, assignment_id: str, shares: Sequence[UnmaskShare]) -> None:
@@ -127,9 +126,8 @@ class SecAggRound:
             raise Conflict(f"the round's secure aggregation is not unmasking ({self.phase})", code="secagg_phase")
         if m.unmasked:
             return
-        assert self._server is not None
         try:
-            self._server.add_unmask(node_id, {s.node_id: (s.kind, s.share) for s in shares})
+            self._cryptography().add_unmask(node_id, {s.node_id: (s.kind, s.share) for s in shares})
         except ProtocolError as exc:
             raise Unprocessable(f"unmask shares refused: {exc}", code="bad_shares") from None
         m.unmasked = True
@@ -208,10 +206,15 @@ class SecAggRound:
         self.phase = phase
         self.phase_at = now
 
+    def _cryptography(self) -> SecAggServer:
+        """The protocol's server side, which exists from the roster on (until an abort)."""
+        if self._server is None:
+            raise Conflict(f"the round's secure aggregation has no roster ({self.phase})", code="secagg_phase")
+        return self._server
+
     def _finish(self, now: float) -> None:
-        assert self._server is not None
         try:
-            self.total = self._server.result(self.survivors, self.alive)
+            self.total = self._cryptography().result(self.survivors, self.alive)
         except ProtocolError as exc:
             self.abort(f"unmasking failed: {exc}")
             return
