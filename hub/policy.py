@@ -88,7 +88,9 @@ from .verification import (
     UpdateRecord,
     compare_replicas,
     is_trusted,
+    median,
     review_round,
+    size_allowance,
 )
 
 __all__ = [
@@ -578,7 +580,8 @@ def judge_round(
     scores = review.evidence.get("scores", {})
     norms = {c.update_id: _num(scores.get(c.update_id, {}).get("norm")) for c in included}
     unit = {c.update_id: norms[c.update_id] / max(c.shard_samples, 1) for c in included}
-    scales = norm_bound_scales(unit, float(spec.norm_bound))
+    scales = norm_bound_scales(unit, float(spec.norm_bound),
+                               {c.update_id: float(c.shard_samples) for c in included})
     samples = {c.update_id: float(c.shard_samples) for c in included}
     vouched_ids = set(samples) if vouched_by_trusted is None else set(vouched_by_trusted)
     factors = bound_weights(samples, vouched_ids, float(spec.untrusted_share))
@@ -598,19 +601,28 @@ def _num(value: object) -> float:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
 
 
-def norm_bound_scales(unit_norms: Mapping[str, float], bound: float) -> dict[str, float]:
+def norm_bound_scales(
+    unit_norms: Mapping[str, float], bound: float, samples: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """update id -> scale (< 1) for each update whose norm per sample is over ``bound`` x the
-    median of ``unit_norms`` (norms per sample of the round's included updates). Needs 3 or
-    more updates (the median of two is their mean, which one update drags); ``bound`` 0 = off."""
+    median of ``unit_norms`` (norms per sample of the round's included updates), the bound
+    widened by ``verification.size_allowance`` for a shard whose sample count (``samples``)
+    differs from the round's median. Needs 3 or more updates (the median of two is their mean,
+    which one update drags); ``bound`` 0 = off."""
     if bound <= 0 or len(unit_norms) < 3:
         return {}
-    values = sorted(unit_norms.values())
-    m = len(values)
-    median = values[m // 2] if m % 2 else 0.5 * (values[m // 2 - 1] + values[m // 2])
-    if not math.isfinite(median) or median <= 0:
+    centre = median(list(unit_norms.values()))
+    if not math.isfinite(centre) or centre <= 0:
         return {}
-    limit = bound * median
-    return {u: limit / n for u, n in unit_norms.items() if n > limit}
+    med_samples = median(list(samples.values())) if samples else 0.0
+    out: dict[str, float] = {}
+    for u, n in unit_norms.items():
+        widen = size_allowance(samples[u], med_samples) if samples and u in samples else 1.0
+        limit = bound * centre * widen
+        if n > limit:
+            out[u] = limit / n
+    return out
+
 
 
 def bound_weights(samples: Mapping[str, float], vouched: Collection[str], share: float) -> dict[str, float]:
@@ -624,10 +636,8 @@ def bound_weights(samples: Mapping[str, float], vouched: Collection[str], share:
     untrusted = {u: w for u, w in samples.items() if u not in vouched}
     if not untrusted or share >= 1.0:
         return {}
-    values = sorted(samples.values())
-    m = len(values)
-    median = values[m // 2] if m % 2 else 0.5 * (values[m // 2 - 1] + values[m // 2])
-    capped = {u: min(w, median) for u, w in untrusted.items()}
+    middle = median(list(samples.values()))
+    capped = {u: min(w, middle) for u, w in untrusted.items()}
     v_total = math.fsum(w for u, w in samples.items() if u in vouched)
     u_total = math.fsum(capped.values())
     scale = 1.0

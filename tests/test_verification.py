@@ -626,3 +626,34 @@ def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
     memo[("a", "b")] = (0.0, {})  # a memo that says they agree is believed: no second measurement
     second = compare_replicas(group, spec, trusted={"n1", "n2"}, distances=memo)
     assert second.agreed and second.evidence["pairs"][0]["relative_distance"] == 0.0
+
+
+def test_norm_bound_widens_for_shards_far_from_the_rounds_median_size(world):
+    """From the job's initial state (momentum still building up), a 1,024-sample shard moves
+    further per sample than the round's 64-sample shards: honest, so not flagged (a CI round
+    once flagged such an honest replica majority, which withdrew the flag on the sign-flipping
+    minority). A 10x update on a shard of the median size is still flagged for its norm."""
+    init = atk.initial_state(world["spec"])
+    chunks = world["chunks"]
+    sizes = [16, 1, 1, 1, 1, 1, 1, 1]  # chunks of 64 samples (digits has 22 and a bit); median: 64
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    recs = []
+    for j, (s, k) in enumerate(zip(starts, sizes, strict=True)):
+        attack = atk.make_attack("scale") if j == 1 else None
+        r = atk.contribute(attack, world["spec"], init, chunks[s : s + k], world["cfg"], seed=j)
+        recs.append(UpdateRecord(update_id=f"u{j}", node_id=f"n{j}", shard_id=f"s{j}",
+                                 samples_claimed=r.sample_count, shard_samples=r.sample_count, loss=r.loss,
+                                 train_s=r.train_s, node_samples_per_s=0.0, delta=r.delta))
+    norm0 = math.sqrt(sum(float(v.double().pow(2).sum()) for v in init.values() if v.is_floating_point()))
+    rv = review_round(recs, norm0, SPEC)
+    ratios = {u: s["norm_ratio"] for u, s in rv.evidence["scores"].items()}
+    # the large shard really is past norm_ratio_max per sample (4.38 here), and honest
+    assert ratios["u0"] > SPEC.norm_ratio_max, ratios
+    assert [(f.update_id, f.reason) for f in rv.flags] == [("u1", "outlier")], (ratios, rv.flags)
+    flag = rv.flags[0]
+    assert any("norm per sample" in p for p in flag.evidence["problems"])
+    assert flag.evidence["norm_ratio_limit"] == pytest.approx(SPEC.norm_ratio_max)  # median size
+    from gpuflex.hub.verification import size_allowance
+
+    assert size_allowance(1024, 128) == pytest.approx(math.sqrt(8))
+    assert size_allowance(32, 128) == pytest.approx(2.0) and size_allowance(128, 128) == 1.0
