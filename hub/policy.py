@@ -90,7 +90,6 @@ from .verification import (
     is_trusted,
     median,
     review_round,
-    size_allowance,
 )
 
 __all__ = [
@@ -580,8 +579,7 @@ def judge_round(
     scores = review.evidence.get("scores", {})
     norms = {c.update_id: _num(scores.get(c.update_id, {}).get("norm")) for c in included}
     unit = {c.update_id: norms[c.update_id] / max(c.shard_samples, 1) for c in included}
-    scales = norm_bound_scales(unit, float(spec.norm_bound),
-                               {c.update_id: float(c.shard_samples) for c in included})
+    scales = norm_bound_scales(unit, float(spec.norm_bound))
     samples = {c.update_id: float(c.shard_samples) for c in included}
     vouched_ids = set(samples) if vouched_by_trusted is None else set(vouched_by_trusted)
     factors = bound_weights(samples, vouched_ids, float(spec.untrusted_share))
@@ -601,28 +599,22 @@ def _num(value: object) -> float:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
 
 
-def norm_bound_scales(
-    unit_norms: Mapping[str, float], bound: float, samples: Mapping[str, float] | None = None
-) -> dict[str, float]:
+def norm_bound_scales(unit_norms: Mapping[str, float], bound: float) -> dict[str, float]:
     """update id -> scale (< 1) for each update whose norm per sample is over ``bound`` x the
-    median of ``unit_norms`` (norms per sample of the round's included updates), the bound
-    widened by ``verification.size_allowance`` for a shard whose sample count (``samples``)
-    differs from the round's median. Needs 3 or more updates (the median of two is their mean,
-    which one update drags); ``bound`` 0 = off."""
+    median of ``unit_norms`` (norms per sample of the round's included updates). Needs 3 or
+    more updates (the median of two is their mean, which one update drags); ``bound`` 0 = off.
+
+    Unlike the review's norm-ratio limit, this bound does not widen for a shard larger than the
+    round's median (``verification.size_allowance``): clipping accuses nobody, and a node can ask
+    for a larger shard by claiming more throughput, so the room a crafted update gets stays
+    ``bound`` x the median per sample whatever its shard's size."""
     if bound <= 0 or len(unit_norms) < 3:
         return {}
     centre = median(list(unit_norms.values()))
     if not math.isfinite(centre) or centre <= 0:
         return {}
-    med_samples = median(list(samples.values())) if samples else 0.0
-    out: dict[str, float] = {}
-    for u, n in unit_norms.items():
-        widen = size_allowance(samples[u], med_samples) if samples and u in samples else 1.0
-        limit = bound * centre * widen
-        if n > limit:
-            out[u] = limit / n
-    return out
-
+    limit = bound * centre
+    return {u: limit / n for u, n in unit_norms.items() if n > limit}
 
 
 def bound_weights(samples: Mapping[str, float], vouched: Collection[str], share: float) -> dict[str, float]:
