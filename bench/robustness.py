@@ -394,7 +394,9 @@ class Simulation:
                 )
             reps_w.sort(key=lambda g: (g.sha, g.rec.update_id))
             gnorm = global_norm(state) if reps_w else 0.0
-            judgement = policy.judge_round([g.rec for g in reps_w], gnorm, self.vspec, groups)
+            dissent = {g.rec.update_id: g.rec for d, grp in settled for g in grp
+                       if d.statuses.get(g.rec.update_id) == "quarantined"}
+            judgement = policy.judge_round([g.rec for g in reps_w], gnorm, self.vspec, groups, dissent=dissent)
             by_uid = {g.rec.update_id: g for g in all_work}
             for nid in judgement.flagged_nodes:
                 self.nodes[nid].rep = vf.record_flag(self.nodes[nid].rep)

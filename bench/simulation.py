@@ -296,8 +296,10 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             reps.append(record(rep, s, deltas[rep.id], nodes[rep.node_id].state))
             groups[rep.id] = tuple(policy.GroupMember(u.id, u.node_id, u.status) for u in s.accepted if u.id != rep.id)
         reps.sort(key=lambda rec: rec.update_id)
+        dissent = {u.id: record(u, s, deltas[u.id], nodes[u.node_id].state)
+                   for s in settled for u in s.accepted if u.status == "quarantined"}
         c0 = time.process_time()
-        judgement = policy.judge_round(reps, 10.0, vspec, groups)
+        judgement = policy.judge_round(reps, 10.0, vspec, groups, dissent=dissent)
         cpu += time.process_time() - c0
         for nid in judgement.flagged_nodes:
             nodes[nid].state.reputation = vf.record_flag(nodes[nid].state.reputation)

@@ -14,7 +14,7 @@ the published robustness figures describe the policy the hub runs.
   ``RoundJudgement``: review_round's scores and flags, plus the vouching rule: when
   review flags the representative of an agreeing replica group, every member that
   agreed with it is flagged too, and the minority's replica_mismatch flags are
-  withdrawn (the minority was right).
+  withdrawn (the minority was right) when the minority's own update passes the same review.
 
 The rules of ``decide_shard``, in order:
 
@@ -539,10 +539,16 @@ def judge_round(
     *,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
     vouched_by_trusted: Collection[str] | None = None,
+    dissent: Mapping[str, UpdateRecord] | None = None,
 ) -> RoundJudgement:
     """Review the round's candidates (one per settled shard) and apply the vouching rule.
 
     ``groups``: representative update id -> the other accepted updates of its shard.
+    ``dissent``: the records of the groups' quarantined members (the outvoted minorities), by
+    update id. A minority's replica_mismatch flag is withdrawn only when its own update then
+    passes the same review (scored with the round's candidates, never included): a majority
+    flagged at review does not make a sign-flipped minority right. None: withdrawn unchecked
+    (the rule before dissent was scored; kept for callers that hold no minority records).
     ``vouched_by_trusted``: the candidates a trusted node delivered or agreed with; the rest
     carry bounded weight (``bound_weights``). None: no weight bound (every update counts as
     vouched for).
@@ -574,6 +580,8 @@ def judge_round(
                 statuses[m.update_id] = "quarantined"
             elif m.status == "quarantined":
                 withdrawn.append(m.update_id)
+    if dissent is not None and withdrawn:
+        withdrawn = _minority_right(candidates, withdrawn, dissent, global_norm, spec, slice_elems)
     flagged_nodes = (*sorted({f.node_id for f in review.flags}), *(f.node_id for f in vouched))
     included = [c for c in candidates if c.update_id in keep]
     scores = review.evidence.get("scores", {})
@@ -597,6 +605,24 @@ def judge_round(
 
 def _num(value: object) -> float:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
+
+
+def _minority_right(
+    candidates: Sequence[UpdateRecord],
+    pending: Sequence[str],
+    dissent: Mapping[str, UpdateRecord],
+    global_norm: float,
+    spec: VerificationSpec,
+    slice_elems: int,
+) -> list[str]:
+    """The outvoted updates (``pending``) whose own scores pass the round's review: their
+    replica_mismatch flags are withdrawn. One without a record in ``dissent`` keeps its flag."""
+    known = [dissent[u] for u in pending if u in dissent]
+    if not known:
+        return []
+    scored = review_round(candidates, global_norm, spec, score_only=known, slice_elems=slice_elems)
+    failed = {f.update_id for f in scored.flags}
+    return [u for u in pending if u in dissent and u not in failed]
 
 
 def norm_bound_scales(unit_norms: Mapping[str, float], bound: float) -> dict[str, float]:

@@ -680,16 +680,24 @@ class RoundEngine:
                 job, job.secagg, reps, global_state)
         else:
             norm = pool.submit(_norm, global_state) if reps else None
-            with open_deltas(self.blobs, [u.sha for u in reps], job.layout) as deltas:
+            # the outvoted minorities of the round's replica groups: scored when their majority is
+            # flagged at review, before their replica_mismatch flags may be withdrawn (policy)
+            minority = [m for u in reps for m in shard_of[u.id].accepted if m.status == "quarantined"]
+            with open_deltas(self.blobs, [u.sha for u in (*reps, *minority)], job.layout) as opened:
+                deltas, minority_deltas = opened[:len(reps)], opened[len(reps):]
                 gnorm = norm.result() if norm is not None else 0.0
                 records = self._records(job, shard_of, reps, deltas)
+                dissent = {r.update_id: r for r in self._records(
+                    job, {m.id: shard_of[u.id] for u in reps for m in shard_of[u.id].accepted},
+                    minority, minority_deltas)}
                 # A node-local job's silos can never earn trust (nothing to replicate them with), so
                 # the untrusted weight bound would cap every silo at the round's median count for good:
                 # its updates are weighted by their sample count, which the owner's max_samples caps
                 judgement = policy.judge_round(records, gnorm, spec.verification, groups,
                                                vouched_by_trusted=None if job.node_local
-                                               else self._vouched(job, reps, groups))
-                del records
+                                               else self._vouched(job, reps, groups),
+                                               dissent=dissent)
+                del records, dissent
                 keep = set(judgement.review.included)
                 included = [i for i, u in enumerate(reps) if u.id in keep]
                 flagged = {f.update_id: f.reason for f in judgement.review.flags}

@@ -606,6 +606,29 @@ def test_judge_round_flags_the_vouching_majority_and_withdraws_the_minority_flag
     assert empty.review.included == [] and empty.flags == () and dict(empty.statuses) == {}
 
 
+def test_a_minority_flag_is_withdrawn_only_when_the_minority_passes_the_review(world):
+    """The vouching rule with the minorities' records (what the hub passes): an honest minority
+    outvoted by colluding flippers is cleared; a flipped minority outvoted by a majority that
+    review flags too (here a 10x update) keeps its replica_mismatch flag, for the auditor."""
+    others = [run(world, j, node=f"o{j}") for j in range(5)]
+    flip = run(world, 6, "sign_flip", node="f1")
+    honest_minority = run(world, 6, node="h", uid="u-h")
+    groups = {flip.update_id: (GroupMember("u-f2", "f2", "redundant"), GroupMember("u-h", "h", "quarantined"))}
+    gn = global_norm(world)
+    out = judge_round([*others, flip], gn, SPEC, groups, dissent={"u-h": honest_minority})
+    assert out.withdrawn == ("u-h",)
+    assert "u-h" not in out.review.included and "u-h" not in out.statuses  # scored, never included
+
+    scaled = run(world, 6, "scale", node="s1")
+    flipped_minority = run(world, 6, "sign_flip", node="x", uid="u-x")
+    groups = {scaled.update_id: (GroupMember("u-s2", "s2", "redundant"), GroupMember("u-x", "x", "quarantined"))}
+    out = judge_round([*others, scaled], gn, SPEC, groups, dissent={"u-x": flipped_minority})
+    assert [(f.update_id, f.reason) for f in out.flags] == [(scaled.update_id, "outlier"), ("u-s2", "outlier")]
+    assert out.withdrawn == ()  # the flipped minority's flag stands
+    assert judge_round([*others, scaled], gn, SPEC, groups).withdrawn == ("u-x",)  # without records: as before
+    assert judge_round([*others, scaled], gn, SPEC, groups, dissent={}).withdrawn == ()  # no record: kept
+
+
 def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
     """policy judges a group twice on the referee path (strict, then the plain rules): the memo
     carries the measured pairs to the second call, and the second call really reads it."""
