@@ -264,9 +264,22 @@ class JobState:
     def live_count(self) -> int:
         return self.live_n
 
+    def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
+        """A node's silo leaves the job (its operator removed it): no longer anyone's, never in
+        the pool again, and no round waits for it. Its chunk keeps its index (rounds it trained
+        name it). The withdrawn chunk, or None when the node had no silo."""
+        idx = self.silo_of.pop(node_id, None)
+        if idx is None:
+            return None
+        old = self.chunks[idx]
+        self.chunks[idx] = chunk = ChunkInfo(idx, old.sha, old.samples, old.size, None)
+        self.take([idx])
+        self._by_idx = None
+        return chunk
+
     def release(self, idxs: tuple[int, ...] | list[int]) -> None:
-        """Chunks go back to the round's pool."""
-        back = [i for i in idxs if i not in self.free]
+        """Chunks go back to the round's pool (a node-local job's withdrawn silos do not)."""
+        back = [i for i in idxs if i not in self.free and not (self.node_local and self.chunks[i].owner is None)]
         self.free.update(back)
         self.free_total += sum(self.chunks[i].samples for i in back)
         if idxs:
@@ -362,8 +375,10 @@ class JobState:
         self.bytes_down = 0
         self.replicated = {}
         self.most_holders = 0
-        self.free = {c.idx for c in self.chunks}
-        self.free_total = sum(c.samples for c in self.chunks)
+        # a node-local job's withdrawn silos (no owner) are in no round's pool
+        pool = [c for c in self.chunks if not (self.node_local and c.owner is None)]
+        self.free = {c.idx for c in pool}
+        self.free_total = sum(c.samples for c in pool)
         self.cursor = 0
         self.next_seq = 0
         if len(self.by_sha) != len(self.chunks):

@@ -38,6 +38,7 @@ from gpuflex.protocol.messages import (
     SecAggUnmask,
     SiloRegistration,
     SiloSchema,
+    SiloWithdrawal,
     StateRequest,
     StateUpload,
     UpdateHeader,
@@ -592,6 +593,28 @@ class Ledger:
         job.attach_silo(node.id, msg.sha256, msg.samples, msg.size)
         self.signal.notify()
         return "replaced" if current is not None else "attached"
+
+    async def withdraw_silo(self, node: NodeState, msg: SiloWithdrawal) -> str:
+        """The node's operator removed its silo ``msg.sha256`` (durably, before the 2xx): the hub
+        stops assigning it, ends the node's live assignment of it (as an abandon does: a round with
+        secure aggregation counts the node as dropped), and no round waits for it. Idempotent; a
+        blob id that is not the node's current silo of the job changes nothing."""
+        job = self._silo_job(msg.job_id)
+        idx = job.silo_of.get(node.id)
+        if idx is None or job.chunks[idx].sha != msg.sha256:
+            return "not attached: nothing to withdraw"
+        live = [a for a in self.scheduler.assignments.values()
+                if a.node_id == node.id and a.job_id == job.id and msg.sha256 in a.chunk_shas]
+        if any(a.uploading for a in live):
+            raise Conflict("this silo's update is being uploaded; withdraw it once the upload ends",
+                           code="busy")
+        await self.store.withdraw_silo(job.id, idx, [a.id for a in live])
+        for a in live:
+            self._release(a)
+        job.withdraw_silo(node.id)
+        self.rounds.poke(job.id)  # a round that waited for this silo may close now
+        self.signal.offer()
+        return "withdrawn" + (f"; its assignment {live[0].id} ended" if live else "")
 
     # -- secure aggregation (hub/secagg_round.py) -------------------------------------------
     def _secagg(self, node: NodeState, assignment_id: str) -> tuple[AssignmentState | None, JobState, SecAggRound]:

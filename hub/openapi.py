@@ -119,6 +119,11 @@ def openapi_document() -> dict[str, Any]:
             "attach this node's silo to a node-local job: its blob id, size, sample count and (opt-in) label "
             "histogram; never a row. Durable before the 2xx; the node trains it from the next round it asks in",
             "SiloRegistration", "Ack (detail: attached | replaced | attached already)", (400, 401, 403, 404, 409, 422))},
+        "/v1/silos/withdraw": {"post": _node_op(
+            "withdraw this node's silo of a node-local job (its operator removed it): no longer assigned, no round "
+            "waits for it; a live assignment of it ends. Durable before the 2xx; idempotent",
+            "SiloWithdrawal", "Ack (detail: withdrawn | not attached: nothing to withdraw)",
+            (400, 401, 403, 404, 409, 422))},
         "/v1/blobs/{sha256}": {"get": {
             "summary": "a model or chunk blob named by a live assignment of the caller; supports Range",
             "tags": ["node"],

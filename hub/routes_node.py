@@ -33,6 +33,7 @@ from gpuflex.protocol.messages import (
     SecAggUnmask,
     SiloQuery,
     SiloRegistration,
+    SiloWithdrawal,
     StateUpload,
     UpdateHeader,
     UploadOffset,
@@ -213,6 +214,15 @@ async def attach_silo(request: web.Request) -> web.Response:
     the blob id, size, sample count and opt-in label histogram; never a row."""
     msg, node = await _signed(request, SiloRegistration)
     detail = await request.app[LEDGER].attach_silo(node, msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+@routes.post("/v1/silos/withdraw")
+async def withdraw_silo(request: web.Request) -> web.Response:
+    """A node's operator removed its silo (signed SiloWithdrawal -> signed Ack): the hub stops
+    assigning it and no round waits for it."""
+    msg, node = await _signed(request, SiloWithdrawal)
+    detail = await request.app[LEDGER].withdraw_silo(node, msg)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 

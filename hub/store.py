@@ -139,6 +139,11 @@ class Store(abc.ABC):
         """A node's silo for a node-local job (``chunk.owner``): a new chunk row, or its earlier
         silo's row (same index) replaced."""
 
+    @abc.abstractmethod
+    async def withdraw_silo(self, job_id: str, idx: int, abandoned: Sequence[str]) -> None:
+        """A node-local job's silo ``idx`` belongs to nobody any more (its chunk row stays, without
+        an owner), and its live assignments ``abandoned`` end abandoned, in one transaction."""
+
     # -- assignments -------------------------------------------------------------------------
     @abc.abstractmethod
     async def issue_assignment(self, a: AssignmentState, new_shard: ShardState | None,

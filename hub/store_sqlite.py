@@ -189,6 +189,13 @@ class SqlStore(Store):
 
         await self.db.write(write)
 
+    async def withdraw_silo(self, job_id: str, idx: int, abandoned: Sequence[str]) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE chunks SET owner_node = NULL WHERE job_id = ? AND idx = ?", (job_id, idx))
+            _end_live(conn, abandoned, "abandoned")
+
+        await self.db.write(write)
+
     async def job_state(self, job_id: str) -> str | None:
         row = await self.db.read(lambda c: c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone())
         return None if row is None else str(row["state"])

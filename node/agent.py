@@ -87,6 +87,7 @@ from .errors import (
     HubKeyMismatch,
     HubUnavailable,
     NodeError,
+    RemovedSilo,
     TrainError,
     TrainingStopped,
     UnknownNode,
@@ -565,9 +566,10 @@ class NodeAgent:
         for c in a.chunks:
             job = retired.get(c.sha256)
             if job is not None and c.sha256 not in local:
-                raise AssignmentRejected(
+                raise RemovedSilo(
                     f"assignment {a.assignment_id}: chunk {c.sha256[:12]}… is the silo of job {job} that was "
-                    "removed from this node (gpuflex-node data remove); not trained"
+                    "removed from this node (gpuflex-node data remove); not trained",
+                    job_id=job, sha256=c.sha256,
                 )
         return local
 
@@ -583,6 +585,10 @@ class NodeAgent:
             spec = self.check_assignment(a, local)
         except AssignmentRejected as exc:
             if a.node_id == self.node_id:
+                # a removed silo the hub still assigns (it was not told at `data remove`): withdrawn,
+                # so no later round assigns it or waits for it (the abandon is then a no-op)
+                if isinstance(exc, RemovedSilo):
+                    await self._tell_withdrawn(exc.job_id, exc.sha256)
                 await self._tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
             raise
         pause.new_assignment()
@@ -720,6 +726,14 @@ class NodeAgent:
         except (NodeError, TimeoutError) as exc:
             log.info("could not tell the hub about abandoning %s: %s", assignment_id, exc)
             return False
+
+    async def _tell_withdrawn(self, job_id: str, sha256: str) -> None:
+        try:
+            async with asyncio.timeout(self.config.abandon_timeout_s):
+                ack = await self._client().withdraw_silo(job_id, sha256, limit_s=self.config.abandon_timeout_s)
+            self.output.event("silo_withdrawn", job_id=job_id, sha256=sha256, detail=ack.detail)
+        except (NodeError, TimeoutError) as exc:
+            log.info("could not tell the hub that the silo of job %s was removed: %s", job_id, exc)
 
     # ---------------------------------------------------------------- side loops
 

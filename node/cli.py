@@ -130,9 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     listing = data_sub.add_parser("list", help="the silos this node holds")
     _add_data_dir(listing)
     listing.add_argument("--json", action="store_true", help="print raw JSON")
-    remove = data_sub.add_parser("remove", help="stop training a job's silo and delete its copy here "
-                                 "(local only: the hub is not told)")
+    remove = data_sub.add_parser("remove", help="stop training a job's silo, delete its copy here and tell "
+                                 "the hub to withdraw it (if the hub cannot be reached, the node tells it "
+                                 "when it next assigns the silo)")
     remove.add_argument("job", metavar="JOB")
+    remove.add_argument("--hub", metavar="URL", help="hub base URL (default: the pinned one, from DIR/hub.pin)")
+    remove.add_argument("--hub-key", metavar="FINGERPRINT",
+                        help="the hub key fingerprint to trust (gf1-...); default: the pinned one")
     _add_data_dir(remove)
     return parser
 
@@ -483,17 +487,55 @@ def _cmd_data_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_remove(args: argparse.Namespace) -> int:
+    """Remove the silo here first (the operator's data leaves this node's store whatever the hub
+    says), then ask the hub to withdraw it. An unreachable hub is told later, by the node."""
     from .silos import SiloError, SiloStore
 
-    store = SiloStore(_data_dir(args) / "silos")
+    data_dir = _data_dir(args)
+    store = SiloStore(data_dir / "silos")
     record = store.remove(args.job)
     if record is None:
         raise SiloError(f"no silo for job {args.job} on this node (see gpuflex-node data list)", code="no_silo")
     print(f"removed the silo of job {record.job_id} ({record.samples:,} samples, blob {record.sha256[:12]}…) "
           "from this node: it no longer trains it and refuses assignments that name it")
-    print(f"local only: the hub was not told (it keeps the silo's blob id and count); your file {record.source} "
-          "is untouched")
+    print(_withdraw_at_hub(args, data_dir, record.job_id, record.sha256))
+    print(f"your file {record.source} is untouched")
     return 0
+
+
+def _withdraw_at_hub(args: argparse.Namespace, data_dir: Path, job_id: str, sha256: str) -> str:
+    """One line: what the hub said to the withdrawal, or why it was not told."""
+    import aiohttp
+    from gpuflex.protocol.errors import ProtocolError
+
+    from .client import HubClient
+    from .errors import HubError
+    from .identity import check_hub_key, load_key
+
+    later = "the node tells it the next time the hub assigns this silo"
+    try:
+        key = load_key(data_dir)
+        if key is None:
+            return f"the hub was not told: this node has no identity in {data_dir}"
+        hub_url = _hub_url(data_dir, args.hub)
+
+        async def withdraw() -> str:
+            async with aiohttp.ClientSession() as session:
+                client = HubClient(hub_url, key, session)
+                public_key, claimed, _proto = await client.hub_info()
+                client.hub_public_key = check_hub_key(data_dir, hub_url, public_key, claimed, args.hub_key).public_key
+                return (await client.withdraw_silo(job_id, sha256)).detail
+
+        detail = asyncio.run(withdraw())
+    except HubKeyMismatch:
+        raise
+    except HubError as exc:
+        if exc.code == "unknown_job":
+            return f"the hub runs no job {job_id}: nothing to withdraw there"
+        return f"the hub was not told ({' '.join(str(exc).split())[:200]}); {later}"
+    except (NodeError, ProtocolError, OSError, aiohttp.ClientError, TimeoutError) as exc:
+        return f"the hub was not told ({' '.join(str(exc).split())[:200]}); {later}"
+    return f"the hub withdrew it: {detail}"
 
 
 def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = None) -> int:

@@ -40,6 +40,7 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloSchema,
+    SiloWithdrawal,
     StateRequest,
     StateUpload,
     UnmaskShare,
@@ -284,6 +285,13 @@ class HubClient:
         msg = SiloRegistration(job_id=job_id, sha256=sha256, size=size, samples=samples, timestamp=self.now(),
                                nonce=new_nonce(), label_histogram=tuple(histogram))
         return self._signed_answer(await self._post("/v1/silos", msg), Ack, "silo registration")
+
+    async def withdraw_silo(self, job_id: str, sha256: str, *, limit_s: float = 10.0) -> Ack:
+        """POST /v1/silos/withdraw: the operator removed this node's silo ``sha256`` of a node-local
+        job; the hub stops assigning it (idempotent: the Ack's detail says what it did)."""
+        msg = SiloWithdrawal(job_id=job_id, sha256=sha256, timestamp=self.now(), nonce=new_nonce())
+        return self._signed_answer(await self._post("/v1/silos/withdraw", msg, limit_s=limit_s), Ack,
+                                   "silo withdrawal")
 
     async def download_blob(
         self,

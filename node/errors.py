@@ -15,7 +15,8 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     │   └── Banned           403 banned: stop
     ├── HubUnavailable       network error / 5xx: retry with backoff
     ├── AssignmentRejected   signature or fields of an assignment are wrong
-    │   └── BadSignature     the work answer is not signed by the pinned hub key
+    │   ├── BadSignature     the work answer is not signed by the pinned hub key
+    │   └── RemovedSilo      it names a silo the operator removed (the hub is told to withdraw it)
     ├── BlobError            download failed verification (size / hash)
     ├── TrainError           the data or model does not fit the spec
     ├── TrainingStopped      should_stop() returned True between batches
@@ -76,6 +77,16 @@ class AssignmentRejected(NodeError):
 
 class BadSignature(AssignmentRejected):
     """The answer to a work request does not verify with the pinned hub key."""
+
+
+class RemovedSilo(AssignmentRejected):
+    """An assignment names a silo the operator removed from this node (``gpuflex-node data
+    remove``): ``job_id`` and ``sha256`` say which, for the withdrawal the node sends the hub."""
+
+    def __init__(self, message: str, *, job_id: str, sha256: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.sha256 = sha256
 
 
 class BlobError(NodeError):

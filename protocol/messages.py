@@ -625,6 +625,19 @@ class SiloRegistration:
     label_histogram: Annotated[tuple[int, ...], Seq(Int(), MAX_LIST)] = ()
 
 
+@dataclass(frozen=True)
+class SiloWithdrawal:
+    """Node -> hub, POST /v1/silos/withdraw: the operator removed this node's silo of a node-local
+    job (``gpuflex-node data remove``); the hub stops assigning it and no round waits for it. Names
+    the blob id, so a late withdrawal never drops a silo attached since. Answered with an Ack."""
+
+    KIND: ClassVar[str] = "silo_withdrawal"
+    job_id: IdStr
+    sha256: BlobIdStr
+    timestamp: Timestamp
+    nonce: Nonce
+
+
 # -- secure aggregation (protocol/secagg.py; hub/secagg_round.py runs the server's side) ------------
 #: the phases of a round's secure aggregation, as the hub reports them to a node
 SECAGG_PHASES: Final = ("keys", "shares", "masked", "unmask", "done", "aborted")
@@ -741,8 +754,8 @@ class SecAggUnmask:
 
 
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
-           | StateRequest | StateUpload | UploadOffset | SiloQuery | SiloSchema | SiloRegistration | SecAggKeys
-           | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask)
+           | StateRequest | StateUpload | UploadOffset | SiloQuery | SiloSchema | SiloRegistration | SiloWithdrawal
+           | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -760,6 +773,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     SiloQuery,
     SiloSchema,
     SiloRegistration,
+    SiloWithdrawal,
     SecAggKeys,
     SecAggPoll,
     SecAggState,
@@ -991,6 +1005,7 @@ __all__ = [
     "SiloQuery",
     "SiloRegistration",
     "SiloSchema",
+    "SiloWithdrawal",
     "StateRequest",
     "StateUpload",
     "TrainConfig",

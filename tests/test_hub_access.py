@@ -34,6 +34,7 @@ from gpuflex.protocol.messages import (
     SecAggUnmask,
     SiloQuery,
     SiloRegistration,
+    SiloWithdrawal,
     StateUpload,
     WorkRequest,
 )
@@ -96,6 +97,8 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                         other_node=(409, "not_node_local")),
     ("POST", "/v1/silos"): _node(unsigned=(400, "bad_message"), node=(409, "not_node_local"),
                                  other_node=(409, "not_node_local")),
+    ("POST", "/v1/silos/withdraw"): _node(unsigned=(400, "bad_message"), node=(409, "not_node_local"),
+                                          other_node=(409, "not_node_local")),
     # ... and has no secure aggregation (tests/test_secagg.py runs one): the node's own live assignment
     # is refused with no_secagg, another node's is not its to name
     **{("POST", f"/v1/secagg/{step}"): _node(unsigned=(401, "missing_auth") if step == "masked" else
@@ -288,6 +291,8 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
                                                  nonce=new_nonce()))
         elif path == "/v1/silos/schema":
             body = seal(signer.key, SiloQuery(job_id=w.job, timestamp=now, nonce=new_nonce()))
+        elif path == "/v1/silos/withdraw":
+            body = seal(signer.key, SiloWithdrawal(job_id=w.job, sha256="0" * 64, timestamp=now, nonce=new_nonce()))
         elif path == "/v1/silos":
             body = seal(signer.key, SiloRegistration(job_id=w.job, sha256="0" * 64, size=48, samples=1,
                                                      timestamp=now, nonce=new_nonce()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import hashlib
 import io
@@ -59,6 +60,7 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloSchema,
+    SiloWithdrawal,
     TrainConfig,
     UpdateHeader,
     Welcome,
@@ -479,6 +481,7 @@ class StandInHub:
     work: list[Assignment] = field(default_factory=list)
     updates: list[UpdateHeader] = field(default_factory=list)
     abandons: list[Abandon] = field(default_factory=list)
+    withdrawals: list[SiloWithdrawal] = field(default_factory=list)
 
     def sealed(self, msg: object) -> web.Response:
         return web.Response(body=seal(self.key, msg), content_type="application/x-msgpack")
@@ -538,8 +541,13 @@ class StandInHub:
             self.abandons.append(open_sealed(await request.read(), Abandon)[0])
             return self.sealed(Ack(ok=True, detail="", deadline=0.0))
 
+        async def withdraw(request: web.Request) -> web.Response:
+            self.withdrawals.append(open_sealed(await request.read(), SiloWithdrawal)[0])
+            return self.sealed(Ack(ok=True, detail="withdrawn", deadline=0.0))
+
         app = web.Application()
         app.router.add_get("/v1/hub", info)
+        app.router.add_post("/v1/silos/withdraw", withdraw)
         app.router.add_post("/v1/silos/schema", silo_schema)
         app.router.add_post("/v1/silos", silos)
         app.router.add_post("/v1/nodes/register", register)
@@ -621,8 +629,10 @@ async def test_data_add_sends_the_blob_id_size_and_count_and_nothing_else(hub, n
     assert "not shared (the job asks for it; pass --share-histogram to send it)" in out
     assert f"replaces   the silo {reg.sha256[:12]}" in out and "label histogram" not in out.splitlines()[-1]
 
+    current = SiloStore(node_dir / "silos").get(JOB)
     code, out, err = await data(capsys, "remove", JOB, "--data-dir", str(node_dir))
-    assert code == 0 and "no longer trains it" in out and "local only: the hub was not told" in out
+    assert code == 0 and "no longer trains it" in out and "the hub withdrew it: withdrawn" in out, (out, err)
+    assert [(w.job_id, w.sha256) for w in hub.withdrawals] == [(JOB, current.sha256)]  # signed, by the pinned hub
     assert SiloStore(node_dir / "silos").records() == [] and silo_files(node_dir) == []  # the replaced one too
     code, _, err = await data(capsys, "remove", JOB, "--data-dir", str(node_dir))
     assert code == 1 and err.strip() == f"gpuflex-node: error: no silo for job {JOB} on this node (see gpuflex-node data list)"
@@ -705,3 +715,20 @@ async def test_the_agent_trains_a_silo_from_its_disk_and_never_asks_the_hub_for_
     with pytest.raises(AssignmentRejected, match=f"is the silo of job {JOB} that was removed from this node"):
         agent.silo_chunks(again)
     assert not os.path.exists(store.blob_path(rec.sha256))
+    # ... and a running node asks the hub, which was not told (`data remove` ran offline), to withdraw it
+    sink = io.StringIO()
+    agent = NodeAgent(dataclasses.replace(agent.config, once=False), output=Output(sink, json_lines=True))
+    hub.work.append(again)
+    running = asyncio.create_task(agent.run())
+    try:
+        async with asyncio.timeout(30):
+            while not hub.abandons:
+                await asyncio.sleep(0.05)
+    finally:
+        agent.request_exit("test")
+        await asyncio.wait_for(running, 30)
+    assert [(w.job_id, w.sha256) for w in hub.withdrawals] == [(JOB, rec.sha256)]
+    assert [a.assignment_id for a in hub.abandons] == [again.assignment_id]  # a no-op at a real hub
+    events = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert any(e["event"] == "silo_withdrawn" and e["detail"] == "withdrawn" for e in events)
+    assert any(e["event"] == "rejected" for e in events) and hub.updates == [upd]

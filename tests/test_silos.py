@@ -383,3 +383,76 @@ async def test_a_straggler_counts_in_the_next_round_or_is_dropped_as_the_job_say
     else:
         assert late_status == 409 and "late_update" in late_body, late_body
         assert "late" not in second and all(u["update_id"] != late_update for u in second["updates"])
+
+
+async def _withdraw(node: SimNode, job: str, sha: str) -> Ack:
+    from gpuflex.protocol.messages import SiloWithdrawal
+    from gpuflex.protocol.signing import new_nonce, seal
+
+    msg = SiloWithdrawal(job_id=job, sha256=sha, timestamp=time.time(), nonce=new_nonce())
+    return await node.open_response(await node.post("/v1/silos/withdraw", seal(node.key, msg)), Ack)  # type: ignore[no-any-return]
+
+
+@pytest.mark.asyncio
+async def test_a_withdrawn_silo_is_not_assigned_or_waited_for_and_stays_withdrawn_across_a_restart(tmp_path):
+    """`gpuflex-node data remove` tells the hub: the node's live assignment of its silo ends, no round
+    assigns it or waits for it while the node stays online, and the SQLite file keeps it withdrawn."""
+    import sqlite3
+
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3, online_window_s=30.0)
+    x, y = digits()
+    try:
+        async with aiohttp.ClientSession() as session:
+            job = (await (await submit(session, hub, spec(rounds=3, quorum=2, deadline=30.0))).json())["id"]
+            nodes = [SimNode(session, hub.url) for _ in range(3)]
+            shas = []
+            for i, node in enumerate(nodes):
+                await node.register()
+                blob = silo_blob(x[100 * i:100 * i + 100], y[100 * i:100 * i + 100])
+                shas.append(hashlib.sha256(blob).hexdigest())
+                assert (await node.attach_silo(job, blob, 100)).status == 200
+            quitter = nodes[2]
+            got = await quitter.work(0.3)
+            assert isinstance(got, Assignment) and got.chunks[0].sha256 == shas[2]
+            ack = await _withdraw(quitter, job, shas[1])  # another node's blob: not this node's silo
+            assert ack.detail == "not attached: nothing to withdraw"
+            ack = await _withdraw(quitter, job, shas[2])
+            assert ack.detail == f"withdrawn; its assignment {got.assignment_id} ended"
+            assert (await _withdraw(quitter, job, shas[2])).detail == "not attached: nothing to withdraw"
+            live = hub.app[LEDGER].scheduler.jobs[job]
+            assert quitter.node_id not in live.silo_of and live.free == {0, 1}
+            assert isinstance(await quitter.work(0.3), NoWork)
+            assert [s["node_id"] for s in (await status(session, hub, job))["silos"]] == [
+                nodes[0].node_id, nodes[1].node_id]
+    finally:
+        await hub.stop()
+    conn = sqlite3.connect(tmp_path / "hub.sqlite3")
+    try:
+        assert conn.execute("SELECT owner_node FROM chunks WHERE sha = ?", (shas[2],)).fetchall() == [(None,)]
+        assert conn.execute("SELECT state FROM assignments WHERE id = ?", (got.assignment_id,)).fetchall() == [
+            ("abandoned",)]
+    finally:
+        conn.close()
+
+    hub = await start_hub(tmp_path, tokens={"owner": hub.owner_token, "auditor": hub.auditor_token,
+                                            "admin": hub.admin_token}, long_poll_max_s=0.3, online_window_s=30.0)
+    try:
+        live = hub.app[LEDGER].scheduler.jobs[job]
+        assert quitter.node_id not in live.silo_of and live.free == {0, 1}
+        async with aiohttp.ClientSession() as session:
+            for node in nodes:
+                node.session, node.url = session, hub.url
+            served: list[tuple[int, str, str]] = []
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes]  # all online
+            give_up = time.monotonic() + 60
+            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        await hub.stop()
+    assert doc["state"] == "done", doc.get("error")
+    assert {n for _, n, _ in served} == {nodes[0].node_id, nodes[1].node_id}  # never the withdrawn silo
+    took = [h["closed_at"] - h["opened_at"] for h in doc["history"]]
+    assert max(took) < 10.0, took  # not the 30 s deadline: no round waits for the online quitter

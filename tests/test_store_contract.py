@@ -453,6 +453,19 @@ async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened
         store.close()
     assert again.chunks == [ChunkInfo(0, "cc" * 32, 12, 480, "gf1-a"), ChunkInfo(1, "bb" * 32, 20, 700, "gf1-b")]
     assert again.silo_of == {"gf1-a": 0, "gf1-b": 1} and again.free == {0, 1} and again.free_total == 32
+    # withdrawn (gpuflex-node data remove): the row stays, without an owner, in no round's pool
+    store = _open(kind, where)
+    try:
+        await store.withdraw_silo(job.id, 1, [])
+    finally:
+        store.close()
+    store = _open(kind, where)
+    try:
+        (again,) = (await store.load()).jobs
+    finally:
+        store.close()
+    assert again.chunks[1] == ChunkInfo(1, "bb" * 32, 20, 700, None)
+    assert again.silo_of == {"gf1-a": 0} and again.free == {0} and again.free_total == 12
 
 
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:
