@@ -230,6 +230,18 @@ async def _serve(node: SimNode, job: str, *, served: list[tuple[int, str, str]],
         await _train_and_upload(node, got)
 
 
+async def _until_done(session: aiohttp.ClientSession, hub: Any, job: str, tasks: list[asyncio.Task[None]],
+                      stop: asyncio.Event, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The job's status once it is no longer running (or after ``timeout_s``); the serving
+    ``tasks`` are then stopped and awaited."""
+    give_up = time.monotonic() + timeout_s
+    while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
+        await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.gather(*tasks)
+    return doc
+
+
 @pytest.mark.asyncio
 async def test_rounds_train_each_silo_on_its_own_node_weighted_by_count(tmp_path):
     hub = await start_hub(tmp_path, long_poll_max_s=0.3)
@@ -311,11 +323,7 @@ async def test_a_round_closes_on_its_quorum_at_its_deadline_and_at_once_without_
             served: list[tuple[int, str, str]] = []
             stop = asyncio.Event()
             tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes[:2]]
-            give_up = time.monotonic() + 60
-            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
-                await asyncio.sleep(0.2)
-            stop.set()
-            await asyncio.gather(*tasks)
+            doc = await _until_done(session, hub, job, tasks, stop)
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
@@ -363,11 +371,7 @@ async def test_a_straggler_counts_in_the_next_round_or_is_dropped_as_the_job_say
                     "Content-Type": "application/octet-stream", "X-GPUFlex-Update": b64(seal(slow.key, hdr))}) as r:
                 late_status, late_body = r.status, (await r.read()).decode(errors="replace")
             tasks.append(asyncio.create_task(_serve(slow, job, served=served, stop=stop)))
-            give_up = time.monotonic() + 60
-            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
-                await asyncio.sleep(0.2)
-            stop.set()
-            await asyncio.gather(*tasks)
+            doc = await _until_done(session, hub, job, tasks, stop)
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
@@ -445,11 +449,7 @@ async def test_a_withdrawn_silo_is_not_assigned_or_waited_for_and_stays_withdraw
             served: list[tuple[int, str, str]] = []
             stop = asyncio.Event()
             tasks = [asyncio.create_task(_serve(n, job, served=served, stop=stop)) for n in nodes]  # all online
-            give_up = time.monotonic() + 60
-            while (doc := await status(session, hub, job))["state"] == "running" and time.monotonic() < give_up:
-                await asyncio.sleep(0.2)
-            stop.set()
-            await asyncio.gather(*tasks)
+            doc = await _until_done(session, hub, job, tasks, stop)
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
