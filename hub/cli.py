@@ -272,8 +272,11 @@ def _status_view(doc: dict[str, Any]) -> Any:
                     f" ε = {end} after all {doc['rounds']})")
     silos = doc.get("silos")
     if silos is not None:  # [data] source = "node-local": what the hub knows of each silo
-        head.append(f"\nsilos: {len(silos)} attached, {sum(s['samples'] for s in silos)} samples in all"
-                    " (the rows stay on their nodes)")
+        counts = [s["samples"] for s in silos]
+        total = f", {sum(counts)} samples in all" if None not in counts else ""
+        head.append(f"\nsilos: {len(silos)} attached{total} (the rows stay on their nodes)")
+    if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.owner_view)
+        head.append(f"\nnot shown: {doc['redacted']}")
     table = Table("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
                   "efficiency", "updates", "flags", "MB up / down", "compression")
 

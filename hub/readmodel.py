@@ -70,7 +70,7 @@ def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
 def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
     """The status document: state, progress and one history entry per closed round."""
     job_id = row["id"]
-    spec = _spec_of(row)
+    spec = spec_of(row)
     history: list[dict[str, Any]] = []
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
     chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
@@ -133,7 +133,64 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
     }
 
 
-def _spec_of(row: sqlite3.Row) -> JobSpec | None:
+def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
+               extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the owner of a job with a [privacy] option may see of its status (``doc``) and of the
+    console's extras (shard map, flags); admins and auditors, the hub's own side, see everything.
+
+    - secure aggregation: no update's training loss (a function of one silo's rows); the round's
+      train loss, their weighted mean, stays.
+    - central differential privacy, which protects whether a given silo took part against
+      whoever sees the published models (the owner among them): no node id (each node is a
+      positional pseudonym, silo-1, silo-2, ..., never derived from its id), no per-silo or
+      per-update sample count, loss, size, blob id, label histogram, training time or share.
+      Counts (silos attached, updates per round, shards) and the model's metrics stay.
+
+    Neither doc nor extras is changed: what is redacted is a copy (extras come back under "extras")."""
+    mode = None if spec is None or who.role != "owner" else (
+        "dp" if spec.privacy.central else "secagg" if spec.privacy.secure_aggregation else None)
+    if mode is None:
+        return doc if extras is None else doc | {"extras": extras}
+    out = json.loads(json.dumps(doc))
+    ext = json.loads(json.dumps(extras)) if extras is not None else None
+    if mode == "secagg":
+        out["redacted"] = "secure aggregation: no update's own training loss is shown"
+        for h in out["history"]:
+            for u in h["updates"]:
+                u["loss"] = None
+        return out if ext is None else out | {"extras": ext}
+    names: dict[str, str] = {}
+
+    def alias(node: Any) -> Any:
+        if not isinstance(node, str):
+            return node
+        return names.setdefault(node, f"silo-{len(names) + 1}")
+
+    out["redacted"] = ("central differential privacy: nodes are pseudonyms, and no silo's or update's "
+                       "sample count, loss, size or timing is shown")
+    for silo in out.get("silos", []):
+        silo.update(node_id=alias(silo["node_id"]), samples=None, blob=None, size=None, label_histogram=None)
+    for h in out["history"]:
+        for u in h["updates"]:
+            u.update(node_id=alias(u["node_id"]), samples=None, loss=None, chunks=None)
+        for f in h["flags"]:
+            f["node_id"] = alias(f["node_id"])
+        for sh in h.get("shards", []):
+            sh.update(nodes=[alias(n) for n in sh["nodes"]], samples=None, chunks=None, train_s=None,
+                      elapsed_s=None)
+        h["node_shares"] = {}
+        h.get("parallel", {}).update(balance=None)
+    if ext is not None:
+        for sh in ext.get("shards", []):
+            sh.update(samples=None, chunks=[{"idx": "–", "sha": ""} for _ in sh.get("chunks", [])])
+            for a in sh.get("assignments", []):
+                a["node_id"] = alias(a["node_id"])
+        for f in ext.get("flags", []):
+            f["node_id"] = alias(f["node_id"])
+    return out if ext is None else out | {"extras": ext}
+
+
+def spec_of(row: sqlite3.Row) -> JobSpec | None:
     """The job's spec as stored (None for a row without one that parses)."""
     try:
         return parse_job_spec(row["spec_toml"])
@@ -210,7 +267,8 @@ def _parallelism(ups: list[sqlite3.Row], wall_s: float) -> dict[str, Any]:
 async def job_document(app: web.Application, who: Principal, job_id: str) -> dict[str, Any]:
     """GET /v1/jobs/{id}: the stored status, with the live round's progress and any error the
     hub could not store yet (a failing store)."""
-    doc = await app[STORE].query(lambda c: job_status(c, job_row(c, who, job_id)))
+    doc, spec = await app[STORE].query(lambda c: _status_and_spec(c, job_row(c, who, job_id)))
+    doc = owner_view(doc, spec, who)
     live = app[LEDGER].scheduler.jobs.get(job_id)
     if live is not None:
         if live.error and not doc.get("error"):
@@ -221,6 +279,10 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
                 "chunks_free": len(live.free), "assignments_live": live.live_count(),
             }
     return doc
+
+
+def _status_and_spec(conn: sqlite3.Connection, row: sqlite3.Row) -> tuple[dict[str, Any], JobSpec | None]:
+    return job_status(conn, row), spec_of(row)
 
 
 def model_version(conn: sqlite3.Connection, who: Principal, job_id: str, version: int | None) -> sqlite3.Row:

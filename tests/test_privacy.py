@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import math
 import time
 from typing import Any
@@ -257,9 +258,11 @@ async def _serve(node: SimNode, job: str, stop: asyncio.Event) -> None:
             assert r.status == 200, await r.text()
 
 
-async def run_job(tmp_path: Any, text: str) -> dict[str, Any]:
+async def run_job(tmp_path: Any, text: str, views: dict[str, Any] | None = None) -> dict[str, Any]:
     """Submit ``text`` to a fresh hub, let three nodes train their Dirichlet(0.5) digits silos
-    until the job ends; its status document."""
+    until the job ends; its status document. ``views``, when given, gets what each side sees of
+    the finished job: the owner's status as raw JSON text and its console page, the admin's
+    status, and the nodes' ids."""
     hub = await start_hub(tmp_path, long_poll_max_s=0.3)
     x, y = digits()
     val = np.arange(0, len(y), 6)
@@ -290,19 +293,60 @@ async def run_job(tmp_path: Any, text: str) -> dict[str, Any]:
                 await asyncio.sleep(0.2)
             stop.set()
             await asyncio.gather(*tasks)
+            if views is not None:
+                views["nodes"] = [n.node_id for n in nodes]
+                async with session.get(f"{hub.url}/v1/jobs/{job}", headers=headers) as r:
+                    views["owner_json"] = await r.text()
+                async with session.get(f"{hub.url}/v1/jobs/{job}", headers=hub.auth(hub.admin_token)) as r:
+                    views["admin"] = await r.json()
+                from tests.test_console_helpers import Browserish
+
+                browser = Browserish(hub.url)
+                try:
+                    await browser.login(hub.owner_token)
+                    status, html, _ = await browser.get(f"/console/jobs/{job}")
+                    assert status == 200, html[:300]
+                    views["owner_html"] = html
+                finally:
+                    await browser.close()
     finally:
         await hub.stop()
     assert doc["state"] == "done", doc.get("error")
     return doc
 
 
+def _shown_to_owner(views: dict[str, Any]) -> dict[str, Any]:
+    """The owner's status (from its raw text) once no node id appears in that text or in the
+    owner's console page."""
+    for node in views["nodes"]:
+        assert node not in views["owner_json"] and node not in views["owner_html"], node
+    return json.loads(views["owner_json"])  # type: ignore[no-any-return]
+
+
 @pytest.mark.asyncio
 async def test_a_private_job_reports_its_epsilon_and_learns_under_little_noise_but_not_under_much(tmp_path):
     rounds, clip = 8, 1.0
     docs = {}
+    views: dict[str, Any] = {}
     for z in (0.1, 50.0):
         docs[z] = await run_job(tmp_path / f"z{z}", spec(
-            rounds=rounds, privacy=f'dp = "central"\nclip_norm = {clip}\nnoise_multiplier = {z}\ndelta = 1e-5\n'))
+            rounds=rounds, privacy=f'dp = "central"\nclip_norm = {clip}\nnoise_multiplier = {z}\ndelta = 1e-5\n'),
+            views=views if z == 0.1 else None)
+    # what central DP hides from the owner (who sees the published models): which node took part,
+    # and any silo's or update's count, loss or timing; the admin, the hub's own side, sees them
+    owner = _shown_to_owner(views)
+    assert owner["redacted"].startswith("central differential privacy")
+    assert sorted(s["node_id"] for s in owner["silos"]) == ["silo-1", "silo-2", "silo-3"]
+    assert all(s["samples"] is None and s["blob"] is None for s in owner["silos"])
+    for h in owner["history"]:
+        assert {u["node_id"] for u in h["updates"]} == {"silo-1", "silo-2", "silo-3"}
+        assert all(u["loss"] is None and u["samples"] is None for u in h["updates"])
+        assert h["node_shares"] == {} and all(sh["samples"] is None for sh in h["shards"])
+        assert h["train_loss"] is not None and h["accuracy"] is not None
+    admin = views["admin"]
+    assert "redacted" not in admin and {s["node_id"] for s in admin["silos"]} == set(views["nodes"])
+    assert all(u["loss"] is not None for h in admin["history"] for u in h["updates"])
+    assert "Not shown" in views["owner_html"] and "central differential privacy" in views["owner_html"]
     for z, doc in docs.items():
         assert doc["privacy"] == {
             "mechanism": "central gaussian, fixed clipping", "clip_norm": clip, "noise_multiplier": z,
@@ -342,3 +386,42 @@ def test_job_status_prints_the_privacy_line():
     console = Console(width=300, record=True)
     console.print(_status_view({k: v for k, v in doc.items() if k != "privacy"}))
     assert "privacy" not in console.export_text()
+
+
+def test_the_owner_view_hides_silos_from_the_owner_only_and_job_status_prints_what_is_not_shown():
+    from gpuflex.hub.cli import _status_view
+    from gpuflex.hub.readmodel import owner_view
+    from gpuflex.hub.tokens import Principal
+    from rich.console import Console
+
+    up = {"update_id": "u-1", "node_id": "gf1-aaaa", "chunks": 1, "samples": 120, "loss": 0.5, "status": "included",
+          "replica_group": ""}
+    doc = {"id": "j-1", "name": "x", "state": "done", "round": 1, "rounds": 1,
+           "silos": [{"node_id": "gf1-aaaa", "samples": 120, "blob": "ab" * 32, "size": 4000, "label_histogram": None,
+                      "attached_at": 1.0}],
+           "history": [{"round": 0, "loss": 1.0, "accuracy": 0.5, "train_loss": 0.7, "updates": [up],
+                        "flags": [{"flag_id": "f-1", "node_id": "gf1-aaaa", "reason": "outlier", "status": "open"}],
+                        "shards": [{"shard_id": "s0", "samples": 120, "chunks": 1, "replicated": False,
+                                    "nodes": ["gf1-aaaa"], "train_s": 1.0, "elapsed_s": 1.2}],
+                        "node_shares": {"gf1-aaaa": 1.0}, "parallel": {"nodes": 1, "shards": 1, "balance": 1.0}}]}
+    dp = parse_job_spec(spec(privacy='dp = "central"\nclip_norm = 1.0\nnoise_multiplier = 1.0\n'))
+    sa = parse_job_spec(spec(privacy="secure_aggregation = true\n"))
+    plain = parse_job_spec(spec(privacy=""))
+    owner, admin, auditor = (Principal(1, "owner", "alice"), Principal(2, "admin", "root"),
+                             Principal(3, "auditor", "eve"))
+    before = json.dumps(doc)
+    for who in (admin, auditor):
+        assert owner_view(doc, dp, who) is doc  # the hub's own side sees everything
+    assert owner_view(doc, plain, owner) is doc and owner_view(doc, None, owner) is doc
+    hidden = owner_view(doc, dp, owner)
+    assert "gf1-aaaa" not in json.dumps(hidden) and json.dumps(doc) == before  # a copy is redacted
+    assert hidden["silos"][0]["node_id"] == hidden["history"][0]["updates"][0]["node_id"] == "silo-1"
+    assert hidden["history"][0]["flags"][0]["node_id"] == "silo-1" and hidden["history"][0]["node_shares"] == {}
+    assert hidden["history"][0]["train_loss"] == 0.7 and hidden["history"][0]["updates"][0]["loss"] is None
+    summed = owner_view(doc, sa, owner)
+    assert summed["history"][0]["updates"][0] == up | {"loss": None} and summed["silos"] == doc["silos"]
+    console = Console(width=300, record=True)
+    console.print(_status_view(hidden))
+    text = console.export_text()
+    assert "silos: 1 attached (the rows stay on their nodes)" in text
+    assert "not shown: central differential privacy: nodes are pseudonyms" in text
