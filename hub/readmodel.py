@@ -182,7 +182,7 @@ def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
         h.get("parallel", {}).update(balance=None)
     if ext is not None:
         for sh in ext.get("shards", []):
-            sh.update(samples=None, chunks=[{"idx": "–", "sha": ""} for _ in sh.get("chunks", [])])
+            sh.update(samples=None, chunks=[{"idx": "-", "sha": ""} for _ in sh.get("chunks", [])])
             for a in sh.get("assignments", []):
                 a["node_id"] = alias(a["node_id"])
         for f in ext.get("flags", []):
