@@ -71,7 +71,9 @@ def openapi_document() -> dict[str, Any]:
                             "tags": ["node"], "responses": {"200": _json({"type": "object", "properties": {
                                 "public_key": {"type": "string", "description": "hex"},
                                 "fingerprint": {"type": "string"},
-                                "protocol_version": {"type": "integer"}}})}}},
+                                "protocol_version": {"type": "integer"},
+                                "server_time": {"type": "number", "description": "the hub's clock (Unix "
+                                                "seconds): a node that has not registered yet signs by it"}}})}}},
         "/v1/nodes/register": {"post": _node_op("register a node (hello + benchmark, optional enrollment token);"
                                                 " a new identity may be rate-limited (429 with Retry-After)",
                                                 "Hello", "Welcome", (400, 401, 403, 409, 413, 429))},

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import time
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -79,7 +80,7 @@ SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
 async def hub_identity(request: web.Request) -> web.Response:
     key = request.app[HUB_KEY]
     return json_response({"public_key": key.public_bytes.hex(), "fingerprint": key.fingerprint,
-                          "protocol_version": PROTOCOL_VERSION})
+                          "protocol_version": PROTOCOL_VERSION, "server_time": time.time()})
 
 
 @routes.post("/v1/nodes/register")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -183,6 +184,7 @@ class HubClient:
     async def hub_info(self) -> tuple[bytes, str, int]:
         """GET /v1/hub -> (public key, claimed fingerprint, protocol version)."""
         self.requests += 1
+        sent = time.time()
         try:
             async with self.session.get(
                 self._url("/v1/hub"), timeout=aiohttp.ClientTimeout(total=15)
@@ -195,9 +197,15 @@ class HubClient:
         try:
             obj = json.loads(data)
             pk = bytes.fromhex(str(obj["public_key"]))
-            return pk, str(obj["fingerprint"]), int(obj["protocol_version"])
+            info = pk, str(obj["fingerprint"]), int(obj["protocol_version"])
         except (ValueError, KeyError, TypeError) as exc:
             raise HubError(f"GET /v1/hub: malformed answer ({exc})", code="bad_answer") from exc
+        # the hub's clock, for what this client signs before it registers (`gpuflex-node data add`
+        # and `data remove` on a machine whose clock is off); registration's signed time replaces it
+        server_time = obj.get("server_time")
+        if isinstance(server_time, int | float) and math.isfinite(server_time):
+            self.clock_offset = float(server_time) - (sent + (time.time() - sent) / 2)
+        return info
 
     async def register(self, hello: Hello) -> Welcome:
         sent = time.time()

@@ -19,7 +19,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.appkeys import BLOBS, LEDGER
+from gpuflex.hub.appkeys import BLOBS, HUB_KEY, LEDGER
 from gpuflex.hub.evaluation import evaluate
 from gpuflex.hub.jobs import silo_seed
 from gpuflex.protocol.errors import SpecError
@@ -456,3 +456,33 @@ async def test_a_withdrawn_silo_is_not_assigned_or_waited_for_and_stays_withdraw
     assert {n for _, n, _ in served} == {nodes[0].node_id, nodes[1].node_id}  # never the withdrawn silo
     took = [h["closed_at"] - h["opened_at"] for h in doc["history"]]
     assert max(took) < 10.0, took  # not the 30 s deadline: no round waits for the online quitter
+
+
+@pytest.mark.asyncio
+async def test_a_node_whose_clock_is_an_hour_ahead_signs_by_the_hubs_clock_before_it_registers(tmp_path, monkeypatch):
+    """`gpuflex-node data add` signs before any registration: the client takes the hub's clock from
+    GET /v1/hub, so a machine an hour off is not refused as a replay."""
+    import types
+
+    from gpuflex.node import client as client_mod
+    from gpuflex.node.client import HubClient
+    from gpuflex.node.errors import HubError
+
+    hub = await start_hub(tmp_path, long_poll_max_s=0.3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            job = (await (await submit(session, hub, spec())).json())["id"]
+            node = SimNode(session, hub.url)
+            await node.register()
+            ahead = types.SimpleNamespace(**{k: getattr(time, k) for k in ("monotonic", "perf_counter", "sleep")},
+                                          time=lambda: time.time() + 3600.0)
+            monkeypatch.setattr(client_mod, "time", ahead)
+            client = HubClient(hub.url, node.key, session)
+            client.hub_public_key = bytes.fromhex(hub.app[HUB_KEY].public_bytes.hex())
+            with pytest.raises(HubError, match="in the future"):
+                await client.silo_schema(job)  # signed an hour ahead: refused
+            await client.hub_info()
+            assert -3601.0 < client.clock_offset < -3599.0
+            assert (await client.silo_schema(job)).job_id == job
+    finally:
+        await hub.stop()
