@@ -128,6 +128,9 @@ class Ledger:
                                   signal=signal, audit=audit, audit_secret=audit_secret(key))
         self._verdicts = asyncio.Lock()
         self.admission = Admission(config)
+        #: how long a secure-aggregation long-poll waits before it pokes the engine again (a step's
+        #: deadline); the engine's own changes wake it at once (``secagg_wait``)
+        self.secagg_recheck_s = 1.0
         self._progress: dict[str, Progress] = {}  # live assignment id -> the last progress proved
 
     def block_of(self, address: str | None) -> str:
@@ -650,6 +653,7 @@ class Ledger:
         sa.add_keys(node.id, a.id, bytes(msg.c_pk), bytes(msg.s_pk))
         await self._keep_alive(job, a)
         self.rounds.poke(job.id)
+        self.rounds.secagg_moved.fire()
         return sa.state_for(node.id, a.id)
 
     def secagg_state(self, node: NodeState, assignment_id: str) -> SecAggState:
@@ -657,12 +661,29 @@ class Ledger:
         self.rounds.poke(job.id)  # a step may have timed out: the engine moves it on
         return sa.state_for(node.id, assignment_id)
 
+    async def secagg_wait(self, node: NodeState, assignment_id: str, after: str, wait_s: float) -> SecAggState:
+        """The node's SecAggState once its phase is no longer ``after`` (at once when ``after`` is
+        empty), or after ``wait_s`` (capped by the hub's long-poll limit) or at shutdown. Wakes on the
+        engine's ``secagg_moved``, and looks again every ``secagg_recheck_s`` at the latest, so that the
+        engine moves a step whose deadline passed (``secagg_state`` pokes it)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + min(max(wait_s, 0.0), float(self.config.long_poll_max_s))
+        while True:
+            moved = self.rounds.secagg_moved.event  # before looking: a change after this wakes us
+            st = self.secagg_state(node, assignment_id)
+            left = give_up - loop.time()
+            if not after or st.phase != after or left <= 0 or self.signal.closing:
+                return st
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(moved.wait(), min(left, self.secagg_recheck_s))
+
     async def secagg_shares(self, node: NodeState, msg: SecAggShares) -> SecAggState:
         a, job, sa = self._secagg(node, msg.assignment_id)
         a = self._live(a)
         sa.add_shares(node.id, a.id, msg.shares)
         await self._keep_alive(job, a)
         self.rounds.poke(job.id)
+        self.rounds.secagg_moved.fire()
         return sa.state_for(node.id, a.id)
 
     def secagg_may_mask(self, node: NodeState, hdr: SecAggMasked) -> tuple[AssignmentState, JobState, SecAggRound]:
@@ -682,12 +703,14 @@ class Ledger:
             nonce=hdr.nonce))
         sa.add_masked(node.id, a.id, vector)
         self.rounds.poke(job.id)
+        self.rounds.secagg_moved.fire()
         return sa.state_for(node.id, a.id)
 
     def secagg_unmask(self, node: NodeState, msg: SecAggUnmask) -> SecAggState:
         _, job, sa = self._secagg(node, msg.assignment_id)
         sa.add_unmask(node.id, msg.assignment_id, msg.shares)
         self.rounds.poke(job.id)
+        self.rounds.secagg_moved.fire()
         return sa.state_for(node.id, msg.assignment_id)
 
     # -- jobs --------------------------------------------------------------------------------

@@ -99,7 +99,9 @@ def openapi_document() -> dict[str, Any]:
             "SecAggKeys", "SecAggState", (400, 401, 403, 404, 409, 422))},
         "/v1/secagg/poll": {"post": _node_op(
             "where the round's secure aggregation stands for this member (roster, survivors, its inbox of "
-            "encrypted shares, who to unmask)", "SecAggPoll", "SecAggState", (400, 401, 403, 404, 409))},
+            "encrypted shares, who to unmask); a long-poll with after (the phase the member last saw) and "
+            "wait_s: answered once its phase moves on, or at min(wait_s, long_poll_max_s)", "SecAggPoll",
+            "SecAggState", (400, 401, 403, 404, 409))},
         "/v1/secagg/shares": {"post": _node_op(
             "secure aggregation, step 2: one encrypted share for each other member of the roster",
             "SecAggShares", "SecAggState", (400, 401, 403, 404, 409, 422))},

@@ -58,7 +58,7 @@ from .referee import (
 from .scheduler import Scheduler
 from .secagg_round import SecAggRound
 from .store import RoundResult, Store
-from .worksignal import WorkSignal
+from .worksignal import Pulse, WorkSignal
 
 #: rows of the owner's validation set each update of a node-local job is probed on (``_probe``)
 PROBE_SAMPLES = 512
@@ -202,6 +202,9 @@ class RoundEngine:
         #: round trains, as soon as its blob is durable (the rest of the close still under way):
         #: the app starts making the delta nodes will download (hub/deltas.py)
         self.on_new_model: Callable[[str, str], None] | None = None
+        #: fired whenever a round's secure aggregation may have moved on (a step's answers, a step's
+        #: deadline, a round closed or opened): the members' long-polls look again
+        self.secagg_moved = Pulse()
 
     # -- driving ---------------------------------------------------------------------------
     def poke(self, job_id: str) -> None:
@@ -255,6 +258,8 @@ class RoundEngine:
                         break
             if job.state == "running" and job.round_complete(now, self.scheduler.is_online):
                 await self._close(job)
+            if job.secagg is not None or job.secagg_last is not None:
+                self.secagg_moved.fire()
 
     def _secagg_expected(self, job: JobState) -> set[str]:
         """Who the round's secure aggregation waits for at its keys: every silo whose node is online."""

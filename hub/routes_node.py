@@ -237,7 +237,8 @@ async def secagg_keys(request: web.Request) -> web.Response:
 @routes.post("/v1/secagg/poll")
 async def secagg_poll(request: web.Request) -> web.Response:
     msg, node = await _signed(request, SecAggPoll)
-    return sealed_response(request, request.app[LEDGER].secagg_state(node, msg.assignment_id))
+    return sealed_response(request, await request.app[LEDGER].secagg_wait(node, msg.assignment_id, msg.after,
+                                                                          msg.wait_s))
 
 
 @routes.post("/v1/secagg/shares")

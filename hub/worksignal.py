@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = ["MISSES", "Target", "Wake", "WorkSignal", "pass_on"]
+__all__ = ["MISSES", "Pulse", "Target", "Wake", "WorkSignal", "pass_on"]
 
 #: polls in a row that may find nothing before an offer stops travelling
 MISSES: Final = 3
@@ -131,3 +131,20 @@ class WorkSignal:
             raise
         finally:
             self._waiters.pop(key, None)
+
+
+class Pulse:
+    """Wakes every waiter each time it fires: the secure-aggregation long-polls (POST
+    /v1/secagg/poll), a handful per round, wait on it for their round to move on. A waiter takes
+    ``event`` before it looks at the state it waits on, so a fire in between is not lost."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    @property
+    def event(self) -> asyncio.Event:
+        return self._event
+
+    def fire(self) -> None:
+        fired, self._event = self._event, asyncio.Event()
+        fired.set()

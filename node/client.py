@@ -394,9 +394,12 @@ class HubClient:
         msg = SecAggKeys(assignment_id=assignment_id, c_pk=c_pk, s_pk=s_pk, timestamp=self.now(), nonce=new_nonce())
         return self._signed_answer(await self._post("/v1/secagg/keys", msg), SecAggState, "secure aggregation keys")
 
-    async def secagg_poll(self, assignment_id: str) -> SecAggState:
-        msg = SecAggPoll(assignment_id=assignment_id, timestamp=self.now(), nonce=new_nonce())
-        return self._signed_answer(await self._post("/v1/secagg/poll", msg, limit_s=15), SecAggState,
+    async def secagg_poll(self, assignment_id: str, *, after: str = "", wait_s: float = 0.0) -> SecAggState:
+        """Where the round's secure aggregation stands: at once, or (``after``, ``wait_s``) once this
+        node's phase is no longer ``after``, waiting at most ``wait_s`` at the hub."""
+        msg = SecAggPoll(assignment_id=assignment_id, timestamp=self.now(), nonce=new_nonce(), after=after,
+                         wait_s=wait_s)
+        return self._signed_answer(await self._post("/v1/secagg/poll", msg, limit_s=15 + wait_s), SecAggState,
                                    "secure aggregation poll")
 
     async def secagg_shares(self, assignment_id: str, shares: tuple[Sealed, ...]) -> SecAggState:

@@ -15,7 +15,6 @@ the threshold's members (never both kinds for one node). The plain figures every
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import time
@@ -36,8 +35,9 @@ if TYPE_CHECKING:
 
     from .client import HubClient
 
-#: seconds between two polls while the hub waits on the other members
-POLL_S = 0.3
+#: seconds a poll waits at the hub for the round's secure aggregation to move on (a long-poll: it
+#: answers as soon as this node's phase changes)
+POLL_S = 10.0
 #: the longest a node follows one round's protocol before it gives the assignment up
 GIVE_UP_S = 900.0
 
@@ -114,5 +114,4 @@ async def _take_part(client: HubClient, node_id: str, a: Assignment, delta: Mapp
         if time.monotonic() > give_up:
             return Outcome("aborted", f"the round's secure aggregation did not end in {GIVE_UP_S:.0f} s",
                            masked_sha, masked_size)
-        await asyncio.sleep(POLL_S)
-        st = await client.secagg_poll(aid)
+        st = await client.secagg_poll(aid, after=st.phase, wait_s=POLL_S)

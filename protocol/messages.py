@@ -660,12 +660,16 @@ class SecAggKeys:
 @dataclass(frozen=True)
 class SecAggPoll:
     """Node -> hub, POST /v1/secagg/poll: where the round's secure aggregation stands (answered
-    with a SecAggState)."""
+    with a SecAggState), at once or when it moves on (``after``, ``wait_s``)."""
 
     KIND: ClassVar[str] = "secagg_poll"
     assignment_id: IdStr
     timestamp: Timestamp
     nonce: Nonce
+    #: a long-poll: the hub answers once this node's phase is no longer ``after`` (the phase it last
+    #: saw), or after ``wait_s`` (at most the hub's long-poll limit); 0 answers at once
+    after: Annotated[str, Text(16, choices=("", *SECAGG_PHASES))] = ""
+    wait_s: Annotated[float, Float(0.0, 60.0)] = 0.0
 
 
 @dataclass(frozen=True)

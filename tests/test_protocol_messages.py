@@ -227,7 +227,8 @@ MESSAGES = {
     SiloWithdrawal: st.builds(SiloWithdrawal, job_id=ids, sha256=blob_ids, timestamp=timestamps, nonce=nonces),
     SecAggKeys: st.builds(SecAggKeys, assignment_id=ids, c_pk=keys32, s_pk=keys32, timestamp=timestamps,
                           nonce=nonces),
-    SecAggPoll: st.builds(SecAggPoll, assignment_id=ids, timestamp=timestamps, nonce=nonces),
+    SecAggPoll: st.builds(SecAggPoll, assignment_id=ids, timestamp=timestamps, nonce=nonces,
+                          after=st.sampled_from(("", *SECAGG_PHASES)), wait_s=st.floats(0.0, 60.0)),
     SecAggState: st.builds(
         SecAggState, assignment_id=ids, phase=st.sampled_from(SECAGG_PHASES),
         roster=st.lists(st.builds(RosterMember, node_id=ids, c_pk=keys32, s_pk=keys32), max_size=5).map(tuple),

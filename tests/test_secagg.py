@@ -176,11 +176,14 @@ async def _submit(session: aiohttp.ClientSession, hub: Any, text: str) -> str:
         return str((await r.json())["id"])
 
 
-async def _job_run(tmp_path: Any, *, rounds: int, drop: dict[int, set[int]] | None = None) -> tuple[
+async def _job_run(tmp_path: Any, *, rounds: int, drop: dict[int, set[int]] | None = None,
+                   long_poll_max_s: float = 0.3, recheck_s: float | None = None) -> tuple[
         dict[str, Any], list[Silo], list[dict[str, torch.Tensor]], dict[str, bytes]]:
     """A job over 4 silos; (status, the silos, the model before each round and after the last,
     update id -> the bytes the hub stored for it)."""
-    hub = await start_hub(tmp_path, long_poll_max_s=0.3)
+    hub = await start_hub(tmp_path, long_poll_max_s=long_poll_max_s)
+    if recheck_s is not None:
+        hub.app[LEDGER].secagg_recheck_s = recheck_s
     try:
         async with aiohttp.ClientSession() as session:
             job = await _submit(session, hub, spec(rounds=rounds, quorum=4))
@@ -228,6 +231,20 @@ async def test_the_hub_gets_the_weighted_mean_of_the_updates_and_none_of_them(tm
     for blob in stored.values():
         v = np.frombuffer(blob, dtype="<u4").astype(np.float64)
         assert abs(v.mean() / 2**32 - 0.5) < 0.02 and (v >= 2**22).mean() > 0.99
+
+
+@pytest.mark.asyncio
+async def test_a_members_poll_answers_when_the_round_moves_on_not_at_its_timeout(tmp_path):
+    """The protocol's polls are long-polls that the hub answers as soon as the member's phase
+    changes: with a 20 s long-poll limit and no timed re-check before it, 2 rounds of 3 waits each
+    end in seconds (a poll that only answered at its limit would take 2 minutes)."""
+    import time
+
+    t0 = time.monotonic()
+    doc, _, _, _ = await _job_run(tmp_path, rounds=2, long_poll_max_s=20.0, recheck_s=20.0)
+    took = time.monotonic() - t0
+    assert doc["state"] == "done" and all(h["secure_aggregation"]["phase"] == "done" for h in doc["history"])
+    assert took < 30.0, took
 
 
 @pytest.mark.asyncio
