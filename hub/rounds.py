@@ -67,6 +67,13 @@ log = logging.getLogger("gpuflex.hub.rounds")
 
 
 @contextlib.contextmanager
+def _secagg_phases(job: JobState) -> tuple[int, str | None, str | None]:
+    """Where a job's secure aggregation stands: a member's SecAggState changes only when this does
+    (a round closed or opened, a step ended)."""
+    return (job.round, None if job.secagg is None else job.secagg.phase,
+            None if job.secagg_last is None else job.secagg_last.phase)
+
+
 def open_deltas(blobs: BlobStore, shas: Sequence[str],
                 layout: UpdateLayout | None = None) -> Iterator[list[dict[str, Tensor]]]:
     """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a
@@ -240,6 +247,7 @@ class RoundEngine:
         async with self._lock:
             now = time.time() if now is None else now
             vspec = job.spec.verification
+            before = _secagg_phases(job)
             if job.secagg is not None and not job.secagg.settled:
                 job.secagg.advance(now, self._secagg_expected(job))
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
@@ -258,7 +266,7 @@ class RoundEngine:
                         break
             if job.state == "running" and job.round_complete(now, self.scheduler.is_online):
                 await self._close(job)
-            if job.secagg is not None or job.secagg_last is not None:
+            if _secagg_phases(job) != before:  # only a move: a waiting poll pokes the engine when it looks
                 self.secagg_moved.fire()
 
     def _secagg_expected(self, job: JobState) -> set[str]:
