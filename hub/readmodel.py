@@ -67,10 +67,10 @@ def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
     return [dict(r) | {"model_hash": r["model_hash"]} for r in rows]
 
 
-def job_status(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
-    """The status document: state, progress and one history entry per closed round."""
+def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None) -> dict[str, Any]:
+    """The status document: state, progress and one history entry per closed round. ``spec``: the
+    job's spec as stored (``spec_of(row)``; the caller parses it once)."""
     job_id = row["id"]
-    spec = spec_of(row)
     history: list[dict[str, Any]] = []
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
     chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
@@ -282,7 +282,8 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
 
 
 def _status_and_spec(conn: sqlite3.Connection, row: sqlite3.Row) -> tuple[dict[str, Any], JobSpec | None]:
-    return job_status(conn, row), spec_of(row)
+    spec = spec_of(row)
+    return job_status(conn, row, spec), spec
 
 
 def model_version(conn: sqlite3.Connection, who: Principal, job_id: str, version: int | None) -> sqlite3.Row:

@@ -66,7 +66,6 @@ PROBE_SAMPLES = 512
 log = logging.getLogger("gpuflex.hub.rounds")
 
 
-@contextlib.contextmanager
 def _secagg_phases(job: JobState) -> tuple[int, str | None, str | None]:
     """Where a job's secure aggregation stands: a member's SecAggState changes only when this does
     (a round closed or opened, a step ended)."""
@@ -74,6 +73,7 @@ def _secagg_phases(job: JobState) -> tuple[int, str | None, str | None]:
             None if job.secagg_last is None else job.secagg_last.phase)
 
 
+@contextlib.contextmanager
 def open_deltas(blobs: BlobStore, shas: Sequence[str],
                 layout: UpdateLayout | None = None) -> Iterator[list[dict[str, Tensor]]]:
     """Zero-copy views of update blobs (the hub's in-memory copy of a small one, else a

@@ -79,10 +79,11 @@ async def job_view(
 
     def q(conn: sqlite3.Connection) -> dict[str, Any]:
         row = readmodel.job_row(conn, who, job_id)
-        doc = readmodel.job_status(conn, row)
+        spec = readmodel.spec_of(row)
+        doc = readmodel.job_status(conn, row, spec)
         extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]), shard_round)
         # the owner of a job with a [privacy] option sees what that option leaves it (readmodel.owner_view)
-        seen = readmodel.owner_view(doc, readmodel.spec_of(row), who, extras)
+        seen = readmodel.owner_view(doc, spec, who, extras)
         return {"doc": {k: v for k, v in seen.items() if k != "extras"}, **seen["extras"]}
 
     return await read(app, q)
