@@ -264,6 +264,11 @@ class JobState:
     def live_count(self) -> int:
         return self.live_n
 
+    def pooled(self, chunk: ChunkInfo) -> bool:
+        """Does ``chunk`` go in a round's pool? Every chunk but a node-local job's withdrawn silos
+        (no owner)."""
+        return not (self.node_local and chunk.owner is None)
+
     def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
         """A node's silo leaves the job (its operator removed it): no longer anyone's, never in
         the pool again, and no round waits for it. Its chunk keeps its index (rounds it trained
@@ -279,7 +284,7 @@ class JobState:
 
     def release(self, idxs: tuple[int, ...] | list[int]) -> None:
         """Chunks go back to the round's pool (a node-local job's withdrawn silos do not)."""
-        back = [i for i in idxs if i not in self.free and not (self.node_local and self.chunks[i].owner is None)]
+        back = [i for i in idxs if i not in self.free and self.pooled(self.chunks[i])]
         self.free.update(back)
         self.free_total += sum(self.chunks[i].samples for i in back)
         if idxs:
@@ -375,8 +380,7 @@ class JobState:
         self.bytes_down = 0
         self.replicated = {}
         self.most_holders = 0
-        # a node-local job's withdrawn silos (no owner) are in no round's pool
-        pool = [c for c in self.chunks if not (self.node_local and c.owner is None)]
+        pool = [c for c in self.chunks if self.pooled(c)]
         self.free = {c.idx for c in pool}
         self.free_total = sum(c.samples for c in pool)
         self.cursor = 0

@@ -652,14 +652,19 @@ class Ledger:
         a = self._live(a)
         sa.add_keys(node.id, a.id, bytes(msg.c_pk), bytes(msg.s_pk))
         await self._keep_alive(job, a)
-        self.rounds.poke(job.id)
-        self.rounds.secagg_moved.fire()
+        self._secagg_moved(job)
         return sa.state_for(node.id, a.id)
 
     def secagg_state(self, node: NodeState, assignment_id: str) -> SecAggState:
         _, job, sa = self._secagg(node, assignment_id)
         self.rounds.poke(job.id)  # a step may have timed out: the engine moves it on
         return sa.state_for(node.id, assignment_id)
+
+    def _secagg_moved(self, job: JobState) -> None:
+        """A member's step is in: the engine moves the protocol on, and the members' long-polls
+        (``secagg_wait``) look again."""
+        self.rounds.poke(job.id)
+        self.rounds.secagg_moved.fire()
 
     async def secagg_wait(self, node: NodeState, assignment_id: str, after: str, wait_s: float) -> SecAggState:
         """The node's SecAggState once its phase is no longer ``after`` (at once when ``after`` is
@@ -682,8 +687,7 @@ class Ledger:
         a = self._live(a)
         sa.add_shares(node.id, a.id, msg.shares)
         await self._keep_alive(job, a)
-        self.rounds.poke(job.id)
-        self.rounds.secagg_moved.fire()
+        self._secagg_moved(job)
         return sa.state_for(node.id, a.id)
 
     def secagg_may_mask(self, node: NodeState, hdr: SecAggMasked) -> tuple[AssignmentState, JobState, SecAggRound]:
@@ -702,15 +706,13 @@ class Ledger:
             metrics={"loss": hdr.loss}, timings={"train_s": hdr.train_s}, timestamp=hdr.timestamp,
             nonce=hdr.nonce))
         sa.add_masked(node.id, a.id, vector)
-        self.rounds.poke(job.id)
-        self.rounds.secagg_moved.fire()
+        self._secagg_moved(job)
         return sa.state_for(node.id, a.id)
 
     def secagg_unmask(self, node: NodeState, msg: SecAggUnmask) -> SecAggState:
         _, job, sa = self._secagg(node, msg.assignment_id)
         sa.add_unmask(node.id, msg.assignment_id, msg.shares)
-        self.rounds.poke(job.id)
-        self.rounds.secagg_moved.fire()
+        self._secagg_moved(job)
         return sa.state_for(node.id, msg.assignment_id)
 
     # -- jobs --------------------------------------------------------------------------------

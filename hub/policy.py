@@ -74,6 +74,7 @@ import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Literal
 
 from gpuflex.protocol.jobspec import VerificationSpec
@@ -88,7 +89,6 @@ from .verification import (
     UpdateRecord,
     compare_replicas,
     is_trusted,
-    median,
     review_round,
 )
 

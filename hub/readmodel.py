@@ -9,6 +9,7 @@ the console (hub/web) use the same functions, so they cannot disagree.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import sqlite3
@@ -149,28 +150,34 @@ def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
     Neither doc nor extras is changed: what is redacted is a copy (extras come back under "extras")."""
     mode = None if spec is None or who.role != "owner" else (
         "dp" if spec.privacy.central else "secagg" if spec.privacy.secure_aggregation else None)
-    if mode is None:
-        return doc if extras is None else doc | {"extras": extras}
-    out = json.loads(json.dumps(doc))
-    ext = json.loads(json.dumps(extras)) if extras is not None else None
-    if mode == "secagg":
-        out["redacted"] = "secure aggregation: no update's own training loss is shown"
-        for h in out["history"]:
-            for u in h["updates"]:
-                u["loss"] = None
-        return out if ext is None else out | {"extras": ext}
+    out, ext = doc, extras
+    if mode is not None:
+        out, ext = copy.deepcopy(doc), copy.deepcopy(extras)
+        (_pseudonymize if mode == "dp" else _hide_update_losses)(out, ext)
+    return out if ext is None else out | {"extras": ext}
+
+
+def _hide_update_losses(doc: dict[str, Any], _extras: dict[str, Any] | None) -> None:
+    """owner_view under secure aggregation (in place, on copies)."""
+    doc["redacted"] = "secure aggregation: no update's own training loss is shown"
+    for h in doc["history"]:
+        for u in h["updates"]:
+            u["loss"] = None
+
+
+def _pseudonymize(doc: dict[str, Any], extras: dict[str, Any] | None) -> None:
+    """owner_view under central DP (in place, on copies): positional pseudonyms for node ids, and
+    no per-silo or per-update count, loss, size, blob, histogram, timing or share."""
     names: dict[str, str] = {}
 
     def alias(node: Any) -> Any:
-        if not isinstance(node, str):
-            return node
-        return names.setdefault(node, f"silo-{len(names) + 1}")
+        return names.setdefault(node, f"silo-{len(names) + 1}") if isinstance(node, str) else node
 
-    out["redacted"] = ("central differential privacy: nodes are pseudonyms, and no silo's or update's "
+    doc["redacted"] = ("central differential privacy: nodes are pseudonyms, and no silo's or update's "
                        "sample count, loss, size or timing is shown")
-    for silo in out.get("silos", []):
+    for silo in doc.get("silos", []):
         silo.update(node_id=alias(silo["node_id"]), samples=None, blob=None, size=None, label_histogram=None)
-    for h in out["history"]:
+    for h in doc["history"]:
         for u in h["updates"]:
             u.update(node_id=alias(u["node_id"]), samples=None, loss=None, chunks=None)
         for f in h["flags"]:
@@ -180,14 +187,14 @@ def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
                       elapsed_s=None)
         h["node_shares"] = {}
         h.get("parallel", {}).update(balance=None)
-    if ext is not None:
-        for sh in ext.get("shards", []):
-            sh.update(samples=None, chunks=[{"idx": "-", "sha": ""} for _ in sh.get("chunks", [])])
-            for a in sh.get("assignments", []):
-                a["node_id"] = alias(a["node_id"])
-        for f in ext.get("flags", []):
-            f["node_id"] = alias(f["node_id"])
-    return out if ext is None else out | {"extras": ext}
+    if extras is None:
+        return
+    for sh in extras.get("shards", []):
+        sh.update(samples=None, chunks=[{"idx": "-", "sha": ""} for _ in sh.get("chunks", [])])
+        for a in sh.get("assignments", []):
+            a["node_id"] = alias(a["node_id"])
+    for f in extras.get("flags", []):
+        f["node_id"] = alias(f["node_id"])
 
 
 def spec_of(row: sqlite3.Row) -> JobSpec | None:

@@ -696,13 +696,12 @@ class RoundEngine:
             # the outvoted minorities of the round's replica groups: scored when their majority is
             # flagged at review, before their replica_mismatch flags may be withdrawn (policy)
             minority = [m for u in reps for m in shard_of[u.id].accepted if m.status == "quarantined"]
+            minority_shard = {m.id: shard_of[u.id] for u in reps for m in shard_of[u.id].accepted}
             with open_deltas(self.blobs, [u.sha for u in (*reps, *minority)], job.layout) as opened:
                 deltas, minority_deltas = opened[:len(reps)], opened[len(reps):]
                 gnorm = norm.result() if norm is not None else 0.0
                 records = self._records(job, shard_of, reps, deltas)
-                dissent = {r.update_id: r for r in self._records(
-                    job, {m.id: shard_of[u.id] for u in reps for m in shard_of[u.id].accepted},
-                    minority, minority_deltas)}
+                dissent = {r.update_id: r for r in self._records(job, minority_shard, minority, minority_deltas)}
                 # A node-local job's silos can never earn trust (nothing to replicate them with), so
                 # the untrusted weight bound would cap every silo at the round's median count for good:
                 # its updates are weighted by their sample count, which the owner's max_samples caps

@@ -63,6 +63,7 @@ import bisect
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from statistics import median
 from typing import Any, Protocol
 
 import numpy as np
@@ -1003,13 +1004,6 @@ def _unflatten(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out[k] = flat[start : start + n].reshape(like[k].shape)
         start += n
     return out
-
-
-def median(values: Sequence[float]) -> float:
-    """The median of a non-empty list (the mean of the middle two for an even count)."""
-    v = sorted(values)
-    m = len(v)
-    return v[m // 2] if m % 2 else 0.5 * (v[m // 2 - 1] + v[m // 2])
 
 
 def _jsonable(x: float) -> float | str:

@@ -396,26 +396,36 @@ def _cmd_data_add(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _pinned_client(session: Any, data_dir: Path, key: Any, hub_url: str, hub_key: str | None) -> Any:
+    """A HubClient for the `data` commands: the hub's key checked against the pin (or --hub-key),
+    its protocol version matched, and its clock taken (they sign before any registration)."""
+    from gpuflex.protocol.version import PROTOCOL_VERSION
+
+    from .client import HubClient
+    from .errors import HubError
+    from .identity import check_hub_key
+
+    client = HubClient(hub_url, key, session)
+    public_key, claimed, proto = await client.hub_info()
+    pin = check_hub_key(data_dir, hub_url, public_key, claimed, hub_key)
+    if proto != PROTOCOL_VERSION:
+        raise HubError(f"hub speaks protocol {proto}, this node {PROTOCOL_VERSION}; upgrade the older side",
+                       code="version_mismatch")
+    client.hub_public_key = pin.public_key
+    return client
+
+
 async def _data_add(args: argparse.Namespace, data_dir: Path, key: Any, hub_url: str, path: Path) -> list[str]:
     import aiohttp
     from gpuflex.protocol.messages import MAX_LIST
     from gpuflex.protocol.modelspec import ModelSpec
-    from gpuflex.protocol.version import PROTOCOL_VERSION
 
-    from .client import HubClient
     from .errors import HubError, UnknownNode
-    from .identity import check_hub_key
     from .silos import SiloError, SiloStore, label_histogram, load_silo
 
     job = args.job
     async with aiohttp.ClientSession() as session:
-        client = HubClient(hub_url, key, session)
-        public_key, claimed, proto = await client.hub_info()
-        pin = check_hub_key(data_dir, hub_url, public_key, claimed, args.hub_key)
-        if proto != PROTOCOL_VERSION:
-            raise HubError(f"hub speaks protocol {proto}, this node {PROTOCOL_VERSION}; upgrade the older side",
-                           code="version_mismatch")
-        client.hub_public_key = pin.public_key
+        client = await _pinned_client(session, data_dir, key, hub_url, args.hub_key)
         try:
             schema = await client.silo_schema(job)
         except UnknownNode:
@@ -508,11 +518,9 @@ def _withdraw_at_hub(args: argparse.Namespace, data_dir: Path, job_id: str, sha2
     import aiohttp
     from gpuflex.protocol.errors import ProtocolError
 
-    from .client import HubClient
     from .errors import HubError
-    from .identity import check_hub_key, load_key
+    from .identity import load_key
 
-    later = "the node tells it the next time the hub assigns this silo"
     try:
         key = load_key(data_dir)
         if key is None:
@@ -521,20 +529,17 @@ def _withdraw_at_hub(args: argparse.Namespace, data_dir: Path, job_id: str, sha2
 
         async def withdraw() -> str:
             async with aiohttp.ClientSession() as session:
-                client = HubClient(hub_url, key, session)
-                public_key, claimed, _proto = await client.hub_info()
-                client.hub_public_key = check_hub_key(data_dir, hub_url, public_key, claimed, args.hub_key).public_key
-                return (await client.withdraw_silo(job_id, sha256)).detail
+                client = await _pinned_client(session, data_dir, key, hub_url, args.hub_key)
+                return str((await client.withdraw_silo(job_id, sha256)).detail)
 
         detail = asyncio.run(withdraw())
     except HubKeyMismatch:
         raise
-    except HubError as exc:
-        if exc.code == "unknown_job":
-            return f"the hub runs no job {job_id}: nothing to withdraw there"
-        return f"the hub was not told ({' '.join(str(exc).split())[:200]}); {later}"
     except (NodeError, ProtocolError, OSError, aiohttp.ClientError, TimeoutError) as exc:
-        return f"the hub was not told ({' '.join(str(exc).split())[:200]}); {later}"
+        if isinstance(exc, HubError) and exc.code == "unknown_job":
+            return f"the hub runs no job {job_id}: nothing to withdraw there"
+        return (f"the hub was not told ({' '.join(str(exc).split())[:200]}); the node tells it the next time "
+                "the hub assigns this silo")
     return f"the hub withdrew it: {detail}"
 
 
