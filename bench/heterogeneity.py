@@ -81,11 +81,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -108,11 +110,14 @@ sys.path.insert(0, str(ROOT / "bench"))  # robustness
 import robustness as rb  # noqa: E402
 from gpuflex.hub import policy  # noqa: E402
 from gpuflex.hub import verification as vf  # noqa: E402
+from gpuflex.hub.referee import STANDOUT  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
+from gpuflex.protocol.checkpoint import checkpoint_steps, model_part, segment_norm, state_hash  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
 from gpuflex.protocol.jobspec import VerificationSpec  # noqa: E402
 from gpuflex.protocol.messages import ComputeClass  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec  # noqa: E402
+from gpuflex.protocol.tensors import encode_state  # noqa: E402
 
 from tests.tooling import attacks as atk  # noqa: E402
 
@@ -137,14 +142,26 @@ PATIENT = "coordinated_patient"  # trains honestly until the identity is trusted
 #: ADAPTIVE_COSINE, just over trend_cosine_min, so the trend never picks it
 ADAPTIVE = "coordinated_adaptive"
 ADAPTIVE_COSINE = 0.05
-ADVERSARIES = (COORDINATED, PATIENT, ADAPTIVE)
-WAITS_FOR_TRUST = (PATIENT, ADAPTIVE)
+#: adaptive, and it forges its checkpoint commitment so that the update binds: honest states up to
+#: the last checkpoint, then the round's model plus its crafted update as the last state, every
+#: hash recomputed, every segment norm claimed truthfully (the referee tests every one it holds the
+#: states of). It scales its change to the honest update down until its last segment no longer
+#: stands out (referee.STANDOUT: a standout segment is the one replayed), so only a replay of its
+#: last segment drawn by the referee tells; where the change sits does not matter to a uniform
+#: draw (referee.pick_segment). (Claiming an honest-looking norm for the crafted segment instead
+#: lets a bigger change in when its update is not audited, and is caught whenever it is.)
+FORGER = "coordinated_forger"
+ADVERSARIES = (COORDINATED, PATIENT, ADAPTIVE, FORGER)
+WAITS_FOR_TRUST = (PATIENT, ADAPTIVE, FORGER)
 #: the adaptive adversary's run with ``spot_check_trusted = 1`` (every trusted update re-executed on one
 #: segment before it counts): what the job's strictest setting buys, and what it costs
 FULL_AUDIT = "adaptive_full_audit"
 #: the same on the finest checkpoint grid (``checkpoint_every = 1``: a segment is one step), the
 #: cheapest re-execution a commitment allows: what the audit then costs the hub, and the node
 FULL_AUDIT_FINE = "adaptive_full_audit_every1"
+#: the forger with every trusted update re-executed on one segment
+FORGER_FULL_AUDIT = "forger_full_audit"
+AUDIT_RUNS = (FULL_AUDIT, FULL_AUDIT_FINE, FORGER_FULL_AUDIT)
 #: the crafted update's scale: under the default norm_bound (2.5 x the round's median norm per sample)
 COLLUDE_SCALE = 2.2
 VSPEC = VerificationSpec()  # the job spec's defaults, as the hub runs them
@@ -298,9 +315,42 @@ class Coordinated(atk.Attack):
 
     def finish(self, result: Any, *, claimed_samples: int, seed: int) -> Any:
         if seed not in self.crafted:  # the shard issue's seed names it
-            self.crafted[seed] = craft_adaptive(result.delta, self.trend) if self.name == ADAPTIVE \
+            self.crafted[seed] = craft_adaptive(result.delta, self.trend) if self.name in (ADAPTIVE, FORGER) \
                 else craft(result.delta)
         return dataclasses.replace(result, delta=self.crafted[seed])
+
+
+def forge(w: rb.Work, global_state: dict[str, torch.Tensor]) -> rb.Work:
+    """The forger's work: its commitment made consistent with its crafted update (see FORGER).
+    The last state's model is the round's model plus the crafted update, and the uploaded update
+    is that state minus the round's model (float rounding included), so the binding check holds."""
+    c = w.commitment
+    assert c is not None
+    grid = checkpoint_steps(c.steps, c.every)
+    before = c.norms[:-1]
+    cap = STANDOUT * statistics.median(before) * 0.999 if len(before) >= 2 else math.inf
+    prev, honest = model_part(w.states[grid[-2]]), model_part(w.states[grid[-1]])
+    floats = [k for k, g in global_state.items() if g.is_floating_point()]
+    change = {k: w.rec.delta[k].to(g.dtype) - (honest[k] - g) for k, g in global_state.items() if k in floats}
+
+    def at(scale: float) -> dict[str, torch.Tensor]:  # its last state's model with the change scaled
+        return {k: (honest[k] + scale * change[k]) if k in change else honest[k] for k in honest}
+
+    lo, hi = 0.0, 1.0
+    if segment_norm(prev, at(1.0)) > cap:
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if segment_norm(prev, at(mid)) <= cap else (lo, mid)
+        hi = lo
+    model = at(hi)
+    last = {**w.states[grid[-1]], **{f"model.{k}": v for k, v in model.items()}}
+    delta = {k: (model[k] - g) if k in change else model[k].clone() for k, g in global_state.items()}
+    claim = segment_norm(prev, model)
+    forged = dataclasses.replace(c, hashes=(*c.hashes[:-1], state_hash(last)), norms=(*before, claim))
+    return dataclasses.replace(w, rec=dataclasses.replace(w.rec, delta=delta,
+                                                           path_length=math.fsum(forged.norms)),
+                               sha=hashlib.sha256(encode_state(delta)).hexdigest(), commitment=forged,
+                               states={**w.states, grid[-1]: last})
 
 
 # --------------------------------------------------------------------------- the simulation
@@ -421,6 +471,8 @@ class HeteroSimulation(rb.Simulation):
             self.h["fresh_steps"] += steps
         if w.malicious:
             self.h["malicious"][uid] = (node.attack.name if node.attack else "?", klass)
+            if node.attack is not None and node.attack.name == FORGER and w.commitment is not None:
+                w = forge(w, state)
         return w
 
     def settle_shard(self, group: list, wanted: int, active: list, issue: Any) -> Any:
@@ -550,6 +602,9 @@ def _run_job(job: str, world: dict[str, Any], setup: Setup, log: Callable[[str],
         go(FULL_AUDIT_FINE, HeteroSimulation(world, ADAPTIVE, k, setup.rounds, classes=setup.classes,
                                              n_nodes=setup.n_nodes, vspec=dataclasses.replace(
                                                  VSPEC, spot_check_trusted=1.0, checkpoint_every=1)))
+        go(FORGER_FULL_AUDIT, HeteroSimulation(world, FORGER, k, setup.rounds, classes=setup.classes,
+                                               n_nodes=setup.n_nodes,
+                                               vspec=dataclasses.replace(VSPEC, spot_check_trusted=1.0)))
     return {
         "model": world["spec"].kind, "train_chunks": len(world["chunks"]), "val_samples": int(world["yva"].shape[0]),
         "per_class_accuracy": {k: round(v, 4) for k, v in per_class.items()},
@@ -580,9 +635,10 @@ def row_line(job: str, name: str, r: dict[str, Any]) -> str:
 def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's figures over every job and run (baselines excluded where they would flatter)."""
     verified = [(j, n, r) for j, d in jobs.items() for n, r in d["runs"].items()
-                if n not in ("plain_fp32", FULL_AUDIT, FULL_AUDIT_FINE)]
+                if n not in ("plain_fp32", *AUDIT_RUNS)]
     audited = [r for d in jobs.values() for n, r in d["runs"].items() if n == FULL_AUDIT]
     fine = [r for d in jobs.values() for n, r in d["runs"].items() if n == FULL_AUDIT_FINE]
+    forger = [r for d in jobs.values() for n, r in d["runs"].items() if n == FORGER_FULL_AUDIT]
     attacked = [(j, n, r) for j, n, r in verified if r["malicious_updates"]]
     cells: dict[str, dict[str, int]] = {}
     for _, n, r in attacked:
@@ -675,6 +731,19 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "node_commit_cost_every1_vs_default": (
             sum(r["train_cpu_s"] for r in fine) / max(sum(r["train_cpu_s"] for r in audited), 1e-12) - 1
             if fine and audited else None),
+        # the forger (a consistent forged commitment) with every trusted update re-executed on one
+        # segment: caught only where the drawn segment is its last (1 in the segment count)
+        "colluder_inclusion_rate_forger_full_audit": (
+            sum(len(r.get("escaped", ())) for r in forger) / max(sum(r["malicious_updates"] for r in forger), 1)
+            if forger else None),
+        "colluder_inclusion_forger_full_audit": {"aggregated": sum(len(r.get("escaped", ())) for r in forger),
+                                                 "submitted": sum(r["malicious_updates"] for r in forger)},
+        "verification_cost_fraction_forger_full_audit": (
+            sum(r["verify_cpu_s"] for r in forger) / max(sum(r["train_cpu_s"] for r in forger), 1e-12)
+            if forger else None),
+        "forger_accuracy_drop_points_full_audit": {
+            j: round(100 * (d["runs"]["mixed_clean"]["accuracy"] - d["runs"][FORGER_FULL_AUDIT]["accuracy"]), 2)
+            for j, d in jobs.items() if FORGER_FULL_AUDIT in d["runs"]},
         "training_steps_vs_plain_fp32": clean_steps / plain_steps if plain_steps else None,
         "compute_vs_plain_fp32": cpu_of("mixed_clean") / cpu_of("plain_fp32") if cpu_of("plain_fp32") else None,
     }

@@ -233,6 +233,8 @@ class Simulation:
             train_s=res.train_s,
             node_samples_per_s=0.0,
             delta=res.delta,
+            # the hub's path-length check (RoundEngine._records): an uncoded, committed update
+            path_length=math.fsum(res.commitment.norms) if self.referee and res.commitment else None,
         )
         sha = hashlib.sha256(encode_state(res.delta)).hexdigest()
         self.stats["steps_trained"] += res.steps
@@ -254,7 +256,8 @@ class Simulation:
                 verdicts[uid] = SegmentVerdict(uid, g.rec.node_id, "unverifiable", {"why": "no usable commitment"})
                 continue
             others = [o.commitment for o in group if o is not g and o.commitment is not None]
-            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None)
+            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
+                               draw=seed_of(self.seed, "segment", uid) / float(1 << 63))  # RoundEngine's segment_draw
             steps = fetch_steps(c, seg)
             x, y = stack_data(g.chunks)
             tol = self.vspec.segment_tolerance if c.precision == "fp32" else self.vspec.segment_tolerance_low

@@ -151,6 +151,14 @@ def spot_draw(secret: bytes, job_id: str, shard_id: str) -> float:
     return int.from_bytes(mac[:6], "big") / float(1 << 48)
 
 
+def segment_draw(secret: bytes, job_id: str, update_id: str) -> float:
+    """Which segment of an update the referee re-executes when no replica's divergence points
+    at one (referee.pick_segment): a draw in [0, 1) from an HMAC of the ids under the hub's audit
+    secret, so the node cannot know which of its segments will be replayed."""
+    mac = hmac.new(secret, f"{job_id}/{update_id}/segment".encode(), hashlib.sha256).digest()
+    return int.from_bytes(mac[:6], "big") / float(1 << 48)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -328,7 +336,8 @@ class RoundEngine:
                     "why": "the update carries no usable checkpoint commitment"})
                 continue
             others = [o.commitment for o in shard.accepted if o.id != uid and o.commitment is not None]
-            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None)
+            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
+                               draw=segment_draw(self.audit_secret, job.id, uid))
             steps = tuple(sorted(set(fetch_steps(c, seg))))
             requests.append(StateRequestState(
                 id=new_id("sr"), job_id=job.id, round=job.round, shard_id=shard.id, update_id=uid,
@@ -536,6 +545,9 @@ class RoundEngine:
         out = []
         for u, d in zip(ups, deltas, strict=True):
             node = self.scheduler.nodes.get(u.node_id)
+            c = u.commitment
+            path = (math.fsum(c.norms) if c is not None and job.layout.encoding.identity
+                    and referee_grid_ok(c, job.spec.train.steps(shard_of[u.id].samples)) else None)
             out.append(vf.UpdateRecord(
                 update_id=u.id, node_id=u.node_id, shard_id=u.shard_id,
                 samples_claimed=u.sample_count, shard_samples=shard_of[u.id].samples,
@@ -544,6 +556,7 @@ class RoundEngine:
                 elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
                 param_count=params,
                 local_epochs=job.spec.train.processed(shard_of[u.id].samples) / max(shard_of[u.id].samples, 1),
+                path_length=path,
             ))
         return out
 

@@ -25,7 +25,8 @@ hub/policy.py; hub/rounds applies its decisions):
    update of each replicated shard plus the unreplicated ones):
    ``free_rider`` (near-zero update), ``implausible`` (claims that do not fit the
    shard: sample count, loss, a training time below the physical minimum for
-   the node's benchmarked FLOP/s or above the hub-observed wall time),
+   the node's benchmarked FLOP/s or above the hub-observed wall time, an
+   update longer than the path its committed segment norms add up to),
    ``outlier`` (cosine to the round's coordinate-wise median of per-sample
    updates below the threshold described below, or norm per sample above
    ``norm_ratio_max`` times the round's median). Flagged updates are
@@ -109,6 +110,10 @@ BAN_AFTER_CONFIRMED = 3  # confirmed flags that ban a node
 # machine reads up to ~4x low; one taken at the same time is the real ceiling).
 FLOP_SAFETY = 20.0
 MIN_TIMING_S = 0.01  # below this the physical minimum is lost in timer noise: not checked
+#: relative slack of the path-length check (an update's norm <= the sum of its committed segment
+#: norms): float32 rounding of the two sides is about 1e-6; honest paths measured 4-11 % longer
+#: than the update (bench/heterogeneity.py's jobs, 7 segments of 5 epochs)
+PATH_SLACK = 1e-4
 MAX_LAYERS_EVIDENCE = 64
 COSINE_SPREAD_K = 4.0  # robust z below which a cosine is an outlier when the spread is wide
 EPS = 1e-12
@@ -157,6 +162,11 @@ class UpdateRecord:
     param_count: int = 0
     #: passes over the shard the assignment asked for (local_steps makes it fractional)
     local_epochs: float = 1
+    #: the sum of the segment norms the node committed to (an uncoded update with a checkpoint
+    #: commitment; None: not checked). By the triangle inequality the update (last checkpoint
+    #: minus first) is no longer than that path; the referee tests one segment's norm at a time
+    #: against its states, and this bounds the untested claims together.
+    path_length: float | None = None
 
 
 @dataclass(frozen=True)
@@ -576,8 +586,11 @@ def _physical_min_train_s(r: UpdateRecord) -> float:
     return flops / (r.peak_flops * FLOP_SAFETY)
 
 
-def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
+def _implausible(r: UpdateRecord, norm: float) -> dict[str, Any] | None:
     problems: list[str] = []
+    if r.path_length is not None and norm > r.path_length * (1.0 + PATH_SLACK) + EPS:
+        problems.append(f"the update's norm {norm:.6g} exceeds the {r.path_length:.6g} its committed"
+                        " segment norms add up to")
     if r.samples_claimed != r.shard_samples:
         problems.append(f"claims {r.samples_claimed} samples, shard holds {r.shard_samples}")
     if not math.isfinite(r.loss) or r.loss < 0:
@@ -607,6 +620,7 @@ def _implausible(r: UpdateRecord) -> dict[str, Any] | None:
         "node_samples_per_s": _jsonable(r.node_samples_per_s),
         "elapsed_s": None if r.elapsed_s is None else _jsonable(r.elapsed_s),
         "physical_min_train_s": _physical_min_train_s(r),
+        "path_length": None if r.path_length is None else _jsonable(r.path_length),
     }
 
 
@@ -671,7 +685,7 @@ def review_round(
             )
             flagged.add(r.update_id)
             continue
-        bad = _implausible(r)
+        bad = _implausible(r, nrm)
         if bad is not None:
             flags.append(Flag(r.update_id, r.node_id, "implausible", bad))
             flagged.add(r.update_id)

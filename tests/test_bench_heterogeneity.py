@@ -79,12 +79,38 @@ def test_the_adaptive_adversary_bends_its_inverted_layer_just_over_the_trend_thr
     assert all(torch.equal(no_trend[k], plain[k]) for k in plain)
 
 
+def test_the_forgers_commitment_binds_its_craft_and_only_its_last_segment_gives_it_away():
+    """The forger (FORGER): its forged last state binds the uploaded update, its norms pass the
+    path-length check and the norm test, every segment but the last reproduces, the last does not."""
+    from gpuflex.hub.referee import judge_segment, replay_onednn
+
+    world = het.make_world("mlp", epochs=2, chunks=4)
+    chunks, cfg, state = world["chunks"][:2], world["cfg"], world["state0"]
+    honest, states = het.rb.train_committed(world["spec"], state, chunks, cfg, seed=5)
+    work = het.rb.Work(vf.UpdateRecord(update_id="u", node_id="n", shard_id="s", samples_claimed=128,
+                                       shard_samples=128, loss=1.0, train_s=1.0, node_samples_per_s=0.0,
+                                       delta=het.craft(honest.delta)),
+                       "sha", True, honest.commitment, states, chunks, 5, state)
+    forged = het.forge(work, state)
+    c = forged.commitment
+    assert c is not None and c.hashes[:-1] == honest.commitment.hashes[:-1] and c.hashes[-1] != honest.commitment.hashes[-1]
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in forged.rec.delta.values() if t.is_floating_point()))
+    assert norm <= forged.rec.path_length  # scaled down to the path its claims add up to
+    assert vf.review_round([forged.rec], 10.0, het.VSPEC).flags == []  # the path-length check passes
+    x, y = het.rb.stack_data(chunks)
+    outcomes = [judge_segment(update_id="u", node_id="n", round=0, spec=world["spec"], cfg=cfg, seed=5, commitment=c,
+                              segment=i, states=forged.states, global_state=state, delta=forged.rec.delta, x=x, y=y,
+                              tolerance=het.VSPEC.segment_tolerance, onednn=replay_onednn(None)).outcome
+                for i in range(len(c.norms))]
+    assert outcomes == ["reproduced"] * (len(c.norms) - 1) + ["mismatch"], outcomes
+
+
 def test_a_tiny_job_runs_every_part(mlp_job):
     runs = mlp_job["runs"]
     assert het.rb.CHUNKS_PER_SHARD == 2  # robustness.py's shard size is back after the job
     assert list(runs) == ["plain_fp32", "only_bf16", "mixed_clean", "sign_flip", "coordinated",
-                          "coordinated_patient", "coordinated_adaptive", "adaptive_full_audit",
-                          "adaptive_full_audit_every1"]
+                          "coordinated_patient", "coordinated_adaptive", "coordinated_forger", "adaptive_full_audit",
+                          "adaptive_full_audit_every1", "forger_full_audit"]
     plain = runs["plain_fp32"]
     steps = math.ceil(TINY.chunks_per_shard * 64 / 32) * TINY.epochs
     shards = TINY.chunks // TINY.chunks_per_shard * TINY.rounds
@@ -117,7 +143,7 @@ def test_figures_and_verdicts(mlp_job):
     jobs = {"mlp": mlp_job}
     fig = het.figures(jobs)
     runs = [r for n, r in mlp_job["runs"].items()
-            if n not in ("plain_fp32", "adaptive_full_audit", "adaptive_full_audit_every1")]
+            if n not in ("plain_fp32", *het.AUDIT_RUNS)]
     assert fig["cross_class_pairs"] == sum(r["cross_class_pairs"] for r in runs) > 0
     assert fig["honest_flagged"] == sum(r["honest_flagged"] for r in runs)
     assert fig["malicious_updates"] == mlp_job["runs"]["sign_flip"]["malicious_updates"]
@@ -127,6 +153,8 @@ def test_figures_and_verdicts(mlp_job):
     # the patient adversary is not trusted within 2 rounds: it trains honestly, nothing is crafted
     assert mlp_job["runs"]["coordinated_patient"]["malicious_updates"] == 0
     assert mlp_job["runs"]["coordinated_adaptive"]["malicious_updates"] == 0
+    assert mlp_job["runs"]["coordinated_forger"]["malicious_updates"] == 0
+    assert fig["colluder_inclusion_forger_full_audit"] == {"aggregated": 0, "submitted": 0}
     assert fig["colluder_inclusion_full_audit"] == {"aggregated": 0, "submitted": 0}
     assert fig["referee_steps_fraction_full_audit"] == (mlp_job["runs"]["adaptive_full_audit"]["referee_steps"] or 0) / \
         mlp_job["runs"]["adaptive_full_audit"]["steps"]

@@ -332,6 +332,68 @@ def test_a_node_that_trains_bf16_but_claims_fp32_is_caught(tmp_path: Path, kind:
     assert all(v.outcome == "mismatch" for v in dists), [v.evidence.get("distance") for v in dists]
 
 
+def test_a_committed_segment_norm_that_its_states_do_not_have_is_caught(tmp_path: Path) -> None:
+    """The referee tests the one claim it can: the replayed segment's committed norm. (A node that
+    injects a crafted change into a segment and claims that segment's honest norm is caught
+    whenever that segment is the one drawn.)"""
+    t = train(tmp_path)
+    seg = len(t.commitment.norms) - 1
+    honest = judge(t, segment=seg)
+    assert honest.outcome == "reproduced", honest.evidence
+    norms = list(t.commitment.norms)
+    norms[seg] *= 0.5
+    v = judge(t, segment=seg, commitment=dataclasses.replace(t.commitment, norms=tuple(norms)))
+    assert v.outcome == "mismatch" and "committed norm" in v.evidence["why"], v.evidence
+    assert v.evidence["states_norm"] == pytest.approx(t.commitment.norms[seg], rel=1e-4)
+
+
+def test_the_segment_replayed_is_drawn_under_the_hubs_secret_not_the_largest_claimed() -> None:
+    """A spot-check's segment is uniform over the segments and secret to the node: a node that
+    claims a small norm for the segment it crafted in is no longer sure never to be replayed."""
+    from gpuflex.hub.rounds import segment_draw
+
+    c = Commitment(every=2, steps=10, precision="fp32", hashes=("a" * 64,) * 6, norms=(1.0, 3.0, 2.0, 2.0, 0.1))
+    assert pick_segment(c) == 1  # no draw (tools): the largest
+    assert [pick_segment(c, draw=d) for d in (0.0, 0.19, 0.2, 0.5, 0.999999)] == [0, 0, 1, 2, 4]
+    # a divergence between replicas still points at its segment, whatever the draw
+    other = dataclasses.replace(c, norms=(1.0, 3.0, 2.5, 2.0, 0.1))
+    assert pick_segment(c, other, draw=0.0) == 2
+    # a segment whose committed norm stands out (> STANDOUT x the median of the others) is replayed
+    out = dataclasses.replace(c, norms=(1.0, 2.0, 2.0, 2.0, 4.5))
+    assert [pick_segment(out, draw=d) for d in (0.0, 0.5)] == [4, 4]
+    counts = [0] * len(c.norms)
+    for i in range(5000):
+        counts[pick_segment(c, draw=segment_draw(b"secret-1", "job-1", f"up-{i}"))] += 1
+    assert all(abs(n - 1000) < 5 * math.sqrt(1000 * 0.8) for n in counts), counts  # binomial, 5 sigma
+    same = [segment_draw(b"secret-1", "job-1", f"up-{i}") for i in range(50)]
+    assert same == [segment_draw(b"secret-1", "job-1", f"up-{i}") for i in range(50)]  # survives a restart
+    assert same != [segment_draw(b"secret-2", "job-1", f"up-{i}") for i in range(50)]  # keyed by the hub
+
+
+def test_an_update_longer_than_its_committed_path_is_implausible(tmp_path: Path) -> None:
+    """Path length: the update (last checkpoint minus first) is no longer than the sum of its
+    committed segment norms. An honest update is 4-11 % shorter (its trajectory is nearly
+    straight); the catalogue's scaled update under the honest commitment is not."""
+    t = train(tmp_path)
+    path = math.fsum(t.commitment.norms)
+
+    def review(delta: dict[str, Tensor]) -> list[str]:
+        rec = dataclasses.replace(_rec("u-1", "n-1", delta), shard_samples=int(t.x.shape[0]),
+                                  samples_claimed=int(t.x.shape[0]), path_length=path)
+        return [f.reason for f in vf.review_round([rec], 10.0, SPEC).flags]
+
+    norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in t.delta.values() if v.is_floating_point()))
+    assert norm < path, (norm, path)
+    assert review(t.delta) == []
+    scaled = {k: v * 1.5 if v.is_floating_point() else v for k, v in t.delta.items()}
+    rec = dataclasses.replace(_rec("u-1", "n-1", scaled), shard_samples=int(t.x.shape[0]),
+                              samples_claimed=int(t.x.shape[0]), path_length=path)
+    flags = vf.review_round([rec], 10.0, SPEC).flags
+    assert [f.reason for f in flags] == ["implausible"]
+    assert "committed segment norms add up to" in flags[0].evidence["problems"][0]
+    assert flags[0].evidence["path_length"] == pytest.approx(path)
+
+
 def test_pick_segment_largest_norm_or_first_divergence() -> None:
     c = Commitment(every=2, steps=6, precision="fp32", hashes=("a" * 64,) * 4, norms=(1.0, 5.0, 2.0))
     assert pick_segment(c) == 1
