@@ -84,6 +84,7 @@ from gpuflex.hub.referee import (  # noqa: E402
     pick_segment,
     referee_grid_ok,
     replay_onednn,
+    request_steps,
     stack_data,
 )
 from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
@@ -91,6 +92,7 @@ from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
 from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec  # noqa: E402
 from gpuflex.protocol.messages import Commitment, ComputeClass  # noqa: E402
+from gpuflex.protocol.modelspec import param_count  # noqa: E402
 from gpuflex.protocol.tensors import encode_state  # noqa: E402
 from gpuflex.protocol.workload import assignment_steps  # noqa: E402
 
@@ -259,11 +261,12 @@ class Simulation:
             seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
                                draw=seed_of(self.seed, "segment", uid) / float(1 << 63))  # RoundEngine's segment_draw
             steps = fetch_steps(c, seg)
+            wanted = request_steps(c, seg, 12 * param_count(self.w["spec"]))  # RoundEngine._ask_referee's
             x, y = stack_data(g.chunks)
             tol = self.vspec.segment_tolerance if c.precision == "fp32" else self.vspec.segment_tolerance_low
             verdicts[uid] = judge_segment(
                 update_id=uid, node_id=g.rec.node_id, round=0, spec=self.w["spec"], cfg=cfg, seed=g.seed,
-                commitment=c, segment=seg, states={st: g.states[st] for st in steps if st in g.states},
+                commitment=c, segment=seg, states={st: g.states[st] for st in wanted if st in g.states},
                 global_state=g.global_state, delta=g.rec.delta, x=x, y=y, tolerance=tol,
                 onednn=replay_onednn(self.compute_of(g.rec.node_id)))
             self.stats["steps_replayed"] += steps[1] - steps[0]

@@ -22,7 +22,12 @@ inputs and the policy (hub/policy.py) applies the verdicts.
   its change into one segment and claims that segment's honest norm would never be picked; a
   secret uniform draw meets such a segment 1 time in the segment count, whatever the node
   claims, and the path-length check (verification.py) caps what an understated claim can hide.
-- ``fetch_steps``: the states to ask for: the segment's start and end and the last state.
+- ``fetch_steps``: the segment's start and end and the last state; ``request_steps``: what the
+  referee asks for: every checkpoint state of the commitment while they add up to at most
+  ``ALL_STATES_MAX_BYTES``, else those three. With every state, every committed segment norm
+  is tested (``judge_segment``), so no norm is the node's word alone: a change injected into one
+  segment either shows in that segment's norm (it stands out and is the one replayed) or is
+  small against the segments around it.
 - ``replay_onednn``: the oneDNN setting the replay runs with: a CPU node's own (its class key
   names it; oneDNN's convolutions and ATen's own sum in different orders, which a short segment
   of a small shard does not average out: a 2-step CNN segment measured 7.0e-3 apart on an
@@ -30,10 +35,10 @@ inputs and the policy (hub/policy.py) applies the verdicts.
 - ``judge_segment``: checks, in order: the states say the steps they were asked for; a
   segment that starts at step 0 starts from the round's model with a fresh optimizer; the
   last state minus the round's model IS the uploaded update, bit for bit (so the commitment
-  binds the update); the norm the node committed for the segment is the norm of its states'
-  difference (within ``NORM_CHECK``, relative: a claim the referee can test is tested; the
-  untested ones are bounded all together by the path-length check, verification.py); the
-  re-executed segment end lies within ``tolerance`` of the committed
+  binds the update); every segment whose two states were handed over has the norm the node
+  committed for it (within ``NORM_CHECK``, relative: a claim the referee can test is tested;
+  where it holds fewer states, the untested ones are bounded all together by the path-length
+  check, verification.py); the re-executed segment end lies within ``tolerance`` of the committed
   one: distance = ||committed end - re-executed end|| / ||re-executed end - start|| over the
   model's floating tensors. With error feedback, the residual the last state commits must be
   what encoding one of the node's latest earlier uploads left (``residual_chain``; an upload
@@ -61,6 +66,7 @@ from gpuflex.protocol.tensors import Manifest, manifest_of
 from torch import Tensor, nn
 
 __all__ = [
+    "ALL_STATES_MAX_BYTES",
     "NORM_CHECK",
     "NORM_SPLIT",
     "RESIDUAL_LOOKBACK",
@@ -73,6 +79,7 @@ __all__ = [
     "referee_grid_ok",
     "replay_onednn",
     "replay_segment",
+    "request_steps",
     "residual_chain",
     "segment_distance",
     "stack_data",
@@ -84,6 +91,10 @@ NORM_SPLIT = 1e-3
 #: node hands over (the same float32 function of the same tensors; only the summation order of a
 #: vectorised norm can differ between machines, about 1e-7)
 NORM_CHECK = 1e-4
+#: the referee asks for every checkpoint state of an update while they come to at most this many
+#: bytes together (a digits model's 9 states are about 0.5 MB; a 1.1M-parameter MLP's with momentum
+#: about 80 MB); above it, only the replayed segment's two and the last
+ALL_STATES_MAX_BYTES = 256 << 20
 #: a committed segment norm this many times the median of the others stands out: that segment is
 #: the one replayed. Honest trajectories measured 1.08-1.66 (the largest over the median of the
 #: rest; 54 trainings of bench/heterogeneity.py's three jobs from their initial model, fp32 and
@@ -171,6 +182,15 @@ def fetch_steps(c: Commitment, segment: int) -> tuple[int, int, int]:
     """(start, end, last) steps of ``segment`` (the last state binds the update)."""
     grid = _grid(c)
     return grid[segment], grid[segment + 1], grid[-1]
+
+
+def request_steps(c: Commitment, segment: int, state_bytes: int) -> tuple[int, ...]:
+    """The states the referee asks for to judge ``segment`` (``state_bytes``: about one state's
+    size): every checkpoint while they fit ``ALL_STATES_MAX_BYTES``, else ``fetch_steps``."""
+    grid = _grid(c)
+    if len(grid) * max(int(state_bytes), 1) <= ALL_STATES_MAX_BYTES:
+        return tuple(grid)
+    return tuple(sorted(set(fetch_steps(c, segment))))
 
 
 def stack_data(chunks: Sequence[Mapping[str, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -276,6 +296,34 @@ def _verdict(update_id: str, node_id: str, outcome: str, base: Mapping[str, Any]
     return SegmentVerdict(update_id, node_id, outcome, {**base, **more})
 
 
+def _untrue_norm(c: Commitment, states: Mapping[int, Mapping[str, Tensor]],
+                 global_state: Mapping[str, Tensor]) -> tuple[dict[str, Any] | None, int]:
+    """Test the committed norm of every segment whose two states were handed over: (evidence of
+    the first that is not its states', or None; how many were tested)."""
+    grid = _grid(c)
+    tested = 0
+    for i, claimed in enumerate(c.norms):
+        a, b = states.get(grid[i]), states.get(grid[i + 1])
+        if a is None or b is None:
+            continue
+        try:
+            if step_of(a) != grid[i] or step_of(b) != grid[i + 1]:
+                return {"why": f"the states handed over for steps {grid[i]}-{grid[i + 1]} say other steps"}, tested
+        except TensorError as exc:
+            return {"why": f"states of steps {grid[i]}-{grid[i + 1]}: {exc}"[:200]}, tested
+        am, bm = model_part(a), model_part(b)
+        if any(set(m) != set(global_state) or any(m[k].shape != v.shape or m[k].dtype != v.dtype
+                                                  for k, v in global_state.items()) for m in (am, bm)):
+            return {"why": f"the states of steps {grid[i]}-{grid[i + 1]} do not fit the model"}, tested
+        actual = segment_norm(am, bm)
+        tested += 1
+        if not abs(float(claimed) - actual) <= NORM_CHECK * max(float(claimed), actual, 1e-30):
+            return {"states_norm": actual, "norm_steps": [grid[i], grid[i + 1]],
+                    "why": f"the committed norm of steps {grid[i]}-{grid[i + 1]} is {float(claimed):.6g};"
+                           f" its states are {actual:.6g} apart"}, tested
+    return None, tested
+
+
 def judge_segment(
     *,
     update_id: str,
@@ -367,12 +415,10 @@ def judge_segment(
                            sorted(k for k in names if global_state[k].is_floating_point()))
         return _verdict(update_id, node_id, "mismatch", base, why="the update is not the committed last state"
                         " minus the round's model", binding_distance=off)
-    if commitment.norms:  # the committed norm of the segment is its states' (NORM_CHECK)
-        claimed, actual = float(commitment.norms[segment]), segment_norm(start_m, end_m)
-        if not abs(claimed - actual) <= NORM_CHECK * max(claimed, actual, 1e-30):
-            return _verdict(update_id, node_id, "mismatch", base, states_norm=actual,
-                            why=f"the committed norm of steps {s}-{e} is {claimed:.6g}; its states are"
-                                f" {actual:.6g} apart")
+    untrue, tested = _untrue_norm(commitment, states, global_state)
+    base["norms_tested"] = tested
+    if untrue is not None:
+        return _verdict(update_id, node_id, "mismatch", base, **untrue)
     replayed = replay_segment(spec, start, x, y, cfg, seed, s, e, commitment.precision, onednn)
     dist = segment_distance(start_m, end_m, replayed)
     outcome = "reproduced" if dist <= tolerance else "mismatch"

@@ -48,11 +48,11 @@ from .metrics import HubMetrics
 from .referee import (
     RESIDUAL_LOOKBACK,
     SegmentVerdict,
-    fetch_steps,
     judge_segment,
     pick_segment,
     referee_grid_ok,
     replay_onednn,
+    request_steps,
     stack_data,
 )
 from .scheduler import Scheduler
@@ -324,6 +324,7 @@ class RoundEngine:
         now = time.time()
         vspec = job.spec.verification
         by_id = {u.id: u for u in shard.accepted}
+        state_bytes = 12 * param_count(job.spec.model)  # fp32 weights and up to two optimizer buffers
         requests: list[StateRequestState] = []
         at_once: dict[str, SegmentVerdict] = {}
         for uid in decision.update_ids:
@@ -338,7 +339,7 @@ class RoundEngine:
             others = [o.commitment for o in shard.accepted if o.id != uid and o.commitment is not None]
             seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
                                draw=segment_draw(self.audit_secret, job.id, uid))
-            steps = tuple(sorted(set(fetch_steps(c, seg))))
+            steps = request_steps(c, seg, state_bytes)
             requests.append(StateRequestState(
                 id=new_id("sr"), job_id=job.id, round=job.round, shard_id=shard.id, update_id=uid,
                 node_id=u.node_id, assignment_id=u.assignment_id, reason=decision.reason, segment=seg,

@@ -536,14 +536,15 @@ class UpdateHeader:
 class StateRequest:
     """Hub -> node, as the answer to a work request: hand over the committed training states of
     ``assignment_id`` at ``steps`` (POST /v1/states, one StateUpload each) before ``deadline``.
-    A node that does not is flagged unverifiable and its update left out."""
+    A node that does not is flagged unverifiable and its update left out. ``steps``: up to every
+    checkpoint of the commitment (the referee tests every committed segment norm)."""
 
     KIND: ClassVar[str] = "state_request"
     request_id: IdStr
     job_id: IdStr
     round: Annotated[int, Int(0, 1 << 31)]
     assignment_id: IdStr
-    steps: Annotated[tuple[int, ...], Seq(Int(0, 1 << 40), 8)]
+    steps: Annotated[tuple[int, ...], Seq(Int(0, 1 << 40), MAX_CHECKPOINTS)]
     deadline: Timestamp
 
 

@@ -4,7 +4,9 @@ from importlib import metadata
 
 from .errors import VersionError
 
-PROTOCOL_VERSION = 2  # 2: the compute class in Hello, precision in TrainConfig and Benchmark
+#: 2: the compute class in Hello, precision in TrainConfig and Benchmark; 3: a StateRequest may
+#: name every checkpoint of a commitment (up to MAX_CHECKPOINTS; it was 8)
+PROTOCOL_VERSION = 3
 
 try:
     SOFTWARE_VERSION: str = metadata.version("gpuflex")

@@ -19,7 +19,7 @@ import torch
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
 from gpuflex.node.device import compute_class
 from gpuflex.node.trainer import train_assignment
-from gpuflex.protocol.checkpoint import auto_every
+from gpuflex.protocol.checkpoint import auto_every, checkpoint_steps
 from gpuflex.protocol.messages import (
     Ack,
     Assignment,
@@ -70,9 +70,11 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
             work = [await n.work(0.5) for n in nodes]
             assert all(isinstance(a, Assignment) for a in work)
             stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n in nodes}
+            commitments = {}
             for n, a in zip(nodes, work, strict=True):
                 with torch.backends.mkldnn.flags(enabled=False):
                     blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+                commitments[n.node_id] = c
                 resp = await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob)
                 ack = await n.open_response(resp, Ack)
                 assert ack.ok
@@ -88,6 +90,9 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
                         asked, owner = got, n
                         break
             assert asked is not None and len(asked.steps) >= 2
+            # a small model: every checkpoint is asked for, so every committed segment norm is tested
+            owned = commitments[owner.node_id]
+            assert asked.steps == tuple(checkpoint_steps(owned.steps, owned.every))
             other = next(n for n in nodes if n is not owner)
             store = stores[owner.node_id]
             first = store.read(asked.assignment_id, asked.steps[0])
@@ -129,6 +134,7 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         ev = json.loads(verdict)
         assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
         assert ev["onednn"] is False  # replayed in the node's class, as its hello said
+        assert ev["norms_tested"] == len(commitments[owner.node_id].norms)
     finally:
         await hub.stop()
 

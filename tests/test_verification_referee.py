@@ -17,12 +17,14 @@ import torch
 from gpuflex.hub import policy
 from gpuflex.hub import verification as vf
 from gpuflex.hub.referee import (
+    ALL_STATES_MAX_BYTES,
     SegmentVerdict,
     fetch_steps,
     judge_segment,
     pick_segment,
     referee_grid_ok,
     replay_onednn,
+    request_steps,
 )
 from gpuflex.hub.verification import Reputation, UpdateRecord
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore, training_state
@@ -37,7 +39,13 @@ from gpuflex.protocol.checkpoint import (
     state_hash,
 )
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
-from gpuflex.protocol.messages import Commitment, ComputeClass
+from gpuflex.protocol.messages import (
+    Commitment,
+    ComputeClass,
+    StateRequest,
+    decode_message,
+    encode_message,
+)
 from gpuflex.protocol.modelspec import build_model
 from gpuflex.protocol.tensors import decode_state
 from torch import Tensor
@@ -345,6 +353,35 @@ def test_a_committed_segment_norm_that_its_states_do_not_have_is_caught(tmp_path
     v = judge(t, segment=seg, commitment=dataclasses.replace(t.commitment, norms=tuple(norms)))
     assert v.outcome == "mismatch" and "committed norm" in v.evidence["why"], v.evidence
     assert v.evidence["states_norm"] == pytest.approx(t.commitment.norms[seg], rel=1e-4)
+
+
+def test_every_committed_norm_is_tested_when_every_state_is_handed_over(tmp_path: Path) -> None:
+    """With every checkpoint state (what the referee asks for while they are small), a norm
+    claimed for any segment, not only the replayed one, must be its states'. With the three states
+    of the replayed segment and the last, only that segment's claim can be tested."""
+    t = train(tmp_path)
+    c = t.commitment
+    assert len(c.norms) >= 3
+    honest = judge(t, segment=1)
+    assert honest.outcome == "reproduced" and honest.evidence["norms_tested"] == len(c.norms)
+    norms = list(c.norms)
+    norms[-1] *= 0.8  # an understated claim for the segment a crafted change would sit in
+    lie = dataclasses.replace(c, norms=tuple(norms))
+    v = judge(t, segment=1, commitment=lie)
+    assert v.outcome == "mismatch" and "committed norm of steps" in v.evidence["why"], v.evidence
+    assert v.evidence["norm_steps"] == list(fetch_steps(c, len(c.norms) - 1)[:2])
+    few = {s: t.states[s] for s in fetch_steps(c, 1)}
+    partial = judge(t, segment=1, commitment=lie, states=few)
+    assert partial.outcome == "reproduced" and partial.evidence["norms_tested"] == 1
+
+
+def test_the_referee_asks_for_every_state_while_they_are_small() -> None:
+    c = Commitment(every=2, steps=9, precision="fp32", hashes=("a" * 64,) * 6, norms=(1.0, 1.0, 1.0, 1.0, 0.5))
+    assert request_steps(c, 1, 10_000) == (0, 2, 4, 6, 8, 9)
+    assert request_steps(c, 1, ALL_STATES_MAX_BYTES // 5) == (2, 4, 9)  # 6 states would not fit
+    many = Commitment(every=1, steps=39, precision="fp32", hashes=("a" * 64,) * 40, norms=(1.0,) * 39)
+    asked = StateRequest("sr-1", "job-1", 0, "as-1", request_steps(many, 3, 1000), 1.0)
+    assert len(asked.steps) == 40 and decode_message(encode_message(asked), StateRequest) == asked  # the wire takes all 40
 
 
 def test_the_segment_replayed_is_drawn_under_the_hubs_secret_not_the_largest_claimed() -> None:
