@@ -664,6 +664,18 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     clean_steps = sum(d["runs"]["mixed_clean"]["steps"] + (d["runs"]["mixed_clean"]["referee_steps"] or 0)
                       for d in jobs.values())
 
+    def included(rs: list[dict[str, Any]]) -> int:  # crafted updates that reached the aggregate
+        return sum(len(r.get("escaped", ())) for r in rs)
+
+    def inclusion_rate(rs: list[dict[str, Any]]) -> float | None:
+        return included(rs) / max(sum(r["malicious_updates"] for r in rs), 1) if rs else None
+
+    def counts(rs: list[dict[str, Any]]) -> dict[str, int]:
+        return {"aggregated": included(rs), "submitted": sum(r["malicious_updates"] for r in rs)}
+
+    def cost(rs: list[dict[str, Any]]) -> float | None:  # verification CPU over training CPU
+        return sum(r["verify_cpu_s"] for r in rs) / max(sum(r["train_cpu_s"] for r in rs), 1e-12) if rs else None
+
     def cpu_of(run: str) -> float:  # training + verification CPU of one run, over every job
         return sum(d["runs"][run]["train_cpu_s"] + d["runs"][run]["verify_cpu_s"] for d in jobs.values())
 
@@ -706,14 +718,9 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             a: {j: round(100 * (d["runs"]["mixed_clean"]["accuracy"] - d["runs"][a]["accuracy"]), 2)
                 for j, d in jobs.items() if a in d["runs"]} for a in ADVERSARIES},
         # the patient adversary at spot_check_trusted = 1 (the job's strictest setting), and its cost
-        "colluder_inclusion_rate_full_audit": (
-            sum(len(r.get("escaped", ())) for r in audited) / max(sum(r["malicious_updates"] for r in audited), 1)
-            if audited else None),
-        "colluder_inclusion_full_audit": {"aggregated": sum(len(r.get("escaped", ())) for r in audited),
-                                          "submitted": sum(r["malicious_updates"] for r in audited)},
-        "verification_cost_fraction_full_audit": (
-            sum(r["verify_cpu_s"] for r in audited) / max(sum(r["train_cpu_s"] for r in audited), 1e-12)
-            if audited else None),
+        "colluder_inclusion_rate_full_audit": inclusion_rate(audited),
+        "colluder_inclusion_full_audit": counts(audited),
+        "verification_cost_fraction_full_audit": cost(audited),
         "verification_cost_fraction_patient_default": (
             sum(r["verify_cpu_s"] for _, n, r in verified if n == PATIENT)
             / max(sum(r["train_cpu_s"] for _, n, r in verified if n == PATIENT), 1e-12)),
@@ -722,25 +729,16 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if audited else None),
         # the full audit on one-step segments: the hub's cost, and what committing every step costs
         # the nodes (their training CPU against the default grid's, the same steps and adversary)
-        "verification_cost_fraction_full_audit_every1": (
-            sum(r["verify_cpu_s"] for r in fine) / max(sum(r["train_cpu_s"] for r in fine), 1e-12)
-            if fine else None),
-        "colluder_inclusion_rate_full_audit_every1": (
-            sum(len(r.get("escaped", ())) for r in fine) / max(sum(r["malicious_updates"] for r in fine), 1)
-            if fine else None),
+        "verification_cost_fraction_full_audit_every1": cost(fine),
+        "colluder_inclusion_rate_full_audit_every1": inclusion_rate(fine),
         "node_commit_cost_every1_vs_default": (
             sum(r["train_cpu_s"] for r in fine) / max(sum(r["train_cpu_s"] for r in audited), 1e-12) - 1
             if fine and audited else None),
         # the forger (a consistent forged commitment) with every trusted update re-executed on one
         # segment: caught only where the drawn segment is its last (1 in the segment count)
-        "colluder_inclusion_rate_forger_full_audit": (
-            sum(len(r.get("escaped", ())) for r in forger) / max(sum(r["malicious_updates"] for r in forger), 1)
-            if forger else None),
-        "colluder_inclusion_forger_full_audit": {"aggregated": sum(len(r.get("escaped", ())) for r in forger),
-                                                 "submitted": sum(r["malicious_updates"] for r in forger)},
-        "verification_cost_fraction_forger_full_audit": (
-            sum(r["verify_cpu_s"] for r in forger) / max(sum(r["train_cpu_s"] for r in forger), 1e-12)
-            if forger else None),
+        "colluder_inclusion_rate_forger_full_audit": inclusion_rate(forger),
+        "colluder_inclusion_forger_full_audit": counts(forger),
+        "verification_cost_fraction_forger_full_audit": cost(forger),
         "forger_accuracy_drop_points_full_audit": {
             j: round(100 * (d["runs"]["mixed_clean"]["accuracy"] - d["runs"][FORGER_FULL_AUDIT]["accuracy"]), 2)
             for j, d in jobs.items() if FORGER_FULL_AUDIT in d["runs"]},
