@@ -19,11 +19,15 @@ Figures (written to scaling.json under bench/results):
   epochs move the averaged model less per round than one node training all of it);
 - `figures.shard_balance`: the largest, over rounds, of max/mean training time across the
   equal-speed nodes of a round (a node's time: its shards' together; target <= 1.25);
+- the job trains with `[train] lr_scaling = "linear"` (`--lr-scaling`), and the 2-node run is
+  repeated with the other setting in the same run (`runs["2-none"]`,
+  `ratios.speedup_2_nodes_other_lr_scaling`): what the linear scaling rule buys;
 - heterogeneity: 2 nodes, one slowed to half speed (test tooling's `slow` fault: it waits as
   long again as it trained), and the slow node's share of samples by round 3 (about 1/3 is
   what "shard size follows throughput" means) and how long rounds wait on it.
 
 Run: .venv/bin/python bench/scaling.py [--rounds 6] [--nodes 1,2,4] [--epochs 32] [--lr 0.004]
+     [--lr-scaling linear|none] [--skip-hetero]
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 from tests.tooling.cluster import LocalCluster  # noqa: E402  (the test harness: a hub and nodes as processes)
 
 
-def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int, lr: float) -> tuple[Path, Path, Path]:
+def write_job(directory: Path, *, rounds: int, epochs: int, chunk_size: int, lr: float,
+              lr_scaling: str = "none") -> tuple[Path, Path, Path]:
     import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -73,6 +78,7 @@ local_epochs = {epochs}
 batch_size = 32
 optimizer = "sgd"
 lr = {lr}
+lr_scaling = "{lr_scaling}"
 momentum = 0.9
 seed = 0
 round_target_s = 3600.0
@@ -161,22 +167,29 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.004)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--skip-hetero", action="store_true")
+    ap.add_argument("--lr-scaling", default="linear", choices=("none", "linear"),
+                    help="[train] lr_scaling of the job; the 2-node run is repeated with the other for comparison")
     args = ap.parse_args()
     counts = [int(n) for n in args.nodes.split(",")]
     results: dict[str, Any] = {"runs": {}}
     with tempfile.TemporaryDirectory(prefix="gpuflex-scaling-") as tmp:
         base = Path(tmp)
         job = write_job(base / "job", rounds=args.rounds, epochs=args.epochs, chunk_size=args.chunk_size,
-                        lr=args.lr)
+                        lr=args.lr, lr_scaling=args.lr_scaling)
         # The 2-node run gets more rounds so that it can reach the 1-node accuracy if averaging costs some.
         long_job = write_job(base / "job-long", rounds=2 * args.rounds, epochs=args.epochs,
-                             chunk_size=args.chunk_size, lr=args.lr)
+                             chunk_size=args.chunk_size, lr=args.lr, lr_scaling=args.lr_scaling)
+        other = "none" if args.lr_scaling == "linear" else "linear"
+        other_job = write_job(base / "job-other", rounds=2 * args.rounds, epochs=args.epochs,
+                              chunk_size=args.chunk_size, lr=args.lr, lr_scaling=other)
         docs: dict[int, dict[str, Any]] = {}
         for n in counts:
             t0 = time.perf_counter()
             docs[n] = run(base / f"n{n}", job if n == 1 else long_job, [(f"node{i}", None) for i in range(n)],
                           args.timeout)
             print(f"{n} node(s): {len(docs[n]['history'])} rounds in {time.perf_counter() - t0:.1f} s wall")
+        other_doc = run(base / "n2-other", other_job, [("node0", None), ("node1", None)], args.timeout) \
+            if 2 in counts else None
         target = rounds_of(docs[counts[0]])[-1]["accuracy"]
         table = []
         for n, doc in docs.items():
@@ -191,9 +204,17 @@ def main() -> int:
                 "parallel_efficiency": doc["parallel"]["efficiency"],
                 "shard_balance_max": max(bal) if bal else None,
                 "shard_balance_median": statistics.median(bal) if bal else None,
+                "accuracy_by_round": [h["accuracy"] for h in hist],
+                "seconds_by_round": [round(h["closed_at"] - h["opened_at"], 3) for h in hist],
             }
             table.append(row)
             results["runs"][str(n)] = row
+        if other_doc is not None:  # the same 2-node run with the other lr_scaling
+            hist = rounds_of(other_doc)
+            results["runs"][f"2-{other}"] = {
+                "nodes": 2, "lr_scaling": other, "time_to_accuracy_s": time_to(other_doc, target),
+                "rounds_to_accuracy": rounds_to(other_doc, target), "seconds_per_round": per_round_s(other_doc),
+                "accuracy_by_round": [h["accuracy"] for h in hist]}
         hetero = None
         if not args.skip_hetero:
             doc = run(base / "hetero", long_job, [("fast", None), ("slow", "slow")], args.timeout)
@@ -223,8 +244,13 @@ def main() -> int:
     # the algorithm's (how many more rounds averaging two half-shards needs) are reported apart
     rounds_ratio = (one["rounds_to_accuracy"] / two["rounds_to_accuracy"]
                     if two and one["rounds_to_accuracy"] and two["rounds_to_accuracy"] else None)
+    alt = results["runs"].get(f"2-{'none' if args.lr_scaling == 'linear' else 'linear'}")
     results["ratios"] = {"speedup_2_nodes": speedup, "per_round_speedup_2_nodes": per_round,
-                         "rounds_to_accuracy_1_over_2": rounds_ratio}
+                         "rounds_to_accuracy_1_over_2": rounds_ratio,
+                         # the same, with the 2-node run under the other [train] lr_scaling
+                         "speedup_2_nodes_other_lr_scaling": (
+                             one["time_to_accuracy_s"] / alt["time_to_accuracy_s"]
+                             if alt and alt["time_to_accuracy_s"] else None)}
     results["figures"] = {"shard_balance": max(bal_all) if bal_all else None, "target_accuracy": target,
                           "slow_node_share_round_3": hetero["slow_share_round_3"] if hetero else None}
     results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
@@ -240,6 +266,12 @@ def main() -> int:
               f"{r['parallel_efficiency']:>10.2f} {bal:>11} {r['final_accuracy']:>9.4f}")
     print(f"speedup, 2 nodes, time to accuracy: {speedup}  (per round: {per_round}; rounds to accuracy, "
           f"1 node / 2 nodes: {rounds_ratio})")
+    for key, r in results["runs"].items():
+        print(f"accuracy by round, {key} node(s){'' if '-' in key else f' ({args.lr_scaling})'}: "
+              f"{[round(a, 4) for a in r['accuracy_by_round']]}")
+    if alt:
+        print(f"2 nodes with lr_scaling {alt['lr_scaling']}: time to accuracy {alt['time_to_accuracy_s']},"
+              f" speedup {results['ratios']['speedup_2_nodes_other_lr_scaling']}")
     if hetero:
         print(f"half-speed node's share by round: {[round(s, 2) for s in hetero['slow_share_by_round']]}; "
               f"round wall / fast node's issue-to-upload: {hetero['round_wall_over_fast_elapsed_median']}")

@@ -269,6 +269,13 @@ class JobState:
         (no owner)."""
         return not (self.node_local and chunk.owner is None)
 
+    def lr_scale(self, samples: int) -> float:
+        """The factor on the spec's lr for a shard of ``samples`` ([train] lr_scaling: the samples
+        a round pools over the shard's)."""
+        if self.spec.train.lr_scaling == "none":
+            return 1.0
+        return self.spec.train.lr_scale(samples, sum(c.samples for c in self.chunks if self.pooled(c)))
+
     def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
         """A node's silo leaves the job (its operator removed it): no longer anyone's, never in
         the pool again, and no round waits for it. Its chunk keeps its index (rounds it trained

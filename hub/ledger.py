@@ -263,6 +263,7 @@ class Ledger:
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
             seed=shard.seed, issued_at=now, deadline=plan.deadline,
             train=dataclasses.replace(job.spec.train.train_config(self.scheduler.precision_for(job, node)),
+                                      lr=job.spec.train.lr * job.lr_scale(shard.samples),
                                       checkpoint_every=int(job.spec.verification.checkpoint_every),
                                       commit=job.spec.verification.asks_referee(),
                                       update=job.spec.communication.update,

@@ -586,7 +586,7 @@ def judge_round(
     included = [c for c in candidates if c.update_id in keep]
     scores = review.evidence.get("scores", {})
     norms = {c.update_id: _num(scores.get(c.update_id, {}).get("norm")) for c in included}
-    unit = {c.update_id: norms[c.update_id] / max(c.shard_samples, 1) for c in included}
+    unit = {c.update_id: norms[c.update_id] / c.work for c in included}
     scales = norm_bound_scales(unit, float(spec.norm_bound))
     samples = {c.update_id: float(c.shard_samples) for c in included}
     vouched_ids = set(samples) if vouched_by_trusted is None else set(vouched_by_trusted)

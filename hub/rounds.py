@@ -420,7 +420,8 @@ class RoundEngine:
             previous = None
             if earlier is not None and u.id in earlier:
                 previous = [decode_state(self.blobs.read_private(sha)) for sha in earlier[u.id]]
-            v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=cfg,
+            v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model,
+                              cfg=dataclasses.replace(cfg, lr=cfg.lr * job.lr_scale(shard.samples)),
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
                               onednn=replay_onednn(None if node is None else node.compute),
@@ -557,7 +558,7 @@ class RoundEngine:
                 elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
                 param_count=params,
                 local_epochs=job.spec.train.processed(shard_of[u.id].samples) / max(shard_of[u.id].samples, 1),
-                path_length=path,
+                path_length=path, lr_scale=job.lr_scale(shard_of[u.id].samples),
             ))
         return out
 

@@ -167,6 +167,14 @@ class UpdateRecord:
     #: minus first) is no longer than that path; the referee tests one segment's norm at a time
     #: against its states, and this bounds the untested claims together.
     path_length: float | None = None
+    #: the factor on the job's lr this update's shard trained with ([train] lr_scaling)
+    lr_scale: float = 1.0
+
+    @property
+    def work(self) -> float:
+        """What an update's size is compared by: its shard's samples times its lr factor (an
+        update moves the model about in proportion to both)."""
+        return max(self.shard_samples, 1) * self.lr_scale
 
 
 @dataclass(frozen=True)
@@ -708,7 +716,8 @@ def review_round(
         # Shards differ in size (the scheduler sizes them to each node's speed) and an
         # update's norm grows with the steps taken: compare norms per sample of the
         # shard (hub-known, not the claim), and take the centre of per-sample updates.
-        per_sample = [1.0 / max(r.shard_samples, 1) for r in rest]
+        # Under [train] lr_scaling a shard's lr factor counts too (UpdateRecord.work).
+        per_sample = [1.0 / r.work for r in rest]
         fast_cos: list[float] | None = None
         if matrix is not None:
             row = {r.update_id: i for i, r in enumerate(records)}
@@ -791,7 +800,7 @@ def review_round(
                                 {
                                     "name": name,
                                     "norm": _jsonable(ln),
-                                    "centre_norm": _jsonable(lc * r.shard_samples),
+                                    "centre_norm": _jsonable(lc * r.work),
                                     "cosine": _jsonable(lcos),
                                 }
                                 for name, ln, lc, lcos in layers[:MAX_LAYERS_EVIDENCE]

@@ -27,6 +27,7 @@ MAX_SPEC_BYTES: Final = 1 << 20
 MAX_SEED: Final = (1 << 63) - 1
 
 OPTIMIZERS: Final = ("sgd", "adam", "adamw")
+LR_SCALINGS: Final = ("none", "linear")
 LOSSES: Final = ("cross_entropy", "mse")
 SPLITS: Final = ("random", "stratified")
 METHODS: Final = ("fedavg", "median", "trimmed_mean", "krum", "multi_krum", "bulyan")
@@ -70,6 +71,19 @@ class TrainSpec:
     #: With [aggregation] server_optimizer = "nesterov" this is a DiLoCo round: a fixed amount of
     #: local work per model sent, whatever the shard's size
     local_steps: int = 0
+    #: "linear": a round's shards train with lr x (round's samples / shard's samples), capped at
+    #: lr_scale_max (the linear scaling rule of data-parallel SGD: FedAvg's weighted mean of k
+    #: half-as-long trainings moves the model about 1/k as far as one training over the round's
+    #: data; scaled, each shard's update stands for the whole round's). "none": every shard trains
+    #: with lr
+    lr_scaling: str = "none"
+    lr_scale_max: float = 8.0
+
+    def lr_scale(self, shard_samples: int, round_samples: int) -> float:
+        """The factor on ``lr`` for a shard of ``shard_samples`` in a round of ``round_samples``."""
+        if self.lr_scaling != "linear" or shard_samples <= 0:
+            return 1.0
+        return min(float(self.lr_scale_max), max(1.0, round_samples / shard_samples))
 
     def train_config(self, precision: str | None = None) -> TrainConfig:
         """The per-assignment training settings sent to nodes. ``precision``: what this node
@@ -364,7 +378,12 @@ def _train(s: _Section, task: str) -> TrainSpec:
         round_target_s=s.get_float("round_target_s", d.round_target_s, 0.0, 86_400.0, lo_open=True),
         deadline_slack=s.get_float("deadline_slack", d.deadline_slack, 1.0, 100.0),
         precision=s.get_choice("precision", d.precision, JOB_PRECISIONS),
+        lr_scaling=s.get_choice("lr_scaling", d.lr_scaling, LR_SCALINGS),
+        lr_scale_max=s.get_float("lr_scale_max", d.lr_scale_max, 1.0, 1024.0),
     )
+    if spec.lr_scaling != "none" and spec.local_steps:
+        raise SpecError("train.lr_scaling: a round of local_steps trains the same steps on any shard;"
+                        " scale the learning rate with shards of epochs (local_steps = 0)")
     if task == "classification" and spec.loss != "cross_entropy":
         raise SpecError("train.loss: a classification model trains with cross_entropy")
     if task == "regression" and spec.loss != "mse":
@@ -611,6 +630,9 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     }
     train = _train(sections["train"], model.task)
     data = _data(sections["data"])
+    if data.node_local and train.lr_scaling != "none":
+        raise SpecError("train.lr_scaling: a node-local job's silos are not shards of one round's data;"
+                        " leave it \"none\"")
     aggregation = _aggregation(sections["aggregation"])
     verification = _verification(sections["verification"])
     if data.node_local:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import torch
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
 from gpuflex.node.device import compute_class
@@ -379,3 +380,48 @@ async def _asked(nodes: list[SimNode]) -> tuple[StateRequest, SimNode]:
             if isinstance(got, StateRequest):
                 return got, n
     raise AssertionError("no state request within 30 s")
+
+
+async def test_linear_lr_scaling_signs_each_shard_its_factor_and_the_referee_replays_with_it(tmp_path: Path) -> None:
+    """[train] lr_scaling = "linear": each assignment carries lr x (round's samples / shard's),
+    capped at lr_scale_max; the referee re-executes a segment with the same factor (the honest
+    updates reproduce), and the round's review compares the updates by samples x factor (no flag)."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="0.0", spot_check=1.0)
+    spec_path.write_text(spec_path.read_text().replace("seed = 0\n", 'seed = 0\nlr_scaling = "linear"\n'))
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            nodes = [SimNode(s, hub.url, samples_per_s=500.0) for _ in range(3)]
+            for n in nodes:
+                await n.register()
+            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in nodes]
+            await asyncio.sleep(0.3)  # every node waits in its long-poll when the job arrives: a shard each
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            work = await asyncio.gather(*polls)
+            got = [(n, a) for n, a in zip(nodes, work, strict=True) if isinstance(a, Assignment)]
+            with np.load(train, allow_pickle=False) as arrays:
+                total = int(arrays["y"].shape[0])  # the round pools every training row
+            scales = []
+            for _, a in got:
+                samples = sum(c.samples for c in a.chunks)
+                assert a.train.lr == 0.05 * min(8.0, max(1.0, total / samples))
+                scales.append(a.train.lr / 0.05)
+            assert len(got) >= 2 and all(x > 1.0 for x in scales), scales  # the round was shared out
+            stores = {n.node_id: CheckpointStore(tmp_path / n.node_id[:12]) for n, _ in got}
+            for n, a in got:
+                blob, samples, loss, c = await _train_committed(n, a, stores[n.node_id])
+                ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
+                                                               blob), Ack)
+                assert ack.ok
+            for n, _ in got:
+                await _answer_state_request(n, stores[n.node_id])
+            doc = await _history(s, hub, job_id, 1)
+            assert doc["history"][0]["flags"] == []
+        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        try:
+            rows = conn.execute("SELECT status FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert rows and all(r == ("reproduced",) for r in rows), rows
+    finally:
+        await hub.stop()

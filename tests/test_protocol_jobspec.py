@@ -234,3 +234,17 @@ def test_asks_referee_only_when_something_can_be_checked() -> None:
     assert VerificationSpec(replication=0.0, spot_check=0.0, spot_check_trusted=0.1).asks_referee()
     assert VerificationSpec(replication=0.5, spot_check=0.0, spot_check_trusted=0.0).asks_referee()
     assert VerificationSpec(replication="adaptive", spot_check=0.0, spot_check_trusted=0.0).asks_referee()
+
+
+def test_linear_lr_scaling_and_where_it_is_refused() -> None:
+    spec = parse_job_spec(DIGITS + '[train]\nlr = 0.05\nlr_scaling = "linear"\nlr_scale_max = 4\n')
+    t = spec.train
+    assert (t.lr_scaling, t.lr_scale_max) == ("linear", 4.0)
+    assert t.lr_scale(720, 1440) == 2.0  # half the round's samples: twice the lr
+    assert t.lr_scale(100, 1440) == 4.0  # capped
+    assert t.lr_scale(1440, 1440) == 1.0 and t.lr_scale(2000, 1440) == 1.0  # never below the spec's lr
+    assert parse_job_spec(DIGITS).train.lr_scale(10, 1440) == 1.0  # "none" (the default)
+    _bad('[train]\nlr_scaling = "square"\n', "train.lr_scaling", "none, linear")
+    _bad('[train]\nlr_scaling = "linear"\nlr_scale_max = 0.5\n', "train.lr_scale_max")
+    _bad('[train]\nlr_scaling = "linear"\nlocal_steps = 10\n', "train.lr_scaling", "local_steps")
+    _bad('[train]\nlr_scaling = "linear"\n[data]\nsource = "node-local"\n', "train.lr_scaling", "node-local")

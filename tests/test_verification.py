@@ -680,3 +680,24 @@ def test_norm_bound_widens_for_shards_far_from_the_rounds_median_size(world):
 
     assert size_allowance(1024, 128) == pytest.approx(math.sqrt(8))
     assert size_allowance(32, 128) == pytest.approx(2.0) and size_allowance(128, 128) == 1.0
+
+
+def test_under_lr_scaling_updates_are_compared_by_samples_times_their_lr_factor():
+    """[train] lr_scaling = "linear": a small shard trains with a larger lr, so its update is as
+    long as a large shard's. Compared per sample it would be clipped by the norm bound (and look
+    like an outlier); compared by samples x factor (UpdateRecord.work) it is the round's norm."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(200, generator=gen)
+
+    def rec(uid: str, samples: int, scale: float) -> UpdateRecord:
+        delta = {"w": base + 0.05 * torch.randn(200, generator=gen)}  # every update about as long
+        return UpdateRecord(update_id=uid, node_id=f"n-{uid}", shard_id=f"s-{uid}", samples_claimed=samples,
+                            shard_samples=samples, loss=0.5, train_s=1.0, node_samples_per_s=0.0, delta=delta,
+                            lr_scale=scale)
+
+    scaled = [rec("a", 32, 8.0), rec("b", 32, 8.0), rec("c", 256, 1.0), rec("d", 256, 1.0), rec("e", 256, 1.0)]
+    assert scaled[0].work == scaled[2].work == 256.0
+    out = judge_round(scaled, 10.0, SPEC, {})
+    assert out.flags == () and out.scales == {}
+    plain = [dataclasses.replace(r, lr_scale=1.0) for r in scaled]  # the same updates, read per sample
+    assert set(judge_round(plain, 10.0, SPEC, {}).scales) == {"a", "b"}
