@@ -269,6 +269,10 @@ class JobState:
         (no owner)."""
         return not (self.node_local and chunk.owner is None)
 
+    def pooled_count(self) -> int:
+        """How many chunks a round pools."""
+        return sum(1 for c in self.chunks if self.pooled(c))
+
     def lr_scale(self, samples: int) -> float:
         """The factor on the spec's lr for a shard of ``samples`` ([train] lr_scaling: the samples
         a round pools over the shard's)."""

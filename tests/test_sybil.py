@@ -316,6 +316,33 @@ async def test_a_node_claiming_1e9_samples_per_s_gets_a_capped_shard(tmp_path):
         await hub.stop()
 
 
+async def test_an_unproven_node_among_several_gets_its_equal_part_not_what_it_claims(tmp_path):
+    """Two fresh nodes wait when the job arrives; one claims 1e9 samples/s. Neither climbs the
+    ramp of unproven_max_chunks (a round of small shards each), and the liar gets no more than
+    its equal half of the round's chunks, whatever it claims."""
+    train, val, _ = write_digits(tmp_path / "d")
+    hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0, **production_defences())
+    cap = HubConfig(data_dir=tmp_path).unproven_max_chunks
+    try:
+        async with sessions("127.0.0.1", "127.0.92.1", "127.0.93.1") as (owner, s1, s2):
+            liar, honest = SimNode(s1, hub.url, samples_per_s=1e9), SimNode(s2, hub.url, samples_per_s=500.0)
+            for n in (liar, honest):
+                await n.register()
+            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in (liar, honest)]
+            await asyncio.sleep(0.3)  # both wait in their long-polls when the job arrives
+            r = await submit_job(owner, hub, spec(rounds=1, chunk_size=32), train, val)
+            assert r.status == 201, await r.text()
+            job_id = (await r.json())["id"]
+            got = await asyncio.gather(*polls)
+            assert all(isinstance(a, Assignment) for a in got)
+            total = len(db_rows(hub, "SELECT sha FROM chunks WHERE job_id = ?", job_id))
+            sizes = [len(a.chunks) for a in got]
+            assert all(cap < n <= math.ceil(total / 2) for n in sizes), (sizes, total)
+            assert sum(sizes) == total  # one shard each covers the round
+    finally:
+        await hub.stop()
+
+
 # --------------------------------------------------------------------------- progress
 
 
