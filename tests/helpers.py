@@ -264,6 +264,22 @@ async def submit_job(
     return await session.post(f"{hub.url}/v1/jobs", data=form, headers=hub.auth(token))
 
 
+async def when_job_arrives(nodes: list[SimNode], session: aiohttp.ClientSession, hub: RunningHub,
+                           spec: Path | str | bytes, train: Path, val: Path | None = None,
+                           ) -> tuple[dict[str, Any], list[Any]]:
+    """Register the nodes; every one waits in its long-poll when the job is submitted (so the
+    round is cut over all of them): the job's JSON and each node's answer (an Assignment, or NoWork)."""
+    import asyncio
+
+    for n in nodes:
+        await n.register()
+    polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in nodes]
+    await asyncio.sleep(0.3)  # every node is inside its long-poll
+    r = await submit_job(session, hub, spec, train, val)
+    assert r.status == 201, await r.text()
+    return await r.json(), list(await asyncio.gather(*polls))
+
+
 async def wait_job(
     session: aiohttp.ClientSession,
     hub: RunningHub,

@@ -33,7 +33,15 @@ from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import RunningHub, SimNode, start_hub, submit_job, wait_job, write_digits
+from tests.helpers import (
+    RunningHub,
+    SimNode,
+    start_hub,
+    submit_job,
+    wait_job,
+    when_job_arrives,
+    write_digits,
+)
 
 
 async def _train_committed(n: SimNode, a: Assignment, store: CheckpointStore) -> tuple[bytes, int, float, object]:
@@ -392,12 +400,8 @@ async def test_linear_lr_scaling_signs_each_shard_its_factor_and_the_referee_rep
     try:
         async with aiohttp.ClientSession() as s:
             nodes = [SimNode(s, hub.url, samples_per_s=500.0) for _ in range(3)]
-            for n in nodes:
-                await n.register()
-            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in nodes]
-            await asyncio.sleep(0.3)  # every node waits in its long-poll when the job arrives: a shard each
-            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
-            work = await asyncio.gather(*polls)
+            job, work = await when_job_arrives(nodes, s, hub, spec_path, train, val)  # a shard each
+            job_id = job["id"]
             got = [(n, a) for n, a in zip(nodes, work, strict=True) if isinstance(a, Assignment)]
             with np.load(train, allow_pickle=False) as arrays:
                 total = int(arrays["y"].shape[0])  # the round pools every training row

@@ -109,26 +109,18 @@ def test_a_node_arriving_later_gets_what_is_left_not_the_others_share():
 
 
 async def test_nodes_waiting_when_a_job_arrives_each_get_a_balanced_shard(tmp_path):
-    import asyncio
 
     import aiohttp
     from gpuflex.protocol.messages import Assignment
 
-    from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+    from tests.helpers import SimNode, start_hub, wait_job, when_job_arrives, write_digits
 
     train, val, spec = write_digits(tmp_path / "d", rounds=1)
     hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0)
     try:
         async with aiohttp.ClientSession() as s:
             nodes = [SimNode(s, hub.url, samples_per_s=500.0) for _ in range(4)]
-            for n in nodes:
-                await n.register()
-            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in nodes]
-            await asyncio.sleep(0.3)  # every node is inside its long-poll
-            r = await submit_job(s, hub, spec, train, val)
-            assert r.status == 201, await r.text()
-            job = await r.json()
-            got = await asyncio.gather(*polls)
+            job, got = await when_job_arrives(nodes, s, hub, spec, train, val)
             assert all(isinstance(a, Assignment) for a in got)
             sizes = sorted(sum(c.samples for c in a.chunks) for a in got)
             chunk_sets = [frozenset(c.sha256 for c in a.chunks) for a in got]

@@ -45,6 +45,7 @@ from tests.helpers import (
     start_hub,
     submit_job,
     wait_job,
+    when_job_arrives,
     write_digits,
 )
 
@@ -326,14 +327,8 @@ async def test_an_unproven_node_among_several_gets_its_equal_part_not_what_it_cl
     try:
         async with sessions("127.0.0.1", "127.0.92.1", "127.0.93.1") as (owner, s1, s2):
             liar, honest = SimNode(s1, hub.url, samples_per_s=1e9), SimNode(s2, hub.url, samples_per_s=500.0)
-            for n in (liar, honest):
-                await n.register()
-            polls = [asyncio.create_task(n.work(wait_s=8.0)) for n in (liar, honest)]
-            await asyncio.sleep(0.3)  # both wait in their long-polls when the job arrives
-            r = await submit_job(owner, hub, spec(rounds=1, chunk_size=32), train, val)
-            assert r.status == 201, await r.text()
-            job_id = (await r.json())["id"]
-            got = await asyncio.gather(*polls)
+            job, got = await when_job_arrives([liar, honest], owner, hub, spec(rounds=1, chunk_size=32), train, val)
+            job_id = job["id"]
             assert all(isinstance(a, Assignment) for a in got)
             total = len(db_rows(hub, "SELECT sha FROM chunks WHERE job_id = ?", job_id))
             sizes = [len(a.chunks) for a in got]
