@@ -273,12 +273,16 @@ class JobState:
         """How many chunks a round pools."""
         return sum(1 for c in self.chunks if self.pooled(c))
 
+    def pooled_samples(self) -> int:
+        """How many samples a round pools."""
+        return sum(c.samples for c in self.chunks if self.pooled(c))
+
     def lr_scale(self, samples: int) -> float:
         """The factor on the spec's lr for a shard of ``samples`` ([train] lr_scaling: the samples
         a round pools over the shard's)."""
         if self.spec.train.lr_scaling == "none":
             return 1.0
-        return self.spec.train.lr_scale(samples, sum(c.samples for c in self.chunks if self.pooled(c)))
+        return self.spec.train.lr_scale(samples, self.pooled_samples())
 
     def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
         """A node's silo leaves the job (its operator removed it): no longer anyone's, never in

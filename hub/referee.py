@@ -161,8 +161,9 @@ def largest_segment(c: Commitment) -> int:
 
 def pick_segment(c: Commitment, other: Commitment | None = None, *, draw: float | None = None) -> int:
     """Index i of the segment [grid[i], grid[i+1]] to re-execute (see the module docstring):
-    the first where ``other``'s committed norms diverge from ``c``'s, else the one ``draw`` (in
-    [0, 1), secret to the node) lands on. Without a draw (tests, tools): the largest norm."""
+    the first where ``other``'s committed norms diverge from ``c``'s, else one whose norm stands
+    out (``STANDOUT``), else the one ``draw`` (in [0, 1), secret to the node) lands on. Without a
+    draw (tests, tools): the largest norm."""
     if not c.norms:
         return 0
     if other is not None and other.every == c.every and other.steps == c.steps and len(other.norms) == len(c.norms):

@@ -164,8 +164,8 @@ class UpdateRecord:
     local_epochs: float = 1
     #: the sum of the segment norms the node committed to (an uncoded update with a checkpoint
     #: commitment; None: not checked). By the triangle inequality the update (last checkpoint
-    #: minus first) is no longer than that path; the referee tests one segment's norm at a time
-    #: against its states, and this bounds the untested claims together.
+    #: minus first) is no longer than that path. The referee tests the norms of the segments whose
+    #: states an audit fetched; this bounds the claims of every update, audited or not.
     path_length: float | None = None
     #: the factor on the job's lr this update's shard trained with ([train] lr_scaling)
     lr_scale: float = 1.0
