@@ -456,10 +456,11 @@ class Ledger:
             loss=float(hdr.metrics["loss"]), train_s=float(hdr.timings["train_s"]), received_at=now,
             elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
-        before = (node.ema_sps, node.updates_accepted)
+        before = (node.ema_sps, node.updates_accepted, node.proven_chunks)
         self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
                                           self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
         node.updates_accepted += 1
+        node.proven_chunks = max(node.proven_chunks, len(shard.chunk_idxs))
         first = shard.first_update_at is None
         # an unreplicated shard is settled by its one update, in the same transaction, unless the
         # referee's draw picks it for a spot-check or its alignment with the model's trend is to be
@@ -471,7 +472,7 @@ class Ledger:
                                            timings=dict(hdr.timings), node=node, first_update=first,
                                            settles=settles)
         except BaseException:
-            node.ema_sps, node.updates_accepted = before
+            node.ema_sps, node.updates_accepted, node.proven_chunks = before
             raise
         a.uploading = False
         self._progress.pop(a.id, None)

@@ -63,6 +63,9 @@ class NodeState:
     last_seen: float
     reputation: Reputation = field(default_factory=Reputation)
     updates_accepted: int = 0
+    #: the most chunks one of its accepted updates covered (memory only: after a restart the
+    #: ramp of chunk_cap starts again from the delivery count)
+    proven_chunks: int = 0
     peak_flops: float = 0.0  # from the benchmark: the fastest matmul dtype, FLOP/s
     live: set[str] = field(default_factory=set)  # live assignment ids
     #: the compute class from its hello; its class key depends on a job's precision (class_key)
@@ -388,10 +391,13 @@ class Scheduler:
 
     def chunk_cap(self, node: NodeState) -> int:
         """The most chunks one shard of `node` may hold: an unproven node's shard is capped (its
-        self-reported benchmark is only a claim), and the cap doubles with every delivery."""
+        self-reported benchmark is only a claim), and the cap doubles with every delivery, and is
+        at least twice the largest shard it has delivered (a fresh node that took its equal part
+        of a round among several goes on from there, not from the ramp's small shards)."""
         if self.unproven_max_chunks <= 0 or node.updates_accepted >= 16:
             return MAX_CHUNKS_PER_ASSIGNMENT
-        return min(MAX_CHUNKS_PER_ASSIGNMENT, self.unproven_max_chunks << node.updates_accepted)
+        return min(MAX_CHUNKS_PER_ASSIGNMENT,
+                   max(self.unproven_max_chunks << node.updates_accepted, 2 * node.proven_chunks))
 
     @staticmethod
     def want_replica(job: JobState, shard: ShardState) -> None:
