@@ -266,7 +266,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                     honest = true_update(direction, shard.seed, shard.samples)
                     deltas[upd.id] = -honest if sn.adversary else honest
                     shard.accepted.append(upd)
-                    sn.state.updates_accepted += 1  # as the ledger counts it (an unproven node's cap grows)
+                    Scheduler.count_delivery(sn.state, shard)  # as the ledger does (an unproven node's cap grows)
                     if shard.first_update_at is None:
                         shard.first_update_at = t
                     stats.trained += shard.samples

@@ -459,8 +459,7 @@ class Ledger:
         before = (node.ema_sps, node.updates_accepted, node.proven_chunks)
         self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
                                           self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
-        node.updates_accepted += 1
-        node.proven_chunks = max(node.proven_chunks, len(shard.chunk_idxs))
+        self.scheduler.count_delivery(node, shard)
         first = shard.first_update_at is None
         # an unreplicated shard is settled by its one update, in the same transaction, unless the
         # referee's draw picks it for a spot-check or its alignment with the model's trend is to be

@@ -389,6 +389,12 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def count_delivery(node: NodeState, shard: ShardState) -> None:
+        """A node's update of ``shard`` was accepted: what its chunk cap grows by."""
+        node.updates_accepted += 1
+        node.proven_chunks = max(node.proven_chunks, len(shard.chunk_idxs))
+
     def chunk_cap(self, node: NodeState) -> int:
         """The most chunks one shard of `node` may hold: an unproven node's shard is capped (its
         self-reported benchmark is only a claim), and the cap doubles with every delivery, and is
