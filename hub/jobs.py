@@ -193,6 +193,10 @@ class JobState:
     shards: dict[str, ShardState] = field(default_factory=dict)
     free: set[int] = field(default_factory=set)  # chunk idxs no live/settled shard holds
     free_total: int = 0  # samples in `free` (kept by take/release/open_round)
+    #: the round's pool when it opened: chunks and samples (the unproven cap's equal part and
+    #: [train] lr_scaling read them; set by open_round, which a restored job passes through too)
+    pool_chunks: int = 0
+    pool_samples: int = 0
     next_seq: int = 0
     closing: bool = False
     live_n: int = 0  # live assignments of this job (kept by Scheduler.attach/detach)
@@ -269,20 +273,10 @@ class JobState:
         (no owner)."""
         return not (self.node_local and chunk.owner is None)
 
-    def pooled_count(self) -> int:
-        """How many chunks a round pools."""
-        return sum(1 for c in self.chunks if self.pooled(c))
-
-    def pooled_samples(self) -> int:
-        """How many samples a round pools."""
-        return sum(c.samples for c in self.chunks if self.pooled(c))
-
     def lr_scale(self, samples: int) -> float:
         """The factor on the spec's lr for a shard of ``samples`` ([train] lr_scaling: the samples
-        a round pools over the shard's)."""
-        if self.spec.train.lr_scaling == "none":
-            return 1.0
-        return self.spec.train.lr_scale(samples, self.pooled_samples())
+        the round pools over the shard's)."""
+        return self.spec.train.lr_scale(samples, self.pool_samples)
 
     def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
         """A node's silo leaves the job (its operator removed it): no longer anyone's, never in
@@ -397,7 +391,8 @@ class JobState:
         self.most_holders = 0
         pool = [c for c in self.chunks if self.pooled(c)]
         self.free = {c.idx for c in pool}
-        self.free_total = sum(c.samples for c in pool)
+        self.free_total = self.pool_samples = sum(c.samples for c in pool)
+        self.pool_chunks = len(pool)
         self.cursor = 0
         self.next_seq = 0
         if len(self.by_sha) != len(self.chunks):

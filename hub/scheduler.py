@@ -487,7 +487,7 @@ class Scheduler:
             # shard by shard: the ramp made every fresh node's first round 3 or more round trips of
             # small shards (bench/scaling.py: round 0 took 1.24 s against 0.9 after). Alone, it
             # climbs it; after its first delivery the ramp goes on from there.
-            cap = min(MAX_CHUNKS_PER_ASSIGNMENT, max(cap, math.ceil(job.pooled_count() / g.size)))
+            cap = min(MAX_CHUNKS_PER_ASSIGNMENT, max(cap, math.ceil(job.pool_chunks / g.size)))
 
         def full() -> bool:
             return bool(picked) and (samples >= want_samples or len(picked) >= cap)
