@@ -33,6 +33,7 @@ from gpuflex.protocol.tensors import StateEncoder, sha256_hex
 from .cache import BlobCache
 from .client import Backoff, HubClient, json_error_detail
 from .errors import BlobError, HubError, HubUnavailable, UnknownNode
+from .modelpath import ModelPath
 from .output import Output
 from .pause import PauseState
 from .totals import Totals
@@ -98,6 +99,8 @@ class Transfers:
         self._backoff_cap_s = min(backoff_cap_s, 10.0)
         self._encoder = StateEncoder()
         self._last_model: str | None = None
+        #: whole model or delta, by what each took last (node/modelpath.py)
+        self.model_path = ModelPath()
 
     # ---------------------------------------------------------------- downloads
 
@@ -143,10 +146,13 @@ class Transfers:
                 missing.append((sha, size, kind))
         previous = self._last_model
         by_delta = 0
-        if previous is not None and previous != a.model_hash and any(k == "model" for _, _, k in missing):
+        if (previous is not None and previous != a.model_hash and any(k == "model" for _, _, k in missing)
+                and self.model_path.choose() == "delta"):
             # the node holds last round's model: ask for this one as a delta from it
+            t0 = time.perf_counter()
             by_delta = await self.model_from_delta(client, a, previous)
             if by_delta:
+                self.model_path.record("delta", time.perf_counter() - t0, a.model_size)
                 missing = [m for m in missing if m[2] != "model"]
         if previous is not None and previous != a.model_hash:
             self.cache.discard(previous)  # a model blob serves one round: do not let them pile up
@@ -160,7 +166,10 @@ class Transfers:
         async def one(sha: str, size: int, kind: str) -> None:
             nonlocal fetched
             async with gate:
+                t0 = time.perf_counter()
                 got = await self.download(client, sha, size)
+            if kind == "model" and got == size:
+                self.model_path.record("whole", time.perf_counter() - t0, size)
             fetched += got
             self.output.event("download", assignment_id=a.assignment_id, sha256=sha, kind=kind, bytes=got)
 

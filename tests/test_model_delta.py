@@ -83,7 +83,7 @@ def test_arbitrary_bytes_never_decode_to_anything_but_a_clean_error(data: bytes,
         assert len(out) == len(base)  # only a well-formed delta of this very base gets here
 
 
-async def test_a_node_gets_each_next_model_as_a_delta_from_the_one_it_holds(tmp_path) -> None:
+async def test_a_node_tries_the_next_model_as_a_delta_from_the_one_it_holds_then_whole(tmp_path) -> None:
     torch.set_num_threads(1)
     hub = await Hub(tmp_path / "hub").start()
     try:
@@ -101,8 +101,14 @@ async def test_a_node_gets_each_next_model_as_a_delta_from_the_one_it_holds(tmp_
         await asyncio.wait_for(task, 15)
         models = [e for e in events.of("download") if e["kind"] == "model"]
         assert len(models) == 3 and "delta_from" not in models[0]  # round 0: nothing to start from
-        for prev, cur in itertools.pairwise(models):
-            assert cur["delta_from"] == prev["sha256"] and cur["bytes"] < cur["model_bytes"] / 1.2, cur
+        # round 1: the delta (untimed, it comes first); round 2: the faster of the two as timed
+        # (node/modelpath.py, tests/test_model_path.py)
+        prev, cur = models[0], models[1]
+        assert cur["delta_from"] == prev["sha256"] and cur["bytes"] < cur["model_bytes"] / 1.2, cur
+        last = models[2]
+        assert last.get("delta_from") == cur["sha256"] or last["bytes"] == models[0]["bytes"], last
+        timed = node.transfers.model_path.ways
+        assert timed["delta"].s_per_byte is not None and timed["whole"].s_per_byte is not None, timed
         assert [h["round"] for h in doc["history"]] == [0, 1, 2]
         # rounds 0 and 1 published the models rounds 1 and 2 train; the last one trains nothing
         assert prepared == [(prev["sha256"], cur["sha256"]) for prev, cur in itertools.pairwise(models)]
@@ -161,3 +167,34 @@ async def test_the_hub_makes_each_delta_once_and_keeps_a_bounded_few(tmp_path) -
         await deltas.get(models[1], models[2])
         await deltas.get(models[2], models[3])
         assert list(deltas._made) == [(models[2], models[3])]  # random bytes: ~4 KB each, 6,000 bytes kept at most
+
+
+async def test_a_delta_is_made_ahead_only_after_the_model_before_went_out_as_a_delta(tmp_path) -> None:
+    """hub/deltas.py's ``published``: nodes on fast links take the model whole, and a delta made for
+    nobody costs CPU as the round's nodes start training."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuflex.hub.blobs import BlobStore
+    from gpuflex.hub.deltas import ModelDeltas
+
+    blobs = BlobStore(tmp_path / "blobs")
+    models = [blobs.put(os.urandom(4096)) for _ in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        deltas = ModelDeltas(blobs, pool)
+        made: list[tuple[str, str]] = []
+        original = deltas._make
+        deltas._make = lambda b, n: made.append((b, n)) or original(b, n)  # type: ignore[method-assign]
+        deltas.published(models[0], models[1])  # round 0's model went out whole: nothing made ahead
+        await asyncio.sleep(0.05)
+        assert made == []
+        await deltas.get(models[0], models[1])  # a node asks anyway: made on demand
+        assert made == [(models[0], models[1])]
+        deltas.published(models[1], models[2])  # models[1] went out as a delta: the next is made ahead
+        for _ in range(100):
+            if len(made) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert made[1] == (models[1], models[2])
+        deltas.published(models[2], models[3])  # nobody fetched models[2] as a delta
+        await asyncio.sleep(0.05)
+        assert len(made) == 2
