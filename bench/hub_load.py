@@ -16,14 +16,14 @@ chunks give every node one shard per round. Reports:
 - a baseline measured in the same run: a bare aiohttp echo handler driven by the same
   client with the same concurrency and body size; ratio = hub requests/s / echo requests/s.
 
-Stores (``--stores``, issue 16): each node count runs once per store, the hub's SQLite file
-and a PostgreSQL database (a throwaway PostgreSQL 15 server on 127.0.0.1 that the bench starts
-with the tests' own tooling, tests/tooling/postgres.py; the hub connects over TCP), and
-``configs`` in the results holds one object per store at the last node count, each naming its
-``store`` and ``workers``. Several hub processes behind one address (``--workers N``) are not
-built yet, so every configuration has ``workers`` 1.
+Configurations (``--stores``, issue 16): each node count runs once per configuration, STORE or
+STORE:WORKERS: the hub's SQLite file, a PostgreSQL database (a throwaway PostgreSQL 15 server on
+127.0.0.1 that the bench starts with the tests' own tooling, tests/tooling/postgres.py; the hub
+connects over TCP), and PostgreSQL behind `gpuflex-hub serve --workers N` (hub/workers.py: one
+leading worker, the others forwarding to it). ``configs`` in the results holds one object per
+configuration at the last node count, each naming its ``store`` and ``workers``.
 
-Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--stores sqlite,postgresql]
+Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--stores sqlite,postgresql,postgresql:2]
     [--hub process|inproc] [--out bench/results/hub_load.json]
 """
 
@@ -246,7 +246,7 @@ class Node:
 class HubProcess:
     """`gpuflex-hub serve` as its own process, as deployed: the simulated nodes do not share its CPU."""
 
-    def __init__(self, data: Path, store: str | None = None) -> None:
+    def __init__(self, data: Path, store: str | None = None, workers: int = 1) -> None:
         self.data = data
         bindir = Path(sys.executable).parent
         cli = [str(bindir / "gpuflex-hub")]
@@ -257,7 +257,8 @@ class HubProcess:
         self.log = open(data.parent / "hub.log", "wb")
         self.proc = subprocess.Popen(
             [*cli, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", "0",
-             "--long-poll-max", "30", "--min-deadline", "120", *ONE_ADDRESS_ARGS, *on_store],
+             "--long-poll-max", "30", "--min-deadline", "120", *ONE_ADDRESS_ARGS, *on_store,
+             "--workers", str(workers)],
             stdout=self.log, stderr=subprocess.STDOUT)
         url_file = data / "hub.url"
         for _ in range(600):
@@ -279,7 +280,7 @@ class HubProcess:
 
 
 async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
-                   spread_s: float = 0.0) -> dict[str, object]:
+                   spread_s: float = 0.0, workers: int = 1) -> dict[str, object]:
     """One complete run with `n` nodes and a fresh hub; returns its figures.
 
     spread_s > 0: the sustained mode (Node.run): each node's polls arrive spread over that many
@@ -316,56 +317,59 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         runner, url = await start(app)
         owner = create_token(tmp / "hub", "owner", "bench", store=store)
     else:
-        hub_proc = HubProcess(tmp / "hub", store)
+        hub_proc = HubProcess(tmp / "hub", store, workers)
         url, owner = hub_proc.url, hub_proc.owner
 
-    # data: exactly one 4-sample chunk per node per round
-    rng = np.random.default_rng(0)
-    x = rng.random((4 * n, 8), dtype=np.float32)
-    y = (x.sum(axis=1) > 4).astype(np.int64)
-    np.savez(tmp / "train.npz", x=x, y=y)
-    np.savez(tmp / "val.npz", x=x[:256], y=y[:256])
-    spec_text = SPEC.format(rounds=rounds)
-    mspec = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 2})
-    model = build_model(mspec, seed=0)
-    deltas = []
-    g = torch.Generator().manual_seed(1)
-    for _ in range(n):
-        deltas.append(encode_state({k: (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
-                                    for k, v in model.state_dict().items()}))
+    try:
+        # data: exactly one 4-sample chunk per node per round
+        rng = np.random.default_rng(0)
+        x = rng.random((4 * n, 8), dtype=np.float32)
+        y = (x.sum(axis=1) > 4).astype(np.int64)
+        np.savez(tmp / "train.npz", x=x, y=y)
+        np.savez(tmp / "val.npz", x=x[:256], y=y[:256])
+        spec_text = SPEC.format(rounds=rounds)
+        mspec = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 2})
+        model = build_model(mspec, seed=0)
+        deltas = []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(n):
+            deltas.append(encode_state({k: (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
+                                        for k, v in model.state_dict().items()}))
 
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        nodes = [Node(i, s, url, deltas[i]) for i in range(n)]
-        t0 = time.perf_counter()
-        await asyncio.gather(*(node.register() for node in nodes))
-        t_reg = time.perf_counter() - t0
-        form = aiohttp.FormData()
-        form.add_field("spec", spec_text.encode(), filename="spec.toml")
-        form.add_field("train", (tmp / "train.npz").read_bytes(), filename="train.npz")
-        form.add_field("val", (tmp / "val.npz").read_bytes(), filename="val.npz")
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(node.run(rounds, stop, spread_s)) for node in nodes]
-        await asyncio.sleep(0.5)  # every node is now long-polling (or, sustained, on its way)
-        async with s.post(url + "/v1/jobs", data=form, headers={"Authorization": f"Bearer {owner}"}) as r:
-            job = await r.json()
-            if r.status != 201:
-                raise SystemExit(f"submit failed: {job}")
-        t_run0 = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
-        t_run = time.perf_counter() - t_run0
-        # wait for the final aggregation
-        for _ in range(600):
-            async with s.get(f"{url}/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {owner}"}) as r:
-                doc = await r.json()
-            if doc["state"] == "done":
-                break
-            await asyncio.sleep(0.05)
-    if runner is not None:
-        await runner.cleanup()
+        conn = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+            nodes = [Node(i, s, url, deltas[i]) for i in range(n)]
+            t0 = time.perf_counter()
+            await asyncio.gather(*(node.register() for node in nodes))
+            t_reg = time.perf_counter() - t0
+            form = aiohttp.FormData()
+            form.add_field("spec", spec_text.encode(), filename="spec.toml")
+            form.add_field("train", (tmp / "train.npz").read_bytes(), filename="train.npz")
+            form.add_field("val", (tmp / "val.npz").read_bytes(), filename="val.npz")
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(node.run(rounds, stop, spread_s)) for node in nodes]
+            await asyncio.sleep(0.5)  # every node is now long-polling (or, sustained, on its way)
+            async with s.post(url + "/v1/jobs", data=form, headers={"Authorization": f"Bearer {owner}"}) as r:
+                job = await r.json()
+                if r.status != 201:
+                    raise SystemExit(f"submit failed: {job}")
+            t_run0 = time.perf_counter()
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
+            t_run = time.perf_counter() - t_run0
+            # wait for the final aggregation
+            for _ in range(600):
+                async with s.get(f"{url}/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {owner}"}) as r:
+                    doc = await r.json()
+                if doc["state"] == "done":
+                    break
+                await asyncio.sleep(0.05)
+    finally:  # never leave a hub process behind, whatever went wrong
+        if runner is not None:
+            await runner.cleanup()
+        if hub_proc is not None:
+            hub_proc.stop()
     if hub_proc is not None:
-        hub_proc.stop()
         # the hub's own record of when each round opened (same machine, same clock)
         round_open = {int(h["round"]): float(h["opened_at"]) for h in doc["history"]}
 
@@ -384,7 +388,7 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
                                    own_process=hub_mode == "process")
     return {
         "store": "postgresql" if store else "sqlite",
-        "workers": 1,
+        "workers": workers,
         "mode": "sustained" if spread_s > 0 else "burst",
         "spread_s": spread_s,
         "nodes": n,
@@ -417,8 +421,9 @@ async def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hub", choices=("process", "inproc"), default="process",
                     help="the hub as its own `gpuflex-hub serve` process (as deployed) or inside this one")
-    ap.add_argument("--stores", default="sqlite,postgresql",
-                    help="comma-separated: sqlite (the hub's file), postgresql (a server the bench starts)")
+    ap.add_argument("--stores", default="sqlite,postgresql,postgresql:2",
+                    help="comma-separated STORE[:WORKERS]: sqlite (the hub's file), postgresql (a server the bench"
+                         " starts), postgresql:N (`serve --workers N` on it)")
     ap.add_argument("--sustained", default="",
                     help="comma-separated node counts for the sustained mode (arrivals spread over --spread "
                          "seconds a round): reports the largest served with p99 < 250 ms")
@@ -426,26 +431,35 @@ async def main() -> int:
     ap.add_argument("--out", default="bench/results/hub_load.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    stores = [v for v in args.stores.split(",") if v]
-    if unknown := [v for v in stores if v not in ("sqlite", "postgresql")]:
-        ap.error(f"unknown store {unknown[0]!r}: sqlite or postgresql")
+    configs_asked: list[tuple[str, int]] = []
+    for v in (v for v in args.stores.split(",") if v):
+        store, _, workers = v.partition(":")
+        if store not in ("sqlite", "postgresql") or not (workers or "1").isdigit() or int(workers or "1") < 1:
+            ap.error(f"unknown configuration {v!r}: sqlite, postgresql or postgresql:N")
+        if store == "sqlite" and int(workers or "1") > 1:
+            ap.error("--workers N needs PostgreSQL: use postgresql:N")
+        if int(workers or "1") > 1 and args.hub == "inproc":
+            ap.error("postgresql:N runs `gpuflex-hub serve --workers N`: use --hub process")
+        configs_asked.append((store, int(workers or "1")))
     runs = []
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(postgres_server()) if "postgresql" in stores else None
+        server = stack.enter_context(postgres_server()) if any(s == "postgresql" for s, _ in configs_asked) else None
         for n in (int(v) for v in args.nodes.split(",")):
-            for store in stores:
+            for store, workers in configs_asked:
                 url = server.new_database() if store == "postgresql" and server is not None else None
-                runs.append(await run_once(n, args.rounds, args.hub, url))
+                runs.append(await run_once(n, args.rounds, args.hub, url, workers=workers))
                 print(json.dumps(runs[-1]), flush=True)
         sustained = []
         for n in (int(v) for v in args.sustained.split(",") if v):
-            for store in stores:
+            for store, workers in configs_asked:
                 url = server.new_database() if store == "postgresql" and server is not None else None
-                sustained.append(await run_once(n, args.rounds, args.hub, url, spread_s=args.spread))
+                sustained.append(await run_once(n, args.rounds, args.hub, url, spread_s=args.spread, workers=workers))
                 print(json.dumps(sustained[-1]), flush=True)
-    served = {store: max((int(r["nodes"]) for r in sustained  # type: ignore[call-overload]
-                          if r["store"] == store and float(r["p99_assignment_ms"]) < 250), default=None)  # type: ignore[arg-type]
-              for store in ("sqlite", "postgresql") if any(r["store"] == store for r in sustained)}
+    served = {f"{store}:{workers}": max((int(r["nodes"]) for r in sustained  # type: ignore[call-overload]
+                                         if (r["store"], r["workers"]) == (store, workers)
+                                         and float(r["p99_assignment_ms"]) < 250), default=None)  # type: ignore[arg-type]
+              for store, workers in configs_asked if any((r["store"], r["workers"]) == (store, workers)
+                                                         for r in sustained)}
     last = max(int(r["nodes"]) for r in runs)  # type: ignore[call-overload]
     configs = [r for r in runs if r["nodes"] == last]
     figures = max(configs, key=lambda r: float(r["ratio_vs_echo"]))  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 from aiohttp import web
@@ -50,7 +51,11 @@ from .scheduler import Scheduler
 from .store import Store
 from .store_sqlite import SqliteStore
 from .wire import error_response, json_response, protocol_to_hub
+from .workers import PEER_HEADER
 from .worksignal import WorkSignal
+
+if TYPE_CHECKING:
+    from .lease import Lease
 
 log = logging.getLogger("gpuflex.hub")
 
@@ -88,6 +93,22 @@ async def error_middleware(
         return error_response(500, "internal", "the hub hit an unexpected error; see its log")
 
 
+@web.middleware
+async def forwarded_peer(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A request that a forwarding worker passed on (`serve --workers N`, hub/workers.py) arrives
+    on the leader's Unix socket, with the client's address in X-GPUFlex-Peer: the address every
+    per-address rule (admission, replica separation, the HTTP log) must see. Only on that socket
+    (mode 0600, in the 0700 data folder) is the header believed; over TCP it is ignored."""
+    transport = request.transport
+    if transport is not None and isinstance(transport.get_extra_info("sockname"), str):
+        peer = request.headers.get(PEER_HEADER)
+        if peer:
+            request = request.clone(remote=peer)
+    return await handler(request)
+
+
 def open_store(config: HubConfig) -> tuple[Database, Store]:
     """The database and the `Store` on it: SQLite in the data folder, or PostgreSQL when
     `config.store` names one (StoreUnavailable, one line, when it cannot be used)."""
@@ -101,9 +122,13 @@ def open_store(config: HubConfig) -> tuple[Database, Store]:
     return pg, PostgresStore(pg)
 
 
-def create_app(config: HubConfig) -> web.Application:
+def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application:
     """Build the hub. First start creates the key (0600), the database (SQLite's WAL file, or the
-    schema in the PostgreSQL database `config.store` names) and the blob store."""
+    schema in the PostgreSQL database `config.store` names) and the blob store.
+
+    On PostgreSQL the hub leads the database (hub/lease.py): ``lease`` is one this process already
+    holds (a worker of `serve --workers N` that waited its turn); without one, the lease is taken
+    here, and a database another hub leads is refused in one line (DatabaseBusy)."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
@@ -111,14 +136,24 @@ def create_app(config: HubConfig) -> web.Application:
         os.chmod(config.data_dir, 0o700)
     lock = DataLock(config.data_dir, "a hub").acquire()  # one hub process per data folder
     try:
+        if config.store is not None and lease is None:
+            from .lease import Lease  # psycopg: the postgres extra
+
+            lease = Lease(config.store, "gpuflex-hub").acquire()  # one leading hub per database
+    except BaseException:
+        lock.release()
+        raise
+    try:
         key, _created = load_or_create_hub_key(config.key_path)
         blobs = open_blob_store(config)  # a bucket that cannot be used: one line, here at start-up
         db, store = open_store(config)
     except BaseException:
         lock.release()
+        if lease is not None:
+            lease.release()
         raise
     admin_token = store.first_admin_token_sync()
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_message_bytes)
+    app = web.Application(middlewares=[forwarded_peer, error_middleware], client_max_size=config.max_message_bytes)
     metrics = HubMetrics()
     audit = AuditLog(config.audit_log_path, key)
     scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,
@@ -140,7 +175,7 @@ def create_app(config: HubConfig) -> web.Application:
     app[FIRST_ADMIN_TOKEN] = admin_token
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)
-    app[LEDGER].rounds.on_new_model = deltas.prepare  # a published model's delta is made at once
+    app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas
     app.add_routes(routes_node.routes)
     app.add_routes(routes_owner.routes)
     app.add_routes(routes_audit.routes)
@@ -151,6 +186,8 @@ def create_app(config: HubConfig) -> web.Application:
 
     async def release_data_folder(_app: web.Application) -> None:  # after background's cleanup
         lock.release()
+        if lease is not None:
+            lease.release()
 
     app.on_cleanup.append(release_data_folder)
     app.on_shutdown.append(_wake_long_polls)

@@ -81,17 +81,28 @@ async def _serve(args: argparse.Namespace) -> int:
         registrations_per_block=args.registrations_per_block, registrations_global=args.registrations_global,
         trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
     )
-    app = create_app(config)
-    print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
-    if app[FIRST_ADMIN_TOKEN]:
-        print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     ssl_ctx = None
     if config.tls_cert and config.tls_key:
         ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_ctx.load_cert_chain(config.tls_cert, config.tls_key)
-    elif not _is_loopback(config.host):
+    elif not _is_loopback(config.host) and args.worker_index in (None, 0):
         print(f"WARNING: binding {config.host} without TLS: tokens and data travel in clear text. "
               "Use --tls-cert/--tls-key or a TLS-terminating proxy.", file=sys.stderr, flush=True)
+    if args.worker_fd is not None:  # one of `serve --workers N`'s processes (hub/workers.py)
+        from .workers import run_worker
+
+        return await run_worker(config, ssl_ctx, args.worker_fd, args.worker_index or 0)
+    lease = None
+    if config.store is not None:  # one hub leads a PostgreSQL database (hub/lease.py)
+        from .lease import Lease, fence
+
+        lease = Lease(config.store, "gpuflex-hub").acquire()
+    app = create_app(config, lease=lease)
+    if lease is not None:
+        lease.watch(fence)  # a leader that cannot see its lease any more stops at once
+    print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
+    if app[FIRST_ADMIN_TOKEN]:
+        print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_ctx, reuse_address=True)
@@ -120,6 +131,17 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.worker_fd is None and args.workers != 1:
+        from .workers import check, supervise
+
+        check(args.workers, args.store, Path(args.data))  # one line, before anything starts
+        if args.store is not None:
+            from .store_postgres import check_url
+
+            check_url(args.store)
+        Path(args.data).mkdir(parents=True, exist_ok=True)
+        return supervise(args.argv, args.workers, args.host, args.port, Path(args.data),
+                         "https" if args.tls_cert else "http")
     return asyncio.run(_serve(args))
 
 
@@ -368,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N hub processes on one address, sharing the --store postgresql:// database: one leads,"
+                        " the others pass requests on to it and take over if it ends (default 1)")
+    p.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)  # set by --workers' supervisor
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--long-poll-max", type=float, default=30.0, metavar="S", help="longest work long-poll")
     p.add_argument("--min-deadline", type=float, default=30.0, metavar="S", help="shortest assignment deadline")
     from .config import HubConfig  # a small module: the defaults below are the config's own
@@ -463,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --workers gives them to each worker
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
