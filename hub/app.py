@@ -51,7 +51,7 @@ from .scheduler import Scheduler
 from .store import Store
 from .store_sqlite import SqliteStore
 from .wire import error_response, json_response, protocol_to_hub
-from .workers import PEER_HEADER
+from .workers import PEER_HEADER, SCHEME_HEADER
 from .worksignal import WorkSignal
 
 if TYPE_CHECKING:
@@ -98,14 +98,17 @@ async def forwarded_peer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """A request that a forwarding worker passed on (`serve --workers N`, hub/workers.py) arrives
-    on the leader's Unix socket, with the client's address in X-GPUFlex-Peer: the address every
-    per-address rule (admission, replica separation, the HTTP log) must see. Only on that socket
-    (mode 0600, in the 0700 data folder) is the header believed; over TCP it is ignored."""
+    on the leader's Unix socket, with the client's address in X-GPUFlex-Peer and its scheme in
+    X-GPUFlex-Scheme: the address every per-address rule (admission, replica separation, the HTTP
+    log) must see. Only on that socket (mode 0600, in the 0700 data folder) are the headers
+    believed; over TCP they are ignored."""
     transport = request.transport
     if transport is not None and isinstance(transport.get_extra_info("sockname"), str):
         peer = request.headers.get(PEER_HEADER)
         if peer:
-            request = request.clone(remote=peer)
+            # the worker ended TLS (if any): the scheme is the client's, for the console's cookies
+            scheme = "https" if request.headers.get(SCHEME_HEADER) == "https" else "http"
+            request = request.clone(remote=peer, scheme=scheme)
     return await handler(request)
 
 

@@ -57,6 +57,8 @@ log = logging.getLogger("gpuflex.hub.workers")
 LEADER_SOCKET = "leader.sock"
 #: the header that carries a forwarded request's client address (believed on leader.sock only)
 PEER_HEADER = "X-GPUFlex-Peer"
+#: and the scheme the client used (a worker ends TLS itself)
+SCHEME_HEADER = "X-GPUFlex-Scheme"
 #: a worker that keeps ending this soon after its start is not restarted again
 CRASH_WINDOW_S = 5.0
 CRASHES_MAX = 5
@@ -205,6 +207,7 @@ def forwarder(sock_path: Path) -> web.Application:
     async def forward(request: web.Request) -> web.StreamResponse:
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
         headers[PEER_HEADER] = request.remote or ""  # replaces any the client sent
+        headers[SCHEME_HEADER] = request.scheme
         if request.host:
             headers["Host"] = request.host
         if request.content_length is not None:
@@ -303,5 +306,5 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
     return 0
 
 
-__all__ = ["LEADER_SOCKET", "PEER_HEADER", "WorkersError", "check", "forwarder", "leader_socket", "run_worker",
+__all__ = ["LEADER_SOCKET", "PEER_HEADER", "SCHEME_HEADER", "WorkersError", "check", "forwarder", "leader_socket", "run_worker",
            "supervise"]

@@ -184,3 +184,33 @@ def test_workers_on_sqlite_are_refused_before_anything_starts(tmp_path: Path) ->
                            "--port", "0", "--workers", "2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.startswith("error: --workers N needs --store postgresql://")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "hub").exists()
+
+
+async def test_the_forwarded_client_address_is_believed_on_the_leader_socket_only(tmp_path: Path) -> None:
+    """hub/app.py's forwarded_peer: X-GPUFlex-Peer over TCP is the client's own claim and ignored;
+    on the leader's Unix socket (where only the hub's workers connect) it is the client's address."""
+    from aiohttp import web
+    from gpuflex.hub.appkeys import LEDGER
+    from gpuflex.hub.workers import PEER_HEADER
+
+    hub = await start_hub(tmp_path / "hub")
+    sock = tmp_path / "leader.sock"
+    await web.UnixSite(hub.runner, str(sock)).start()
+    try:
+        async with aiohttp.ClientSession() as s:  # over TCP: the claim changes nothing
+            n = SimNode(s, hub.url)
+            async with s.get(hub.url + "/v1/hub") as r:
+                n.hub_public = bytes.fromhex((await r.json())["public_key"])
+            async with s.post(hub.url + "/v1/nodes/register", data=seal(n.key, n.hello()),
+                              headers={"Content-Type": "application/x-msgpack", PEER_HEADER: "10.9.8.7"}) as r:
+                assert r.status == 200, await r.text()
+        assert hub.app[LEDGER].scheduler.nodes[n.node_id].block.startswith("127.0.0.")
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as s:
+            m = SimNode(s, "http://leader")
+            m.hub_public = n.hub_public
+            async with s.post("http://leader/v1/nodes/register", data=seal(m.key, m.hello()),
+                              headers={"Content-Type": "application/x-msgpack", PEER_HEADER: "10.9.8.7"}) as r:
+                assert r.status == 200, await r.text()
+        assert hub.app[LEDGER].scheduler.nodes[m.node_id].block == "10.9.8.0/24"
+    finally:
+        await hub.stop()
