@@ -612,3 +612,29 @@ def test_a_postgres_user_without_the_right_to_create_tables_is_told_in_one_line(
     assert "\n" not in caught.value.detail and ":pw@" not in caught.value.detail
     assert redact("postgresql://u@h/db?password=x&sslmode=require") == (
         "postgresql://u@h/db?password=***&sslmode=require")
+
+
+async def test_a_failing_write_in_a_group_commit_fails_alone(opened) -> None:
+    """Writes queued together commit in one transaction (group commit); one that fails (a duplicate
+    key here) is rolled back alone, by its savepoint, and its caller gets the error; every other
+    write commits."""
+    kind, _where, store = opened
+    db = store.db  # type: ignore[attr-defined]
+    await db.write(lambda c: c.execute("CREATE TABLE contract_keys (k INTEGER PRIMARY KEY)"))
+
+    def hold(c):  # type: ignore[no-untyped-def]  # keeps the writer busy while the others queue up
+        time.sleep(0.3)
+        c.execute("INSERT INTO contract_keys (k) VALUES (?)", (100,))
+
+    def insert(k: int):  # type: ignore[no-untyped-def]
+        return lambda c: c.execute("INSERT INTO contract_keys (k) VALUES (?)", (k,)) and k
+
+    first = asyncio.ensure_future(db.write(hold))
+    await asyncio.sleep(0.05)
+    got = await asyncio.gather(*(db.write(insert(k)) for k in [*range(10), 5, *range(10, 20)]),
+                               return_exceptions=True)
+    await first
+    failed = [g for g in got if isinstance(g, BaseException)]
+    assert len(failed) == 1 and isinstance(failed[0], store.integrity_errors), got  # type: ignore[attr-defined]
+    keys = await db.read(lambda c: [r[0] for r in c.execute("SELECT k FROM contract_keys ORDER BY k")])
+    assert keys == [*range(20), 100], (kind, keys)
