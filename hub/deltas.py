@@ -48,9 +48,9 @@ class ModelDeltas:
             self.prepare(base, new)
 
     def prepare(self, base: str, new: str) -> None:
-        """Start making the delta now (the I/O pool), without waiting: the hub calls it as a
-        round publishes its model, so the nodes that ask a moment later find it made or under
-        way. Must be called on the event loop."""
+        """Start making the delta now (the I/O pool), without waiting (``published`` and ``get``
+        call it), so the nodes that ask a moment later find it made or under way. Must be called
+        on the event loop."""
         key = (base, new)
         if key in self._made:
             return

@@ -113,9 +113,11 @@ class Lease:
         watch thread) when it is not."""
         def run() -> None:
             while not self._stop.wait(WATCH_S):
+                conn = self._conn
+                if conn is None:  # released
+                    return
                 try:
-                    assert self._conn is not None
-                    self._conn.execute("SELECT 1")
+                    conn.execute("SELECT 1")
                 except Exception as exc:
                     if self._stop.is_set():
                         return

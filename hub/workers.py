@@ -73,6 +73,10 @@ LEADER_BACKLOG = 4096
 _SUN_PATH_MAX = 107
 
 
+NEEDS_POSTGRES = ("--workers N needs --store postgresql://...: every worker shares the hub's state, and SQLite"
+                  " is one process's file")
+
+
 class WorkersError(HubError):
     """--workers cannot run as asked."""
 
@@ -93,8 +97,7 @@ def check(workers: int, store: str | None, data_dir: Path) -> None:
     if workers < 1:
         raise WorkersError(f"--workers takes 1 or more, not {workers}")
     if workers > 1 and store is None:
-        raise WorkersError("--workers N needs --store postgresql://...: every worker shares the hub's state, and"
-                           " SQLite is one process's file")
+        raise WorkersError(NEEDS_POSTGRES)
     if workers > 1:
         leader_socket(data_dir)
 
@@ -254,7 +257,8 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
     from .app import create_app
     from .lease import Lease, fence
 
-    assert config.store is not None
+    if config.store is None:  # the supervisor checked: a worker started by hand is told the same
+        raise WorkersError(NEEDS_POSTGRES)
     sock_path = leader_socket(config.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
