@@ -59,6 +59,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
     from .config import HubConfig
+    from .heap import settle_heap
 
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
@@ -105,6 +106,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
+    settle_heap()  # start-up done: its objects leave the collector's walks (hub/heap.py)
     site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_ctx, reuse_address=True)
     await site.start()
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]

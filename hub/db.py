@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -284,12 +285,18 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 
 
 class _Op:
-    __slots__ = ("fn", "future", "write")
+    """One call into the store's thread. ``loop``: the event loop an ``async`` caller awaits on
+    (its future is that loop's); None for ``write_sync`` from a worker thread."""
 
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> None:
+    __slots__ = ("fn", "future", "loop", "write")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], write: bool,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.fn = fn
         self.write = write
-        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.loop = loop
+        self.future: asyncio.Future[Any] | concurrent.futures.Future[Any] = (
+            loop.create_future() if loop is not None else concurrent.futures.Future())
 
 
 class Database:
@@ -306,19 +313,23 @@ class Database:
     # -- callers -------------------------------------------------------------------------
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn(conn)` in a transaction; resolves after COMMIT."""
-        return await asyncio.wrap_future(self._submit(fn, True))
+        result: T = await self._submit(fn, True, asyncio.get_running_loop())
+        return result
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await asyncio.wrap_future(self._submit(fn, False))
+        result: T = await self._submit(fn, False, asyncio.get_running_loop())
+        return result
 
     def write_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """From a worker thread (never from the event loop)."""
-        return self._submit(fn, True).result()
+        future = cast("concurrent.futures.Future[T]", self._submit(fn, True, None))  # no loop: a thread's
+        return future.result()
 
-    def _submit(self, fn: Callable[[sqlite3.Connection], Any], write: bool) -> concurrent.futures.Future[Any]:
+    def _submit(self, fn: Callable[[sqlite3.Connection], Any], write: bool,
+                loop: asyncio.AbstractEventLoop | None) -> asyncio.Future[Any] | concurrent.futures.Future[Any]:
         if self._closed:
             raise RuntimeError("database is closed")
-        op = _Op(fn, write)
+        op = _Op(fn, write, loop)
         self._queue.put(op)
         return op.future
 
@@ -388,17 +399,36 @@ class Database:
 
 def fail_batch(batch: list[_Op], exc: BaseException) -> None:
     """The transaction itself failed: every caller of the batch gets ``exc``."""
-    for op in batch:
-        if not op.future.done():
-            op.future.set_exception(exc)
+    settle_batch([(op, False, exc) for op in batch])
 
 
 def settle_batch(results: list[tuple[_Op, bool, Any]]) -> None:
-    """After COMMIT: each caller gets its value, or the error its own savepoint rolled back."""
-    for op, ok, value in results:
-        if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
-            continue
-        if ok:
-            op.future.set_result(value)
+    """After COMMIT: each caller gets its value, or the error its own savepoint rolled back.
+
+    The callers waiting on one event loop are woken by one call into it for the whole batch
+    (one wake-up of the loop, not one a caller: a round's opening commits hundreds at once)."""
+    on_loops: dict[asyncio.AbstractEventLoop, list[tuple[_Op, bool, Any]]] = {}
+    for item in results:
+        op = item[0]
+        if op.loop is None:
+            _settle(item)
         else:
-            op.future.set_exception(value)
+            on_loops.setdefault(op.loop, []).append(item)
+    for loop, items in on_loops.items():
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(_settle_all, items)
+
+
+def _settle_all(items: list[tuple[_Op, bool, Any]]) -> None:
+    for item in items:
+        _settle(item)
+
+
+def _settle(item: tuple[_Op, bool, Any]) -> None:
+    op, ok, value = item
+    if op.future.done():  # its caller gave up (cancelled at shutdown): the write still committed
+        return
+    if ok:
+        op.future.set_result(value)
+    else:
+        op.future.set_exception(value)

@@ -255,6 +255,7 @@ def forwarder(sock_path: Path) -> web.Application:
 async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int, index: int) -> int:
     """One worker: forward to the leader until this process holds the lease, then lead."""
     from .app import create_app
+    from .heap import settle_heap
     from .lease import Lease, fence
 
     if config.store is None:  # the supervisor checked: a worker started by hand is told the same
@@ -273,6 +274,7 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
     if not await asyncio.to_thread(lease.try_acquire):
         runner = web.AppRunner(forwarder(sock_path), handle_signals=False, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
+        settle_heap()
         await web.SockSite(runner, shared(), ssl_context=ssl_ctx).start()
         print(f"gpuflex-hub worker {index} (pid {os.getpid()}): forwarding to the leader", flush=True)
         waiting = threading.Event()
@@ -297,6 +299,7 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
         print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
+    settle_heap()  # hub/heap.py
     with contextlib.suppress(FileNotFoundError):
         sock_path.unlink()  # a dead leader's
     await web.UnixSite(runner, str(sock_path), backlog=LEADER_BACKLOG).start()

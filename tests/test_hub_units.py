@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 import time
 
 import numpy as np
@@ -140,6 +141,67 @@ async def test_db_group_commit_isolates_a_failing_write(tmp_path):
         assert mode == "wal"
     finally:
         db.close()
+
+
+async def test_db_batch_settles_every_waiter_and_a_cancelled_ones_write_still_commits(tmp_path):
+    """A batch's results reach the event loop in one call (hub/db.py settle_batch): every waiter
+    gets its own value, a waiter that gave up does not stop the others, and its write committed."""
+    db = Database(tmp_path / "db.sqlite3")
+    gate = threading.Event()
+    try:
+        def insert(i):
+            def fn(c):
+                if i == 0:
+                    gate.wait(10)  # holds the store's thread until the rest are queued
+                c.execute("INSERT INTO tokens (hash, role, name, created_at) VALUES (?, 'owner', 'x', 0)", (f"h{i}",))
+                return i
+            return fn
+
+        first = asyncio.ensure_future(db.write(insert(0)))
+        await asyncio.sleep(0.05)
+        waiters = [asyncio.ensure_future(db.write(insert(i))) for i in range(1, 40)]
+        await asyncio.sleep(0.05)
+        waiters[5].cancel()  # its caller went away while the write was queued
+        from_thread = await asyncio.to_thread(lambda: (gate.set(), db.write_sync(insert(99)))[1])
+        results = await asyncio.gather(first, *waiters, return_exceptions=True)
+        assert from_thread == 99
+        assert isinstance(results[6], asyncio.CancelledError)
+        assert [r for i, r in enumerate(results) if i != 6] == [i for i in range(40) if i != 6]
+        count = await db.read(lambda c: c.execute("SELECT COUNT(*) FROM tokens").fetchone()[0])
+        assert count == 41  # the cancelled caller's write committed with its batch
+    finally:
+        gate.set()
+        db.close()
+
+
+async def test_db_failed_transaction_fails_every_waiter_of_its_batch(tmp_path):
+    db = Database(tmp_path / "db.sqlite3")
+    try:
+        def breaks_the_transaction(c):
+            c.execute("COMMIT")  # ends the batch's transaction under it: the batch's COMMIT fails
+
+        results = await asyncio.gather(db.write(breaks_the_transaction),
+                                       db.write(lambda c: c.execute("SELECT 1").fetchone()[0]),
+                                       return_exceptions=True)
+        assert all(isinstance(r, BaseException) for r in results), results
+        assert await db.read(lambda c: c.execute("SELECT 2").fetchone()[0]) == 2  # and the store goes on
+    finally:
+        db.close()
+
+
+def test_settle_heap_freezes_start_up_and_collects_young_objects_less_often():
+    import gc
+
+    from gpuflex.hub.heap import GEN0, GEN1, GEN2, settle_heap
+
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 1000  # this process's imports: torch, aiohttp, numpy
+        assert gc.get_threshold() == (GEN0, GEN1, GEN2)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_an_unproven_nodes_cap_doubles_per_delivery_and_is_twice_its_largest_delivered_shard():

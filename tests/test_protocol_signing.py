@@ -292,3 +292,51 @@ def test_replay_guard_never_accepts_twice(events: list[tuple[int, float, bytes]]
         assert (signer, nonce) not in accepted
         accepted.add((signer, nonce))
         assert len(guard) <= 10
+
+
+# -- libsodium (PyNaCl) signs and verifies: the same signatures as OpenSSL's, stricter checks ------
+
+
+def test_signatures_are_the_ones_openssl_makes_and_openssl_made_ones_verify():
+    """Ed25519 is deterministic: a node or hub of an earlier release (signing through cryptography's
+    OpenSSL) and this one make the same bytes, so they verify each other's messages."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    seed = bytes(range(32))
+    openssl = Ed25519PrivateKey.from_private_bytes(seed)
+    key = SigningKey.from_seed(seed)
+    for kind, payload in (("work", b""), ("hello", b"x" * 1000), ("update", os.urandom(300))):
+        made = openssl.sign(domain(kind) + payload)
+        assert key.sign(kind, payload) == made
+        verify(key.public_bytes, kind, payload, made)
+        openssl.public_key().verify(key.sign(kind, payload), domain(kind) + payload)
+
+
+def test_a_small_order_public_key_cannot_sign_every_message():
+    """With the identity point as public key, R = identity and S = 0 'verify' for any message under
+    OpenSSL's check (cryptography accepts it): anyone could sign as that identity. libsodium
+    refuses small-order keys, so the envelope is refused in one line."""
+    identity = bytes([1]) + bytes(31)
+    universal = identity + bytes(32)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify(identity, "work", b"anything at all", universal)
+    envelope = msgpack.packb({"payload": encode_message(Heartbeat(assignment_id="a-1", progress=0.5,
+                                                                  timestamp=1.0, nonce=new_nonce())),
+                              "signer": identity, "sig": universal}, use_bin_type=True)
+    with pytest.raises(SignatureError, match="does not verify"):
+        open_sealed(envelope, Heartbeat)
+
+
+def test_a_flipped_bit_anywhere_is_refused():
+    key = SigningKey.generate()
+    payload = b"some payload bytes"
+    sig = key.sign("work", payload)
+    for i in range(0, 64 * 8, 37):
+        bad = bytearray(sig)
+        bad[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(SignatureError):
+            verify(key.public_bytes, "work", payload, bytes(bad))
+    with pytest.raises(SignatureError):
+        verify(key.public_bytes, "hello", payload, sig)  # another kind's domain
+    with pytest.raises(SignatureError):
+        verify(key.public_bytes, "work", payload + b"!", sig)
