@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# The suite on SQLite, then again with every hub the tests start through tests/helpers.py on
+# PostgreSQL (a server the run starts itself; the modules that start no hub ran in the first pass).
 test: $(STAMP)
 	$(PY) -m pytest -q
+	GPUFLEX_TEST_STORE=postgresql $(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(VENV)/bin/gpuflex-hub demo

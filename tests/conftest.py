@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,12 +15,72 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import RELAXED_SERVE_ARGS, RunningHub, start_hub, write_digits
+from tests.helpers import (
+    RELAXED_SERVE_ARGS,
+    TEST_STORE,
+    RunningHub,
+    start_hub,
+    stop_test_store,
+    store_args,
+    store_for,
+    write_digits,
+)
 
 torch.set_num_threads(1)
 
 # A test skipped for a missing tool (chromium, ...) ends the run with a banner; CI fails instead.
 pytest_plugins = ["tests.tooling.skips"]
+
+#: what a test module must use for the PostgreSQL pass to run it: a hub these helpers start
+_STARTS_A_HUB = re.compile(r"\bawait start_hub\(|\brunning_hub\b|\bhub_process\b")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_store() -> Iterator[None]:
+    """GPUFLEX_TEST_STORE=postgresql: the run's PostgreSQL server (tests/helpers.py), stopped at the end."""
+    try:
+        yield
+    finally:
+        stop_test_store()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The PostgreSQL pass without PostgreSQL's binaries: one line, before any test runs."""
+    if TEST_STORE == "postgresql":
+        from tests.tooling.postgres import MISSING, find_bin_dir
+
+        bin_dir = find_bin_dir()
+        if bin_dir is None or not (bin_dir / "initdb").exists():
+            raise pytest.UsageError(f"GPUFLEX_TEST_STORE=postgresql: {MISSING}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The PostgreSQL pass (GPUFLEX_TEST_STORE=postgresql, `make test`'s second run) keeps the tests
+    of modules that start a hub through the helpers: the rest (protocol, node, pure units, the
+    SQLite file's own tests) never see a store, and ran in the first pass. Reported, not silent."""
+    if TEST_STORE != "postgresql":
+        return
+    kept, dropped = [], []
+    sources: dict[Path, str] = {}
+    for item in items:
+        path = Path(item.path)
+        if path not in sources:
+            sources[path] = path.read_text()
+        (kept if _STARTS_A_HUB.search(sources[path]) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    config.stash[_PASS_KEY] = (len(kept), len(dropped))
+
+
+_PASS_KEY = pytest.StashKey[tuple[int, int]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if TEST_STORE == "postgresql" and _PASS_KEY in config.stash:
+        kept, dropped = config.stash[_PASS_KEY]
+        terminalreporter.write_line(f"PostgreSQL pass: {kept} tests of modules that start a hub ran with their hub on"
+                                    f" PostgreSQL; {dropped} that start none ran in the SQLite pass only")
 
 
 @pytest.fixture
@@ -50,7 +111,7 @@ class HubProcess:
     def token(self, role: str, name: str) -> str:
         from gpuflex.hub.tokens import create_token
 
-        return create_token(self.data_dir, role, name)
+        return create_token(self.data_dir, role, name, store=store_for(self.data_dir))
 
 
 @pytest.fixture
@@ -71,6 +132,7 @@ def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
         "--min-deadline",
         "5",
         *RELAXED_SERVE_ARGS,  # the test nodes all connect from 127.0.0.1
+        *store_args(data),  # GPUFLEX_TEST_STORE=postgresql: its own database (tests/helpers.py)
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(

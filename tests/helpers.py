@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,83 @@ RELAXED_DEFENCES: dict[str, Any] = {
 }
 
 
+# -- the store the tests' hubs run on --------------------------------------------------------------
+#: ``make test`` runs the suite twice (issue 16): on SQLite, the embedded default, and again with
+#: GPUFLEX_TEST_STORE=postgresql, where every hub these helpers start (``start_hub``, conftest's
+#: ``hub_process``) keeps its state in a PostgreSQL database of its own: one per data folder, so a
+#: hub restarted on the same folder finds its state, on one server for the whole run (started on
+#: first use, tests/tooling/postgres.py; stopped by conftest's ``_test_store`` at the end).
+TEST_STORE = os.environ.get("GPUFLEX_TEST_STORE", "sqlite")
+if TEST_STORE not in ("sqlite", "postgresql"):
+    raise RuntimeError(f"GPUFLEX_TEST_STORE={TEST_STORE!r}: sqlite or postgresql")
+_DATABASES: dict[Path, str] = {}
+_SERVER: list[Any] = []  # the run's PostgreSQL server, once started
+
+
+def store_for(data_dir: Path) -> str | None:
+    """The --store of the hub on ``data_dir`` in this run: None (its SQLite file), or its database's URL."""
+    if TEST_STORE == "sqlite":
+        return None
+    key = Path(data_dir).resolve()
+    if key not in _DATABASES:
+        if not _SERVER:
+            from tests.tooling.postgres import MISSING, PostgresServer, find_bin_dir
+
+            bin_dir = find_bin_dir()
+            if bin_dir is None or not (bin_dir / "initdb").exists():
+                raise RuntimeError(f"GPUFLEX_TEST_STORE=postgresql, but {MISSING}")
+            server = PostgresServer(bin_dir)
+            server.start()
+            _SERVER.append(server)
+        _DATABASES[key] = str(_SERVER[0].new_database())
+    return _DATABASES[key]
+
+
+def stop_test_store() -> None:
+    while _SERVER:
+        _SERVER.pop().stop()
+
+
+def open_store(data_dir: Path) -> Any:
+    """A connection to the state of the hub on ``data_dir`` (whichever store this run uses), for a
+    test to read (or, to stage a case, write) rows: ``execute(sql, params)`` with ``?`` placeholders,
+    rows as tuples, ``commit()``, ``close()``, on either store."""
+    url = store_for(data_dir)
+    if url is None:
+        import sqlite3
+
+        return sqlite3.connect(Path(data_dir) / "hub.sqlite3")  # rows are tuples
+    from gpuflex.hub.store_postgres import connect
+
+    return _TupleRows(connect(url))
+
+
+class _TupleRows:
+    """The hub's PostgreSQL connection (its `?` statements) with rows as tuples, as sqlite3 gives them."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        from psycopg.rows import tuple_row
+
+        cur = self.conn.execute(sql, params)
+        cur.row_factory = tuple_row
+        return cur
+
+    def commit(self) -> None:
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def store_args(data_dir: Path) -> list[str]:
+    """``--store URL`` for a `gpuflex-hub` command on ``data_dir`` in this run, or nothing."""
+    url = store_for(data_dir)
+    return ["--store", url] if url else []
+
+
 #: the same, as `gpuflex-hub serve` options (hubs started as processes by tests)
 RELAXED_SERVE_ARGS: tuple[str, ...] = (
     "--allow-shared-blocks", "--registrations-per-block", "100000", "--registrations-global", "100000",
@@ -177,6 +255,19 @@ class RunningHub:
     async def stop(self) -> None:
         await self.runner.cleanup()
 
+    @property
+    def store(self) -> str | None:
+        """The hub's --store: None for its SQLite file, else its PostgreSQL database's URL."""
+        from gpuflex.hub.appkeys import CONFIG
+
+        return self.app[CONFIG].store
+
+    def token(self, role: str, name: str) -> str:
+        """A new token in the hub's own store (as `gpuflex-hub token create` makes one)."""
+        from gpuflex.hub.tokens import create_token
+
+        return create_token(self.data_dir, role, name, store=self.store)
+
     def auth(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.owner_token}"}
 
@@ -189,9 +280,7 @@ class RunningHub:
         a = scheduler.assignments.get(assignment_id)
         if a is not None:
             return scheduler.jobs[a.job_id].shards[a.shard_id].replica_group
-        import sqlite3  # no longer live (uploaded): the SQLite store's rows
-
-        conn = sqlite3.connect(self.data_dir / "hub.sqlite3")
+        conn = open_store(self.data_dir)  # no longer live (uploaded): the store's rows
         try:
             row = conn.execute("SELECT s.replica_group FROM assignments a JOIN shards s ON s.id = a.shard_id"
                                " WHERE a.id = ?", (assignment_id,)).fetchone()
@@ -213,6 +302,7 @@ async def start_hub(
 
     config_kw.setdefault("long_poll_max_s", 2.0)
     config_kw.setdefault("sweep_interval_s", 0.2)
+    config_kw.setdefault("store", store_for(data_dir))
     # Every SimNode of these tests shares one session, so one address block: the Sybil defences
     # (hub/admission.py) are relaxed here, as a single-machine test bed must. tests/test_sybil.py
     # runs the production defaults (`production_defences()`) with nodes in distinct blocks.

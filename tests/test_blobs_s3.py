@@ -20,7 +20,15 @@ from gpuflex.hub.blobs import HOT_BLOB_MAX, BlobStore, BlobStoreUnavailable, ope
 from gpuflex.hub.config import HubConfig
 from gpuflex.hub.errors import BadRequest, NotFound
 
-from tests.helpers import RELAXED_SERVE_ARGS, SimNode, start_hub, submit_job, wait_job, write_digits
+from tests.helpers import (
+    RELAXED_SERVE_ARGS,
+    SimNode,
+    open_store,
+    start_hub,
+    submit_job,
+    wait_job,
+    write_digits,
+)
 from tests.tooling.s3 import CREDENTIALS, ISOLATION, MISSING, S3Server
 
 boto3 = pytest.importorskip("boto3", reason=MISSING)
@@ -296,9 +304,8 @@ async def test_a_hub_on_the_bucket_runs_a_job_to_done(tmp_path: Path, s3_server:
                 assert r.status == 200
     finally:
         await hub.stop()
-    import sqlite3
 
-    conn = sqlite3.connect(tmp_path / "hub" / "hub.sqlite3")
+    conn = open_store(tmp_path / "hub")
     try:
         models = [sha for (sha,) in conn.execute("SELECT sha FROM models WHERE job_id = ?", (job["id"],))]
         chunks = [sha for (sha,) in conn.execute("SELECT sha FROM chunks WHERE job_id = ?", (job["id"],))]

@@ -35,7 +35,7 @@ from gpuflex.protocol.messages import (
     nested_to_dict,
 )
 
-from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
+from tests.helpers import SimNode, open_store, start_hub, submit_job, wait_job, write_digits
 from tests.tooling import attacks as atk
 
 CPU = ComputeClass("cpu", "AMD EPYC", "", "AuthenticAMD", ("avx2", "avx512f", "fma"), "2.13.0+cpu", "", "",
@@ -399,9 +399,8 @@ async def test_honest_replicas_of_two_classes_are_compared_cross_class_and_not_f
 
 
 def hub_rows(hub, sql, *args):
-    import sqlite3
 
-    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    conn = open_store(hub.data_dir)
     try:
         return conn.execute(sql, args).fetchall()
     finally:

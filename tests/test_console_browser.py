@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from gpuflex.hub.tokens import create_token
 
+from tests.helpers import store_for
 from tests.test_console_helpers import (
     ARTIFACTS,
     CHROMIUM,
@@ -34,6 +35,7 @@ pytestmark = [
 ]
 
 
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SimpleNamespace]:
     """Hub + finished job (2 honest nodes, 1 sign-flipper) + one chromium."""
@@ -45,7 +47,7 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
     hub = await start_hub(base / "hub")
     pw = browser = None
     try:
-        bob = create_token(hub.data_dir, "owner", "bob")
+        bob = create_token(hub.data_dir, "owner", "bob", store=store_for(hub.data_dir))
         scenario = await run_job_with_attacker(hub, base / "digits", other_owner_token=bob)
         flag = await first_flag_of(hub, scenario.attacker)
         pw = await async_playwright().start()

@@ -40,7 +40,7 @@ from gpuflex.protocol.messages import (
 )
 from gpuflex.protocol.signing import new_nonce, seal
 
-from tests.helpers import RunningHub, SimNode, start_hub
+from tests.helpers import RunningHub, SimNode, start_hub, store_for
 
 ANON, OWNER, OTHER, AUDITOR, ADMIN, NODE, OTHER_NODE = (
     "anonymous", "owner", "other_owner", "auditor", "admin", "node", "other_node")
@@ -201,7 +201,7 @@ async def world(tmp_path_factory):
     data = tmp_path_factory.mktemp("access")
     hub = await start_hub(data, long_poll_max_s=0.5)
     session = aiohttp.ClientSession()
-    tokens = {OWNER: hub.owner_token, OTHER: create_token(data, "owner", "bob"),
+    tokens = {OWNER: hub.owner_token, OTHER: create_token(data, "owner", "bob", store=store_for(data)),
               AUDITOR: hub.auditor_token, ADMIN: hub.admin_token}
     w = World(hub=hub, session=session, tokens=tokens, job="", doomed="", flag="",
               node=SimNode(session, hub.url), other_node=SimNode(session, hub.url))

@@ -7,6 +7,8 @@ import pytest
 from gpuflex.hub import cli
 from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
 
+from tests.helpers import open_store, store_for
+
 
 async def _status(s, method, url, token=None, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -24,18 +26,17 @@ async def test_missing_wrong_and_revoked_tokens_are_refused(running_hub):
         assert status == 401 and body["error"] == "bad_token"
         async with s.get(url, headers={"Authorization": "Basic abc"}) as r:
             assert r.status == 401
-        token = create_token(running_hub.data_dir, "owner", "bob")
+        token = create_token(running_hub.data_dir, "owner", "bob", store=store_for(running_hub.data_dir))
         status, _ = await _status(s, "GET", url, token=token)
         assert status == 200
-        bob = next(t for t in list_tokens(running_hub.data_dir) if t["name"] == "bob")
-        revoke_token(running_hub.data_dir, int(bob["id"]))  # while the hub runs
+        bob = next(t for t in list_tokens(running_hub.data_dir, store=store_for(running_hub.data_dir)) if t["name"] == "bob")
+        revoke_token(running_hub.data_dir, int(bob["id"]), store=store_for(running_hub.data_dir))  # while it runs
         status, body = await _status(s, "GET", url, token=token)
         assert status == 401 and body["error"] == "bad_token"
 
 
 async def test_flags_verdict_and_ban_flow(running_hub):
     """Flags are written by the hub; here we insert rows the way rounds.py does and drive verdicts."""
-    import sqlite3
     import time
 
     from gpuflex.hub.appkeys import LEDGER
@@ -45,7 +46,7 @@ async def test_flags_verdict_and_ban_flow(running_hub):
     running_hub.app[LEDGER].scheduler.nodes[node_id] = NodeState(
         id=node_id, public_key=b"k" * 32, bench_sps=1.0, ema_sps=1.0, last_seen=time.time()
     )
-    conn = sqlite3.connect(running_hub.data_dir / "hub.sqlite3")
+    conn = open_store(running_hub.data_dir)
     conn.execute(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps,"
         " registered_at, last_seen) VALUES (?, ?, '0', '{}', '{}', 1, 1, 0, 0)",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import sqlite3
 import time
 
 import aiohttp
@@ -17,11 +16,11 @@ from gpuflex.protocol.messages import Assignment, Hello, WorkRequest
 from gpuflex.protocol.signing import SigningKey, new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import MSGPACK, SimNode, b64, digits_spec, submit_job
+from tests.helpers import MSGPACK, SimNode, b64, digits_spec, open_store, submit_job
 
 
 def count(hub, table):
-    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    conn = open_store(hub.data_dir)
     try:
         return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
     finally:

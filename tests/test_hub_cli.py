@@ -16,7 +16,7 @@ from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.signing import SigningKey
 from gpuflex.protocol.version import SOFTWARE_VERSION
 
-from tests.helpers import RELAXED_SERVE_ARGS, SimNode, write_digits
+from tests.helpers import RELAXED_SERVE_ARGS, SimNode, store_args, write_digits
 
 
 def test_version_and_help(capsys):
@@ -91,7 +91,7 @@ def test_serve_kill9_restart_resumes_and_sigterm_is_clean(hub_process, tmp_path,
     # restart on the same data dir and port, on all interfaces without TLS: a clear warning
     port = hp.url.rsplit(":", 1)[1]
     proc = subprocess.Popen([sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(hp.data_dir),
-                             "--host", "0.0.0.0", "--port", port, *RELAXED_SERVE_ARGS],
+                             "--host", "0.0.0.0", "--port", port, *RELAXED_SERVE_ARGS, *store_args(hp.data_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sqlite3
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ import aiohttp
 import pytest
 from gpuflex.hub import cli
 
-from tests.helpers import RunningHub
+from tests.helpers import RunningHub, open_store, store_for
 
 NODE = "gf1-test-node-aaaa-bbbb-cccc"
 IDS = ["f-abc1230000000001", "f-abc1240000000002", "f-ffff000000000003", "f-0000000000000004",
@@ -36,7 +35,7 @@ async def flagged(running_hub: RunningHub) -> SimpleNamespace:
     now = time.time()
     running_hub.app[LEDGER].scheduler.nodes[NODE] = NodeState(
         id=NODE, public_key=b"k" * 32, bench_sps=1234.5, ema_sps=1000.0, last_seen=now)
-    conn = sqlite3.connect(running_hub.data_dir / "hub.sqlite3")
+    conn = open_store(running_hub.data_dir)
     conn.execute(
         "INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps,"
         " registered_at, last_seen) VALUES (?, ?, '0.1.0', ?, ?, 1234.5, 1000, ?, ?)",
@@ -140,7 +139,7 @@ async def test_audit_show_has_per_layer_norms_and_cosines(running_hub, tmp_path:
 
     from tests.test_console_helpers import first_flag_of, run_job_with_attacker
 
-    other = create_token(running_hub.data_dir, "owner", "bob")
+    other = create_token(running_hub.data_dir, "owner", "bob", store=store_for(running_hub.data_dir))
     scenario = await run_job_with_attacker(running_hub, tmp_path / "w", other_owner_token=other)
     flag = await first_flag_of(running_hub, scenario.attacker)
     status, body = await _get(f"{running_hub.url}/v1/flags/{flag['id']}", running_hub.auditor_token)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sqlite3
 import time
 
 import aiohttp
@@ -15,11 +14,19 @@ from gpuflex.protocol.messages import Ack, Assignment, NoWork, WorkRequest
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import state_from_safetensors
 
-from tests.helpers import SimNode, digits_spec, start_hub, submit_job, wait_job, write_digits
+from tests.helpers import (
+    SimNode,
+    digits_spec,
+    open_store,
+    start_hub,
+    submit_job,
+    wait_job,
+    write_digits,
+)
 
 
 def db_rows(hub, sql, *args):
-    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    conn = open_store(hub.data_dir)
     try:
         return conn.execute(sql, args).fetchall()
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sqlite3
 
 import aiohttp
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from gpuflex.protocol.tensors import decode_state
 from test_node_support import EventLog, agent
 
-from tests.helpers import start_hub, submit_job
+from tests.helpers import open_store, start_hub, submit_job
 
 VOCAB, SEQ, CLASSES = 40, 6, 3
 
@@ -83,7 +82,7 @@ async def test_embedding_job_trains_aggregates_and_evaluates(tmp_path):
             doc = await r.json()
             assert r.status == 201, doc
             job_id = doc["id"]
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         sha = conn.execute("SELECT sha FROM chunks WHERE job_id = ? LIMIT 1", (job_id,)).fetchone()[0]
         val_sha = conn.execute("SELECT val_sha FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
         conn.close()

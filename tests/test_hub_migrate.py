@@ -37,7 +37,7 @@ def _pg_tables_exist(url: str) -> bool:
 async def test_a_running_job_moves_to_postgres_and_finishes_there_with_the_same_tokens(tmp_path, postgres_url):
     train, val, spec = write_digits(tmp_path / "d", rounds=3)
     data = tmp_path / "hub"
-    hub = await start_hub(data)
+    hub = await start_hub(data, store=None)
     async with aiohttp.ClientSession() as s:
         r = await submit_job(s, hub, spec, train, val)
         assert r.status == 201, await r.text()
@@ -64,7 +64,7 @@ async def test_a_running_job_moves_to_postgres_and_finishes_there_with_the_same_
         assert "password" not in json.dumps(marker)
 
         with pytest.raises(MigrationError, match="moved to postgresql://"):  # no silent empty hub on SQLite
-            await start_hub(data, tokens=_tokens(hub))
+            await start_hub(data, tokens=_tokens(hub), store=None)
         again = _cli("migrate", "--data", str(data), "--to", postgres_url)
         assert again.returncode == 1 and "already migrated" in again.stderr
 
@@ -100,7 +100,7 @@ async def test_a_database_that_already_holds_a_hub_is_never_merged_into(tmp_path
     await other.stop()
     counts = _counts(postgres_url)
     data = tmp_path / "hub"
-    await (await start_hub(data)).stop()
+    await (await start_hub(data, store=None)).stop()
     with pytest.raises(MigrationError, match="already holds a hub"):
         migrate(data, postgres_url)
     assert _counts(postgres_url) == counts
@@ -109,7 +109,7 @@ async def test_a_database_that_already_holds_a_hub_is_never_merged_into(tmp_path
 
 async def test_a_row_postgres_refuses_rolls_the_whole_copy_back(tmp_path, postgres_url):
     data = tmp_path / "hub"
-    await (await start_hub(data)).stop()
+    await (await start_hub(data, store=None)).stop()
     conn = sqlite3.connect(data / "hub.sqlite3")
     conn.execute("INSERT INTO nodes (id, public_key, software_version, device, benchmark, bench_sps, ema_sps,"
                  " registered_at, last_seen, agreements_total) VALUES ('n1', x'00', '1', '{}', '{}', 1, 1, 0, 0, 1.5)")  # SQLite keeps a REAL in an INTEGER column
@@ -132,13 +132,13 @@ def test_refusals_are_one_line_and_change_nothing(tmp_path, postgres_url):
 
 
 async def test_one_hub_process_per_data_folder(tmp_path):
-    hub = await start_hub(tmp_path / "hub")
+    hub = await start_hub(tmp_path / "hub", store=None)
     try:
         with pytest.raises(DataFolderBusy, match=r"in use by a hub \(pid \d+\)"):
-            await start_hub(tmp_path / "hub", tokens=_tokens(hub))
+            await start_hub(tmp_path / "hub", tokens=_tokens(hub), store=None)
     finally:
         await hub.stop()
-    again = await start_hub(tmp_path / "hub", tokens=_tokens(hub))  # released at stop
+    again = await start_hub(tmp_path / "hub", tokens=_tokens(hub), store=None)  # released at stop
     await again.stop()
     lock = DataLock(tmp_path / "hub", "test").acquire()
     lock.release()

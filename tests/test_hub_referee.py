@@ -9,7 +9,6 @@ import base64
 import hashlib
 import json
 import math
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from gpuflex.protocol.tensors import decode_state, encode_state
 from tests.helpers import (
     RunningHub,
     SimNode,
+    open_store,
     start_hub,
     submit_job,
     wait_job,
@@ -134,7 +134,7 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
                 text = await r.text()
             assert "gpuflex_referee_requests_total 1" in text
             assert 'gpuflex_referee_verdicts_total{outcome="reproduced"} 1' in text
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         try:
             (status, reason, verdict), = conn.execute("SELECT status, reason, verdict FROM state_requests").fetchall()
         finally:
@@ -204,7 +204,7 @@ async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_
                     flags = (await r.json())["flags"]
                 await asyncio.sleep(0.2)
             assert [(f["reason"], f["node_id"]) for f in flags] == [("referee_mismatch", n.node_id)]
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         try:
             rows = conn.execute("SELECT status, reason FROM state_requests ORDER BY requested_at").fetchall()
             statuses = dict(conn.execute("SELECT id, status FROM updates").fetchall())
@@ -264,7 +264,7 @@ async def test_an_update_against_the_models_trend_is_re_executed_though_no_spot_
                     flags = (await r.json())["flags"]
                 await asyncio.sleep(0.2)
             assert [(f["reason"], f["node_id"]) for f in flags] == [("referee_mismatch", n.node_id)]
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         try:
             rows = conn.execute("SELECT status, reason, verdict FROM state_requests").fetchall()
         finally:
@@ -297,7 +297,7 @@ async def test_a_node_offline_after_its_upload_is_left_out_without_a_flag(tmp_pa
                 if rnd == 0:  # online: it hands its states over, is reproduced and earns an agreement
                     await _answer_state_request(n, store)
                     await _history(s, hub, job_id, 1)
-                    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+                    conn = open_store(hub.data_dir)
                     try:
                         assert conn.execute("SELECT consecutive_agreements FROM nodes").fetchone() == (1,)
                     finally:
@@ -305,7 +305,7 @@ async def test_a_node_offline_after_its_upload_is_left_out_without_a_flag(tmp_pa
             # round 1: it never polls again
             deadline = time.monotonic() + 30
             while True:
-                conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+                conn = open_store(hub.data_dir)
                 try:
                     rows = conn.execute("SELECT status, verdict FROM state_requests WHERE round = 1").fetchall()
                     (status,) = conn.execute("SELECT status FROM updates WHERE id LIKE ?",
@@ -369,7 +369,7 @@ async def test_an_open_state_request_and_the_states_handed_over_survive_a_restar
                 assert (await _post_state(owner, up, data)).status == 200
             doc = await wait_job(s, hub, job_id)
             assert doc["state"] == "done" and doc["history"][0]["flags"] == []
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         try:
             rows = conn.execute("SELECT id, status FROM state_requests").fetchall()
         finally:
@@ -421,7 +421,7 @@ async def test_linear_lr_scaling_signs_each_shard_its_factor_and_the_referee_rep
                 await _answer_state_request(n, stores[n.node_id])
             doc = await _history(s, hub, job_id, 1)
             assert doc["history"][0]["flags"] == []
-        conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+        conn = open_store(hub.data_dir)
         try:
             rows = conn.execute("SELECT status FROM state_requests").fetchall()
         finally:

@@ -28,7 +28,7 @@ from gpuflex.protocol.messages import Ack, Assignment, NoWork
 from gpuflex.protocol.tensors import decode_state, encode_state
 from sklearn.datasets import load_digits
 
-from tests.helpers import SimNode, start_hub
+from tests.helpers import SimNode, open_store, start_hub
 from tests.tooling.partition import dirichlet_split
 
 SPEC = """
@@ -401,7 +401,6 @@ async def _withdraw(node: SimNode, job: str, sha: str) -> Ack:
 async def test_a_withdrawn_silo_is_not_assigned_or_waited_for_and_stays_withdrawn_across_a_restart(tmp_path):
     """`gpuflex-node data remove` tells the hub: the node's live assignment of its silo ends, no round
     assigns it or waits for it while the node stays online, and the SQLite file keeps it withdrawn."""
-    import sqlite3
 
     hub = await start_hub(tmp_path, long_poll_max_s=0.3, online_window_s=30.0)
     x, y = digits()
@@ -430,7 +429,7 @@ async def test_a_withdrawn_silo_is_not_assigned_or_waited_for_and_stays_withdraw
                 nodes[0].node_id, nodes[1].node_id]
     finally:
         await hub.stop()
-    conn = sqlite3.connect(tmp_path / "hub.sqlite3")
+    conn = open_store(tmp_path)
     try:
         assert conn.execute("SELECT owner_node FROM chunks WHERE sha = ?", (shas[2],)).fetchall() == [(None,)]
         assert conn.execute("SELECT state FROM assignments WHERE id = ?", (got.assignment_id,)).fetchall() == [

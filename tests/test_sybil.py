@@ -41,8 +41,10 @@ from gpuflex.protocol.workload import assignment_steps
 from tests.helpers import (
     SimNode,
     digits_spec,
+    open_store,
     production_defences,
     start_hub,
+    store_for,
     submit_job,
     wait_job,
     when_job_arrives,
@@ -77,7 +79,7 @@ async def register_raw(node: SimNode, **hello: Any) -> aiohttp.ClientResponse:
 
 
 def db_rows(hub, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(hub.data_dir / "hub.sqlite3")
+    conn = open_store(hub.data_dir)
     try:
         return conn.execute(sql, args).fetchall()
     finally:
@@ -131,7 +133,7 @@ async def test_two_nodes_of_one_operator_in_distinct_blocks_never_replicate_each
     they connect from."""
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", **production_defences())
-    token = create_token(hub.data_dir, "enroll", "lab-one")
+    token = create_token(hub.data_dir, "enroll", "lab-one", store=store_for(hub.data_dir))
     try:
         async with sessions("127.0.0.1", "127.0.31.1", "127.0.32.1", "127.0.33.1") as (owner, s1, s2, s3):
             r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"'), train, val)
@@ -206,7 +208,7 @@ async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
     from gpuflex.hub.tokens import list_tokens, revoke_token
 
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
-    token = create_token(hub.data_dir, "enroll", "lab")
+    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
     try:
         async with sessions("127.0.70.1") as (s,):
             r = await register_raw(SimNode(s, hub.url))
@@ -218,9 +220,9 @@ async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
             assert r.status == 200, await r.text()
             async with s.get(hub.url + "/v1/jobs", headers=hub.auth(token)) as api:
                 assert api.status == 401
-            (row,) = [t for t in list_tokens(hub.data_dir) if t["role"] == "enroll"]
+            (row,) = [t for t in list_tokens(hub.data_dir, store=store_for(hub.data_dir)) if t["role"] == "enroll"]
             assert row["id"] == "e1"
-            revoke_token(hub.data_dir, row["id"])
+            revoke_token(hub.data_dir, row["id"], store=store_for(hub.data_dir))
             r = await register_raw(SimNode(s, hub.url), enroll_token=token)
             assert r.status == 403 and (await r.json())["error"] == "bad_enrollment"
             assert db_rows(hub, "SELECT operator FROM nodes WHERE id = ?", node.node_id) == [("op-1",)]
@@ -241,7 +243,7 @@ async def test_a_banned_nodes_block_and_operator_get_no_fresh_identity(tmp_path)
     other blocks are unaffected."""
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub")
-    token = create_token(hub.data_dir, "enroll", "lab")
+    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
     try:
         async with sessions("127.0.0.1", "127.0.81.1", "127.0.81.2", "127.0.82.1", "127.0.83.1") as (
             owner, s_bad, s_same_block, s_other_block, s_clean
@@ -645,7 +647,7 @@ async def test_the_real_node_enrolls_and_connects_from_its_source_address(tmp_pa
 
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
-    token = create_token(hub.data_dir, "enroll", "lab")
+    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
     try:
         async with sessions("127.0.0.1") as (owner,):
             r = await submit_job(owner, hub, spec(rounds=1), train, val)
