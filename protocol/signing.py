@@ -71,9 +71,9 @@ def verify(public_bytes: bytes, kind: str, payload: bytes, signature: bytes) -> 
     """Raise SignatureError unless ``signature`` covers ``domain(kind) + payload``.
 
     libsodium's Ed25519 (PyNaCl): it verifies in about half the time of OpenSSL's through
-    ``cryptography`` (58 against 106 µs on this project's 2-core machine; bench/hub_load.py's
-    signed echo), and it refuses small-order public keys and non-canonical signatures, which
-    OpenSSL accepts. Signatures are the same: Ed25519 signing is deterministic.
+    ``cryptography`` (58 against 106 µs a signature on this project's 2-core machine; README,
+    "hub load"), and it refuses small-order public keys, with which OpenSSL's check lets one
+    signature verify for every message. Signatures are the same: Ed25519 signing is deterministic.
     """
     if not isinstance(public_bytes, bytes) or len(public_bytes) != PUBLIC_KEY_BYTES:
         raise SignatureError(f"signer public key must be {PUBLIC_KEY_BYTES} bytes")
