@@ -30,6 +30,9 @@ async def test_hub_load_serves_a_small_job_on_each_store(store: str, request: py
     # the ratio is written to 3 decimals (and the two rates to 0.1): up to 5e-4 off in absolute terms
     assert r["ratio_vs_echo"] == pytest.approx(r["requests_per_s"] / r["baseline_echo_requests_per_s"],
                                                rel=0.01, abs=6e-4)
+    # the floors ran (their servers answered every request 200, fresh nonces each pass)
+    assert r["baseline_signed_echo_requests_per_s"] > 0 and r["ratio_vs_signed_echo"] > 0
+    assert r["durable_signed_echo_ratio_vs_echo"] > 0 and r["signed_echo_openssl_ratio_vs_echo"] > 0
 
 
 def test_the_simulation_runs_the_hubs_policy_and_catches_the_adversary() -> None:
@@ -54,3 +57,4 @@ async def test_hub_load_sustained_mode_spreads_the_arrivals() -> None:
     r = await hub_load.run_once(6, 2, "inproc", None, spread_s=0.3)
     assert r["mode"] == "sustained" and r["spread_s"] == 0.3 and r["final_state"] == "done"
     assert r["nodes"] == 6 and float(r["p99_assignment_ms"]) >= 0  # type: ignore[arg-type]
+    assert r["baseline_signed_echo_requests_per_s"] is None  # the floors are a burst's
