@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -360,7 +360,6 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
     store: a PostgreSQL URL (an empty database), or None for the hub's SQLite file.
     """
     tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
-    finished = False
     # when each round opened (the moment its work existed), wall clock
     round_open: dict[int, float] = {}
     runner: web.AppRunner | None = None
@@ -437,15 +436,12 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
     except BaseException:
         print(f"hub_load: the run with {n} nodes failed; its hub's folder and log stay in {tmp}", file=sys.stderr)
         raise
-    else:
-        finished = True
     finally:  # never leave a hub process behind, whatever went wrong
         if runner is not None:
             await runner.cleanup()
         if hub_proc is not None:
             hub_proc.stop()
-        if finished:
-            shutil.rmtree(tmp, ignore_errors=True)  # 1,000 nodes' updates: a run leaves no folder behind
+    shutil.rmtree(tmp, ignore_errors=True)  # 1,000 nodes' updates: a finished run leaves no folder behind
     if hub_proc is not None:
         # the hub's own record of when each round opened (same machine, same clock)
         round_open = {int(h["round"]): float(h["opened_at"]) for h in doc["history"]}
@@ -468,17 +464,19 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         return [seal(nodes[i % n].key, WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=1.0,
                                                    cached_chunks=())) for i in range(ECHO_PASSES * n_clients * per_client)]
 
-    floors: dict[str, float] = {}  # the least-work servers (SIGNED_ECHO_SERVER), in burst runs
+    # the least-work servers (SIGNED_ECHO_SERVER), in burst runs only
+    signed_rps = durable_rps = openssl_rps = None
     if spread_s == 0:
-        floors["signed"] = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh())
+        signed_rps = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh())
         with tempfile.TemporaryDirectory(prefix="gpuflex-echo-") as folder:
-            floors["durable"] = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh(),
-                                                    durable=Path(folder))
-        floors["openssl"] = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh(),
-                                                library="openssl")  # what the product signed with before
+            durable_rps = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh(),
+                                              durable=Path(folder))
+        openssl_rps = await echo_baseline(n_clients, per_client, body, own_process=True, signed=fresh(),
+                                          library="openssl")  # what the product signed with before
 
-    def floor(name: str, value: float, digits: int = 3) -> float | None:
-        return round(value, digits) if name in floors else None
+    def of(rate: float | None, figure: Callable[[float], float], digits: int = 3) -> float | None:
+        """A figure of a floor's rate, or None where the floor was not measured (sustained runs)."""
+        return None if rate is None else round(figure(rate), digits)
 
     return {
         "store": "postgresql" if store else "sqlite",
@@ -506,15 +504,15 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         "ratio_vs_echo": round(rps / echo_rps, 3),
         # the least any hub must do per request (SIGNED_ECHO_SERVER: verify, replay check, sign), measured
         # right after the echo: its requests/s, as a ratio to the echo, and its p99 floor for n at once
-        "baseline_signed_echo_requests_per_s": floor("signed", floors.get("signed", 0.0), 1),
-        "signed_echo_ratio_vs_echo": floor("signed", floors.get("signed", 0.0) / echo_rps),
-        "signed_echo_bound_p99_ms": floor("signed", 1000 * 0.99 * n / floors.get("signed", 1.0), 1),
-        "ratio_vs_signed_echo": floor("signed", rps / floors.get("signed", 1.0)),
+        "baseline_signed_echo_requests_per_s": of(signed_rps, lambda r: r, 1),
+        "signed_echo_ratio_vs_echo": of(signed_rps, lambda r: r / echo_rps),
+        "signed_echo_bound_p99_ms": of(signed_rps, lambda r: 1000 * 0.99 * n / r, 1),
+        "ratio_vs_signed_echo": of(signed_rps, lambda r: rps / r),
         # ... also committing each request through the hub's group commit (hub/db.py) before answering
-        "durable_signed_echo_ratio_vs_echo": floor("durable", floors.get("durable", 0.0) / echo_rps),
-        "durable_signed_echo_bound_p99_ms": floor("durable", 1000 * 0.99 * n / floors.get("durable", 1.0), 1),
+        "durable_signed_echo_ratio_vs_echo": of(durable_rps, lambda r: r / echo_rps),
+        "durable_signed_echo_bound_p99_ms": of(durable_rps, lambda r: 1000 * 0.99 * n / r, 1),
         # the signed echo with OpenSSL's Ed25519 (cryptography), which the product signed with before
-        "signed_echo_openssl_ratio_vs_echo": floor("openssl", floors.get("openssl", 0.0) / echo_rps),
+        "signed_echo_openssl_ratio_vs_echo": of(openssl_rps, lambda r: r / echo_rps),
         "final_state": doc["state"],
         "load_avg_1m": round(os.getloadavg()[0], 1),
     }

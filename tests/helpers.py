@@ -172,7 +172,7 @@ def store_for(data_dir: Path) -> str | None:
             from tests.tooling.postgres import MISSING, PostgresServer, find_bin_dir
 
             bin_dir = find_bin_dir()
-            if bin_dir is None or not (bin_dir / "initdb").exists():
+            if bin_dir is None:
                 raise RuntimeError(f"GPUFLEX_TEST_STORE=postgresql, but {MISSING}")
             server = PostgresServer(bin_dir)
             server.start()

@@ -17,7 +17,6 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from gpuflex.hub.appkeys import DB
-from gpuflex.hub.tokens import create_token
 
 from tests.helpers import RunningHub, digits_spec, store_for, submit_job, write_digits
 from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
@@ -37,7 +36,7 @@ async def hub(
 
     base = tmp_path_factory.mktemp("console")
     h: RunningHub = await start_hub(base / "hub")
-    bob = create_token(h.data_dir, "owner", "bob", store=store_for(h.data_dir))
+    bob = h.token("owner", "bob")
     train, val, _ = write_digits(base / "digits")
     async with aiohttp.ClientSession() as s:
         r = await submit_job(s, h, digits_spec(rounds=2), train, val)
@@ -353,14 +352,15 @@ async def test_flag_page_shows_the_referees_re_executed_segments(hub, browser):
 
 
 async def test_revoked_token_ends_the_session(hub, browser):
-    from gpuflex.hub.tokens import list_tokens, revoke_token
+    from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
 
-    token = create_token(hub.data_dir, "auditor", "temp-auditor", store=store_for(hub.data_dir))
+    store = store_for(hub.data_dir)  # the fixture's hub is a namespace over the running one
+    token = create_token(hub.data_dir, "auditor", "temp-auditor", store=store)
     await browser.login(token)
     status, _, _ = await browser.get("/console/nodes")
     assert status == 200
-    tid = next(t["id"] for t in list_tokens(hub.data_dir, store=store_for(hub.data_dir)) if t["name"] == "temp-auditor")
-    revoke_token(hub.data_dir, int(tid), store=store_for(hub.data_dir))
+    tid = next(t["id"] for t in list_tokens(hub.data_dir, store=store) if t["name"] == "temp-auditor")
+    revoke_token(hub.data_dir, int(tid), store=store)
     status, _, r = await browser.get("/console/nodes")
     assert status == 302 and r.headers["Location"].startswith("/console/login")
 

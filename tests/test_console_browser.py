@@ -15,9 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
-from gpuflex.hub.tokens import create_token
 
-from tests.helpers import store_for
 from tests.test_console_helpers import (
     ARTIFACTS,
     CHROMIUM,
@@ -47,7 +45,7 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
     hub = await start_hub(base / "hub")
     pw = browser = None
     try:
-        bob = create_token(hub.data_dir, "owner", "bob", store=store_for(hub.data_dir))
+        bob = hub.token("owner", "bob")
         scenario = await run_job_with_attacker(hub, base / "digits", other_owner_token=bob)
         flag = await first_flag_of(hub, scenario.attacker)
         pw = await async_playwright().start()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from gpuflex.hub import cli
-from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
+from gpuflex.hub.tokens import list_tokens, revoke_token
 
-from tests.helpers import open_store, store_for
+from tests.helpers import open_store
 
 
 async def _status(s, method, url, token=None, **kw):
@@ -26,11 +26,11 @@ async def test_missing_wrong_and_revoked_tokens_are_refused(running_hub):
         assert status == 401 and body["error"] == "bad_token"
         async with s.get(url, headers={"Authorization": "Basic abc"}) as r:
             assert r.status == 401
-        token = create_token(running_hub.data_dir, "owner", "bob", store=store_for(running_hub.data_dir))
+        token = running_hub.token("owner", "bob")
         status, _ = await _status(s, "GET", url, token=token)
         assert status == 200
-        bob = next(t for t in list_tokens(running_hub.data_dir, store=store_for(running_hub.data_dir)) if t["name"] == "bob")
-        revoke_token(running_hub.data_dir, int(bob["id"]), store=store_for(running_hub.data_dir))  # while it runs
+        bob = next(t for t in list_tokens(running_hub.data_dir, store=running_hub.store) if t["name"] == "bob")
+        revoke_token(running_hub.data_dir, int(bob["id"]), store=running_hub.store)  # while it runs
         status, body = await _status(s, "GET", url, token=token)
         assert status == 401 and body["error"] == "bad_token"
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from gpuflex.hub import cli
 
-from tests.helpers import RunningHub, open_store, store_for
+from tests.helpers import RunningHub, open_store
 
 NODE = "gf1-test-node-aaaa-bbbb-cccc"
 IDS = ["f-abc1230000000001", "f-abc1240000000002", "f-ffff000000000003", "f-0000000000000004",
@@ -135,11 +135,10 @@ async def test_role_refusals_read_as_english(flagged):
 
 async def test_audit_show_has_per_layer_norms_and_cosines(running_hub, tmp_path: Path, capsys):
     """A real round with a sign-flipping node: the terminal shows the same per-layer rows as the console."""
-    from gpuflex.hub.tokens import create_token
 
     from tests.test_console_helpers import first_flag_of, run_job_with_attacker
 
-    other = create_token(running_hub.data_dir, "owner", "bob", store=store_for(running_hub.data_dir))
+    other = running_hub.token("owner", "bob")
     scenario = await run_job_with_attacker(running_hub, tmp_path / "w", other_owner_token=other)
     flag = await first_flag_of(running_hub, scenario.attacker)
     status, body = await _get(f"{running_hub.url}/v1/flags/{flag['id']}", running_hub.auditor_token)

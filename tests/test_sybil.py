@@ -28,7 +28,6 @@ from gpuflex.hub.config import HubConfig
 from gpuflex.hub.errors import Forbidden, TooManyRequests
 from gpuflex.hub.policy import bound_weights, norm_bound_scales
 from gpuflex.hub.progress import Progress, heartbeat_deadline, stall_backoff
-from gpuflex.hub.tokens import create_token
 from gpuflex.hub.verification import Reputation, is_trusted, record_flag, record_withdrawn
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
@@ -44,7 +43,6 @@ from tests.helpers import (
     open_store,
     production_defences,
     start_hub,
-    store_for,
     submit_job,
     wait_job,
     when_job_arrives,
@@ -133,7 +131,7 @@ async def test_two_nodes_of_one_operator_in_distinct_blocks_never_replicate_each
     they connect from."""
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", **production_defences())
-    token = create_token(hub.data_dir, "enroll", "lab-one", store=store_for(hub.data_dir))
+    token = hub.token("enroll", "lab-one")
     try:
         async with sessions("127.0.0.1", "127.0.31.1", "127.0.32.1", "127.0.33.1") as (owner, s1, s2, s3):
             r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"'), train, val)
@@ -208,7 +206,7 @@ async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
     from gpuflex.hub.tokens import list_tokens, revoke_token
 
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
-    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
+    token = hub.token("enroll", "lab")
     try:
         async with sessions("127.0.70.1") as (s,):
             r = await register_raw(SimNode(s, hub.url))
@@ -220,9 +218,9 @@ async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
             assert r.status == 200, await r.text()
             async with s.get(hub.url + "/v1/jobs", headers=hub.auth(token)) as api:
                 assert api.status == 401
-            (row,) = [t for t in list_tokens(hub.data_dir, store=store_for(hub.data_dir)) if t["role"] == "enroll"]
+            (row,) = [t for t in list_tokens(hub.data_dir, store=hub.store) if t["role"] == "enroll"]
             assert row["id"] == "e1"
-            revoke_token(hub.data_dir, row["id"], store=store_for(hub.data_dir))
+            revoke_token(hub.data_dir, row["id"], store=hub.store)
             r = await register_raw(SimNode(s, hub.url), enroll_token=token)
             assert r.status == 403 and (await r.json())["error"] == "bad_enrollment"
             assert db_rows(hub, "SELECT operator FROM nodes WHERE id = ?", node.node_id) == [("op-1",)]
@@ -243,7 +241,7 @@ async def test_a_banned_nodes_block_and_operator_get_no_fresh_identity(tmp_path)
     other blocks are unaffected."""
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub")
-    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
+    token = hub.token("enroll", "lab")
     try:
         async with sessions("127.0.0.1", "127.0.81.1", "127.0.81.2", "127.0.82.1", "127.0.83.1") as (
             owner, s_bad, s_same_block, s_other_block, s_clean
@@ -647,7 +645,7 @@ async def test_the_real_node_enrolls_and_connects_from_its_source_address(tmp_pa
 
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
-    token = create_token(hub.data_dir, "enroll", "lab", store=store_for(hub.data_dir))
+    token = hub.token("enroll", "lab")
     try:
         async with sessions("127.0.0.1") as (owner,):
             r = await submit_job(owner, hub, spec(rounds=1), train, val)

@@ -32,9 +32,10 @@ USER = "gpuflex"  # the cluster's superuser (initdb -U); it trusts local connect
 
 
 def find_bin_dir() -> Path | None:
-    """The folder with initdb and postgres, or None."""
+    """The folder with initdb and postgres, or None (GPUFLEX_PG_BIN naming a folder without initdb too)."""
     if os.environ.get("GPUFLEX_PG_BIN"):
-        return Path(os.environ["GPUFLEX_PG_BIN"])
+        named = Path(os.environ["GPUFLEX_PG_BIN"])
+        return named if (named / "initdb").exists() else None
 
     def version(path: str) -> float:
         try:
