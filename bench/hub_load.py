@@ -4,8 +4,8 @@ The hub runs as its own `gpuflex-hub serve` process by default (as deployed), or
 the benchmark's process with --hub inproc.
 
 Each node registers, long-polls for work, and uploads a small update (its own
-random delta of the model) for every assignment, for R rounds of one job whose
-chunks give every node one shard per round. Reports:
+random delta of the model, a new one each round, as training makes) for every assignment,
+for R rounds of one job whose chunks give every node one shard per round. Reports:
 
 - requests_per_s: node requests (register + work + update) completed per second of the run,
 - p50/p99 assignment latency: from the moment work existed for a node (its request
@@ -251,12 +251,12 @@ async def echo_baseline(n_clients: int, per_client: int, body: bytes, *, own_pro
 
 
 class Node:
-    def __init__(self, i: int, session: aiohttp.ClientSession, url: str, delta: bytes) -> None:
+    def __init__(self, i: int, session: aiohttp.ClientSession, url: str, deltas: list[bytes]) -> None:
         self.key = SigningKey.from_seed(hashlib.sha256(b"bench-node-%d" % i).digest())
         self.session = session
         self.url = url
-        self.delta = delta
-        self.delta_sha = hashlib.sha256(delta).hexdigest()
+        self.deltas = deltas  # one a round: the hub stores each (the same bytes again would be stored once)
+        self.delta_shas = [hashlib.sha256(delta).hexdigest() for delta in deltas]
         self.requests = 0
         self.polls: list[tuple[int, float, float]] = []  # (round, request sent, assignment received)
         self.got: list[tuple[int, float]] = []  # (round, time received)
@@ -284,7 +284,7 @@ class Node:
         where the node comes back at a random moment within that many seconds before each poll
         (volunteers arrive over the round, not all at its opening)."""
         done_rounds = 0
-        rng = random.Random(self.delta_sha)
+        rng = random.Random(self.delta_shas[0])
         while done_rounds < rounds and not stop.is_set():
             if spread_s > 0:
                 await asyncio.sleep(rng.uniform(0.0, spread_s))
@@ -298,11 +298,12 @@ class Node:
             a, _ = open_sealed(data, Assignment)
             self.polls.append((a.round, t_sent, t_got))
             self.got.append((a.round, t_got))
-            hdr = UpdateHeader(assignment_id=a.assignment_id, update_sha256=self.delta_sha,
-                               update_size=len(self.delta), sample_count=sum(c.samples for c in a.chunks),
+            delta, delta_sha = self.deltas[done_rounds], self.delta_shas[done_rounds]
+            hdr = UpdateHeader(assignment_id=a.assignment_id, update_sha256=delta_sha,
+                               update_size=len(delta), sample_count=sum(c.samples for c in a.chunks),
                                metrics={"loss": 0.5}, timings={"train_s": 0.01}, timestamp=time.time(),
                                nonce=new_nonce())
-            ack_bytes = await self.post("/v1/updates", self.delta, {
+            ack_bytes = await self.post("/v1/updates", delta, {
                 "X-GPUFlex-Update": base64.urlsafe_b64encode(seal(self.key, hdr)).decode(),
                 "Content-Type": "application/octet-stream"})
             # the client's CPU is the hub's CPU here: check the ack's content, leave its signature to real nodes
@@ -399,11 +400,9 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         spec_text = SPEC.format(rounds=rounds)
         mspec = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [16], "outputs": 2})
         model = build_model(mspec, seed=0)
-        deltas = []
         g = torch.Generator().manual_seed(1)
-        for _ in range(n):
-            deltas.append(encode_state({k: (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
-                                        for k, v in model.state_dict().items()}))
+        deltas = [[encode_state({k: (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
+                                 for k, v in model.state_dict().items()}) for _ in range(rounds)] for _ in range(n)]
 
         conn = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=120)

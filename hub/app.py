@@ -312,4 +312,5 @@ async def background(app: web.Application) -> AsyncIterator[None]:
         # Let a running aggregation thread finish its commit before the database closes.
         await asyncio.to_thread(app[STORE].close)
         app[IO_POOL].shutdown(wait=True)
+        app[BLOBS].close()
         app[AUDIT].close()

@@ -1,17 +1,20 @@
 """Content-addressed blob store: the local disk (`BlobStore`), or an S3-compatible bucket
 (`hub/blobs_s3.py`'s `S3BlobStore`, a subclass: `open_blob_store` picks by the hub's config).
 
-A blob's id is the sha256 hex of its bytes. Writes go to a temporary name in
-`tmp/`, are fsynced, renamed into place and the directory is fsynced, so a blob
-that exists under its id is complete and survives a crash.
+A blob's id is the sha256 hex of its bytes. A small one (up to `packed_max`) is packed into
+`pack.sqlite3` (hub/blobpack.py), where the blobs that arrive together share one commit. A larger
+one goes to a temporary name in `tmp/`, is fsynced, renamed into place and the directory is
+fsynced. Either way a blob that exists under its id is complete and survives a crash.
 
 Small blobs that were just written or read (a round's model, which every node fetches
 next) are also kept in a bounded in-memory cache, so serving them costs no file open.
 
-The contract both stores keep (tests/test_blobs_s3.py runs it on each): `put` and `commit_temp`
-return only once the blob is durable where the store keeps it; `path` gives a local file holding
-a stored blob's bytes (a missing blob: a path where no file is); `has`, `read`, `read_private`;
-`temp_path` and `partial_path`, the local working area of uploads.
+The contract both stores keep (tests/test_blobs_s3.py runs it on each): `put`, `put_many` and
+`commit_temp` return only once the blob is durable where the store keeps it; `path` gives a local
+file holding a stored blob's bytes (a missing blob: a path where no file is; a packed one is
+written out to `unpacked/` first); `small`, the bytes of a blob held in memory or packed, with no
+file made; `has`, `read`, `read_private`; `temp_path` and `partial_path`, the local working area
+of uploads.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from gpuflex.protocol.messages import ID_RE
 
+from .blobpack import PACK_FILE, BlobPack
 from .errors import BadRequest, HubError, NotFound
 
 if TYPE_CHECKING:
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
 _BLOB_ID = re.compile(r"[0-9a-f]{64}")
 HOT_BLOB_MAX = 1 << 20  # blobs up to this size are kept in memory...
 HOT_TOTAL_MAX = 64 << 20  # ...up to this many bytes in all (least recently used dropped first)
+#: blobs up to this size are packed (hub/blobpack.py says why this size)
+PACKED_MAX = 64 << 10
 
 
 def is_blob_id(value: str) -> bool:
@@ -97,7 +103,9 @@ def open_blob_store(config: HubConfig) -> BlobStore:
     (that folder then its working area and read cache). BlobStoreUnavailable, one line, when the
     bucket cannot be used (checked here, at start-up)."""
     if config.blobs is None:
-        return BlobStore(config.blob_dir)
+        store = BlobStore(config.blob_dir)
+        store.pack()  # opened here: a pack a newer hub wrote is refused at start-up (PackError)
+        return store
     check_s3_options(config.blobs, config.s3_endpoint, config.s3_region)
     try:
         from .blobs_s3 import S3BlobStore
@@ -120,8 +128,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 class BlobStore:
+    #: blobs up to this many bytes go into the pack; 0: each blob a file of its own
+    packed_max = PACKED_MAX
+
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._pack: BlobPack | None = None  # opened on first use
+        self._pack_lock = threading.Lock()
         self._hot: OrderedDict[str, bytes] = OrderedDict()
         self._hot_bytes = 0
         self._hot_lock = threading.Lock()  # put() runs on worker threads, reads on the loop
@@ -136,6 +149,24 @@ class BlobStore:
         #: (kept across a restart; the hub's sweep drops those whose assignment is over)
         self.partial = root / "partial"
         self.partial.mkdir(exist_ok=True)
+        #: packed blobs written out for a caller that needs a file (`path`); a cache, emptied here
+        self.unpacked = root / "unpacked"
+        self.unpacked.mkdir(exist_ok=True)
+        for leftover in self.unpacked.iterdir():
+            leftover.unlink(missing_ok=True)
+
+    def pack(self) -> BlobPack:
+        with self._pack_lock:
+            if self._pack is None:
+                self._pack = BlobPack(self.root / PACK_FILE)
+            return self._pack
+
+    def close(self) -> None:
+        """Close the pack (its writer's thread); the store is not used after this."""
+        with self._pack_lock:
+            if self._pack is not None:
+                self._pack.close()
+                self._pack = None
 
     def partial_path(self, assignment_id: str, sha: str) -> Path:
         """Where the leading bytes of ``sha``, an update for ``assignment_id``, wait for the rest."""
@@ -148,17 +179,43 @@ class BlobStore:
         """(assignment id, path) of every interrupted upload held."""
         return [(p.name.split(".", 1)[0], p) for p in self.partial.iterdir() if p.name.endswith(".part")]
 
-    def path(self, sha: str) -> Path:
+    def file(self, sha: str) -> Path:
+        """Where the blob lives when it is a file of its own."""
         check_blob_id(sha)
         return self.root / sha[:2] / sha
 
+    def path(self, sha: str) -> Path:
+        own = self.file(sha)
+        if self.packed_max and not own.is_file():
+            data = self.pack().get(sha)
+            if data is not None:  # written out for a caller that needs a file (a cache)
+                out = self.unpacked / sha
+                if not out.is_file():
+                    tmp = self.temp_path()
+                    tmp.write_bytes(data)
+                    os.replace(tmp, out)
+                return out
+        return own
+
     def has(self, sha: str) -> bool:
-        return self.path(sha).is_file()
+        return self.file(sha).is_file() or bool(self.packed_max and self.pack().has(sha))
+
+    def small(self, sha: str) -> bytes | None:
+        """The bytes of a blob held in memory or packed (kept in memory then); None for one
+        stored as a file of its own, or not stored. Off the event loop: it may read the pack."""
+        hot = self.hot(sha)
+        if hot is not None or not self.packed_max:
+            return hot
+        check_blob_id(sha)
+        data = self.pack().get(sha)
+        if data is not None:
+            self.remember(sha, data)
+        return data
 
     def read(self, sha: str) -> bytes:
-        hot = self.hot(sha)
-        if hot is not None:
-            return hot
+        small = self.small(sha)
+        if small is not None:
+            return small
         p = self.path(sha)
         if not p.is_file():
             raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
@@ -170,9 +227,9 @@ class BlobStore:
         """The blob's bytes as a writable buffer of the caller's own, for ``decode_state`` to view:
         a large blob's file mapped copy-on-write (no copy is made, and a write changes neither the
         file nor anyone else's view), a small one's bytes copied (and kept hot, as ``read`` does)."""
-        hot = self.hot(sha)
-        if hot is not None:
-            return bytearray(hot)
+        small = self.small(sha)
+        if small is not None:
+            return bytearray(small)
         p = self.path(sha)
         if not p.is_file():
             raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
@@ -217,6 +274,10 @@ class BlobStore:
         ``sha``: the sha256 of ``data`` when the caller has already computed it from these bytes.
         """
         sha = sha or hashlib.sha256(data).hexdigest()
+        if memoryview(data).nbytes <= self.packed_max:
+            self.pack().put([(sha, data)])
+            self.remember(sha, data)  # only once it is durable
+            return sha
         if self.has(sha):
             self.remember(sha, data)
             return sha
@@ -229,9 +290,34 @@ class BlobStore:
         self.remember(sha, data)  # only once it is durable
         return sha
 
+    def packs(self, size: int) -> bool:
+        """Does a blob of ``size`` bytes go into the pack?"""
+        return size <= self.packed_max
+
+    async def put_packed(self, data: bytes, sha: str) -> None:
+        """`put` from the event loop for a blob the pack takes (`packs`), hashed by the caller:
+        it waits for the pack's commit without holding a worker thread."""
+        if not self.packs(len(data)):
+            raise ValueError(f"a blob of {len(data)} bytes is not packed (packed_max {self.packed_max})")
+        await self.pack().put_async([(sha, data)])
+        self.remember(sha, data)  # only once it is durable
+
+    def put_many(self, blobs: list[bytes]) -> list[str]:
+        """`put` for many blobs at once (a job's chunks): the small ones share one commit."""
+        shas = [hashlib.sha256(data).hexdigest() for data in blobs]
+        small = [(sha, data) for sha, data in zip(shas, blobs, strict=True) if len(data) <= self.packed_max]
+        if small:
+            self.pack().put(small)
+            for sha, data in small:
+                self.remember(sha, data)
+        for sha, data in zip(shas, blobs, strict=True):
+            if len(data) > self.packed_max:
+                self.put(data, sha=sha)
+        return shas
+
     def commit_temp(self, tmp: Path, sha: str) -> Path:
         """Move an fsynced temp file into place under `sha` (its caller checked the hash)."""
-        final = self.path(sha)
+        final = self.file(sha)
         final.parent.mkdir(exist_ok=True)
         if final.is_file():
             tmp.unlink(missing_ok=True)

@@ -81,6 +81,9 @@ class S3BlobStore(BlobStore):
     """A `BlobStore` whose committed blobs live in ``bucket`` under ``prefix/``; ``root`` (the
     hub's blobs/ folder) holds tmp/, partial/ and a read cache of at most ``cache_bytes``."""
 
+    #: every blob, however small, is an object in the bucket: the bucket is what outlives this machine
+    packed_max = 0
+
     def __init__(self, root: Path, *, bucket: str, prefix: str = "blobs", endpoint: str | None = None,
                  region: str | None = None, cache_bytes: int = 8 << 30, max_attempts: int = 4,
                  multipart_over: int = MULTIPART_OVER, part_bytes: int = PART_BYTES) -> None:

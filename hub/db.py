@@ -300,13 +300,17 @@ class _Op:
 
 
 class Database:
-    """The hub's single SQLite connection behind one thread, with group commit."""
+    """The hub's single SQLite connection behind one thread, with group commit.
 
-    def __init__(self, path: Path) -> None:
+    ``opener``: what opens (creating and migrating) the file; the hub's schema by default
+    (hub/blobpack.py opens its own)."""
+
+    def __init__(self, path: Path, opener: Callable[[Path], sqlite3.Connection] = connect,
+                 thread_name: str = "gpuflex-hub-db") -> None:
         self.path = path
-        self._conn = connect(path)
+        self._conn = opener(path)
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="gpuflex-hub-db", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -371,7 +375,7 @@ class Database:
                 if op.write:
                     conn.execute(f"SAVEPOINT w{i}")
                     try:
-                        value = op.fn(conn)
+                        value = _kept(op.fn(conn))
                     except BaseException as exc:
                         conn.execute(f"ROLLBACK TO w{i}")
                         conn.execute(f"RELEASE w{i}")
@@ -381,7 +385,7 @@ class Database:
                         results.append((op, True, value))
                 else:
                     try:
-                        results.append((op, True, op.fn(conn)))
+                        results.append((op, True, _kept(op.fn(conn))))
                     except BaseException as exc:
                         results.append((op, False, exc))
             if writes:
@@ -395,6 +399,16 @@ class Database:
             fail_batch(batch, exc)
             return
         settle_batch(results)
+
+
+def _kept(value: Any) -> Any:
+    """What a caller may hold of an op's value: never a cursor. A cursor dropped on another thread
+    resets its statement there, and the cached statement may be the one this thread is running
+    for the next op of the batch (sqlite3.InterfaceError: bad parameter or other API misuse)."""
+    if isinstance(value, sqlite3.Cursor):
+        value.close()
+        return None
+    return value
 
 
 def fail_batch(batch: list[_Op], exc: BaseException) -> None:

@@ -472,8 +472,8 @@ def ingest_job(
                 train, dspec.validation_fraction, stratified=stratified, seed=spec.train.seed
             )
         pieces = make_chunks(train, dspec.chunk_size, stratified=stratified, seed=spec.train.seed)
-        for idx, (data, samples) in enumerate(pieces):
-            sha = blobs.put(data)
+        shas = blobs.put_many([data for data, _ in pieces])  # the small ones: one commit for them all
+        for idx, ((data, samples), sha) in enumerate(zip(pieces, shas, strict=True)):
             chunks.append(ChunkInfo(idx, sha, samples, len(data)))
         train_samples = len(train)
     val_sha = blobs.put(encode_arrays(val)) if val is not None else None

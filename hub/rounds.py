@@ -103,8 +103,8 @@ def open_deltas(blobs: BlobStore, shas: Sequence[str],
             if spill is not None:
                 states.append(decode_state(mapped(_spilled(blobs, sha, spill))))
                 continue
-            hot = blobs.hot(sha)
-            source = hot if hot is not None else mapped(open(blobs.path(sha), "rb"))
+            small = blobs.small(sha)
+            source = small if small is not None else mapped(open(blobs.path(sha), "rb"))
             states.append(_dense(decode_state(source), layout))
         yield states
     finally:
@@ -121,9 +121,9 @@ def _spilled(blobs: BlobStore, sha: str, layout: UpdateLayout) -> Any:
     """An unnamed temporary file holding the encoded update ``sha`` decoded to the model's
     tensors (a GFT1 blob). The encoded blob is read and let go here, so a round of N updates
     holds N open files, not 2N."""
-    hot = blobs.hot(sha)
-    if hot is not None:
-        dense = encode_state(layout.dense(decode_state(hot)))
+    small = blobs.small(sha)
+    if small is not None:
+        dense = encode_state(layout.dense(decode_state(small)))
     else:
         with open(blobs.path(sha), "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             dense = encode_state(layout.dense(decode_state(mm)))  # a copy: no view of mm outlives this

@@ -41,7 +41,7 @@ from gpuflex.protocol.messages import (
     Welcome,
     WorkRequest,
 )
-from gpuflex.protocol.tensors import check_finite, check_manifest, decode_state
+from gpuflex.protocol.tensors import check_blob, check_finite, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
@@ -292,13 +292,15 @@ async def blob(request: web.Request) -> web.StreamResponse:
     node = _blob_reader(request, sha)
     ledger = app[LEDGER]
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
-    hot = app[BLOBS].hot(sha)
-    if hot is not None:  # a small, recent blob (this round's model): no file to open
-        resp = _bytes_response(request, hot, headers)
+    loop = asyncio.get_running_loop()
+    # a small blob: in memory (this round's model), or else packed (read off the loop)
+    small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
+    if small is not None:  # no file to open
+        resp = _bytes_response(request, small, headers)
         ledger.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
         return resp
     # off the loop: a bucket-backed store (hub/blobs_s3.py) fetches a blob missing from its cache
-    path = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
+    path = await loop.run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
     if not path.is_file():
         raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
     size = path.stat().st_size
@@ -354,10 +356,14 @@ def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) 
 def _ingest_update_bytes(body: bytes, sha: str, layout: UpdateLayout, blobs: BlobStore) -> None:
     """An update held in memory: hash and check it, then store it durably (and keep it in memory
     for the round's close). Worker thread."""
+    _check_update_bytes(body, sha, layout)
+    blobs.put(body, sha=sha)
+
+
+def _check_update_bytes(body: bytes, sha: str, layout: UpdateLayout) -> None:
     if hashlib.sha256(body).hexdigest() != sha:
         raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
     _check_update(body, layout)
-    blobs.put(body, sha=sha)
 
 
 def _ingest_update_file(path: Path, layout: UpdateLayout, blobs: BlobStore, sha: str) -> None:
@@ -382,12 +388,15 @@ def _check_update(buf: bytes | mmap.mmap, layout: UpdateLayout) -> None:
     if len(buf) == 0:
         raise Unprocessable("update is empty", code="bad_manifest")
     try:
-        check_manifest(buf, layout.wire)
-        state = decode_state(buf)
+        nonfinite = check_blob(buf, layout.wire)  # no tensor made: an fp32 update needs no more
     except ProtocolError as exc:
         raise Unprocessable(f"update does not match the model: {exc}", code="bad_manifest") from None
+    if nonfinite is not None:
+        raise Unprocessable(f"tensor {nonfinite!r} contains NaN or infinite values", code="non_finite")
+    if layout.encoding.identity:
+        return
+    state = decode_state(buf)
     try:
-        check_finite(state)
         layout.encoding.check(state, layout.model)
     except TensorError as exc:
         raise Unprocessable(str(exc), code="non_finite") from None
@@ -481,8 +490,9 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
     """Read the body, hash it and check it against the model's manifest, then store it durably.
 
     Hashing, file writes, the manifest and finiteness checks and the fsync run in the I/O
-    pool, never on the event loop. A small update is held in memory (creating a file costs
-    ~1 ms); a large one streams into a file, hashed piece by piece as it arrives. A resumed one
+    pool, never on the event loop, except for an update small enough to be packed
+    (hub/blobpack.py), checked on the loop. A small update is held in memory (creating a file
+    costs ~1 ms); a large one streams into a file, hashed piece by piece as it arrives. A resumed one
     (``hdr.offset`` > 0) appends to the bytes an interrupted upload left there, hashed first.
     If the body stops short, what arrived is written before the error goes up (a resume starts
     after it).
@@ -524,7 +534,14 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
     if received != want:
         raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
     if small:
-        await loop.run_in_executor(pool, _ingest_update_bytes, b"".join(pieces), sha, layout, blobs)
+        body = b"".join(pieces)
+        if blobs.packs(len(body)):
+            # a packed update: checked here (a tenth of a millisecond, less than a hand-off to a
+            # worker thread and back) and committed with the others arriving now, no thread held
+            _check_update_bytes(body, sha, layout)
+            await blobs.put_packed(body, sha)
+        else:
+            await loop.run_in_executor(pool, _ingest_update_bytes, body, sha, layout, blobs)
     else:
         if digest.hexdigest() != sha:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")

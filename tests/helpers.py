@@ -220,6 +220,23 @@ class _TupleRows:
         self.conn.close()
 
 
+def stored_blobs(data_dir: Path) -> dict[str, bytes]:
+    """Every blob the hub on ``data_dir`` stores in its folder, by id: the files of their own
+    (``blobs/<xx>/<sha>``) and the packed ones (``blobs/pack.sqlite3``, hub/blobpack.py). Read
+    without opening a BlobStore, which would empty the live hub's working folders."""
+    import sqlite3
+
+    root = Path(data_dir) / "blobs"
+    found = {p.name: p.read_bytes() for p in root.glob("[0-9a-f][0-9a-f]/*") if p.is_file()}
+    if (root / "pack.sqlite3").exists():
+        conn = sqlite3.connect(f"{(root / 'pack.sqlite3').as_uri()}?mode=ro", uri=True)
+        try:
+            found.update((sha, bytes(data)) for sha, data in conn.execute("SELECT sha, data FROM blobs"))
+        finally:
+            conn.close()
+    return found
+
+
 def store_args(data_dir: Path) -> list[str]:
     """``--store URL`` for a `gpuflex-hub` command on ``data_dir`` in this run, or nothing."""
     url = store_for(data_dir)

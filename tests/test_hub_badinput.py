@@ -16,7 +16,7 @@ from gpuflex.protocol.messages import Assignment, Hello, WorkRequest
 from gpuflex.protocol.signing import SigningKey, new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import MSGPACK, SimNode, b64, digits_spec, open_store, submit_job
+from tests.helpers import MSGPACK, SimNode, b64, digits_spec, open_store, stored_blobs, submit_job
 
 
 def count(hub, table):
@@ -122,9 +122,7 @@ def zero_delta(model):
 
 async def test_bad_updates_are_refused_and_nothing_is_stored(running_hub, assigned):
     node, a, model = assigned
-    blobs_before = sorted(
-        p.name for p in (running_hub.data_dir / "blobs").rglob("*") if p.is_file()
-    )
+    blobs_before = set(stored_blobs(running_hub.data_dir))
 
     async def up(blob, status, error, **over):
         hdr = node.update_header(a, blob, 10, 1.0, **over)
@@ -162,8 +160,7 @@ async def test_bad_updates_are_refused_and_nothing_is_stored(running_hub, assign
     await node.upload_raw(sealed, good)  # accepted
     await expect(await node.upload_raw(sealed, good), 409, "replay")
     assert count(running_hub, "updates") == 1
-    blobs_after = sorted(p.name for p in (running_hub.data_dir / "blobs").rglob("*") if p.is_file())
-    assert set(blobs_after) - set(blobs_before) == {hashlib.sha256(good).hexdigest()}
+    assert set(stored_blobs(running_hub.data_dir)) - blobs_before == {hashlib.sha256(good).hexdigest()}
     async with node.session.get(f"{running_hub.url}/metrics") as r:
         text = await r.text()
     assert 'gpuflex_updates_rejected_total{reason="bad_manifest"} 4' in text

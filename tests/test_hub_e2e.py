@@ -19,6 +19,7 @@ from tests.helpers import (
     digits_spec,
     open_store,
     start_hub,
+    stored_blobs,
     submit_job,
     wait_job,
     write_digits,
@@ -524,7 +525,7 @@ async def test_server_optimizer_state_persists_and_health_metrics(tmp_path):
             nxt = await node.work(5.0)  # long-polls until round 1 opens
             assert a.round == 0 and nxt.round == 1
             (opt_sha,) = db_rows(hub, "SELECT opt_state_sha FROM jobs WHERE id = ?", job_id)[0]
-            assert opt_sha and (hub.data_dir / "blobs" / opt_sha[:2] / opt_sha).is_file()
+            assert opt_sha and opt_sha in stored_blobs(hub.data_dir)
             blob, samples, loss = await node.train(nxt)
             await node.upload(nxt, blob, samples, loss)
             doc = await wait_job(s, hub, job_id)

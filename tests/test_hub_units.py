@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sqlite3
 import threading
 import time
@@ -185,6 +186,26 @@ async def test_db_failed_transaction_fails_every_waiter_of_its_batch(tmp_path):
                                        return_exceptions=True)
         assert all(isinstance(r, BaseException) for r in results), results
         assert await db.read(lambda c: c.execute("SELECT 2").fetchone()[0]) == 2  # and the store goes on
+    finally:
+        db.close()
+
+
+def test_db_hands_no_cursor_to_its_callers(tmp_path):
+    """A write that returns its cursor (`lambda c: c.execute(...)`, as many of the store's do) hands
+    its caller None: the cursor, dropped on the caller's thread, reset its statement there while the
+    store's thread ran the same cached statement for the next write of its batch (SQLite's "bad
+    parameter or other API misuse", seen once blobs were packed from 16 threads at once)."""
+    db = Database(tmp_path / "db.sqlite3")
+    try:
+        def insert(i):
+            rows = [(f"h{i}-{j}",) for j in range(3)]
+            return lambda c: c.executemany(
+                "INSERT INTO tokens (hash, role, name, created_at) VALUES (?, 'owner', 'x', 0)", rows)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda i: db.write_sync(insert(i)), range(400)))
+        assert results == [None] * 400
+        assert db.write_sync(lambda c: c.execute("SELECT COUNT(*) FROM tokens").fetchone()[0]) == 1200
     finally:
         db.close()
 

@@ -16,6 +16,7 @@ from gpuflex.protocol import (
     StateEncoder,
     TensorError,
     TensorSpec,
+    check_blob,
     check_finite,
     check_manifest,
     decode_state,
@@ -301,6 +302,44 @@ def test_check_finite_names_the_tensor() -> None:
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(TensorError, match="'b'"):
             check_finite({"a": torch.ones(3), "b": torch.tensor([0.0, bad], dtype=torch.bfloat16)})
+
+
+def _first_nonfinite(state: dict[str, torch.Tensor]) -> str | None:
+    """What check_finite says of a state: the tensor it names, or None."""
+    try:
+        check_finite(state)
+    except TensorError as exc:
+        return next(name for name in state if repr(name) in str(exc))
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(states, st.data())
+def test_check_blob_agrees_with_decode_and_check_finite(state: dict[str, torch.Tensor], data: st.DataObject) -> None:
+    """check_blob reads the bytes in place (numpy, bfloat16 by its bits); what it finds must be what
+    decode_state + check_finite find on the same bytes, for every dtype, NaN and +-inf anywhere."""
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and data.draw(st.booleans(), label=f"spoil {name}"):
+            flat = t.view(-1)
+            flat[data.draw(st.integers(0, flat.numel() - 1))] = data.draw(
+                st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    blob = encode_state(state)
+    assert check_blob(blob, manifest_of(state)) == _first_nonfinite(decode_state(blob))
+
+
+def test_check_blob_refuses_what_decode_and_check_manifest_refuse() -> None:
+    state = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    blob = encode_state(state)
+    assert check_blob(blob, manifest_of(state)) is None
+    assert check_blob(memoryview(blob), manifest_of(state)) is None
+    with pytest.raises(TensorError, match="'b' is missing"):
+        check_blob(encode_state({"w": state["w"]}), manifest_of(state))
+    with pytest.raises(TensorError, match="'w' has shape"):
+        check_blob(encode_state({"w": torch.zeros(3, 2), "b": state["b"]}), manifest_of(state))
+    with pytest.raises(TensorError, match="0/1"):  # as decode_state, before any finiteness
+        check_blob(_blob([["x", "bool", [2], 0, 2]], b"\x00\x07"), (TensorSpec("x", "bool", (2,)),))
+    with pytest.raises(DecodeError):
+        check_blob(blob[:-1], manifest_of(state))
 
 
 def test_blob_ids() -> None:
