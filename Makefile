@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/trainer.py
 	$(PY) bench/aggregate.py
 	$(PY) bench/model_delta.py
+	$(PY) bench/blob_pack.py
 	-$(PY) bench/bandwidth.py  # needs root for ip netns: says so and exits 2 without
 	$(PY) bench/hub_load.py --nodes 10,100,1000 --sustained 1000,2000,4000
 	$(PY) bench/robustness.py
