@@ -24,6 +24,7 @@ memory, rebuilt from the nodes table at start (hub/ledger.py ``load``); the cloc
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ from .errors import Forbidden, TooManyRequests
 __all__ = ["Admission", "address_block"]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # every node request asks (7 µs of ipaddress parsing each)
 def address_block(address: str | None, *, ipv4_prefix: int = 24, ipv6_prefix: int = 48) -> str:
     """The network a peer address belongs to, as text ("203.0.113.0/24", "2001:db8::/48").
 

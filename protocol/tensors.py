@@ -20,6 +20,7 @@ is validated before any data is touched; decoding is zero-copy
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
@@ -280,9 +281,30 @@ def _parse(
         raise DecodeError(f"tensor blob: header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     if PREFIX.size + header_len > available:
         raise DecodeError("tensor blob: truncated header")
+    header = bytes(view[PREFIX.size : PREFIX.size + header_len])
+    data_bytes, infos = (_header if header_len <= CACHED_HEADER_MAX else _header.__wrapped__)(header)
+    data_start = _align(PREFIX.size + header_len)
+    if any(view[PREFIX.size + header_len : min(data_start, available)]):
+        raise DecodeError("tensor blob: non-zero padding after the header")
+    if data_start + data_bytes != total:
+        raise DecodeError(
+            f"tensor blob: length {total} does not match header (expected {data_start + data_bytes})"
+        )
+    return data_start, list(infos)
+
+
+#: headers up to this size are remembered once checked (``_header``): every update of a job, and
+#: every model of it, carries the same header, which is then read and checked once
+CACHED_HEADER_MAX: Final = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def _header(raw_header: bytes) -> tuple[int, tuple[TensorInfo, ...]]:
+    """A GFT1 header's (data_bytes, entries), checked: each entry's name, dtype, shape and bounds,
+    no name twice, no overlap. Depends on the header's bytes alone."""
     try:
         header = msgpack.unpackb(
-            view[PREFIX.size : PREFIX.size + header_len],
+            raw_header,
             raw=False,
             strict_map_key=True,
             max_str_len=MAX_NAME_LEN * 4,
@@ -300,13 +322,6 @@ def _parse(
         raise DecodeError("tensor blob: header.tensors must be a list")
     if isinstance(data_bytes, bool) or not isinstance(data_bytes, int) or data_bytes < 0:
         raise DecodeError("tensor blob: header.data_bytes must be a non-negative integer")
-    data_start = _align(PREFIX.size + header_len)
-    if any(view[PREFIX.size + header_len : min(data_start, available)]):
-        raise DecodeError("tensor blob: non-zero padding after the header")
-    if data_start + data_bytes != total:
-        raise DecodeError(
-            f"tensor blob: length {total} does not match header (expected {data_start + data_bytes})"
-        )
     infos: list[TensorInfo] = []
     names: set[str] = set()
     for index, raw in enumerate(raw_entries):
@@ -320,7 +335,7 @@ def _parse(
         if info.nbytes and info.offset < end:
             raise TensorError(f"tensor {info.name!r} overlaps the previous tensor")
         end = max(end, info.offset + info.nbytes)
-    return data_start, infos
+    return data_bytes, tuple(infos)
 
 
 def _parse_entry(index: int, raw: object, data_bytes: int) -> TensorInfo:

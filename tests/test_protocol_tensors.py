@@ -342,6 +342,21 @@ def test_check_blob_refuses_what_decode_and_check_manifest_refuse() -> None:
         check_blob(blob[:-1], manifest_of(state))
 
 
+def test_a_header_seen_before_is_checked_once_and_each_blob_still_whole() -> None:
+    """_header remembers a checked header (every update of a job carries the same one); what
+    depends on the blob itself (its length, the padding, the data) is checked every time."""
+    from gpuflex.protocol.tensors import _header
+
+    a, b = encode_state({"w": torch.ones(3)}), encode_state({"w": torch.full((3,), 2.0)})
+    _header.cache_clear()
+    assert decode_state(a)["w"].tolist() == [1.0] * 3 and decode_state(b)["w"].tolist() == [2.0] * 3
+    assert _header.cache_info().hits >= 1  # the second blob's header came from the cache
+    with pytest.raises(DecodeError, match="does not match header"):
+        decode_state(b + b"\x00")  # the same header, one byte too many
+    with pytest.raises(DecodeError, match="does not match header"):
+        decode_state(b[:-4])
+
+
 def test_blob_ids() -> None:
     h = sha256_hex(b"abc")
     assert is_blob_id(h) and h == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
