@@ -371,17 +371,20 @@ class Database:
         try:
             if writes:
                 conn.execute("BEGIN IMMEDIATE")
-            for i, op in enumerate(batch):
+            for op in batch:
                 if op.write:
-                    conn.execute(f"SAVEPOINT w{i}")
+                    # one name for every op's savepoint (each is released before the next begins):
+                    # three statements that stay in sqlite3's statement cache, where a name an op
+                    # (w0 ... w511) made a batch of more than 128 writes prepare them anew each time
+                    conn.execute("SAVEPOINT op")
                     try:
                         value = _kept(op.fn(conn))
                     except BaseException as exc:
-                        conn.execute(f"ROLLBACK TO w{i}")
-                        conn.execute(f"RELEASE w{i}")
+                        conn.execute("ROLLBACK TO op")
+                        conn.execute("RELEASE op")
                         results.append((op, False, exc))
                     else:
-                        conn.execute(f"RELEASE w{i}")
+                        conn.execute("RELEASE op")
                         results.append((op, True, value))
                 else:
                     try:
