@@ -583,8 +583,9 @@ async def main() -> int:
                   "`gpuflex-hub serve` in its own process and the simulated nodes in this one (2 cores "
                   "shared by the two); the echo server then runs in its own process too. hub=inproc: one "
                   "process for both (the client side, incl. its Ed25519 signing, competes with the hub). "
-                  "Every update is fsynced (blob + dir + SQLite WAL synchronous=FULL group commit) before "
-                  "its ack; close_ms = last update acknowledged -> next round open (review, aggregation of "
+                  "Every update is durable before its ack: packed into blobs/pack.sqlite3 (WAL, synchronous=FULL, "
+                  "group commit; a larger one a file, fsync + dir fsync), then the store's own commit; each node sends "
+                  "a new update each round; close_ms = last update acknowledged -> next round open (review, aggregation of "
                   "all of the round's updates, evaluation, durable commit)"),
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
