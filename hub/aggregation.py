@@ -121,7 +121,7 @@ class Aggregation:
 
 def floating_keys(delta: Mapping[str, Tensor]) -> list[str]:
     """Names of the floating tensors of ``delta`` in its own order."""
-    return [k for k, t in delta.items() if t.is_floating_point()]
+    return [k for k, t in delta.items() if t.dtype.is_floating_point]  # the dtype's flag: no torch call
 
 
 def _check_layout(deltas: Sequence[Mapping[str, Tensor]]) -> list[str]:

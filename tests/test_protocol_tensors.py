@@ -357,6 +357,29 @@ def test_a_header_seen_before_is_checked_once_and_each_blob_still_whole() -> Non
         decode_state(b[:-4])
 
 
+def test_decode_calls_no_torch_operator_but_for_bfloat16() -> None:
+    """decode_state views the data through numpy (protocol/tensors.py NUMPY_DTYPES): a torch operator
+    releases the GIL, which a worker thread then waits to get back from a busy event loop. Under a
+    dispatch mode a tensor made from numpy shows as aten.lift_fresh; anything else is an operator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    state = {name: _tensor(name, (2, 3), 0) for name in DTYPES}
+    blob = encode_state(state)
+    with Ops() as ops:
+        decoded = decode_state(blob)
+    assert [op for op in ops.seen if op != "aten.lift_fresh.default"] == ["aten.view.default"]  # bfloat16's
+    _same(decoded, state)
+
+
 def test_blob_ids() -> None:
     h = sha256_hex(b"abc")
     assert is_blob_id(h) and h == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
