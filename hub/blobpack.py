@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from .db import Database
+from .db import Database, durable_connection
 from .errors import HubError
 
 PACK_FILE = "pack.sqlite3"
@@ -38,11 +38,7 @@ class PackError(HubError):
 
 
 def _open(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA busy_timeout=10000")
+    conn = durable_connection(path)
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version > PACK_SCHEMA_VERSION:
         conn.close()

@@ -274,7 +274,7 @@ class BlobStore:
         ``sha``: the sha256 of ``data`` when the caller has already computed it from these bytes.
         """
         sha = sha or hashlib.sha256(data).hexdigest()
-        if memoryview(data).nbytes <= self.packed_max:
+        if self.packs(memoryview(data).nbytes):
             self.pack().put([(sha, data)])
             self.remember(sha, data)  # only once it is durable
             return sha
@@ -291,8 +291,8 @@ class BlobStore:
         return sha
 
     def packs(self, size: int) -> bool:
-        """Does a blob of ``size`` bytes go into the pack?"""
-        return size <= self.packed_max
+        """Does a blob of ``size`` bytes go into the pack? (Never with packing off: not even an empty one.)"""
+        return 0 < self.packed_max and size <= self.packed_max
 
     async def put_packed(self, data: bytes, sha: str) -> None:
         """`put` from the event loop for a blob the pack takes (`packs`), hashed by the caller:
@@ -305,13 +305,13 @@ class BlobStore:
     def put_many(self, blobs: list[bytes]) -> list[str]:
         """`put` for many blobs at once (a job's chunks): the small ones share one commit."""
         shas = [hashlib.sha256(data).hexdigest() for data in blobs]
-        small = [(sha, data) for sha, data in zip(shas, blobs, strict=True) if len(data) <= self.packed_max]
+        small = [(sha, data) for sha, data in zip(shas, blobs, strict=True) if self.packs(len(data))]
         if small:
             self.pack().put(small)
             for sha, data in small:
                 self.remember(sha, data)
         for sha, data in zip(shas, blobs, strict=True):
-            if len(data) > self.packed_max:
+            if not self.packs(len(data)):
                 self.put(data, sha=sha)
         return shas
 

@@ -213,15 +213,22 @@ CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status);
 """
 
 
-def connect(path: Path) -> sqlite3.Connection:
-    """Open (creating and migrating) the hub database with durable settings."""
+def durable_connection(path: Path) -> sqlite3.Connection:
+    """A connection to the SQLite file ``path`` (created with its folder) whose commits survive a
+    crash: WAL, synchronous=FULL; for the single writer's thread (hub/db.py's Database)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-    conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open (creating and migrating) the hub database with durable settings."""
+    conn = durable_connection(path)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA foreign_keys=ON")
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         conn.close()

@@ -186,6 +186,17 @@ def test_put_returns_once_the_bucket_holds_the_object(tmp_path: Path, s3_server:
     assert got == data
 
 
+def test_the_bucket_store_packs_nothing(tmp_path: Path, s3_server: S3Server, bucket: str) -> None:
+    """Small blobs are packed into the local folder's pack.sqlite3 (hub/blobpack.py) only without a
+    bucket: with one, every blob, the empty one too, is an object there, which outlives the folder."""
+    store = _s3(tmp_path, s3_server, bucket)
+    for data in (b"", b"x", _blob(900, 7)):
+        sha = store.put(data)
+        got = s3_server.client().get_object(Bucket=bucket, Key=f"blobs/{sha}")["Body"].read()
+        assert got == data
+    assert not (tmp_path / "blobs" / "pack.sqlite3").exists()
+
+
 def test_a_tampered_object_is_refused_when_read_into_the_cache(tmp_path: Path, s3_server: S3Server,
                                                                bucket: str) -> None:
     store = _s3(tmp_path, s3_server, bucket)
