@@ -106,6 +106,18 @@ class TensorInfo:
         return TensorSpec(self.name, self.dtype, self.shape)
 
 
+def _byte_view(buf: Buffer) -> memoryview:
+    """The buffer as flat bytes (a memoryview of any format or shape is cast)."""
+    view = memoryview(buf)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _check_bool(view: memoryview, info: TensorInfo, start: int) -> None:
+    """A bool tensor's bytes hold only 0 and 1 (decode_state, check_blob)."""
+    if np.frombuffer(view, dtype=np.uint8, count=info.nbytes, offset=start).max() > 1:
+        raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -267,9 +279,7 @@ def _parse(
     """
     if not isinstance(buf, (bytes, bytearray, memoryview, mmap.mmap)):
         raise DecodeError(f"tensor blob: expected bytes, got {type(buf).__name__}")
-    view = memoryview(buf)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _byte_view(buf)
     available = view.nbytes
     total = available if declared_total is None else declared_total
     if available > total:
@@ -391,9 +401,7 @@ def read_header(buf: Buffer, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) 
 def header_span(prefix: Buffer) -> int:
     """How many leading bytes of a GFT1 blob hold its prefix and header (read from the
     first ``PREFIX.size`` bytes): what a receiver reads before it can check a manifest."""
-    view = memoryview(prefix)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _byte_view(prefix)
     if view.nbytes < PREFIX.size:
         raise DecodeError(f"tensor blob: {view.nbytes} bytes is shorter than the {PREFIX.size}-byte prefix")
     magic, _version, _flags, header_len, _reserved = PREFIX.unpack_from(view, 0)
@@ -422,9 +430,7 @@ def decode_state(
     ``module.load_state_dict`` which copies.
     """
     data_start, infos = _parse(buf, max_total_bytes)
-    view = memoryview(buf)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _byte_view(buf)
     out: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         # frombuffer warns about read-only buffers; we document the no-write rule instead.
@@ -436,8 +442,8 @@ def decode_state(
                 continue
             start = data_start + info.offset
             count = info.nbytes // ITEMSIZE[info.dtype]
-            if dtype == torch.bool and np.frombuffer(view, dtype=np.uint8, count=count, offset=start).max() > 1:
-                raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
+            if dtype == torch.bool:
+                _check_bool(view, info, start)
             as_numpy = NUMPY_DTYPES.get(info.dtype)
             if as_numpy is not None:
                 out[info.name] = torch.from_numpy(
@@ -509,8 +515,6 @@ def _compare(actual: Iterable[TensorSpec], expected: Iterable[TensorSpec]) -> No
             raise TensorError(f"tensor {name!r} is not part of the model")
 
 
-#: the floating dtypes numpy reads as they are (bfloat16 is read as its bits: check_blob)
-_NUMPY_FLOATS: Final[dict[str, type[np.floating]]] = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 _BF16_EXPONENT: Final = 0x7F80  # all exponent bits set: infinity or NaN
 
 
@@ -521,26 +525,23 @@ def check_blob(buf: Buffer, manifest: Manifest, *, max_total_bytes: int = DEFAUL
     as those do; returns the name of the first floating tensor holding NaN or infinity, or None."""
     data_start, infos = _parse(buf, max_total_bytes)
     _compare((info.spec for info in infos), manifest)
-    view = memoryview(buf)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _byte_view(buf)
     nonfinite: str | None = None
     for info in infos:
         if not info.nbytes:
             continue
         start = data_start + info.offset
+        as_numpy = NUMPY_DTYPES.get(info.dtype)
         if info.dtype == "bool":
-            if np.frombuffer(view, dtype=np.uint8, count=info.nbytes, offset=start).max() > 1:
-                raise TensorError(f"tensor {info.name!r}: bool data holds values other than 0/1")
+            _check_bool(view, info, start)
         elif nonfinite is not None:
             continue
-        elif info.dtype == "bfloat16":
+        elif info.dtype == "bfloat16":  # read as its bits: numpy has no bfloat16
             bits = np.frombuffer(view, dtype=np.uint16, count=info.nbytes // 2, offset=start)
             if ((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any():
                 nonfinite = info.name
-        elif info.dtype in _NUMPY_FLOATS:
-            values = np.frombuffer(view, dtype=_NUMPY_FLOATS[info.dtype], count=info.nbytes // ITEMSIZE[info.dtype],
-                                   offset=start)
+        elif as_numpy is not None and issubclass(as_numpy, np.floating):
+            values = np.frombuffer(view, dtype=as_numpy, count=info.nbytes // ITEMSIZE[info.dtype], offset=start)
             if not np.isfinite(values).all():
                 nonfinite = info.name
     return nonfinite
