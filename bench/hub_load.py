@@ -15,6 +15,10 @@ for R rounds of one job whose chunks give every node one shard per round. Report
   (median over rounds; also the time until every node holds its next assignment),
 - a baseline measured in the same run: a bare aiohttp echo handler driven by the same
   client with the same concurrency and body size; ratio = hub requests/s / echo requests/s.
+- the protocol's floor for these nodes (``--floor``, on by default): bench/floor_hub.py serves the
+  same nodes through the same rounds doing only what any hub must (signatures, freshness, a
+  long-poll per round, a signed assignment, the update's checks, each committed before its
+  answer); ``ratio_vs_floor`` = hub requests/s / the floor's, at the last node count.
 
 Configurations (``--stores``, issue 16): each node count runs once per configuration, STORE or
 STORE:WORKERS: the hub's SQLite file, a PostgreSQL database (a throwaway PostgreSQL 15 server on
@@ -24,7 +28,7 @@ leading worker, the others forwarding to it). ``configs`` in the results holds o
 configuration at the last node count, each naming its ``store`` and ``workers``.
 
 Usage: python bench/hub_load.py [--nodes 1000] [--rounds 3] [--stores sqlite,postgresql,postgresql:2]
-    [--hub process|inproc] [--out bench/results/hub_load.json]
+    [--hub process|inproc] [--no-floor] [--out bench/results/hub_load.json]
 """
 
 from __future__ import annotations
@@ -349,8 +353,31 @@ class HubProcess:
         self.log.close()
 
 
+class FloorProcess(HubProcess):
+    """bench/floor_hub.py in its own process: the least a hub must do for these nodes (see there)."""
+
+    def __init__(self, data: Path, rounds: int) -> None:  # its own start; HubProcess's url, owner and stop()
+        self.data = data
+        self.owner = "floor"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.log = open(data.parent / "hub.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("floor_hub.py")), str(port),
+                                      str(data), str(rounds)], stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise SystemExit(f"bench/floor_hub.py did not start; see {data.parent / 'hub.log'}")
+
+
 async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
-                   spread_s: float = 0.0, workers: int = 1) -> dict[str, object]:
+                   spread_s: float = 0.0, workers: int = 1, floor: bool = False) -> dict[str, object]:
     """One complete run with `n` nodes and a fresh hub; returns its figures.
 
     spread_s > 0: the sustained mode (Node.run): each node's polls arrive spread over that many
@@ -359,6 +386,7 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
     hub_mode "process": `gpuflex-hub serve` in its own process (as deployed);
     "inproc": the app in this process, sharing the simulated nodes' CPU.
     store: a PostgreSQL URL (an empty database), or None for the hub's SQLite file.
+    floor: bench/floor_hub.py instead of the hub (the least any hub must do for these nodes).
     """
     tmp = Path(tempfile.mkdtemp(prefix="gpuflex-hub-load-"))
     # when each round opened (the moment its work existed), wall clock
@@ -386,6 +414,9 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         sched.add_job = add_and_mark  # type: ignore[method-assign]
         runner, url = await start(app)
         owner = create_token(tmp / "hub", "owner", "bench", store=store)
+    elif floor:
+        hub_proc = FloorProcess(tmp / "hub", rounds)
+        url, owner = hub_proc.url, hub_proc.owner
     else:
         hub_proc = HubProcess(tmp / "hub", store, workers)
         url, owner = hub_proc.url, hub_proc.owner
@@ -478,7 +509,7 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         return None if rate is None else round(figure(rate), digits)
 
     return {
-        "store": "postgresql" if store else "sqlite",
+        "store": "floor" if floor else "postgresql" if store else "sqlite",
         "workers": workers,
         "mode": "sustained" if spread_s > 0 else "burst",
         "spread_s": spread_s,
@@ -530,6 +561,9 @@ async def main() -> int:
                     help="comma-separated node counts for the sustained mode (arrivals spread over --spread "
                          "seconds a round): reports the largest served with p99 < 250 ms")
     ap.add_argument("--spread", type=float, default=10.0, help="sustained mode: seconds a round's arrivals spread over")
+    ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run bench/floor_hub.py (the least any hub must do for these nodes) at the last"
+                         " node count, burst: each configuration's ratio_vs_floor")
     ap.add_argument("--out", default="bench/results/hub_load.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -551,6 +585,10 @@ async def main() -> int:
                 url = server.new_database() if store == "postgresql" and server is not None else None
                 runs.append(await run_once(n, args.rounds, args.hub, url, workers=workers))
                 print(json.dumps(runs[-1]), flush=True)
+        floor = await run_once(max(int(v) for v in args.nodes.split(",")), args.rounds, "process", floor=True) \
+            if args.floor and args.hub == "process" else None
+        if floor is not None:
+            print(json.dumps(floor), flush=True)
         sustained = []
         for n in (int(v) for v in args.sustained.split(",") if v):
             for store, workers in configs_asked:
@@ -564,12 +602,18 @@ async def main() -> int:
                                                          for r in sustained)}
     last = max(int(r["nodes"]) for r in runs)  # type: ignore[call-overload]
     configs = [r for r in runs if r["nodes"] == last]
+    if floor is not None:  # the hub's rate as a share of the floor's, each measured in this run
+        for r in configs:
+            r["ratio_vs_floor"] = round(float(r["requests_per_s"]) / float(floor["requests_per_s"]), 3)  # type: ignore[arg-type]
     figures = max(configs, key=lambda r: float(r["ratio_vs_echo"]))  # type: ignore[arg-type]
     result = {
         "benchmark": "hub_load",
         "figures": figures,
         "configs": configs,
         "runs": runs,
+        # bench/floor_hub.py, the same nodes at the last count: signatures, freshness, a long-poll per round, a
+        # signed assignment and the update's checks, each committed before its answer, and nothing else
+        "floor": floor,
         # arrivals spread over each round: the largest node count served with p99 < 250 ms, per store
         "sustained": sustained,
         "sustained_max_nodes_p99_under_250ms": served,
@@ -586,7 +630,9 @@ async def main() -> int:
                   "Every update is durable before its ack: packed into blobs/pack.sqlite3 (WAL, synchronous=FULL, "
                   "group commit; a larger one a file, fsync + dir fsync), then the store's own commit; each node sends "
                   "a new update each round; close_ms = last update acknowledged -> next round open (review, aggregation of "
-                  "all of the round's updates, evaluation, durable commit)"),
+                  "all of the round's updates, evaluation, durable commit). floor: bench/floor_hub.py, the least any hub must "
+                  "do for these nodes (no scheduler, ledger, verification or aggregation); its close_ms is below 0, since it "
+                  "opens the next round once the last update is durable, before that update's ack arrives"),
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

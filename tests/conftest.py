@@ -32,7 +32,7 @@ torch.set_num_threads(1)
 pytest_plugins = ["tests.tooling.skips"]
 
 #: what a test module must use for the PostgreSQL pass to run it: a hub these helpers start
-_STARTS_A_HUB = re.compile(r"\bawait start_hub\(|\brunning_hub\b|\bhub_process\b")
+_STARTS_A_HUB = re.compile(r"\bawait start_hub\(|\brunning_hub\b|\bhub_process\b|\bLocalCluster\(")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,8 +55,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The PostgreSQL pass (GPUFLEX_TEST_STORE=postgresql, `make test`'s second run) keeps the tests
-    of modules that start a hub through the helpers: the rest (protocol, node, pure units, the
-    SQLite file's own tests) never see a store, and ran in the first pass. Reported, not silent."""
+    of modules that start a hub (through the helpers, or the end-to-end cluster of
+    tests/tooling/cluster.py): the rest (protocol, node, pure units, the SQLite file's own tests)
+    never see a store, and ran in the first pass. Reported, not silent."""
     if TEST_STORE != "postgresql":
         return
     kept, dropped = [], []

@@ -58,3 +58,11 @@ async def test_hub_load_sustained_mode_spreads_the_arrivals() -> None:
     assert r["mode"] == "sustained" and r["spread_s"] == 0.3 and r["final_state"] == "done"
     assert r["nodes"] == 6 and float(r["p99_assignment_ms"]) >= 0  # type: ignore[arg-type]
     assert r["baseline_signed_echo_requests_per_s"] is None  # the floors are a burst's
+
+
+async def test_hub_load_floor_serves_the_same_nodes() -> None:
+    """bench/floor_hub.py (the least a hub must do for these nodes) answers hub_load's nodes
+    through every round, in its own process, as the hub does."""
+    r = await hub_load.run_once(6, 2, "process", floor=True)
+    assert r["store"] == "floor" and r["final_state"] == "done" and r["nodes"] == 6 and r["rounds"] == 2
+    assert r["requests_per_s"] > 0 and 0 < r["p50_assignment_ms"] <= r["p99_assignment_ms"]

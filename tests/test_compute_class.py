@@ -490,12 +490,8 @@ def test_real_nodes_in_two_classes_train_bf16_and_fp32_side_by_side_and_nobody_i
         assert nodes[bf16.node_id]["class_keys"]["bf16"].endswith("|bf16")
         trained = {e.get("assignment_id") for e in bf16.events() if e.get("event") == "trained"}
         assert trained, "the bf16 node trained"
-        conn = __import__("sqlite3").connect(cluster.hub_dir / "hub.sqlite3")
-        try:
-            evidence = [json.loads(e) for (e,) in conn.execute(
-                "SELECT evidence FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))]
-        finally:
-            conn.close()
+        evidence = [json.loads(r["evidence"]) for r in cluster.rows(
+            "SELECT evidence FROM rounds WHERE job_id = ? ORDER BY round", job_id)]
         compared = [c for e in evidence for c in e.get("replica_comparison", {}).values()]
         assert compared and set(compared) == {"cross_class"}
         for proc, expect in ((bf16, "trains bf16"), (no_onednn, "oneDNN off")):

@@ -10,7 +10,6 @@ import hashlib
 import json
 import random
 import signal
-import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
@@ -72,12 +71,6 @@ def _hub_cli(argv: list[str], env: dict[str, str], expect_rc: int = 0) -> str:
     )
     assert done.returncode == expect_rc, (done.returncode, done.stdout, done.stderr)
     return done.stdout
-
-
-def _db(cluster: LocalCluster) -> sqlite3.Connection:
-    conn = sqlite3.connect(f"file:{cluster.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
-    return conn
 
 
 def _audit_entries(cluster: LocalCluster) -> list[dict[str, Any]]:
@@ -218,16 +211,13 @@ def test_node_kill9_mid_assignment_shard_is_reassigned(tmp_path: Path, bench_cac
         survivor = cluster.start_node("survivor")
         status = cluster.wait_job(job_id, token, timeout_s=240)
         assert status["state"] == "done", status
-        with _db(cluster) as db:
-            row = db.execute(
-                "SELECT state, shard_id FROM assignments WHERE id = ?", (first["assignment_id"],)
-            ).fetchone()
-            assert row["state"] == "expired"
-            taken = db.execute(
-                "SELECT node_id FROM assignments a JOIN shard_chunks sc ON sc.shard_id = a.shard_id "
-                "WHERE a.job_id = ? AND a.round = ? AND a.state = 'done'",
-                (job_id, first["round"]),
-            ).fetchall()
+        (row,) = cluster.rows("SELECT state, shard_id FROM assignments WHERE id = ?", first["assignment_id"])
+        assert row["state"] == "expired"
+        taken = cluster.rows(
+            "SELECT node_id FROM assignments a JOIN shard_chunks sc ON sc.shard_id = a.shard_id "
+            "WHERE a.job_id = ? AND a.round = ? AND a.state = 'done'",
+            job_id, first["round"],
+        )
         assert {r["node_id"] for r in taken} == {survivor.node_id}
 
 
@@ -285,11 +275,7 @@ def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path, be
         flagged_nodes = Counter(f["node_id"] for f in flags)
         assert flagged_nodes[bad.node_id] >= 1, flags
         assert not any(flagged_nodes[h.node_id] for h in honest), flags
-        with _db(cluster) as db:
-            bad_shas = {
-                r["sha"]
-                for r in db.execute("SELECT sha FROM updates WHERE node_id = ?", (bad.node_id,))
-            }
+        bad_shas = {r["sha"] for r in cluster.rows("SELECT sha FROM updates WHERE node_id = ?", bad.node_id)}
         included = {
             sha
             for e in _audit_entries(cluster)
@@ -368,15 +354,12 @@ def test_churn_every_chunk_counted_once(tmp_path: Path, bench_cache: Path) -> No
         status = cluster.get_json(f"/v1/jobs/{job_id}", token)
         assert status["state"] == "done", status
         assert started >= 5 and stopped >= 2, (started, stopped)
-        with _db(cluster) as db:
-            chunks = {
-                r["sha"] for r in db.execute("SELECT sha FROM chunks WHERE job_id = ?", (job_id,))
-            }
-            rows = db.execute(
-                "SELECT u.round, sc.chunk_sha FROM updates u JOIN shard_chunks sc ON sc.shard_id = u.shard_id "
-                "WHERE u.job_id = ? AND u.status = 'included'",
-                (job_id,),
-            ).fetchall()
+        chunks = {r["sha"] for r in cluster.rows("SELECT sha FROM chunks WHERE job_id = ?", job_id)}
+        rows = cluster.rows(
+            "SELECT u.round, sc.chunk_sha FROM updates u JOIN shard_chunks sc ON sc.shard_id = u.shard_id "
+            "WHERE u.job_id = ? AND u.status = 'included'",
+            job_id,
+        )
         per_round: dict[int, Counter[str]] = {}
         for r in rows:
             per_round.setdefault(r["round"], Counter())[r["chunk_sha"]] += 1

@@ -7,7 +7,6 @@ unverifiable and left out."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -34,15 +33,6 @@ def _submit(cluster: LocalCluster, token: str, files: Any) -> str:
     return str(asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))["id"])
 
 
-def _rows(cluster: LocalCluster, sql: str, *args: Any) -> list[dict[str, Any]]:
-    conn = sqlite3.connect(f"file:{cluster.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in conn.execute(sql, args)]
-    finally:
-        conn.close()
-
-
 def _hub_cli(argv: list[str], env: dict[str, str]) -> str:
     import os
     import subprocess
@@ -57,7 +47,7 @@ def _hub_cli(argv: list[str], env: dict[str, str]) -> str:
 def _wait_rows(cluster: LocalCluster, sql: str, *args: Any, timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        rows = _rows(cluster, sql, *args)
+        rows = cluster.rows(sql, *args)
         if rows:
             return rows
         time.sleep(0.25)
@@ -82,11 +72,11 @@ def test_honest_nodes_of_different_numeric_classes_disagree_and_are_not_flagged(
         status = cluster.wait_job(job, owner, timeout_s=240)
         assert status["state"] == "done", status
         assert cluster.get_json(f"/v1/flags?job={job}", auditor)["flags"] == []
-        reqs = _rows(cluster, "SELECT * FROM state_requests WHERE job_id = ?", job)
+        reqs = cluster.rows("SELECT * FROM state_requests WHERE job_id = ?", job)
         assert reqs and {r["reason"] for r in reqs} == {"disagreement"}
         assert {r["status"] for r in reqs} == {"reproduced"}
         assert {r["node_id"] for r in reqs} == {fp32.node_id, bf16.node_id}
-        shards = _rows(cluster, "SELECT outcome FROM shards WHERE job_id = ? AND state = 'settled'", job)
+        shards = cluster.rows("SELECT outcome FROM shards WHERE job_id = ? AND state = 'settled'", job)
         outcomes = [json.loads(s["outcome"]) for s in shards]
         crossed = [o for o in outcomes if o.get("cross_class")]
         assert crossed, outcomes
@@ -116,7 +106,7 @@ def test_a_crafted_update_with_a_colluding_replica_is_caught_by_the_spot_check(
         job = _submit(cluster, owner, files)
         flags = _wait_rows(cluster, "SELECT * FROM flags WHERE job_id = ?", job, timeout_s=180)
         time.sleep(0.5)
-        flags = _rows(cluster, "SELECT * FROM flags WHERE job_id = ?", job)
+        flags = cluster.rows("SELECT * FROM flags WHERE job_id = ?", job)
         assert {f["node_id"] for f in flags} == {a.node_id, b.node_id}
         assert {f["reason"] for f in flags} == {"referee_mismatch"}
         ev = [json.loads(f["evidence"]) for f in flags]
@@ -124,7 +114,7 @@ def test_a_crafted_update_with_a_colluding_replica_is_caught_by_the_spot_check(
         assert direct and direct[0]["referee"]["reason"] == "spot_check"
         assert "not the committed last state" in direct[0]["referee"]["why"]
         assert any("vouched_for" in e for e in ev)
-        ups = _rows(cluster, "SELECT status FROM updates WHERE job_id = ?", job)
+        ups = cluster.rows("SELECT status FROM updates WHERE job_id = ?", job)
         assert ups and all(u["status"] == "quarantined" for u in ups[:2])
         auditor = cluster.create_token("auditor", "audrey")
         first = next(f for f in flags if "vouched_for" not in json.loads(f["evidence"]))
@@ -153,10 +143,10 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
         honest = cluster.start_node("honest")  # the job can finish without the mute node's work
         status = cluster.wait_job(job, owner, timeout_s=240)
         assert status["state"] == "done", status
-        mine = _rows(cluster, "SELECT id, status FROM updates WHERE node_id = ?", mute.node_id)
+        mine = cluster.rows("SELECT id, status FROM updates WHERE node_id = ?", mute.node_id)
         assert all(u["status"] != "included" for u in mine)
         assert {u["id"] for u in mine if u["status"] == "quarantined"} >= withheld
-        assert _rows(cluster, "SELECT 1 FROM updates WHERE node_id = ? AND status = 'included'", honest.node_id)
+        assert cluster.rows("SELECT 1 FROM updates WHERE node_id = ? AND status = 'included'", honest.node_id)
         show = cluster.get_json(f"/v1/flags/{flags[0]['id']}", auditor)
         assert show["reason"] == "unverifiable"
         (row,) = show["referee"]

@@ -1,11 +1,13 @@
 """The end-to-end tests' cluster: the demo's launcher (gpuflex.hub.localcluster) plus what
-only tests need - one benchmark shared by a whole session, kill -9 of the hub, reading the
-API over loopback and waiting for a job."""
+only tests need - one benchmark shared by a whole session, the run's store (its hub on PostgreSQL
+in `make test`'s second pass, tests/helpers.py), kill -9 of the hub, reading the API over loopback
+and the hub's rows, and waiting for a job."""
 
 from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 import urllib.error
@@ -16,6 +18,8 @@ from typing import Any
 
 from gpuflex.hub.localcluster import LocalCluster as DemoCluster
 from gpuflex.hub.localcluster import Proc, digits_job
+
+from tests.helpers import store_args, store_for
 
 __all__ = ["LocalCluster", "Proc", "digits_job"]
 
@@ -28,6 +32,41 @@ class LocalCluster(DemoCluster):
     @property
     def bench_cache(self) -> Path:
         return self.shared_bench_cache or self.workdir / "bench.json"
+
+    @property
+    def store(self) -> str | None:
+        """The hub's --store: the one the test gave, else this run's (None: its SQLite file)."""
+        args = list(self.hub_args)
+        if "--store" in args:
+            return args[args.index("--store") + 1]
+        return store_for(self.hub_dir)
+
+    def start_hub(self, *, timeout_s: float = 60.0) -> Proc:
+        """The demo's start, on this run's store unless the test names one (a restart keeps it)."""
+        if "--store" not in self.hub_args:
+            self.hub_args = (*self.hub_args, *store_args(self.hub_dir))
+        return super().start_hub(timeout_s=timeout_s)
+
+    def create_token(self, role: str, name: str) -> str:
+        from gpuflex.hub.tokens import create_token
+
+        return create_token(self.hub_dir, role, name, store=self.store)
+
+    def rows(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        """The rows of a query (``?`` placeholders) on the hub's state, in whichever store it keeps it."""
+        url = self.store
+        if url is None:
+            conn: Any = sqlite3.connect(f"file:{self.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
+        else:
+            from gpuflex.hub.store_postgres import connect
+
+            conn = connect(url)
+        try:
+            cur = conn.execute(sql, args)
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, (row[i] for i in range(len(names))), strict=True)) for row in cur.fetchall()]
+        finally:
+            conn.close()
 
     def kill_hub(self, sig: int = signal.SIGKILL, *, timeout_s: float = 15.0) -> int | None:
         if self.hub is None:
