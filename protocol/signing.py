@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .errors import DecodeError, KeyFileError, ReplayError, SignatureError
 from .messages import MESSAGE_KINDS, decode_message, encode_message, unpack_strict
+from .sodium import NOGIL
 
 M = TypeVar("M")
 
@@ -74,18 +75,26 @@ def verify(public_bytes: bytes, kind: str, payload: bytes, signature: bytes) -> 
     ``cryptography`` (58 against 106 µs a signature on this project's 2-core machine; README,
     "hub load"), and it refuses small-order public keys, with which OpenSSL's check lets one
     signature verify for every message. Signatures are the same: Ed25519 signing is deterministic.
+    The call keeps the GIL where it can (protocol/sodium.py).
     """
     if not isinstance(public_bytes, bytes) or len(public_bytes) != PUBLIC_KEY_BYTES:
         raise SignatureError(f"signer public key must be {PUBLIC_KEY_BYTES} bytes")
     if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         raise SignatureError(f"signature must be {SIGNATURE_BYTES} bytes")
-    try:
-        nacl.bindings.crypto_sign_open(signature + domain(kind) + bytes(payload), public_bytes)
-    except (nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError, ValueError):
+    message = domain(kind) + bytes(payload)
+    if NOGIL is not None:
+        valid = NOGIL.verify(signature, message, public_bytes)
+    else:
+        try:
+            nacl.bindings.crypto_sign_open(signature + message, public_bytes)
+            valid = True
+        except (nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError, ValueError):
+            valid = False
+    if not valid:
         raise SignatureError(
             f"signature does not verify for {'an' if kind[:1] in 'aeiou' else 'a'} {kind!r} message"
             f" from {fingerprint(public_bytes)}"
-        ) from None
+        )
 
 
 class SigningKey:
@@ -130,8 +139,12 @@ class SigningKey:
         )
 
     def sign(self, kind: str, payload: bytes) -> bytes:
-        """Sign ``domain(kind) + payload``; returns the 64-byte signature."""
-        signed: bytes = nacl.bindings.crypto_sign(domain(kind) + bytes(payload), self._secret)
+        """Sign ``domain(kind) + payload``; returns the 64-byte signature (holding the GIL where it
+        can: protocol/sodium.py)."""
+        message = domain(kind) + bytes(payload)
+        if NOGIL is not None:
+            return NOGIL.sign(message, self._secret)
+        signed: bytes = nacl.bindings.crypto_sign(message, self._secret)
         return signed[:SIGNATURE_BYTES]
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
+import nacl.bindings
 import pytest
 from gpuflex.protocol import (
     Abandon,
@@ -25,6 +29,8 @@ from gpuflex.protocol import (
     new_nonce,
     open_sealed,
     seal,
+    signing,
+    sodium,
 )
 from gpuflex.protocol.signing import open_envelope, seal_bytes, verify
 from hypothesis import given, settings
@@ -340,3 +346,70 @@ def test_a_flipped_bit_anywhere_is_refused():
         verify(key.public_bytes, "hello", payload, sig)  # another kind's domain
     with pytest.raises(SignatureError):
         verify(key.public_bytes, "work", payload + b"!", sig)
+
+
+# -- libsodium through ctypes.PyDLL keeps the GIL (protocol/sodium.py) ------------------------------
+
+
+def _counted_beside(call: Callable[[], object]) -> int:
+    """How far a busy thread counts while ``call`` runs on this one."""
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        before = count[0]
+        call()
+        return count[0] - before
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_signing_and_verifying_keep_the_gil_where_pynacls_bindings_let_it_go():
+    """A 32 MiB message takes libsodium over 100 ms to check: through PyNaCl's cffi bindings another
+    thread runs all that time, through protocol/sodium.py at most for the switch interval around it."""
+    assert sodium.NOGIL is not None, "PyNaCl's libsodium did not load through ctypes.PyDLL here"
+    public, secret = nacl.bindings.crypto_sign_seed_keypair(bytes(32))
+    message = bytes(32 << 20)
+    signature = nacl.bindings.crypto_sign(message, secret)[:64]
+    held = _counted_beside(lambda: sodium.NOGIL.verify(signature, message, public))
+    released = _counted_beside(lambda: nacl.bindings.crypto_sign_open(signature + message, public))
+    assert held < released / 4, (held, released)
+    held = _counted_beside(lambda: sodium.NOGIL.sign(message, secret))
+    released = _counted_beside(lambda: nacl.bindings.crypto_sign(message, secret))
+    assert held < released / 4, (held, released)
+
+
+@given(st.binary(min_size=32, max_size=32), st.binary(max_size=2048), st.integers(0, 64 * 8 - 1))
+@settings(max_examples=200, deadline=None)
+def test_the_gil_keeping_calls_agree_with_pynacls(seed: bytes, message: bytes, bit: int) -> None:
+    assert sodium.NOGIL is not None
+    public, secret = nacl.bindings.crypto_sign_seed_keypair(seed)
+    made = nacl.bindings.crypto_sign(message, secret)[:64]
+    assert sodium.NOGIL.sign(message, secret) == made
+    assert sodium.NOGIL.verify(made, message, public)
+    flipped = bytearray(made)
+    flipped[bit // 8] ^= 1 << (bit % 8)
+    assert not sodium.NOGIL.verify(bytes(flipped), message, public)
+    assert not sodium.NOGIL.verify(made, message + b"\0", public)
+
+
+def test_without_the_gil_keeping_calls_pynacls_bindings_sign_and_check(monkeypatch: pytest.MonkeyPatch):
+    """Where PyNaCl's library does not export libsodium's detached calls (NOGIL is None), signing and
+    verifying go through PyNaCl's bindings, with the same results."""
+    key = SigningKey.from_seed(bytes(range(32)))
+    with_nogil = key.sign("work", b"payload")
+    monkeypatch.setattr(signing, "NOGIL", None)
+    assert key.sign("work", b"payload") == with_nogil
+    verify(key.public_bytes, "work", b"payload", with_nogil)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify(key.public_bytes, "work", b"payload!", with_nogil)
+    identity = bytes([1]) + bytes(31)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify(identity, "work", b"anything at all", identity + bytes(32))
