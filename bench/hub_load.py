@@ -121,6 +121,26 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server process the bench starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def listening(port: int, proc: subprocess.Popen[bytes], *, tries: int) -> bool:
+    """Wait (0.1 s a try) until ``proc`` accepts connections on ``port``; False if it exited first
+    or the tries ran out."""
+    for _ in range(tries):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False
+
+
 async def start(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -214,17 +234,11 @@ async def echo_baseline(n_clients: int, per_client: int, body: bytes, *, own_pro
     runner: web.AppRunner | None = None
     server: subprocess.Popen[bytes] | None = None
     if own_process or signed is not None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER if signed is None else SIGNED_ECHO_SERVER,
                                    str(port), library, *([str(durable)] if durable else [])])
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            await asyncio.sleep(0.1)
+        listening(port, server, tries=300)
     else:
         app = web.Application()
         app.router.add_post("/echo", echo)
@@ -359,20 +373,13 @@ class FloorProcess(HubProcess):
     def __init__(self, data: Path, rounds: int) -> None:  # its own start; HubProcess's url, owner and stop()
         self.data = data
         self.owner = "floor"
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         self.log = open(data.parent / "hub.log", "wb")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("floor_hub.py")), str(port),
                                       str(data), str(rounds)], stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
+        if listening(port, self.proc, tries=600):
+            return
         raise SystemExit(f"bench/floor_hub.py did not start; see {data.parent / 'hub.log'}")
 
 

@@ -30,12 +30,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from .errors import DecodeError, KeyFileError, ReplayError, SignatureError
 from .messages import MESSAGE_KINDS, decode_message, encode_message, unpack_strict
-from .sodium import NOGIL
+from .sodium import NOGIL, SIGNATURE_BYTES
 
 M = TypeVar("M")
 
 PUBLIC_KEY_BYTES: Final = 32
-SIGNATURE_BYTES: Final = 64
 NONCE_BYTES: Final = 16
 MAX_PAYLOAD_BYTES: Final = 1 << 20
 MAX_ENVELOPE_BYTES: Final = MAX_PAYLOAD_BYTES + 256

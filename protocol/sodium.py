@@ -23,8 +23,9 @@ from typing import Final
 import nacl.bindings
 import nacl.exceptions
 
-__all__ = ["NOGIL", "Ed25519"]
+__all__ = ["NOGIL", "SIGNATURE_BYTES", "Ed25519"]
 
+#: an Ed25519 signature's length (protocol/signing.py takes it from here)
 SIGNATURE_BYTES: Final = 64
 
 

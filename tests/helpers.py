@@ -186,11 +186,11 @@ def stop_test_store() -> None:
         _SERVER.pop().stop()
 
 
-def open_store(data_dir: Path) -> Any:
-    """A connection to the state of the hub on ``data_dir`` (whichever store this run uses), for a
-    test to read (or, to stage a case, write) rows: ``execute(sql, params)`` with ``?`` placeholders,
-    rows as tuples, ``commit()``, ``close()``, on either store."""
-    url = store_for(data_dir)
+def open_store(data_dir: Path, url: str | None = None) -> Any:
+    """A connection to the state of the hub on ``data_dir`` (whichever store this run uses, or the
+    PostgreSQL ``url`` a test gave it), for a test to read (or, to stage a case, write) rows:
+    ``execute(sql, params)`` with ``?`` placeholders, rows as tuples, ``commit()``, ``close()``."""
+    url = url or store_for(data_dir)
     if url is None:
         import sqlite3
 

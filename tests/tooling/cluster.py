@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import subprocess
 import time
 import urllib.error
@@ -19,7 +18,7 @@ from typing import Any
 from gpuflex.hub.localcluster import LocalCluster as DemoCluster
 from gpuflex.hub.localcluster import Proc, digits_job
 
-from tests.helpers import store_args, store_for
+from tests.helpers import open_store, store_args, store_for
 
 __all__ = ["LocalCluster", "Proc", "digits_job"]
 
@@ -54,17 +53,11 @@ class LocalCluster(DemoCluster):
 
     def rows(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         """The rows of a query (``?`` placeholders) on the hub's state, in whichever store it keeps it."""
-        url = self.store
-        if url is None:
-            conn: Any = sqlite3.connect(f"file:{self.hub_dir / 'hub.sqlite3'}?mode=ro", uri=True)
-        else:
-            from gpuflex.hub.store_postgres import connect
-
-            conn = connect(url)
+        conn = open_store(self.hub_dir, self.store)
         try:
             cur = conn.execute(sql, args)
             names = [d[0] for d in cur.description]
-            return [dict(zip(names, (row[i] for i in range(len(names))), strict=True)) for row in cur.fetchall()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
         finally:
             conn.close()
 
