@@ -115,10 +115,15 @@ class StateRequestState:
     #: the node was handed the request (it polled for work since it was opened): a node that never
     #: came back was offline, not refusing (hub/rounds.py: "unreachable", no flag)
     asked: bool = False
+    #: steps the node said it no longer holds (messages.StateUnavailable): the referee decides at
+    #: once, and leaves the update out without a flag
+    declined: set[int] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
-        return all(s in self.states for s in self.steps)
+        """Nothing more to wait for: every state is handed over, or the node declared one it no
+        longer holds (the segment cannot be re-executed without it)."""
+        return bool(self.declined) or all(s in self.states for s in self.steps)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from gpuflex.protocol.messages import (
     SiloSchema,
     SiloWithdrawal,
     StateRequest,
+    StateUnavailable,
     StateUpload,
     UpdateHeader,
     nested_to_dict,
@@ -505,18 +506,25 @@ class Ledger:
                                                    assignment_id=r.assignment_id, steps=r.steps, deadline=r.deadline))
         return None
 
-    def begin_state(self, node: NodeState, hdr: StateUpload) -> tuple[StateRequestState, str, int]:
-        """Check a state upload's header against its request and the node's commitment; the
-        expected sha and the most bytes such a state may have."""
-        r = self.rounds.state_requests.get(hdr.request_id)
+    def _open_request(self, node: NodeState, request_id: str) -> StateRequestState:
+        """The open state request ``request_id`` made of ``node``, before its deadline."""
+        r = self.rounds.state_requests.get(request_id)
         if r is None:
-            raise NotFound(f"no open state request {hdr.request_id}", code="unknown_request")
+            raise NotFound(f"no open state request {request_id}", code="unknown_request")
         if r.node_id != node.id:
             raise Forbidden("that state request was made of another node", code="not_your_request")
         if time.time() >= r.deadline:
             raise Conflict("the state request's deadline has passed", code="late_state")
+        return r
+
+    def begin_state(self, node: NodeState, hdr: StateUpload) -> tuple[StateRequestState, str, int]:
+        """Check a state upload's header against its request and the node's commitment; the
+        expected sha and the most bytes such a state may have."""
+        r = self._open_request(node, hdr.request_id)
         if hdr.step not in r.steps:
             raise BadRequest(f"step {hdr.step} was not requested (requested: {list(r.steps)})", code="bad_step")
+        if hdr.step in r.declined:
+            raise Conflict(f"the state of step {hdr.step} was declared no longer held", code="declined_state")
         job = self.scheduler.jobs.get(r.job_id)
         shard = job.shards.get(r.shard_id) if job is not None else None
         upd = next((u for u in shard.accepted if u.id == r.update_id), None) if shard is not None else None
@@ -538,6 +546,24 @@ class Ledger:
         r.states[step] = sha
         if r.complete:
             self.rounds.poke(r.job_id)
+
+    async def decline_states(self, node: NodeState, msg: StateUnavailable) -> str:
+        """The node no longer holds some of the states it was asked for: recorded (durably), and
+        the engine judges at once once every step is answered, rather than at the deadline."""
+        r = self._open_request(node, msg.request_id)
+        steps = set(msg.steps)
+        if not steps:
+            raise BadRequest("name at least one step the node no longer holds", code="bad_step")
+        if not steps <= set(r.steps):
+            raise BadRequest(f"steps {sorted(steps - set(r.steps))} were not requested "
+                             f"(requested: {list(r.steps)})", code="bad_step")
+        if handed := sorted(steps & r.states.keys()):
+            raise Conflict(f"the states of steps {handed} were handed over already", code="handed_over")
+        await self.store.decline_states(r.id, sorted(steps))
+        r.declined |= steps
+        if r.complete:
+            self.rounds.poke(r.job_id)
+        return f"{len(steps)} step(s) recorded as no longer held; the referee decides without them"
 
     # -- node-local data (silos) -------------------------------------------------------------
     def _silo_job(self, job_id: str) -> JobState:

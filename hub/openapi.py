@@ -83,7 +83,8 @@ def openapi_document() -> dict[str, Any]:
             "node does not list as cached follows the sealed assignment in the body; response header "
             "X-GPUFlex-Sealed-Length gives the sealed message's length. When the hub's referee waits on a "
             "checkpoint state of the node's, the answer is a signed StateRequest instead (answer it with "
-            "POST /v1/states before its deadline, or the update is flagged unverifiable)",
+            "POST /v1/states before its deadline, or say at once which states it no longer holds with "
+            "POST /v1/states/unavailable; a node that answers neither way is flagged unverifiable)",
             "WorkRequest", "Assignment, StateRequest or NoWork", (400, 401, 403, 409, 413))},
         "/v1/heartbeat": {"post": _node_op("extend a live assignment's deadline", "Heartbeat",
                                            "Ack (deadline = new deadline; ok=false when no longer live)",
@@ -193,6 +194,11 @@ def openapi_document() -> dict[str, Any]:
                            "request's deadline); 400 bad_step / size_mismatch; 422 not_committed (the sha is not "
                            "the one the node's update committed to for that step) / hash_mismatch / bad_state; "
                            "413 too_large"}},
+        "/v1/states/unavailable": {"post": _node_op(
+            "say at once that the node no longer holds some of the states a StateRequest asked for: the "
+            "referee decides without waiting for the deadline, and the update is left out unverified without a "
+            "flag. 404 unknown_request; 403 not_your_request; 409 late_state / handed_over; 400 bad_step",
+            "StateUnavailable", "Ack", (400, 401, 403, 404, 409))},
         "/v1/jobs": {
             "post": {"summary": "submit a job (owner)", "tags": ["owner"], "security": _BEARER,
                      "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {

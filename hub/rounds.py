@@ -413,6 +413,13 @@ class RoundEngine:
             c = u.commitment
             if c is None:  # not reached: requests are opened only for committed updates
                 continue
+            if r.declined:
+                out[u.id] = SegmentVerdict(u.id, u.node_id, "unreachable", {
+                    "check": "segment_replay", "round": r.round, "node": u.node_id, "update": u.id,
+                    "reason": r.reason, "request": r.id, "declined_steps": sorted(r.declined),
+                    "why": "the node said it no longer holds the committed states asked for; its update "
+                           "is left out unverified"})
+                continue
             states = {step: decode_state(self.blobs.read_private(sha)) for step, sha in r.states.items()}
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
             delta = decode_state(self.blobs.read_private(u.sha))

@@ -35,6 +35,7 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloWithdrawal,
+    StateUnavailable,
     StateUpload,
     UpdateHeader,
     UploadOffset,
@@ -602,6 +603,14 @@ async def state_upload(request: web.Request) -> web.Response:
     await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _ingest_state, body, expected, app[BLOBS])
     await ledger.accept_state(r, hdr.step, expected)
     return sealed_response(request, Ack(ok=True, detail=f"state of step {hdr.step} accepted", deadline=r.deadline))
+
+
+@routes.post("/v1/states/unavailable")
+async def state_unavailable(request: web.Request) -> web.Response:
+    """The node no longer holds states the referee asked for: the referee decides at once."""
+    msg, node = await _signed(request, StateUnavailable)
+    detail = await request.app[LEDGER].decline_states(node, msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
 def _ingest_state(body: bytes, sha: str, blobs: BlobStore) -> None:

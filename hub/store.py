@@ -197,6 +197,11 @@ class Store(abc.ABC):
         """A node handed over the state of ``step`` (its blob ``sha`` is stored already)."""
 
     @abc.abstractmethod
+    async def decline_states(self, request_id: str, steps: Sequence[int]) -> None:
+        """The node said it no longer holds the states of ``steps`` (messages.StateUnavailable);
+        ``referee_requests`` gives them back as the request's ``declined``."""
+
+    @abc.abstractmethod
     async def close_state_requests(self, outcomes: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
         """(request id, reproduced|mismatch|unverifiable, evidence): the referee's verdicts."""
 

@@ -106,6 +106,20 @@ def flag_record(row: sqlite3.Row) -> FlagRecord:
         created_at=row["created_at"], decided_at=row["decided_at"])
 
 
+#: the ``states`` value of a step the node said it no longer holds (no blob is ever named so)
+_DECLINED = ""
+
+
+def _state_request(r: Any) -> StateRequestState:
+    answered = {int(k): str(v) for k, v in json.loads(r["states"]).items()}
+    return StateRequestState(
+        id=r["id"], job_id=r["job_id"], round=r["round"], shard_id=r["shard_id"], update_id=r["update_id"],
+        node_id=r["node_id"], assignment_id=r["assignment_id"], reason=r["reason"], segment=r["segment"],
+        steps=tuple(int(x) for x in json.loads(r["steps"])), requested_at=r["requested_at"],
+        deadline=r["deadline"], states={k: v for k, v in answered.items() if v != _DECLINED},
+        declined={k for k, v in answered.items() if v == _DECLINED})
+
+
 class SqlStore(Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit)."""
 
@@ -365,12 +379,19 @@ class SqlStore(Store):
             " segment, steps, requested_at, deadline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows))
 
     async def record_state(self, request_id: str, step: int, sha: str) -> None:
+        await self._answer_steps(request_id, {step: sha})
+
+    async def decline_states(self, request_id: str, steps: Sequence[int]) -> None:
+        await self._answer_steps(request_id, dict.fromkeys(steps, _DECLINED))
+
+    async def _answer_steps(self, request_id: str, answers: dict[int, str]) -> None:
+        """The ``states`` column maps each answered step to its blob, or to ``_DECLINED``."""
         def write(conn: sqlite3.Connection) -> None:
             row = conn.execute("SELECT states FROM state_requests WHERE id = ?", (request_id,)).fetchone()
             if row is None:
                 raise Conflict(f"no state request {request_id}", code="unknown_request")
             states = json.loads(row["states"])
-            states[str(step)] = sha
+            states.update({str(step): sha for step, sha in answers.items()})
             conn.execute("UPDATE state_requests SET states = ? WHERE id = ?", (_json(states), request_id))
 
         await self.db.write(write)
@@ -385,12 +406,8 @@ class SqlStore(Store):
             rows = conn.execute(
                 "SELECT r.* FROM state_requests r JOIN shards s ON s.id = r.shard_id WHERE s.state = 'open'"
                 " ORDER BY r.requested_at, r.id").fetchall()
-            return [(StateRequestState(
-                id=r["id"], job_id=r["job_id"], round=r["round"], shard_id=r["shard_id"], update_id=r["update_id"],
-                node_id=r["node_id"], assignment_id=r["assignment_id"], reason=r["reason"], segment=r["segment"],
-                steps=tuple(int(x) for x in json.loads(r["steps"])), requested_at=r["requested_at"],
-                deadline=r["deadline"], states={int(k): str(v) for k, v in json.loads(r["states"]).items()}),
-                str(r["status"]), json.loads(r["verdict"]) if r["verdict"] else {}) for r in rows]
+            return [(_state_request(r), str(r["status"]), json.loads(r["verdict"]) if r["verdict"] else {})
+                    for r in rows]
 
         return await self.db.read(read)
 

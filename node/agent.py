@@ -58,6 +58,7 @@ from gpuflex.protocol.messages import (
     ComputeClass,
     NoWork,
     StateRequest,
+    StateUnavailable,
     StateUpload,
     progress_digest,
 )
@@ -135,8 +136,8 @@ class NodeConfig:
     bench_cache: Path | None = None  # shared benchmark cache file (default DIR/bench.json)
     enroll_token: str = ""  # the operator's enrollment token, when the hub asks for one
     source_address: str | None = None  # bind outgoing connections to this local address
-    #: checkpoint states kept for the hub's referee (the most recent assignments; bytes cap)
-    checkpoint_keep: int = 4
+    #: checkpoint states kept for the hub's referee (node/checkpoints.py: every assignment of the
+    #: job's two newest rounds, within this many bytes in all)
     max_checkpoint_bytes: int = 2 << 30
 
 
@@ -186,8 +187,7 @@ class NodeAgent:
                 raise ConfigError(f"--precisions {','.join(config.precisions or ())}: this {self.device.type} "
                                   "device trains none of them")
             self.cache = BlobCache(config.data_dir / "cache", config.max_cache_bytes)
-            self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", keep=config.checkpoint_keep,
-                                               max_bytes=config.max_checkpoint_bytes)
+            self.checkpoints = CheckpointStore(config.data_dir / "checkpoints", max_bytes=config.max_checkpoint_bytes)
             self.feedback = FeedbackStore(config.data_dir / "feedback")
             # node-local data (`gpuflex-node data add`, another process): read again for every assignment
             self.silos = SiloStore(config.data_dir / "silos")
@@ -248,7 +248,11 @@ class NodeAgent:
         recorder = CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
                                       store=self.checkpoints, assignment_id=assignment.assignment_id,
                                       feedback=cur.residual if cur is not None else None)
-        self.checkpoints.prune(keep_id=assignment.assignment_id)
+        self.checkpoints.begin(assignment.assignment_id, assignment.job_id, assignment.round)
+        dropped = self.checkpoints.prune(keep_id=assignment.assignment_id, job_id=assignment.job_id,
+                                         round=assignment.round)
+        if dropped:
+            log.debug("checkpoint states dropped: %s", dropped)
         try:
             result = train_assignment(
                 spec, global_state, chunks, assignment.train, assignment.seed,
@@ -261,15 +265,25 @@ class NodeAgent:
         return dataclasses.replace(result, commitment=recorder.commitment())
 
     async def hand_over(self, asked: StateRequest) -> None:
-        """Upload the committed checkpoint states the hub's referee asked for (those still kept)."""
+        """Upload the committed checkpoint states the hub's referee asked for; when some are no
+        longer kept, say so at once instead (the referee cannot re-execute without them, so
+        the others are not sent)."""
         client = self._client()
         self.output.event("state_request", request_id=asked.request_id, assignment_id=asked.assignment_id,
                           steps=list(asked.steps))
+        held = set(await asyncio.to_thread(self.checkpoints.held, asked.assignment_id, asked.steps))
+        if missing := [s for s in asked.steps if s not in held]:
+            msg = StateUnavailable(request_id=asked.request_id, steps=tuple(missing),
+                                   reason="pruned from the node's checkpoint store", timestamp=client.now(),
+                                   nonce=new_nonce())
+            ack = await client.states_unavailable(msg)
+            self.output.event("state_missing", request_id=asked.request_id, steps=missing, ok=ack.ok)
+            return
         for step in asked.steps:
             data = await asyncio.to_thread(self.checkpoints.read, asked.assignment_id, step)
-            if data is None:
-                self.output.event("state_missing", request_id=asked.request_id, step=step)
-                continue
+            if data is None:  # dropped between the look and the read: said on the next ask
+                self.output.event("state_missing", request_id=asked.request_id, steps=[step])
+                return
             hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
                               state_size=len(data), timestamp=client.now(), nonce=new_nonce())
             ack = await client.upload_state(hdr, data)

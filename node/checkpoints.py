@@ -6,8 +6,16 @@ full training state (protocol/checkpoint.py: model + optimizer state + step + RN
 encoding; the hashes and each segment's update norm go into the signed update header
 (messages.Commitment). The states themselves are written to ``<data dir>/checkpoints/<assignment
 id>/<step>.gft`` so the node can hand them over when the hub's referee asks
-(messages.StateRequest), and are pruned: only the most recent ``keep`` assignments are kept,
-and never more than ``max_bytes`` in all.
+(messages.StateRequest).
+
+What is kept (``CheckpointStore.prune``): the referee asks for the states of an update while the
+round that update belongs to is open, and a node-local job's straggler counts in the round after
+it. Once the hub hands this node an assignment of round R of a job, no round before R - 1 of that
+job can be asked about again, so the states of every assignment of rounds R - 1 and R are kept,
+however many there were, and older ones of that job are dropped. States older than ``max_age_s``
+(a job this node no longer trains) go too, and while the total is over ``max_bytes`` the oldest
+folders go first. A state that was dropped is declared at once when asked for
+(messages.StateUnavailable): the hub decides without waiting.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -67,17 +76,25 @@ def training_state(model: nn.Module, optimizer: LocalOptimizer, step: int) -> di
 
 
 class CheckpointStore:
-    """``root/<assignment id>/<step>.gft`` files; bounded by count of assignments and bytes."""
+    """``root/<assignment id>/<step>.gft`` files, and ``round`` (the job id and round) beside them."""
 
-    def __init__(self, root: Path, *, keep: int = 4, max_bytes: int = 2 << 30) -> None:
+    OWNER_FILE = "round"
+
+    def __init__(self, root: Path, *, max_bytes: int = 2 << 30, max_age_s: float = 7 * 86_400.0) -> None:
         self.root = root
-        self.keep = keep
         self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
 
     def folder(self, assignment_id: str) -> Path:
         if not _ID_RE.fullmatch(assignment_id):
             raise TrainError(f"bad assignment id {assignment_id[:80]!r}")
         return self.root / assignment_id
+
+    def begin(self, assignment_id: str, job_id: str, round: int) -> None:
+        """Name the job and round an assignment's states belong to (before the first is written)."""
+        folder = self.folder(assignment_id)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (folder / self.OWNER_FILE).write_text(f"{job_id}\n{int(round)}\n", encoding="ascii")
 
     def write(self, assignment_id: str, step: int, data: bytes) -> None:
         folder = self.folder(assignment_id)
@@ -98,20 +115,51 @@ class CheckpointStore:
         except (OSError, TrainError):
             return None
 
-    def prune(self, keep_id: str | None = None) -> None:
-        """Drop all but the newest ``keep`` assignments' folders, then the oldest while over
-        ``max_bytes`` (``keep_id``'s folder is never dropped)."""
+    def held(self, assignment_id: str, steps: Sequence[int]) -> list[int]:
+        """Those of ``steps`` whose states are kept."""
+        try:
+            folder = self.folder(assignment_id)
+        except TrainError:
+            return []
+        return [s for s in steps if (folder / f"{int(s)}.gft").is_file()]
+
+    def _owner(self, folder: Path) -> tuple[str, int] | None:
+        try:
+            job_id, round_text = folder.joinpath(self.OWNER_FILE).read_text(encoding="ascii").split()
+            return job_id, int(round_text)
+        except (OSError, ValueError):
+            return None
+
+    def prune(self, keep_id: str | None = None, *, job_id: str | None = None, round: int | None = None,
+              now: float | None = None) -> list[str]:
+        """Drop what the hub can no longer ask for: ``job_id``'s assignments of rounds before
+        ``round - 1``, and anything older than ``max_age_s``; then the oldest while the total is
+        over ``max_bytes``. ``keep_id``'s folder is never dropped. The dropped assignment ids."""
         if not self.root.is_dir():
-            return
+            return []
+        now = time.time() if now is None else now
         folders = sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
                          reverse=True)
-        sizes = {p: sum(f.stat().st_size for f in p.iterdir() if f.is_file()) for p in folders}
-        total = 0
-        for i, p in enumerate(folders):
-            total += sizes[p]
-            if p.name != keep_id and (i >= self.keep or total > self.max_bytes):
-                shutil.rmtree(p, ignore_errors=True)
+        dropped: list[str] = []
+        kept: list[Path] = []
+        for p in folders:
+            owner = self._owner(p)
+            settled = (owner is not None and owner[0] == job_id and round is not None and owner[1] < round - 1)
+            if p.name != keep_id and (settled or now - p.stat().st_mtime > self.max_age_s):
+                dropped.append(p.name)
+            else:
+                kept.append(p)
+        sizes = {p: sum(f.stat().st_size for f in p.iterdir() if f.is_file()) for p in kept}
+        total = sum(sizes.values())
+        for p in reversed(kept):  # the oldest go first while over the bound
+            if total <= self.max_bytes:
+                break
+            if p.name != keep_id:
+                dropped.append(p.name)
                 total -= sizes[p]
+        for name in dropped:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        return dropped
 
 
 class CheckpointRecorder:

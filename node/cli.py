@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda:N, mps")
     _add_data_dir(run)
     run.add_argument("--max-cache-gb", type=float, default=20.0, metavar="N", help="cache size cap (default 20)")
+    run.add_argument("--max-checkpoint-gb", type=float, default=2.0, metavar="N",
+                     help="cap on the checkpoint states kept for the hub's referee (default 2; states past it "
+                          "are declared unavailable when asked for, and that work is left out unverified)")
     run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training "
                      "(torch.set_num_threads; default on a CPU: half the cores, at least 1)")
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
@@ -151,12 +154,15 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         raise NodeError("--poll-wait must be in (0, 60] seconds")
     if args.max_cache_gb <= 0:
         raise NodeError("--max-cache-gb must be > 0")
+    if args.max_checkpoint_gb <= 0:
+        raise NodeError("--max-checkpoint-gb must be > 0")
     if args.max_assignments is not None and args.max_assignments < 1:
         raise NodeError("--max-assignments must be >= 1")
     precisions = _precisions(args.precisions)
     config = NodeConfig(
         hub_url=args.hub, data_dir=_data_dir(args), hub_key=args.hub_key, device=args.device,
-        max_cache_bytes=int(args.max_cache_gb * 1e9), threads=args.threads,
+        max_cache_bytes=int(args.max_cache_gb * 1e9), max_checkpoint_bytes=int(args.max_checkpoint_gb * 1e9),
+        threads=args.threads,
         max_gpu_memory_gb=args.max_gpu_memory, once=args.once, max_assignments=args.max_assignments,
         poll_wait_s=args.poll_wait, heartbeat_s=max(0.2, args.heartbeat), yield_gpu=args.yield_gpu,
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,

@@ -43,6 +43,7 @@ from gpuflex.protocol.messages import (
     SiloSchema,
     SiloWithdrawal,
     StateRequest,
+    StateUnavailable,
     StateUpload,
     UnmaskShare,
     UpdateHeader,
@@ -388,6 +389,10 @@ class HubClient:
         """Hand over one committed checkpoint state the hub's referee asked for."""
         return await self._post_sealed("/v1/states", "X-GPUFlex-State", seal(self.key, header), body,
                                        "state upload")
+
+    async def states_unavailable(self, msg: StateUnavailable) -> Ack:
+        """Say that states the referee asked for are no longer kept (it decides without them)."""
+        return self._signed_answer(await self._post("/v1/states/unavailable", msg), Ack, "state unavailable")
 
     # -- secure aggregation (node/secagg_flow.py) -----------------------------------------------
     async def secagg_keys(self, assignment_id: str, c_pk: bytes, s_pk: bytes) -> SecAggState:

@@ -535,8 +535,10 @@ class UpdateHeader:
 @dataclass(frozen=True)
 class StateRequest:
     """Hub -> node, as the answer to a work request: hand over the committed training states of
-    ``assignment_id`` at ``steps`` (POST /v1/states, one StateUpload each) before ``deadline``.
-    A node that does not is flagged unverifiable and its update left out. ``steps``: up to every
+    ``assignment_id`` at ``steps`` (POST /v1/states, one StateUpload each) before ``deadline``,
+    or say at once which it no longer holds (StateUnavailable: the update is left out unverified,
+    the node not flagged). A node that answers neither way is flagged unverifiable and its update
+    left out. ``steps``: up to every
     checkpoint of the commitment (the referee tests every committed segment norm)."""
 
     KIND: ClassVar[str] = "state_request"
@@ -557,6 +559,21 @@ class StateUpload:
     step: Annotated[int, Int(0, 1 << 40)]
     state_sha256: BlobIdStr
     state_size: Count
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class StateUnavailable:
+    """Node -> hub, POST /v1/states/unavailable: the node no longer holds the committed states of
+    ``request_id`` at ``steps`` (pruned under its byte bound, or its disk was wiped), said at once
+    so that the referee decides without waiting for the request's deadline. The update is then
+    left out of the round unverified; the node is not flagged."""
+
+    KIND: ClassVar[str] = "state_unavailable"
+    request_id: IdStr
+    steps: Annotated[tuple[int, ...], Seq(Int(0, 1 << 40), MAX_CHECKPOINTS)]
+    reason: ShortText
     timestamp: Timestamp
     nonce: Nonce
 
@@ -759,7 +776,8 @@ class SecAggUnmask:
 
 
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
-           | StateRequest | StateUpload | UploadOffset | SiloQuery | SiloSchema | SiloRegistration | SiloWithdrawal
+           | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
+           | SiloWithdrawal
            | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
@@ -774,6 +792,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Ack,
     StateRequest,
     StateUpload,
+    StateUnavailable,
     UploadOffset,
     SiloQuery,
     SiloSchema,
@@ -1012,6 +1031,7 @@ __all__ = [
     "SiloSchema",
     "SiloWithdrawal",
     "StateRequest",
+    "StateUnavailable",
     "StateUpload",
     "TrainConfig",
     "UnmaskShare",

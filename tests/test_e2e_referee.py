@@ -153,3 +153,41 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
         assert row["node"] == mute.node_id and row["outcome"] == "unverifiable" and row["reason"] == "spot_check"
         text = _hub_cli(["audit", "show", flags[0]["id"]], {"GPUFLEX_HUB": cluster.url, "GPUFLEX_TOKEN": auditor})
         assert "referee re-execution" in text and "not handed over" in text and "unverifiable" in text
+
+
+def test_many_tiny_assignments_a_round_with_spot_checks_flag_no_honest_node_and_stall_no_round(
+        tmp_path: Path, bench_cache: Path) -> None:
+    """Small chunks: each of 3 honest `gpuflex-node` processes trains dozens of assignments a
+    round, and the referee spot-checks them, long after the node has trained many more. Every
+    state asked for is still kept (the node keeps all of the job's two newest rounds), so every
+    re-execution reproduces: no node is flagged, and no round waits on a state nobody holds (a
+    round lasts its work, far under the 60 s a request may wait)."""
+    files = digits_job(tmp_path / "job", rounds=2, local_epochs=1, chunk_size=8, replication="adaptive",
+                       round_target_s=0.002,
+                       extra_toml="spot_check = 0.5\nstate_wait_s = 60.0\nreplica_wait_s = 5.0\n")
+    with LocalCluster(workdir=tmp_path, hub_args=HUB, shared_bench_cache=bench_cache) as cluster:
+        cluster.start_hub()
+        nodes = [cluster.start_node(f"honest-{i}") for i in range(3)]
+        cluster.wait_registered()
+        owner = cluster.create_token("owner", "alice")
+        auditor = cluster.create_token("auditor", "audrey")
+        job = _submit(cluster, owner, files)
+        status = cluster.wait_job(job, owner, timeout_s=300)
+        assert status["state"] == "done", status
+        assert cluster.get_json(f"/v1/flags?job={job}", auditor)["flags"] == []
+        reqs = cluster.rows("SELECT * FROM state_requests WHERE job_id = ?", job)
+        assert len(reqs) >= 6 and {r["status"] for r in reqs} == {"reproduced"}, [
+            (r["status"], r["verdict"]) for r in reqs]
+        for h in status["history"]:
+            assert h["closed_at"] - h["opened_at"] < 45, h
+        # the check reached back past the node's newest few assignments: the retention is what held
+        done = cluster.rows("SELECT node_id, id, issued_at FROM assignments WHERE job_id = ? ORDER BY issued_at", job)
+        later = [sum(1 for d in done if d["node_id"] == r["node_id"] and d["issued_at"] > issued)
+                 for r in reqs
+                 for issued in [next(d["issued_at"] for d in done if d["id"] == r["assignment_id"])]]
+        assert max(later) >= 5, later
+        per_round = [sum(1 for u in h["updates"] if u["node_id"] == n.node_id) for h in status["history"]
+                     for n in nodes]
+        assert max(per_round) >= 8, per_round
+        for n in nodes:
+            assert not [e for e in n.events() if e.get("event") == "state_missing"]

@@ -35,6 +35,7 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloWithdrawal,
+    StateUnavailable,
     StateUpload,
     WorkRequest,
 )
@@ -91,6 +92,8 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
     # the open request that only its node may answer: 403 not_your_request for any other)
     ("POST", "/v1/states"): _node(unsigned=(401, "missing_auth"), node=(404, "unknown_request"),
                                   other_node=(404, "unknown_request")),
+    ("POST", "/v1/states/unavailable"): _node(unsigned=(400, "bad_message"), node=(404, "unknown_request"),
+                                              other_node=(404, "unknown_request")),
     # the world's jobs train on data uploaded to the hub: a silo for them is refused, to any node
     # (tests/test_silos.py has the node-local job)
     ("POST", "/v1/silos/schema"): _node(unsigned=(400, "bad_message"), node=(409, "not_node_local"),
@@ -296,6 +299,9 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
         elif path == "/v1/silos":
             body = seal(signer.key, SiloRegistration(job_id=w.job, sha256="0" * 64, size=48, samples=1,
                                                      timestamp=now, nonce=new_nonce()))
+        elif path == "/v1/states/unavailable":
+            body = seal(signer.key, StateUnavailable(request_id="sr-none", steps=(0,), reason="test", timestamp=now,
+                                                     nonce=new_nonce()))
         elif path == "/v1/heartbeat":
             body = seal(signer.key, Heartbeat(assignment_id=a.assignment_id, progress=0.5, timestamp=now,
                                               nonce=new_nonce()))

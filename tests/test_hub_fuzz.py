@@ -26,6 +26,7 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloWithdrawal,
+    StateUnavailable,
     StateUpload,
     UpdateHeader,
     WorkRequest,
@@ -103,6 +104,9 @@ def _message(kind: str):
                                              nonce=new_nonce(), label_histogram=(5, 5))
     if kind == "silo_withdrawal":
         return "/v1/silos/withdraw", SiloWithdrawal(job_id="j-1", sha256="e" * 64, timestamp=now, nonce=new_nonce())
+    if kind == "state_unavailable":
+        return "/v1/states/unavailable", StateUnavailable(request_id="sr-1", steps=(0, 3), reason="pruned",
+                                                          timestamp=now, nonce=new_nonce())
     if kind == "state":
         return "/v1/states", StateUpload(request_id="sr-1", step=3, state_sha256="c" * 64, state_size=4,
                                          timestamp=now, nonce=new_nonce())
@@ -139,7 +143,7 @@ def _mutate(data: bytes, m) -> bytes:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
-                             "update_offset", "state", "silo_schema", "silo", "silo_withdrawal"]),
+                             "update_offset", "state", "state_unavailable", "silo_schema", "silo", "silo_withdrawal"]),
        m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread

@@ -25,6 +25,7 @@ from gpuflex.protocol.messages import (
     Assignment,
     NoWork,
     StateRequest,
+    StateUnavailable,
     StateUpload,
     WorkRequest,
 )
@@ -325,6 +326,71 @@ async def test_a_node_offline_after_its_upload_is_left_out_without_a_flag(tmp_pa
                 assert (await r.json())["flags"] == []
             async with s.get(hub.url + "/metrics") as r:
                 assert 'gpuflex_referee_verdicts_total{outcome="unreachable"} 1' in await r.text()
+    finally:
+        await hub.stop()
+
+
+async def test_a_node_that_no_longer_holds_its_states_says_so_and_the_hub_decides_at_once(tmp_path: Path) -> None:
+    """The referee asks for states the node no longer keeps. It says so (POST /v1/states/unavailable)
+    and the hub decides at once, long before the request's 60 s deadline: the update is left out
+    unverified, the node is not flagged, and the shard goes out again in the same round."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="0.0", spot_check=0.0,
+                                         spot_check_trusted=1.0, extra="trust_after = 0\nstate_wait_s = 60.0\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            n, stranger = SimNode(s, hub.url), SimNode(s, hub.url)
+            await n.register()
+            await stranger.register()
+            store = CheckpointStore(tmp_path / "states")
+            a = await n.work(2.0)
+            assert isinstance(a, Assignment)
+            blob, samples, loss, c = await _train_committed(n, a, store)
+            ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
+                                                           blob), Ack)
+            assert ack.ok
+            deadline = time.monotonic() + 30
+            asked = None
+            while not isinstance(asked, StateRequest):
+                assert time.monotonic() < deadline
+                req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+                asked = await n.open_response(await n.post("/v1/work", seal(n.key, req)),
+                                              StateRequest, Assignment, NoWork)
+
+            async def decline(who: SimNode, steps: tuple[int, ...]) -> tuple[int, str]:
+                msg = StateUnavailable(request_id=asked.request_id, steps=steps, reason="pruned",
+                                       timestamp=time.time(), nonce=new_nonce())
+                resp = await who.post("/v1/states/unavailable", seal(who.key, msg))
+                body = await resp.read()
+                return resp.status, json.loads(body)["error"] if resp.status != 200 else "ok"
+
+            unasked = next(i for i in range(10_000) if i not in asked.steps)
+            assert await decline(stranger, asked.steps) == (403, "not_your_request")
+            assert await decline(n, (unasked,)) == (400, "bad_step")
+            assert await decline(n, ()) == (400, "bad_step")
+            said = time.monotonic()
+            assert await decline(n, asked.steps[-1:]) == (200, "ok")
+            while True:  # decided at once: the verdict, then the shard back in the pool
+                conn = open_store(hub.data_dir)
+                try:
+                    rows = conn.execute("SELECT status, verdict FROM state_requests").fetchall()
+                    statuses = [r[0] for r in conn.execute("SELECT status FROM updates").fetchall()]
+                finally:
+                    conn.close()
+                if rows[0][0] != "open" and statuses == ["excluded"]:
+                    break
+                assert time.monotonic() - said < 10, (rows, statuses)
+                await asyncio.sleep(0.1)
+            assert rows[0][0] == "unreachable"
+            assert json.loads(rows[0][1])["declined_steps"] == [asked.steps[-1]]
+            assert await decline(n, asked.steps[:1]) == (404, "unknown_request")  # decided: nothing open
+            again = await n.work(2.0)  # the shard is trained again in the same round
+            assert isinstance(again, Assignment) and again.round == 0 and again.assignment_id != a.assignment_id
+            async with s.get(hub.url + "/v1/flags", headers=hub.auth(hub.auditor_token)) as r:
+                assert (await r.json())["flags"] == []
+            doc = await (await s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token))).json()
+            assert doc["state"] == "running"
     finally:
         await hub.stop()
 

@@ -52,6 +52,7 @@ from gpuflex.protocol.messages import (
     SiloSchema,
     SiloWithdrawal,
     StateRequest,
+    StateUnavailable,
     StateUpload,
     UnmaskShare,
     UploadOffset,
@@ -216,6 +217,9 @@ MESSAGES = {
     StateUpload: st.builds(
         StateUpload, request_id=ids, step=st.integers(0, 1 << 40), state_sha256=blob_ids, state_size=counts,
         timestamp=timestamps, nonce=nonces),
+    StateUnavailable: st.builds(
+        StateUnavailable, request_id=ids, steps=st.lists(st.integers(0, 1 << 40), max_size=8).map(tuple),
+        reason=texts, timestamp=timestamps, nonce=nonces),
     UploadOffset: st.builds(UploadOffset, assignment_id=ids, update_sha256=blob_ids, offset=counts),
     SiloQuery: st.builds(SiloQuery, job_id=ids, timestamp=timestamps, nonce=nonces),
     SiloSchema: st.builds(SiloSchema, job_id=ids, model_spec=model_specs,

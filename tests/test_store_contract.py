@@ -255,19 +255,27 @@ async def test_a_commitment_and_the_referees_requests_survive_a_restart(opened) 
     req = StateRequestState(id="sr-1", job_id=job.id, round=0, shard_id=shard.id, update_id="u-1", node_id="gf1-n1",
                             assignment_id="a-1", reason="spot_check", segment=1, steps=(2, 4), requested_at=1.0,
                             deadline=61.0)
-    await store.open_state_requests([req])
+    declined = StateRequestState(id="sr-2", job_id=job.id, round=0, shard_id=shard.id, update_id="u-1",
+                                 node_id="gf1-n1", assignment_id="a-1", reason="spot_check", segment=0, steps=(0, 2),
+                                 requested_at=2.0, deadline=62.0)
+    await store.open_state_requests([req, declined])
     await store.record_state("sr-1", 2, "b" * 64)
     await store.close_state_requests([("sr-1", "mismatch", {"distance": 2.5, "threshold": 0.05})])
+    await store.decline_states("sr-2", [0])
     store = await _reopen(kind, where, store)
     try:
         (again,) = (await store.load()).jobs
         (u,) = again.shards[shard.id].accepted
         assert u.commitment == c
-        (back, status, evidence), = await store.referee_requests()  # the shard is still open
-        assert (back.id, back.update_id, back.steps, back.states, status) == (
-            "sr-1", "u-1", (2, 4), {2: "b" * 64}, "mismatch")
+        (back, status, evidence), (open_one, open_status, _) = await store.referee_requests()  # shard still open
+        assert (back.id, back.update_id, back.steps, back.states, back.declined, status) == (
+            "sr-1", "u-1", (2, 4), {2: "b" * 64}, set(), "mismatch")
+        # a step the node said it no longer holds comes back as declined: the request is decided
+        assert (open_one.id, open_one.states, open_one.declined, open_status) == ("sr-2", {}, {0}, "open")
+        assert open_one.complete and not back.complete
         assert evidence == {"distance": 2.5, "threshold": 0.05} and back.segment == 1
-        row = await store.query(lambda conn: dict(conn.execute("SELECT * FROM state_requests").fetchone()))
+        row = await store.query(lambda conn: dict(conn.execute(
+            "SELECT * FROM state_requests WHERE id = 'sr-1'").fetchone()))
         assert (row["status"], row["states"], row["steps"]) == ("mismatch", '{"2":"' + "b" * 64 + '"}', "[2,4]")
         assert '"distance":2.5' in row["verdict"]
     finally:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,17 +182,39 @@ def test_recorder_commits_every_checkpoint_and_binds_the_update(tmp_path: Path) 
     assert not any(k.startswith("opt.") for k in t.states[0])  # step 0: a fresh optimizer
 
 
-def test_checkpoint_store_prunes_to_the_newest(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep=2, max_bytes=1 << 20)
+def _age(store: CheckpointStore, assignment_id: str, mtime: float) -> None:
+    os.utime(store.folder(assignment_id), (mtime, mtime))
+
+
+def test_checkpoint_store_keeps_every_assignment_the_hub_may_still_ask_about(tmp_path: Path) -> None:
+    """Dozens of assignments a round: all of the job's two newest rounds stay, however many."""
+    store = CheckpointStore(tmp_path, max_bytes=1 << 20)
+    for rnd in range(3):
+        for i in range(30):
+            aid = f"a-{rnd}-{i}"
+            store.begin(aid, "j-1", rnd)
+            store.write(aid, 0, b"x" * 10)
+            store.write(aid, 4, b"y" * 10)
+            _age(store, aid, 1000 + rnd * 100 + i)
+    store.begin("b-0", "j-2", 0)  # another job's round 0: not settled by j-1's rounds
+    store.write("b-0", 0, b"z")
+    store.begin("a-3-0", "j-1", 3)
+    dropped = store.prune(keep_id="a-3-0", job_id="j-1", round=3, now=2000.0)
+    assert sorted(dropped) == sorted(f"a-{r}-{i}" for r in (0, 1) for i in range(30))
+    assert all(store.held(f"a-2-{i}", [0, 4]) == [0, 4] for i in range(30))
+    assert store.read("b-0", 0) == b"z" and store.read("a-0-0", 0) is None
+
+
+def test_checkpoint_store_bounds_bytes_and_age(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, max_bytes=40, max_age_s=100.0)  # 16 bytes a folder
     for i in range(4):
+        store.begin(f"a-{i}", "j-1", 7)
         store.write(f"a-{i}", 0, b"x" * 10)
-        folder = store.folder(f"a-{i}")
-        import os
-        os.utime(folder, (1000 + i, 1000 + i))
-    store.prune()
-    assert store.read("a-3", 0) == b"x" * 10 and store.read("a-2", 0) is not None
-    assert store.read("a-1", 0) is None and store.read("a-0", 0) is None
-    assert store.read("../etc", 0) is None
+        _age(store, f"a-{i}", 1000 + i)
+    assert sorted(store.prune(keep_id="a-0", now=1050.0)) == ["a-1", "a-2"]  # the oldest but the kept one
+    assert store.held("a-3", [0]) == [0] and store.held("a-0", [0]) == [0]
+    assert sorted(store.prune(now=1200.0)) == ["a-0", "a-3"]  # a week-old job's states: gone
+    assert store.read("../etc", 0) is None and store.held("../etc", [0]) == []
 
 
 def test_adam_states_round_trip(tmp_path: Path) -> None:
