@@ -58,6 +58,7 @@ from .errors import (
 )
 from .jobs import UpdateLayout
 from .manifests import check_streamed_manifest
+from .numbers import parse_count
 from .scheduler import NodeState
 from .tokens import enrollment_operator
 from .wire import (
@@ -161,9 +162,10 @@ def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, c
     headers: dict[str, str] = {}
     body = sealed
     try:
-        inline_max = min(int(request.headers.get("X-GPUFlex-Inline-Max", "0")), HOT_BLOB_MAX)
-    except ValueError:
-        inline_max = 0
+        inline_max = min(parse_count(request.headers.get("X-GPUFlex-Inline-Max", "0"), "X-GPUFlex-Inline-Max",
+                                     maximum=1 << 62), HOT_BLOB_MAX)
+    except BadRequest:
+        inline_max = 0  # a value this hub cannot read only costs the node the inline model
     if inline_max > 0 and model_hash not in cached:
         blob = request.app[BLOBS].hot(model_hash)  # memory only: never a disk read on the loop
         if blob is not None and len(blob) <= inline_max:
