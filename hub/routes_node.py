@@ -75,6 +75,10 @@ routes = web.RouteTableDef()
 M = TypeVar("M")
 UPLOAD_READ = 1 << 20
 SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
+#: an update declaring up to this many times the largest the job's model and encoding can make
+#: has its manifest read before the 413, so a wrong model is told which tensor is wrong (an extra
+#: tensor, a wider layer); one declaring more is refused before a byte of its body is read
+MANIFEST_READ_FACTOR = 2
 
 
 @routes.get("/v1/hub")
@@ -431,6 +435,10 @@ async def _update(request: web.Request) -> web.Response:
     tmp = blobs.partial_path(a.id, hdr.update_sha256) if resumable else blobs.temp_path()
     keep = False
     try:
+        largest = max(job.model_size, job.layout.max_update_bytes)
+        if hdr.update_size > MANIFEST_READ_FACTOR * largest:
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than any update of this job's model"
+                                  f" and encoding can be (at most {largest})", code="too_large")
         if hdr.update_size > job.model_size:
             await check_streamed_manifest(request, hdr.update_size, job.layout.wire)  # 422 names the tensor
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
