@@ -81,3 +81,37 @@ async def test_an_update_declaring_a_terabyte_gets_413_before_any_body(tmp_path,
     finally:
         await hub.stop()
 
+
+async def test_clients_that_send_nothing_are_cut_off_and_hold_no_upload(tmp_path, digits_npz):
+    """Eight connections send a request head (one an update's head and half its body) and then
+    nothing. While the stalled update holds its assignment a retry is told it is busy; after the
+    idle timeout (1 s here) the hub answers 408 and closes every one of them, and the node's
+    honest upload of the same update is accepted."""
+    hub = await start_hub(tmp_path / "hub", body_idle_timeout_s=1.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            node, a, good = await _assigned(hub, digits_npz, session)
+            stalled = await _open(hub, "/v1/updates", _update_headers(node, a, good), good[: len(good) // 2])
+            routes = [("/v1/nodes/register", "application/x-msgpack"), ("/v1/work", "application/x-msgpack"),
+                      ("/v1/heartbeat", "application/x-msgpack"), ("/v1/jobs", "multipart/form-data; boundary=B")]
+            idle = [await _open(hub, path, {"Content-Length": "4096", "Content-Type": kind,
+                                            "Authorization": f"Bearer {hub.owner_token}"})
+                    for path, kind in (routes * 2)[:7]]
+            await asyncio.sleep(0.2)
+            r = await node.upload_raw(node.update_header(a, good, 10, 1.0), good)
+            body = await r.json()
+            assert r.status == 409 and body["error"] == "duplicate_update", body  # the stalled one holds it
+            started = time.monotonic()
+            status, doc = await asyncio.wait_for(_response(stalled[0]), 5.0)
+            assert status == 408 and doc["error"] == "body_idle", doc
+            assert "\n" not in str(doc["detail"])
+            for reader, _writer in [stalled, *idle]:
+                # answered (408) and closed by the hub: the stream ends
+                await asyncio.wait_for(reader.read(), 5.0 - (time.monotonic() - started))
+                assert reader.at_eof()
+            for _reader, writer in [stalled, *idle]:
+                writer.close()
+            ack = await node.upload(a, good, 10, 1.0)
+            assert ack.ok
+    finally:
+        await hub.stop()
