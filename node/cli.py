@@ -257,6 +257,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pause_line(result: dict[str, Any]) -> str:
+    """What `gpuflex-node pause` did, as the node reported it (node/control.py)."""
+    if not result.get("changed"):
+        return "already paused"
+    held = result.get("assignment")
+    if not held:
+        return "paused: no new work (no assignment was in hand)"
+    aid = held.get("assignment_id")
+    return "paused: no new work; " + {
+        "handed_back": f"assignment {aid} was handed back to the hub (another node takes its shard)",
+        "not_told": f"assignment {aid} was dropped, but the hub could not be told: it takes the shard back"
+                    " when the assignment's deadline passes",
+        "ended": f"assignment {aid} had already finished",
+    }.get(held.get("outcome"), f"assignment {aid} is being handed back to the hub")
+
+
 def _cmd_control(args: argparse.Namespace) -> int:
     from .control import call_control
 
@@ -269,8 +285,7 @@ def _cmd_control(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     if args.command == "pause":
-        print("paused: no new work; an assignment in hand was handed back to the hub"
-              if result.get("changed") else "already paused")
+        print(_pause_line(result))
         return 0
     if args.command == "resume":
         print("resumed: taking work again" if result.get("changed") else "was not paused")
