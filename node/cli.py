@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .agent import NodeAgent
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # as argparse exits on a malformed argument
 EXIT_KEY_MISMATCH = 3
 
 
@@ -558,6 +559,19 @@ def _withdraw_at_hub(args: argparse.Namespace, data_dir: Path, job_id: str, sha2
     return f"the hub withdrew it: {detail}"
 
 
+def _bad_hub_key(text: str | None) -> str | None:
+    """Why ``--hub-key`` is not written as a key fingerprint, or None (it is, or was not given)."""
+    if text is None:
+        return None
+    from gpuflex.protocol.signing import is_fingerprint
+
+    if is_fingerprint(text.strip().lower()):
+        return None
+    shown = text[:60].encode("ascii", "backslashreplace").decode()
+    return (f"--hub-key must be a hub key fingerprint like gf1-abcd-efgh-ijkl-mnop-qrst (ask the hub operator),"
+            f" not {shown!r}")
+
+
 def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = None) -> int:
     """The CLI. ``agent_cls`` lets test tooling run ``run`` with a NodeAgent subclass."""
     parser = build_parser()
@@ -568,6 +582,10 @@ def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = N
     )
     handlers = {"run": _cmd_run, "bench": _cmd_bench, "status": _cmd_control,
                 "pause": _cmd_control, "resume": _cmd_control, "id": _cmd_id, "data": _cmd_data}
+    bad_key = _bad_hub_key(getattr(args, "hub_key", None))
+    if bad_key is not None:  # a typo, not an impersonation: said before a benchmark or a hub is asked
+        print(f"gpuflex-node: error: {bad_key}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "run":
             return _cmd_run(args, agent_cls)

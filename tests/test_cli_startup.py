@@ -40,3 +40,30 @@ def test_gpuflex_hub_commands_run_without_torch(argv):
     assert out.returncode == 0, out.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "torch" not in imported and "numpy" not in imported, sorted(m for m in imported if "torch" in m)[:5]
+
+
+async def test_a_malformed_hub_key_is_refused_in_one_line_before_the_benchmark(running_hub, tmp_path):
+    """`gpuflex-node run --hub-key not-a-key` is a typo, not an impersonation: one line naming the
+    format, exit 2, at once: no benchmark, no key made, the hub never asked."""
+    import asyncio
+    import time
+
+    data = tmp_path / "node"
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpuflex.node", "run", "--hub", running_hub.url, "--hub-key", "not-a-key",
+        "--data-dir", str(data), "--device", "cpu", "--threads", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    took = time.monotonic() - started
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, err.decode()[-2000:])
+    assert len(lines) == 1 and "--hub-key" in lines[0] and "gf1-abcd-efgh-ijkl-mnop-qrst" in lines[0], lines
+    assert "not-a-key" in lines[0] and "impersonat" not in err.decode().lower()
+    assert not (data / "bench.json").exists() and not (data / "node.key").exists()
+    assert took < 4.0, took  # the benchmark alone takes about 4 s
+    for argv in (["data", "add", "j-x", str(tmp_path / "x.npz")], ["data", "remove", "j-x"]):
+        done = subprocess.run([sys.executable, "-m", "gpuflex.node", *argv, "--hub", running_hub.url,
+                               "--hub-key", "gf1-abcd", "--data-dir", str(data)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "gf1-abcd-efgh-ijkl-mnop-qrst" in done.stderr, done.stderr
