@@ -431,7 +431,8 @@ class NodeAgent:
                     tg.create_task(yield_gpu_while_busy(self.pause_state, self.device, self.output))
 
     def _benchmark(self) -> Benchmark:
-        from .benchmark import benchmark_for_registration, cache_path
+        from .benchcache import cache_path
+        from .benchmark import benchmark_for_registration
 
         path = cache_path(self.config.data_dir, self.config.bench_cache)
         return benchmark_for_registration(

@@ -219,22 +219,28 @@ def _bench_progress(path: Path) -> Iterator[Callable[[str, int, int], None]]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(stderr=True)
-    with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
-        from .benchmark import REFERENCE_MODEL, cache_path, load_cached, measure_and_cache
-        from .device import apply_limits, select_device, set_onednn
+    from .benchcache import cache_path, cached_on_cpu, full_result
 
-    device = select_device(args.device)
-    apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
-    set_onednn(args.onednn == "on")
+    if args.threads is not None and args.threads < 1:
+        raise NodeError("--threads must be >= 1")
     path = cache_path(_data_dir(args), args.bench_cache)
-    results = None if args.force else load_cached(device, path)
-    if results is None or results.get("quick") or "precision_sps" not in results:
-        with _bench_progress(path) as on_step:
-            results = measure_and_cache(device, path, on_step=on_step)
-        results["cached"] = False
-    else:
-        results["cached"] = True
+    # a CPU's cached result is found without torch (node/hostinfo.py); anything else loads it
+    results = None if args.force else cached_on_cpu(args.device, path, threads=args.threads,
+                                                    onednn=args.onednn == "on")
+    if results is None:
+        console = Console(stderr=True)
+        with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
+            from .benchmark import load_cached, measure_and_cache
+            from .device import apply_limits, select_device, set_onednn
+
+        device = select_device(args.device)
+        apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+        set_onednn(args.onednn == "on")
+        results = None if args.force else full_result(load_cached(device, path))
+        if results is None:
+            with _bench_progress(path) as on_step:
+                results = measure_and_cache(device, path, on_step=on_step)
+            results["cached"] = False
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -250,8 +256,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     ]
     for model, sps in results["training"].items():
         lines.append(f"train {model:<27} {sps:,.0f} samples/s")
+    reference = results.get("reference_model", "")
     for precision, sps in (results.get("precision_sps") or {}).items():
-        lines.append(f"train {REFERENCE_MODEL + ' ' + precision:<27} {sps:,.0f} samples/s")
+        lines.append(f"train {reference + ' ' + precision:<27} {sps:,.0f} samples/s")
     how = "cached result" if results["cached"] else f"measured in {results['duration_s']:.1f} s"
     lines.append(f"({how}; fingerprint {results['fingerprint']})")
     print("\n".join(lines))
