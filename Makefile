@@ -10,13 +10,21 @@ STAMP      := $(VENV)/.gpuflex-installed
 
 install: $(STAMP)
 
+# pip shows its own progress on a terminal; elsewhere (CI) it is quiet and the ==> lines say
+# what is happening, so the first run is never a silent minute and a CI log stays short.
+PIP_OUTPUT = $$(test -t 1 || echo --quiet)
+
 $(PY):
+	@echo "==> creating $(VENV) (once)"
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	@echo "==> installing torch ($(TORCH_SPEC)) into $(VENV): about a minute, once"
+	@$(PY) -m pip install $(PIP_OUTPUT) "$(TORCH_SPEC)"
+	@echo "==> installing GPUFlex and its test tools into $(VENV): about half a minute, once"
+	@$(PY) -m pip install $(PIP_OUTPUT) -e ".[test]"
+	@touch $(STAMP)
+	@echo "==> $(VENV) is ready"
 
 # The suite on SQLite, then again with every hub the tests start through tests/helpers.py on
 # PostgreSQL (a server the run starts itself; the modules that start no hub ran in the first pass).

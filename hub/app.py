@@ -35,6 +35,7 @@ from .appkeys import (
 )
 from .auditlog import AuditLog
 from .blobs import open_blob_store
+from .bodywatch import body_idle_guard
 from .config import HubConfig
 from .datalock import DataLock
 from .db import Database
@@ -156,7 +157,8 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
             lease.release()
         raise
     admin_token = store.first_admin_token_sync()
-    app = web.Application(middlewares=[forwarded_peer, error_middleware], client_max_size=config.max_message_bytes)
+    app = web.Application(middlewares=[forwarded_peer, error_middleware, body_idle_guard],
+                          client_max_size=config.max_message_bytes)
     metrics = HubMetrics()
     audit = AuditLog(config.audit_log_path, key)
     scheduler = Scheduler(min_deadline_s=config.min_deadline_s, online_window_s=config.online_window_s,

@@ -64,6 +64,10 @@ async def _serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
+    if not 0 <= args.body_idle_timeout < float("inf"):
+        print(f"error: --body-idle-timeout must be a number of seconds, 0 or more (got {args.body_idle_timeout})",
+              file=sys.stderr)
+        return 2
     if args.store is not None:
         from .store_postgres import check_url
 
@@ -81,6 +85,7 @@ async def _serve(args: argparse.Namespace) -> int:
         ipv4_block_prefix=args.ipv4_block_prefix, ipv6_block_prefix=args.ipv6_block_prefix,
         registrations_per_block=args.registrations_per_block, registrations_global=args.registrations_global,
         trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
+        body_idle_timeout_s=args.body_idle_timeout,
     )
     ssl_ctx = None
     if config.tls_cert and config.tls_key:
@@ -420,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                         " (default %(default)s)")
     p.add_argument("--trust-min-age", type=float, default=d.trust_min_age_s, metavar="S",
                    help="a node cannot be trusted before this age in seconds (default %(default)s)")
+    p.add_argument("--body-idle-timeout", type=float, default=d.body_idle_timeout_s, metavar="S",
+                   help="a request whose body sends no bytes for this long gets 408 and its connection is"
+                        " closed; 0 = wait for ever (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     tok = sub.add_parser("token", help="manage owner/auditor/admin tokens").add_subparsers(

@@ -43,6 +43,9 @@ class HubConfig:
     replay_window_s: float = 300.0
     #: body limit for signed control messages (register, work, heartbeat, abandon)
     max_message_bytes: int = 1 << 20
+    #: a request whose handler waits this long for body bytes and gets none is answered 408 and its
+    #: connection closed (hub/bodywatch.py): a client that sends a head and then nothing holds nothing
+    body_idle_timeout_s: float = 15.0
     #: limit for one uploaded dataset file and for a whole job submission
     max_dataset_bytes: int = 2 << 30
     max_spec_bytes: int = 64 << 10

@@ -12,6 +12,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,13 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import Commitment
 from gpuflex.protocol.modelspec import ModelSpec, build_model, manifest
-from gpuflex.protocol.tensors import ITEMSIZE, MAX_HEADER_BYTES, Manifest, encode_state
+from gpuflex.protocol.tensors import (
+    ITEMSIZE,
+    MAX_HEADER_BYTES,
+    Manifest,
+    encode_state,
+    max_encoded_size,
+)
 
 from .blobs import BlobStore
 from .dataset import (
@@ -169,6 +176,11 @@ class UpdateLayout:
         enc = spec.communication.encoding
         model = manifest(spec.model)
         return cls(enc, model, enc.wire_manifest(model))
+
+    @cached_property
+    def max_update_bytes(self) -> int:
+        """The most bytes an update in this encoding can be (its tensors in any order)."""
+        return max_encoded_size(self.wire)
 
     @property
     def dense_bytes(self) -> int:

@@ -264,15 +264,20 @@ def openapi_document() -> dict[str, Any]:
                                             "403": _ERROR}}},
     }
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
-        for op in ops.values():
+        for method, op in ops.items():
             op["responses"].setdefault("400", _ERROR_400)
+            if method == "post":  # a body that stops arriving (hub/bodywatch.py)
+                op["responses"].setdefault("408", _ERROR)
     return {
         "openapi": "3.1.0",
         "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
                  "description": "Node-facing routes speak signed msgpack (protocol/messages.py, protocol/signing.py; "
                                 "the README's Security model); owner/auditor routes speak JSON with a bearer "
                                 "token. An auditor reads flags, the audit log and nodes, not jobs or models. A "
-                                "query parameter not listed for an operation is refused (400 bad_query)."},
+                                "query parameter not listed for an operation is refused (400 bad_query); a "
+                                "number in a query is ASCII digits only. A request body that sends no bytes "
+                                "for the hub's body idle timeout gets 408 body_idle and its connection is "
+                                "closed."},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

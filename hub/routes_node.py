@@ -59,6 +59,7 @@ from .errors import (
 )
 from .jobs import UpdateLayout
 from .manifests import check_streamed_manifest
+from .numbers import parse_count
 from .scheduler import NodeState
 from .tokens import enrollment_operator
 from .wire import (
@@ -75,6 +76,10 @@ routes = web.RouteTableDef()
 M = TypeVar("M")
 UPLOAD_READ = 1 << 20
 SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
+#: an update declaring up to this many times the largest the job's model and encoding can make
+#: has its manifest read before the 413, so a wrong model is told which tensor is wrong (an extra
+#: tensor, a wider layer); one declaring more is refused before a byte of its body is read
+MANIFEST_READ_FACTOR = 2
 
 
 @routes.get("/v1/hub")
@@ -162,9 +167,10 @@ def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, c
     headers: dict[str, str] = {}
     body = sealed
     try:
-        inline_max = min(int(request.headers.get("X-GPUFlex-Inline-Max", "0")), HOT_BLOB_MAX)
-    except ValueError:
-        inline_max = 0
+        inline_max = min(parse_count(request.headers.get("X-GPUFlex-Inline-Max", "0"), "X-GPUFlex-Inline-Max",
+                                     maximum=1 << 62), HOT_BLOB_MAX)
+    except BadRequest:
+        inline_max = 0  # a value this hub cannot read only costs the node the inline model
     if inline_max > 0 and model_hash not in cached:
         blob = request.app[BLOBS].hot(model_hash)  # memory only: never a disk read on the loop
         if blob is not None and len(blob) <= inline_max:
@@ -430,6 +436,10 @@ async def _update(request: web.Request) -> web.Response:
     tmp = blobs.partial_path(a.id, hdr.update_sha256) if resumable else blobs.temp_path()
     keep = False
     try:
+        largest = max(job.model_size, job.layout.max_update_bytes)
+        if hdr.update_size > MANIFEST_READ_FACTOR * largest:
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than any update of this job's model"
+                                  f" and encoding can be (at most {largest})", code="too_large")
         if hdr.update_size > job.model_size:
             await check_streamed_manifest(request, hdr.update_size, job.layout.wire)  # 422 names the tensor
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",

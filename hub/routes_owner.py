@@ -17,6 +17,7 @@ from . import readmodel
 from .appkeys import BLOBS, CONFIG, LEDGER, METRICS, STORE
 from .errors import BadRequest, PayloadTooLarge, Unprocessable
 from .httplog import one_line
+from .numbers import parse_count
 from .wire import json_response, principal
 
 routes = web.RouteTableDef()
@@ -112,11 +113,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     who = await principal(request)
     job_id = request.match_info["job_id"]
     version_q = request.query.get("round")
-    version: int | None = None
-    if version_q is not None:
-        if not version_q.isdigit() or len(version_q) > 9:
-            raise BadRequest("round must be a non-negative integer", code="bad_round")
-        version = int(version_q)
+    version = None if version_q is None else parse_count(version_q, "round", code="bad_round")
     got, sha, data = await readmodel.export_model(request.app, who, job_id, version)
     request.app[METRICS].bytes_out += len(data)
     return web.Response(body=data, content_type="application/octet-stream", headers={

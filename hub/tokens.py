@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from .db import connect
 from .errors import BadRequest, Forbidden, NotFound, Unauthorized
+from .numbers import parse_count
 
 Role = Literal["owner", "auditor", "admin"]
 ROLES: tuple[Role, ...] = ("owner", "auditor", "admin")
@@ -116,13 +117,14 @@ def revoke_token(data_dir: Path, token_id: int | str, store: str | None = None) 
     """Revoke an API token by id, or an enrollment token by its 'e<id>' (as `token list` shows)."""
     text = str(token_id)
     table = "enroll_tokens" if text.startswith("e") else "tokens"
-    number = text.removeprefix("e")
-    if not number.isdigit():
-        raise NotFound(f"no token with id {text} (see `gpuflex-hub token list`)")
+    try:
+        number = parse_count(text.removeprefix("e"), "a token id")
+    except BadRequest:
+        raise NotFound(f"no token with id {text} (see `gpuflex-hub token list`)") from None
     with _hub_db(data_dir, store) as conn:
         cur = conn.execute(
             f"UPDATE {table} SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",  # noqa: S608 - fixed names
-            (time.time(), int(number)),
+            (time.time(), number),
         )
         if cur.rowcount != 1:
             raise NotFound(f"no live token with id {token_id} (see `gpuflex-hub token list`)")

@@ -211,6 +211,9 @@ class NodeAgent:
         self.done_assignments = 0
         self._seen_assignments: set[str] = set()
         self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
+        self._abandoned: dict[str, bool] = {}  # the latest abandoned assignments: was the hub told?
+        self._let_go = asyncio.Event()  # set while no assignment is in hand
+        self._let_go.set()
         self._benchmark_msg: Benchmark | None = None
 
     # ---------------------------------------------------------------- overridable steps
@@ -366,6 +369,33 @@ class NodeAgent:
         """Stop taking work; abandon the assignment in hand (the hub is told at once)."""
         return self.pause_state.pause(reason)
 
+    async def pause_and_report(self, reason: str = "user") -> dict[str, Any]:
+        """``pause``, then what it did to the assignment in hand, for `gpuflex-node pause` to say:
+        ``assignment`` is None when nothing was in hand, else its id and ``outcome``: handed_back
+        (the hub was told), not_told (abandoned; the hub could not be reached), ended (it finished
+        before the pause reached it) or pending (still being handed back when the wait ran out)."""
+        cur = self.current
+        held = cur.assignment.assignment_id if cur is not None else None
+        changed = self.pause_state.pause(reason)
+        result: dict[str, Any] = {"paused": True, "changed": changed, "assignment": None}
+        if not changed or held is None:
+            return result
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.abandon_timeout_s + 2.0):
+                await self._let_go.wait()
+        if self._holds(held):
+            outcome = "pending"
+        elif held in self._abandoned:
+            outcome = "handed_back" if self._abandoned[held] else "not_told"
+        else:
+            outcome = "ended"
+        result["assignment"] = {"assignment_id": held, "outcome": outcome}
+        return result
+
+    def _holds(self, assignment_id: str) -> bool:
+        cur = self.current
+        return cur is not None and cur.assignment.assignment_id == assignment_id
+
     def resume(self) -> bool:
         return self.pause_state.resume()
 
@@ -415,7 +445,8 @@ class NodeAgent:
                     tg.create_task(yield_gpu_while_busy(self.pause_state, self.device, self.output))
 
     def _benchmark(self) -> Benchmark:
-        from .benchmark import benchmark_for_registration, cache_path
+        from .benchcache import cache_path
+        from .benchmark import benchmark_for_registration
 
         path = cache_path(self.config.data_dir, self.config.bench_cache)
         return benchmark_for_registration(
@@ -609,6 +640,7 @@ class NodeAgent:
         cur = Current(assignment=a, spec=spec, deadline=a.deadline)
         cur.samples = sum(c.samples for c in a.chunks)
         self.current = cur
+        self._let_go.clear()
         self.output.event(
             "assignment", assignment_id=a.assignment_id, job_id=a.job_id, round=a.round,
             chunks=len(a.chunks), samples=cur.samples, **({"silo_chunks": len(local)} if local else {}),
@@ -719,6 +751,7 @@ class NodeAgent:
             raise
         finally:
             self.current = None
+            self._let_go.set()
             self.totals_file.save()
             with contextlib.suppress(OSError):
                 self.cache.evict()
@@ -730,6 +763,9 @@ class NodeAgent:
     async def _abandon(self, a: Assignment, reason: str) -> None:
         self.totals.abandoned += 1
         told = await self._tell_abandon(a.assignment_id, reason)
+        self._abandoned[a.assignment_id] = told
+        while len(self._abandoned) > 16:  # only the latest are asked about (pause_and_report)
+            del self._abandoned[next(iter(self._abandoned))]
         self.output.event("abandoned", assignment_id=a.assignment_id, reason=reason, hub_told=told)
 
     async def _tell_abandon(self, assignment_id: str, reason: str) -> bool:

@@ -17,7 +17,6 @@ count, torch version, device, threads) and measured again when any part changes.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,12 +27,11 @@ import torch
 from gpuflex.protocol.messages import Benchmark, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_model
 
+from .benchcache import cached_entry, to_message
 from .device import describe, hardware_fingerprint, supported_precisions
 from .identity import write_private_file
 from .trainer import train_assignment
 
-CACHE_FILE = "bench.json"
-ENV_CACHE = "GPUFLEX_BENCH_CACHE"
 REFERENCE_MODEL = "mlp-64-128-10/b32"
 BIG_MODEL = "mlp-784-1024-1024-10/b128"
 
@@ -187,53 +185,9 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     return out
 
 
-def to_message(results: dict[str, Any]) -> Benchmark:
-    def opt(key: str) -> float | None:
-        v = results.get(key)
-        return None if v is None else float(v)
-
-    return Benchmark(
-        samples_per_s=float(results["samples_per_s"]),
-        matmul_tflops_fp32=float(results["matmul_tflops_fp32"]),
-        matmul_tflops_bf16=opt("matmul_tflops_bf16"),
-        matmul_tflops_fp16=opt("matmul_tflops_fp16"),
-        mem_bandwidth_gbs=float(results["mem_bandwidth_gbs"]),
-        h2d_gbs=opt("h2d_gbs"),
-        d2h_gbs=opt("d2h_gbs"),
-        reference_model=str(results["reference_model"]),
-        precision_sps={str(k): float(v) for k, v in (results.get("precision_sps") or {}).items()},
-    )
-
-
-def cache_path(data_dir: Path, override: str | os.PathLike[str] | None = None) -> Path:
-    """--bench-cache PATH, else $GPUFLEX_BENCH_CACHE, else DIR/bench.json.
-
-    A shared file lets every node on one machine reuse one measurement (keyed by the
-    hardware fingerprint, so a different device or thread count is measured anew).
-    """
-    chosen = override or os.environ.get(ENV_CACHE)
-    return Path(chosen).expanduser() if chosen else data_dir / CACHE_FILE
-
-
 def load_cached(device: torch.device, path: Path) -> dict[str, Any] | None:
     """The cached results for this hardware, or None. The file may hold several fingerprints."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    fp = hardware_fingerprint(device)
-    entry = doc.get("by_fingerprint", {}).get(fp) if isinstance(doc.get("by_fingerprint"), dict) else None
-    if entry is None and doc.get("fingerprint") == fp:
-        entry = doc  # a single-entry file
-    if not isinstance(entry, dict):
-        return None
-    try:
-        to_message(entry)
-    except (KeyError, TypeError, ValueError):
-        return None
-    return entry
+    return cached_entry(path, hardware_fingerprint(device))
 
 
 def measure_and_cache(

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .agent import NodeAgent
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # as argparse exits on a malformed argument
 EXIT_KEY_MISMATCH = 3
 
 
@@ -224,22 +225,28 @@ def _bench_progress(path: Path) -> Iterator[Callable[[str, int, int], None]]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console(stderr=True)
-    with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
-        from .benchmark import REFERENCE_MODEL, cache_path, load_cached, measure_and_cache
-        from .device import apply_limits, select_device, set_onednn
+    from .benchcache import cache_path, cached_on_cpu, full_result
 
-    device = select_device(args.device)
-    apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
-    set_onednn(args.onednn == "on")
+    if args.threads is not None and args.threads < 1:
+        raise NodeError("--threads must be >= 1")
     path = cache_path(_data_dir(args), args.bench_cache)
-    results = None if args.force else load_cached(device, path)
-    if results is None or results.get("quick") or "precision_sps" not in results:
-        with _bench_progress(path) as on_step:
-            results = measure_and_cache(device, path, on_step=on_step)
-        results["cached"] = False
-    else:
-        results["cached"] = True
+    # a CPU's cached result is found without torch (node/hostinfo.py); anything else loads it
+    results = None if args.force else cached_on_cpu(args.device, path, threads=args.threads,
+                                                    onednn=args.onednn == "on")
+    if results is None:
+        console = Console(stderr=True)
+        with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
+            from .benchmark import load_cached, measure_and_cache
+            from .device import apply_limits, select_device, set_onednn
+
+        device = select_device(args.device)
+        apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+        set_onednn(args.onednn == "on")
+        results = None if args.force else full_result(load_cached(device, path))
+        if results is None:
+            with _bench_progress(path) as on_step:
+                results = measure_and_cache(device, path, on_step=on_step)
+            results["cached"] = False
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -255,12 +262,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     ]
     for model, sps in results["training"].items():
         lines.append(f"train {model:<27} {sps:,.0f} samples/s")
+    reference = results.get("reference_model", "")
     for precision, sps in (results.get("precision_sps") or {}).items():
-        lines.append(f"train {REFERENCE_MODEL + ' ' + precision:<27} {sps:,.0f} samples/s")
+        lines.append(f"train {reference + ' ' + precision:<27} {sps:,.0f} samples/s")
     how = "cached result" if results["cached"] else f"measured in {results['duration_s']:.1f} s"
     lines.append(f"({how}; fingerprint {results['fingerprint']})")
     print("\n".join(lines))
     return 0
+
+
+def _pause_line(result: dict[str, Any]) -> str:
+    """What `gpuflex-node pause` did, as the node reported it (node/control.py)."""
+    if not result.get("changed"):
+        return "already paused"
+    held = result.get("assignment")
+    if not held:
+        return "paused: no new work (no assignment was in hand)"
+    aid = held.get("assignment_id")
+    return "paused: no new work; " + {
+        "handed_back": f"assignment {aid} was handed back to the hub (another node takes its shard)",
+        "not_told": f"assignment {aid} was dropped, but the hub could not be told: it takes the shard back"
+                    " when the assignment's deadline passes",
+        "ended": f"assignment {aid} had already finished",
+    }.get(held.get("outcome"), f"assignment {aid} is being handed back to the hub")
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
@@ -275,8 +299,7 @@ def _cmd_control(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     if args.command == "pause":
-        print("paused: no new work; an assignment in hand was handed back to the hub"
-              if result.get("changed") else "already paused")
+        print(_pause_line(result))
         return 0
     if args.command == "resume":
         print("resumed: taking work again" if result.get("changed") else "was not paused")
@@ -549,6 +572,19 @@ def _withdraw_at_hub(args: argparse.Namespace, data_dir: Path, job_id: str, sha2
     return f"the hub withdrew it: {detail}"
 
 
+def _bad_hub_key(text: str | None) -> str | None:
+    """Why ``--hub-key`` is not written as a key fingerprint, or None (it is, or was not given)."""
+    if text is None:
+        return None
+    from gpuflex.protocol.signing import is_fingerprint
+
+    if is_fingerprint(text.strip().lower()):
+        return None
+    shown = text[:60].encode("ascii", "backslashreplace").decode()
+    return (f"--hub-key must be a hub key fingerprint like gf1-abcd-efgh-ijkl-mnop-qrst (ask the hub operator),"
+            f" not {shown!r}")
+
+
 def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = None) -> int:
     """The CLI. ``agent_cls`` lets test tooling run ``run`` with a NodeAgent subclass."""
     parser = build_parser()
@@ -559,6 +595,10 @@ def main(argv: list[str] | None = None, *, agent_cls: type[NodeAgent] | None = N
     )
     handlers = {"run": _cmd_run, "bench": _cmd_bench, "status": _cmd_control,
                 "pause": _cmd_control, "resume": _cmd_control, "id": _cmd_id, "data": _cmd_data}
+    bad_key = _bad_hub_key(getattr(args, "hub_key", None))
+    if bad_key is not None:  # a typo, not an impersonation: said before a benchmark or a hub is asked
+        print(f"gpuflex-node: error: {bad_key}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "run":
             return _cmd_run(args, agent_cls)

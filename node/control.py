@@ -6,7 +6,8 @@ Anyone who can read the token file is the volunteer (or root); nobody else on th
 machine can drive the node.
 
     GET  /v1/status   -> JSON status
-    POST /v1/pause    -> JSON {"paused": true, "changed": bool}
+    POST /v1/pause    -> JSON {"paused": true, "changed": bool, "assignment": null or
+                                {"assignment_id": id, "outcome": "handed_back" | "not_told" | "ended" | "pending"}}
     POST /v1/resume   -> JSON {"paused": false, "changed": bool}
 """
 
@@ -36,7 +37,7 @@ class Controllable(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
-    def pause(self, reason: str = "user") -> bool: ...
+    async def pause_and_report(self, reason: str = "user") -> dict[str, Any]: ...
 
     def resume(self) -> bool: ...
 
@@ -69,8 +70,7 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _pause(request: web.Request) -> web.Response:
-    changed = request.app[_NODE].pause("user")
-    return web.json_response({"paused": True, "changed": changed})
+    return web.json_response(await request.app[_NODE].pause_and_report("user"))
 
 
 async def _resume(request: web.Request) -> web.Response:

@@ -7,7 +7,6 @@ torch upgrade is measured again.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import platform
@@ -19,6 +18,7 @@ from gpuflex.protocol.compute import NUMERIC_ISA
 from gpuflex.protocol.messages import ComputeClass
 
 from .errors import ConfigError
+from .hostinfo import cpu_model, default_cpu_threads, fingerprint_of, host_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,31 +63,6 @@ def select_device(choice: str = "auto") -> torch.device:
         prepare_cuda_determinism()
         return torch.device("cuda", index)
     raise ConfigError(f"--device {choice!r}: allowed values are auto, cpu, cuda, cuda:N, mps")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
-
-
-def host_memory_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -175,10 +150,7 @@ def compute_class(device: torch.device, *, precisions: tuple[str, ...] | None = 
 def hardware_fingerprint(device: torch.device) -> str:
     """Stable id of what the benchmark measured: re-measure when any part changes."""
     d = describe(device)
-    parts = [cpu_model(), str(cpu_count()), torch.__version__, d.kind, d.name, str(d.threads)]
-    if not onednn_enabled():
-        parts.append("no-onednn")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return fingerprint_of(torch.__version__, d.kind, d.name, d.threads, onednn_enabled())
 
 
 def default_threads(device: torch.device) -> int | None:
@@ -189,7 +161,7 @@ def default_threads(device: torch.device) -> int | None:
     also the faster choice for small models. On a GPU torch's default is kept (None).
     """
     if device.type == "cpu":
-        return max(1, cpu_count() // 2)
+        return default_cpu_threads()
     return None
 
 

@@ -14,6 +14,7 @@ import hashlib
 import heapq
 import math
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -40,6 +41,8 @@ MAX_PAYLOAD_BYTES: Final = 1 << 20
 MAX_ENVELOPE_BYTES: Final = MAX_PAYLOAD_BYTES + 256
 MAX_KEY_FILE_BYTES: Final = 4096
 FINGERPRINT_PREFIX: Final = "gf1-"
+#: what ``fingerprint`` writes: the prefix and five groups of four base32 characters (a-z, 2-7)
+FINGERPRINT_RE: Final = re.compile(r"gf1(?:-[a-z2-7]{4}){5}")
 
 
 def domain(kind: str) -> bytes:
@@ -60,6 +63,11 @@ def _fingerprint(public_bytes: bytes) -> str:
     digest = hashlib.sha256(public_bytes).digest()
     text = base64.b32encode(digest).decode("ascii").lower()[:20]
     return FINGERPRINT_PREFIX + "-".join(text[i : i + 4] for i in range(0, 20, 4))
+
+
+def is_fingerprint(text: object) -> bool:
+    """Is ``text`` written as a key fingerprint (``gf1-abcd-efgh-ijkl-mnop-qrst``)? Only the form."""
+    return isinstance(text, str) and FINGERPRINT_RE.fullmatch(text) is not None
 
 
 def new_nonce() -> bytes:
@@ -383,6 +391,7 @@ __all__ = [
     "SigningKey",
     "domain",
     "fingerprint",
+    "is_fingerprint",
     "new_nonce",
     "open_envelope",
     "open_sealed",

@@ -204,6 +204,17 @@ def _plan(state: Mapping[str, torch.Tensor], *, to_cpu: bool) -> _Plan:
     return _Plan(head, placed, data_start + end)
 
 
+def max_encoded_size(manifest: Manifest) -> int:
+    """The most bytes an encoder can make of a state dict with ``manifest``'s tensors, in any
+    order: every tensor's data padded to the alignment, and a header whose offsets and sizes
+    take the longest msgpack integers. What a receiver may refuse beyond before reading a byte."""
+    widest = (1 << 64) - 1  # msgpack's longest integer encoding (9 bytes)
+    entries = [[spec.name, spec.dtype, list(spec.shape), widest, widest] for spec in manifest]
+    header: bytes = msgpack.packb({"tensors": entries, "data_bytes": widest}, use_bin_type=True)
+    data = sum(_align(math.prod(spec.shape) * ITEMSIZE[spec.dtype]) for spec in manifest)
+    return _align(PREFIX.size + len(header)) + data
+
+
 def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
     """Encode a state dict as GFT1 bytes (one copy of each tensor's data into a new buffer).
 
@@ -611,6 +622,7 @@ __all__ = [
     "is_blob_id",
     "load_state_file",
     "manifest_of",
+    "max_encoded_size",
     "read_header",
     "read_header_prefix",
     "sha256_hex",

@@ -3,6 +3,7 @@ pay for `import torch` (1.5-3 s). Torch loads where a model or tensor is built."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +41,74 @@ def test_gpuflex_hub_commands_run_without_torch(argv):
     assert out.returncode == 0, out.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "torch" not in imported and "numpy" not in imported, sorted(m for m in imported if "torch" in m)[:5]
+
+
+async def test_a_malformed_hub_key_is_refused_in_one_line_before_the_benchmark(running_hub, tmp_path):
+    """`gpuflex-node run --hub-key not-a-key` is a typo, not an impersonation: one line naming the
+    format, exit 2, at once: no benchmark, no key made, the hub never asked."""
+    import asyncio
+    import time
+
+    data = tmp_path / "node"
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpuflex.node", "run", "--hub", running_hub.url, "--hub-key", "not-a-key",
+        "--data-dir", str(data), "--device", "cpu", "--threads", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    took = time.monotonic() - started
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, err.decode()[-2000:])
+    assert len(lines) == 1 and "--hub-key" in lines[0] and "gf1-abcd-efgh-ijkl-mnop-qrst" in lines[0], lines
+    assert "not-a-key" in lines[0] and "impersonat" not in err.decode().lower()
+    assert not (data / "bench.json").exists() and not (data / "node.key").exists()
+    assert took < 4.0, took  # the benchmark alone takes about 4 s
+    for argv in (["data", "add", "j-x", str(tmp_path / "x.npz")], ["data", "remove", "j-x"]):
+        done = subprocess.run([sys.executable, "-m", "gpuflex.node", *argv, "--hub", running_hub.url,
+                               "--hub-key", "gf1-abcd", "--data-dir", str(data)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "gf1-abcd-efgh-ijkl-mnop-qrst" in done.stderr, done.stderr
+
+
+def test_a_cached_bench_answers_without_loading_torch(tmp_path):
+    """`gpuflex-node bench` with this hardware's result cached reads the cache without importing
+    torch (1-3 s of the 4 s a cached answer took): the first run measures, the second prints the
+    same figures, marked cached, and -X importtime lists no torch module."""
+    import time
+
+    data = tmp_path / "node"
+    argv = [sys.executable, "-m", "gpuflex.node", "bench", "--device", "cpu", "--threads", "1", "--json",
+            "--data-dir", str(data)]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    measured = json.loads(first.stdout)
+    assert measured["cached"] is False
+    started = time.monotonic()
+    again = subprocess.run([argv[0], "-X", "importtime", *argv[1:]], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert again.returncode == 0, again.stderr[-2000:]
+    cached = json.loads(again.stdout)
+    assert cached["cached"] is True and cached["fingerprint"] == measured["fingerprint"]
+    assert cached["precision_sps"] == measured["precision_sps"]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in again.stderr.splitlines() if line.startswith("import time")}
+    assert "torch" not in imported, sorted(m for m in imported if "torch" in m)[:5]
+    print(f"cached bench answered in {took:.2f} s")
+
+
+def test_the_torch_free_bench_key_is_the_hardware_fingerprint():
+    """node/hostinfo.py's fingerprint (no torch) is device.py's for a CPU, whatever the thread
+    count and oneDNN setting: a cache written by one is found by the other."""
+    import torch
+    from gpuflex.node.device import hardware_fingerprint, onednn_enabled, set_onednn
+    from gpuflex.node.hostinfo import cpu_fingerprint
+
+    threads, onednn = torch.get_num_threads(), onednn_enabled()
+    try:
+        for n in (1, 2, 3):
+            for on in (True, False):
+                torch.set_num_threads(n)
+                set_onednn(on)
+                assert cpu_fingerprint(threads=n, onednn=on) == hardware_fingerprint(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+        set_onednn(onednn)

@@ -33,7 +33,7 @@ from gpuflex.protocol.messages import (
 )
 from gpuflex.protocol.signing import SigningKey, new_nonce, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import start_hub
@@ -285,3 +285,56 @@ def test_signed_silo_registrations_with_any_fields_are_refused_cleanly_or_attach
     assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
     assert key.fingerprint not in job.silo_of
     assert not allowed or doc["error"] == "silo_taken"  # the same blob id drawn twice
+
+
+def _query_operations() -> list[tuple[str, str, str]]:
+    """(METHOD, path template, query parameter) for every query parameter the OpenAPI document lists."""
+    from gpuflex.hub.openapi import openapi_document
+
+    return [(method.upper(), path, p["name"])
+            for path, ops in openapi_document()["paths"].items() for method, op in ops.items()
+            for p in op.get("parameters", ()) if p.get("in") == "query"]
+
+
+QUERY_OPERATIONS = _query_operations()
+#: characters that ``str.isdigit`` (or ``int``) takes for digits although they are not 0-9
+NOT_ASCII_DIGITS = "²³¹⁰₀₉①٠١٢٣۴߀०১๑༡၁០᠑１𝟎𝟗"
+query_values = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),  # any unicode (no lone surrogates)
+    st.text(NOT_ASCII_DIGITS + "0123456789", min_size=1, max_size=12),
+    st.integers(-(1 << 70), 1 << 70).map(str),
+    st.sampled_from(["", " 1", "1 ", "+1", "1_000", "0x10", "1e3", "\uff11", "1.0", "-0", "9" * 40]),
+)
+
+
+def test_every_documented_query_parameter_is_fuzzed():
+    assert {(p, n) for _m, p, n in QUERY_OPERATIONS} >= {("/v1/jobs/{job_id}/model", "round"),
+                                                         ("/v1/flags", "status"), ("/v1/flags", "job")}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(op=st.sampled_from(QUERY_OPERATIONS), value=query_values)
+@example(op=("GET", "/v1/jobs/{job_id}/model", "round"), value="\u00b2")  # "²".isdigit(), int("²") raises
+def test_any_query_parameter_value_gets_an_answer_or_a_one_line_4xx(hub_thread, silo_job, op, value):
+    """Every query parameter of every documented operation, with any unicode value, asked with an
+    admin token (so the parameter is read): a 2xx, or a 4xx with a one-line JSON error; never a 5xx."""
+    from urllib.parse import quote
+
+    hub, _ = hub_thread
+    method, template, name = op
+    path = template.replace("{job_id}", silo_job).replace("{flag_id}", "f-nope")
+    conn = _conn(hub.url)
+    try:
+        conn.request(method, f"{path}?{quote(name)}={quote(value, safe='')}",
+                     headers={"Authorization": f"Bearer {hub.admin_token}"})
+        r = conn.getresponse()
+        status, raw = r.status, r.read()
+    finally:
+        conn.close()
+    event(f"{template} {status}")
+    assert status < 500, (status, value, raw[:300])
+    if status >= 400:
+        doc = json.loads(raw)
+        assert set(doc) == {"error", "detail"} and doc["detail"] and "\n" not in doc["detail"], doc
+    if template.endswith("/model") and value.isascii() and value.isdigit() and int(value) == 0:
+        assert status == 200, raw[:300]

@@ -141,7 +141,7 @@ async def test_pause_resume_via_control_endpoint_and_token_required(tmp_path):
         status = await asyncio.to_thread(call_control, data, "GET", "/v1/status")
         assert status["assignment"]["phase"] == "training" and status["node_id"] == node.node_id
         res = await asyncio.to_thread(call_control, data, "POST", "/v1/pause")
-        assert res == {"paused": True, "changed": True}
+        assert res["paused"] and res["changed"] and res["assignment"]["outcome"] == "handed_back", res
         ab = await wait_for(lambda: events.of("abandoned"), timeout=10)
         assert ab[0]["reason"] == "paused" and ab[0]["hub_told"] is True
         rows = hub.db_rows("SELECT state FROM assignments")

@@ -25,7 +25,7 @@ from gpuflex.hub.appkeys import METRICS
 from gpuflex.hub.config import HubConfig
 from gpuflex.hub.tokens import create_token
 from gpuflex.node.agent import NodeAgent, NodeConfig
-from gpuflex.node.benchmark import CACHE_FILE
+from gpuflex.node.benchcache import CACHE_FILE
 from gpuflex.node.device import hardware_fingerprint
 from gpuflex.node.output import Output
 from gpuflex.protocol.messages import Benchmark

@@ -413,3 +413,16 @@ def test_without_the_gil_keeping_calls_pynacls_bindings_sign_and_check(monkeypat
     identity = bytes([1]) + bytes(31)
     with pytest.raises(SignatureError, match="does not verify"):
         verify(identity, "work", b"anything at all", identity + bytes(32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(public=st.binary(min_size=32, max_size=32), text=st.text(max_size=40))
+def test_is_fingerprint_takes_every_fingerprint_and_only_that_form(public, text):
+    from gpuflex.protocol.signing import fingerprint, is_fingerprint
+
+    assert is_fingerprint(fingerprint(public))
+    assert not is_fingerprint(fingerprint(public).upper()) and not is_fingerprint(fingerprint(public) + "a")
+    assert is_fingerprint(text) == (len(text) == 29 and text.startswith("gf1-")
+                                    and all(c in "abcdefghijklmnopqrstuvwxyz234567" for c in text[4:].replace("-", ""))
+                                    and [len(g) for g in text[4:].split("-")] == [4] * 5)
+    assert not is_fingerprint("not-a-key") and not is_fingerprint(None)

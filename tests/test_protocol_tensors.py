@@ -384,3 +384,20 @@ def test_blob_ids() -> None:
     h = sha256_hex(b"abc")
     assert is_blob_id(h) and h == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     assert not is_blob_id(h.upper()) and not is_blob_id(h[:-1]) and not is_blob_id(None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(st.tuples(st.sampled_from(sorted(DTYPES)), st.lists(st.integers(0, 70), max_size=3)),
+                      max_size=12),
+       order=st.randoms(use_true_random=False))
+def test_max_encoded_size_bounds_every_encoding_of_a_manifest_in_any_order(specs, order):
+    """No encoder output for a manifest's tensors, whatever their order, is larger than
+    max_encoded_size; and the bound is close (one alignment of the header and of each tensor)."""
+    from gpuflex.protocol.tensors import manifest_of, max_encoded_size
+
+    state = {f"layer{i}.w": torch.zeros(tuple(shape), dtype=DTYPES[dtype]) for i, (dtype, shape) in enumerate(specs)}
+    bound = max_encoded_size(manifest_of(state))
+    names = list(state)
+    order.shuffle(names)
+    size = len(encode_state({name: state[name] for name in names}))
+    assert size <= bound <= size + ALIGN * (len(state) + 1) + 16 * len(state) + 16

@@ -19,6 +19,8 @@ from aiohttp import web
 from gpuflex.protocol.jobspec import VerificationSpec
 from markupsafe import Markup
 
+from ..errors import BadRequest
+from ..numbers import parse_count
 from . import bridge, charts, evidence, queries
 from .keys import SESSION, SESSIONS, TEMPLATES
 from .security import (
@@ -272,9 +274,10 @@ def _round_param(request: web.Request) -> int | None:
     raw = request.query.get("round")
     if raw is None:
         return None
-    if not raw.isdigit() or len(raw) > 9:
-        raise web.HTTPBadRequest(text="round must be a non-negative integer")
-    return int(raw)
+    try:
+        return parse_count(raw, "round")
+    except BadRequest as exc:
+        raise web.HTTPBadRequest(text=exc.detail) from None
 
 
 async def job_model(request: web.Request) -> web.StreamResponse:
