@@ -42,7 +42,7 @@ from gpuflex.protocol.messages import (
     Welcome,
     WorkRequest,
 )
-from gpuflex.protocol.tensors import check_blob, check_finite, decode_state
+from gpuflex.protocol.tensors import Manifest, check_blob, check_finite, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
@@ -76,10 +76,6 @@ routes = web.RouteTableDef()
 M = TypeVar("M")
 UPLOAD_READ = 1 << 20
 SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
-#: an update declaring up to this many times the largest the job's model and encoding can make
-#: has its manifest read before the 413, so a wrong model is told which tensor is wrong (an extra
-#: tensor, a wider layer); one declaring more is refused before a byte of its body is read
-MANIFEST_READ_FACTOR = 2
 
 
 @routes.get("/v1/hub")
@@ -437,9 +433,10 @@ async def _update(request: web.Request) -> web.Response:
     keep = False
     try:
         largest = max(job.model_size, job.layout.max_update_bytes)
-        if hdr.update_size > MANIFEST_READ_FACTOR * largest:
+        if hdr.update_size > largest:  # refused before a byte of the body is read
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than any update of this job's model"
-                                  f" and encoding can be (at most {largest})", code="too_large")
+                                  f" and encoding can be (at most {largest}; its tensors: "
+                                  f"{_tensor_list(job.layout.wire)})", code="too_large")
         if hdr.update_size > job.model_size:
             await check_streamed_manifest(request, hdr.update_size, job.layout.wire)  # 422 names the tensor
             raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
@@ -460,6 +457,12 @@ async def _update(request: web.Request) -> web.Response:
     if hdr.offset:
         app[METRICS].uploads_resumed += 1
     return sealed_response(request, Ack(ok=True, detail=f"accepted as {upd.id}", deadline=0.0))
+
+
+def _tensor_list(wire: Manifest, shown: int = 6) -> str:
+    """The job's update tensors, for a refusal a client with the wrong model can act on."""
+    names = [f"{t.name} {list(t.shape)} {t.dtype}" for t in wire[:shown]]
+    return ", ".join(names) + (f", and {len(wire) - shown} more" if len(wire) > shown else "")
 
 
 @routes.post("/v1/updates/offset")

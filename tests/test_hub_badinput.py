@@ -183,25 +183,29 @@ def padded_blob(blob: bytes, extra: int) -> bytes:
 
 
 async def test_extra_or_renamed_tensor_is_a_bad_manifest_naming_it(running_hub, assigned):
-    """An update with a tensor the model lacks is larger than the model; the refusal names
-    the tensor (422 bad_manifest), it does not only say "too large"."""
+    """An update of another model: one larger than any of this job's can be is refused 413 before
+    its body is read, with the job's tensors listed; one that could be this job's by its size (a
+    renamed tensor, a small extra one) is read and refused 422 bad_manifest naming the tensor."""
     node, a, model = assigned
 
-    async def up(blob):
+    async def up(blob, status=422, code="bad_manifest"):
         hdr = node.update_header(a, blob, 10, 1.0)
-        return await expect(await node.upload_raw(hdr, blob), 422, "bad_manifest")
+        return await expect(await node.upload_raw(hdr, blob), status, code)
 
-    extra = zero_delta(model) | {"extra.weight": torch.zeros(4, 4)}
+    extra = zero_delta(model) | {"extra.weight": torch.zeros(4, 4)}  # within the header's slack: read
     body = await up(encode_state(extra))
     assert "'extra.weight'" in body["detail"] and "not part of the model" in body["detail"]
+    wide = zero_delta(model) | {"extra.weight": torch.zeros(64, 64)}
+    body = await up(encode_state(wide), 413, "too_large")
+    assert "0.weight [" in body["detail"] and "larger than any update" in body["detail"]
     renamed = zero_delta(model)
     renamed["0.weight_renamed"] = renamed.pop("0.weight")
     body = await up(encode_state(renamed))
     assert "'0.weight_renamed'" in body["detail"] and "'0.weight'" in body["detail"]
     bigger = zero_delta(model)
     bigger["2.bias"] = torch.zeros(bigger["2.bias"].numel() + 100)
-    body = await up(encode_state(bigger))
-    assert "'2.bias'" in body["detail"] and "shape" in body["detail"]
+    body = await up(encode_state(bigger), 413, "too_large")
+    assert "2.bias [10] float32" in body["detail"]
     assert count(running_hub, "updates") == 0
     # the assignment is still live: the right update is accepted after all that
     good = encode_state(zero_delta(model))
