@@ -343,6 +343,8 @@ async def test_flag_page_shows_the_referees_re_executed_segments(hub, browser):
     assert "Referee re-execution" in html and "12\u201324" in html
     assert "2.47" in html and "0.15" in html and "reproduced" in html and "mismatch" in html
     assert "re-executed segment (steps 12-24)" in html  # both distances against their thresholds
+    # the UPDATE column names each re-executed update (not a dict method's repr)
+    assert "u-test-4 (this)" in html and "u-test-5<" in html and "built-in method" not in html
     async with aiohttp.ClientSession() as s, s.get(
             f"{hub.url}/v1/flags/{hub.flags[3]}", headers=hub.hub.auth(hub.hub.auditor_token)) as r:
         doc = await r.json()
