@@ -23,6 +23,18 @@ from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# The referee's evidence when an update is not its committed last state minus the round's model
+# (hub/referee.py): the check fails before any replay, so this update has no segment distance,
+# while its replica's re-executed segment reproduced (distance 0, within its threshold).
+BINDING_MISMATCH = {
+    "referee": {"check": "segment_replay", "round": 0, "node": "gf1-x", "update": "u-test-6", "steps": [0, 8],
+                "last_step": 16, "precision": "fp32", "threshold": 0.001, "reason": "spot_check",
+                "outcome": "mismatch", "binding_distance": 0.8125,
+                "why": "the update is not the committed last state minus the round's model"},
+    "group": [{"update": "u-test-7", "node": "gf1-y", "round": 0, "steps": [0, 8], "precision": "fp32",
+               "threshold": 0.001, "reason": "spot_check", "outcome": "reproduced", "distance": 0.0}],
+    "pairs": [], "tolerance": 1e-4}
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def hub(
@@ -84,6 +96,7 @@ async def hub(
                                "outcome": "reproduced", "distance": 3.1e-7}],
                     "pairs": [{"a": "u-test-4", "b": "u-test-5", "relative_distance": 0.9, "agree": False,
                                "tensors": {}}], "tolerance": 1e-4}),
+                Flag("u-test-6", node.node_id, "referee_mismatch", BINDING_MISMATCH),
             ],
             time.time(),
         )
@@ -351,6 +364,26 @@ async def test_flag_page_shows_the_referees_re_executed_segments(hub, browser):
     assert [(x["update"], x["outcome"], x["distance"]) for x in doc["referee"]] == [
         ("u-test-4", "mismatch", 2.47), ("u-test-5", "reproduced", 3.1e-7)]
     assert sum(1 for x in doc["scores"] if "re-executed segment" in x["name"]) == 2
+
+
+async def test_a_referee_flag_leads_with_the_check_it_failed(hub, browser):
+    """The headline names the failed binding check and its distance, in the console and the API
+    alike, and never the replica's passing segment (0, within 0.001)."""
+    await browser.login(hub.hub.auditor_token)
+    status, html, _ = await browser.get(f"/console/flags/{hub.flags[4]}")
+    assert status == 200
+    head = re.search(r'<dd class="headline fail">([^<]*)</dd>', html)
+    assert head, html[:2000]
+    expected = ("referee: the update is not the committed last state minus the round&#39;s model:"
+                " relative distance 0.8125 (must be 0)")
+    assert head.group(1) == expected
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{hub.url}/v1/flags/{hub.flags[4]}", headers=hub.hub.auth(hub.hub.auditor_token)) as r:
+        doc = await r.json()
+    assert doc["headline"] == expected.replace("&#39;", "'")
+    beyond = [x for x in doc["scores"] if x["ok"] is False]
+    assert [(x["name"], x["value"]) for x in beyond] == [
+        ("this update vs. its committed last state minus the round's model", 0.8125)]
 
 
 async def test_revoked_token_ends_the_session(hub, browser):

@@ -532,6 +532,7 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
         "flag.html",
         {
             "flag": flag,
+            "headline": evidence.headline(flag),
             "node": node,
             **history,
             **evidence_view(flag, await bridge.layer_evidence(request.app, flag)),
