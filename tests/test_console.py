@@ -130,15 +130,53 @@ async def browser(hub: SimpleNamespace) -> AsyncIterator[Browserish]:
 # --------------------------------------------------------------------------- pages and auth
 
 
-async def test_an_auditor_starts_at_the_audit_queue_and_reads_no_jobs(hub, browser):
+async def test_an_auditor_logging_in_at_the_served_url_lands_on_the_audit_queue(hub, browser):
+    """`serve` prints URL/console/: the login form it leads to brings each role to its own page."""
+    for token, landing in ((hub.hub.auditor_token, "/console/flags"), (hub.hub.owner_token, "/console/jobs")):
+        b = Browserish(hub.url)
+        try:
+            status, _, r = await b.get("/console/")
+            assert status == 302 and r.headers["Location"] == "/console/login"
+            status, html, _ = await b.get("/console/login")
+            nxt = re.search(r'name="next" value="([^"]*)"', html)
+            assert nxt
+            status, _, r = await b.post("/console/login", {"csrf_token": b.csrf_in(html), "token": token,
+                                                           "next": nxt.group(1)})
+            assert status == 303
+            async with b.session.get(hub.url + r.headers["Location"]) as page:
+                assert page.status == 200 and page.url.path == landing, (token, page.url)
+            status, _, r = await b.get("/console/login")  # already logged in
+            assert status == 302 and r.headers["Location"] == landing
+        finally:
+            await b.close()
+
+
+async def test_an_auditor_reviews_a_job_without_its_metrics_or_models(hub, browser):
     await browser.login(hub.hub.auditor_token)
-    status, _, r = await browser.get("/console/")
+    status, _, r = await browser.get("/console/jobs")  # no jobs list for an auditor
     assert status == 302 and r.headers["Location"] == "/console/flags"
-    for path in ("/console/jobs", f"/console/jobs/{hub.alice_job}"):
-        status, html, _ = await browser.get(path)
-        assert status == 403 and "wrong_role" in html, path
-    status, html, _ = await browser.get("/console/flags")
-    assert status == 200 and 'href="/console/jobs"' not in html
+    status, html, _ = await browser.get(f"/console/jobs/{hub.alice_job}")
+    assert status == 200, html[:500]
+    assert "digits-mlp" in html and "Shard map" in html and "Flags on this job" in html
+    for owner_only in ("/model", "Download model", "alice", "Val. loss", "validation samples", "<svg"):
+        assert owner_only not in html, owner_only
+    status, html, _ = await browser.get("/console/jobs/j-none")
+    assert status == 404
+    status, html, _ = await browser.get(f"/console/jobs/{hub.alice_job}/model")  # models stay the owner's
+    assert status == 403 and "wrong_role" in html
+
+
+async def test_every_link_the_console_shows_works(hub):
+    """Each role's pages link only to pages that role may read."""
+    for token in (hub.hub.auditor_token, hub.hub.owner_token, hub.hub.admin_token):
+        b = Browserish(hub.url)
+        try:
+            await b.login(token)
+            seen = await b.crawl()
+        finally:
+            await b.close()
+        assert len(seen) > 3, seen
+        assert {link: code for link, code in seen.items() if code != 200} == {}, token
 
 
 async def test_root_redirects_and_pages_need_login(hub, browser):

@@ -61,8 +61,9 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
 
 
 async def new_page(world: SimpleNamespace, token: str):
-    """A fresh browser context (own cookies) logged in through the form."""
-    ctx = await world.browser.new_context(viewport={"width": 1280, "height": 900})
+    """A fresh browser context (own cookies) logged in through the form reached from the hub's
+    root, as from the URL `serve` prints; each role lands on its own first page."""
+    ctx = await world.browser.new_context(viewport={"width": 1280, "height": 800})
     page = await ctx.new_page()
     page.set_default_timeout(10_000)
     page.problems = []  # console errors: a CSP violation or a script error shows up here
@@ -76,10 +77,12 @@ async def new_page(world: SimpleNamespace, token: str):
     )
     page.on("pageerror", lambda e: page.problems.append(str(e)))
     await page.goto(world.hub.url + "/")
-    assert page.url.endswith("/console/login?next=/console/jobs") or "/console/login" in page.url
+    assert page.url.endswith("/console/login")
     await page.fill("#token", token)
     await page.click("button[type=submit]")
-    await page.wait_for_url(re.compile(r".*/console/jobs$"))
+    landing = "flags" if token == world.hub.auditor_token else "jobs"
+    await page.wait_for_url(re.compile(rf".*/console/{landing}$"))
+    assert "403" not in await page.locator("h1").inner_text()
     return ctx, page
 
 
@@ -206,6 +209,23 @@ async def test_admin_sees_script_named_job_escaped(world):
         await page.screenshot(path=str(ARTIFACTS / "console_jobs_admin.png"), full_page=True)
     finally:
         await ctx.close()
+
+
+async def test_every_link_each_role_is_shown_works(world):
+    """On a job with closed rounds, shard maps and flags: every console link on every page each
+    role reaches answers 200 (an auditor's job links included; no owner link to the nodes)."""
+    from tests.test_console_helpers import Browserish
+
+    hub = world.hub
+    for token in (hub.auditor_token, hub.owner_token, hub.admin_token):
+        b = Browserish(hub.url)
+        try:
+            await b.login(token)
+            seen = await b.crawl()
+        finally:
+            await b.close()
+        assert any(link.startswith(f"/console/jobs/{world.scenario.job_id}?round=") for link in seen), seen
+        assert {link: code for link, code in seen.items() if code != 200} == {}, token
 
 
 async def test_form_post_without_csrf_token_is_refused(world):

@@ -89,6 +89,26 @@ class Browserish:
         assert status == 200, html[:500]
         return self.csrf_in(html)
 
+    async def crawl(self, start: str = "/console/", limit: int = 400) -> dict[str, int]:
+        """Follow every console link on every page reachable from ``start`` (redirects followed,
+        fragments dropped): each link's final status, by the link as the page gave it."""
+        seen: dict[str, int] = {}
+        todo = [start]
+        while todo and len(seen) < limit:
+            path = todo.pop()
+            if path in seen:
+                continue
+            async with self.session.get(self.url + path) as r:
+                seen[path] = r.status if r.url.path != "/console/login" else 401
+                if r.status != 200 or r.content_type != "text/html":
+                    continue
+                html = await r.text()
+            for href in re.findall(r'href="(/console/[^"#]*)', html):
+                link = href.replace("&amp;", "&")
+                if link not in seen and not link.startswith("/console/static/"):
+                    todo.append(link)
+        return seen
+
 
 # --------------------------------------------------------------------------- the job
 

@@ -14,11 +14,14 @@ import json
 import sqlite3
 from typing import Any
 
+from gpuflex.hub.errors import NotFound
+
 __all__ = [
     "assignment_counts",
     "flag_context",
     "job_extras",
     "job_names",
+    "job_row",
     "jobs_list",
     "node_flags",
     "node_updates",
@@ -45,6 +48,14 @@ def token_alive(conn: sqlite3.Connection, token_id: str) -> tuple[str, str] | No
     if row is None or row["revoked_at"] is not None:
         return None
     return str(row["role"]), str(row["name"])
+
+
+def job_row(conn: sqlite3.Connection, job_id: str) -> sqlite3.Row:
+    """Any job's row by id, for an auditor's review (bridge.job_review checks the role)."""
+    row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no job {job_id}", code="unknown_job")
+    return row  # type: ignore[no-any-return]
 
 
 def _latest_metrics(conn: sqlite3.Connection, job_id: str) -> dict[str, Any]:
