@@ -163,6 +163,13 @@ async def test_owner_sees_own_job_chart_not_another_owners(world):
         await page.click(f'a[href="/console/jobs/{sc.job_id}?round=0"]')
         shardmap = await page.locator("table.shardmap").inner_text()
         assert sc.attacker in shardmap and "quarantined" in shardmap
+        # Each shard's copies are the assignments it gave out that are in flight or returned.
+        rows = page.locator("table.shardmap tbody tr")
+        for i in range(await rows.count()):
+            copies = await rows.nth(i).locator("td").nth(3).inner_text()
+            states = await rows.nth(i).locator("td").nth(4).locator(".kv").evaluate_all(
+                "els => els.map(e => e.querySelector('.badge').textContent)")
+            assert copies.startswith(f"{sum(s in ('live', 'done') for s in states)}\u00d7"), (copies, states)
         await page.goto(f"{hub.url}/console/jobs/{sc.job_id}")
         text = await page.locator("main").inner_text()
         assert "Replication overhead" in text and "Download model" in text

@@ -109,7 +109,8 @@ def job_extras(
     current_round: int,
     shard_round: int | None = None,
 ) -> dict[str, Any]:
-    """What the API's job status lacks: latest metrics, chunk count, shard map, flags.
+    """What the API's job status lacks: latest metrics, chunk count, shard map (each shard with
+    its assignments and ``copies``, those live or done), flags.
 
     The caller has already checked visibility (the hub's ``job_row``). The shard
     map is of ``shard_round`` when given, else of the open round while the job
@@ -120,12 +121,6 @@ def job_extras(
         "SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)
     ).fetchone()[0]
     out["closed"] = _closed_rounds(conn, job_id)
-    st = conn.execute(
-        "SELECT COUNT(*) AS shards, COALESCE(SUM(CASE WHEN replica_group != '' THEN 1 ELSE 0 END), 0)"
-        " AS replicated FROM shards WHERE job_id = ? AND state != 'dropped'",
-        (job_id,),
-    ).fetchone()
-    out["shard_counts"] = {"shards": st["shards"], "replicated": st["replicated"]}
     last = conn.execute("SELECT MAX(round) FROM shards WHERE job_id = ?", (job_id,)).fetchone()[0]
     if shard_round is None:
         shard_round = last
@@ -172,6 +167,8 @@ def job_extras(
                     "samples": s["samples"],
                     "replica_group": s["replica_group"],
                     "wanted": s["wanted"],
+                    # copies of the training given out that still count: in flight or returned
+                    "copies": sum(1 for a in assignments if a["state"] in ("live", "done")),
                     "state": s["state"],
                     "chunks": chunks,
                     "assignments": assignments,

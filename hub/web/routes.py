@@ -263,11 +263,14 @@ def _job_context(d: Mapping[str, Any], *, review: bool) -> dict[str, Any]:
         "closed": d["closed"],
         **{k: d.get(k) for k in ("loss", "accuracy", "train_loss")},
     }
+    trained = [sh for h in doc["history"] for sh in h.get("shards", [])]
     overhead = {
         # every round trains the same chunks, so the mean of the rounds is the overall ratio
         "total": sum(overheads) / len(overheads) if overheads else None,
         "rounds": len(overheads),
-        **d["shard_counts"],
+        # the closed rounds' shards, as the overhead counts them: replicated = trained twice or more
+        "shards": len(trained),
+        "replicated": sum(1 for sh in trained if sh.get("replicated")),
     }
     return {
         "job": job,
