@@ -23,6 +23,7 @@ from tests.test_console_helpers import (
     EVIL_NAME,
     first_flag_of,
     run_job_with_attacker,
+    run_long_job,
 )
 
 pytestmark = [
@@ -48,10 +49,11 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
         bob = hub.token("owner", "bob")
         scenario = await run_job_with_attacker(hub, base / "digits", other_owner_token=bob)
         flag = await first_flag_of(hub, scenario.attacker)
+        long_job = await run_long_job(hub, base / "long")
         pw = await async_playwright().start()
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         ARTIFACTS.mkdir(exist_ok=True)
-        yield SimpleNamespace(hub=hub, scenario=scenario, flag=flag, browser=browser)
+        yield SimpleNamespace(hub=hub, scenario=scenario, flag=flag, browser=browser, long_job=long_job)
     finally:
         if browser is not None:
             await browser.close()
@@ -272,3 +274,61 @@ async def test_console_works_without_javascript(world):
         assert "3 of 3 closed" in await page.locator("main").inner_text()
     finally:
         await ctx.close()
+
+
+WIDTH, HEIGHT = 1280, 800
+# Every node id drawn on the page (whole, or cut short with "…"), and those whose characters
+# sit on more than one line.
+NODE_IDS_JS = """() => {
+    const re = /gf1-[a-z2-7]{4}(?:-[a-z2-7]{4}){0,4}…?/g;
+    const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+    const wrapped = [];
+    let nodeids = 0;
+    while (walk.nextNode()) {
+        const text = walk.currentNode;
+        for (const m of text.textContent.matchAll(re)) {
+            const range = document.createRange();
+            range.setStart(text, m.index);
+            range.setEnd(text, m.index + m[0].length);
+            const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+            if (lines.size > 0) { nodeids += 1; }
+            if (lines.size > 1) { wrapped.push(m[0]); }
+        }
+    }
+    return {width: document.documentElement.scrollWidth, height: document.documentElement.scrollHeight,
+            nodeids: nodeids, wrapped: wrapped.length};
+}"""
+
+
+async def _layout(page, name: str) -> dict[str, int]:
+    """The page's size at the window's width, and the node ids drawn on more than one line."""
+    await page.screenshot(path=str(ARTIFACTS / f"layout_{name}.png"), full_page=True)
+    return await page.evaluate(NODE_IDS_JS)
+
+
+async def test_pages_fit_a_1280_window(world):
+    """At 1280x800 no console page is wider than the window, node ids are never broken across
+    lines, and the page of a 15-round job stays within three screens."""
+    hub, sc = world.hub, world.scenario
+    pages = {
+        "owner": [("job", f"/console/jobs/{sc.job_id}"), ("job_long", f"/console/jobs/{world.long_job}")],
+        "auditor": [("nodes", "/console/nodes"), ("flags", "/console/flags?status=all"),
+                    ("flag", f"/console/flags/{world.flag['id']}"),
+                    ("review_long", f"/console/jobs/{world.long_job}")],
+    }
+    sizes = {}
+    for role, paths in pages.items():
+        ctx, page = await new_page(world, hub.auditor_token if role == "auditor" else hub.owner_token)
+        try:
+            for name, path in paths:
+                resp = await page.goto(hub.url + path)
+                assert resp.status == 200, path
+                sizes[name] = await _layout(page, name)
+        finally:
+            await ctx.close()
+    for name, size in sizes.items():
+        assert size["width"] <= WIDTH, (name, size)
+        assert size["wrapped"] == 0, (name, size)
+    assert sizes["nodes"]["nodeids"] >= 3 and sizes["job_long"]["nodeids"] >= 5, sizes
+    assert sizes["job_long"]["height"] <= 3 * HEIGHT, sizes
+    assert sizes["review_long"]["height"] <= 3 * HEIGHT, sizes

@@ -38,6 +38,8 @@ __all__ = ["add_routes"]
 
 AUDIT_ROLES = ("auditor", "admin")
 POLL_S = 5
+RECENT_ROUNDS = 5  # a job page's rounds table shows these; earlier rounds fold away
+SHARDS_SHOWN = 12  # the shard map's rows shown; the rest fold away
 MAX_FORM_BYTES = 16 << 10
 MAX_NOTE = 1000
 
@@ -284,6 +286,8 @@ def _job_context(d: Mapping[str, Any], *, review: bool) -> dict[str, Any]:
         **({} if review else _charts(doc["history"])),
         "poll": POLL_S if job["state"] in ("queued", "running") else None,
         "rounds_carved": d["rounds_carved"],
+        "recent_rounds": RECENT_ROUNDS,
+        "shards_shown": SHARDS_SHOWN,
     }
 
 
