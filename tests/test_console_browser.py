@@ -332,3 +332,24 @@ async def test_pages_fit_a_1280_window(world):
     assert sizes["nodes"]["nodeids"] >= 3 and sizes["job_long"]["nodeids"] >= 5, sizes
     assert sizes["job_long"]["height"] <= 3 * HEIGHT, sizes
     assert sizes["review_long"]["height"] <= 3 * HEIGHT, sizes
+
+
+async def test_a_folded_section_the_reader_opened_stays_open_across_a_refresh(world):
+    from playwright.async_api import expect
+
+    hub, node = world.hub, world.scenario.honest[0]
+    ctx, page = await new_page(world, hub.auditor_token)
+    try:
+        await page.goto(f"{hub.url}/console/nodes")
+        keys = page.locator(f'tr[data-node="{node}"] details.classkeys')
+        await keys.locator("summary").click()
+        assert await keys.evaluate("d => d.open")
+        # A stale copy on the page, so that the refresh replaces the table for sure.
+        await page.evaluate("document.querySelector('[data-live=nodes]').append('stale copy')")
+        await page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        await expect(page.locator("#live-status")).to_have_text(re.compile(r"^updated"), timeout=12_000)
+        assert "stale copy" not in await page.locator("[data-live=nodes]").inner_text()
+        assert await page.locator(f'tr[data-node="{node}"] details.classkeys').evaluate("d => d.open")
+        assert page.problems == []
+    finally:
+        await ctx.close()
