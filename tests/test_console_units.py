@@ -151,3 +151,30 @@ def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
     assert [(sh["id"], sh["copies"], sh["wanted"]) for sh in extras["shards"]] == [("s1", 1, 2), ("s2", 2, 2)]
     overhead = _job_context({"doc": doc, **extras}, review=False)["overhead"]
     assert (overhead["total"], overhead["replicated"], overhead["shards"]) == (0.5, 1, 2)
+
+
+def test_a_flags_headline_names_the_check_it_failed():
+    """evidence.headline on the evidence shapes hub/verification.py and hub/referee.py record."""
+    from gpuflex.hub.web.evidence import headline
+
+    replay = {"update": "u-1", "node": "gf1-a", "steps": [12, 24], "threshold": 0.15, "outcome": "mismatch",
+              "distance": 2.47, "precision": "bf16"}
+    assert headline({"update_id": "u-1", "reason": "referee_mismatch", "evidence": {"referee": replay}}) == (
+        "referee: re-executed segment (steps 12-24) ended 2.47 from the committed state (must be ≤ 0.15)")
+    untrue = {"update": "u-1", "outcome": "mismatch", "steps": [0, 8], "threshold": 0.001,
+              "why": "the committed norm of steps 0-4 is 1.5; its states are 0.25 apart"}
+    assert headline({"update_id": "u-1", "evidence": {"referee": untrue}}) == f"referee: {untrue['why']}"
+    unverifiable = {"update": "u-1", "outcome": "unverifiable", "why": "state of step 8 not handed over"}
+    assert headline({"update_id": "u-1", "evidence": {"referee": unverifiable}}) == (
+        "referee: state of step 8 not handed over")
+    # a replica that agreed with an update the referee failed: that update's check
+    vouched = {"vouched_for": "u-1", "relative_distance": 0.0, "referee": replay}
+    assert headline({"update_id": "u-2", "evidence": vouched}) == (
+        "agreed with u-1 (relative distance 0), which failed the referee: re-executed segment (steps 12-24)"
+        " ended 2.47 from the committed state (must be ≤ 0.15)")
+    # the plain rules: every score beyond its threshold, and only those
+    outlier = {"cosine": -0.99, "norm_ratio": 1.1, "update_norm": 2.0}
+    assert headline({"reason": "outlier", "evidence": outlier, "round_evidence": {"cosine_min": 0.0}}) == (
+        "cosine to round centre -0.99 (must be ≥ 0)")
+    assert headline({"reason": "implausible", "evidence": {"problems": ["claims 900 samples of 200"]}}) == (
+        "claims 900 samples of 200")
