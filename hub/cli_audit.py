@@ -99,6 +99,8 @@ def _node_history(hub: str, token: str, node_id: str) -> dict[str, Any] | None:
 def _print_flag(flag: dict[str, Any]) -> None:
     """The flag and its evidence as the console's flag page shows them, in plain text."""
     print(f"flag {flag['id']}  {flag['reason']}  {flag['status']}")
+    if flag.get("headline"):
+        print(f"  failed    {flag['headline']}")
     job = flag["job_id"] + (f" ({flag['job_name']})" if flag.get("job_name") not in (None, flag["job_id"]) else "")
     print(f"  job       {job}, round {flag['round']}")
     upd = flag.get("update") or {}

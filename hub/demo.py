@@ -55,7 +55,7 @@ How to read a round line:
                 (the same chunks and seed went to another node, the two updates are compared);
                 [status] = not aggregated: [quarantined] = held for the auditor,
                 [redundant] = an agreeing replica whose twin was aggregated
-  FLAG          an update held back for the auditor, with the score that broke its threshold"""
+  FLAG          an update held back for the auditor, with the check it failed and its numbers"""
 
 
 def hub_command() -> str:
@@ -74,12 +74,6 @@ def hub_command() -> str:
     if on_path:
         return "gpuflex-hub"
     return f"{shlex.quote(sys.executable)} -m gpuflex.hub"
-
-
-def _flag_detail(flag: dict[str, Any]) -> str:
-    """The scores that broke their threshold, e.g. 'replica distance 0.53 (must be ≤ 0.0001 (tolerance))'."""
-    rows = [r for r in flag.get("scores") or [] if r.get("ok") is False] or list(flag.get("scores") or [])[:1]
-    return "; ".join(f"{r['name']} {r['value']:.4g} ({r['rule']})" for r in rows)
 
 
 def _round_line(entry: dict[str, Any], names: dict[str, str], flag_details: dict[str, str] | None = None) -> str:
@@ -110,7 +104,7 @@ def _flag_details(url: str, token: str, entry: dict[str, Any]) -> dict[str, str]
             flag = asyncio.run(oc.request_json(url, token, "GET", f"/v1/flags/{f['flag_id']}"))
         except oc.OwnerClientError:
             continue
-        out[f["flag_id"]] = _flag_detail(flag)
+        out[f["flag_id"]] = str(flag.get("headline") or "")  # the hub's evidence.headline
     return out
 
 

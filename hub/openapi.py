@@ -305,6 +305,8 @@ def openapi_document() -> dict[str, Any]:
                     "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]},
                     "job_name": {"type": "string"}, "round_evidence": {"type": "object"},
                     "update": {"type": "object"},
+                    "headline": {"type": "string", "description":
+                                 "the check the flag failed, with its numbers, in one line"},
                     "scores": {"type": "array", "description": "each score against its threshold"},
                     "referee": {"type": "array", "description":
                                 "the referee's re-executed segments (this update's, then its replicas'): node, "

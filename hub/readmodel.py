@@ -251,9 +251,10 @@ def _parallelism(ups: list[sqlite3.Row], wall_s: float) -> dict[str, Any]:
     per_node: dict[str, int] = {}
     for u in ups:
         sh = shards.setdefault(u["shard_id"], {"shard_id": u["shard_id"], "samples": u["samples"],
-                                                "chunks": u["nchunks"], "replicated": bool(u["replica_group"]),
+                                                "chunks": u["nchunks"], "replicated": False,
                                                 "nodes": [], "train_s": 0.0, "elapsed_s": 0.0})
         sh["nodes"].append(u["node_id"])
+        sh["replicated"] = len(sh["nodes"]) >= 2  # trained twice or more, not only planned so
         sh["train_s"] = max(sh["train_s"], float(u["train_s"]))  # what the node reports
         sh["elapsed_s"] = max(sh["elapsed_s"], float(u["elapsed_s"]))  # issue to upload, as the hub saw it
         per_node[u["node_id"]] = per_node.get(u["node_id"], 0) + int(u["samples"])

@@ -22,7 +22,8 @@ async def list_flags(request: web.Request) -> web.Response:
 @routes.get("/v1/flags/{flag_id}")
 async def get_flag(request: web.Request) -> web.Response:
     """The flag with what the console's flag page shows beside it: `job_name`, `round_evidence`
-    (the round's thresholds), `update`, `scores` (each score against its threshold) and
+    (the round's thresholds), `update`, `headline` (the check it failed, with its numbers),
+    `scores` (each score against its threshold) and
     `layer_evidence` (per-layer norms and cosines against the round's centre; None for
     rounds too large to profile)."""
     from .web import bridge, evidence  # the console's own computations (web imports this module)
@@ -31,6 +32,7 @@ async def get_flag(request: web.Request) -> web.Response:
 
     flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
     flag["scores"] = evidence.threshold_scores(flag)
+    flag["headline"] = evidence.headline(flag)
     flag["referee"] = evidence.referee_rows(flag)
     flag["layer_evidence"] = await bridge.layer_evidence(request.app, flag)
     return json_response(flag)

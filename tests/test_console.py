@@ -23,6 +23,18 @@ from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# The referee's evidence when an update is not its committed last state minus the round's model
+# (hub/referee.py): the check fails before any replay, so this update has no segment distance,
+# while its replica's re-executed segment reproduced (distance 0, within its threshold).
+BINDING_MISMATCH = {
+    "referee": {"check": "segment_replay", "round": 0, "node": "gf1-x", "update": "u-test-6", "steps": [0, 8],
+                "last_step": 16, "precision": "fp32", "threshold": 0.001, "reason": "spot_check",
+                "outcome": "mismatch", "binding_distance": 0.8125,
+                "why": "the update is not the committed last state minus the round's model"},
+    "group": [{"update": "u-test-7", "node": "gf1-y", "round": 0, "steps": [0, 8], "precision": "fp32",
+               "threshold": 0.001, "reason": "spot_check", "outcome": "reproduced", "distance": 0.0}],
+    "pairs": [], "tolerance": 1e-4}
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def hub(
@@ -84,6 +96,7 @@ async def hub(
                                "outcome": "reproduced", "distance": 3.1e-7}],
                     "pairs": [{"a": "u-test-4", "b": "u-test-5", "relative_distance": 0.9, "agree": False,
                                "tensors": {}}], "tolerance": 1e-4}),
+                Flag("u-test-6", node.node_id, "referee_mismatch", BINDING_MISMATCH),
             ],
             time.time(),
         )
@@ -117,15 +130,53 @@ async def browser(hub: SimpleNamespace) -> AsyncIterator[Browserish]:
 # --------------------------------------------------------------------------- pages and auth
 
 
-async def test_an_auditor_starts_at_the_audit_queue_and_reads_no_jobs(hub, browser):
+async def test_an_auditor_logging_in_at_the_served_url_lands_on_the_audit_queue(hub, browser):
+    """`serve` prints URL/console/: the login form it leads to brings each role to its own page."""
+    for token, landing in ((hub.hub.auditor_token, "/console/flags"), (hub.hub.owner_token, "/console/jobs")):
+        b = Browserish(hub.url)
+        try:
+            status, _, r = await b.get("/console/")
+            assert status == 302 and r.headers["Location"] == "/console/login"
+            status, html, _ = await b.get("/console/login")
+            nxt = re.search(r'name="next" value="([^"]*)"', html)
+            assert nxt
+            status, _, r = await b.post("/console/login", {"csrf_token": b.csrf_in(html), "token": token,
+                                                           "next": nxt.group(1)})
+            assert status == 303
+            async with b.session.get(hub.url + r.headers["Location"]) as page:
+                assert page.status == 200 and page.url.path == landing, (token, page.url)
+            status, _, r = await b.get("/console/login")  # already logged in
+            assert status == 302 and r.headers["Location"] == landing
+        finally:
+            await b.close()
+
+
+async def test_an_auditor_reviews_a_job_without_its_metrics_or_models(hub, browser):
     await browser.login(hub.hub.auditor_token)
-    status, _, r = await browser.get("/console/")
+    status, _, r = await browser.get("/console/jobs")  # no jobs list for an auditor
     assert status == 302 and r.headers["Location"] == "/console/flags"
-    for path in ("/console/jobs", f"/console/jobs/{hub.alice_job}"):
-        status, html, _ = await browser.get(path)
-        assert status == 403 and "wrong_role" in html, path
-    status, html, _ = await browser.get("/console/flags")
-    assert status == 200 and 'href="/console/jobs"' not in html
+    status, html, _ = await browser.get(f"/console/jobs/{hub.alice_job}")
+    assert status == 200, html[:500]
+    assert "digits-mlp" in html and "Shard map" in html and "Flags on this job" in html
+    for owner_only in ("/model", "Download model", "alice", "Val. loss", "validation samples", "<svg"):
+        assert owner_only not in html, owner_only
+    status, html, _ = await browser.get("/console/jobs/j-none")
+    assert status == 404
+    status, html, _ = await browser.get(f"/console/jobs/{hub.alice_job}/model")  # models stay the owner's
+    assert status == 403 and "wrong_role" in html
+
+
+async def test_every_link_the_console_shows_works(hub):
+    """Each role's pages link only to pages that role may read."""
+    for token in (hub.hub.auditor_token, hub.hub.owner_token, hub.hub.admin_token):
+        b = Browserish(hub.url)
+        try:
+            await b.login(token)
+            seen = await b.crawl()
+        finally:
+            await b.close()
+        assert len(seen) > 3, seen
+        assert {link: code for link, code in seen.items() if code != 200} == {}, token
 
 
 async def test_root_redirects_and_pages_need_login(hub, browser):
@@ -343,12 +394,34 @@ async def test_flag_page_shows_the_referees_re_executed_segments(hub, browser):
     assert "Referee re-execution" in html and "12\u201324" in html
     assert "2.47" in html and "0.15" in html and "reproduced" in html and "mismatch" in html
     assert "re-executed segment (steps 12-24)" in html  # both distances against their thresholds
+    # the UPDATE column names each re-executed update (not a dict method's repr)
+    assert "u-test-4 (this)" in html and "u-test-5<" in html and "built-in method" not in html
     async with aiohttp.ClientSession() as s, s.get(
             f"{hub.url}/v1/flags/{hub.flags[3]}", headers=hub.hub.auth(hub.hub.auditor_token)) as r:
         doc = await r.json()
     assert [(x["update"], x["outcome"], x["distance"]) for x in doc["referee"]] == [
         ("u-test-4", "mismatch", 2.47), ("u-test-5", "reproduced", 3.1e-7)]
     assert sum(1 for x in doc["scores"] if "re-executed segment" in x["name"]) == 2
+
+
+async def test_a_referee_flag_leads_with_the_check_it_failed(hub, browser):
+    """The headline names the failed binding check and its distance, in the console and the API
+    alike, and never the replica's passing segment (0, within 0.001)."""
+    await browser.login(hub.hub.auditor_token)
+    status, html, _ = await browser.get(f"/console/flags/{hub.flags[4]}")
+    assert status == 200
+    head = re.search(r'<dd class="headline fail">([^<]*)</dd>', html)
+    assert head, html[:2000]
+    expected = ("referee: the update is not the committed last state minus the round&#39;s model:"
+                " relative distance 0.8125 (must be 0)")
+    assert head.group(1) == expected
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{hub.url}/v1/flags/{hub.flags[4]}", headers=hub.hub.auth(hub.hub.auditor_token)) as r:
+        doc = await r.json()
+    assert doc["headline"] == expected.replace("&#39;", "'")
+    beyond = [x for x in doc["scores"] if x["ok"] is False]
+    assert [(x["name"], x["value"]) for x in beyond] == [
+        ("this update vs. its committed last state minus the round's model", 0.8125)]
 
 
 async def test_revoked_token_ends_the_session(hub, browser):

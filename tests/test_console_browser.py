@@ -23,6 +23,7 @@ from tests.test_console_helpers import (
     EVIL_NAME,
     first_flag_of,
     run_job_with_attacker,
+    run_long_job,
 )
 
 pytestmark = [
@@ -48,10 +49,11 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
         bob = hub.token("owner", "bob")
         scenario = await run_job_with_attacker(hub, base / "digits", other_owner_token=bob)
         flag = await first_flag_of(hub, scenario.attacker)
+        long_job = await run_long_job(hub, base / "long")
         pw = await async_playwright().start()
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         ARTIFACTS.mkdir(exist_ok=True)
-        yield SimpleNamespace(hub=hub, scenario=scenario, flag=flag, browser=browser)
+        yield SimpleNamespace(hub=hub, scenario=scenario, flag=flag, browser=browser, long_job=long_job)
     finally:
         if browser is not None:
             await browser.close()
@@ -61,8 +63,9 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Simpl
 
 
 async def new_page(world: SimpleNamespace, token: str):
-    """A fresh browser context (own cookies) logged in through the form."""
-    ctx = await world.browser.new_context(viewport={"width": 1280, "height": 900})
+    """A fresh browser context (own cookies) logged in through the form reached from the hub's
+    root, as from the URL `serve` prints; each role lands on its own first page."""
+    ctx = await world.browser.new_context(viewport={"width": 1280, "height": 800})
     page = await ctx.new_page()
     page.set_default_timeout(10_000)
     page.problems = []  # console errors: a CSP violation or a script error shows up here
@@ -76,10 +79,12 @@ async def new_page(world: SimpleNamespace, token: str):
     )
     page.on("pageerror", lambda e: page.problems.append(str(e)))
     await page.goto(world.hub.url + "/")
-    assert page.url.endswith("/console/login?next=/console/jobs") or "/console/login" in page.url
+    assert page.url.endswith("/console/login")
     await page.fill("#token", token)
     await page.click("button[type=submit]")
-    await page.wait_for_url(re.compile(r".*/console/jobs$"))
+    landing = "flags" if token == world.hub.auditor_token else "jobs"
+    await page.wait_for_url(re.compile(rf".*/console/{landing}$"))
+    assert "403" not in await page.locator("h1").inner_text()
     return ctx, page
 
 
@@ -160,6 +165,13 @@ async def test_owner_sees_own_job_chart_not_another_owners(world):
         await page.click(f'a[href="/console/jobs/{sc.job_id}?round=0"]')
         shardmap = await page.locator("table.shardmap").inner_text()
         assert sc.attacker in shardmap and "quarantined" in shardmap
+        # Each shard's copies are the assignments it gave out that are in flight or returned.
+        rows = page.locator("table.shardmap tbody tr")
+        for i in range(await rows.count()):
+            copies = await rows.nth(i).locator("td").nth(3).inner_text()
+            states = await rows.nth(i).locator("td").nth(4).locator(".kv").evaluate_all(
+                "els => els.map(e => e.querySelector('.badge').textContent)")
+            assert copies.startswith(f"{sum(s in ('live', 'done') for s in states)}\u00d7"), (copies, states)
         await page.goto(f"{hub.url}/console/jobs/{sc.job_id}")
         text = await page.locator("main").inner_text()
         assert "Replication overhead" in text and "Download model" in text
@@ -208,6 +220,23 @@ async def test_admin_sees_script_named_job_escaped(world):
         await ctx.close()
 
 
+async def test_every_link_each_role_is_shown_works(world):
+    """On a job with closed rounds, shard maps and flags: every console link on every page each
+    role reaches answers 200 (an auditor's job links included; no owner link to the nodes)."""
+    from tests.test_console_helpers import Browserish
+
+    hub = world.hub
+    for token in (hub.auditor_token, hub.owner_token, hub.admin_token):
+        b = Browserish(hub.url)
+        try:
+            await b.login(token)
+            seen = await b.crawl()
+        finally:
+            await b.close()
+        assert any(link.startswith(f"/console/jobs/{world.scenario.job_id}?round=") for link in seen), seen
+        assert {link: code for link, code in seen.items() if code != 200} == {}, token
+
+
 async def test_form_post_without_csrf_token_is_refused(world):
     hub, flag = world.hub, world.flag
     ctx, page = await new_page(world, hub.auditor_token)
@@ -243,5 +272,84 @@ async def test_console_works_without_javascript(world):
         await page.wait_for_url(re.compile(rf".*/console/jobs/{sc.job_id}$"))
         assert await page.locator("svg.chart polyline").count() >= 2
         assert "3 of 3 closed" in await page.locator("main").inner_text()
+    finally:
+        await ctx.close()
+
+
+WIDTH, HEIGHT = 1280, 800
+# Every node id drawn on the page (whole, or cut short with "…"), and those whose characters
+# sit on more than one line.
+NODE_IDS_JS = """() => {
+    const re = /gf1-[a-z2-7]{4}(?:-[a-z2-7]{4}){0,4}…?/g;
+    const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+    const wrapped = [];
+    let nodeids = 0;
+    while (walk.nextNode()) {
+        const text = walk.currentNode;
+        for (const m of text.textContent.matchAll(re)) {
+            const range = document.createRange();
+            range.setStart(text, m.index);
+            range.setEnd(text, m.index + m[0].length);
+            const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+            if (lines.size > 0) { nodeids += 1; }
+            if (lines.size > 1) { wrapped.push(m[0]); }
+        }
+    }
+    return {width: document.documentElement.scrollWidth, height: document.documentElement.scrollHeight,
+            nodeids: nodeids, wrapped: wrapped.length};
+}"""
+
+
+async def _layout(page, name: str) -> dict[str, int]:
+    """The page's size at the window's width, and the node ids drawn on more than one line."""
+    await page.screenshot(path=str(ARTIFACTS / f"layout_{name}.png"), full_page=True)
+    return await page.evaluate(NODE_IDS_JS)
+
+
+async def test_pages_fit_a_1280_window(world):
+    """At 1280x800 no console page is wider than the window, node ids are never broken across
+    lines, and the page of a 15-round job stays within three screens."""
+    hub, sc = world.hub, world.scenario
+    pages = {
+        "owner": [("job", f"/console/jobs/{sc.job_id}"), ("job_long", f"/console/jobs/{world.long_job}")],
+        "auditor": [("nodes", "/console/nodes"), ("flags", "/console/flags?status=all"),
+                    ("flag", f"/console/flags/{world.flag['id']}"),
+                    ("review_long", f"/console/jobs/{world.long_job}")],
+    }
+    sizes = {}
+    for role, paths in pages.items():
+        ctx, page = await new_page(world, hub.auditor_token if role == "auditor" else hub.owner_token)
+        try:
+            for name, path in paths:
+                resp = await page.goto(hub.url + path)
+                assert resp.status == 200, path
+                sizes[name] = await _layout(page, name)
+        finally:
+            await ctx.close()
+    for name, size in sizes.items():
+        assert size["width"] <= WIDTH, (name, size)
+        assert size["wrapped"] == 0, (name, size)
+    assert sizes["nodes"]["nodeids"] >= 3 and sizes["job_long"]["nodeids"] >= 5, sizes
+    assert sizes["job_long"]["height"] <= 3 * HEIGHT, sizes
+    assert sizes["review_long"]["height"] <= 3 * HEIGHT, sizes
+
+
+async def test_a_folded_section_the_reader_opened_stays_open_across_a_refresh(world):
+    from playwright.async_api import expect
+
+    hub, node = world.hub, world.scenario.honest[0]
+    ctx, page = await new_page(world, hub.auditor_token)
+    try:
+        await page.goto(f"{hub.url}/console/nodes")
+        keys = page.locator(f'tr[data-node="{node}"] details.classkeys')
+        await keys.locator("summary").click()
+        assert await keys.evaluate("d => d.open")
+        # A stale copy on the page, so that the refresh replaces the table for sure.
+        await page.evaluate("document.querySelector('[data-live=nodes]').append('stale copy')")
+        await page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        await expect(page.locator("#live-status")).to_have_text(re.compile(r"^updated"), timeout=12_000)
+        assert "stale copy" not in await page.locator("[data-live=nodes]").inner_text()
+        assert await page.locator(f'tr[data-node="{node}"] details.classkeys').evaluate("d => d.open")
+        assert page.problems == []
     finally:
         await ctx.close()

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import torch
-from gpuflex.protocol.messages import Assignment, NoWork
+from gpuflex.protocol.messages import Assignment, ComputeClass, DeviceInfo, NoWork
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.tensors import decode_state, encode_state
 
@@ -89,6 +89,26 @@ class Browserish:
         assert status == 200, html[:500]
         return self.csrf_in(html)
 
+    async def crawl(self, start: str = "/console/", limit: int = 400) -> dict[str, int]:
+        """Follow every console link on every page reachable from ``start`` (redirects followed,
+        fragments dropped): each link's final status, by the link as the page gave it."""
+        seen: dict[str, int] = {}
+        todo = [start]
+        while todo and len(seen) < limit:
+            path = todo.pop()
+            if path in seen:
+                continue
+            async with self.session.get(self.url + path) as r:
+                seen[path] = r.status if r.url.path != "/console/login" else 401
+                if r.status != 200 or r.content_type != "text/html":
+                    continue
+                html = await r.text()
+            for href in re.findall(r'href="(/console/[^"#]*)', html):
+                link = href.replace("&amp;", "&")
+                if link not in seen and not link.startswith("/console/static/"):
+                    todo.append(link)
+        return seen
+
 
 # --------------------------------------------------------------------------- the job
 
@@ -129,6 +149,30 @@ class TrainingNode(SimNode):
     ) -> Any:
         over.setdefault("timings", {"train_s": self.last_train_s})
         return super().update_header(a, blob, samples, loss, **over)
+
+
+# Machines as real nodes describe them (long device names, class keys without spaces).
+EPYC = ComputeClass("cpu", "AMD EPYC 9654 96-Core Processor", "", "AuthenticAMD",
+                    ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "fma"), "2.13.0+cpu", "", "", True, 8,
+                    ("fp32", "bf16"))
+A100 = ComputeClass("cuda", "NVIDIA A100-SXM4-80GB", "8.0", "GenuineIntel", ("avx2",), "2.13.0+cu128", "12.8",
+                    "91002", True, 8, ("fp32", "tf32", "bf16", "fp16"))
+MACHINES = (
+    (EPYC, DeviceInfo(kind="cpu", name="AMD EPYC 9654 96-Core Processor", memory_bytes=384 << 30, threads=8)),
+    (A100, DeviceInfo(kind="cuda", name="NVIDIA A100-SXM4-80GB", memory_bytes=80 << 30, threads=8)),
+)
+
+
+class MachineNode(TrainingNode):
+    """A TrainingNode whose hello describes one of MACHINES (it still trains on this CPU)."""
+
+    def __init__(self, *args: Any, machine: int = 0, **kw: Any) -> None:
+        compute, self.device = MACHINES[machine % len(MACHINES)]
+        super().__init__(*args, compute=compute, **kw)
+
+    def hello(self, **over: Any) -> Any:
+        over.setdefault("device", self.device)
+        return super().hello(**over)
 
 
 @dataclass
@@ -203,6 +247,33 @@ async def run_job_with_attacker(
         )
 
 
+async def run_long_job(
+    hub: RunningHub, work_dir: Path, *, rounds: int = 15, nodes: int = 5, timeout: float = 180.0
+) -> str:
+    """alice's digits job of ``rounds`` rounds trained by ``nodes`` honest nodes that claim a
+    modest throughput, so that each round is cut into many small shards (some replicated): the
+    job page of a long, busy job. Returns its id once done."""
+    train, val, _ = write_digits(work_dir)
+    spec = digits_spec(rounds=rounds, round_target_s=0.2, chunk_size=64, replication='"adaptive"',
+                       replica_wait_s=5.0)
+    async with aiohttp.ClientSession() as s:
+        r = await submit_job(s, hub, spec, train, val)
+        assert r.status == 201, await r.text()
+        job_id = (await r.json())["id"]
+        crew = [MachineNode(s, hub.url, samples_per_s=600.0, machine=i) for i in range(nodes)]
+        for n in crew:
+            await n.register()
+        give_up = time.monotonic() + timeout
+        while (doc := await job_doc(s, hub, job_id))["state"] == "running":
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"job still {doc['state']} at round {doc['round']}")
+            done = [await n.step(wait_s=0.2) for n in crew]
+            if not any(done):
+                await asyncio.sleep(0.05)
+        assert doc["state"] == "done", doc
+        return job_id
+
+
 async def first_flag_of(hub: RunningHub, node_id: str) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as s,
@@ -223,10 +294,12 @@ __all__ = [
     "CHROMIUM_ARGS",
     "EVIL_NAME",
     "Browserish",
+    "MachineNode",
     "NoWork",
     "Scenario",
     "TrainingNode",
     "first_flag_of",
     "job_doc",
     "run_job_with_attacker",
+    "run_long_job",
 ]

@@ -97,3 +97,84 @@ def test_sessions_survive_a_restart_and_die_with_their_token(tmp_path: Path):
     store.delete(other)
     assert store.get(other) is None
     store.close()
+
+
+def _replication_db(path: Path):
+    """A hub database (the hub's own schema) holding one closed round of two shards of 100
+    samples, each planned as a replica group of 2: shard s1 was trained once (its second
+    assignment expired), shard s2 twice."""
+    from gpuflex.hub.db import connect
+
+    conn = connect(path / "hub.sqlite3")
+    conn.execute("INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_hash, model_size,"
+                 " train_samples, val_samples, created_at, updated_at)"
+                 " VALUES ('j1', 'alice', 'job', '', 'done', 1, 1, 'm', 10, 200, 10, 0, 0)")
+    conn.execute("INSERT INTO rounds (job_id, round, model_hash, opened_at, closed_at) VALUES ('j1', 0, 'm', 0, 10)")
+    for idx in (0, 1):
+        conn.execute("INSERT INTO chunks (job_id, idx, sha, samples, size) VALUES ('j1', ?, ?, 100, 1)",
+                     (idx, f"c{idx}"))
+    copies = {"s1": [("done", True), ("expired", False)], "s2": [("done", True), ("done", True)]}
+    for seq, (sid, assignments) in enumerate(copies.items()):
+        conn.execute("INSERT INTO shards (id, job_id, round, seq, seed, samples, replica_group, wanted, state)"
+                     " VALUES (?, 'j1', 0, ?, 1, 100, ?, 2, 'settled')", (sid, seq, f"g-{sid}"))
+        conn.execute("INSERT INTO shard_chunks VALUES (?, 0, ?, ?)", (sid, seq, f"c{seq}"))
+        for n, (state, returned) in enumerate(assignments):
+            aid = f"a-{sid}-{n}"
+            conn.execute("INSERT INTO assignments (id, shard_id, job_id, round, node_id, issued_at, expected_s,"
+                         " deadline, state, sealed) VALUES (?, ?, 'j1', 0, ?, 1, 1, 5, ?, x'')",
+                         (aid, sid, f"node-{n}", state))
+            if returned:
+                conn.execute("INSERT INTO updates (id, assignment_id, shard_id, job_id, round, node_id, sha, size,"
+                             " sample_count, loss, train_s, metrics, timings, status, received_at)"
+                             " VALUES (?, ?, ?, 'j1', 0, ?, 'u', 1, 100, 0.5, 1, '{}', '{}', 'included', 2)",
+                             (f"u-{aid}", aid, sid, f"node-{n}"))
+    return conn
+
+
+def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
+    """The job page's replication line, its shard map's copies and the read model's shards agree:
+    a replica group whose second copy never came back is one copy, not a replicated shard."""
+    from gpuflex.hub import readmodel
+    from gpuflex.hub.web import queries
+    from gpuflex.hub.web.routes import _job_context
+
+    conn = _replication_db(tmp_path)
+    try:
+        row = conn.execute("SELECT * FROM jobs WHERE id = 'j1'").fetchone()
+        doc = readmodel.job_status(conn, row, None)
+        extras = queries.job_extras(conn, "j1", "done", 1, 0)
+    finally:
+        conn.close()
+    (entry,) = doc["history"]
+    assert {sh["shard_id"]: sh["replicated"] for sh in entry["shards"]} == {"s1": False, "s2": True}
+    assert entry["replication_overhead"] == 0.5  # 300 samples trained for 200
+    assert [(sh["id"], sh["copies"], sh["wanted"]) for sh in extras["shards"]] == [("s1", 1, 2), ("s2", 2, 2)]
+    overhead = _job_context({"doc": doc, **extras}, review=False)["overhead"]
+    assert (overhead["total"], overhead["replicated"], overhead["shards"]) == (0.5, 1, 2)
+
+
+def test_a_flags_headline_names_the_check_it_failed():
+    """evidence.headline on the evidence shapes hub/verification.py and hub/referee.py record."""
+    from gpuflex.hub.web.evidence import headline
+
+    replay = {"update": "u-1", "node": "gf1-a", "steps": [12, 24], "threshold": 0.15, "outcome": "mismatch",
+              "distance": 2.47, "precision": "bf16"}
+    assert headline({"update_id": "u-1", "reason": "referee_mismatch", "evidence": {"referee": replay}}) == (
+        "referee: re-executed segment (steps 12-24) ended 2.47 from the committed state (must be ≤ 0.15)")
+    untrue = {"update": "u-1", "outcome": "mismatch", "steps": [0, 8], "threshold": 0.001,
+              "why": "the committed norm of steps 0-4 is 1.5; its states are 0.25 apart"}
+    assert headline({"update_id": "u-1", "evidence": {"referee": untrue}}) == f"referee: {untrue['why']}"
+    unverifiable = {"update": "u-1", "outcome": "unverifiable", "why": "state of step 8 not handed over"}
+    assert headline({"update_id": "u-1", "evidence": {"referee": unverifiable}}) == (
+        "referee: state of step 8 not handed over")
+    # a replica that agreed with an update the referee failed: that update's check
+    vouched = {"vouched_for": "u-1", "relative_distance": 0.0, "referee": replay}
+    assert headline({"update_id": "u-2", "evidence": vouched}) == (
+        "agreed with u-1 (relative distance 0), which failed the referee: re-executed segment (steps 12-24)"
+        " ended 2.47 from the committed state (must be ≤ 0.15)")
+    # the plain rules: every score beyond its threshold, and only those
+    outlier = {"cosine": -0.99, "norm_ratio": 1.1, "update_norm": 2.0}
+    assert headline({"reason": "outlier", "evidence": outlier, "round_evidence": {"cosine_min": 0.0}}) == (
+        "cosine to round centre -0.99 (must be ≥ 0)")
+    assert headline({"reason": "implausible", "evidence": {"problems": ["claims 900 samples of 200"]}}) == (
+        "claims 900 samples of 200")

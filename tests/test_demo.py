@@ -84,9 +84,13 @@ def test_demo_runs_flags_the_misbehaving_node_and_cleans_up(tmp_path: Path) -> N
     assert len(pids) == 4, out  # the hub and three nodes
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "the demo left processes running"
-    # The notation is explained once, and each flag shows its score against the threshold.
+    # The notation is explained once, and each flag names the check it failed with its numbers
+    # (evidence.headline: never a score that passed).
     assert out.count("How to read a round line") == 1 and "NAME:Nch" in out, out
-    assert re.search(r"FLAG \w+ on node-3-sign_flip: .+ \(must be [≤≥] ", out), out
+    flags = re.findall(r"FLAG (\w+) on node-3-sign_flip: (.+)", out)
+    assert flags and all(re.search(r"\d \(must be (?:[≤≥] )?[\d.e+-]+", d) for _, d in flags), out
+    # the referee's own verdict on the update, not a replica's passing segment
+    assert all(d.startswith(("referee: ", "agreed with ")) for why, d in flags if why == "referee_mismatch"), out
     assert "replicas " in out and "overhead" not in out
     # Every printed command runs as printed, from this directory, without an activated venv.
     cmds = _printed_commands(out)

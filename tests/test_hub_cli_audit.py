@@ -152,3 +152,27 @@ async def test_audit_show_has_per_layer_norms_and_cosines(running_hub, tmp_path:
     for row in layers:
         cosine = format(row["cosine"], ".4g")
         assert re.search(rf"  {re.escape(row['name'])} +\S+ +\S+ +{re.escape(cosine)}", out), out
+
+
+async def test_a_referee_flag_leads_with_the_check_it_failed(running_hub, capsys):
+    """`audit show` and the demo's round line name the failed binding check and its distance,
+    never the replica's passing segment (the same headline as the console: evidence.headline)."""
+    from gpuflex.hub.demo import _flag_details
+
+    from tests.test_console import BINDING_MISMATCH
+
+    conn = open_store(running_hub.data_dir)
+    conn.execute("INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, created_at)"
+                 " VALUES ('f-b1d0000000000001', 'j-x', 0, 'u-test-6', ?, 'referee_mismatch', ?, ?)",
+                 (NODE, json.dumps(BINDING_MISMATCH), time.time()))
+    conn.commit()
+    conn.close()
+    expected = ("referee: the update is not the committed last state minus the round's model:"
+                " relative distance 0.8125 (must be 0)")
+    code, out, err = await _cli(capsys, "audit", "show", "f-b1d", "--hub", running_hub.url,
+                                "--token", running_hub.auditor_token)
+    assert code == 0, err
+    assert out.splitlines()[1] == f"  failed    {expected}", out
+    entry = {"flags": [{"flag_id": "f-b1d0000000000001", "node_id": NODE, "reason": "referee_mismatch"}]}
+    details = await asyncio.to_thread(_flag_details, running_hub.url, running_hub.auditor_token, entry)
+    assert details == {"f-b1d0000000000001": expected}

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp_jinja2
 import jinja2
 from aiohttp import web
+from markupsafe import Markup
 
 from .keys import ASSET_VERSION, AUDIT_STATUS_CACHE, LAYER_CACHE, SESSIONS, TEMPLATES
 from .routes import add_routes, console_middleware
@@ -105,6 +106,17 @@ def f_short(v: Any) -> str:
     return s if len(s) <= 32 else s[:31] + "…"
 
 
+NODE_SHOWN = 13  # "gf1-abcd-efgh": the first two groups of a node id
+
+
+def f_node(v: Any, full: bool = False) -> Markup:
+    """A node id that never breaks across lines: whole (``full``) or its first two groups, the
+    whole id in its title (shown on hover) either way."""
+    s = str(v or "")
+    shown = s if full or len(s) <= NODE_SHOWN + 1 else s[:NODE_SHOWN] + "…"
+    return Markup('<span class="mono nodeid" title="{0}">{1}</span>').format(s, shown)
+
+
 # --------------------------------------------------------------------------- setup
 
 
@@ -137,6 +149,7 @@ def setup_console(app: web.Application) -> None:
             "ago": f_ago,
             "dt": f_dt,
             "short": f_short,
+            "node": f_node,
         },
     )
     env.globals.pop("app", None)  # templates get only what a handler hands them

@@ -32,6 +32,7 @@ __all__ = [
     "flag",
     "flags",
     "give_verdict",
+    "job_review",
     "job_view",
     "jobs",
     "layer_evidence",
@@ -85,6 +86,44 @@ async def job_view(
         # the owner of a job with a [privacy] option sees what that option leaves it (readmodel.owner_view)
         seen = readmodel.owner_view(doc, spec, who, extras)
         return {"doc": {k: v for k, v in seen.items() if k != "extras"}, **seen["extras"]}
+
+    return await read(app, q)
+
+
+# What an auditor sees of a job and of each closed round: how the rounds went and who took part,
+# not the owner, the data, the model's metrics or the models themselves.
+REVIEW_JOB_FIELDS = ("id", "name", "state", "round", "rounds", "created_at", "updated_at", "history")
+REVIEW_ROUND_FIELDS = ("round", "opened_at", "closed_at", "updates", "flags", "unverified", "replica_comparison",
+                       "replication_overhead", "shards", "node_shares", "parallel")
+REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "replica_group", "chunks")
+
+
+def review_doc(doc: dict[str, Any]) -> dict[str, Any]:
+    """An auditor's part of a job's status document (readmodel.job_status)."""
+    out = {k: doc[k] for k in REVIEW_JOB_FIELDS if k in doc}
+    out["history"] = [
+        {k: h[k] for k in REVIEW_ROUND_FIELDS if k in h}
+        | {"updates": [{k: u.get(k) for k in REVIEW_UPDATE_FIELDS} for u in h.get("updates", [])]}
+        for h in doc.get("history", [])
+    ]
+    return out
+
+
+async def job_review(
+    app: web.Application, who: tokens.Principal, job_id: str, shard_round: int | None = None
+) -> dict[str, Any]:
+    """What an auditor reviews of any job (console only; the API's job routes stay the owner's and
+    admins'): its state, each closed round's updates, flags and nodes' shares, the shard map and
+    the job's flags (review_doc); no metric, data size, owner or model."""
+    who.require("auditor")
+
+    def q(conn: sqlite3.Connection) -> dict[str, Any]:
+        row = queries.job_row(conn, job_id)
+        doc = readmodel.job_status(conn, row, readmodel.spec_of(row))
+        extras = queries.job_extras(conn, job_id, row["state"], int(row["round"]), shard_round)
+        for metric in ("loss", "accuracy", "train_loss"):
+            extras.pop(metric, None)
+        return {"doc": review_doc(doc), **extras}
 
     return await read(app, q)
 

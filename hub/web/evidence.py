@@ -30,6 +30,7 @@ __all__ = [
     "MAX_MODEL_BYTES",
     "MAX_UPDATES",
     "candidate_shas",
+    "headline",
     "layer_profile",
     "referee_rows",
     "round_layer_evidence",
@@ -206,7 +207,55 @@ def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
         steps = f" (steps {row['steps'][0]}-{row['steps'][1]})" if len(row["steps"]) == 2 else ""
         score(f"{who} re-executed segment{steps}", row["distance"], row["threshold"], "above",
               "must be ≤ {th} (segment tolerance, " + (row["precision"] or "fp32") + ")")
+    own = _own_referee(flag)
+    if own is not None and _num(own.get("binding_distance")) is not None:
+        score("this update vs. its committed last state minus the round's model", own["binding_distance"], 0.0,
+              "above", "must be {th}: the commitment binds the update")
     if "relative_distance" in ev and "vouched_for" in ev:
         score("distance to the update it vouched for", ev.get("relative_distance"), limits.get("tolerance"),
               "below", "agreed within {th}")
     return scores
+
+
+def _own_referee(flag: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The referee's verdict on the flagged update itself (hub/referee.py's evidence), if any."""
+    ev = flag.get("evidence")
+    mine = ev.get("referee") if isinstance(ev, Mapping) else None
+    if isinstance(mine, Mapping) and mine.get("update") == flag.get("update_id"):
+        return mine
+    return None
+
+
+def _referee_check(v: Mapping[str, Any]) -> str:
+    """One failed referee check in words, with its numbers."""
+    why = str(v.get("why") or "")
+    binding, dist, th = _num(v.get("binding_distance")), _num(v.get("distance")), _num(v.get("threshold"))
+    if binding is not None:
+        return f"{why}: relative distance {_fmt(binding)} (must be 0)"
+    steps = v.get("steps")
+    if dist is not None and th is not None and isinstance(steps, list) and len(steps) == 2:
+        return (f"re-executed segment (steps {steps[0]}-{steps[1]}) ended {_fmt(dist)} from the committed"
+                f" state (must be ≤ {_fmt(th)})")
+    return why or f"referee outcome: {v.get('outcome', '?')}"
+
+
+def headline(flag: Mapping[str, Any]) -> str:
+    """The check a flag failed, with its numbers, in one line: what the demo's round lines,
+    ``gpuflex-hub audit show`` and the console's flag page lead with (GET /v1/flags/{id} carries
+    it as ``headline``). The referee's verdict on this update comes first; then, for a replica
+    that vouched for an update the referee failed, that update's check; then every score beyond
+    its threshold; then the evidence's own words. A score that passed is never the headline."""
+    ev = flag.get("evidence")
+    ev = ev if isinstance(ev, Mapping) else {}
+    own = _own_referee(flag)
+    if own is not None:
+        return "referee: " + _referee_check(own)
+    theirs = ev.get("referee")
+    if "vouched_for" in ev and isinstance(theirs, Mapping):
+        return (f"agreed with {ev['vouched_for']} (relative distance {_fmt(_num(ev.get('relative_distance')) or 0.0)}),"
+                f" which failed the referee: {_referee_check(theirs)}")
+    beyond = [s for s in threshold_scores(flag) if s["ok"] is False]
+    if beyond:
+        return "; ".join(f"{s['name']} {_fmt(s['value'])} ({s['rule']})" for s in beyond)
+    words = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
+    return words[0] if words else str(ev.get("why") or flag.get("reason") or "")

@@ -14,11 +14,14 @@ import json
 import sqlite3
 from typing import Any
 
+from gpuflex.hub.errors import NotFound
+
 __all__ = [
     "assignment_counts",
     "flag_context",
     "job_extras",
     "job_names",
+    "job_row",
     "jobs_list",
     "node_flags",
     "node_updates",
@@ -45,6 +48,14 @@ def token_alive(conn: sqlite3.Connection, token_id: str) -> tuple[str, str] | No
     if row is None or row["revoked_at"] is not None:
         return None
     return str(row["role"]), str(row["name"])
+
+
+def job_row(conn: sqlite3.Connection, job_id: str) -> sqlite3.Row:
+    """Any job's row by id, for an auditor's review (bridge.job_review checks the role)."""
+    row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no job {job_id}", code="unknown_job")
+    return row  # type: ignore[no-any-return]
 
 
 def _latest_metrics(conn: sqlite3.Connection, job_id: str) -> dict[str, Any]:
@@ -98,7 +109,8 @@ def job_extras(
     current_round: int,
     shard_round: int | None = None,
 ) -> dict[str, Any]:
-    """What the API's job status lacks: latest metrics, chunk count, shard map, flags.
+    """What the API's job status lacks: latest metrics, chunk count, shard map (each shard with
+    its assignments and ``copies``, those live or done), flags.
 
     The caller has already checked visibility (the hub's ``job_row``). The shard
     map is of ``shard_round`` when given, else of the open round while the job
@@ -109,12 +121,6 @@ def job_extras(
         "SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)
     ).fetchone()[0]
     out["closed"] = _closed_rounds(conn, job_id)
-    st = conn.execute(
-        "SELECT COUNT(*) AS shards, COALESCE(SUM(CASE WHEN replica_group != '' THEN 1 ELSE 0 END), 0)"
-        " AS replicated FROM shards WHERE job_id = ? AND state != 'dropped'",
-        (job_id,),
-    ).fetchone()
-    out["shard_counts"] = {"shards": st["shards"], "replicated": st["replicated"]}
     last = conn.execute("SELECT MAX(round) FROM shards WHERE job_id = ?", (job_id,)).fetchone()[0]
     if shard_round is None:
         shard_round = last
@@ -161,6 +167,8 @@ def job_extras(
                     "samples": s["samples"],
                     "replica_group": s["replica_group"],
                     "wanted": s["wanted"],
+                    # copies of the training given out that still count: in flight or returned
+                    "copies": sum(1 for a in assignments if a["state"] in ("live", "done")),
                     "state": s["state"],
                     "chunks": chunks,
                     "assignments": assignments,

@@ -1,9 +1,10 @@
 """Console pages: thin handlers (parse -> hub domain / read-only query -> template).
 
 Authorisation mirrors the API: an owner sees only jobs whose owner is their
-token name; admins see every job; auditors and admins see the nodes and the audit queue
-(an auditor reads evidence, not an owner's jobs or models: the job pages answer 403);
-only auditors and admins give verdicts (through the hub's verdict function).
+token name; admins see every job; auditors and admins see the nodes and the audit queue;
+only auditors and admins give verdicts (through the hub's verdict function). An auditor
+starts at the audit queue and reads any job's page as a review (bridge.job_review: rounds,
+updates, nodes, shard map, flags), never an owner's metrics, data or models.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = ["add_routes"]
 
 AUDIT_ROLES = ("auditor", "admin")
 POLL_S = 5
+RECENT_ROUNDS = 5  # a job page's rounds table shows these; earlier rounds fold away
+SHARDS_SHOWN = 12  # the shard map's rows shown; the rest fold away
 MAX_FORM_BYTES = 16 << 10
 MAX_NOTE = 1000
 
@@ -102,17 +105,22 @@ async def root(request: web.Request) -> web.StreamResponse:
     raise web.HTTPFound(f"{CONSOLE_PREFIX}/")
 
 
+def landing(role: str) -> str:
+    """Where a role starts: owners and admins at the jobs, an auditor at the audit queue."""
+    return f"{CONSOLE_PREFIX}/flags" if role == "auditor" else f"{CONSOLE_PREFIX}/jobs"
+
+
 async def index(request: web.Request) -> web.StreamResponse:
-    """Owners and admins start at their jobs; an auditor, who reads evidence and not jobs, at the
-    audit queue."""
+    """A session starts at its role's landing page; without one, at the login form (which
+    comes back here)."""
     s = request.get(SESSION)
-    start = "flags" if isinstance(s, Session) and s.role == "auditor" else "jobs"
-    raise web.HTTPFound(f"{CONSOLE_PREFIX}/{start}")
+    raise web.HTTPFound(landing(s.role) if isinstance(s, Session) else f"{CONSOLE_PREFIX}/login")
 
 
 async def login_page(request: web.Request) -> web.StreamResponse:
-    if request.get(SESSION) is not None:
-        raise web.HTTPFound(f"{CONSOLE_PREFIX}/jobs")
+    s = request.get(SESSION)
+    if isinstance(s, Session):
+        raise web.HTTPFound(landing(s.role))
     token = new_secret()
     resp = render(
         request,
@@ -174,18 +182,54 @@ def _series(history: list[dict[str, Any]], key: str) -> list[tuple[float, float 
 
 async def jobs_page(request: web.Request) -> web.StreamResponse:
     s = _session(request)
+    if s.role == "auditor":  # no jobs list for an auditor: its jobs are those of the flags
+        raise web.HTTPFound(landing(s.role))
     jobs = await bridge.jobs(request.app, bridge.principal(s))
     return render(request, "jobs.html", {"jobs": jobs, "nav": "jobs", "poll": POLL_S})
 
 
 async def job_page(request: web.Request) -> web.StreamResponse:
+    """A job's page: its owner's and admins' full view; an auditor's review (no metrics, charts,
+    data sizes or models)."""
     s = _session(request)
     shard_round = _round_param(request)
-    d = await bridge.job_view(
-        request.app, bridge.principal(s), request.match_info["job_id"], shard_round
-    )
-    doc = d["doc"]
-    hist = doc["history"]
+    job_id = request.match_info["job_id"]
+    review = s.role == "auditor"
+    view = bridge.job_review if review else bridge.job_view
+    d = await view(request.app, bridge.principal(s), job_id, shard_round)
+    ctx = _job_context(d, review=review)
+    ctx["can_audit"] = s.role in AUDIT_ROLES
+    ctx["nav"] = "flags" if review else "jobs"
+    return render(request, "job.html", ctx)
+
+
+def _round_row(h: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of a job page's rounds table from a status history entry."""
+    ups = h.get("updates") or []
+    par = h.get("parallel") or {}
+    transfer = h.get("transfer") or {}
+    return {
+        "round": h["round"],
+        "loss": h.get("loss"),
+        "accuracy": h.get("accuracy"),
+        "train_loss": h.get("train_loss"),
+        "closed_at": h.get("closed_at"),
+        "updates": len(ups),
+        "included": sum(1 for u in ups if u.get("status") == "included"),
+        "quarantined": sum(1 for u in ups if u.get("status") == "quarantined"),
+        "overhead": _num(h.get("replication_overhead")),
+        "shards": par.get("shards"),
+        "nodes": par.get("nodes"),
+        "efficiency": par.get("efficiency"),
+        "shares": sorted((h.get("node_shares") or {}).items(), key=lambda kv: -kv[1]),
+        "unverified": len(h.get("unverified") or {}),
+        "bytes_up": transfer.get("bytes_up"),
+        "bytes_down": transfer.get("bytes_down"),
+        "compression": transfer.get("compression_ratio"),
+    }
+
+
+def _charts(hist: list[dict[str, Any]]) -> dict[str, Markup]:
     loss_chart = charts.line_chart(
         [
             charts.Series("validation loss", _series(hist, "loss")),
@@ -201,35 +245,17 @@ async def job_page(request: web.Request) -> web.StreamResponse:
         y_min=0.0,
         y_max=1.0,
     )
-    can_audit = s.role in AUDIT_ROLES
-    rounds = []
-    overheads = []
-    for h in hist:
-        ups = h.get("updates") or []
-        ov = _num(h.get("replication_overhead"))
-        if ov is not None:
-            overheads.append(ov)
-        rounds.append(
-            {
-                "round": h["round"],
-                "loss": h.get("loss"),
-                "accuracy": h.get("accuracy"),
-                "train_loss": h.get("train_loss"),
-                "closed_at": h.get("closed_at"),
-                "updates": len(ups),
-                "included": sum(1 for u in ups if u.get("status") == "included"),
-                "quarantined": sum(1 for u in ups if u.get("status") == "quarantined"),
-                "overhead": ov,
-                "shards": (h.get("parallel") or {}).get("shards"),
-                "nodes": (h.get("parallel") or {}).get("nodes"),
-                "efficiency": (h.get("parallel") or {}).get("efficiency"),
-                "shares": sorted((h.get("node_shares") or {}).items(), key=lambda kv: -kv[1]),
-                "unverified": len(h.get("unverified") or {}),
-                "bytes_up": (h.get("transfer") or {}).get("bytes_up"),
-                "bytes_down": (h.get("transfer") or {}).get("bytes_down"),
-                "compression": (h.get("transfer") or {}).get("compression_ratio"),
-            }
-        )
+    return {
+        "loss_chart": Markup(loss_chart),  # noqa: S704 - built from escaped parts in charts.py
+        "acc_chart": Markup(acc_chart),  # noqa: S704
+    }
+
+
+def _job_context(d: Mapping[str, Any], *, review: bool) -> dict[str, Any]:
+    """job.html's context from bridge.job_view or bridge.job_review."""
+    doc = d["doc"]
+    rounds = [_round_row(h) for h in doc["history"]]
+    overheads = [r["overhead"] for r in rounds if r["overhead"] is not None]
     covered = sum(len(sh["chunks"]) for sh in d["shards"] if sh["state"] == "settled")
     live = sum(1 for sh in d["shards"] for a in sh["assignments"] if a["state"] == "live")
     job = {
@@ -239,35 +265,32 @@ async def job_page(request: web.Request) -> web.StreamResponse:
         "model_hash": doc.get("model_hash") or "",
         "chunks": d["chunks"],
         "closed": d["closed"],
-        "loss": d["loss"],
-        "accuracy": d["accuracy"],
-        "train_loss": d["train_loss"],
+        **{k: d.get(k) for k in ("loss", "accuracy", "train_loss")},
     }
+    trained = [sh for h in doc["history"] for sh in h.get("shards", [])]
     overhead = {
         # every round trains the same chunks, so the mean of the rounds is the overall ratio
         "total": sum(overheads) / len(overheads) if overheads else None,
         "rounds": len(overheads),
-        **d["shard_counts"],
+        # the closed rounds' shards, as the overhead counts them: replicated = trained twice or more
+        "shards": len(trained),
+        "replicated": sum(1 for sh in trained if sh.get("replicated")),
     }
-    return render(
-        request,
-        "job.html",
-        {
-            "job": job,
-            "history": rounds,
-            "overhead": overhead,
-            "parallel": doc.get("parallel") or {},
-            "shard_round": d["shard_round"],
-            "shards": d["shards"],
-            "flags": d["flags"],
-            "loss_chart": Markup(loss_chart),  # noqa: S704 - built from escaped parts in charts.py
-            "acc_chart": Markup(acc_chart),  # noqa: S704
-            "can_audit": can_audit,
-            "nav": "jobs",
-            "poll": POLL_S if job["state"] in ("queued", "running") else None,
-            "rounds_carved": d["rounds_carved"],
-        },
-    )
+    return {
+        "job": job,
+        "review": review,
+        "history": rounds,
+        "overhead": overhead,
+        "parallel": doc.get("parallel") or {},
+        "shard_round": d["shard_round"],
+        "shards": d["shards"],
+        "flags": d["flags"],
+        **({} if review else _charts(doc["history"])),
+        "poll": POLL_S if job["state"] in ("queued", "running") else None,
+        "rounds_carved": d["rounds_carved"],
+        "recent_rounds": RECENT_ROUNDS,
+        "shards_shown": SHARDS_SHOWN,
+    }
 
 
 def _round_param(request: web.Request) -> int | None:
@@ -535,6 +558,7 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
         "flag.html",
         {
             "flag": flag,
+            "headline": evidence.headline(flag),
             "node": node,
             **history,
             **evidence_view(flag, await bridge.layer_evidence(request.app, flag)),

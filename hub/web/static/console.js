@@ -2,6 +2,7 @@
  * A page opts in with <body data-poll="SECONDS">; every element carrying a
  * data-live="NAME" attribute is replaced by its counterpart from a fresh copy
  * of the same page. Without JavaScript the pages work the same, just static.
+ * A <details data-key="KEY"> the reader opened stays open across a refresh.
  * No inline code anywhere: the Content-Security-Policy forbids it. */
 (function () {
   "use strict";
@@ -9,6 +10,18 @@
   var every = parseFloat(body && body.getAttribute("data-poll"));
   if (!every || every < 1 || !window.fetch || !window.DOMParser) { return; }
   var busy = false;
+  function keysOfOpen(root) {
+    var keys = {};
+    var open = root.querySelectorAll("details[open][data-key]");
+    for (var i = 0; i < open.length; i++) { keys[open[i].getAttribute("data-key")] = true; }
+    return keys;
+  }
+  function reopen(root, keys) {
+    var all = root.querySelectorAll("details[data-key]");
+    for (var i = 0; i < all.length; i++) {
+      if (keys[all[i].getAttribute("data-key")]) { all[i].open = true; }
+    }
+  }
   function refresh() {
     if (busy || document.hidden) { return; }
     busy = true;
@@ -27,7 +40,9 @@
         var name = parts[i].getAttribute("data-live");
         var next = fresh.querySelector('[data-live="' + name.replace(/["\\]/g, "") + '"]');
         if (next && next.innerHTML !== parts[i].innerHTML) {
+          var opened = keysOfOpen(parts[i]);
           parts[i].innerHTML = next.innerHTML;
+          reopen(parts[i], opened);
         }
       }
       var stamp = document.getElementById("live-status");
