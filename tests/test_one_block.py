@@ -1,0 +1,156 @@
+"""Nodes of one machine or behind one NAT: one address block, on a real hub over loopback with the
+production defences. Replicas of a shard never go to two nodes of one block, so no replica can
+come for such a node's shard: the hub must not wait `replica_wait_s` for one, the referee
+re-executes the lone update instead (verified, not "unverified"), and identities of one block
+gain no trust from it. Client sessions bound to 127.0.0.x all come from 127.0.0.0/24, as nodes
+started without --source-address on one machine do."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from gpuflex.hub.appkeys import LEDGER
+from gpuflex.node.checkpoints import CheckpointStore
+from gpuflex.protocol.messages import (
+    Ack,
+    Assignment,
+    NoWork,
+    StateRequest,
+    StateUpload,
+    WorkRequest,
+)
+from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import (
+    RunningHub,
+    SimNode,
+    digits_spec,
+    open_store,
+    production_defences,
+    start_hub,
+    submit_job,
+    write_digits,
+)
+from tests.test_hub_referee import _post_state, _train_committed
+
+REPLICA_WAIT_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@contextlib.asynccontextmanager
+async def sessions(*addresses: str) -> AsyncIterator[list[aiohttp.ClientSession]]:
+    async with contextlib.AsyncExitStack() as stack:
+        out = []
+        for addr in addresses:
+            connector = aiohttp.TCPConnector(local_addr=(addr, 0))
+            out.append(await stack.enter_async_context(aiohttp.ClientSession(connector=connector)))
+        yield out
+
+
+async def _job_state(s: aiohttp.ClientSession, hub: RunningHub, job_id: str) -> dict:
+    async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth(hub.admin_token)) as r:
+        return await r.json()
+
+
+async def _serve(n: SimNode, store: CheckpointStore, s: aiohttp.ClientSession, hub: RunningHub, job_id: str,
+                 *, craft: bool = False, timeout: float = 25.0) -> None:
+    """A node's loop until the job is done: train what it is given (with checkpoint commitments)
+    and hand over the states the referee asks for. ``craft``: its updates are scaled x3.5, and it
+    stops after its first one has been judged."""
+    give_up = time.monotonic() + timeout
+    while (await _job_state(s, hub, job_id))["state"] == "running":
+        assert time.monotonic() < give_up, "the job did not finish in time"
+        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+        got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
+        if isinstance(got, Assignment):
+            blob, samples, loss, c = await _train_committed(n, got, store)
+            if craft:
+                blob = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
+            ack = await n.open_response(await n.upload_raw(n.update_header(got, blob, samples, loss, commitment=c),
+                                                           blob), Ack)
+            assert ack.ok
+        elif isinstance(got, StateRequest):
+            for step in got.steps:
+                data = store.read(got.assignment_id, step)
+                assert data is not None
+                hdr = StateUpload(request_id=got.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(), state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+                assert (await _post_state(n, hdr, data)).status == 200
+            if craft:
+                return
+
+
+def _rows(hub: RunningHub, sql: str) -> list[tuple]:
+    conn = open_store(hub.data_dir)
+    try:
+        return [tuple(r) for r in conn.execute(sql).fetchall()]
+    finally:
+        conn.close()
+
+
+async def _run_one_block(tmp_path: Path, *, craft: bool) -> tuple[RunningHub, dict, float, list[SimNode]]:
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S, spot_check=0.0)
+    hub = await start_hub(tmp_path / "hub", **production_defences())
+    async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
+        nodes = [SimNode(s1, hub.url), SimNode(s2, hub.url)]
+        for n in nodes:
+            await n.register()
+        r = await submit_job(owner, hub, spec, train, val)
+        assert r.status == 201, await r.text()
+        job_id = (await r.json())["id"]
+        started = time.monotonic()
+        await asyncio.gather(*(_serve(n, CheckpointStore(tmp_path / f"states{i}"), owner, hub, job_id,
+                                      craft=craft and i == 1) for i, n in enumerate(nodes)))
+        took = time.monotonic() - started
+        doc = await _job_state(owner, hub, job_id)
+    return hub, doc, took, nodes
+
+
+async def test_nodes_of_one_block_do_not_wait_for_a_replica_the_referee_verifies_their_updates(tmp_path):
+    hub, doc, took, nodes = await _run_one_block(tmp_path, craft=False)
+    try:
+        assert doc["state"] == "done"
+        assert took < REPLICA_WAIT_S / 2, f"the round waited {took:.1f} s for a replica that could not come"
+        (h,) = doc["history"]
+        assert h["unverified"] == {}, "each lone update was re-executed by the referee: verified"
+        assert h["flags"] == []  # an honest node is never flagged
+        assert {u["status"] for u in h["updates"]} == {"included"}
+        requests = _rows(hub, "SELECT status, reason FROM state_requests")
+        assert requests and set(requests) == {("reproduced", "no_replica_holder")}
+        assert len(requests) == len(h["updates"])
+        # the referee stood in for a replica of another block: no trust from it
+        scheduler = hub.app[LEDGER].scheduler
+        assert [scheduler.nodes[n.node_id].reputation.agreements_total for n in nodes] == [0, 0]
+    finally:
+        await hub.stop()
+
+
+async def test_a_crafted_update_from_one_block_meets_the_referee_at_once(tmp_path):
+    """A Sybil's identities in one block: its crafted lone update is re-executed before it counts
+    (not accepted unverified after the replica wait), flagged and left out; the chunks are
+    trained again by the honest node."""
+    hub, doc, took, nodes = await _run_one_block(tmp_path, craft=True)
+    try:
+        assert doc["state"] == "done" and took < REPLICA_WAIT_S / 2
+        (h,) = doc["history"]
+        assert h["unverified"] == {}
+        assert [(f["reason"], f["node_id"]) for f in h["flags"]] == [("referee_mismatch", nodes[1].node_id)]
+        statuses = {(u["node_id"], u["status"]) for u in h["updates"]}
+        assert (nodes[1].node_id, "quarantined") in statuses
+        assert {s for n, s in statuses if n == nodes[0].node_id} == {"included"}
+    finally:
+        await hub.stop()
+
