@@ -439,7 +439,7 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
             rep = {k: getattr(live.reputation, k) for k in (*REPUTATION_FIELDS, "banned")}
         d["reputation"] = rep
         d["banned"] = rep["banned"]
-        # Sybil defences: where it registered from and was last seen, its operator, its probation
+        # Sybil defences: where it last registered from and was last seen, its operator, its probation
         d["address_block"], d["last_block"] = r["address_block"], r["last_block"]
         d["operator"], d["banned_at"] = r["operator"], r["banned_at"]
         if live is not None:

@@ -154,3 +154,39 @@ async def test_a_crafted_update_from_one_block_meets_the_referee_at_once(tmp_pat
     finally:
         await hub.stop()
 
+
+async def test_a_node_registering_again_from_another_block_is_recorded_there_across_a_restart(tmp_path):
+    """Two nodes started on one machine share 127.0.0.0/24; one is restarted with
+    --source-address 127.0.9.1 (it registers again, same key). Its recorded block is the new one,
+    in memory and in the store (a restarted hub keeps it), so it may now hold the other's replica."""
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S)
+    hub = await start_hub(tmp_path / "hub", **production_defences())
+    tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
+    async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.9.1") as (owner, s1, s2, moved):
+        a, b = SimNode(s1, hub.url), SimNode(s2, hub.url)
+        for n in (a, b):
+            await n.register()
+        b = SimNode(moved, hub.url, key=b.key)
+        await b.register()
+
+        async def blocks(h: RunningHub) -> dict[str, tuple[str, str]]:
+            async with owner.get(h.url + "/v1/nodes", headers=h.auth(h.auditor_token)) as r:
+                return {n["id"]: (n["address_block"], n["last_block"]) for n in (await r.json())["nodes"]}
+
+        assert (await blocks(hub))[b.node_id] == ("127.0.9.0/24", "127.0.9.0/24")
+        await hub.stop()
+        hub = await start_hub(tmp_path / "hub", tokens=tokens, **production_defences())
+        try:
+            assert (await blocks(hub))[b.node_id] == ("127.0.9.0/24", "127.0.9.0/24")
+            assert hub.app[LEDGER].scheduler.nodes[b.node_id].blocks == {"127.0.9.0/24"}
+            a.url = b.url = hub.url
+            r = await submit_job(owner, hub, spec, train, val)
+            assert r.status == 201, await r.text()
+            first = await a.work(2.0)
+            assert isinstance(first, Assignment) and hub.replica_group(first.assignment_id)
+            replica = await b.work(2.0)
+            assert isinstance(replica, Assignment), "the re-addressed node may hold the replica now"
+            assert hub.replica_group(replica.assignment_id) == hub.replica_group(first.assignment_id)
+        finally:
+            await hub.stop()
