@@ -190,3 +190,48 @@ async def test_a_node_registering_again_from_another_block_is_recorded_there_acr
             assert hub.replica_group(replica.assignment_id) == hub.replica_group(first.assignment_id)
         finally:
             await hub.stop()
+
+
+async def test_job_status_and_the_console_say_why_a_round_waits_and_how_to_fix_it(tmp_path, capsys, monkeypatch):
+    """While the referee waits for the states of a lone update no replica can come for, the status
+    document, `gpuflex-hub job status` and the console's job page give the same sentence: what it
+    waits for, why no replica can come (the block the nodes share) and what to do about it."""
+    import html
+
+    from gpuflex.hub.cli import main
+
+    from tests.test_console_helpers import Browserish
+
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S, spot_check=0.0)
+    hub = await start_hub(tmp_path / "hub", **production_defences())
+    browser = Browserish(hub.url)
+    try:
+        async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
+            a, b = SimNode(s1, hub.url), SimNode(s2, hub.url)
+            for n in (a, b):
+                await n.register()
+            r = await submit_job(owner, hub, spec, train, val)
+            job_id = (await r.json())["id"]
+            got = await a.work(2.0)
+            assert isinstance(got, Assignment)
+            blob, samples, loss, c = await _train_committed(a, got, CheckpointStore(tmp_path / "states"))
+            assert (await a.upload_raw(a.update_header(got, blob, samples, loss, commitment=c), blob)).status == 200
+            give_up = time.monotonic() + 10
+            while not (doc := await _job_state(owner, hub, job_id)).get("waiting"):
+                assert time.monotonic() < give_up, doc
+                await asyncio.sleep(0.1)
+        (why,) = doc["waiting"]
+        assert why.startswith("shard ") and " waits for the referee, which re-executes a segment of " in why
+        assert f"every other online node shares 127.0.0.0/24 with node {a.node_id[:12]}" in why
+        assert "--source-address" in why and "the referee re-executes a segment of such an update" in why
+        monkeypatch.setenv("COLUMNS", "1000")
+        rc = await asyncio.to_thread(main, ["job", "status", job_id, "--hub", hub.url, "--token", hub.owner_token])
+        assert rc == 0
+        assert f"waiting: {why}" in " ".join(capsys.readouterr().out.split())
+        await browser.login(hub.owner_token)
+        status, page, _ = await browser.get(f"/console/jobs/{job_id}")
+        assert status == 200 and why in " ".join(html.unescape(page).split())
+    finally:
+        await browser.close()
+        await hub.stop()
