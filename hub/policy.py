@@ -405,8 +405,9 @@ def _with_referee(
         return decision
     rep = decision.representative
     if rep in verdicts:  # reproduced by the referee: verified, and the node earns the agreement ...
-        standing_in = verdicts[rep].evidence.get("reason") == NO_REPLICA_HOLDER
-        # ... unless the referee stood in for a replica of another block (rule 4: no trust from it)
+        # ... unless the referee stood in for a replica of another block (rule 4: no trust from it),
+        # whatever it was asked for first (a lone update against the trend, say)
+        standing_in = verdicts[rep].evidence.get("reason") == NO_REPLICA_HOLDER or replica_hopeless(len(ups), state)
         agreed = tuple(sorted({*decision.agreed_nodes, *(() if standing_in else (node_of[rep],))}))
         evidence = {k: v for k, v in decision.evidence.items() if k != "unverified"}
         return Settle(rep, decision.statuses, decision.flags, agreed, decision.flagged_nodes,

@@ -685,8 +685,13 @@ def test_a_lone_update_no_replica_can_come_for_is_re_executed_at_once_and_earns_
     done = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": ok})
     assert isinstance(done, policy.Settle) and done.unverified is None and done.flags == ()
     assert done.agreed_nodes == () and "unverified" not in done.evidence
-    spot = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": _ok("u-a", "n-a")})
-    assert isinstance(spot, policy.Settle) and spot.agreed_nodes == ("n-a",)  # a spot check still credits
+    # asked for another reason first (against the trend): still no agreement while no replica can come
+    trend = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": _ok("u-a", "n-a")})
+    assert isinstance(trend, policy.Settle) and trend.unverified is None and trend.agreed_nodes == ()
+    # a lone update spot-checked after the replica wait ran out, with a node that could have held it online
+    waited = policy.ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s, live=False, taker=True)
+    spot = policy.decide_shard(ups, SPEC, waited, {}, committed=committed, verdicts={"u-a": _ok("u-a", "n-a")})
+    assert isinstance(spot, policy.Settle) and spot.agreed_nodes == ("n-a",)
     bad = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": _bad("u-a", "n-a")})
     assert isinstance(bad, policy.Drop) and [f.reason for f in bad.flags] == ["referee_mismatch"]
     bare = policy.decide_shard(ups, SPEC, hopeless, {}, committed=frozenset())
