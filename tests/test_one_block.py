@@ -235,3 +235,34 @@ async def test_job_status_and_the_console_say_why_a_round_waits_and_how_to_fix_i
     finally:
         await browser.close()
         await hub.stop()
+
+
+async def test_job_status_says_what_else_a_round_waits_for(tmp_path):
+    """The other waits, in the same words everywhere: chunks with no node online, a replica an
+    online node of another block may still take (with the time left), a replica in training."""
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S)
+    hub = await start_hub(tmp_path / "hub", **production_defences())
+    try:
+        async with sessions("127.0.0.1", "127.0.0.2", "127.0.5.1") as (owner, s1, s2):
+            r = await submit_job(owner, hub, spec, train, val)
+            job_id = (await r.json())["id"]
+            (alone,) = (await _job_state(owner, hub, job_id))["waiting"]
+            assert alone.endswith(" chunks wait for a node: no node is online")
+            a, c = SimNode(s1, hub.url), SimNode(s2, hub.url)
+            for n in (a, c):
+                await n.register()
+            got = await a.work(2.0)
+            assert isinstance(got, Assignment)
+            await a.upload(got, *(await a.train(got)))
+            (why,) = (await _job_state(owner, hub, job_id))["waiting"]
+            assert why.startswith("shard ") and " waits up to " in why
+            assert why.endswith(" s more for a replica: an online node may take it when it next asks for work")
+            assert int(why.split(" waits up to ")[1].split()[0]) in range(int(REPLICA_WAIT_S) - 10, int(REPLICA_WAIT_S) + 1)
+            replica = await c.work(2.0)
+            assert isinstance(replica, Assignment)
+            assert hub.replica_group(replica.assignment_id) == hub.replica_group(got.assignment_id)
+            (why,) = (await _job_state(owner, hub, job_id))["waiting"]
+            assert why.endswith(f" waits for its replica from node {c.node_id[:12]}, who is training it")
+    finally:
+        await hub.stop()
