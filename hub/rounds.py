@@ -288,7 +288,7 @@ class RoundEngine:
         # The policy reads `taker` only with no replica out and fewer updates than wanted, or two or
         # more: ask the scheduler only then.
         n = len(shard.accepted)
-        taker = live or (n >= shard.wanted and n < 2) or self.scheduler.can_take_replica(job, shard, now)
+        taker = live or (shard.wanted <= n < 2) or self.scheduler.can_take_replica(job, shard, now)
         keys = {u.node_id: self.scheduler.class_key(job, u.node_id) for u in shard.accepted}
         return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker,
                                    comparison=policy.comparison_of(keys.values()),
