@@ -287,6 +287,8 @@ def _status_view(doc: dict[str, Any]) -> Any:
                     f" {prog['assignments_live']} assignments live")
     if doc.get("error"):
         head.append(f"\nerror: {doc['error']}", style="red")
+    for why in doc.get("waiting") or ():  # why the open round waits, and how to fix it (hub/waits.py)
+        head.append(f"\nwaiting: {why}", style="yellow")
     par = doc.get("parallel") or {}
     if par.get("rounds"):
         head.append(f"\nspread: {par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"

@@ -203,7 +203,9 @@ class Ledger:
                              registered_at=now, block=block, last_block=block, operator=operator)
             self.scheduler.refresh_probation(node, now)
             self.scheduler.nodes[node_id] = node
-        node.last_block = block
+        # a node registering again from elsewhere (--source-address, another network) is recorded
+        # there: replicas keep apart from where it is, not from where it first came from
+        node.block = node.last_block = block
         if node.operator is None:
             node.operator = operator
         node.bench_sps = bench_sps

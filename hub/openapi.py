@@ -291,6 +291,8 @@ def openapi_document() -> dict[str, Any]:
                     "id": {"type": "string"}, "state": {"enum": ["queued", "running", "done", "cancelled", "failed"]},
                     "round": {"type": "integer"}, "rounds": {"type": "integer"},
                     "progress": {"type": "object"},
+                    # why the open round waits, in words (hub/waits.py)
+                    "waiting": {"type": "array", "items": {"type": "string"}},
                     "history": {"type": "array", "items": {"type": "object", "properties": {
                         "round": {"type": "integer"}, "loss": {"type": ["number", "null"]},
                         "accuracy": {"type": ["number", "null"]}, "train_loss": {"type": ["number", "null"]},

@@ -19,10 +19,15 @@ the published robustness figures describe the policy the hub runs.
 The rules of ``decide_shard``, in order:
 
 1. Not due: fewer updates than wanted, the replica wait not run out, and either a
-   replica assignment still out or a node that could take one (or only one update so
-   far) -> keep waiting (``WaitForMore`` with ``wanted`` unchanged).
-2. A lone update (no replica came in time, or none was wanted) is used; unverified
-   when a replica was wanted (no agreement credit).
+   replica assignment still out or an online node that could take one -> keep waiting
+   (``WaitForMore`` with ``wanted`` unchanged). A replica nobody can take is never waited
+   for: with one update, no replica out and no online node that may take one (every other
+   online node shares an address block or an operator with the holder, or none is online:
+   ``replica_hopeless``) the shard is due at once.
+2. A lone update (no replica came in time, none can come, or none was wanted) is used;
+   unverified when a replica was wanted (no agreement credit): "no_replica_holder" when none
+   could come, else "lone_update". With the referee on, a lone update no replica can come
+   for is re-executed first (rule 4, ``stand_in``).
 3. Otherwise ``verification.compare_replicas`` judges the group (trusted = members
    whose reputation ``is_trusted``; until a group holds a trusted node it needs one
    more agreeing replica, and a split among untrusted nodes accuses nobody).
@@ -62,6 +67,11 @@ The rules of ``decide_shard``, in order:
    is re-executed first (reason "against_trend"): honest updates follow the trend, so this
    costs about 1 % of them a replay, and a crafted one meets the referee on its first try
    instead of one time in ten.
+   A lone update of a replicated shard that no replica can come for (rule 1) and that carries a
+   commitment is always re-executed (reason "no_replica_holder"): the referee stands in for
+   the replica, so nodes of one machine or one NAT are verified at once instead of waiting
+   ``replica_wait_s`` and counting unverified. That check earns no agreement: trust comes only
+   from replicas of other blocks and operators, so identities of one block gain none from it.
 5. ``unverified = "accept"`` (the default) aggregates what rules 2-3 settle unverified,
    and the round's audit entry and status list it; ``"hold"`` keeps such a shard open
    (``WaitForMore``; one more replica wanted while below ``max_replicas`` when agreeing
@@ -93,6 +103,7 @@ from .verification import (
 )
 
 __all__ = [
+    "NO_REPLICA_HOLDER",
     "Comparison",
     "Drop",
     "GroupMember",
@@ -101,16 +112,22 @@ __all__ = [
     "RoundJudgement",
     "Settle",
     "ShardDecision",
+    "StandIn",
     "WaitForMore",
     "against_trend",
     "bound_weights",
     "decide_shard",
     "judge_cross_class",
     "judge_round",
+    "replica_hopeless",
     "shard_due",
     "spot_rate",
+    "stand_in",
     "trend_base_round",
 ]
+
+#: the referee's reason (and an unverified shard's) when no replica of a lone update can come
+NO_REPLICA_HOLDER = "no_replica_holder"
 
 
 #: how a replica group's members are compared: one compute class (strict) or several
@@ -124,8 +141,8 @@ class ReplicaState:
     ``wanted``: replicas wanted now (1 = not replicated). ``waited_s``: seconds since the
     shard's first accepted update (None: not known). ``live``: a replica assignment is
     still out. ``taker``: an online node could take another replica now; it is read only
-    when ``live`` is false and there are two or more updates, so a caller may skip
-    computing it otherwise. ``comparison``: "same_class" when every member with a known
+    when ``live`` is false and there are fewer updates than wanted or two or more updates,
+    so a caller may skip computing it otherwise. ``comparison``: "same_class" when every member with a known
     compute class has one class key for the job's precision, else "cross_class";
     ``class_keys``: member node id -> its class key (for the evidence).
     """
@@ -226,14 +243,39 @@ class Referee:
 ShardDecision = WaitForMore | Settle | Drop | Referee
 
 
+@dataclass(frozen=True)
+class StandIn:
+    """The referee stands in for a replica that cannot come (``replica_hopeless``):
+    ``update_id``, the shard's lone update, is re-executed on one segment before it counts when
+    ``referee`` (it carries a checkpoint commitment); otherwise it settles unverified at once."""
+
+    update_id: str
+    referee: bool
+
+
+def replica_hopeless(n_updates: int, state: ReplicaState) -> bool:
+    """A replicated shard holds one update, no replica assignment is out and no online node may
+    take one: waiting for a replica would only delay the round."""
+    return n_updates == 1 < state.wanted and not state.live and not state.taker
+
+
+def stand_in(updates: Sequence[UpdateRecord], state: ReplicaState, committed: Collection[str]) -> StandIn | None:
+    """How a lone update no replica can come for is verified (None: a replica may still come, or
+    the shard has other updates or wanted none)."""
+    if not replica_hopeless(len(updates), state):
+        return None
+    uid = updates[0].update_id
+    return StandIn(uid, uid in committed)
+
+
 def shard_due(n_updates: int, spec: VerificationSpec, state: ReplicaState) -> bool:
-    """Is there anything to decide? Enough updates, the replica wait run out, or two or
-    more updates with no replica out and nobody to take one (waiting only delays)."""
+    """Is there anything to decide? Enough updates, the replica wait run out, or fewer updates
+    than wanted with no replica out and nobody to take one (waiting only delays)."""
     if n_updates == 0:
         return False
     timed_out = state.waited_s is not None and state.waited_s >= float(spec.replica_wait_s)
     stuck = 2 <= n_updates < state.wanted and not state.live and not state.taker
-    return n_updates >= state.wanted or timed_out or stuck
+    return n_updates >= state.wanted or timed_out or stuck or replica_hopeless(n_updates, state)
 
 
 def decide_shard(
@@ -362,15 +404,22 @@ def _with_referee(
     if not isinstance(decision, Settle):
         return decision
     rep = decision.representative
-    if rep in verdicts:  # reproduced by the referee: verified, and the node earns the agreement
-        agreed = tuple(sorted({*decision.agreed_nodes, node_of[rep]}))
+    if rep in verdicts:  # reproduced by the referee: verified, and the node earns the agreement ...
+        # ... unless the referee stood in for a replica of another block (rule 4: no trust from it),
+        # whatever it was asked for first (a lone update against the trend, say)
+        standing_in = verdicts[rep].evidence.get("reason") == NO_REPLICA_HOLDER or replica_hopeless(len(ups), state)
+        agreed = tuple(sorted({*decision.agreed_nodes, *(() if standing_in else (node_of[rep],))}))
+        evidence = {k: v for k, v in decision.evidence.items() if k != "unverified"}
         return Settle(rep, decision.statuses, decision.flags, agreed, decision.flagged_nodes,
-                      dict(decision.evidence) | {"referee": _referee_evidence(verdicts, [rep])}, None)
+                      evidence | {"referee": _referee_evidence(verdicts, [rep])}, None)
     if decision.flags:
         return decision
     against = against_trend(trend.get(rep), spec)
     if against is not None:
         return Referee((rep,), "against_trend", dict(decision.evidence) | {"trend": against})
+    standin = stand_in(ups, state, committed)
+    if standin is not None and standin.referee:
+        return Referee((standin.update_id,), NO_REPLICA_HOLDER, dict(decision.evidence))
     trusted = any((r := reputations.get(u.node_id)) is not None and is_trusted(r, spec) for u in ups)
     if spot_draw < spot_rate(trusted, spec):
         return Referee((rep,), "spot_check", dict(decision.evidence))
@@ -424,16 +473,8 @@ def _decide_shard(
         return WaitForMore(state.wanted, {})
     ups = list(updates)
     if len(ups) == 1:
-        replicated = state.wanted > 1
-        return Settle(
-            ups[0].update_id,
-            {},
-            (),
-            (),
-            (),
-            {"replicas": 1, "unverified": "lone_update"} if replicated else {"replicas": 1},
-            "lone_update" if replicated else None,
-        )
+        why = (NO_REPLICA_HOLDER if replica_hopeless(1, state) else "lone_update") if state.wanted > 1 else None
+        return Settle(ups[0].update_id, {}, (), (), (), {"replicas": 1} | ({"unverified": why} if why else {}), why)
     ids = [u.update_id for u in ups]
     trusted = {
         u.node_id

@@ -28,6 +28,7 @@ from .appkeys import BLOBS, CONFIG, LEDGER, STORE
 from .errors import BadRequest, Conflict, Forbidden, NotFound
 from .privacy import epsilon
 from .tokens import Principal
+from .waits import round_waits
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
 
@@ -286,7 +287,21 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
                 "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
                 "chunks_free": len(live.free), "assignments_live": live.live_count(),
             }
+    waiting = live_waits(app, who, job_id)
+    if waiting is not None:
+        doc["waiting"] = waiting
     return doc
+
+
+def live_waits(app: web.Application, who: Principal, job_id: str) -> list[str] | None:
+    """Why the job's open round waits, in words (hub/waits.py); None when no round is open. The
+    owner of a job under central differential privacy is told "a node", never which one."""
+    scheduler = app[LEDGER].scheduler
+    live = scheduler.jobs.get(job_id)
+    if live is None or not live.active:
+        return None
+    names = not (who.role == "owner" and live.spec.privacy.central)
+    return round_waits(scheduler, live, time.time(), names=names)
 
 
 def _status_and_spec(conn: sqlite3.Connection, row: sqlite3.Row) -> tuple[dict[str, Any], JobSpec | None]:
@@ -440,7 +455,7 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
             rep = {k: getattr(live.reputation, k) for k in (*REPUTATION_FIELDS, "banned")}
         d["reputation"] = rep
         d["banned"] = rep["banned"]
-        # Sybil defences: where it registered from and was last seen, its operator, its probation
+        # Sybil defences: where it last registered from and was last seen, its operator, its probation
         d["address_block"], d["last_block"] = r["address_block"], r["last_block"]
         d["operator"], d["banned_at"] = r["operator"], r["banned_at"]
         if live is not None:

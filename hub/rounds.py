@@ -285,9 +285,10 @@ class RoundEngine:
     def _replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
         waited = None if shard.first_update_at is None else now - shard.first_update_at
         live = bool(shard.live)
-        # The policy reads `taker` only with no replica out and two or more updates: ask the
-        # scheduler only then.
-        taker = live or len(shard.accepted) < 2 or self.scheduler.can_take_replica(job, shard, now)
+        # The policy reads `taker` only with no replica out and fewer updates than wanted, or two or
+        # more: ask the scheduler only then.
+        n = len(shard.accepted)
+        taker = live or (shard.wanted <= n < 2) or self.scheduler.can_take_replica(job, shard, now)
         keys = {u.node_id: self.scheduler.class_key(job, u.node_id) for u in shard.accepted}
         return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker,
                                    comparison=policy.comparison_of(keys.values()),

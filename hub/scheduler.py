@@ -413,13 +413,14 @@ class Scheduler:
             job.most_holders = max(job.most_holders, len(shard.nodes))
 
     def can_take_replica(self, job: JobState, shard: ShardState, now: float) -> bool:
-        """Could an online node take another replica of `shard` right now?"""
+        """Could an online node take another replica of `shard` right now (the pool's rule, and,
+        with separate replicas, another block and operator than every holder)?"""
         pool = self.replica_pool(job, now)
         if not pool.anyone(shard.nodes):
             return False
         if not self.separate_replicas:
             return True
-        return any(self.separated(n, shard.nodes) for nid in pool.reps
+        return any(self.separated(n, shard.nodes) and pool.eligible(nid, shard.nodes) for nid in pool.reps
                    if nid not in shard.nodes and (n := self.nodes.get(nid)) is not None)
 
     def may_take_replica(self, job: JobState, shard: ShardState, node_id: str, now: float) -> bool:
@@ -548,9 +549,10 @@ class Scheduler:
 
     def _replicate(self, job: JobState, node: NodeState, now: float) -> bool:
         """Replicate as verification's rule draws. Under adaptive replication an untrusted node's
-        shard is always replicated: if no other node is online, it waits up to replica_wait_s
-        for one (then `unverified` decides). A trusted node's spot check is skipped when nobody
-        else is online to take it."""
+        shard is always replicated: a node that may hold the replica can still come before the
+        update does; when none can by then, the shard does not wait for one (hub/policy.py
+        `replica_hopeless`: the referee re-executes the lone update instead). A trusted node's
+        spot check is skipped when nobody else is online to take it."""
         v = job.spec.verification
         if not should_replicate(node.reputation, v, self._rng):
             return False

@@ -114,8 +114,8 @@ class Store(abc.ABC):
     async def save_node(self, node_id: str, public_key: bytes, profile: NodeProfile, *, bench_sps: float,
                         now: float, address_block: str = "", operator: str | None = None) -> None:
         """Register a node or refresh its registration (reputation, throughput and history are kept).
-        ``address_block``: the block it registers from now (the first one is kept as where it
-        registered); ``operator``: its enrollment token ('op-<id>'), kept once set."""
+        ``address_block``: the block it registers from now (it replaces the one recorded before);
+        ``operator``: its enrollment token ('op-<id>'), kept once set."""
 
     @abc.abstractmethod
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:

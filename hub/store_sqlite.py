@@ -164,7 +164,7 @@ class SqlStore(Store):
             " ON CONFLICT (id) DO UPDATE SET software_version = excluded.software_version,"
             " device = excluded.device, benchmark = excluded.benchmark, bench_sps = excluded.bench_sps,"
             " last_seen = excluded.last_seen, compute_class = excluded.compute_class,"
-            " last_block = excluded.last_block, operator = COALESCE(nodes.operator, excluded.operator)",
+            " address_block = excluded.address_block, last_block = excluded.last_block, operator = COALESCE(nodes.operator, excluded.operator)",
             (node_id, public_key, profile.software_version, device, bench, bench_sps, bench_sps, now, now,
              compute, address_block, address_block, operator)))
 

@@ -138,7 +138,8 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
                            timeout_s=180)
         assert flags[0]["node_id"] == mute.node_id
         ev = json.loads(flags[0]["evidence"])["referee"]
-        assert "not handed over" in ev["why"] and ev["reason"] == "spot_check"
+        # alone, no replica can come: the referee stands in for it at once (not a spot check after the wait)
+        assert "not handed over" in ev["why"] and ev["reason"] == "no_replica_holder"
         withheld = {f["update_id"] for f in flags}
         honest = cluster.start_node("honest")  # the job can finish without the mute node's work
         status = cluster.wait_job(job, owner, timeout_s=240)
@@ -150,7 +151,7 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
         show = cluster.get_json(f"/v1/flags/{flags[0]['id']}", auditor)
         assert show["reason"] == "unverifiable"
         (row,) = show["referee"]
-        assert row["node"] == mute.node_id and row["outcome"] == "unverifiable" and row["reason"] == "spot_check"
+        assert row["node"] == mute.node_id and row["outcome"] == "unverifiable" and row["reason"] == "no_replica_holder"
         text = _hub_cli(["audit", "show", flags[0]["id"]], {"GPUFLEX_HUB": cluster.url, "GPUFLEX_TOKEN": auditor})
         assert "referee re-execution" in text and "not handed over" in text and "unverifiable" in text
 

@@ -469,8 +469,13 @@ def test_policy_waits_until_a_shard_is_due(world):
     out = decide([a], ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s / 2, live=True))
     assert out == WaitForMore(2, {})
     assert decide([], ReplicaState(wanted=1)) == WaitForMore(1, {})
-    # One update, nobody to take the replica: waiting for the replica window is the only way.
-    assert isinstance(decide([a], ReplicaState(wanted=2, taker=False)), WaitForMore)
+    # One update, a replica out, or an online node that may take one: it waits for the replica.
+    assert isinstance(decide([a], ReplicaState(wanted=2, taker=True)), WaitForMore)
+    assert isinstance(decide([a], ReplicaState(wanted=2, live=True, taker=False)), WaitForMore)
+    # Nobody may take it (every other online node shares the holder's block, or none is online):
+    # waiting replica_wait_s only delays the round, the shard is decided at once.
+    now = decide([a], ReplicaState(wanted=2, taker=False))
+    assert isinstance(now, Settle) and now.unverified == "no_replica_holder"
 
 
 def test_policy_lone_update_is_used_unverified_only_when_a_replica_was_wanted(world):

@@ -686,3 +686,36 @@ def test_a_node_that_never_came_back_for_the_request_is_left_out_without_a_flag(
     trusted = Reputation(consecutive_agreements=20, agreements_total=20, flags_total=1)
     after = vf.record_missed(trusted)
     assert after.consecutive_agreements == 0 and after.flags_total == 1 and after.agreements_total == 20
+
+
+def test_a_lone_update_no_replica_can_come_for_is_re_executed_at_once_and_earns_no_trust() -> None:
+    """No replica out and no online node may take one (one block, one operator, or nobody else):
+    the shard is due at once, whatever the spot-check draw; the referee stands in for the replica.
+    Reproduced: verified (not unverified), but no agreement (trust comes only from replicas of
+    other blocks). Not reproduced: flagged and dropped. Without a commitment: unverified at once."""
+    ups = [_rec("u-a", "n-a", {"w": torch.ones(10)})]
+    hopeless = policy.ReplicaState(wanted=2, waited_s=0.0, live=False, taker=False)
+    committed = frozenset({"u-a"})
+    assert policy.shard_due(1, SPEC, hopeless)
+    assert policy.stand_in(ups, hopeless, committed) == policy.StandIn("u-a", True)
+    for waiting in (dataclasses.replace(hopeless, taker=True), dataclasses.replace(hopeless, live=True)):
+        assert policy.stand_in(ups, waiting, committed) is None
+        assert isinstance(policy.decide_shard(ups, SPEC, waiting, {}, committed=committed), policy.WaitForMore)
+    assert policy.stand_in(ups, policy.ReplicaState(wanted=1, taker=False), committed) is None
+    ask = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, spot_draw=0.99)
+    assert isinstance(ask, policy.Referee) and ask.update_ids == ("u-a",) and ask.reason == "no_replica_holder"
+    ok = SegmentVerdict("u-a", "n-a", "reproduced", dict(_ok("u-a", "n-a").evidence) | {"reason": "no_replica_holder"})
+    done = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": ok})
+    assert isinstance(done, policy.Settle) and done.unverified is None and done.flags == ()
+    assert done.agreed_nodes == () and "unverified" not in done.evidence
+    # asked for another reason first (against the trend): still no agreement while no replica can come
+    trend = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": _ok("u-a", "n-a")})
+    assert isinstance(trend, policy.Settle) and trend.unverified is None and trend.agreed_nodes == ()
+    # a lone update spot-checked after the replica wait ran out, with a node that could have held it online
+    waited = policy.ReplicaState(wanted=2, waited_s=SPEC.replica_wait_s, live=False, taker=True)
+    spot = policy.decide_shard(ups, SPEC, waited, {}, committed=committed, verdicts={"u-a": _ok("u-a", "n-a")})
+    assert isinstance(spot, policy.Settle) and spot.agreed_nodes == ("n-a",)
+    bad = policy.decide_shard(ups, SPEC, hopeless, {}, committed=committed, verdicts={"u-a": _bad("u-a", "n-a")})
+    assert isinstance(bad, policy.Drop) and [f.reason for f in bad.flags] == ["referee_mismatch"]
+    bare = policy.decide_shard(ups, SPEC, hopeless, {}, committed=frozenset())
+    assert isinstance(bare, policy.Settle) and bare.unverified == "no_replica_holder"

@@ -87,7 +87,11 @@ async def job_view(
         seen = readmodel.owner_view(doc, spec, who, extras)
         return {"doc": {k: v for k, v in seen.items() if k != "extras"}, **seen["extras"]}
 
-    return await read(app, q)
+    view = await read(app, q)
+    waiting = readmodel.live_waits(app, who, job_id)
+    if waiting is not None:
+        view["doc"]["waiting"] = waiting
+    return view
 
 
 # What an auditor sees of a job and of each closed round: how the rounds went and who took part,
