@@ -22,9 +22,10 @@ from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
+from gpuflex.protocol.modelspec import model_file_metadata
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
-from .appkeys import BLOBS, CONFIG, LEDGER, STORE
+from .appkeys import BLOBS, CONFIG, HUB_KEY, LEDGER, STORE
 from .errors import BadRequest, Conflict, Forbidden, NotFound
 from .privacy import epsilon
 from .tokens import Principal
@@ -310,13 +311,17 @@ def model_version(conn: sqlite3.Connection, who: Principal, job_id: str, version
 async def export_model(app: web.Application, who: Principal, job_id: str,
                        version: int | None = None) -> tuple[int, str, bytes]:
     """(version, model sha, .safetensors bytes) of a job's latest model or of model `version`
-    (0 = initial, N = after N rounds). Same owner scoping as the API."""
+    (0 = initial, N = after N rounds), its metadata naming the model spec, the job, the version and
+    the hub's key (protocol/modelspec.py model_file_metadata). Same owner scoping as the API."""
 
-    row = await app[STORE].query(lambda c: model_version(c, who, job_id, version))
+    row, spec = await app[STORE].query(lambda c: (model_version(c, who, job_id, version),
+                                                   spec_of(job_row(c, who, job_id))))
     blobs = app[BLOBS]
+    meta = None if spec is None else model_file_metadata(
+        spec.model, job_id=job_id, round_=int(row["version"]), hub_fingerprint=app[HUB_KEY].fingerprint)
 
     def export() -> bytes:
-        return state_to_safetensors(decode_state(blobs.read(row["sha"])))
+        return state_to_safetensors(decode_state(blobs.read(row["sha"])), meta)
 
     return int(row["version"]), str(row["sha"]), await asyncio.to_thread(export)
 
