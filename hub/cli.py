@@ -277,8 +277,16 @@ def _notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if prog:
         out.append(("progress", f"chunks {prog['chunks_covered']}/{prog['chunks_total']} covered,"
                                 f" {prog['assignments_live']} assignments live"))
+    if prog.get("idle"):
+        out.append(("idle nodes", str(prog["idle"])))
     if doc.get("error"):
         out.append(("error", str(doc["error"])))
+    data = doc.get("data") or {}
+    if data.get("chunks"):
+        out.append(("data", f"{doc.get('train_samples')} training samples in {data['chunks']} chunks of up to"
+                            f" {data['chunk_size']}"))
+    if data.get("validation"):
+        out.append(("validation", str(data["validation"])))
     par = doc.get("parallel") or {}
     if par.get("rounds"):
         out.append(("spread", f"{par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"

@@ -75,8 +75,9 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
     job_id = row["id"]
     history: list[dict[str, Any]] = []
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
-    chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
-                                 (job_id,)).fetchone()[0]
+    chunk_samples, chunk_count, chunk_max = conn.execute(
+        "SELECT COALESCE(SUM(samples), 0), COUNT(*), COALESCE(MAX(samples), 0) FROM chunks WHERE job_id = ?",
+        (job_id,)).fetchone()
     silos = [{"node_id": c["owner_node"], "samples": c["samples"], "blob": c["sha"], "size": c["size"],
               "label_histogram": None if c["histogram"] is None else json.loads(c["histogram"]),
               "attached_at": c["registered_at"]}
@@ -128,11 +129,40 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
         "data_source": "hub" if spec is None else spec.data.source,
+        "data": _data_summary(spec, row["val_samples"], int(chunk_count), int(chunk_max)),
         # node-local data: the silos attached (what the hub knows of each: never a row)
         **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": _job_parallelism(history),
         **({"privacy": dp} if spec is not None and (dp := _privacy(spec, len(history))) is not None else {}),
     }
+
+
+def _data_summary(spec: JobSpec | None, val_samples: int, chunks: int, chunk_max: int) -> dict[str, Any]:
+    """How the job's data was cut: its chunks (a hub job's) and where its validation set came
+    from, in words (with what to do when there is none: no round then reports accuracy)."""
+    fraction = None if spec is None else spec.data.validation_fraction
+    if val_samples and fraction:
+        words = (f"{val_samples} samples held out of the training set (validation_fraction = {fraction:g});"
+                 " [data] validation_fraction = 0 turns the hold-out off")
+    elif val_samples:
+        words = f"{val_samples} samples from the validation file given with the job"
+    else:
+        words = ("none, so no round reports loss or accuracy on held-out data: give a validation file"
+                 " (--val) or set [data] validation_fraction")
+    node_local = spec is not None and spec.data.node_local
+    return {"validation_samples": val_samples, "validation": words,
+            **({} if node_local else {"chunks": chunks, "chunk_size": chunk_max})}
+
+
+def idle_note(online: int, pool_chunks: int, chunk_size: int) -> str | None:
+    """Why nodes online get no shard of a hub job's round, in words: a shard is at least one
+    chunk, so a round of fewer chunks than nodes online leaves the rest without one (None when
+    it does not)."""
+    if online <= pool_chunks:
+        return None
+    return (f"{online} nodes are online but a round has {pool_chunks} chunks of up to {chunk_size} samples;"
+            f" a shard is at least one chunk, so {online - pool_chunks} of them get no shard of this job to train"
+            " (at most a replica to check): a smaller [data] chunk_size spreads a round over more nodes")
 
 
 def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
@@ -282,9 +312,12 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
         if live.error and not doc.get("error"):
             doc["error"] = live.error
         if live.active:
+            online = app[LEDGER].scheduler.online_nodes(time.time())
             doc["progress"] = {
                 "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
-                "chunks_free": len(live.free), "assignments_live": live.live_count(),
+                "chunks_free": len(live.free), "assignments_live": live.live_count(), "nodes_online": online,
+                "idle": None if live.node_local else idle_note(online, live.pool_chunks,
+                                                               int(doc["data"].get("chunk_size", 0))),
             }
     return doc
 
