@@ -279,8 +279,8 @@ def openapi_document() -> dict[str, Any]:
                 "JobStatus": {"type": "object", "properties": {
                     "id": {"type": "string"}, "state": {"enum": ["queued", "running", "done", "cancelled", "failed"]},
                     "round": {"type": "integer"}, "rounds": {"type": "integer"},
-                    "progress": {"type": "object", "description": "the live round: chunks, assignments, nodes "
-                                 "online, and why nodes idle (idle: words, or null)"},
+                    "progress": {"type": "object", "description": "the live round: chunks, assignments, and why "
+                                 "nodes online idle (idle: words, or null)"},
                     "data": {"type": "object", "description": "chunks, chunk_size, validation_samples, and "
                              "where the validation set came from (validation: words)"},
                     "history": {"type": "array", "items": {"type": "object", "properties": {

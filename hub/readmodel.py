@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import math
+import re
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from .privacy import epsilon
 from .tokens import Principal
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
+#: the line the hub writes into a stored spec when it held out the validation set (hub/datadefaults.py)
+HELD_BY_HUB = re.compile(r"^validation_fraction = [0-9.]+  # set by the hub: no val file", re.M)
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
         "data_source": "hub" if spec is None else spec.data.source,
-        "data": _data_summary(spec, row["val_samples"], int(chunk_count), int(chunk_max)),
+        "data": _data_summary(spec, row, int(chunk_count), int(chunk_max)),
         # node-local data: the silos attached (what the hub knows of each: never a row)
         **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": _job_parallelism(history),
@@ -137,19 +140,23 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
     }
 
 
-def _data_summary(spec: JobSpec | None, val_samples: int, chunks: int, chunk_max: int) -> dict[str, Any]:
+def _data_summary(spec: JobSpec | None, row: sqlite3.Row, chunks: int, chunk_max: int) -> dict[str, Any]:
     """How the job's data was cut: its chunks (a hub job's) and where its validation set came
     from, in words (with what to do when there is none: no round then reports accuracy)."""
+    val_samples = int(row["val_samples"])
     fraction = None if spec is None else spec.data.validation_fraction
-    if val_samples and fraction:
-        words = (f"{val_samples} samples held out of the training set (validation_fraction = {fraction:g});"
-                 " [data] validation_fraction = 0 turns the hold-out off")
+    node_local = spec is not None and spec.data.node_local
+    if val_samples and fraction and HELD_BY_HUB.search(row["spec_toml"]):
+        words = (f"{val_samples} samples held out of the training set ({fraction:.0%}, the hub's default without"
+                 " a validation file); [data] validation_fraction = 0 turns the hold-out off")
+    elif val_samples and fraction:  # the spec's own fraction: a validation file, when given, is used instead
+        words = (f"{val_samples} samples: the validation file given with the job, or else held out of the"
+                 f" training set (validation_fraction = {fraction:g})")
     elif val_samples:
         words = f"{val_samples} samples from the validation file given with the job"
     else:
-        words = ("none, so no round reports loss or accuracy on held-out data: give a validation file"
-                 " (--val) or set [data] validation_fraction")
-    node_local = spec is not None and spec.data.node_local
+        words = ("none, so no round reports loss or accuracy on held-out data: give a validation file (--val)"
+                 + ("" if node_local else " or set [data] validation_fraction"))
     return {"validation_samples": val_samples, "validation": words,
             **({} if node_local else {"chunks": chunks, "chunk_size": chunk_max})}
 
@@ -312,12 +319,11 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
         if live.error and not doc.get("error"):
             doc["error"] = live.error
         if live.active:
-            online = app[LEDGER].scheduler.online_nodes(time.time())
+            online = 0 if live.node_local else app[LEDGER].scheduler.online_nodes(time.time())
             doc["progress"] = {
                 "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
-                "chunks_free": len(live.free), "assignments_live": live.live_count(), "nodes_online": online,
-                "idle": None if live.node_local else idle_note(online, live.pool_chunks,
-                                                               int(doc["data"].get("chunk_size", 0))),
+                "chunks_free": len(live.free), "assignments_live": live.live_count(),
+                "idle": idle_note(online, live.pool_chunks, int(doc["data"].get("chunk_size", 0))),
             }
     return doc
 
