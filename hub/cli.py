@@ -272,6 +272,11 @@ def cmd_job_list(args: argparse.Namespace) -> int:
 
 def _notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """The status's lines below its first: (key, value) pairs, the same in both layouts."""
+    return _round_notes(doc) + _job_notes(doc)
+
+
+def _round_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The live round's progress, why nodes idle, an error, and how the data was cut."""
     out: list[tuple[str, str]] = []
     prog = doc.get("progress") or {}
     if prog:
@@ -287,6 +292,12 @@ def _notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
                             f" {data['chunk_size']}"))
     if data.get("validation"):
         out.append(("validation", str(data["validation"])))
+    return out
+
+
+def _job_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the job's rounds were spread, its privacy, its silos and what its owner is not shown."""
+    out: list[tuple[str, str]] = []
     par = doc.get("parallel") or {}
     if par.get("rounds"):
         out.append(("spread", f"{par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"
