@@ -275,59 +275,121 @@ def cmd_job_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status_view(doc: dict[str, Any]) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+def _notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The status's lines below its first: (key, value) pairs, the same in both layouts."""
+    return _round_notes(doc) + _job_notes(doc)
 
+
+def _round_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The live round's progress, why nodes idle, an error, and how the data was cut."""
+    out: list[tuple[str, str]] = []
     prog = doc.get("progress") or {}
-    head = Text(f"{doc['id']}  {doc['name']}  state={doc['state']}  round {doc['round']}/{doc['rounds']}")
     if prog:
-        head.append(f"  chunks {prog['chunks_covered']}/{prog['chunks_total']} covered,"
-                    f" {prog['assignments_live']} assignments live")
+        out.append(("progress", f"chunks {prog['chunks_covered']}/{prog['chunks_total']} covered,"
+                                f" {prog['assignments_live']} assignments live"))
+    if prog.get("idle"):
+        out.append(("idle nodes", str(prog["idle"])))
     if doc.get("error"):
-        head.append(f"\nerror: {doc['error']}", style="red")
+        out.append(("error", str(doc["error"])))
     for why in doc.get("waiting") or ():  # why the open round waits, and how to fix it (hub/waits.py)
-        head.append(f"\nwaiting: {why}", style="yellow")
+        out.append(("waiting", str(why)))
+    data = doc.get("data") or {}
+    if data.get("chunks"):
+        out.append(("data", f"{doc.get('train_samples')} training samples in {data['chunks']} chunks of up to"
+                            f" {data['chunk_size']}"))
+    if data.get("validation"):
+        out.append(("validation", str(data["validation"])))
+    return out
+
+
+def _job_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the job's rounds were spread, its privacy, its silos and what its owner is not shown."""
+    out: list[tuple[str, str]] = []
     par = doc.get("parallel") or {}
     if par.get("rounds"):
-        head.append(f"\nspread: {par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"
-                    f" parallel efficiency {par['efficiency']:.0%} (training time summed over the nodes /"
-                    " (nodes x round wall time))")
+        out.append(("spread", f"{par['shards']:.1f} shards and {par['nodes']:.1f} nodes a round on average;"
+                              f" parallel efficiency {par['efficiency']:.0%} (training time summed over the nodes /"
+                              " (nodes x round wall time))"))
     dp = doc.get("privacy")
     if dp:  # [privacy] dp = "central" (hub/privacy.py)
         eps = "inf (no noise)" if dp["epsilon"] is None else f"{dp['epsilon']:.3g}"
         end = "inf" if dp["epsilon_at_end"] is None else f"{dp['epsilon_at_end']:.3g}"
-        head.append(f"\nprivacy: ε = {eps} at δ = {dp['delta']:g} after {dp['rounds']} rounds"
-                    f" ({dp['mechanism']}: clip {dp['clip_norm']:g}, noise multiplier {dp['noise_multiplier']:g};"
-                    f" ε = {end} after all {doc['rounds']})")
+        out.append(("privacy", f"ε = {eps} at δ = {dp['delta']:g} after {dp['rounds']} rounds"
+                               f" ({dp['mechanism']}: clip {dp['clip_norm']:g}, noise multiplier"
+                               f" {dp['noise_multiplier']:g}; ε = {end} after all {doc['rounds']})"))
     silos = doc.get("silos")
     if silos is not None:  # [data] source = "node-local": what the hub knows of each silo
         counts = [s["samples"] for s in silos]
         total = f", {sum(counts)} samples in all" if None not in counts else ""
-        head.append(f"\nsilos: {len(silos)} attached{total} (the rows stay on their nodes)")
+        out.append(("silos", f"{len(silos)} attached{total} (the rows stay on their nodes)"))
     if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.owner_view)
-        head.append(f"\nnot shown: {doc['redacted']}")
-    table = Table("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
-                  "efficiency", "updates", "flags", "MB up / down", "compression")
+        out.append(("not shown", str(doc["redacted"])))
+    return out
 
-    def fmt(v: Any, spec: str = ".4f") -> str:
-        return "-" if v is None else format(v, spec)
 
+ROUND_COLUMNS = ("round", "val loss", "accuracy", "train loss", "shards", "nodes: share of samples",
+                 "efficiency", "updates", "flags", "MB up / down", "compression")
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _round_cells(h: dict[str, Any]) -> list[str]:
+    """One closed round's values, in ROUND_COLUMNS' order; the node shares one per line."""
+    shares = h.get("node_shares") or {}
+    share_text = "\n".join(f"{n} {v:.0%}" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+    p = h.get("parallel") or {}
+    unverified = len(h.get("unverified") or {})
+    t = h.get("transfer") or {}
+    down = t.get("bytes_down")
+    return [str(h["round"]), _fmt(h["loss"]), _fmt(h["accuracy"], ".3f"), _fmt(h["train_loss"]),
+            str(p.get("shards", "-")), share_text or "-", _fmt(p.get("efficiency"), ".0%"),
+            str(sum(1 for u in h["updates"] if u["status"] == "included"))
+            + (f" ({unverified} unverified)" if unverified else ""), str(len(h["flags"])),
+            f"{t.get('bytes_up', 0) / 1e6:.2f} / " + ("-" if down is None else f"{down / 1e6:.2f}"),
+            _fmt(t.get("compression_ratio"), ".1f") + "x" if t.get("compression_ratio") else "-"]
+
+
+def _status_view(doc: dict[str, Any]) -> Any:
+    """The status for a wide terminal: a heading and one table row per closed round."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(f"{doc['id']}  {doc['name']}  state={doc['state']}  round {doc['round']}/{doc['rounds']}")
+    for key, value in _notes(doc):
+        sep = "  " if key == "progress" else "\n"
+        head.append(f"{sep}{value}" if key == "progress" else f"{sep}{key}: {value}",
+                    style="red" if key == "error" else "")
+    table = Table(*ROUND_COLUMNS)
     for h in doc["history"]:
-        shares = h.get("node_shares") or {}
-        share_text = "\n".join(f"{n} {v:.0%}" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
-        p = h.get("parallel") or {}
-        unverified = len(h.get("unverified") or {})
-        t = h.get("transfer") or {}
-        down = t.get("bytes_down")
-        table.add_row(str(h["round"]), fmt(h["loss"]), fmt(h["accuracy"], ".3f"), fmt(h["train_loss"]),
-                      str(p.get("shards", "-")), share_text or "-", fmt(p.get("efficiency"), ".0%"),
-                      str(sum(1 for u in h["updates"] if u["status"] == "included"))
-                      + (f" ({unverified} unverified)" if unverified else ""), str(len(h["flags"])),
-                      f"{t.get('bytes_up', 0) / 1e6:.2f} / " + ("-" if down is None else f"{down / 1e6:.2f}"),
-                      fmt(t.get("compression_ratio"), ".1f") + "x" if t.get("compression_ratio") else "-")
+        table.add_row(*_round_cells(h))
     return Group(head, table)
+
+
+def _status_lines(doc: dict[str, Any]) -> list[str]:
+    """The status as plain "key: value" lines, every value whole: for a pipe or a terminal too
+    narrow for the table (ids are copied from here into the next command)."""
+    lines = [f"id: {doc['id']}", f"name: {doc['name']}", f"state: {doc['state']}",
+             f"round: {doc['round']}/{doc['rounds']}"]
+    lines += [f"{key}: {value}" for key, value in _notes(doc)]
+    for h in doc["history"]:
+        cells = _round_cells(h)
+        lines.append(f"round {cells[0]}:")
+        lines += [f"  {key}: {value.replace(chr(10), ', ')}" for key, value in zip(ROUND_COLUMNS[1:], cells[1:],
+                                                                                      strict=True)]
+    return lines
+
+
+def _fits(console: Any, view: Any) -> bool:
+    """Does the table layout show every value whole here: a terminal at least as wide as it?"""
+    from rich.measure import Measurement
+
+    if not console.is_terminal:
+        return False
+    unbounded = console.options.update_width(1 << 20)  # a measurement is clamped to the width it is given
+    return bool(Measurement.get(console, unbounded, view).maximum <= console.width)
 
 
 def cmd_job_status(args: argparse.Namespace) -> int:
@@ -340,6 +402,8 @@ def cmd_job_status(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     console = Console()
+    if not _fits(console, _status_view(doc)):
+        return _plain_status(doc, args, hub, token)
     if not args.watch:
         console.print(_status_view(doc))
         return 0
@@ -348,6 +412,20 @@ def cmd_job_status(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
             doc = asyncio.run(oc.job_status(hub, token, args.id))
             live.update(_status_view(doc))
+    return 0
+
+
+def _plain_status(doc: dict[str, Any], args: argparse.Namespace, hub: str, token: str) -> int:
+    """The plain layout; --watch prints it again, after a blank line, each time it changes."""
+    shown = _status_lines(doc)
+    print("\n".join(shown), flush=True)
+    while args.watch and doc["state"] in ("queued", "running"):
+        time.sleep(args.interval)
+        doc = asyncio.run(oc.job_status(hub, token, args.id))
+        lines = _status_lines(doc)
+        if lines != shown:
+            print("\n" + "\n".join(lines), flush=True)
+            shown = lines
     return 0
 
 

@@ -31,6 +31,13 @@ from gpuflex.protocol.tensors import (
 )
 
 from .blobs import BlobStore
+from .datadefaults import (
+    Decision,
+    apply_decisions,
+    chunk_size_default,
+    record_in_spec,
+    validation_default,
+)
 from .dataset import (
     Arrays,
     encode_arrays,
@@ -446,6 +453,25 @@ def new_id(prefix: str) -> str:
 # -- submission -------------------------------------------------------------------------------
 
 
+def _split_and_size(spec: JobSpec, train_path: Path, val_path: Path | None,
+                    nodes_online: int) -> tuple[Arrays, Arrays | None, list[Decision]]:
+    """(training set, validation set, what the hub decided for the spec's [data]) of a hub job."""
+    dspec, mspec = spec.data, spec.model
+    x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
+    train = validate_arrays(x, y, mspec, what="train")
+    val: Arrays | None = None
+    if val_path is not None:
+        vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
+        val = validate_arrays(vx, vy, mspec, what="val")
+    held = validation_default(dspec, len(train), val_path is not None)
+    if val_path is None:
+        fraction = float(held.value if held is not None else dspec.validation_fraction or 0.0)
+        stratified = dspec.split == "stratified" and mspec.task == "classification"
+        train, val = split_validation(train, fraction, stratified=stratified, seed=spec.train.seed)
+    sized = chunk_size_default(dspec, len(train), nodes_online)
+    return train, val, [d for d in (held, sized) if d is not None]
+
+
 def ingest_job(
     store: Store,
     blobs: BlobStore,
@@ -454,10 +480,13 @@ def ingest_job(
     spec_text: bytes,
     train_path: Path | None,
     val_path: Path | None,
+    nodes_online: int = 0,
 ) -> JobState:
     """Validate a submission and store it (blobs, then rows). Runs in a worker thread. A
     node-local job ([data] source = "node-local") comes with no training set: its chunks are the
-    silos nodes attach later; an optional validation set is the owner's own."""
+    silos nodes attach later; an optional validation set is the owner's own. What the spec leaves
+    to the hub (the hold-out, the chunk size: hub/datadefaults.py) is decided here, from the
+    training set and ``nodes_online``, and written into the stored spec."""
     try:
         spec = parse_job_spec(spec_text)
     except ProtocolError as exc:
@@ -479,16 +508,10 @@ def ingest_job(
         if train_path is None:  # a missing form part: 400, as the route answers for a missing spec
             raise BadRequest("a job needs a training set (part 'train': .npz or .csv), or "
                              "[data] source = \"node-local\"", code="bad_form")
-        x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
-        train = validate_arrays(x, y, mspec, what="train")
-        if val_path is not None:
-            vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
-            val = validate_arrays(vx, vy, mspec, what="val")
-        else:
-            train, val = split_validation(
-                train, dspec.validation_fraction, stratified=stratified, seed=spec.train.seed
-            )
-        pieces = make_chunks(train, dspec.chunk_size, stratified=stratified, seed=spec.train.seed)
+        train, val, decided = _split_and_size(spec, train_path, val_path, nodes_online)
+        spec_text = record_in_spec(spec_text.decode("utf-8"), spec, decided).encode("utf-8")
+        spec = apply_decisions(spec, decided)
+        pieces = make_chunks(train, int(spec.data.chunk_size or 0), stratified=stratified, seed=spec.train.seed)
         shas = blobs.put_many([data for data, _ in pieces])  # the small ones: one commit for them all
         for idx, ((data, samples), sha) in enumerate(zip(pieces, shas, strict=True)):
             chunks.append(ChunkInfo(idx, sha, samples, len(data)))

@@ -290,7 +290,10 @@ def openapi_document() -> dict[str, Any]:
                 "JobStatus": {"type": "object", "properties": {
                     "id": {"type": "string"}, "state": {"enum": ["queued", "running", "done", "cancelled", "failed"]},
                     "round": {"type": "integer"}, "rounds": {"type": "integer"},
-                    "progress": {"type": "object"},
+                    "progress": {"type": "object", "description": "the live round: chunks, assignments, and why "
+                                 "nodes online idle (idle: words, or null)"},
+                    "data": {"type": "object", "description": "chunks, chunk_size, validation_samples, and "
+                             "where the validation set came from (validation: words)"},
                     # why the open round waits, in words (hub/waits.py)
                     "waiting": {"type": "array", "items": {"type": "string"}},
                     "history": {"type": "array", "items": {"type": "object", "properties": {

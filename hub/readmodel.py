@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import math
+import re
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -22,15 +23,18 @@ from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
+from gpuflex.protocol.modelspec import model_file_metadata
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
-from .appkeys import BLOBS, CONFIG, LEDGER, STORE
+from .appkeys import BLOBS, CONFIG, HUB_KEY, LEDGER, STORE
 from .errors import BadRequest, Conflict, Forbidden, NotFound
 from .privacy import epsilon
 from .tokens import Principal
 from .waits import round_waits
 
 FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
+#: the line the hub writes into a stored spec when it held out the validation set (hub/datadefaults.py)
+HELD_BY_HUB = re.compile(r"^validation_fraction = [0-9.]+  # set by the hub: no val file", re.M)
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -75,8 +79,9 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
     job_id = row["id"]
     history: list[dict[str, Any]] = []
     rounds = conn.execute("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,)).fetchall()
-    chunk_samples = conn.execute("SELECT COALESCE(SUM(samples), 0) FROM chunks WHERE job_id = ?",
-                                 (job_id,)).fetchone()[0]
+    chunk_samples, chunk_count, chunk_max = conn.execute(
+        "SELECT COALESCE(SUM(samples), 0), COUNT(*), COALESCE(MAX(samples), 0) FROM chunks WHERE job_id = ?",
+        (job_id,)).fetchone()
     silos = [{"node_id": c["owner_node"], "samples": c["samples"], "blob": c["sha"], "size": c["size"],
               "label_histogram": None if c["histogram"] is None else json.loads(c["histogram"]),
               "attached_at": c["registered_at"]}
@@ -128,11 +133,44 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
         "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
         "history": history,
         "data_source": "hub" if spec is None else spec.data.source,
+        "data": _data_summary(spec, row, int(chunk_count), int(chunk_max)),
         # node-local data: the silos attached (what the hub knows of each: never a row)
         **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": _job_parallelism(history),
         **({"privacy": dp} if spec is not None and (dp := _privacy(spec, len(history))) is not None else {}),
     }
+
+
+def _data_summary(spec: JobSpec | None, row: sqlite3.Row, chunks: int, chunk_max: int) -> dict[str, Any]:
+    """How the job's data was cut: its chunks (a hub job's) and where its validation set came
+    from, in words (with what to do when there is none: no round then reports accuracy)."""
+    val_samples = int(row["val_samples"])
+    fraction = None if spec is None else spec.data.validation_fraction
+    node_local = spec is not None and spec.data.node_local
+    if val_samples and fraction and HELD_BY_HUB.search(row["spec_toml"]):
+        words = (f"{val_samples} samples held out of the training set ({fraction:.0%}, the hub's default without"
+                 " a validation file); [data] validation_fraction = 0 turns the hold-out off")
+    elif val_samples and fraction:  # the spec's own fraction: a validation file, when given, is used instead
+        words = (f"{val_samples} samples: the validation file given with the job, or else held out of the"
+                 f" training set (validation_fraction = {fraction:g})")
+    elif val_samples:
+        words = f"{val_samples} samples from the validation file given with the job"
+    else:
+        words = ("none, so no round reports loss or accuracy on held-out data: give a validation file (--val)"
+                 + ("" if node_local else " or set [data] validation_fraction"))
+    return {"validation_samples": val_samples, "validation": words,
+            **({} if node_local else {"chunks": chunks, "chunk_size": chunk_max})}
+
+
+def idle_note(online: int, pool_chunks: int, chunk_size: int) -> str | None:
+    """Why nodes online get no shard of a hub job's round, in words: a shard is at least one
+    chunk, so a round of fewer chunks than nodes online leaves the rest without one (None when
+    it does not)."""
+    if online <= pool_chunks:
+        return None
+    return (f"{online} nodes are online but a round has {pool_chunks} chunks of up to {chunk_size} samples;"
+            f" a shard is at least one chunk, so {online - pool_chunks} of them get no shard of this job to train"
+            " (at most a replica to check): a smaller [data] chunk_size spreads a round over more nodes")
 
 
 def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
@@ -283,9 +321,11 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
         if live.error and not doc.get("error"):
             doc["error"] = live.error
         if live.active:
+            online = 0 if live.node_local else app[LEDGER].scheduler.online_nodes(time.time())
             doc["progress"] = {
                 "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
                 "chunks_free": len(live.free), "assignments_live": live.live_count(),
+                "idle": idle_note(online, live.pool_chunks, int(doc["data"].get("chunk_size", 0))),
             }
     waiting = live_waits(app, who, job_id)
     if waiting is not None:
@@ -326,13 +366,17 @@ def model_version(conn: sqlite3.Connection, who: Principal, job_id: str, version
 async def export_model(app: web.Application, who: Principal, job_id: str,
                        version: int | None = None) -> tuple[int, str, bytes]:
     """(version, model sha, .safetensors bytes) of a job's latest model or of model `version`
-    (0 = initial, N = after N rounds). Same owner scoping as the API."""
+    (0 = initial, N = after N rounds), its metadata naming the model spec, the job, the version and
+    the hub's key (protocol/modelspec.py model_file_metadata). Same owner scoping as the API."""
 
-    row = await app[STORE].query(lambda c: model_version(c, who, job_id, version))
+    row, spec = await app[STORE].query(lambda c: (model_version(c, who, job_id, version),
+                                                   spec_of(job_row(c, who, job_id))))
     blobs = app[BLOBS]
+    meta = None if spec is None else model_file_metadata(
+        spec.model, job_id=job_id, round_=int(row["version"]), hub_fingerprint=app[HUB_KEY].fingerprint)
 
     def export() -> bytes:
-        return state_to_safetensors(decode_state(blobs.read(row["sha"])))
+        return state_to_safetensors(decode_state(blobs.read(row["sha"])), meta)
 
     return int(row["version"]), str(row["sha"]), await asyncio.to_thread(export)
 

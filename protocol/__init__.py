@@ -46,7 +46,14 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .modelspec import ModelSpec, build_for_state, build_model, manifest, param_count
+from .modelspec import (
+    ModelSpec,
+    build_for_state,
+    build_model,
+    load_safetensors_model,
+    manifest,
+    param_count,
+)
 from .signing import (
     ReplayGuard,
     SigningKey,
@@ -161,6 +168,7 @@ __all__ = [
     "fingerprint",
     "is_blob_id",
     "load_job_spec",
+    "load_safetensors_model",
     "load_state_file",
     "manifest",
     "manifest_of",

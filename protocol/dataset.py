@@ -51,6 +51,8 @@ MAX_CSV_COLUMNS: Final = 100_000
 KIND_NAMES: Final = {
     "npz": "an .npz archive",
     "npy": "a single .npy array",
+    "zip": "a zip archive that is not an .npz (whose members are .npy arrays)",
+    "parquet": "a Parquet file",
     "json": "JSON",
     "csv": "CSV text",
     "binary": "binary data that is neither .npz nor CSV",
@@ -79,11 +81,12 @@ class Arrays:
 
 
 def sniff(head: bytes) -> str:
-    """The content kind of a file from its first bytes: npz, npy, json, csv, binary or empty."""
+    """The content kind of a file from its first bytes: npz (a zip archive whose first member is
+    an .npy array), zip (any other zip archive), parquet, npy, json, csv, binary or empty."""
     if not head:
         return "empty"
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return "npz"
+        return "npz" if _first_member(head).endswith(".npy") else "zip"
     if head.startswith(b"\x93NUMPY"):
         return "npy"
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
@@ -93,19 +96,39 @@ def sniff(head: bytes) -> str:
         head.decode("utf-8")
     except UnicodeDecodeError as exc:
         if exc.reason != "unexpected end of data":  # a character cut at the end is still text
-            return "binary"
+            return _binary(head)
     if b"\x00" in head:
-        return "binary"
+        return _binary(head)
     return "csv"
 
 
-def content_problem(kind: str, what: str) -> str | None:
-    """The one-line refusal for content the protocol does not read, or None for npz/csv."""
+def _binary(head: bytes) -> str:
+    """The kind of binary content: a Parquet file (its magic, then binary metadata) or other."""
+    return "parquet" if head.startswith(b"PAR1") else "binary"
+
+
+def _first_member(head: bytes) -> str:
+    """The name of a zip archive's first member, from its local file header ("" when the
+    archive is empty or the name is cut off): numpy.savez writes x.npy and y.npy."""
+    if not head.startswith(b"PK\x03\x04") or len(head) < 30:
+        return ""
+    (name_len,) = struct.unpack_from("<H", head, 26)
+    return head[30 : 30 + name_len].decode("utf-8", errors="replace") if len(head) >= 30 + name_len else ""
+
+
+def content_problem(kind: str, what: str, head: bytes = b"") -> str | None:
+    """The one-line refusal for content the protocol does not read, or None for npz/csv;
+    ``head`` (the file's first bytes) lets it name a zip archive's first member."""
     if kind in ("npz", "csv"):
         return None
     if kind == "npy":
         return (f"{what}: this is a single .npy array; save x and y together with "
                 f"numpy.savez(path, x=x, y=y). Accepted: {ACCEPTED}")
+    if kind in ("zip", "parquet"):
+        first = _first_member(head) if kind == "zip" else ""
+        found = f" (its first member is {first!r})" if first else ""
+        return (f"{what}: the file is {KIND_NAMES[kind]}{found}; save x and y with numpy.savez(path, x=x, y=y) "
+                f"or write a CSV. Accepted: {ACCEPTED}")
     return f"{what}: the file is {KIND_NAMES[kind]}. Accepted: {ACCEPTED}"
 
 
@@ -128,7 +151,7 @@ def check_dataset_file(path: Path, what: str) -> str:
     except OSError as exc:
         raise DatasetError(f"{label}: cannot read it ({exc.strerror or exc})") from None
     kind = sniff(head)
-    problem = content_problem(kind, label)
+    problem = content_problem(kind, label, head)
     if problem is not None:
         raise DatasetError(problem)
     suffix = path.suffix.lower()
@@ -159,7 +182,7 @@ def read_arrays(path: Path, *, label_column: str, what: str) -> tuple[np.ndarray
     except OSError as exc:
         raise DatasetError(f"{what}: cannot read it ({exc.strerror or exc.__class__.__name__})") from None
     kind = sniff(head)
-    problem = content_problem(kind, what)
+    problem = content_problem(kind, what, head)
     if problem is not None:
         raise DatasetError(problem)
     if kind == "npz":
@@ -209,7 +232,8 @@ def _read_csv(path: Path, label_column: str, what: str) -> tuple[np.ndarray, np.
     if len(header) > MAX_CSV_COLUMNS:
         raise DatasetError(f"{what}: CSV has too many columns")
     if label_column not in header:
-        raise DatasetError(f"{what}: CSV has no label column {label_column!r} (set [data] label_column)")
+        raise DatasetError(f"{what}: CSV has no label column {label_column!r} (set [data] label_column);"
+                           f" its columns: {_column_list(header)}")
     li = header.index(label_column)
     xs: list[list[float]] = []
     ys: list[float] = []
@@ -229,6 +253,12 @@ def _read_csv(path: Path, label_column: str, what: str) -> tuple[np.ndarray, np.
     except csv.Error as exc:
         raise DatasetError(f"{what}: malformed CSV ({exc})") from None
     return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+
+
+def _column_list(header: list[str], most: int = 20) -> str:
+    """The header's column names for a message: the first ``most`` of them, and how many in all."""
+    names = ", ".join(repr(h) for h in header[:most])
+    return names if len(header) <= most else f"{names}, ... ({len(header)} in all)"
 
 
 # --------------------------------------------------------------------------- validation

@@ -116,9 +116,13 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    chunk_size: int = 64
+    #: samples per chunk; None: the hub sizes chunks from the training set and the nodes online
+    #: when the job is submitted, and writes the size into the job's stored spec
+    chunk_size: int | None = None
     split: str = "stratified"
-    validation_fraction: float = 0.0
+    #: held out of the training set when no validation file is given; None: the hub holds out
+    #: its default share (10%) when the set is large enough, and writes it into the stored spec
+    validation_fraction: float | None = None
     label_column: str = "label"
     #: "hub": the owner uploads the training set and the hub cuts it into chunks; "node-local":
     #: the data stays in silos on the nodes (``gpuflex-node data add``), the hub never gets a row,
@@ -394,9 +398,10 @@ def _train(s: _Section, task: str) -> TrainSpec:
 def _data(s: _Section) -> DataSpec:
     d = DataSpec()  # the defaults live in the dataclass only
     spec = DataSpec(
-        chunk_size=s.get_int("chunk_size", d.chunk_size, 1, 1_000_000),
+        chunk_size=s.get_int("chunk_size", 0, 1, 1_000_000) if "chunk_size" in s.table else d.chunk_size,
         split=s.get_choice("split", d.split, SPLITS),
-        validation_fraction=s.get_float("validation_fraction", d.validation_fraction, 0.0, 0.9),
+        validation_fraction=s.get_float("validation_fraction", 0.0, 0.0, 0.9)
+        if "validation_fraction" in s.table else d.validation_fraction,
         label_column=s.get_text("label_column", d.label_column, 64),
         source=s.get_choice("source", d.source, DATA_SOURCES),
         min_samples=s.get_int("min_samples", d.min_samples, 1, MAX_SILO_SAMPLES),

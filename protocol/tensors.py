@@ -569,8 +569,8 @@ def check_finite(state: Mapping[str, torch.Tensor]) -> None:
 # safetensors export/import (for owners: any tool can load these).
 
 
-def state_to_safetensors(state: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialise a state dict as .safetensors bytes."""
+def state_to_safetensors(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialise a state dict as .safetensors bytes, with ``metadata`` (text to text) in its header."""
     from safetensors.torch import save
 
     tensors: dict[str, torch.Tensor] = {}
@@ -578,8 +578,31 @@ def state_to_safetensors(state: Mapping[str, torch.Tensor]) -> bytes:
         _check_name(name)
         # clone() gives each tensor its own storage: safetensors refuses shared memory.
         tensors[name] = _wire_tensor(name, value).clone()
-    data: bytes = save(tensors)
+    data: bytes = save(tensors, metadata=dict(metadata) if metadata else None)
     return data
+
+
+def safetensors_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The text metadata in a .safetensors file's JSON header ({} when it has none); DecodeError
+    when the header is not there or not JSON. Reads the header only (no tensor data)."""
+    import json
+
+    view = memoryview(data)
+    if len(view) < 8:
+        raise DecodeError("safetensors: too short for a header")
+    (size,) = struct.unpack_from("<Q", view, 0)
+    if size > min(MAX_HEADER_BYTES * 4, len(view) - 8):
+        raise DecodeError(f"safetensors: a header of {size} bytes does not fit the file")
+    try:
+        header = json.loads(bytes(view[8 : 8 + size]))
+    except (ValueError, RecursionError):
+        raise DecodeError("safetensors: the header is not JSON") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise DecodeError("safetensors: __metadata__ must map text to text")
+    return dict(meta)
 
 
 def state_from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
@@ -625,6 +648,7 @@ __all__ = [
     "max_encoded_size",
     "read_header",
     "read_header_prefix",
+    "safetensors_metadata",
     "sha256_hex",
     "state_from_safetensors",
     "state_to_safetensors",

@@ -39,6 +39,14 @@ def files(tmp_path: Path) -> dict[str, Path]:
     buf = io.BytesIO()
     np.save(buf, np.zeros((3, 2), dtype=np.float32))
     out["bare_npy"].write_bytes(buf.getvalue())
+    out["zip_parquet"] = tmp_path / "train.parquet"  # a zip of something else under another name
+    with zipfile.ZipFile(out["zip_parquet"], "w") as z:
+        z.writestr("part-0.csv", "a,b,label\n1,2,0\n")
+    out["zip_npz"] = tmp_path / "other.npz"
+    with zipfile.ZipFile(out["zip_npz"], "w") as z:
+        z.writestr("readme.txt", "hello")
+    out["parquet"] = tmp_path / "real.parquet"  # Parquet's magic, binary metadata, magic again
+    out["parquet"].write_bytes(b"PAR1\x15\x04\x15\x80\x01\x15\x80\x01\x4c\x15\x04\x00\x00" * 8 + b"PAR1")
     return out
 
 
@@ -58,6 +66,10 @@ def _submit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         ("npy_named", "the content is an .npz archive"),
         ("npz_csv", "the name says .npz but the content is CSV text"),
         ("bare_npy", "single .npy array"),
+        ("zip_parquet", "a zip archive that is not an .npz (whose members are .npy arrays) (its first member is"
+                        " 'part-0.csv')"),
+        ("zip_npz", "a zip archive that is not an .npz"),
+        ("parquet", "the file is a Parquet file"),
     ],
 )
 def test_submit_names_the_file_problem_in_one_line(files, tmp_path, capsys, case, expected):
@@ -97,13 +109,33 @@ async def test_hub_names_json_and_npy_uploads(running_hub, files):
         assert r.status == 201, await r.text()
 
 
-def test_zip_that_is_not_npz_is_named(tmp_path):
-    """A zip archive without x/y is still refused by the npz reader with its own message."""
+def test_zip_that_is_not_npz_is_named(files):
+    """A zip archive whose members are not .npy arrays is named as such by the reader too, not
+    called an .npz; an .npz of other arrays is refused naming the arrays it holds."""
     from gpuflex.hub.dataset import read_arrays
     from gpuflex.hub.errors import Unprocessable
 
-    path = tmp_path / "other.npz"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("readme.txt", "hello")
-    with pytest.raises(Unprocessable, match="'x' and 'y'"):
-        read_arrays(path, label_column="label", what="train")
+    with pytest.raises(Unprocessable, match=r"zip archive that is not an \.npz .* first member is 'readme\.txt'"):
+        read_arrays(files["zip_npz"], label_column="label", what="train")
+    other = files["zip_npz"].with_name("ab.npz")
+    np.savez(other, a=np.zeros(2), b=np.zeros(2))
+    with pytest.raises(Unprocessable, match=r"'x' and 'y' \(found \['a', 'b'\]\)"):
+        read_arrays(other, label_column="label", what="train")
+
+
+async def test_hub_names_zip_parquet_and_csv_columns(running_hub, files, tmp_path):
+    """The hub names a zip and a Parquet upload for what they are, and a CSV without the label
+    column gets the columns it has; the job is not created."""
+    no_label = tmp_path / "wine.csv"
+    no_label.write_text("alcohol,ash,class\n13.2,2.1,0\n12.4,2.3,1\n")
+    async with aiohttp.ClientSession() as s:
+        for path, expected in ((files["zip_parquet"], "zip archive that is not an .npz"),
+                               (files["parquet"], "the file is a Parquet file"),
+                               (no_label, "CSV has no label column 'label' (set [data] label_column);"
+                                          " its columns: 'alcohol', 'ash', 'class'")):
+            r = await submit_job(s, running_hub, files["spec"], path)
+            body = await r.json()
+            assert r.status == 422 and body["error"] == "bad_dataset", body
+            assert expected in body["detail"] and "\n" not in body["detail"], body
+        r = await s.get(f"{running_hub.url}/v1/jobs", headers=running_hub.auth())
+        assert (await r.json())["jobs"] == []

@@ -60,8 +60,9 @@ def test_defaults_exactly_as_the_contract() -> None:
         round_target_s=10.0,
         deadline_slack=3.0,
     )
+    # chunk_size and validation_fraction unset: the hub decides them at submission (hub/datadefaults.py)
     assert job.data == DataSpec(
-        chunk_size=64, split="stratified", validation_fraction=0.0, label_column="label"
+        chunk_size=None, split="stratified", validation_fraction=None, label_column="label"
     )
     assert job.aggregation == AggregationSpec(
         method="fedavg",
