@@ -1,4 +1,4 @@
-"""Nodes started exactly as the README's contributor section shows, on one machine: real
+"""Nodes started exactly as the contributor's guide (docs/contributor.md) shows, on one machine: real
 `gpuflex-node run` processes with no --source-address reach a `gpuflex-hub serve` process (the
 production defences) from one address block, 127.0.0.0/24. No replica of their shards can go to
 the other node, so no round may wait `replica_wait_s` for one: the referee re-executes a segment

@@ -1,8 +1,9 @@
 """The downloaded model file describes itself: its metadata names the model spec, the job, the
-round and the hub's key, and the README's one call rebuilds the torch module from the file alone.
+round and the hub's key, and the one call of the owner's guide (docs/owner.md) rebuilds the torch
+module from the file alone.
 
 A real hub on 127.0.0.1 trains one round with a simulated node; the real CLI downloads the
-model in a process, and the README's snippet runs as written in another.
+model in a process, and the guide's snippet runs as written in another.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from safetensors import safe_open
 
 from tests.helpers import SimNode, submit_job, wait_job, write_digits
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OWNER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "owner.md"
 
 
-def _readme_snippet() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _guide_snippet() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", OWNER_GUIDE.read_text(), flags=re.S)
     return next(b for b in blocks if "load_safetensors_model" in b)
 
 
@@ -84,8 +85,8 @@ async def test_downloaded_model_names_its_spec_job_round_and_hub_and_rebuilds_al
     with torch.no_grad():
         assert torch.equal(model(x), expected.eval()(x))
 
-    # the README's snippet, as written, in a process of its own next to the file
-    printed = await _run(sys.executable, "-c", _readme_snippet(), cwd=tmp_path, env=env)
+    # the owner's guide's snippet, as written, in a process of its own next to the file
+    printed = await _run(sys.executable, "-c", _guide_snippet(), cwd=tmp_path, env=env)
     assert re.fullmatch(r"tensor\(\[\d\]\)\n", printed), printed
 
 

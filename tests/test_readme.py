@@ -1,4 +1,7 @@
-"""The README's job-spec reference and model examples are real, parseable specs."""
+"""The README is a short entry point and docs/ holds the reference: the README stays within
+400 lines and links every docs page, every relative link in the README and in docs/ leads to
+a file (and heading) that exists, and the job-spec reference and model examples in
+docs/job-spec.md, like the README's own spec, are real, parseable specs."""
 
 from __future__ import annotations
 
@@ -9,10 +12,14 @@ import pytest
 from gpuflex.protocol import jobspec
 from gpuflex.protocol.modelspec import build_model, param_count
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```toml\n(.*?)```", README.read_text(), flags=re.S)
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+JOB_SPEC = DOCS / "job-spec.md"
+BLOCKS = re.findall(r"```toml\n(.*?)```", JOB_SPEC.read_text(), flags=re.S)
 MODEL_BLOCKS = [b for b in BLOCKS if b.lstrip().startswith("#") and "[model]" in b]
 REFERENCE = next(b for b in BLOCKS if "[verification]" in b)
+MAX_README_LINES = 400
 
 
 def test_readme_has_examples_for_every_model_kind() -> None:
@@ -36,3 +43,65 @@ def test_reference_defaults_match_the_parser() -> None:
     shown = jobspec.parse_job_spec(reference + "\n" + mlp)
     minimal = jobspec.parse_job_spec('[job]\nname = "digits"\n' + mlp)
     assert shown == minimal
+
+
+def test_the_owners_spec_in_the_readme_parses_and_builds() -> None:
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the owner's journey shows a spec.toml"
+    for block in blocks:
+        spec = jobspec.parse_job_spec(block)
+        build_model(spec.model, seed=0)
+
+
+def test_readme_is_at_most_400_lines() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move reference material into docs/"
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    linked = {_target(README, link)[0] for link in _links(README)}
+    pages = sorted(DOCS.glob("*.md"))
+    assert pages
+    missing = [p.relative_to(REPO).as_posix() for p in pages if p.resolve() not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def _links(path: Path) -> list[str]:
+    """The targets of the markdown links in a file, outside code blocks and code spans."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def _target(page: Path, link: str) -> tuple[Path, str]:
+    file, _, anchor = link.partition("#")
+    return ((page.parent / file).resolve() if file else page.resolve()), anchor
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    fence = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"#{1,6} (.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower().replace("`", "")).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def test_every_relative_link_in_the_readme_and_docs_leads_somewhere() -> None:
+    problems = []
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        for link in _links(page):
+            if re.match(r"[a-z][a-z0-9+.-]*:", link):  # https:, mailto: ...
+                continue
+            assert not link.startswith("/"), f"{page.name}: {link} is an absolute path"
+            target, anchor = _target(page, link)
+            if not target.exists():
+                problems.append(f"{page.relative_to(REPO)}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                problems.append(f"{page.relative_to(REPO)}: {link} (no such heading)")
+    assert not problems, "\n".join(problems)

@@ -41,7 +41,7 @@ from tests.tooling import attacks as atk
 
 torch.set_num_threads(1)
 
-SPEC = VerificationSpec()  # the calibrated defaults (README, Verification)
+SPEC = VerificationSpec()  # the calibrated defaults (docs/verification.md)
 SHARD = 3  # chunks per shard (192 samples)
 
 
