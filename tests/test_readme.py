@@ -1,11 +1,13 @@
 """The README is a short entry point and docs/ holds the reference: the README stays within
 400 lines and links every docs page, every relative link in the README and in docs/ leads to
-a file (and heading) that exists, and the job-spec reference and model examples in
-docs/job-spec.md, like the README's own spec, are real, parseable specs."""
+a file (and heading) that exists, every gpuflex-hub / gpuflex-node command shown is one the CLI
+takes, and the job-spec reference and model examples in docs/job-spec.md, like the README's own
+spec, are real, parseable specs."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,44 @@ def test_every_relative_link_in_the_readme_and_docs_leads_somewhere() -> None:
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
                 problems.append(f"{page.relative_to(REPO)}: {link} (no such heading)")
     assert not problems, "\n".join(problems)
+
+
+def _cli_commands() -> list[tuple[str, str]]:
+    """(page, command) for every gpuflex-hub / gpuflex-node command in a shell block of the README
+    or docs/, comments dropped, `a ; b` split."""
+    out = []
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        for block in re.findall(r"```sh\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.splitlines():
+                for cmd in re.sub(r"\s+#.*$", "", line).split(" ; "):
+                    if cmd.strip().split(" ", 1)[0] in ("gpuflex-hub", "gpuflex-node"):
+                        out.append((page.relative_to(REPO).as_posix(), cmd.strip()))
+    return out
+
+
+def _argv(cmd: str) -> list[str]:
+    """The command as a shell would pass it, with `[optional]` parts given and `a|b` taking a."""
+    cmd = re.sub(r"\[([^\]]*)\]", r"\1", cmd)
+    cmd = re.sub(r"(\S+?)\|\S+", r"\1", cmd)
+    return shlex.split(cmd)
+
+
+@pytest.mark.parametrize(("page", "cmd"), _cli_commands(), ids=lambda v: v)
+def test_every_command_in_the_readme_and_docs_is_one_the_cli_takes(page: str, cmd: str) -> None:
+    from gpuflex.hub.cli import build_parser as hub_parser
+    from gpuflex.node.cli import build_parser as node_parser
+
+    argv = _argv(cmd)
+    parser = {"gpuflex-hub": hub_parser, "gpuflex-node": node_parser}[argv[0]]()
+    try:
+        parser.parse_args(argv[1:])
+    except SystemExit as exc:  # argparse refuses it
+        pytest.fail(f"{page}: `{cmd}` is refused by {argv[0]} ({exc})")
+
+
+def test_the_readme_shows_a_command_for_every_journey() -> None:
+    pages = {page for page, _ in _cli_commands()}
+    cmds = [cmd for page, cmd in _cli_commands() if page == "README.md"]
+    assert "README.md" in pages
+    for start in ("gpuflex-node status", "gpuflex-hub job submit", "gpuflex-hub audit verdict", "gpuflex-hub serve"):
+        assert any(c.startswith(start) for c in cmds), start
