@@ -128,10 +128,16 @@ class Lease:
         self._watch.start()
 
     def release(self) -> None:
-        """Give the lease up (closing its connection drops the lock)."""
+        """Give the lease up. The lock is released by the server before this returns: closing the
+        connection alone drops it only once the server has noticed the close, and a hub started
+        on the same database right after would be refused until then."""
         self._stop.set()
         conn, self._conn = self._conn, None
         if conn is not None:
+            try:
+                conn.execute("SELECT pg_advisory_unlock_all()")
+            except psycopg.Error:
+                pass  # a broken connection: the server drops the lock with it
             try:
                 conn.close()
             except psycopg.Error:
