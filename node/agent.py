@@ -36,43 +36,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import hashlib
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
-from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.encoding import Encoded
-from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import (
     Assignment,
     Benchmark,
     ComputeClass,
     NoWork,
     StateRequest,
-    StateUnavailable,
-    StateUpload,
     progress_digest,
 )
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.signing import SigningKey, fingerprint, new_nonce
-from gpuflex.protocol.tensors import check_finite
+from gpuflex.protocol.signing import SigningKey, fingerprint
 from gpuflex.protocol.version import SOFTWARE_VERSION
-from gpuflex.protocol.workload import assignment_steps, samples_processed
 from torch import Tensor
 
-from . import secagg_flow
-from .assignment import check_assignment, load_inputs
+from .assignment import check_assignment
+from .assignment_run import AssignmentRun, Current
 from .cache import BlobCache
-from .checkpoints import CheckpointRecorder, CheckpointStore
+from .checkpoints import CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
@@ -95,6 +87,9 @@ from .errors import (
 )
 from .feedback import FeedbackStore
 from .gpuyield import yield_gpu_while_busy
+from .handback import HandBack
+from .handover import hand_over
+from .heartbeat import heartbeat_loop
 from .identity import PIN_FILE, load_or_create_key
 from .output import Output
 from .pause import Interrupted, PauseState
@@ -139,24 +134,6 @@ class NodeConfig:
     #: checkpoint states kept for the hub's referee (node/checkpoints.py: every assignment of the
     #: job's two newest rounds, within this many bytes in all)
     max_checkpoint_bytes: int = 2 << 30
-
-
-@dataclass
-class Current:
-    """The assignment in hand, as the status endpoint shows it."""
-
-    assignment: Assignment
-    spec: ModelSpec
-    phase: str = "verifying"  # verifying|downloading|training|uploading
-    progress: float = 0.0
-    steps: int = 0  # optimizer steps so far, and the running digest over them (heartbeats prove progress)
-    digest: bytes = bytes(32)
-    deadline: float = 0.0
-    samples: int = 0
-    started: float = field(default_factory=time.time)
-    stop_reason: str = ""
-    #: error feedback's residual this update adds (node/feedback.py); the last checkpoint commits it
-    residual: dict[str, Tensor] | None = None
 
 
 class NodeAgent:
@@ -209,9 +186,10 @@ class NodeAgent:
         self.exit_code = 0
         self.fatal: NodeError | None = None
         self.done_assignments = 0
-        self._seen_assignments: set[str] = set()
+        self.seen_assignments: set[str] = set()  # uploaded or refused: the same one again is a replay
         self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
-        self._abandoned: dict[str, bool] = {}  # the latest abandoned assignments: was the hub told?
+        self.handback = HandBack(self._client, self.output, lambda: self.totals,
+                                 timeout_s=config.abandon_timeout_s)
         self._let_go = asyncio.Event()  # set while no assignment is in hand
         self._let_go.set()
         self._benchmark_msg: Benchmark | None = None
@@ -244,18 +222,7 @@ class NodeAgent:
                 device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_loss=on_loss,
             )
         n = sum(int(c["x"].shape[0]) for c in chunks)
-        t = assignment.train
-        total = assignment_steps(n, t.batch_size, t.local_epochs, t.local_steps)
-        every = auto_every(total, assignment.train.checkpoint_every)
-        cur = self.current
-        recorder = CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
-                                      store=self.checkpoints, assignment_id=assignment.assignment_id,
-                                      feedback=cur.residual if cur is not None else None)
-        self.checkpoints.begin(assignment.assignment_id, assignment.job_id, assignment.round)
-        dropped = self.checkpoints.prune(keep_id=assignment.assignment_id, job_id=assignment.job_id,
-                                         round=assignment.round)
-        if dropped:
-            log.debug("checkpoint states dropped: %s", dropped)
+        recorder = self.checkpoints.recorder(assignment, n, feedback=cur.residual if cur is not None else None)
         try:
             result = train_assignment(
                 spec, global_state, chunks, assignment.train, assignment.seed,
@@ -268,29 +235,9 @@ class NodeAgent:
         return dataclasses.replace(result, commitment=recorder.commitment())
 
     async def hand_over(self, asked: StateRequest) -> None:
-        """Upload the committed checkpoint states the hub's referee asked for; when some are no
-        longer kept, say so at once instead (the referee cannot re-execute without them, so
-        the others are not sent)."""
-        client = self._client()
-        self.output.event("state_request", request_id=asked.request_id, assignment_id=asked.assignment_id,
-                          steps=list(asked.steps))
-        held = set(await asyncio.to_thread(self.checkpoints.held, asked.assignment_id, asked.steps))
-        if missing := [s for s in asked.steps if s not in held]:
-            msg = StateUnavailable(request_id=asked.request_id, steps=tuple(missing),
-                                   reason="pruned from the node's checkpoint store", timestamp=client.now(),
-                                   nonce=new_nonce())
-            ack = await client.states_unavailable(msg)
-            self.output.event("state_missing", request_id=asked.request_id, steps=missing, ok=ack.ok)
-            return
-        for step in asked.steps:
-            data = await asyncio.to_thread(self.checkpoints.read, asked.assignment_id, step)
-            if data is None:  # dropped between the look and the read: said on the next ask
-                self.output.event("state_missing", request_id=asked.request_id, steps=[step])
-                return
-            hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
-                              state_size=len(data), timestamp=client.now(), nonce=new_nonce())
-            ack = await client.upload_state(hdr, data)
-            self.output.event("state_sent", request_id=asked.request_id, step=step, bytes=len(data), ok=ack.ok)
+        """Answer the hub's referee: the committed states it asked for, or at once which are no
+        longer kept (node/handover.py)."""
+        await hand_over(self._client(), self.checkpoints, self.output, asked)
 
     def transform_update(self, assignment: Assignment, result: TrainResult) -> TrainResult:
         """The step between training and upload; identity in the shipped node."""
@@ -383,18 +330,14 @@ class NodeAgent:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.abandon_timeout_s + 2.0):
                 await self._let_go.wait()
-        if self._holds(held):
+        if (cur := self.current) is not None and cur.assignment.assignment_id == held:
             outcome = "pending"
-        elif held in self._abandoned:
-            outcome = "handed_back" if self._abandoned[held] else "not_told"
+        elif held in self.handback.told:
+            outcome = "handed_back" if self.handback.told[held] else "not_told"
         else:
             outcome = "ended"
         result["assignment"] = {"assignment_id": held, "outcome": outcome}
         return result
-
-    def _holds(self, assignment_id: str) -> bool:
-        cur = self.current
-        return cur is not None and cur.assignment.assignment_id == assignment_id
 
     def resume(self) -> bool:
         return self.pause_state.resume()
@@ -430,37 +373,27 @@ class NodeAgent:
         )
         with contextlib.suppress(OSError, SiloError):  # replaced silos no assignment is in flight for
             await asyncio.to_thread(self.silos.prune)
-        benchmark = self.config.benchmark or await asyncio.to_thread(self._benchmark)
+        benchmark = self.config.benchmark or await asyncio.to_thread(
+            _registration_benchmark, self.config, self.device, self.output)
         local = (self.config.source_address, 0) if self.config.source_address else None
         connector = aiohttp.TCPConnector(limit=8, local_addr=local)
+
+        async def work_then_exit() -> None:  # the node exits when the work loop ends
+            try:
+                await self._work_loop(benchmark)
+            finally:
+                self.request_exit("done")
+
         async with aiohttp.ClientSession(connector=connector) as session:
             self.client = HubClient(self.config.hub_url, self.key, session)
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._work_loop_then_exit(benchmark))
-                tg.create_task(self._heartbeat_loop())
+                tg.create_task(work_then_exit())
+                tg.create_task(heartbeat_loop(self, self.config.heartbeat_s))
                 if self.config.control:
                     control = ControlServer(self, self.config.data_dir, self.output)
                     tg.create_task(control.serve(self.pause_state.exited))
                 if self.config.yield_gpu and self.device.type == "cuda":
                     tg.create_task(yield_gpu_while_busy(self.pause_state, self.device, self.output))
-
-    def _benchmark(self) -> Benchmark:
-        from .benchcache import cache_path
-        from .benchmark import benchmark_for_registration
-
-        path = cache_path(self.config.data_dir, self.config.bench_cache)
-        return benchmark_for_registration(
-            self.device, path,
-            on_measure=lambda: self.output.event(
-                "benchmark", detail=f"measuring this machine once (a second or two); cached in {path}"
-            ),
-        )
-
-    async def _work_loop_then_exit(self, benchmark: Benchmark) -> None:
-        try:
-            await self._work_loop(benchmark)
-        finally:
-            self.request_exit("done")
 
     def _stop(self, exc: NodeError, code: int) -> None:
         """A fatal error: say it loudly, leave with ``code``."""
@@ -517,7 +450,7 @@ class NodeAgent:
                 # It came from the hub's address, yet the pinned key did not sign it: retrying
                 # cannot help, and the volunteer must hear it, as for a changed hub key.
                 self.totals.rejected += 1
-                self._stop(self._forged(exc), EXIT_KEY_MISMATCH)
+                self._stop(_forged(exc, self.config, self.hub_fingerprint), EXIT_KEY_MISMATCH)
                 return
             except UnknownNode as exc:
                 self.registered = False
@@ -546,19 +479,6 @@ class NodeAgent:
                 delay = backoff.next_delay()
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await pause.sleep(delay)
-
-    def _forged(self, exc: BadSignature) -> HubForged:
-        where = (
-            "given with --hub-key" if self.config.hub_key
-            else f"pinned in {self.config.data_dir / PIN_FILE}"
-        )
-        log.warning("forged work answer: %s", exc)
-        return HubForged(
-            f"REFUSING TO WORK: someone is forging the hub. Work from the hub at "
-            f"{self.config.hub_url} is not signed by the hub key this node trusts, "
-            f"{self.hub_fingerprint or '(none)'} ({where}). Nothing was downloaded or trained. "
-            f"Tell the hub operator, and start this node again once the hub is trustworthy."
-        )
 
     def _client(self) -> HubClient:
         if self.client is None:
@@ -593,7 +513,7 @@ class NodeAgent:
         """Field checks beyond the protocol's own; raises AssignmentRejected. ``local``: the
         chunks that are this node's silos (``silo_chunks``)."""
         return check_assignment(
-            a, node_id=self.node_id, now=self._client().now(), seen=self._seen_assignments,
+            a, node_id=self.node_id, now=self._client().now(), seen=self.seen_assignments,
             cache_cap_bytes=self.cache.max_bytes, precisions=self.compute.precisions, local=local,
         )
 
@@ -633,8 +553,8 @@ class NodeAgent:
                 # a removed silo the hub still assigns (it was not told at `data remove`): withdrawn,
                 # so no later round assigns it or waits for it (the abandon is then a no-op)
                 if isinstance(exc, RemovedSilo):
-                    await self._tell_withdrawn(exc.job_id, exc.sha256)
-                await self._tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
+                    await self.handback.tell_withdrawn(exc.job_id, exc.sha256)
+                await self.handback.tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
             raise
         pause.new_assignment()
         cur = Current(assignment=a, spec=spec, deadline=a.deadline)
@@ -646,90 +566,18 @@ class NodeAgent:
             chunks=len(a.chunks), samples=cur.samples, **({"silo_chunks": len(local)} if local else {}),
         )
         try:
-            cur.phase = "downloading"
-            self.state = "downloading"
-            t0 = time.perf_counter()
-            if inline_model is not None:
-                await self.transfers.accept_inline_model(a, inline_model)
-            fetched = await pause.interruptible(self.transfers.fetch_all(self._client(), a, local=local))
-            download_s = time.perf_counter() - t0
-
-            global_state, chunks = await asyncio.to_thread(
-                functools.partial(load_inputs, self.cache, a, spec, silos=self.silos, local=local))
-            if a.train.error_feedback:
-                shapes = {k: tuple(v.shape) for k, v in global_state.items() if v.is_floating_point()}
-                cur.residual = await asyncio.to_thread(self.feedback.load, a.job_id, shapes)
-            cur.phase = "training"
-            self.state = "training"
-            self.output.progress_start(f"training {a.assignment_id[:12]} r{a.round}")
-            if self.stop_training.is_set():
-                raise TrainingStopped("stopped before training")
-            try:
-                result = await asyncio.to_thread(self.train, a, chunks, global_state)
-            finally:
-                self.output.progress_stop()
-            try:
-                check_finite(result.delta)
-            except ProtocolError as exc:
-                raise TrainError(f"training diverged: {exc}") from exc
-            processed = samples_processed(result.sample_count, a.train.batch_size, a.train.local_epochs,
-                                          a.train.local_steps)
-            self.last_samples_per_s = processed / max(result.train_s, 1e-9)
-            self.output.event(
-                "trained", assignment_id=a.assignment_id, loss=result.loss, train_s=round(result.train_s, 4),
-                steps=result.steps, samples_per_s=round(self.last_samples_per_s, 1),
-            )
-            result = self.transform_update(a, result)
-            if a.train.secagg:  # the update leaves masked (node/secagg_flow.py), never in the clear
-                cur.phase = "uploading"
-                self.state = "uploading"
-                outcome = await secagg_flow.take_part(self._client(), self.node_id, a, result.delta,
-                                                      sample_count=result.sample_count, loss=result.loss,
-                                                      train_s=result.train_s)
-                self._seen_assignments.add(a.assignment_id)
-                if outcome.phase == "unmasked":
-                    self.totals.uploaded += 1
-                    self.totals.samples_trained += processed
-                    self.totals.train_s += result.train_s
-                self.output.event("uploaded", assignment_id=a.assignment_id, update_sha256=outcome.sha256,
-                                  bytes=outcome.size, ok=outcome.phase == "unmasked", masked=True,
-                                  detail=outcome.detail or "secure aggregation: the hub sums the masked updates",
-                                  fetched_bytes=fetched)
-                return True
-            try:
-                encoded = await asyncio.to_thread(self.encode_update, a, result, cur.residual)
-            except ProtocolError as exc:
-                raise TrainError(f"cannot encode the update as {a.train.update}: {exc}") from exc
-            cur.phase = "uploading"
-            self.state = "uploading"
-            sent = await self.transfers.upload(
-                self._client(), a, dataclasses.replace(result, delta=encoded.wire), download_s=download_s,
-                deadline=lambda: self.current.deadline if self.current else a.deadline,
-                reregister=self._reregister,
-            )
-            if sent is not None:
-                self._seen_assignments.add(a.assignment_id)  # done: the same one again is a replay
-                if encoded.residual is not None and sent.ack.ok:  # only an accepted update moves it on
-                    await asyncio.to_thread(self.feedback.save, a.job_id, encoded.residual)
-                self.totals.uploaded += 1
-                self.totals.samples_trained += processed
-                self.totals.train_s += result.train_s
-                self.output.event(
-                    "uploaded", assignment_id=a.assignment_id, update_sha256=sent.sha256, bytes=sent.size,
-                    ok=sent.ack.ok, detail=sent.ack.detail, fetched_bytes=fetched,
-                )
-            return True
+            return await AssignmentRun(self, a, spec, local, cur).run(inline_model)
         except TrainingStopped:
             reason = cur.stop_reason or ("paused" if self.paused else "shutting down")
-            await self._abandon(a, reason)
+            await self.handback.abandon(a, reason)
         except Interrupted:
             reason = "paused" if self.paused else "shutting down"
-            await self._abandon(a, reason)
+            await self.handback.abandon(a, reason)
             raise
         except (TrainError, BlobError) as exc:
             self.output.event("rejected", assignment_id=a.assignment_id, **json_error_detail(exc))
             self.totals.rejected += 1
-            await self._tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
+            await self.handback.tell_abandon(a.assignment_id, f"rejected: {exc}"[:256])
             return True
         except UnknownNode as exc:
             # The hub forgot us mid-assignment: register again, then hand the assignment back
@@ -740,14 +588,14 @@ class NodeAgent:
             self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc),
                               action="re-register")
             await pause.interruptible(self._connect(self._benchmark_msg))
-            await self._abandon(a, "node re-registered")
+            await self.handback.abandon(a, "node re-registered")
         except HubError as exc:
             self.output.event("error", assignment_id=a.assignment_id, **json_error_detail(exc))
-            await self._abandon(a, f"hub error: {exc.code or exc.status}")
+            await self.handback.abandon(a, f"hub error: {exc.code or exc.status}")
         except (HubUnavailable, AssignmentRejected):
             raise
         except Exception as exc:
-            await self._abandon(a, f"node error: {type(exc).__name__}")
+            await self.handback.abandon(a, f"node error: {type(exc).__name__}")
             raise
         finally:
             self.current = None
@@ -760,57 +608,31 @@ class NodeAgent:
                     self.silos.prune()
         return False
 
-    async def _abandon(self, a: Assignment, reason: str) -> None:
-        self.totals.abandoned += 1
-        told = await self._tell_abandon(a.assignment_id, reason)
-        self._abandoned[a.assignment_id] = told
-        while len(self._abandoned) > 16:  # only the latest are asked about (pause_and_report)
-            del self._abandoned[next(iter(self._abandoned))]
-        self.output.event("abandoned", assignment_id=a.assignment_id, reason=reason, hub_told=told)
 
-    async def _tell_abandon(self, assignment_id: str, reason: str) -> bool:
-        try:
-            async with asyncio.timeout(self.config.abandon_timeout_s):
-                await self._client().abandon(assignment_id, reason, limit_s=self.config.abandon_timeout_s)
-            return True
-        except (NodeError, TimeoutError) as exc:
-            log.info("could not tell the hub about abandoning %s: %s", assignment_id, exc)
-            return False
+def _registration_benchmark(config: NodeConfig, device: torch.device, output: Output) -> Benchmark:
+    """The benchmark the hello carries: cached per machine, measured once (worker thread)."""
+    from .benchcache import cache_path
+    from .benchmark import benchmark_for_registration
 
-    async def _tell_withdrawn(self, job_id: str, sha256: str) -> None:
-        try:
-            async with asyncio.timeout(self.config.abandon_timeout_s):
-                ack = await self._client().withdraw_silo(job_id, sha256, limit_s=self.config.abandon_timeout_s)
-            self.output.event("silo_withdrawn", job_id=job_id, sha256=sha256, detail=ack.detail)
-        except (NodeError, TimeoutError) as exc:
-            log.info("could not tell the hub that the silo of job %s was removed: %s", job_id, exc)
+    path = cache_path(config.data_dir, config.bench_cache)
+    return benchmark_for_registration(
+        device, path,
+        on_measure=lambda: output.event(
+            "benchmark", detail=f"measuring this machine once (a second or two); cached in {path}"
+        ),
+    )
 
-    # ---------------------------------------------------------------- side loops
 
-    async def _heartbeat_loop(self) -> None:
-        """While an assignment is in hand, tell the hub we are alive (a slow device is not dead)."""
-        pause = self.pause_state
-        while not pause.exited.is_set():
-            await pause.tick(self.config.heartbeat_s)
-            cur = self.current
-            if cur is None or cur.phase not in ("downloading", "training", "uploading") or pause.exiting:
-                continue
-            try:
-                ack = await self._client().heartbeat(cur.assignment.assignment_id, cur.progress, cur.steps,
-                                                     cur.digest)
-            except Exception as exc:  # NodeError or a bug: the next beat tries again
-                log.info("heartbeat failed: %s", exc)
-                continue
-            if ack.deadline > 0:
-                cur.deadline = ack.deadline
-            if not ack.ok and cur.phase != "uploading":
-                # The hub no longer wants this assignment (expired, job cancelled): stop.
-                cur.stop_reason = f"hub dropped it: {ack.detail}"[:256]
-                self.output.event("error", detail=cur.stop_reason)
-                self.stop_training.set()
-            self.output.event(
-                "heartbeat", assignment_id=cur.assignment.assignment_id, progress=round(cur.progress, 3)
-            )
+def _forged(exc: BadSignature, config: NodeConfig, hub_fingerprint: str) -> HubForged:
+    """A work answer the pinned key did not sign: the node stops, and says why loudly."""
+    where = "given with --hub-key" if config.hub_key else f"pinned in {config.data_dir / PIN_FILE}"
+    log.warning("forged work answer: %s", exc)
+    return HubForged(
+        f"REFUSING TO WORK: someone is forging the hub. Work from the hub at "
+        f"{config.hub_url} is not signed by the hub key this node trusts, "
+        f"{hub_fingerprint or '(none)'} ({where}). Nothing was downloaded or trained. "
+        f"Tell the hub operator, and start this node again once the hub is trustworthy."
+    )
 
 
 __all__ = ["Current", "NodeAgent", "NodeConfig", "Totals"]

@@ -32,12 +32,14 @@ from pathlib import Path
 import torch
 from gpuflex.protocol.checkpoint import (
     FEEDBACK_PREFIX,
+    auto_every,
     canonical_bytes,
     checkpoint_steps,
     segment_norm,
 )
-from gpuflex.protocol.messages import Commitment
+from gpuflex.protocol.messages import Assignment, Commitment
 from gpuflex.protocol.tensors import sha256_hex
+from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
 from .errors import TrainError
@@ -122,6 +124,18 @@ class CheckpointStore:
         except TrainError:
             return []
         return [s for s in steps if (folder / f"{int(s)}.gft").is_file()]
+
+    def recorder(self, assignment: Assignment, samples: int,
+                 feedback: Mapping[str, Tensor] | None = None) -> CheckpointRecorder:
+        """The trainer's step hook for ``assignment`` (``samples`` in its chunks), writing here;
+        what the hub can no longer ask about is dropped first."""
+        t = assignment.train
+        total = assignment_steps(samples, t.batch_size, t.local_epochs, t.local_steps)
+        self.begin(assignment.assignment_id, assignment.job_id, assignment.round)
+        self.prune(keep_id=assignment.assignment_id, job_id=assignment.job_id, round=assignment.round)
+        return CheckpointRecorder(total_steps=total, every=auto_every(total, t.checkpoint_every),
+                                  precision=t.precision, store=self, assignment_id=assignment.assignment_id,
+                                  feedback=feedback)
 
     def _owner(self, folder: Path) -> tuple[str, int] | None:
         try:

@@ -31,13 +31,6 @@ from gpuflex.protocol.messages import (
     Heartbeat,
     Hello,
     NoWork,
-    Sealed,
-    SecAggKeys,
-    SecAggMasked,
-    SecAggPoll,
-    SecAggShares,
-    SecAggState,
-    SecAggUnmask,
     SiloQuery,
     SiloRegistration,
     SiloSchema,
@@ -45,7 +38,6 @@ from gpuflex.protocol.messages import (
     StateRequest,
     StateUnavailable,
     StateUpload,
-    UnmaskShare,
     UpdateHeader,
     UploadOffset,
     Welcome,
@@ -393,33 +385,6 @@ class HubClient:
     async def states_unavailable(self, msg: StateUnavailable) -> Ack:
         """Say that states the referee asked for are no longer kept (it decides without them)."""
         return self._signed_answer(await self._post("/v1/states/unavailable", msg), Ack, "state unavailable")
-
-    # -- secure aggregation (node/secagg_flow.py) -----------------------------------------------
-    async def secagg_keys(self, assignment_id: str, c_pk: bytes, s_pk: bytes) -> SecAggState:
-        msg = SecAggKeys(assignment_id=assignment_id, c_pk=c_pk, s_pk=s_pk, timestamp=self.now(), nonce=new_nonce())
-        return self._signed_answer(await self._post("/v1/secagg/keys", msg), SecAggState, "secure aggregation keys")
-
-    async def secagg_poll(self, assignment_id: str, *, after: str = "", wait_s: float = 0.0) -> SecAggState:
-        """Where the round's secure aggregation stands: at once, or (``after``, ``wait_s``) once this
-        node's phase is no longer ``after``, waiting at most ``wait_s`` at the hub."""
-        msg = SecAggPoll(assignment_id=assignment_id, timestamp=self.now(), nonce=new_nonce(), after=after,
-                         wait_s=wait_s)
-        return self._signed_answer(await self._post("/v1/secagg/poll", msg, limit_s=15 + wait_s), SecAggState,
-                                   "secure aggregation poll")
-
-    async def secagg_shares(self, assignment_id: str, shares: tuple[Sealed, ...]) -> SecAggState:
-        msg = SecAggShares(assignment_id=assignment_id, shares=shares, timestamp=self.now(), nonce=new_nonce())
-        return self._signed_answer(await self._post("/v1/secagg/shares", msg), SecAggState,
-                                   "secure aggregation shares")
-
-    async def secagg_masked(self, header: SecAggMasked, body: bytes) -> SecAggState:
-        return await self._post_sealed("/v1/secagg/masked", "X-GPUFlex-Masked", seal(self.key, header), body,
-                                       "masked update", SecAggState)
-
-    async def secagg_unmask(self, assignment_id: str, shares: tuple[UnmaskShare, ...]) -> SecAggState:
-        msg = SecAggUnmask(assignment_id=assignment_id, shares=shares, timestamp=self.now(), nonce=new_nonce())
-        return self._signed_answer(await self._post("/v1/secagg/unmask", msg), SecAggState,
-                                   "secure aggregation unmask")
 
     async def _post_sealed(self, path: str, header_name: str, sealed: bytes, body: bytes | memoryview,
                            what: str, answer: type[M] = Ack,  # type: ignore[assignment]

@@ -28,6 +28,8 @@ from gpuflex.protocol.modelspec import ModelSpec, manifest
 from gpuflex.protocol.secagg import RosterEntry, SecAggClient, quantize
 from gpuflex.protocol.signing import new_nonce
 
+from .secagg_calls import SecAggCalls
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -81,7 +83,8 @@ async def _take_part(client: HubClient, node_id: str, a: Assignment, delta: Mapp
     q = quantize(vector, a.train.secagg_clip, a.train.secagg_bits, np.random.default_rng())
     sa = SecAggClient(node_id, a.job_id, a.round)
     aid = a.assignment_id
-    st: SecAggState = await client.secagg_keys(aid, sa.entry.c_pk, sa.entry.s_pk)
+    calls = SecAggCalls(client)
+    st: SecAggState = await calls.keys(aid, sa.entry.c_pk, sa.entry.s_pk)
     sent_shares = sent_masked = False
     give_up = time.monotonic() + GIVE_UP_S
     masked_sha, masked_size = "", 0
@@ -94,24 +97,24 @@ async def _take_part(client: HubClient, node_id: str, a: Assignment, delta: Mapp
             roster = [RosterEntry(m.node_id, bytes(m.c_pk), bytes(m.s_pk)) for m in st.roster]
             shares = sa.shares_for(roster, st.threshold)
             sent_shares = True
-            st = await client.secagg_shares(aid, tuple(Sealed(to, ct) for to, ct in sorted(shares.items())))
+            st = await calls.shares(aid, tuple(Sealed(to, ct) for to, ct in sorted(shares.items())))
             continue
         if st.phase == "masked" and not sent_masked:
             sa.receive({s.node_id: bytes(s.ciphertext) for s in st.inbox})
             body = sa.mask(q, list(st.survivors)).astype("<u4").tobytes()
             masked_sha, masked_size = hashlib.sha256(body).hexdigest(), len(body)
             sent_masked = True
-            st = await client.secagg_masked(SecAggMasked(
+            st = await calls.masked(SecAggMasked(
                 assignment_id=aid, sha256=masked_sha, size=masked_size, sample_count=sample_count,
                 loss=max(0.0, float(loss)) if math.isfinite(loss) else 0.0, train_s=max(0.0, float(train_s)),
                 timestamp=client.now(), nonce=new_nonce()), body)
             continue
         if st.phase == "unmask":
             shares_out = sa.unmask_shares(list(st.alive), list(st.dropped))
-            await client.secagg_unmask(aid, tuple(UnmaskShare(n, kind, share)
+            await calls.unmask(aid, tuple(UnmaskShare(n, kind, share)
                                                   for n, (kind, share) in sorted(shares_out.items())))
             return Outcome("unmasked", "", masked_sha, masked_size)
         if time.monotonic() > give_up:
             return Outcome("aborted", f"the round's secure aggregation did not end in {GIVE_UP_S:.0f} s",
                            masked_sha, masked_size)
-        st = await client.secagg_poll(aid, after=st.phase, wait_s=POLL_S)
+        st = await calls.poll(aid, after=st.phase, wait_s=POLL_S)

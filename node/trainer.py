@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -204,8 +204,7 @@ def train_assignment(
     """
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
-    if cfg.loss not in ("cross_entropy", "mse"):
-        raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
+    loss_fn = _loss_for(spec, cfg)
     precision = cfg.precision
     _prepare_device(device, precision)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
@@ -221,25 +220,12 @@ def train_assignment(
     model.train()
     x = x_cpu.to(device)
     y = y_cpu.to(device)
-    if cfg.loss == "cross_entropy":
-        if spec.task != "classification":
-            raise TrainError("loss cross_entropy needs a classification model")
-        loss_fn: nn.Module = nn.CrossEntropyLoss()
-    else:
-        loss_fn = nn.MSELoss()
-        if spec.task == "classification":
-            raise TrainError("loss mse needs a regression model")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    clip = float(cfg.grad_clip)
     stop = should_stop if should_stop is not None else (lambda: False)
     scaler = LossScaler(device) if precision == "fp16" else None
 
-    def autocast() -> contextlib.AbstractContextManager[object]:
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=autocast_dtype)
-
+    batch_step = _Step(model, loss_fn, optimizer, params, device.type, autocast_dtype, scaler, float(cfg.grad_clip))
     fork_devices = [device] if device.type == "cuda" else []
     started = time.perf_counter()
     step = 0
@@ -250,47 +236,95 @@ def train_assignment(
         if on_step is not None:
             on_step(0, model, optimizer)
         last_seen = 0  # samples the last (possibly partial) epoch ran through: its mean loss
-        for epoch in range(epochs):
-            gen = torch.Generator().manual_seed(seed + epoch)
-            perm = torch.randperm(n, generator=gen).to(device)
-            last_epoch = epoch == epochs - 1
-            for start in range(0, n, bs):
-                if step >= total_steps:  # local_steps ends mid-epoch
-                    break
-                if stop():
-                    raise TrainingStopped("training stopped between batches")
-                idx = perm[start : start + bs]
-                xb = x.index_select(0, idx)  # (batch, *input_shape)
-                yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
-                optimizer.zero_grad()
-                with autocast():
-                    loss = loss_fn(model(xb), yb)
-                if scaler is None:
-                    loss.backward()
-                    finite = True
-                else:
-                    (loss.float() * scaler.scale).backward()
-                    finite = scaler.unscale(params)
-                    scaler.update()
-                if clip > 0 and finite:
-                    clip_grad_norm(params, clip)
-                if finite:
-                    optimizer.step()
-                if last_epoch:
-                    loss_sum += loss.detach().float() * idx.shape[0]
-                    last_seen += int(idx.shape[0])
-                step += 1
-                if on_step is not None:
-                    on_step(step, model, optimizer)
-                if progress is not None and step % report_every == 0:
-                    progress(step / total_steps)
-                if on_loss is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
-                    on_loss(step, float(loss.detach()))
+        for idx, last_epoch in _batches(n, bs, epochs, total_steps, seed, device):
+            if stop():
+                raise TrainingStopped("training stopped between batches")
+            # x: (batch, *input_shape); y: (batch,) or (batch, outputs)
+            loss = batch_step(x.index_select(0, idx), y.index_select(0, idx))
+            if last_epoch:
+                loss_sum += loss.detach().float() * idx.shape[0]
+                last_seen += int(idx.shape[0])
+            step += 1
+            if on_step is not None:
+                on_step(step, model, optimizer)
+            if progress is not None and step % report_every == 0:
+                progress(step / total_steps)
+            if on_loss is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof
+                on_loss(step, float(loss.detach()))
     mean_loss = float(loss_sum) / max(last_seen, 1)  # synchronizes on CUDA
     train_s = time.perf_counter() - started
     if progress is not None and step % report_every != 0:
         progress(1.0)
 
+    return TrainResult(delta=_delta(model, global_state), sample_count=n, loss=mean_loss, train_s=train_s,
+                       steps=step)
+
+
+def _batches(n: int, bs: int, epochs: int, total_steps: int, seed: int,
+             device: torch.device) -> Iterator[tuple[Tensor, bool]]:
+    """Each step's sample indices, and whether it is in the last epoch: every epoch a
+    permutation drawn from ``seed + epoch`` (its own generator: the global RNG, which dropout
+    draws from, is not touched), cut into batches; ``total_steps`` may end mid-epoch."""
+    step = 0
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).to(device)
+        for start in range(0, n, bs):
+            if step >= total_steps:
+                return
+            yield perm[start : start + bs], epoch == epochs - 1
+            step += 1
+
+
+@dataclass
+class _Step:
+    """One optimizer step on a batch, returning its loss. The forward pass runs under autocast
+    in the job's precision; an fp16 step whose scaled gradients overflowed is skipped (the
+    scaler backs off)."""
+
+    model: nn.Module
+    loss_fn: nn.Module
+    optimizer: LocalOptimizer
+    params: list[Tensor]
+    device_type: str
+    autocast_dtype: torch.dtype | None
+    scaler: LossScaler | None
+    clip: float
+
+    def __call__(self, xb: Tensor, yb: Tensor) -> Tensor:
+        self.optimizer.zero_grad()
+        with (torch.autocast(self.device_type, dtype=self.autocast_dtype) if self.autocast_dtype
+              else contextlib.nullcontext()):
+            loss = self.loss_fn(self.model(xb), yb)
+        finite = True
+        if self.scaler is None:
+            loss.backward()
+        else:
+            (loss.float() * self.scaler.scale).backward()
+            finite = self.scaler.unscale(self.params)
+            self.scaler.update()
+        if self.clip > 0 and finite:
+            clip_grad_norm(self.params, self.clip)
+        if finite:
+            self.optimizer.step()
+        return loss
+
+
+def _loss_for(spec: ModelSpec, cfg: TrainConfig) -> nn.Module:
+    """The job's loss, checked against the model's task."""
+    if cfg.loss not in ("cross_entropy", "mse"):
+        raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
+    if cfg.loss == "cross_entropy":
+        if spec.task != "classification":
+            raise TrainError("loss cross_entropy needs a classification model")
+        return nn.CrossEntropyLoss()
+    if spec.task == "classification":
+        raise TrainError("loss mse needs a regression model")
+    return nn.MSELoss()
+
+
+def _delta(model: nn.Module, global_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The trained state minus the round's (CPU, in the global state's dtypes); a tensor that
+    is not floating (a counter) travels as its new value."""
     delta: dict[str, Tensor] = {}
     trained = model.state_dict()
     for name, ref in global_state.items():
@@ -299,4 +333,4 @@ def train_assignment(
             delta[name] = value.to(ref.dtype) - ref
         else:
             delta[name] = value.clone()
-    return TrainResult(delta=delta, sample_count=n, loss=mean_loss, train_s=train_s, steps=step)
+    return delta

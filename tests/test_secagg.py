@@ -20,6 +20,7 @@ import torch
 from gpuflex.hub.appkeys import BLOBS, LEDGER, STORE
 from gpuflex.node import secagg_flow
 from gpuflex.node.client import HubClient
+from gpuflex.node.secagg_calls import SecAggCalls
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import parse_job_spec
@@ -125,13 +126,13 @@ async def _keys_and_shares_only(client: HubClient, node_id: str, a: Assignment, 
     from gpuflex.protocol.secagg import RosterEntry, SecAggClient
 
     sa = SecAggClient(node_id, a.job_id, a.round)
-    st = await client.secagg_keys(a.assignment_id, sa.entry.c_pk, sa.entry.s_pk)
+    st = await SecAggCalls(client).keys(a.assignment_id, sa.entry.c_pk, sa.entry.s_pk)
     while st.phase == "keys":
         await asyncio.sleep(0.1)
-        st = await client.secagg_poll(a.assignment_id)
+        st = await SecAggCalls(client).poll(a.assignment_id)
     assert st.phase == "shares", st
     shares = sa.shares_for([RosterEntry(m.node_id, m.c_pk, m.s_pk) for m in st.roster], st.threshold)
-    await client.secagg_shares(a.assignment_id, tuple(Sealed(t, c) for t, c in sorted(shares.items())))
+    await SecAggCalls(client).shares(a.assignment_id, tuple(Sealed(t, c) for t, c in sorted(shares.items())))
     return secagg_flow.Outcome("dropped")
 
 
