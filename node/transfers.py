@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuflex.protocol.blobdelta import apply_delta
 from gpuflex.protocol.errors import ProtocolError
@@ -273,94 +273,9 @@ class Transfers:
             return body, sha256_hex(body)
 
         body, digest = await asyncio.to_thread(encode)
-        view = memoryview(body).cast("B")
-        encode_s = time.perf_counter() - t0
-        backoff = Backoff(self._backoff_base_s, self._backoff_cap_s)
-        reregistered = False
-        resigned = False
-        restarted = False  # a resumed upload that failed its hash was sent again from byte 0
-        offset = 0  # what the hub holds of this update (it says: POST /v1/updates/offset)
-        ask_offset = False
-        mismatches = 0
-
-        def header_at(at: int) -> UpdateHeader:
-            return UpdateHeader(
-                assignment_id=a.assignment_id, update_sha256=digest, update_size=len(view),
-                sample_count=result.sample_count, metrics={"loss": _finite(result.loss)},
-                timings={"train_s": result.train_s, "download_s": download_s, "encode_s": encode_s},
-                timestamp=client.now(), nonce=new_nonce(), commitment=result.commitment, offset=at,
-            )
-
-        async def wait_or_give_up(exc: HubUnavailable) -> None:
-            if client.now() > deadline() or self.pause.exiting:
-                raise exc
-            delay = backoff.next_delay()
-            self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
-            await self.pause.interruptible(asyncio.sleep(delay))
-
-        while True:
-            if ask_offset:
-                # The link dropped mid-upload: the hub kept what arrived. Send only the rest.
-                try:
-                    held = (await client.upload_offset(header_at(0))).offset
-                except HubUnavailable as exc:
-                    await wait_or_give_up(exc)
-                    continue
-                except HubError as exc:
-                    if exc.code == "busy" and client.now() <= deadline() and not self.pause.exiting:
-                        # the hub is still closing the interrupted upload: ask again shortly
-                        await self.pause.interruptible(asyncio.sleep(backoff.next_delay()))
-                        continue
-                    held = 0  # the upload itself says what is wrong
-                ask_offset = False
-                offset = held if 0 <= held <= len(view) else 0
-                if offset:
-                    self.output.event("resume", assignment_id=a.assignment_id, offset=offset, size=len(view))
-            meter = TransferProgress(self.output, "upload", digest, len(view), offset)
-            try:
-                ack = await client.upload_update(header_at(offset), view[offset:], on_bytes=meter.add)
-            except HubUnavailable as exc:
-                await wait_or_give_up(exc)
-                ask_offset = True
-                continue
-            except UnknownNode as exc:
-                # The hub forgot us (restarted with a fresh node table): register again and
-                # offer the same update once more; the hub decides whether it is still wanted.
-                if reregistered:
-                    self._refused(a, exc)
-                    return None
-                reregistered = True
-                self.output.event("error", **json_error_detail(exc), action="re-register")
-                if not await self.pause.interruptible(reregister()):
-                    self._refused(a, exc)
-                    return None
-                ask_offset = True
-                continue
-            except HubError as exc:
-                if exc.code == "replay" and not resigned:
-                    # Our own fresh header called a replay: the hub restarted an instant ago (it
-                    # refuses anything signed before its start) or the clocks disagree. Signing
-                    # again is always safe: the hub accepts one update per assignment.
-                    resigned = True
-                    self.output.event("error", **json_error_detail(exc), action="sign again")
-                    await self.pause.interruptible(asyncio.sleep(0.5))
-                    ask_offset = True
-                    continue
-                if exc.code in ("offset_mismatch", "busy") and mismatches < 3:
-                    mismatches += 1  # the hub holds another count than we thought: ask again
-                    await self.pause.interruptible(asyncio.sleep(backoff.next_delay()))
-                    ask_offset = True
-                    continue
-                if exc.code == "hash_mismatch" and offset > 0 and not restarted:
-                    # what the hub kept did not add up (it dropped it): the whole update once more
-                    restarted = True
-                    offset = 0
-                    self.output.event("error", **json_error_detail(exc), action="send the whole update again")
-                    continue
-                self._refused(a, exc)
-                return None
-            self.totals.bytes_uploaded += len(view) - offset
-            return Uploaded(ack=ack, sha256=digest, size=len(view))
+        timings = {"train_s": result.train_s, "download_s": download_s, "encode_s": time.perf_counter() - t0}
+        return await _Upload(self, client, a, result, memoryview(body).cast("B"), digest, timings,
+                             deadline, reregister).run()
 
     def _refused(self, a: Assignment, exc: Exception) -> None:
         self.totals.rejected += 1
@@ -369,6 +284,136 @@ class Transfers:
 
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
+
+
+@dataclass
+class _Upload:
+    """One update offered until the hub takes or refuses it: a dropped line resumes from what
+    the hub holds (POST /v1/updates/offset), a forgotten node registers again once, a header
+    called a replay is signed again once, and a resumed upload whose hash fails is sent whole
+    once more."""
+
+    transfers: Transfers
+    client: HubClient
+    a: Assignment
+    result: TrainResult
+    view: memoryview
+    digest: str
+    timings: dict[str, float]
+    deadline: Callable[[], float]
+    reregister: Callable[[], Awaitable[bool]]
+    offset: int = 0  # what the hub holds of this update
+    reregistered: bool = False
+    resigned: bool = False
+    restarted: bool = False  # a resumed upload that failed its hash was sent again from byte 0
+    mismatches: int = 0
+    backoff: Backoff = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backoff = Backoff(self.transfers._backoff_base_s, self.transfers._backoff_cap_s)
+
+    def header_at(self, at: int) -> UpdateHeader:
+        r = self.result
+        return UpdateHeader(
+            assignment_id=self.a.assignment_id, update_sha256=self.digest, update_size=len(self.view),
+            sample_count=r.sample_count, metrics={"loss": _finite(r.loss)}, timings=self.timings,
+            timestamp=self.client.now(), nonce=new_nonce(), commitment=r.commitment, offset=at,
+        )
+
+    async def _pause_for(self, delay: float) -> None:
+        await self.transfers.pause.interruptible(asyncio.sleep(delay))
+
+    async def _wait_or_give_up(self, exc: HubUnavailable) -> None:
+        if self.client.now() > self.deadline() or self.transfers.pause.exiting:
+            raise exc
+        delay = self.backoff.next_delay()
+        self.transfers.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
+        await self._pause_for(delay)
+
+    async def _resume_point(self) -> bool:
+        """After a dropped line the hub kept what arrived: ask how much (False: ask again)."""
+        try:
+            held = (await self.client.upload_offset(self.header_at(0))).offset
+        except HubUnavailable as exc:
+            await self._wait_or_give_up(exc)
+            return False
+        except HubError as exc:
+            if exc.code == "busy" and self.client.now() <= self.deadline() and not self.transfers.pause.exiting:
+                # the hub is still closing the interrupted upload: ask again shortly
+                await self._pause_for(self.backoff.next_delay())
+                return False
+            held = 0  # the upload itself says what is wrong
+        self.offset = held if 0 <= held <= len(self.view) else 0
+        if self.offset:
+            self.transfers.output.event("resume", assignment_id=self.a.assignment_id, offset=self.offset,
+                                        size=len(self.view))
+        return True
+
+    async def run(self) -> Uploaded | None:
+        ask_offset = False
+        while True:
+            if ask_offset and not await self._resume_point():
+                continue
+            ask_offset = False
+            meter = TransferProgress(self.transfers.output, "upload", self.digest, len(self.view), self.offset)
+            try:
+                ack = await self.client.upload_update(self.header_at(self.offset), self.view[self.offset:],
+                                                      on_bytes=meter.add)
+            except HubUnavailable as exc:
+                await self._wait_or_give_up(exc)
+                ask_offset = True
+                continue
+            except UnknownNode as exc:
+                if not await self._registered_again(exc):
+                    return None
+                ask_offset = True
+                continue
+            except HubError as exc:
+                retry = await self._retry_after(exc)
+                if retry is None:
+                    self.transfers._refused(self.a, exc)
+                    return None
+                ask_offset = retry
+                continue
+            self.transfers.totals.bytes_uploaded += len(self.view) - self.offset
+            return Uploaded(ack=ack, sha256=self.digest, size=len(self.view))
+
+    async def _registered_again(self, exc: UnknownNode) -> bool:
+        """The hub forgot us (restarted with a fresh node table): register again and offer the
+        same update once more; the hub decides whether it is still wanted."""
+        if self.reregistered:
+            self.transfers._refused(self.a, exc)
+            return False
+        self.reregistered = True
+        self.transfers.output.event("error", **json_error_detail(exc), action="re-register")
+        if not await self.transfers.pause.interruptible(self.reregister()):
+            self.transfers._refused(self.a, exc)
+            return False
+        return True
+
+    async def _retry_after(self, exc: HubError) -> bool | None:
+        """Whether a refusal is worth another try: None to give up, else whether to ask the hub
+        how much it holds first."""
+        out = self.transfers.output
+        if exc.code == "replay" and not self.resigned:
+            # Our own fresh header called a replay: the hub restarted an instant ago (it refuses
+            # anything signed before its start) or the clocks disagree. Signing again is always
+            # safe: the hub accepts one update per assignment.
+            self.resigned = True
+            out.event("error", **json_error_detail(exc), action="sign again")
+            await self._pause_for(0.5)
+            return True
+        if exc.code in ("offset_mismatch", "busy") and self.mismatches < 3:
+            self.mismatches += 1  # the hub holds another count than we thought: ask again
+            await self._pause_for(self.backoff.next_delay())
+            return True
+        if exc.code == "hash_mismatch" and self.offset > 0 and not self.restarted:
+            # what the hub kept did not add up (it dropped it): the whole update once more
+            self.restarted = True
+            self.offset = 0
+            out.event("error", **json_error_detail(exc), action="send the whole update again")
+            return False
+        return None
 
 
 __all__ = ["Transfers", "Uploaded"]
