@@ -58,7 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpuflex-node {software_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(sub)
+    _add_bench(sub)
+    for name, text in (("status", "show the running node's state"),
+                       ("pause", "pause the running node (abandons the assignment in hand)"),
+                       ("resume", "resume the running node")):
+        p = sub.add_parser(name, help=text)
+        _add_data_dir(p)
+        p.add_argument("--json", action="store_true", help="print raw JSON")
+    ident = sub.add_parser("id", help="print this node's id (its key fingerprint; read only: "
+                           "the first `run` creates the key)")
+    _add_data_dir(ident)
+    _add_data(sub)
+    return parser
 
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("run", help="register with a hub and train assignments until stopped")
     run.add_argument("--hub", required=True, metavar="URL", help="hub base URL, e.g. https://hub.example:8470")
     run.add_argument("--hub-key", metavar="FINGERPRINT",
@@ -92,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bench-cache", metavar="PATH", help="benchmark cache file shared by the nodes of "
                      "this machine (default $GPUFLEX_BENCH_CACHE, else DIR/bench.json)")
 
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="measure this machine (cached per hardware)")
     bench.add_argument("--device", default="auto")
     _add_data_dir(bench)
@@ -102,17 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--bench-cache", metavar="PATH", help="cache file (default $GPUFLEX_BENCH_CACHE, "
                        "else DIR/bench.json)")
 
-    for name, text in (("status", "show the running node's state"),
-                       ("pause", "pause the running node (abandons the assignment in hand)"),
-                       ("resume", "resume the running node")):
-        p = sub.add_parser(name, help=text)
-        _add_data_dir(p)
-        p.add_argument("--json", action="store_true", help="print raw JSON")
 
-    ident = sub.add_parser("id", help="print this node's id (its key fingerprint; read only: "
-                           "the first `run` creates the key)")
-    _add_data_dir(ident)
-
+def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     data = sub.add_parser("data", help="node-local data: datasets that stay on this node and train "
                           "node-local jobs (the hub never gets a row)")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -142,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("--hub-key", metavar="FINGERPRINT",
                         help="the hub key fingerprint to trust (gf1-...); default: the pinned one")
     _add_data_dir(remove)
-    return parser
 
 
 def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None) -> int:
