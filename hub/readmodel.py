@@ -23,7 +23,7 @@ from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_dict
-from gpuflex.protocol.modelspec import model_file_metadata
+from gpuflex.protocol.modelfile import model_file_metadata
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from .appkeys import BLOBS, CONFIG, HUB_KEY, LEDGER, STORE
@@ -367,7 +367,7 @@ async def export_model(app: web.Application, who: Principal, job_id: str,
                        version: int | None = None) -> tuple[int, str, bytes]:
     """(version, model sha, .safetensors bytes) of a job's latest model or of model `version`
     (0 = initial, N = after N rounds), its metadata naming the model spec, the job, the version and
-    the hub's key (protocol/modelspec.py model_file_metadata). Same owner scoping as the API."""
+    the hub's key (protocol/modelfile.py model_file_metadata). Same owner scoping as the API."""
 
     row, spec = await app[STORE].query(lambda c: (model_version(c, who, job_id, version),
                                                    spec_of(job_row(c, who, job_id))))

@@ -46,11 +46,11 @@ from .messages import (
     decode_message,
     encode_message,
 )
+from .modelfile import load_safetensors_model
 from .modelspec import (
     ModelSpec,
     build_for_state,
     build_model,
-    load_safetensors_model,
     manifest,
     param_count,
 )

@@ -97,7 +97,8 @@ def _blob(hub, sha: str) -> dict[str, torch.Tensor]:
 
 
 def test_a_file_without_the_spec_or_with_other_tensors_is_refused_in_one_line(tmp_path):
-    from gpuflex.protocol.modelspec import build_model, model_file_metadata
+    from gpuflex.protocol.modelfile import model_file_metadata
+    from gpuflex.protocol.modelspec import build_model
 
     spec = ModelSpec.from_dict({"kind": "mlp", "input": 4, "hidden": [3], "outputs": 2})
     state = build_model(spec, seed=0).state_dict()
