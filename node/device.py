@@ -156,9 +156,9 @@ def hardware_fingerprint(device: torch.device) -> str:
 def default_threads(device: torch.device) -> int | None:
     """A background contributor leaves half the cores to their owner on a CPU device.
 
-    Measured on a busy 2-core box: torch's default (all cores) made the reference MLP
-    ~50x slower than one thread (OpenMP threads waiting for each other), so the default is
-    also the faster choice for small models. On a GPU torch's default is kept (None).
+    On a busy machine torch's default (all cores) leaves OpenMP threads waiting for each other,
+    far slower than one thread for a small model (docs/performance.md has the measurement), so
+    the default is also the faster choice there. On a GPU torch's default is kept (None).
     """
     if device.type == "cpu":
         return default_cpu_threads()

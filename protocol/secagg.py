@@ -71,20 +71,7 @@ Formats (all integers big-endian):
   zero counter and a fixed label, ``"gfsa-self"`` for ``b`` and ``"gfsa-pair"`` for ``s_ij``;
   every seed is used for one vector of one round), read as ``L`` little-endian uint32.
 
-Performance (measured, ``L = 100_000``, ``n = 10``, ``t = 6``; 2-core AMD EPYC development box,
-CPython 3.11.7, cryptography 50.0.2, numpy 2.4.6; medians of 5 fresh rounds):
-
-* ``mask``: 1.0 ms (range 0.97 to 3.4 ms over 45 calls): 11 ChaCha20
-  streams of 400 kB (~0.1 ms each), 9 X25519 + HKDF, numpy adds. With ``L = 1`` it is 0.29 ms,
-  the fixed cost of the key agreements.
-* ``result``, nobody dropped: 1.6 ms (10 self-mask seeds rebuilt and checked from 10 answers,
-  10 streams). 3 of 10 dropped after sharing: 3.2 ms; 4 (the most, ``n - t``): 3.3 ms (6 or 7
-  seeds and 3 or 4 keys rebuilt, plus ``|U3| * |dropped|`` pairwise streams). The Shamir part
-  (interpolation, consistency checks, commitments) is 0.75 to 1.1 ms of that (``L = 1``).
-* ``shares_for``: 0.4 ms per client.
-
-Everything else is linear in ``L`` (ChaCha20 and numpy), in ``n`` for a client and in
-``|U3| * (1 + |dropped|)`` streams for the server.
+Its cost, measured, is in docs/silos.md (secure aggregation: what it costs).
 """
 
 from __future__ import annotations

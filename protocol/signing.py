@@ -79,8 +79,7 @@ def verify(public_bytes: bytes, kind: str, payload: bytes, signature: bytes) -> 
     """Raise SignatureError unless ``signature`` covers ``domain(kind) + payload``.
 
     libsodium's Ed25519 (PyNaCl): it verifies in about half the time of OpenSSL's through
-    ``cryptography`` (58 against 106 µs a signature on this project's 2-core machine; README,
-    "hub load"), and it refuses small-order public keys, with which OpenSSL's check lets one
+    ``cryptography`` (docs/performance.md has the figures), and it refuses small-order public keys, with which OpenSSL's check lets one
     signature verify for every message. Signatures are the same: Ed25519 signing is deterministic.
     The call keeps the GIL where it can (protocol/sodium.py).
     """
