@@ -245,7 +245,7 @@ SQL_WRITE = re.compile(r"\b(INSERT (OR \w+ )?INTO|UPDATE \w+ SET|DELETE FROM|REP
 #: modules, the one-off move of a stopped hub's tables from SQLite to PostgreSQL (hub/storage/migrate.py),
 #: and the blob store's pack of small blobs, a file of its own (hub/storage/blobpack.py)
 WRITERS = {"hub/storage/store_sqlite.py", "hub/storage/store_postgres.py", "hub/storage/tokens.py",
-           "hub/storage/token_rows.py", "hub/http/console/sessions.py", "hub/storage/migrate.py",
+           "hub/storage/token_admin.py", "hub/http/console/sessions.py", "hub/storage/migrate.py",
            "hub/storage/blobpack.py"}
 
 
