@@ -3,9 +3,9 @@
 The hub is seven rooms, bottom first; each imports only the rooms below it (tests/test_layering.py):
 
 - ``base``: errors (HubError and its HTTP statuses), ``HubConfig``, count parsing.
-- ``policy``: decisions and checks that reach no network and no database: verification and reputation, aggregation, the referee, the
-  round policy (round_policy.py), privacy, evaluation, downlink, admission, progress, secure
-  aggregation's round, the data checks and defaults.
+- ``policy``: decisions and checks that reach no network and no database: verification and
+  reputation, aggregation, the referee, the round policy (round_policy.py), privacy, evaluation,
+  downlink, admission, progress, secure aggregation's round, the data checks and defaults.
 - ``model``: the plain state types the hub shares: jobs, shards, assignments, updates (job.py)
   and nodes (node.py).
 - ``storage``: the store contract (store.py), its SQLite and PostgreSQL stores, the one switch
