@@ -23,7 +23,7 @@ for R rounds of one job whose chunks give every node one shard per round. Report
 Configurations (``--stores``, issue 16): each node count runs once per configuration, STORE or
 STORE:WORKERS: the hub's SQLite file, a PostgreSQL database (a throwaway PostgreSQL 15 server on
 127.0.0.1 that the bench starts with the tests' own tooling, tests/tooling/postgres.py; the hub
-connects over TCP), and PostgreSQL behind `gpuflex-hub serve --workers N` (hub/http/workers.py: one
+connects over TCP), and PostgreSQL behind `gpuflex-hub serve --workers N` (hub/server/workers.py: one
 leading worker, the others forwarding to it). ``configs`` in the results holds one object per
 configuration at the last node count, each naming its ``store`` and ``workers``.
 
@@ -58,8 +58,8 @@ import numpy as np
 import torch
 from aiohttp import web
 from gpuflex.hub.base.config import HubConfig
-from gpuflex.hub.http.app import create_app
-from gpuflex.hub.http.appkeys import LEDGER
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.protocol.messages import (
     Ack,

@@ -123,7 +123,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     rng = random.Random(seed)
     spec = parse_job_spec(SPEC_TOML.format(epochs=EPOCHS, chunk=CHUNK, trust_after=trust_after))
     vspec = spec.verification
-    hub = HubConfig(data_dir=Path("unused"))  # the hub's defaults, Sybil defences included (hub/http/app.py builds it the same way)
+    hub = HubConfig(data_dir=Path("unused"))  # the hub's defaults, Sybil defences included (hub/server/app.py builds it the same way)
     sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0, rng=random.Random(seed + 1),
                       separate_replicas=hub.separate_replicas, trust_min_age_s=hub.trust_min_age_s,
                       unproven_max_chunks=hub.unproven_max_chunks)

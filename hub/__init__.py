@@ -13,7 +13,7 @@ The hub is seven rooms, bottom first; each imports only the rooms below it (test
   data lock, the database lease, model deltas, the hub's key.
 - ``domain``: the ledger and its use cases (ledger.py), job ingest, the scheduler, the rounds,
   waits, the work signal, metrics.
-- ``http``: the aiohttp app, its routes and wire, the workers, the read model, the web console
+- ``server``: the aiohttp app, its routes and wire, the workers, the read model, the web console
   (console/).
 - ``ops``: the ``gpuflex-hub`` CLI, the demo, the local cluster, the owner's client.
 

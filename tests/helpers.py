@@ -275,7 +275,7 @@ class RunningHub:
     @property
     def store(self) -> str | None:
         """The hub's --store: None for its SQLite file, else its PostgreSQL database's URL."""
-        from gpuflex.hub.http.appkeys import CONFIG
+        from gpuflex.hub.server.appkeys import CONFIG
 
         return self.app[CONFIG].store
 
@@ -291,7 +291,7 @@ class RunningHub:
     def replica_group(self, assignment_id: str) -> str:
         """The hub's own record of a live assignment's replica group ("" = not replicated): the
         signed assignment never says, so tests ask the hub."""
-        from gpuflex.hub.http.appkeys import LEDGER
+        from gpuflex.hub.server.appkeys import LEDGER
 
         scheduler = self.app[LEDGER].scheduler
         a = scheduler.assignments.get(assignment_id)
@@ -313,8 +313,8 @@ async def start_hub(
     """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir
     (and store: `store=` a PostgreSQL URL runs it on PostgreSQL)."""
     from gpuflex.hub.base.config import HubConfig
-    from gpuflex.hub.http.app import create_app
-    from gpuflex.hub.http.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+    from gpuflex.hub.server.app import create_app
+    from gpuflex.hub.server.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
     from gpuflex.hub.storage.token_admin import create_token
 
     config_kw.setdefault("long_poll_max_s", 2.0)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import pytest_asyncio
-from gpuflex.hub.http.appkeys import DB
+from gpuflex.hub.server.appkeys import DB
 
 from tests.helpers import RunningHub, digits_spec, store_for, submit_job, write_digits
 from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode

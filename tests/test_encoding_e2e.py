@@ -143,7 +143,7 @@ async def test_a_sparse_download_publishes_models_that_differ_in_few_elements(tm
     """[communication] download = "topk": each round's model differs from the last in at most
     download_fraction of its elements (the rest of the change waits in the hub's residual), and the
     node holding the last model fetches the next as a delta a fraction of the model's size."""
-    from gpuflex.hub.http.appkeys import BLOBS
+    from gpuflex.hub.server.appkeys import BLOBS
     from gpuflex.protocol.blobdelta import make_delta
     from gpuflex.protocol.tensors import decode_state
 

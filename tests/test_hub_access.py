@@ -19,8 +19,8 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from gpuflex.hub.http.appkeys import DB, LEDGER
-from gpuflex.hub.http.openapi import openapi_document
+from gpuflex.hub.server.appkeys import DB, LEDGER
+from gpuflex.hub.server.openapi import openapi_document
 from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.protocol.messages import (
     Abandon,

@@ -39,8 +39,8 @@ async def test_flags_verdict_and_ban_flow(running_hub):
     """Flags are written by the hub; here we insert rows the way rounds.py does and drive verdicts."""
     import time
 
-    from gpuflex.hub.http.appkeys import LEDGER
     from gpuflex.hub.model.node import NodeState
+    from gpuflex.hub.server.appkeys import LEDGER
 
     node_id = "gf1-test-node-aaaa-bbbb-cccc"
     running_hub.app[LEDGER].scheduler.nodes[node_id] = NodeState(
@@ -115,7 +115,7 @@ async def test_flags_verdict_and_ban_flow(running_hub):
     check = verify_log(
         log.splitlines(keepends=True),
         running_hub.app[
-            __import__("gpuflex.hub.http.appkeys", fromlist=["HUB_KEY"]).HUB_KEY
+            __import__("gpuflex.hub.server.appkeys", fromlist=["HUB_KEY"]).HUB_KEY
         ].public_bytes,
     )
     assert check.ok

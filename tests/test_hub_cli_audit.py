@@ -29,8 +29,8 @@ BENCH = {"samples_per_s": 1234.5, "flops": 2.5e9, "measured_at": 1.795e9}
 @pytest.fixture
 async def flagged(running_hub: RunningHub) -> SimpleNamespace:
     """Five open flags on one node the hub knows, inserted the way verification writes them."""
-    from gpuflex.hub.http.appkeys import LEDGER
     from gpuflex.hub.model.node import NodeState
+    from gpuflex.hub.server.appkeys import LEDGER
 
     now = time.time()
     running_hub.app[LEDGER].scheduler.nodes[NODE] = NodeState(

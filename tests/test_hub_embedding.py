@@ -86,7 +86,7 @@ async def test_embedding_job_trains_aggregates_and_evaluates(tmp_path):
         sha = conn.execute("SELECT sha FROM chunks WHERE job_id = ? LIMIT 1", (job_id,)).fetchone()[0]
         val_sha = conn.execute("SELECT val_sha FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
         conn.close()
-        from gpuflex.hub.http.appkeys import BLOBS
+        from gpuflex.hub.server.appkeys import BLOBS
 
         for blob in (sha, val_sha):
             chunk = decode_state(bytearray(hub.app[BLOBS].read(blob)))

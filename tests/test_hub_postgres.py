@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from gpuflex.hub.http.appkeys import DB, LEDGER
+from gpuflex.hub.server.appkeys import DB, LEDGER
 from gpuflex.protocol.messages import Assignment, NoWork
 
 from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits

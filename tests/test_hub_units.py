@@ -14,11 +14,11 @@ from aiohttp import web
 from gpuflex.hub.base.config import HubConfig
 from gpuflex.hub.base.errors import Unprocessable
 from gpuflex.hub.domain.scheduler import Scheduler
-from gpuflex.hub.http.app import create_app
-from gpuflex.hub.http.openapi import openapi_document
 from gpuflex.hub.model.job import ChunkInfo, JobState, shard_seed
 from gpuflex.hub.model.node import NodeState
 from gpuflex.hub.policy.dataset import Arrays, make_chunks, split_validation, validate_arrays
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.openapi import openapi_document
 from gpuflex.hub.storage.db import Database
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import decode_state
@@ -214,7 +214,7 @@ def test_db_hands_no_cursor_to_its_callers(tmp_path):
 def test_settle_heap_freezes_start_up_and_collects_young_objects_less_often():
     import gc
 
-    from gpuflex.hub.http.heap import GEN0, GEN1, GEN2, settle_heap
+    from gpuflex.hub.server.heap import GEN0, GEN1, GEN2, settle_heap
 
     before = gc.get_threshold()
     try:

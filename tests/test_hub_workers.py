@@ -1,4 +1,4 @@
-"""`gpuflex-hub serve --workers N` on PostgreSQL (hub/http/workers.py, hub/storage/lease.py): real processes.
+"""`gpuflex-hub serve --workers N` on PostgreSQL (hub/server/workers.py, hub/storage/lease.py): real processes.
 
 The supervisor, its workers and a real node process run as users run them, on a PostgreSQL
 server the tests start (tests/conftest.py's `postgres_server`). kill -9 of the leading worker
@@ -186,11 +186,11 @@ def test_workers_on_sqlite_are_refused_before_anything_starts(tmp_path: Path) ->
 
 
 async def test_the_forwarded_client_address_is_believed_on_the_leader_socket_only(tmp_path: Path) -> None:
-    """hub/http/app.py's forwarded_peer: X-GPUFlex-Peer over TCP is the client's own claim and ignored;
+    """hub/server/app.py's forwarded_peer: X-GPUFlex-Peer over TCP is the client's own claim and ignored;
     on the leader's Unix socket (where only the hub's workers connect) it is the client's address."""
     from aiohttp import web
-    from gpuflex.hub.http.appkeys import LEDGER
-    from gpuflex.hub.http.workers import PEER_HEADER
+    from gpuflex.hub.server.appkeys import LEDGER
+    from gpuflex.hub.server.workers import PEER_HEADER
 
     hub = await start_hub(tmp_path / "hub")
     sock = tmp_path / "leader.sock"

@@ -20,9 +20,9 @@ PACKAGES = {"hub": "gpuflex.hub", "node": "gpuflex.node", "protocol": "gpuflex.p
 #: base: errors, config, numbers; policy: pure decisions (verification, aggregation, privacy, the
 #: round policy, data checks); model: the plain state types (JobState, NodeState...); storage: the
 #: store contract and its SQLite/PostgreSQL stores, blobs, the audit log, tokens; domain: the ledger
-#: and its use cases, the scheduler, the rounds; http: the app, its routes, the wire, the workers, the
+#: and its use cases, the scheduler, the rounds; server: the HTTP app, its routes, the wire, the workers, the
 #: console; ops: the CLI, the demo, the local cluster, the owner's client.
-HUB_ROOMS = ("base", "policy", "model", "storage", "domain", "http", "ops")
+HUB_ROOMS = ("base", "policy", "model", "storage", "domain", "server", "ops")
 #: modules at the hub's top level: entry points only
 HUB_TOP_LEVEL = {"__init__.py", "__main__.py"}
 
@@ -103,7 +103,7 @@ def test_packages_import_only_what_the_layering_allows(folder: str, forbidden: t
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     """The test above can fail: a relative import that climbs out of the package is resolved."""
-    fake = ROOT / "hub" / "http" / "console" / "__init__.py"
+    fake = ROOT / "hub" / "server" / "console" / "__init__.py"
     names = _imports(fake)
     assert any(n.startswith("gpuflex.hub") for n in names)
 
@@ -209,14 +209,14 @@ def test_no_import_cycle_between_hub_modules() -> None:
 def test_the_room_and_cycle_checkers_see_violations() -> None:
     """The two tests above can fail: an import from a room below to a room above, and a cycle
     made by an import inside a function, are both found."""
-    low = _imports_of_source("def f():\n    from ..http.app import create_app\n",
+    low = _imports_of_source("def f():\n    from ..server.app import create_app\n",
                              "gpuflex.hub.storage.tokens", is_package=False)
-    modules = {"gpuflex.hub.storage.tokens": None, "gpuflex.hub.http.app": None}
-    graph = {"gpuflex.hub.storage.tokens": _targets(low, modules), "gpuflex.hub.http.app": {"gpuflex.hub.storage.tokens"}}
-    assert graph["gpuflex.hub.storage.tokens"] == {"gpuflex.hub.http.app"}
+    modules = {"gpuflex.hub.storage.tokens": None, "gpuflex.hub.server.app": None}
+    graph = {"gpuflex.hub.storage.tokens": _targets(low, modules), "gpuflex.hub.server.app": {"gpuflex.hub.storage.tokens"}}
+    assert graph["gpuflex.hub.storage.tokens"] == {"gpuflex.hub.server.app"}
     assert room_violations(graph) == [
-        "gpuflex.hub.storage.tokens (storage) imports gpuflex.hub.http.app (http, a room above it)"]
-    assert find_cycle(graph) == ["gpuflex.hub.http.app", "gpuflex.hub.storage.tokens", "gpuflex.hub.http.app"]
+        "gpuflex.hub.storage.tokens (storage) imports gpuflex.hub.server.app (server, a room above it)"]
+    assert find_cycle(graph) == ["gpuflex.hub.server.app", "gpuflex.hub.storage.tokens", "gpuflex.hub.server.app"]
     hidden = _imports_of_source("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n",
                                 "gpuflex.hub.storage.b", is_package=False, type_checking=False)
     assert "gpuflex.hub.storage.a" not in hidden
@@ -234,7 +234,7 @@ DOMAIN = [*sorted(str(p.relative_to(ROOT)) for room in ("base", "policy", "model
 def test_the_domain_knows_no_http_and_no_sql(name: str) -> None:
     names = _imports(ROOT / name)
     bad = sorted(n for n in names if n.split(".")[0] in ("aiohttp", "sqlite3", "psycopg")
-                 or n.startswith(("gpuflex.hub.http", "gpuflex.hub.ops", "gpuflex.hub.storage.db",
+                 or n.startswith(("gpuflex.hub.server", "gpuflex.hub.ops", "gpuflex.hub.storage.db",
                                   "gpuflex.hub.storage.store_sqlite", "gpuflex.hub.storage.store_postgres",
                                   "gpuflex.hub.storage.backend")))
     assert not bad, f"{name} imports {bad}"
@@ -245,7 +245,7 @@ SQL_WRITE = re.compile(r"\b(INSERT (OR \w+ )?INTO|UPDATE \w+ SET|DELETE FROM|REP
 #: modules, the one-off move of a stopped hub's tables from SQLite to PostgreSQL (hub/storage/migrate.py),
 #: and the blob store's pack of small blobs, a file of its own (hub/storage/blobpack.py)
 WRITERS = {"hub/storage/store_sqlite.py", "hub/storage/store_postgres.py", "hub/storage/tokens.py",
-           "hub/storage/token_admin.py", "hub/http/console/sessions.py", "hub/storage/migrate.py",
+           "hub/storage/token_admin.py", "hub/server/console/sessions.py", "hub/storage/migrate.py",
            "hub/storage/blobpack.py"}
 
 

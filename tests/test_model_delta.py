@@ -11,7 +11,7 @@ import os
 import time
 
 import torch
-from gpuflex.hub.http.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.protocol.blobdelta import apply_delta, make_delta
 from gpuflex.protocol.errors import DecodeError
 from gpuflex.protocol.messages import Assignment, BlobRequest

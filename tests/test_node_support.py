@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from aiohttp import web
 from gpuflex.hub.base.config import HubConfig
-from gpuflex.hub.http.app import create_app
-from gpuflex.hub.http.appkeys import METRICS
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.appkeys import METRICS
 from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.node.agent import NodeAgent, NodeConfig
 from gpuflex.node.benchcache import CACHE_FILE

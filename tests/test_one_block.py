@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from gpuflex.hub.http.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.node.checkpoints import CheckpointStore
 from gpuflex.protocol.messages import (
     Ack,

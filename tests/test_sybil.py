@@ -566,7 +566,7 @@ async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(
     """Attack: two colluders out-voted an honest replica with an identical crafted update; the
     honest node's run of agreements was reset, even though its flag was withdrawn once the
     round's review caught the colluders' update. Now the withdrawal gives the run back."""
-    from gpuflex.hub.http.appkeys import LEDGER
+    from gpuflex.hub.server.appkeys import LEDGER
 
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", throughput_alpha=0.0)  # shard sizes stay as seeded

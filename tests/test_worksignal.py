@@ -100,7 +100,7 @@ async def test_a_returned_shard_wakes_one_waiting_node_not_all(tmp_path) -> None
     import time
 
     import aiohttp
-    from gpuflex.hub.http.appkeys import LEDGER
+    from gpuflex.hub.server.appkeys import LEDGER
     from gpuflex.protocol.messages import Assignment
 
     from tests.helpers import SimNode, start_hub, submit_job, write_digits

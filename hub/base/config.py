@@ -44,7 +44,7 @@ class HubConfig:
     #: body limit for signed control messages (register, work, heartbeat, abandon)
     max_message_bytes: int = 1 << 20
     #: a request whose handler waits this long for body bytes and gets none is answered 408 and its
-    #: connection closed (hub/http/bodywatch.py): a client that sends a head and then nothing holds nothing
+    #: connection closed (hub/server/bodywatch.py): a client that sends a head and then nothing holds nothing
     body_idle_timeout_s: float = 15.0
     #: limit for one uploaded dataset file and for a whole job submission
     max_dataset_bytes: int = 2 << 30

@@ -237,7 +237,7 @@ class RoundEngine:
         """Background loop: advance jobs that something happened to.
 
         One job's failure fails that job, not the loop. If failing it fails too (the store
-        is down), the exception leaves the loop: its supervisor (hub/http/loops.py) logs it, turns
+        is down), the exception leaves the loop: its supervisor (hub/server/loops.py) logs it, turns
         /healthz 503, notes the error on `self.current` and starts the loop again, which
         looks at every running job once more.
         """

@@ -55,9 +55,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from ..base.config import HubConfig
-    from ..http.app import create_app
-    from ..http.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
-    from ..http.heap import settle_heap
+    from ..server.app import create_app
+    from ..server.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+    from ..server.heap import settle_heap
 
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
@@ -92,8 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
     elif not _is_loopback(config.host) and args.worker_index in (None, 0):
         print(f"WARNING: binding {config.host} without TLS: tokens and data travel in clear text. "
               "Use --tls-cert/--tls-key or a TLS-terminating proxy.", file=sys.stderr, flush=True)
-    if args.worker_fd is not None:  # one of `serve --workers N`'s processes (hub/http/workers.py)
-        from ..http.workers import run_worker
+    if args.worker_fd is not None:  # one of `serve --workers N`'s processes (hub/server/workers.py)
+        from ..server.workers import run_worker
 
         return await run_worker(config, ssl_ctx, args.worker_fd, args.worker_index or 0)
     lease = None
@@ -109,7 +109,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
-    settle_heap()  # start-up done: its objects leave the collector's walks (hub/http/heap.py)
+    settle_heap()  # start-up done: its objects leave the collector's walks (hub/server/heap.py)
     site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_ctx, reuse_address=True)
     await site.start()
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
@@ -137,7 +137,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.worker_fd is None and args.workers != 1:
-        from ..http.workers import check, supervise
+        from ..server.workers import check, supervise
 
         check(args.workers, args.store, Path(args.data))  # one line, before anything starts
         if args.store is not None:

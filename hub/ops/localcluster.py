@@ -23,7 +23,7 @@ from typing import Any
 from gpuflex.protocol.signing import SigningKey
 
 #: The repository root when running from a source checkout (editable install or `make demo`).
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def attack_tooling_available() -> bool:

@@ -1,6 +1,6 @@
 """The one switch between the hub's two databases: SQLite in the data folder, or the PostgreSQL
 database a URL names (``--store``); and between its two blob stores: the folder, or the S3 bucket
-a URL names (``--blobs``). The hub (hub/http/app.py) and the token commands
+a URL names (``--blobs``). The hub (hub/server/app.py) and the token commands
 (hub/storage/token_admin.py) open their database here, and nowhere else."""
 
 from __future__ import annotations

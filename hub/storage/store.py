@@ -12,7 +12,7 @@ this interface knows which store it talks to.
 
 The read side (job status documents, flag lists, the console's pages) is not here:
 those are queries, not state changes; they run through `Store.query` (see
-hub/http/readmodel.py) on a connection with sqlite3's interface: a `sqlite3.Connection`, or
+hub/server/readmodel.py) on a connection with sqlite3's interface: a `sqlite3.Connection`, or
 on PostgreSQL a `PgConnection` that takes the same `?` statements and gives rows read by
 name or position, as `sqlite3.Row` does.
 """
@@ -241,7 +241,7 @@ class Store(abc.ABC):
     # -- the read side -----------------------------------------------------------------------
     @abc.abstractmethod
     async def query(self, fn: Callable[[Any], T]) -> T:
-        """Run a read-only query function against the store's connection (hub/http/readmodel.py):
+        """Run a read-only query function against the store's connection (hub/server/readmodel.py):
         sqlite3's interface on either store (`?` placeholders, rows by name or position)."""
 
     @abc.abstractmethod

@@ -93,7 +93,7 @@ def candidate_shas(conn: sqlite3.Connection, flag: Mapping[str, Any]) -> dict[st
 def round_layer_evidence(blobs: Any, needed: Mapping[str, Any]) -> dict[str, Any]:
     """Blocking: decode the blobs (zero-copy) and profile the flagged update."""
     from gpuflex.hub.domain.rounds import open_deltas
-    from gpuflex.hub.policy.round_policy.aggregation import coordinate_median
+    from gpuflex.hub.policy.aggregation import coordinate_median
 
     shas = list(needed["centre_of"])
     with open_deltas(blobs, [needed["update"], *shas]) as states:

@@ -15,7 +15,7 @@ The shape (a pre-fork server with a leader):
 - **The others forward.** A worker in line answers the connections it accepts by passing each
   request on to the leader's socket, streamed both ways (an update upload is never held in
   memory), with the client's address in ``X-GPUFlex-Peer``, which the leader believes only on
-  that socket (hub/http/app.py's ``forwarded_peer``). A long-poll waits at the leader, so a round's
+  that socket (hub/server/app.py's ``forwarded_peer``). A long-poll waits at the leader, so a round's
   opening wakes every node, whichever worker holds its connection. Meanwhile the worker waits
   for the lease.
 - **kill -9 of the leader** drops its connection to PostgreSQL and with it the lease: within
@@ -295,7 +295,7 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
         print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
-    settle_heap()  # hub/http/heap.py
+    settle_heap()  # hub/server/heap.py
     with contextlib.suppress(FileNotFoundError):
         sock_path.unlink()  # a dead leader's
     await web.UnixSite(runner, str(sock_path), backlog=LEADER_BACKLOG).start()

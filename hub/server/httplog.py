@@ -11,7 +11,7 @@ Two places let a malformed request reach the log as a traceback:
   parser errors as exceptions; `client_errors` maps them to 400 ``bad_request`` before the
   error middleware would call them a 500.
 
-hub/http/edge.py installs both; the filter once per process (logging is global).
+hub/server/edge.py installs both; the filter once per process (logging is global).
 Errors of the hub itself (status 500) keep their tracebacks.
 """
 

@@ -31,7 +31,7 @@ from ..storage.tokens import Principal, lookup
 from .appkeys import DB, HUB_KEY, METRICS, REPLAY
 
 #: the header that carries a request's client address when a worker forwards it to the leader
-#: (hub/http/workers.py; believed on leader.sock only, hub/http/app.py)
+#: (hub/server/workers.py; believed on leader.sock only, hub/server/app.py)
 PEER_HEADER = "X-GPUFlex-Peer"
 #: and the scheme the client used (a worker ends TLS itself)
 SCHEME_HEADER = "X-GPUFlex-Scheme"

@@ -97,7 +97,7 @@ async def error_middleware(
 async def forwarded_peer(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """A request that a forwarding worker passed on (`serve --workers N`, hub/http/workers.py) arrives
+    """A request that a forwarding worker passed on (`serve --workers N`, hub/server/workers.py) arrives
     on the leader's Unix socket, with the client's address in X-GPUFlex-Peer and its scheme in
     X-GPUFlex-Scheme: the address every per-address rule (admission, replica separation, the HTTP
     log) must see. Only on that socket (mode 0600, in the 0700 data folder) are the headers
@@ -192,7 +192,7 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
 
     app.on_cleanup.append(release_data_folder)
     app.on_shutdown.append(_wake_long_polls)
-    guard_edge(app)  # malformed HTTP, undocumented query parameters: 4xx, one log line (hub/http/edge.py)
+    guard_edge(app)  # malformed HTTP, undocumented query parameters: 4xx, one log line (hub/server/edge.py)
     _attach_console(app)
     return app
 
@@ -204,7 +204,7 @@ async def _wake_long_polls(app: web.Application) -> None:
 
 
 def _attach_console(app: web.Application) -> None:
-    """The web console (hub/http/console) mounts itself under /console."""
+    """The web console (hub/server/console) mounts itself under /console."""
     from .console import setup_console
 
     setup_console(app)

@@ -3,7 +3,7 @@
 Queries only; nothing here changes state (that is the ledger's, hub/domain/ledger.py). Each
 function takes the store's connection (through `Store.query`) or the app, applies the
 caller's visibility rule, and returns plain JSON-ready documents. The API routes and
-the console (hub/http/console) use the same functions, so they cannot disagree.
+the console (hub/server/console) use the same functions, so they cannot disagree.
 """
 
 from __future__ import annotations

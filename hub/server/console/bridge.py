@@ -2,7 +2,7 @@
 
 Everything the console needs from the hub goes through this module, so the
 pages never depend on how the hub stores or computes things beyond the
-functions named here. Reads go through the hub's read model (``gpuflex.hub.http.readmodel``,
+functions named here. Reads go through the hub's read model (``gpuflex.hub.server.readmodel``,
 on the store's thread); the console changes nothing itself — a verdict is given by
 the ledger (``Ledger.verdict``), the very call the API's verdict route makes.
 """
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from gpuflex.hub.base.errors import HubError, Unauthorized
-from gpuflex.hub.http import appkeys, readmodel
+from gpuflex.hub.server import appkeys, readmodel
 from gpuflex.hub.storage import tokens
 
 from . import evidence, queries

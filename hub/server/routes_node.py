@@ -1,6 +1,6 @@
 """Node-facing routes: signed msgpack in, hub-signed msgpack out.
 
-Each handler parses and checks the signed message (hub/http/wire.py), calls the ledger
+Each handler parses and checks the signed message (hub/server/wire.py), calls the ledger
 (hub/domain/ledger.py) and answers with a hub-signed message. The upload handler also moves
 the update's bytes into the blob store, hashing and checking them in worker threads.
 """

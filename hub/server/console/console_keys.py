@@ -1,4 +1,4 @@
-"""The console's own application keys (the hub's live in hub/http/appkeys.py)."""
+"""The console's own application keys (the hub's live in hub/server/appkeys.py)."""
 
 from __future__ import annotations
 

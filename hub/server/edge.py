@@ -1,7 +1,7 @@
 """What every request meets before a handler: the hub's edge guards, installed by `guard_edge`.
 
 - Malformed HTTP is the client's fault: a 4xx and at most one rate-limited log line, never a
-  traceback (hub/http/httplog.py).
+  traceback (hub/server/httplog.py).
 - The OpenAPI document is the contract for query strings too: a query parameter that the
   document does not name for that operation is refused (400 bad_query), so a typo such as
   `?rounds=3` never silently means "the latest model". Console pages are not API operations

@@ -162,7 +162,7 @@ def setup_console(app: web.Application) -> None:
 
 
 async def _session_store(app: web.Application) -> AsyncIterator[None]:
-    from gpuflex.hub.http import appkeys
+    from gpuflex.hub.server import appkeys
 
     data_dir = Path(app[appkeys.CONFIG].data_dir)
     store = SessionStore(data_dir / "console.sqlite3")

@@ -266,7 +266,7 @@ def openapi_document() -> dict[str, Any]:
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
         for method, op in ops.items():
             op["responses"].setdefault("400", _ERROR_400)
-            if method == "post":  # a body that stops arriving (hub/http/bodywatch.py)
+            if method == "post":  # a body that stops arriving (hub/server/bodywatch.py)
                 op["responses"].setdefault("408", _ERROR)
     return {
         "openapi": "3.1.0",
