@@ -2,7 +2,7 @@
 
 What the hub does at the end of a round: every accepted update is a GFT1 blob on
 disk; it mmaps each one, decodes zero-copy tensor views (gpuflex.protocol.tensors
-.decode_state) and calls hub/aggregation.py's ``aggregate`` over them.
+.decode_state) and calls hub/policy/aggregation.py's ``aggregate`` over them.
 
 1. Speed: N=32 updates of 25M float32 parameters (100 MB each, 3.2 GB) written as
    real blob files, page cache warm. ``aggregate`` (weighted FedAvg, float64
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpuflex.hub.aggregation import aggregate, readonly_mapping
+from gpuflex.hub.policy.aggregation import aggregate, readonly_mapping
 from gpuflex.protocol.jobspec import AggregationSpec
 from gpuflex.protocol.tensors import decode_state, encode_state
 

@@ -1,6 +1,6 @@
 """Update encodings over home lines: bytes, round time, accuracy and compute utilisation.
 
-1. **Shaped links.** A real hub process and real node processes (hub/localcluster.py), each
+1. **Shaped links.** A real hub process and real node processes (hub/ops/localcluster.py), each
    node in its own network namespace behind a line shaped like a home line: ``tc … tbf`` to
    20 Mbit/s up, 100 Mbit/s down, and 30 ms round trip and 0.1% packet loss each way added by a
    packet relay between TUN devices (tests/tooling/netshape.py; this kernel has no netem). The
@@ -11,7 +11,7 @@
    * the 25M-parameter MLP (1024-4096-4096-1024-10, 101 MB in fp32) on a synthetic
      1024-feature task, with DiLoCo settings (``big``): ``local_steps`` (500, as DiLoCo) per round, outer
      Nesterov (``server_lr`` 0.7, momentum 0.9, as OpenDiLoCo); once more with
-     ``download = "topk"`` (hub/downlink.py: the model's change sparse, so the next model
+     ``download = "topk"`` (hub/policy/downlink.py: the model's change sparse, so the next model
      downloads as a small delta); and again with a few local steps (``brief``, 10), where moving
      the model is most of a round.
 
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gpuflex.hub.verification import relative_distance  # noqa: E402
+from gpuflex.hub.policy.verification import relative_distance  # noqa: E402
 from gpuflex.protocol.encoding import DEFAULT_TOLERANCE, UpdateEncoding  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec  # noqa: E402
 from gpuflex.protocol.tensors import encode_state, manifest_of  # noqa: E402

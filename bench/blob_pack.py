@@ -1,4 +1,4 @@
-"""Storing small blobs: packed (hub/blobpack.py, the default) against a file of their own each.
+"""Storing small blobs: packed (hub/storage/blobpack.py, the default) against a file of their own each.
 
 The hub's own BlobStore both ways, in one process: `put` of N distinct blobs of a small model's
 update size from 1, 4 and 16 threads at once (the hub's I/O pool has 16), into a fresh folder on
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gpuflex.hub.blobs import BlobStore
+from gpuflex.hub.storage.blobs import BlobStore
 
 THREADS = (1, 4, 16)
 

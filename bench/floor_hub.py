@@ -10,7 +10,7 @@ last update is durable (a close that costs nothing).
 
 Per request, as the hub must:
 - register: the Hello's Ed25519 signature and freshness (protocol/signing.py), the node committed
-  (hub/db.py's group commit) before its signed Welcome;
+  (hub/storage/db.py's group commit) before its signed Welcome;
 - work: the WorkRequest's signature and freshness; a long-poll until the round opens; a signed
   Assignment, committed before it is sent;
 - update: the header's signature and freshness, the assignment's owner and round, the bytes' size
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from gpuflex.hub.db import Database, durable_connection
+from gpuflex.hub.storage.db import Database, durable_connection
 from gpuflex.protocol.messages import (
     Ack,
     Assignment,

@@ -49,7 +49,7 @@ Figures (``figures``):
   trainings run here, checkpoint commitments included, times the steps every node trained);
   ``verification_cost_fraction_steps``: the referee's re-executed steps / trained steps;
   ``referee_checks_by_reason``: the referee's re-executions by why (disagreement, spot_check,
-  against_trend: an update with a layer against the model's trend, hub/policy.py rule 4) and
+  against_trend: an update with a layer against the model's trend, hub/policy/round_policy.py rule 4) and
   whether the update was honest; ``trend_audit_honest_rate``: honest ``against_trend``
   re-executions per training;
 - ``accuracy_gap_points``: per job and class, the class's final accuracy minus plain fp32's;
@@ -65,7 +65,7 @@ Figures (``figures``):
   same full audit on one-step segments (``checkpoint_every = 1``), the cheapest re-execution a
   commitment allows, and what committing every step costs the nodes' training.
 
-The referee re-executes a segment as the hub does (``gpuflex.hub.referee.replay_onednn`` of the
+The referee re-executes a segment as the hub does (``gpuflex.hub.policy.referee.replay_onednn`` of the
 node's compute class: a CPU node's own oneDNN setting).
 
 Run (2 cores, about 10 min): .venv/bin/python bench/heterogeneity.py [--rounds 30] [--epochs 5]
@@ -108,9 +108,9 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 sys.path.insert(0, str(ROOT / "bench"))  # robustness
 
 import robustness as rb  # noqa: E402
-from gpuflex.hub import policy  # noqa: E402
-from gpuflex.hub import verification as vf  # noqa: E402
-from gpuflex.hub.referee import STANDOUT  # noqa: E402
+from gpuflex.hub.policy import round_policy as policy  # noqa: E402
+from gpuflex.hub.policy import verification as vf  # noqa: E402
+from gpuflex.hub.policy.referee import STANDOUT  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
 from gpuflex.protocol.checkpoint import checkpoint_steps, model_part, segment_norm, state_hash  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
@@ -701,7 +701,7 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "verification_cost_fraction_steps": (sum(referee_steps) / steps) if referee_steps and steps else None,
         "referee_checks_by_reason": {k: sum(r["referee_by_reason"].get(k, 0) for _, _, r in mixed)
                                      for k in sorted({k for _, _, r in mixed for k in r["referee_by_reason"]})},
-        # the model's trend (hub/policy.py rule 4): how many honest trainings it sent to the referee
+        # the model's trend (hub/policy/round_policy.py rule 4): how many honest trainings it sent to the referee
         "trend_audit_honest_rate": sum(r["referee_by_reason"].get("against_trend/honest", 0) for _, _, r in mixed)
         / max(sum(r["trainings"] for _, _, r in mixed), 1),
         "accuracy_gap_points": {f"{j}/{k}": v for j, d in jobs.items() for k, v in d["accuracy_gap_points"].items()},

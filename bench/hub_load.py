@@ -23,7 +23,7 @@ for R rounds of one job whose chunks give every node one shard per round. Report
 Configurations (``--stores``, issue 16): each node count runs once per configuration, STORE or
 STORE:WORKERS: the hub's SQLite file, a PostgreSQL database (a throwaway PostgreSQL 15 server on
 127.0.0.1 that the bench starts with the tests' own tooling, tests/tooling/postgres.py; the hub
-connects over TCP), and PostgreSQL behind `gpuflex-hub serve --workers N` (hub/workers.py: one
+connects over TCP), and PostgreSQL behind `gpuflex-hub serve --workers N` (hub/server/workers.py: one
 leading worker, the others forwarding to it). ``configs`` in the results holds one object per
 configuration at the last node count, each naming its ``store`` and ``workers``.
 
@@ -57,10 +57,10 @@ import aiohttp
 import numpy as np
 import torch
 from aiohttp import web
-from gpuflex.hub.app import create_app
-from gpuflex.hub.appkeys import LEDGER
-from gpuflex.hub.config import HubConfig
-from gpuflex.hub.tokens import create_token
+from gpuflex.hub.base.config import HubConfig
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.appkeys import LEDGER
+from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.protocol.messages import (
     Ack,
     Assignment,
@@ -106,7 +106,7 @@ MSGPACK = {"Content-Type": "application/x-msgpack"}
 ECHO_PASSES = 3
 
 #: Every simulated node connects from 127.0.0.1, one address block: the hub's Sybil defences
-#: (hub/admission.py: registrations per block, probation, the unproven node's capped shard) would
+#: (hub/policy/admission.py: registrations per block, probation, the unproven node's capped shard) would
 #: turn all but a few away. This bench measures serving a round, not admission, so they are
 #: relaxed as the tests relax them (tests/helpers.py RELAXED_SERVE_ARGS / RELAXED_DEFENCES).
 ONE_ADDRESS_ARGS = ("--allow-shared-blocks", "--registrations-per-block", "100000", "--registrations-global", "100000",
@@ -165,7 +165,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print
 #: The least any hub must do per node request, with the product's own code (protocol/signing.py):
 #: check the request's Ed25519 signature and its freshness, and sign the answer. No state, no disk.
 #: Durable (a data folder as argv[3]): also commit the request through the hub's own SQLite group
-#: commit (hub/db.py) before answering, as a hub must before its 2xx (a signed assignment, an ack).
+#: commit (hub/storage/db.py) before answering, as a hub must before its 2xx (a signed assignment, an ack).
 SIGNED_ECHO_SERVER = """
 import sys
 from aiohttp import web
@@ -196,7 +196,7 @@ if sys.argv[2] == "openssl":  # the same envelope and checks, with OpenSSL's Ed2
 db = None
 if len(sys.argv) > 3:  # durable: each request's nonce committed through the hub's own group commit first
     from pathlib import Path
-    from gpuflex.hub.db import Database
+    from gpuflex.hub.storage.db import Database
 
     db = Database(Path(sys.argv[3]) / "echo.sqlite3")
     db.write_sync(lambda c: c.execute("CREATE TABLE IF NOT EXISTS echo (signer BLOB, nonce BLOB)"))
@@ -226,7 +226,7 @@ async def echo_baseline(n_clients: int, per_client: int, body: bytes, *, own_pro
     the server is SIGNED_ECHO_SERVER (verify, replay check, sign), always in its own process, with
     ``library``'s Ed25519: "product" (protocol/signing.py: libsodium through PyNaCl) or "openssl"
     (cryptography's, which the product used before). ``durable``: a
-    folder for its SQLite file; each request is committed (hub/db.py) before its answer.
+    folder for its SQLite file; each request is committed (hub/storage/db.py) before its answer.
     """
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=await request.read(), content_type="application/x-msgpack")
@@ -545,7 +545,7 @@ async def run_once(n: int, rounds: int, hub_mode: str, store: str | None = None,
         "signed_echo_ratio_vs_echo": of(signed_rps, lambda r: r / echo_rps),
         "signed_echo_bound_p99_ms": of(signed_rps, lambda r: 1000 * 0.99 * n / r, 1),
         "ratio_vs_signed_echo": of(signed_rps, lambda r: rps / r),
-        # ... also committing each request through the hub's group commit (hub/db.py) before answering
+        # ... also committing each request through the hub's group commit (hub/storage/db.py) before answering
         "durable_signed_echo_ratio_vs_echo": of(durable_rps, lambda r: r / echo_rps),
         "durable_signed_echo_bound_p99_ms": of(durable_rps, lambda r: 1000 * 0.99 * n / r, 1),
         # the signed echo with OpenSSL's Ed25519 (cryptography), which the product signed with before

@@ -1,7 +1,7 @@
 """Calibrate the referee's short-segment threshold (``[verification] segment_tolerance``).
 
 A node trains one assignment with the node's own trainer and checkpoint recorder in one
-numeric class; the referee (hub/referee.py) re-executes every segment in another class, in
+numeric class; the referee (hub/policy/referee.py) re-executes every segment in another class, in
 the precision the node claims. Classes on this CPU: fp32 / bf16 autocast, 1 / 2 torch
 threads, oneDNN on / off. Also measured: the whole-update distance between two honest
 replicas of different classes (what the strict tolerance 1e-4 sees), and lies (a node that
@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpuflex.hub.referee import replay_segment, segment_distance  # noqa: E402
+from gpuflex.hub.policy.referee import replay_segment, segment_distance  # noqa: E402
 from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every, model_part  # noqa: E402

@@ -1,7 +1,7 @@
 """Robustness: every attack at 10/20/30 % of nodes on real digits training.
 
 The hub's round policy, driven in-process: no HTTP and no database, but the very
-functions the hub's RoundEngine (gpuflex.hub.rounds) calls, in the order it calls them,
+functions the hub's RoundEngine (gpuflex.hub.domain.rounds) calls, in the order it calls them,
 and the node's real trainer (gpuflex.node.trainer.train_assignment, through
 tests/tooling/attacks.contribute). Each "node" is a reputation + an optional attack
 from the catalogue; training is real and deterministic. Nothing of the policy is
@@ -46,7 +46,7 @@ commitments the shipped node records (gpuflex.node.checkpoints.CheckpointRecorde
 kept in memory: the node hands them over), the updates carry them into ``decide_shard``
 (``committed``, ``verdicts`` and the shard's spot-check draw, which the policy holds against
 ``verification.spot_check`` or ``spot_check_trusted``, as RoundEngine._referee_inputs passes them), and a ``Referee`` decision is answered with
-``gpuflex.hub.referee.judge_segment`` on the segment ``pick_segment`` chooses, as
+``gpuflex.hub.policy.referee.judge_segment`` on the segment ``pick_segment`` chooses, as
 RoundEngine._judge does. ``verification_cost_fraction``: re-executed steps / trained steps.
 
 Run: .venv/bin/python bench/robustness.py [--quick] [--rounds N] [--attacks a,b]
@@ -74,10 +74,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.tooling
 
-from gpuflex.hub import policy  # noqa: E402
-from gpuflex.hub import verification as vf  # noqa: E402
-from gpuflex.hub.aggregation import ServerOptimizer, aggregate  # noqa: E402
-from gpuflex.hub.referee import (  # noqa: E402
+from gpuflex.hub.policy import round_policy as policy  # noqa: E402
+from gpuflex.hub.policy import verification as vf  # noqa: E402
+from gpuflex.hub.policy.aggregation import ServerOptimizer, aggregate  # noqa: E402
+from gpuflex.hub.policy.referee import (  # noqa: E402
     SegmentVerdict,
     fetch_steps,
     judge_segment,
@@ -589,7 +589,7 @@ def main() -> None:
     result = {
         "bench": "robustness",
         "referee": args.referee,
-        "mode": "in-process: the hub's round policy (gpuflex.hub.policy.decide_shard, judge_round),"
+        "mode": "in-process: the hub's round policy (gpuflex.hub.policy.round_policy.decide_shard, judge_round),"
         " aggregate and ServerOptimizer in the order RoundEngine calls them, real node training",
         "machine": {
             "cpu": platform.machine(),

@@ -7,7 +7,7 @@ it: `Scheduler.plan` (the gathering, the balanced carve, replicas first) on a si
 clock, `policy.decide_shard` each time a shard's update arrives or its replica wait runs
 out, and `policy.judge_round` when the round is covered. Reputations move with
 verification's `record_agreement` / `record_flag`, as the engine applies them. Waiting nodes
-are woken as the hub's WorkSignal wakes its long-polls (hub/worksignal.py): everyone when a
+are woken as the hub's WorkSignal wakes its long-polls (hub/domain/worksignal.py): everyone when a
 round opens; for chunks back in the pool, the longest-waiting poll first, the offer passed on
 (`pass_on`) while polls get work, until 3 in a row find nothing; for a wanted replica, the
 longest-waiting poll of a node that may take it (`Scheduler.may_take_replica`).
@@ -50,12 +50,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
-from gpuflex.hub import policy  # noqa: E402
-from gpuflex.hub import verification as vf  # noqa: E402
-from gpuflex.hub.config import HubConfig  # noqa: E402
-from gpuflex.hub.jobs import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState  # noqa: E402
-from gpuflex.hub.scheduler import NodeState, Scheduler  # noqa: E402
-from gpuflex.hub.worksignal import Target, Wake, pass_on  # noqa: E402
+from gpuflex.hub.base.config import HubConfig  # noqa: E402
+from gpuflex.hub.domain.scheduler import Scheduler  # noqa: E402
+from gpuflex.hub.domain.worksignal import Target, Wake, pass_on  # noqa: E402
+from gpuflex.hub.model.job import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState  # noqa: E402
+from gpuflex.hub.model.node import NodeState  # noqa: E402
+from gpuflex.hub.policy import round_policy as policy  # noqa: E402
+from gpuflex.hub.policy import verification as vf  # noqa: E402
 from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402
 
 DIM = 256
@@ -122,7 +123,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
     rng = random.Random(seed)
     spec = parse_job_spec(SPEC_TOML.format(epochs=EPOCHS, chunk=CHUNK, trust_after=trust_after))
     vspec = spec.verification
-    hub = HubConfig(data_dir=Path("unused"))  # the hub's defaults, Sybil defences included (hub/app.py builds it the same way)
+    hub = HubConfig(data_dir=Path("unused"))  # the hub's defaults, Sybil defences included (hub/server/app.py builds it the same way)
     sched = Scheduler(min_deadline_s=30.0, online_window_s=90.0, rng=random.Random(seed + 1),
                       separate_replicas=hub.separate_replicas, trust_min_age_s=hub.trust_min_age_s,
                       unproven_max_chunks=hub.unproven_max_chunks)
@@ -198,7 +199,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             stats.balance.append(max(carve_times) / statistics.fmean(carve_times))
 
         def offer(t: float, to: Target | None = None) -> None:
-            """WorkSignal.offer as the hub's long-polls answer it (hub/worksignal.py): the poll that
+            """WorkSignal.offer as the hub's long-polls answer it (hub/domain/worksignal.py): the poll that
             has waited longest (of a node ``to`` accepts) plans first and passes the offer on
             (``pass_on``); a poll that found nothing waits again, last."""
             wake = Wake("offer", 0, to)

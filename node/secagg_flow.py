@@ -4,7 +4,7 @@ An assignment with ``train.secagg`` (a node-local job with ``[privacy] secure_ag
 ends here instead of in an upload. The node weights its update by its share of the job's
 ``max_samples`` (the weight travels as one more coordinate, so the hub's sum gives a weighted
 mean), clips every coordinate to +-``secagg_clip``, quantizes it to ``secagg_bits`` bits with
-stochastic rounding, and then follows the hub through the protocol's steps (hub/secagg_round.py
+stochastic rounding, and then follows the hub through the protocol's steps (hub/policy/secagg.py
 names them; protocol/secagg.py does the cryptography): its public keys, its encrypted shares for
 the other members, its masked update, and the shares that unmask the sum. What leaves the node is
 keys, ciphertexts only their receiver can open, a vector that is uniformly random without the

@@ -1,6 +1,6 @@
 """Deterministic local training of one assignment.
 
-The contract, which the hub's chunk format (hub/dataset.py) and verification's replica
+The contract, which the hub's chunk format (hub/policy/dataset.py) and verification's replica
 comparison rely on: build the module from the declarative spec
 (shape only, seed 0), load the global state, concatenate the chunks in assignment order,
 shuffle every epoch with ``torch.Generator().manual_seed(seed + epoch)``, use a fresh

@@ -183,12 +183,12 @@ class VerificationSpec:
     #: the audit log and the job status), "hold" keeps it out until a replica agrees
     unverified: str = "accept"
     #: an update whose norm per sample exceeds this x the round's median is scaled down to it
-    #: before aggregating (0 = off); hub/policy.py judge_round
+    #: before aggregating (0 = off); hub/policy/round_policy.py judge_round
     norm_bound: float = 2.5
     #: the updates no trusted node vouched for carry at most this share of a round's weight
-    #: when trusted updates are in it (1 = no bound); hub/policy.py bound_weights
+    #: when trusted updates are in it (1 = no bound); hub/policy/round_policy.py bound_weights
     untrusted_share: float = 0.5
-    # -- the referee: checkpoint commitments and segment re-execution (hub/referee.py) --------
+    # -- the referee: checkpoint commitments and segment re-execution (hub/policy/referee.py) --------
     #: steps between two committed checkpoints of an assignment; 0 = about 8 segments an assignment
     checkpoint_every: int = 0
     #: share of settled untrusted shards whose representative the referee re-executes a segment of
@@ -244,7 +244,7 @@ class CommunicationSpec:
     #: verification.tolerance and cross_class_tolerance (protocol/encoding.DEFAULT_TOLERANCE)
     tolerance: float = 0.0
     #: "topk": the hub applies only the largest download_fraction of each round's model change
-    #: (the rest carried over, hub/downlink.py), so the next model downloads as a small delta
+    #: (the rest carried over, hub/policy/downlink.py), so the next model downloads as a small delta
     download: str = "full"
     download_fraction: float = 0.05
 
@@ -255,7 +255,7 @@ class CommunicationSpec:
 
 @dataclass(frozen=True)
 class PrivacySpec:
-    """User-level differential privacy for a node-local job (hub/privacy.py says what it protects
+    """User-level differential privacy for a node-local job (hub/policy/privacy.py says what it protects
     and which checks it changes). ``dp = "central"``: each round the hub clips every included silo update to L2 norm
     ``clip_norm`` (all its floating tensors together), averages them with equal weights and adds
     Gaussian noise of standard deviation ``noise_multiplier * clip_norm / n`` (n updates) to every
@@ -266,7 +266,7 @@ class PrivacySpec:
     clip_norm: float = 1.0
     noise_multiplier: float = 1.0
     delta: float = 1e-5
-    #: secure aggregation (protocol/secagg.py, hub/secagg_round.py): the hub learns only the sum of
+    #: secure aggregation (protocol/secagg.py, hub/policy/secagg.py): the hub learns only the sum of
     #: a round's updates. Each node weights its update by its share of ``max_samples``, clips every
     #: coordinate to +-``secagg_clip`` (at least 1: the weight travels as one more coordinate),
     #: quantizes it to ``secagg_bits`` bits and masks it

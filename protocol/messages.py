@@ -412,7 +412,7 @@ class SiloWithdrawal:
     nonce: Nonce
 
 
-# -- secure aggregation (protocol/secagg.py; hub/secagg_round.py runs the server's side) ------------
+# -- secure aggregation (protocol/secagg.py; hub/policy/secagg.py runs the server's side) ------------
 #: the phases of a round's secure aggregation, as the hub reports them to a node
 SECAGG_PHASES: Final = ("keys", "shares", "masked", "unmask", "done", "aborted")
 CIPHERTEXT_MAX: Final = 1024

@@ -109,7 +109,7 @@ class HubProcess:
     output: list[str]
 
     def token(self, role: str, name: str) -> str:
-        from gpuflex.hub.tokens import create_token
+        from gpuflex.hub.storage.token_admin import create_token
 
         return create_token(self.data_dir, role, name, store=store_for(self.data_dir))
 
@@ -174,7 +174,7 @@ def hub_process(tmp_path: Path) -> Iterator[HubProcess]:
             proc.kill()
 
 
-# -- PostgreSQL (the second Store, hub/store_postgres.py) -----------------------------------------
+# -- PostgreSQL (the second Store, hub/storage/store_postgres.py) -----------------------------------------
 
 
 @pytest.fixture(scope="session")

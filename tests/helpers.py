@@ -195,7 +195,7 @@ def open_store(data_dir: Path, url: str | None = None) -> Any:
         import sqlite3
 
         return sqlite3.connect(Path(data_dir) / "hub.sqlite3")  # rows are tuples
-    from gpuflex.hub.store_postgres import connect
+    from gpuflex.hub.storage.store_postgres import connect
 
     return _TupleRows(connect(url))
 
@@ -222,7 +222,7 @@ class _TupleRows:
 
 def stored_blobs(data_dir: Path) -> dict[str, bytes]:
     """Every blob the hub on ``data_dir`` stores in its folder, by id: the files of their own
-    (``blobs/<xx>/<sha>``) and the packed ones (``blobs/pack.sqlite3``, hub/blobpack.py). Read
+    (``blobs/<xx>/<sha>``) and the packed ones (``blobs/pack.sqlite3``, hub/storage/blobpack.py). Read
     without opening a BlobStore, which would empty the live hub's working folders."""
     import sqlite3
 
@@ -252,7 +252,7 @@ RELAXED_SERVE_ARGS: tuple[str, ...] = (
 
 def production_defences() -> dict[str, Any]:
     """The HubConfig defaults of every setting RELAXED_DEFENCES relaxes (pass to start_hub)."""
-    from gpuflex.hub.config import HubConfig
+    from gpuflex.hub.base.config import HubConfig
 
     d = HubConfig(data_dir=Path("."))
     return {k: getattr(d, k) for k in RELAXED_DEFENCES}
@@ -275,13 +275,13 @@ class RunningHub:
     @property
     def store(self) -> str | None:
         """The hub's --store: None for its SQLite file, else its PostgreSQL database's URL."""
-        from gpuflex.hub.appkeys import CONFIG
+        from gpuflex.hub.server.appkeys import CONFIG
 
         return self.app[CONFIG].store
 
     def token(self, role: str, name: str) -> str:
         """A new token in the hub's own store (as `gpuflex-hub token create` makes one)."""
-        from gpuflex.hub.tokens import create_token
+        from gpuflex.hub.storage.token_admin import create_token
 
         return create_token(self.data_dir, role, name, store=self.store)
 
@@ -291,7 +291,7 @@ class RunningHub:
     def replica_group(self, assignment_id: str) -> str:
         """The hub's own record of a live assignment's replica group ("" = not replicated): the
         signed assignment never says, so tests ask the hub."""
-        from gpuflex.hub.appkeys import LEDGER
+        from gpuflex.hub.server.appkeys import LEDGER
 
         scheduler = self.app[LEDGER].scheduler
         a = scheduler.assignments.get(assignment_id)
@@ -312,16 +312,16 @@ async def start_hub(
 ) -> RunningHub:
     """Start the real app on 127.0.0.1:0. `tokens` reuses tokens of an earlier start on the same dir
     (and store: `store=` a PostgreSQL URL runs it on PostgreSQL)."""
-    from gpuflex.hub.app import create_app
-    from gpuflex.hub.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
-    from gpuflex.hub.config import HubConfig
-    from gpuflex.hub.tokens import create_token
+    from gpuflex.hub.base.config import HubConfig
+    from gpuflex.hub.server.app import create_app
+    from gpuflex.hub.server.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+    from gpuflex.hub.storage.token_admin import create_token
 
     config_kw.setdefault("long_poll_max_s", 2.0)
     config_kw.setdefault("sweep_interval_s", 0.2)
     config_kw.setdefault("store", store_for(data_dir))
     # Every SimNode of these tests shares one session, so one address block: the Sybil defences
-    # (hub/admission.py) are relaxed here, as a single-machine test bed must. tests/test_sybil.py
+    # (hub/policy/admission.py) are relaxed here, as a single-machine test bed must. tests/test_sybil.py
     # runs the production defaults (`production_defences()`) with nodes in distinct blocks.
     for key, value in RELAXED_DEFENCES.items():
         config_kw.setdefault(key, value)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from gpuflex.hub.aggregation import (
+from gpuflex.hub.policy.aggregation import (
     METHODS,
     AggregationError,
     ServerOptimizer,
@@ -369,7 +369,7 @@ def test_reading_mmapped_updates_does_not_keep_their_pages_resident(tmp_path):
 
 
 def test_small_model_fast_path_gives_the_same_bits_as_the_sliced_path(monkeypatch):
-    import gpuflex.hub.aggregation as agg
+    import gpuflex.hub.policy.aggregation as agg
 
     ups = make_updates(9, seed=11)
     w = [0.5 + i for i in range(9)]
@@ -417,7 +417,7 @@ def test_bulyan_matches_the_papers_rule(n, f, seed, slice_elems):
         return
     g = torch.Generator().manual_seed(seed)
     deltas = [{"w": torch.randn(5, generator=g), "b": torch.randn(2, generator=g)} for _ in range(n)]
-    from gpuflex.hub.aggregation import bulyan
+    from gpuflex.hub.policy.aggregation import bulyan
 
     out, selected, _ = bulyan(deltas, f, slice_elems=slice_elems)
     want_sel, want = _bulyan_reference([torch.cat([d["w"], d["b"]]).double().tolist() for d in deltas], f)

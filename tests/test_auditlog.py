@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from gpuflex.hub.auditlog import (
+from gpuflex.hub.storage.auditlog import (
     GENESIS,
     AuditLog,
     AuditLogError,
@@ -218,7 +218,7 @@ def test_bad_entries_are_refused(tmp_path):
 
 WRITER = """
 import sys
-from gpuflex.hub.auditlog import AuditLog
+from gpuflex.hub.storage.auditlog import AuditLog
 from gpuflex.protocol.signing import SigningKey
 log = AuditLog(sys.argv[1], SigningKey.from_seed(bytes(range(32))))
 print("ready", flush=True)

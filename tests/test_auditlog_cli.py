@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gpuflex.hub import cli
-from gpuflex.hub.appkeys import AUDIT, CONFIG
+from gpuflex.hub.ops import cli
+from gpuflex.hub.server.appkeys import AUDIT, CONFIG
 
 from tests.helpers import RunningHub
 

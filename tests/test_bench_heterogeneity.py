@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import heterogeneity as het  # noqa: E402
-from gpuflex.hub import verification as vf  # noqa: E402
+from gpuflex.hub.policy import verification as vf  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_the_adaptive_adversary_bends_its_inverted_layer_just_over_the_trend_thr
 def test_the_forgers_commitment_binds_its_craft_and_only_its_last_segment_gives_it_away():
     """The forger (FORGER): its forged last state binds the uploaded update, its norms pass the
     path-length check and the norm test, every segment but the last reproduces, the last does not."""
-    from gpuflex.hub.referee import judge_segment, replay_onednn
+    from gpuflex.hub.policy.referee import judge_segment, replay_onednn
 
     world = het.make_world("mlp", epochs=2, chunks=4)
     chunks, cfg, state = world["chunks"][:2], world["cfg"], world["state0"]

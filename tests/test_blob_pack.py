@@ -1,4 +1,4 @@
-"""Small blobs packed into blobs/pack.sqlite3 (hub/blobpack.py), behind the local BlobStore."""
+"""Small blobs packed into blobs/pack.sqlite3 (hub/storage/blobpack.py), behind the local BlobStore."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from gpuflex.hub.blobpack import PACK_FILE, PACK_SCHEMA_VERSION, BlobPack, PackError
-from gpuflex.hub.blobs import PACKED_MAX, BlobStore
-from gpuflex.hub.errors import NotFound
+from gpuflex.hub.base.errors import NotFound
+from gpuflex.hub.storage.blobpack import PACK_FILE, PACK_SCHEMA_VERSION, BlobPack, PackError
+from gpuflex.hub.storage.blobs import PACKED_MAX, BlobStore
 
 from tests.helpers import stored_blobs
 
@@ -117,7 +117,7 @@ def test_a_pack_from_a_newer_hub_is_refused_in_one_line(tmp_path: Path) -> None:
 PUTTER = """
 import os, sys
 from pathlib import Path
-from gpuflex.hub.blobs import BlobStore
+from gpuflex.hub.storage.blobs import BlobStore
 store = BlobStore(Path(sys.argv[1]))
 while True:
     data = os.urandom(800)

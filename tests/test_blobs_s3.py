@@ -16,9 +16,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from gpuflex.hub.blobs import HOT_BLOB_MAX, BlobStore, BlobStoreUnavailable, open_blob_store
-from gpuflex.hub.config import HubConfig
-from gpuflex.hub.errors import BadRequest, NotFound
+from gpuflex.hub.base.config import HubConfig
+from gpuflex.hub.base.errors import BadRequest, NotFound
+from gpuflex.hub.storage.backend import open_blob_store
+from gpuflex.hub.storage.blobs import HOT_BLOB_MAX, BlobStore, BlobStoreUnavailable
 
 from tests.helpers import (
     RELAXED_SERVE_ARGS,
@@ -34,8 +35,8 @@ from tests.tooling.s3 import CREDENTIALS, ISOLATION, MISSING, S3Server
 boto3 = pytest.importorskip("boto3", reason=MISSING)
 pytest.importorskip("moto.server", reason=MISSING)
 
-from gpuflex.hub import blobs_s3  # noqa: E402 - needs boto3, checked above
-from gpuflex.hub.blobs_s3 import S3BlobStore  # noqa: E402
+from gpuflex.hub.storage import blobs_s3  # noqa: E402 - needs boto3, checked above
+from gpuflex.hub.storage.blobs_s3 import S3BlobStore  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_put_returns_once_the_bucket_holds_the_object(tmp_path: Path, s3_server:
 
 
 def test_the_bucket_store_packs_nothing(tmp_path: Path, s3_server: S3Server, bucket: str) -> None:
-    """Small blobs are packed into the local folder's pack.sqlite3 (hub/blobpack.py) only without a
+    """Small blobs are packed into the local folder's pack.sqlite3 (hub/storage/blobpack.py) only without a
     bucket: with one, every blob, the empty one too, is an object there, which outlives the folder."""
     store = _s3(tmp_path, s3_server, bucket)
     for data in (b"", b"x", _blob(900, 7)):
@@ -266,7 +267,7 @@ def test_bad_credentials_are_one_line_and_never_shown(tmp_path: Path, s3_server:
 def test_bad_options_are_one_line(tmp_path: Path, blobs: str | None, endpoint: str | None,
                                   region: str | None, says: str) -> None:
     config = HubConfig(data_dir=tmp_path, blobs=blobs, s3_endpoint=endpoint, s3_region=region)
-    from gpuflex.hub.blobs import check_s3_options
+    from gpuflex.hub.storage.blobs import check_s3_options
 
     with pytest.raises(BlobStoreUnavailable) as err:
         check_s3_options(config.blobs, config.s3_endpoint, config.s3_region)
@@ -282,7 +283,7 @@ def test_the_config_picks_the_store(tmp_path: Path, s3_server: S3Server, bucket:
 
 def test_serve_with_a_missing_bucket_says_so_in_one_line(tmp_path: Path, s3_server: S3Server,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from gpuflex.hub.cli import main
+    from gpuflex.hub.ops.cli import main
 
     rc = main(["serve", "--data", str(tmp_path / "hub"), "--port", "0", "--blobs", "s3://not-there/hub",
                "--s3-endpoint", s3_server.url])
@@ -351,7 +352,7 @@ async def test_a_2xx_outlives_kill_9_and_the_loss_of_the_local_folder(tmp_path: 
                                                                       bucket: str) -> None:
     """A submitted job's 201 came after its blobs were in the bucket: kill -9 the hub, delete its
     blob folder (working area and cache), start it again: the job's model is still served."""
-    from gpuflex.hub.tokens import create_token
+    from gpuflex.hub.storage.token_admin import create_token
 
     train, val, spec = write_digits(tmp_path / "d", rounds=2)
     data = tmp_path / "hub"

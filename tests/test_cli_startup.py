@@ -22,7 +22,7 @@ def _loaded(body: str) -> str:
 
 def test_protocol_specs_and_the_hub_cli_import_without_torch():
     assert _loaded("import gpuflex.protocol.jobspec, gpuflex.protocol.messages, gpuflex.protocol.signing") == "[]"
-    assert _loaded("import gpuflex.hub.cli; gpuflex.hub.cli.build_parser()") == "[]"
+    assert _loaded("import gpuflex.hub.ops.cli; gpuflex.hub.ops.cli.build_parser()") == "[]"
 
 
 def test_torch_loads_where_it_is_used():

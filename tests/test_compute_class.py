@@ -14,8 +14,8 @@ import time
 import aiohttp
 import pytest
 import torch
-from gpuflex.hub import policy
-from gpuflex.hub.verification import Reputation, UpdateRecord, relative_distance
+from gpuflex.hub.policy import round_policy as policy
+from gpuflex.hub.policy.verification import Reputation, UpdateRecord, relative_distance
 from gpuflex.node.assignment import check_assignment
 from gpuflex.node.device import compute_class, supported_precisions
 from gpuflex.node.errors import AssignmentRejected
@@ -447,7 +447,7 @@ async def test_the_node_refuses_a_held_assignment_it_can_no_longer_train_and_say
 
 
 def test_unknown_class_is_fp32_only_and_never_a_class_of_its_own() -> None:
-    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.hub.model.node import NodeState
 
     n = NodeState(id="n", public_key=b"k", bench_sps=1.0, ema_sps=1.0, last_seen=0.0)
     assert n.compute == UNKNOWN_CLASS and n.class_key("auto") is None and n.precision_for("bf16") is None
@@ -467,7 +467,7 @@ def test_real_nodes_in_two_classes_train_bf16_and_fp32_side_by_side_and_nobody_i
     import subprocess
     import sys
 
-    from gpuflex.hub import owner_client as oc
+    from gpuflex.hub.ops import owner_client as oc
 
     from tests.tooling.cluster import LocalCluster, digits_job
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import pytest_asyncio
-from gpuflex.hub.appkeys import DB
+from gpuflex.hub.server.appkeys import DB
 
 from tests.helpers import RunningHub, digits_spec, store_for, submit_job, write_digits
 from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
@@ -24,7 +24,7 @@ from tests.test_console_helpers import EVIL_NAME, Browserish, TrainingNode
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # The referee's evidence when an update is not its committed last state minus the round's model
-# (hub/referee.py): the check fails before any replay, so this update has no segment distance,
+# (hub/policy/referee.py): the check fails before any replay, so this update has no segment distance,
 # while its replica's re-executed segment reproduced (distance 0, within its threshold).
 BINDING_MISMATCH = {
     "referee": {"check": "segment_replay", "round": 0, "node": "gf1-x", "update": "u-test-6", "steps": [0, 8],
@@ -41,8 +41,8 @@ async def hub(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[SimpleNamespace]:
     """alice's job, bob's job named like a script tag, a registered node with one open flag."""
-    from gpuflex.hub.store_sqlite import insert_flags
-    from gpuflex.hub.verification import Flag
+    from gpuflex.hub.policy.verification import Flag
+    from gpuflex.hub.storage.store_sqlite import insert_flags
 
     from tests.helpers import start_hub
 
@@ -86,7 +86,7 @@ async def hub(
                 Flag(
                     "u-test-3", node.node_id, "free_rider", {"update_norm": 0.0, "threshold": 1e-7}
                 ),
-                # the referee's verdict as hub/policy.py records it (hub/referee.py evidence)
+                # the referee's verdict as hub/policy/round_policy.py records it (hub/policy/referee.py evidence)
                 Flag("u-test-4", node.node_id, "referee_mismatch", {
                     "referee": {"check": "segment_replay", "round": 0, "node": node.node_id, "update": "u-test-4",
                                 "steps": [12, 24], "last_step": 96, "precision": "bf16", "threshold": 0.15,
@@ -425,7 +425,7 @@ async def test_a_referee_flag_leads_with_the_check_it_failed(hub, browser):
 
 
 async def test_revoked_token_ends_the_session(hub, browser):
-    from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
+    from gpuflex.hub.storage.token_admin import create_token, list_tokens, revoke_token
 
     store = store_for(hub.data_dir)  # the fixture's hub is a namespace over the running one
     token = create_token(hub.data_dir, "auditor", "temp-auditor", store=store)

@@ -1,6 +1,6 @@
 """Support for the console tests (no tests here): a cookie-keeping client that
 logs in like a browser, and a small real job with a misbehaving node. The hub's
-create_app mounts the console itself (gpuflex.hub.web.setup_console).
+create_app mounts the console itself (gpuflex.hub.server.console.setup_console).
 
 The job runs on the real wire: nodes sign with gpuflex.protocol, train with the
 node's real trainer (gpuflex.node.trainer via tests/tooling/attacks.contribute)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gpuflex.hub.web import charts
-from gpuflex.hub.web.sessions import SessionStore, csrf_matches
+from gpuflex.hub.server.console import charts
+from gpuflex.hub.server.console.sessions import SessionStore, csrf_matches
 
 
 def test_line_chart_escapes_and_skips_gaps():
@@ -70,7 +70,7 @@ def test_session_store_expires_and_checks_csrf(tmp_path: Path):
 
 def test_layer_profile_against_centre():
     import torch
-    from gpuflex.hub.web.evidence import layer_profile
+    from gpuflex.hub.server.console.evidence import layer_profile
 
     centre = {"w": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([1.0]), "n": torch.tensor(7)}
     update = {"w": -centre["w"].clone(), "b": torch.tensor([0.0]), "n": torch.tensor(1)}
@@ -103,7 +103,7 @@ def _replication_db(path: Path):
     """A hub database (the hub's own schema) holding one closed round of two shards of 100
     samples, each planned as a replica group of 2: shard s1 was trained once (its second
     assignment expired), shard s2 twice."""
-    from gpuflex.hub.db import connect
+    from gpuflex.hub.storage.db import connect
 
     conn = connect(path / "hub.sqlite3")
     conn.execute("INSERT INTO jobs (id, owner, name, spec_toml, state, round, rounds, model_hash, model_size,"
@@ -134,9 +134,9 @@ def _replication_db(path: Path):
 def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
     """The job page's replication line, its shard map's copies and the read model's shards agree:
     a replica group whose second copy never came back is one copy, not a replicated shard."""
-    from gpuflex.hub import readmodel
-    from gpuflex.hub.web import queries
-    from gpuflex.hub.web.routes import _job_context
+    from gpuflex.hub.server import readmodel
+    from gpuflex.hub.server.console import queries
+    from gpuflex.hub.server.console.routes import _job_context
 
     conn = _replication_db(tmp_path)
     try:
@@ -154,8 +154,8 @@ def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
 
 
 def test_a_flags_headline_names_the_check_it_failed():
-    """evidence.headline on the evidence shapes hub/verification.py and hub/referee.py record."""
-    from gpuflex.hub.web.evidence import headline
+    """evidence.headline on the evidence shapes hub/policy/verification.py and hub/policy/referee.py record."""
+    from gpuflex.hub.server.console.evidence import headline
 
     replay = {"update": "u-1", "node": "gf1-a", "steps": [12, 24], "threshold": 0.15, "outcome": "mismatch",
               "distance": 2.47, "precision": "bf16"}

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from gpuflex.hub.datadefaults import Decision, record_in_spec
+from gpuflex.hub.policy.datadefaults import Decision, record_in_spec
 from gpuflex.protocol import parse_job_spec
 from gpuflex.protocol.messages import Assignment, NoWork
 

@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 # ignored here and a child would inherit that (Python keeps an inherited SIG_IGN).
 _HUB_WITH_CTRL_C = (
     "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from gpuflex.hub.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from gpuflex.hub.ops.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

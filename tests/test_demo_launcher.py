@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from gpuflex.hub import localcluster
+from gpuflex.hub.ops import localcluster
 
 from tests.tooling import cluster
 
@@ -36,7 +36,7 @@ def test_printed_hub_command_runs_without_an_activated_venv(monkeypatch):
     import subprocess
     import sys
 
-    from gpuflex.hub.demo import hub_command
+    from gpuflex.hub.ops.demo import hub_command
 
     venv_bin = Path(sys.executable).parent
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a fresh shell

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from gpuflex.hub import downlink
+from gpuflex.hub.policy import downlink
 from gpuflex.protocol.errors import TensorError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

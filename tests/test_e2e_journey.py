@@ -55,7 +55,7 @@ def _wait_event(proc: Proc, event: str, *, timeout_s: float, **match: Any) -> di
 def _submit(cluster: LocalCluster, token: str, spec: Path, train: Path, val: Path) -> str:
     import asyncio
 
-    from gpuflex.hub import owner_client as oc
+    from gpuflex.hub.ops import owner_client as oc
 
     return str(asyncio.run(oc.submit_job(cluster.url, token, spec, train, val))["id"])
 

@@ -28,7 +28,7 @@ def test_nodes_of_one_machine_finish_a_job_verified_without_waiting_for_replicas
         tmp_path: Path, bench_cache: Path) -> None:
     import asyncio
 
-    from gpuflex.hub import owner_client as oc
+    from gpuflex.hub.ops import owner_client as oc
 
     files = digits_job(tmp_path / "job", rounds=ROUNDS, local_epochs=1,
                        extra_toml=f"spot_check = 0.0\nreplica_wait_s = {REPLICA_WAIT_S}\n")

@@ -28,7 +28,7 @@ def bench_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _submit(cluster: LocalCluster, token: str, files: Any) -> str:
     import asyncio
 
-    from gpuflex.hub import owner_client as oc
+    from gpuflex.hub.ops import owner_client as oc
 
     return str(asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))["id"])
 

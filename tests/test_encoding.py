@@ -304,7 +304,7 @@ def test_a_residual_the_upload_did_not_leave_does_not_fit(kind):
 def test_the_residual_chain_names_the_upload_the_residual_came_from():
     """hub/referee.residual_chain: a node whose last acknowledgement was lost is an upload behind
     the hub: its residual comes from the upload before the latest, and that is not a forgery."""
-    from gpuflex.hub.referee import residual_chain
+    from gpuflex.hub.policy.referee import residual_chain
 
     enc = UpdateEncoding("int8", error_feedback=True)
     man = manifest_of(delta())

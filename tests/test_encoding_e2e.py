@@ -13,7 +13,7 @@ import stat
 
 import pytest
 import torch
-from gpuflex.hub.verification import UpdateRecord, compare_replicas
+from gpuflex.hub.policy.verification import UpdateRecord, compare_replicas
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
 from gpuflex.protocol.tensors import manifest_of
@@ -143,7 +143,7 @@ async def test_a_sparse_download_publishes_models_that_differ_in_few_elements(tm
     """[communication] download = "topk": each round's model differs from the last in at most
     download_fraction of its elements (the rest of the change waits in the hub's residual), and the
     node holding the last model fetches the next as a delta a fraction of the model's size."""
-    from gpuflex.hub.appkeys import BLOBS
+    from gpuflex.hub.server.appkeys import BLOBS
     from gpuflex.protocol.blobdelta import make_delta
     from gpuflex.protocol.tensors import decode_state
 
@@ -162,7 +162,7 @@ async def test_a_sparse_download_publishes_models_that_differ_in_few_elements(tm
             changed = sum(int((old[k] != new[k]).sum()) for k in old if old[k].is_floating_point())
             assert 0 < changed <= -(-n * 2 // 100), (r["round"], changed, n)
             # what a node holding the old model downloads (this small model travels inline with the
-            # work answer; a large one is fetched as this delta, hub/deltas.py)
+            # work answer; a large one is fetched as this delta, hub/storage/deltas.py)
             old_b, new_b = blobs.read(r["model_hash"]), blobs.read(r["new_model_hash"])
             assert len(make_delta(old_b, new_b)) < 0.15 * len(new_b), r["round"]
     finally:

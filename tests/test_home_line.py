@@ -218,7 +218,7 @@ def test_the_relay_and_its_devices_go_when_their_owner_is_killed() -> None:
 
 
 def test_a_node_behind_a_shaped_home_line_trains_an_int8_job(tmp_path: Path) -> None:
-    from gpuflex.hub import owner_client as oc
+    from gpuflex.hub.ops import owner_client as oc
 
     with (shaped := netshape.HomeLines(1, up_mbit=20, down_mbit=100, rtt_ms=30, loss=0.001)) as lines, \
             LocalCluster(workdir=tmp_path, hub_args=("--long-poll-max", "2"), hub_host="0.0.0.0") as cluster:

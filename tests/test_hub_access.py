@@ -19,9 +19,9 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from gpuflex.hub.appkeys import DB, LEDGER
-from gpuflex.hub.openapi import openapi_document
-from gpuflex.hub.tokens import create_token
+from gpuflex.hub.server.appkeys import DB, LEDGER
+from gpuflex.hub.server.openapi import openapi_document
+from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.protocol.messages import (
     Abandon,
     Assignment,

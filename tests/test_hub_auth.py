@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from gpuflex.hub import cli
-from gpuflex.hub.tokens import list_tokens, revoke_token
+from gpuflex.hub.ops import cli
+from gpuflex.hub.storage.token_admin import list_tokens, revoke_token
 
 from tests.helpers import open_store
 
@@ -39,8 +39,8 @@ async def test_flags_verdict_and_ban_flow(running_hub):
     """Flags are written by the hub; here we insert rows the way rounds.py does and drive verdicts."""
     import time
 
-    from gpuflex.hub.appkeys import LEDGER
-    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.hub.model.node import NodeState
+    from gpuflex.hub.server.appkeys import LEDGER
 
     node_id = "gf1-test-node-aaaa-bbbb-cccc"
     running_hub.app[LEDGER].scheduler.nodes[node_id] = NodeState(
@@ -110,12 +110,12 @@ async def test_flags_verdict_and_ban_flow(running_hub):
         ) as r:
             log = await r.read()
         assert log.count(b'"verdict"') >= 3
-    from gpuflex.hub.auditlog import verify_log
+    from gpuflex.hub.storage.auditlog import verify_log
 
     check = verify_log(
         log.splitlines(keepends=True),
         running_hub.app[
-            __import__("gpuflex.hub.appkeys", fromlist=["HUB_KEY"]).HUB_KEY
+            __import__("gpuflex.hub.server.appkeys", fromlist=["HUB_KEY"]).HUB_KEY
         ].public_bytes,
     )
     assert check.ok

@@ -10,8 +10,8 @@ import sys
 
 import aiohttp
 import pytest
-from gpuflex.hub import cli
-from gpuflex.hub.cli import _is_loopback
+from gpuflex.hub.ops import cli
+from gpuflex.hub.ops.cli import _is_loopback
 from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.signing import SigningKey
 from gpuflex.protocol.version import SOFTWARE_VERSION

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gpuflex.hub import cli
+from gpuflex.hub.ops import cli
 
 from tests.helpers import RunningHub, open_store
 
@@ -29,8 +29,8 @@ BENCH = {"samples_per_s": 1234.5, "flops": 2.5e9, "measured_at": 1.795e9}
 @pytest.fixture
 async def flagged(running_hub: RunningHub) -> SimpleNamespace:
     """Five open flags on one node the hub knows, inserted the way verification writes them."""
-    from gpuflex.hub.appkeys import LEDGER
-    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.hub.model.node import NodeState
+    from gpuflex.hub.server.appkeys import LEDGER
 
     now = time.time()
     running_hub.app[LEDGER].scheduler.nodes[NODE] = NodeState(
@@ -157,7 +157,7 @@ async def test_audit_show_has_per_layer_norms_and_cosines(running_hub, tmp_path:
 async def test_a_referee_flag_leads_with_the_check_it_failed(running_hub, capsys):
     """`audit show` and the demo's round line name the failed binding check and its distance,
     never the replica's passing segment (the same headline as the console: evidence.headline)."""
-    from gpuflex.hub.demo import _flag_details
+    from gpuflex.hub.ops.demo import _flag_details
 
     from tests.test_console import BINDING_MISMATCH
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from gpuflex.hub import cli
+from gpuflex.hub.ops import cli
 
 from tests.helpers import submit_job, write_digits
 
@@ -112,8 +112,8 @@ async def test_hub_names_json_and_npy_uploads(running_hub, files):
 def test_zip_that_is_not_npz_is_named(files):
     """A zip archive whose members are not .npy arrays is named as such by the reader too, not
     called an .npz; an .npz of other arrays is refused naming the arrays it holds."""
-    from gpuflex.hub.dataset import read_arrays
-    from gpuflex.hub.errors import Unprocessable
+    from gpuflex.hub.base.errors import Unprocessable
+    from gpuflex.hub.policy.dataset import read_arrays
 
     with pytest.raises(Unprocessable, match=r"zip archive that is not an \.npz .* first member is 'readme\.txt'"):
         read_arrays(files["zip_npz"], label_column="label", what="train")

@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 import pytest
-from gpuflex.hub.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.protocol.messages import Ack, Assignment, NoWork, WorkRequest
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import state_from_safetensors

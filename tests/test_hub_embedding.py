@@ -86,7 +86,7 @@ async def test_embedding_job_trains_aggregates_and_evaluates(tmp_path):
         sha = conn.execute("SELECT sha FROM chunks WHERE job_id = ? LIMIT 1", (job_id,)).fetchone()[0]
         val_sha = conn.execute("SELECT val_sha FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
         conn.close()
-        from gpuflex.hub.appkeys import BLOBS
+        from gpuflex.hub.server.appkeys import BLOBS
 
         for blob in (sha, val_sha):
             chunk = decode_state(bytearray(hub.app[BLOBS].read(blob)))
@@ -148,7 +148,7 @@ MODELS = {
 def test_what_the_hub_stores_is_what_the_node_trainer_takes(kind):
     """The class behind the Embedding bug: for every model kind, the chunks and validation set
     the hub writes pass the node trainer's own checks (stack_chunks) and one training step."""
-    from gpuflex.hub.dataset import encode_arrays, make_chunks, validate_arrays
+    from gpuflex.hub.policy.dataset import encode_arrays, make_chunks, validate_arrays
     from gpuflex.node.trainer import stack_chunks
     from gpuflex.protocol.jobspec import parse_job_spec
 

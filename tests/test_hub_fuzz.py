@@ -254,8 +254,8 @@ def test_signed_silo_registrations_with_any_fields_are_refused_cleanly_or_attach
     """A correctly signed SiloRegistration for a node-local job, with any values: a clean 4xx that
     attaches nothing, or a 200 for a silo the schema allows (5..100 samples of 4 floats and a label,
     3 label counts that sum to them when sent)."""
-    from gpuflex.hub.appkeys import LEDGER
-    from gpuflex.hub.jobs import silo_size_bounds
+    from gpuflex.hub.domain.jobs import silo_size_bounds
+    from gpuflex.hub.server.appkeys import LEDGER
 
     hub, _ = hub_thread
     row = 4 * 4 + 8  # 4 float32 features and an int64 label
@@ -289,7 +289,7 @@ def test_signed_silo_registrations_with_any_fields_are_refused_cleanly_or_attach
 
 def _query_operations() -> list[tuple[str, str, str]]:
     """(METHOD, path template, query parameter) for every query parameter the OpenAPI document lists."""
-    from gpuflex.hub.openapi import openapi_document
+    from gpuflex.hub.server.openapi import openapi_document
 
     return [(method.upper(), path, p["name"])
             for path, ops in openapi_document()["paths"].items() for method, op in ops.items()

@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from gpuflex.hub.httplog import LINES_PER_WINDOW, BadRequestLog
+from gpuflex.hub.server.httplog import LINES_PER_WINDOW, BadRequestLog
 
 MALFORMED = [
     b"GET /v1/hub HTTP/1.1\r\nHost: x\r\nX-Evil: a\x00b\r\n\r\n",  # NUL in a header value

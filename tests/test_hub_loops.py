@@ -8,7 +8,7 @@ import logging
 import sqlite3
 
 import aiohttp
-from gpuflex.hub.appkeys import LEDGER, STORE
+from gpuflex.hub.server.appkeys import LEDGER, STORE
 from gpuflex.protocol.messages import Assignment
 
 from tests.helpers import SimNode, digits_spec, start_hub, submit_job, wait_job, write_digits

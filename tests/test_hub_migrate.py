@@ -12,8 +12,8 @@ import sys
 import aiohttp
 import psycopg
 import pytest
-from gpuflex.hub.datalock import DataFolderBusy, DataLock
-from gpuflex.hub.migrate import MigrationError, migrate, row_digest, tables
+from gpuflex.hub.storage.datalock import DataFolderBusy, DataLock
+from gpuflex.hub.storage.migrate import MigrationError, migrate, row_digest, tables
 from gpuflex.protocol.messages import Assignment, NoWork
 
 from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
@@ -154,7 +154,7 @@ def test_the_digest_ignores_row_order_and_sees_any_changed_value() -> None:
 
 
 def test_every_table_of_the_schema_is_migrated() -> None:
-    from gpuflex.hub.db import _SCHEMA
+    from gpuflex.hub.storage.db import _SCHEMA
 
     assert tables() == [t for t in tables() if f"CREATE TABLE IF NOT EXISTS {t} " in _SCHEMA]
     assert set(tables()) >= {"tokens", "enroll_tokens", "jobs", "nodes", "updates", "flags", "state_requests"}

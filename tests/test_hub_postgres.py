@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from gpuflex.hub.appkeys import DB, LEDGER
+from gpuflex.hub.server.appkeys import DB, LEDGER
 from gpuflex.protocol.messages import Assignment, NoWork
 
 from tests.helpers import SimNode, start_hub, submit_job, wait_job, write_digits
@@ -117,9 +117,9 @@ async def test_the_same_accepted_update_gives_the_same_model_on_sqlite_and_on_po
 
 
 async def test_flags_verdicts_tokens_and_the_console_read_postgres(tmp_path, postgres_url):
-    from gpuflex.hub.store_sqlite import insert_flags
-    from gpuflex.hub.tokens import create_token, list_tokens, revoke_token
-    from gpuflex.hub.verification import Flag
+    from gpuflex.hub.policy.verification import Flag
+    from gpuflex.hub.storage.store_sqlite import insert_flags
+    from gpuflex.hub.storage.token_admin import create_token, list_tokens, revoke_token
 
     train, val, spec = write_digits(tmp_path / "d", rounds=1)
     hub = await start_hub(tmp_path / "hub", store=postgres_url)

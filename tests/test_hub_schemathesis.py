@@ -18,7 +18,7 @@ import threading
 
 import pytest
 import schemathesis
-from gpuflex.hub.openapi import openapi_document
+from gpuflex.hub.server.openapi import openapi_document
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode

@@ -11,14 +11,15 @@ import time
 import numpy as np
 import pytest
 from aiohttp import web
-from gpuflex.hub.app import create_app
-from gpuflex.hub.config import HubConfig
-from gpuflex.hub.dataset import Arrays, make_chunks, split_validation, validate_arrays
-from gpuflex.hub.db import Database
-from gpuflex.hub.errors import Unprocessable
-from gpuflex.hub.jobs import ChunkInfo, JobState, shard_seed
-from gpuflex.hub.openapi import openapi_document
-from gpuflex.hub.scheduler import NodeState, Scheduler
+from gpuflex.hub.base.config import HubConfig
+from gpuflex.hub.base.errors import Unprocessable
+from gpuflex.hub.domain.scheduler import Scheduler
+from gpuflex.hub.model.job import ChunkInfo, JobState, shard_seed
+from gpuflex.hub.model.node import NodeState
+from gpuflex.hub.policy.dataset import Arrays, make_chunks, split_validation, validate_arrays
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.openapi import openapi_document
+from gpuflex.hub.storage.db import Database
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import decode_state
 
@@ -75,7 +76,7 @@ def test_fair_share_between_jobs():
     picks = []
     for i in range(4):
         p = sched.plan(node(f"n{i}", 1.0), frozenset())
-        from gpuflex.hub.jobs import AssignmentState
+        from gpuflex.hub.model.job import AssignmentState
 
         sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=f"n{i}",
                                      issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_hash="",
@@ -145,7 +146,7 @@ async def test_db_group_commit_isolates_a_failing_write(tmp_path):
 
 
 async def test_db_batch_settles_every_waiter_and_a_cancelled_ones_write_still_commits(tmp_path):
-    """A batch's results reach the event loop in one call (hub/db.py settle_batch): every waiter
+    """A batch's results reach the event loop in one call (hub/storage/db.py settle_batch): every waiter
     gets its own value, a waiter that gave up does not stop the others, and its write committed."""
     db = Database(tmp_path / "db.sqlite3")
     gate = threading.Event()
@@ -213,7 +214,7 @@ def test_db_hands_no_cursor_to_its_callers(tmp_path):
 def test_settle_heap_freezes_start_up_and_collects_young_objects_less_often():
     import gc
 
-    from gpuflex.hub.heap import GEN0, GEN1, GEN2, settle_heap
+    from gpuflex.hub.server.heap import GEN0, GEN1, GEN2, settle_heap
 
     before = gc.get_threshold()
     try:
@@ -226,7 +227,7 @@ def test_settle_heap_freezes_start_up_and_collects_young_objects_less_often():
 
 
 def test_an_unproven_nodes_cap_doubles_per_delivery_and_is_twice_its_largest_delivered_shard():
-    from gpuflex.hub.scheduler import MAX_CHUNKS_PER_ASSIGNMENT
+    from gpuflex.hub.domain.scheduler import MAX_CHUNKS_PER_ASSIGNMENT
 
     sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0, unproven_max_chunks=4)
     n = node("n-1", 100.0)

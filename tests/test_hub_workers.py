@@ -1,4 +1,4 @@
-"""`gpuflex-hub serve --workers N` on PostgreSQL (hub/workers.py, hub/lease.py): real processes.
+"""`gpuflex-hub serve --workers N` on PostgreSQL (hub/server/workers.py, hub/storage/lease.py): real processes.
 
 The supervisor, its workers and a real node process run as users run them, on a PostgreSQL
 server the tests start (tests/conftest.py's `postgres_server`). kill -9 of the leading worker
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from gpuflex.hub.localcluster import digits_job
-from gpuflex.hub.tokens import create_token
+from gpuflex.hub.ops.localcluster import digits_job
+from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.protocol.signing import seal
 
 from tests.helpers import SimNode, start_hub
@@ -165,7 +165,7 @@ def test_a_request_taken_by_the_old_leader_is_refused_by_the_new_one_and_a_dead_
 
 
 async def test_a_second_hub_on_a_led_database_is_refused_in_one_line(tmp_path: Path, postgres_url: str) -> None:
-    from gpuflex.hub.lease import DatabaseBusy
+    from gpuflex.hub.storage.lease import DatabaseBusy
 
     hub = await start_hub(tmp_path / "one", store=postgres_url)
     try:
@@ -186,11 +186,11 @@ def test_workers_on_sqlite_are_refused_before_anything_starts(tmp_path: Path) ->
 
 
 async def test_the_forwarded_client_address_is_believed_on_the_leader_socket_only(tmp_path: Path) -> None:
-    """hub/app.py's forwarded_peer: X-GPUFlex-Peer over TCP is the client's own claim and ignored;
+    """hub/server/app.py's forwarded_peer: X-GPUFlex-Peer over TCP is the client's own claim and ignored;
     on the leader's Unix socket (where only the hub's workers connect) it is the client's address."""
     from aiohttp import web
-    from gpuflex.hub.appkeys import LEDGER
-    from gpuflex.hub.workers import PEER_HEADER
+    from gpuflex.hub.server.appkeys import LEDGER
+    from gpuflex.hub.server.workers import PEER_HEADER
 
     hub = await start_hub(tmp_path / "hub")
     sock = tmp_path / "leader.sock"

@@ -51,11 +51,11 @@ def test_wheel_holds_only_the_gpuflex_namespace(tmp_path: Path) -> None:
     tops = {n.split("/", 1)[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"gpuflex"}
     assert not any(n.startswith("gpuflex/__init__") for n in names), "gpuflex must stay a namespace"
-    for package in ("protocol", "hub", "node", "hub/web"):
+    for package in ("protocol", "hub", "node", "hub/server/console"):
         assert f"gpuflex/{package}/__init__.py" in names
-    assert any(n.startswith("gpuflex/hub/web/templates/") for n in names)
-    assert any(n.startswith("gpuflex/hub/web/static/") for n in names)
+    assert any(n.startswith("gpuflex/hub/server/console/templates/") for n in names)
+    assert any(n.startswith("gpuflex/hub/server/console/static/") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "gpuflex-hub = gpuflex.hub.cli:main" in text
+    assert "gpuflex-hub = gpuflex.hub.ops.cli:main" in text
     assert "gpuflex-node = gpuflex.node.cli:main" in text

@@ -11,7 +11,7 @@ import os
 import time
 
 import torch
-from gpuflex.hub.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.protocol.blobdelta import apply_delta, make_delta
 from gpuflex.protocol.errors import DecodeError
 from gpuflex.protocol.messages import Assignment, BlobRequest
@@ -151,8 +151,8 @@ async def test_a_delta_is_given_only_from_an_earlier_model_of_the_same_job(tmp_p
 async def test_the_hub_makes_each_delta_once_and_keeps_a_bounded_few(tmp_path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from gpuflex.hub.blobs import BlobStore
-    from gpuflex.hub.deltas import ModelDeltas
+    from gpuflex.hub.storage.blobs import BlobStore
+    from gpuflex.hub.storage.deltas import ModelDeltas
 
     blobs = BlobStore(tmp_path / "blobs")
     models = [blobs.put(os.urandom(4096)) for _ in range(4)]
@@ -170,12 +170,12 @@ async def test_the_hub_makes_each_delta_once_and_keeps_a_bounded_few(tmp_path) -
 
 
 async def test_a_delta_is_made_ahead_only_after_the_model_before_went_out_as_a_delta(tmp_path) -> None:
-    """hub/deltas.py's ``published``: nodes on fast links take the model whole, and a delta made for
+    """hub/storage/deltas.py's ``published``: nodes on fast links take the model whole, and a delta made for
     nobody costs CPU as the round's nodes start training."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gpuflex.hub.blobs import BlobStore
-    from gpuflex.hub.deltas import ModelDeltas
+    from gpuflex.hub.storage.blobs import BlobStore
+    from gpuflex.hub.storage.deltas import ModelDeltas
 
     blobs = BlobStore(tmp_path / "blobs")
     models = [blobs.put(os.urandom(4096)) for _ in range(4)]

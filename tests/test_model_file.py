@@ -91,7 +91,7 @@ async def test_downloaded_model_names_its_spec_job_round_and_hub_and_rebuilds_al
 
 
 def _blob(hub, sha: str) -> dict[str, torch.Tensor]:
-    from gpuflex.hub.appkeys import BLOBS
+    from gpuflex.hub.server.appkeys import BLOBS
 
     return decode_state(hub.app[BLOBS].read(sha))
 

@@ -204,7 +204,7 @@ async def test_slow_device_keeps_its_assignment_alive_with_heartbeats(tmp_path):
 
 
 async def test_hub_forgets_node_then_node_re_registers_by_itself(tmp_path):
-    from gpuflex.hub.appkeys import LEDGER
+    from gpuflex.hub.server.appkeys import LEDGER
 
     hub = await Hub(tmp_path / "hub").start()
     events = _UploadSignal()

@@ -20,7 +20,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.appkeys import BLOBS
+from gpuflex.hub.server.appkeys import BLOBS
 from gpuflex.protocol.tensors import encode_state
 from sklearn.datasets import load_digits
 

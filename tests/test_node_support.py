@@ -20,10 +20,10 @@ import msgpack
 import numpy as np
 import torch
 from aiohttp import web
-from gpuflex.hub.app import create_app
-from gpuflex.hub.appkeys import METRICS
-from gpuflex.hub.config import HubConfig
-from gpuflex.hub.tokens import create_token
+from gpuflex.hub.base.config import HubConfig
+from gpuflex.hub.server.app import create_app
+from gpuflex.hub.server.appkeys import METRICS
+from gpuflex.hub.storage.token_admin import create_token
 from gpuflex.node.agent import NodeAgent, NodeConfig
 from gpuflex.node.benchcache import CACHE_FILE
 from gpuflex.node.device import hardware_fingerprint

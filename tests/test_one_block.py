@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from gpuflex.hub.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.node.checkpoints import CheckpointStore
 from gpuflex.protocol.messages import (
     Ack,
@@ -198,7 +198,7 @@ async def test_job_status_and_the_console_say_why_a_round_waits_and_how_to_fix_i
     waits for, why no replica can come (the block the nodes share) and what to do about it."""
     import html
 
-    from gpuflex.hub.cli import main
+    from gpuflex.hub.ops.cli import main
 
     from tests.test_console_helpers import Browserish
 

@@ -1,7 +1,7 @@
 """Differential privacy for node-local jobs (issue 18): ``[privacy] dp = "central"``.
 
 The hub clips each silo's update, averages them with equal weights and adds Gaussian noise
-(hub/privacy.py); its accountant reports the job's (ε, δ) in the job's status. Here: the spec's
+(hub/policy/privacy.py); its accountant reports the job's (ε, δ) in the job's status. Here: the spec's
 rules, the accountant against the exact privacy profile of the Gaussian mechanism, the clip, the
 noise's distribution, and jobs over a real hub (tests/test_silos.py's pattern: SimNodes train
 digits silos) with little noise (the model learns) and with a great deal (it does not).
@@ -20,8 +20,8 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.aggregation import aggregate, update_norm
-from gpuflex.hub.privacy import (
+from gpuflex.hub.policy.aggregation import aggregate, update_norm
+from gpuflex.hub.policy.privacy import (
     add_noise,
     clip_factor,
     epsilon,
@@ -140,7 +140,7 @@ def test_the_rdp_bound_holds_and_is_close_to_the_exact_gaussian_epsilon(delta):
         standard = rdp_epsilon(t, z, delta, "standard")[0]
         assert exact <= bound <= standard, (z, t, exact, bound, standard)
         assert bound <= 1.25 * exact + 0.05, (z, t, exact, bound)
-    # the numbers quoted in hub/privacy.py
+    # the numbers quoted in hub/policy/privacy.py
     assert (round(epsilon(30, 1.0, 1e-5), 1), round(rdp_epsilon(30, 1.0, 1e-5, "standard")[0], 1),
             round(exact_epsilon(1.0, 30, 1e-5), 1)) == (39.8, 41.3, 37.6)
 
@@ -371,7 +371,7 @@ async def test_a_private_job_reports_its_epsilon_and_learns_under_little_noise_b
 
 
 def test_job_status_prints_the_privacy_line():
-    from gpuflex.hub.cli import _status_view
+    from gpuflex.hub.ops.cli import _status_view
     from rich.console import Console
 
     doc = {"id": "j-1", "name": "x", "state": "running", "round": 3, "rounds": 8, "history": [],
@@ -389,9 +389,9 @@ def test_job_status_prints_the_privacy_line():
 
 
 def test_the_owner_view_hides_silos_from_the_owner_only_and_job_status_prints_what_is_not_shown():
-    from gpuflex.hub.cli import _status_view
-    from gpuflex.hub.readmodel import owner_view
-    from gpuflex.hub.tokens import Principal
+    from gpuflex.hub.ops.cli import _status_view
+    from gpuflex.hub.server.readmodel import owner_view
+    from gpuflex.hub.storage.tokens import Principal
     from rich.console import Console
 
     up = {"update_id": "u-1", "node_id": "gf1-aaaa", "chunks": 1, "samples": 120, "loss": 0.5, "status": "included",

@@ -60,7 +60,7 @@ def test_defaults_exactly_as_the_contract() -> None:
         round_target_s=10.0,
         deadline_slack=3.0,
     )
-    # chunk_size and validation_fraction unset: the hub decides them at submission (hub/datadefaults.py)
+    # chunk_size and validation_fraction unset: the hub decides them at submission (hub/policy/datadefaults.py)
     assert job.data == DataSpec(
         chunk_size=None, split="stratified", validation_fraction=None, label_column="label"
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("hub", "node", "protocol", "tests", "bench", "installers", "docs")
 OUTSIDE = re.compile(r"/[w]ork/|\bnotes/|\bshared/|\bCONTRACT\.md\b|\bcli_demo\b")
-# a repository file named in text: hub/dataset.py, tests/tooling/attacks.py, docs/x.md, README.md
+# a repository file named in text: hub/policy/dataset.py, tests/tooling/attacks.py, docs/x.md, README.md
 NAMED = re.compile(r"(?<![\w./-])((?:hub|node|protocol|tests|bench|installers|docs)/[\w./-]*\w\.(?:py|md|sh|ps1|toml|json|html)"
                    r"|[A-Z][A-Z_]+\.md)\b")
 THIS = Path(__file__).relative_to(REPO).as_posix()

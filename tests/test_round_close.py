@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from gpuflex.hub import rounds
-from gpuflex.hub.blobs import HOT_BLOB_MAX, BlobStore
-from gpuflex.hub.errors import NotFound
-from gpuflex.hub.evaluation import evaluate
-from gpuflex.hub.jobs import JobState, ShardState, UpdateState
-from gpuflex.hub.rounds import RoundEngine, _all_finite
+from gpuflex.hub.base.errors import NotFound
+from gpuflex.hub.domain import rounds
+from gpuflex.hub.domain.rounds import RoundEngine, _all_finite
+from gpuflex.hub.model.job import JobState, ShardState, UpdateState
+from gpuflex.hub.policy.evaluation import evaluate
+from gpuflex.hub.storage.blobs import HOT_BLOB_MAX, BlobStore
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.modelspec import build_model
 from gpuflex.protocol.tensors import decode_state, encode_state
@@ -202,8 +202,8 @@ def test_encoded_updates_of_a_large_model_stream_from_mapped_files(tmp_path: Pat
     """open_deltas decodes each encoded update of a model over HOT_BLOB_MAX to an unnamed
     temporary file and maps it read-only, as fp32 updates are mapped: the PageReleasers can drop
     its pages, and a round of many updates does not hold them all decoded in memory."""
-    from gpuflex.hub.aggregation import _MAPPED, _MAPPED_LOCK
-    from gpuflex.hub.jobs import UpdateLayout
+    from gpuflex.hub.model.job import UpdateLayout
+    from gpuflex.hub.policy.aggregation import _MAPPED, _MAPPED_LOCK
 
     spec = parse_job_spec(SPEC.format(rounds=2).replace('update = "topk"', f'update = "{update}"'))
     layout = UpdateLayout.of(spec)

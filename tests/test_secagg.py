@@ -17,7 +17,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.appkeys import BLOBS, LEDGER, STORE
+from gpuflex.hub.server.appkeys import BLOBS, LEDGER, STORE
 from gpuflex.node import secagg_flow
 from gpuflex.node.client import HubClient
 from gpuflex.node.secagg_calls import SecAggCalls

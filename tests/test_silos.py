@@ -19,9 +19,9 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from gpuflex.hub.appkeys import BLOBS, HUB_KEY, LEDGER
-from gpuflex.hub.evaluation import evaluate
-from gpuflex.hub.jobs import silo_seed
+from gpuflex.hub.model.job import silo_seed
+from gpuflex.hub.policy.evaluation import evaluate
+from gpuflex.hub.server.appkeys import BLOBS, HUB_KEY, LEDGER
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.messages import Ack, Assignment, NoWork

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from gpuflex.hub.blobs import BlobStore
-from gpuflex.hub.db import SCHEMA_VERSION, Database
-from gpuflex.hub.jobs import AssignmentState, JobState, UpdateState, ingest_job
-from gpuflex.hub.store import NodeProfile, RoundResult, Store
-from gpuflex.hub.store_sqlite import DuplicateUpdate, SqliteStore, _node
-from gpuflex.hub.verification import Flag, Reputation
+from gpuflex.hub.domain.jobs import ingest_job
+from gpuflex.hub.model.job import AssignmentState, JobState, UpdateState
+from gpuflex.hub.policy.verification import Flag, Reputation
+from gpuflex.hub.storage.blobs import BlobStore
+from gpuflex.hub.storage.db import SCHEMA_VERSION, Database
+from gpuflex.hub.storage.store import NodeProfile, RoundResult, Store
+from gpuflex.hub.storage.store_sqlite import DuplicateUpdate, SqliteStore, _node
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass, nested_to_dict
 
@@ -32,7 +33,7 @@ def _open(kind: str, where: Path) -> Store:
     if kind == "sqlite":
         return SqliteStore(Database(where / "hub.sqlite3"))
     if kind == "postgres":
-        from gpuflex.hub.store_postgres import PgDatabase, PostgresStore
+        from gpuflex.hub.storage.store_postgres import PgDatabase, PostgresStore
 
         return PostgresStore(PgDatabase((where / "store-url").read_text()))
     raise AssertionError(kind)
@@ -72,7 +73,7 @@ def _assignment(job: JobState, node_id: str, aid: str = "a-1") -> AssignmentStat
 
 
 def _carve(job: JobState, wanted: int = 1):
-    from gpuflex.hub.jobs import ShardState
+    from gpuflex.hub.model.job import ShardState
 
     shard = ShardState(id=f"{job.id}-r0-s0", job_id=job.id, round=0, seq=0, seed=7, chunk_idxs=(0, 1),
                        samples=job.chunks[0].samples + job.chunks[1].samples,
@@ -100,7 +101,7 @@ async def test_a_node_and_its_reputation_survive_a_restart(opened) -> None:
 
 
 async def test_a_nodes_address_block_operator_and_ban_survive_a_restart(opened) -> None:
-    """The Sybil defences' inputs (hub/admission.py): where a node last registered from (a node
+    """The Sybil defences' inputs (hub/policy/admission.py): where a node last registered from (a node
     registering again from elsewhere is recorded there), its operator (kept once set) and when
     it was banned."""
     kind, where, store = opened
@@ -137,7 +138,7 @@ async def test_a_job_its_live_assignment_and_an_update_survive_a_restart(opened)
     upd = UpdateState(id="u-1", assignment_id="a-1", shard_id=shard.id, node_id="gf1-n1", sha="ab" * 32,
                       size=10, sample_count=shard.samples, loss=0.5, train_s=0.1, received_at=time.time())
     await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
-    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.hub.model.node import NodeState
 
     node = NodeState(id="gf1-n1", public_key=b"k" * 32, bench_sps=1.0, ema_sps=3.0, last_seen=1.0,
                      updates_accepted=1)
@@ -235,8 +236,8 @@ async def test_ending_a_job_cancels_its_live_assignments(opened) -> None:
 
 
 async def test_a_commitment_and_the_referees_requests_survive_a_restart(opened) -> None:
-    from gpuflex.hub.jobs import StateRequestState
-    from gpuflex.hub.scheduler import NodeState
+    from gpuflex.hub.model.job import StateRequestState
+    from gpuflex.hub.model.node import NodeState
     from gpuflex.protocol.messages import Commitment
 
     kind, where, store = opened
@@ -443,7 +444,7 @@ def test_a_version_5_database_gains_the_silo_columns_keeping_its_chunks(tmp_path
 
 
 async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened) -> None:
-    from gpuflex.hub.jobs import ChunkInfo
+    from gpuflex.hub.model.job import ChunkInfo
 
     kind, where, store = opened
     spec = (where / "silo.toml")
@@ -501,7 +502,7 @@ def _sqlite_columns(path: Path) -> dict[str, list[str]]:
 def test_postgres_has_sqlites_tables_and_columns_at_the_same_version(tmp_path: Path, postgres_url: str) -> None:
     """One schema in two dialects: a store written for one reads the same columns in the other."""
     import psycopg
-    from gpuflex.hub import store_postgres
+    from gpuflex.hub.storage import store_postgres
 
     Database(tmp_path / "hub.sqlite3").close()
     store_postgres.connect(postgres_url).close()
@@ -518,7 +519,7 @@ def test_postgres_has_sqlites_tables_and_columns_at_the_same_version(tmp_path: P
 
 def test_a_postgres_database_from_a_newer_hub_is_refused_in_one_line(postgres_url: str) -> None:
     import psycopg
-    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable
+    from gpuflex.hub.storage.store_postgres import PgDatabase, StoreUnavailable
 
     PgDatabase(postgres_url).close()
     with psycopg.connect(postgres_url) as conn:
@@ -532,7 +533,7 @@ def test_a_postgres_store_reopened_twice_at_once_migrates_once(postgres_url: str
     """Two hubs starting together on one new database: the advisory lock lets one create the schema."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gpuflex.hub.store_postgres import connect
+    from gpuflex.hub.storage.store_postgres import connect
 
     with ThreadPoolExecutor(4) as pool:
         conns = list(pool.map(lambda _: connect(postgres_url), range(4)))
@@ -547,7 +548,7 @@ def test_a_postgres_store_reopened_twice_at_once_migrates_once(postgres_url: str
     ("postgresql://u@h:5432/db?sslmode=sometimes&nonsense=1", "not a valid PostgreSQL URL"),
 ])
 def test_a_bad_store_url_is_refused_in_one_line(url: str, says: str) -> None:
-    from gpuflex.hub.store_postgres import StoreUnavailable, check_url
+    from gpuflex.hub.storage.store_postgres import StoreUnavailable, check_url
 
     with pytest.raises(StoreUnavailable, match=says) as caught:
         check_url(url)
@@ -557,7 +558,7 @@ def test_a_bad_store_url_is_refused_in_one_line(url: str, says: str) -> None:
 def test_an_unreachable_postgres_server_is_one_line_without_the_password() -> None:
     import socket
 
-    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable
+    from gpuflex.hub.storage.store_postgres import PgDatabase, StoreUnavailable
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -569,9 +570,9 @@ def test_an_unreachable_postgres_server_is_one_line_without_the_password() -> No
 
 
 def test_postgres_rows_read_like_sqlite_rows(postgres_url: str) -> None:
-    """What the read model (hub/readmodel.py, hub/web) does with a row: by name, by position,
+    """What the read model (hub/server/readmodel.py, hub/server/console) does with a row: by name, by position,
     dict(row), tuple(row); `?` placeholders; a `%` in a literal; SUM of a BIGINT is an int."""
-    from gpuflex.hub.store_postgres import connect
+    from gpuflex.hub.storage.store_postgres import connect
 
     conn = connect(postgres_url)
     try:
@@ -592,7 +593,7 @@ async def test_a_postgres_store_reconnects_after_its_connection_drops(postgres_u
     """A server restart or a dropped connection fails the call in flight, not the hub: the next
     call opens a new connection."""
     import psycopg
-    from gpuflex.hub.store_postgres import PgDatabase, PostgresStore
+    from gpuflex.hub.storage.store_postgres import PgDatabase, PostgresStore
 
     store = PostgresStore(PgDatabase(postgres_url))
     try:
@@ -611,7 +612,7 @@ async def test_a_postgres_store_reconnects_after_its_connection_drops(postgres_u
 def test_a_postgres_user_without_the_right_to_create_tables_is_told_in_one_line(postgres_url: str) -> None:
     """PostgreSQL 15 lets only a database's owner create tables in its public schema."""
     import psycopg
-    from gpuflex.hub.store_postgres import PgDatabase, StoreUnavailable, redact
+    from gpuflex.hub.storage.store_postgres import PgDatabase, StoreUnavailable, redact
 
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute("DO $$ BEGIN CREATE ROLE weak LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")

@@ -23,12 +23,12 @@ import aiohttp
 import msgpack
 import pytest
 import torch
-from gpuflex.hub.admission import Admission, address_block
-from gpuflex.hub.config import HubConfig
-from gpuflex.hub.errors import Forbidden, TooManyRequests
-from gpuflex.hub.policy import bound_weights, norm_bound_scales
-from gpuflex.hub.progress import Progress, heartbeat_deadline, stall_backoff
-from gpuflex.hub.verification import Reputation, is_trusted, record_flag, record_withdrawn
+from gpuflex.hub.base.config import HubConfig
+from gpuflex.hub.base.errors import Forbidden, TooManyRequests
+from gpuflex.hub.policy.admission import Admission, address_block
+from gpuflex.hub.policy.progress import Progress, heartbeat_deadline, stall_backoff
+from gpuflex.hub.policy.round_policy import bound_weights, norm_bound_scales
+from gpuflex.hub.policy.verification import Reputation, is_trusted, record_flag, record_withdrawn
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
 from gpuflex.protocol.messages import Ack, Assignment, NoWork, progress_digest
@@ -203,7 +203,7 @@ async def test_registrations_are_limited_in_all_and_per_block_in_probation(tmp_p
 async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
     """`--require-enrollment`: no token, a wrong one or a revoked one is refused in one line; an
     enrollment token is no API token either."""
-    from gpuflex.hub.tokens import list_tokens, revoke_token
+    from gpuflex.hub.storage.token_admin import list_tokens, revoke_token
 
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
     token = hub.token("enroll", "lab")
@@ -566,7 +566,7 @@ async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(
     """Attack: two colluders out-voted an honest replica with an identical crafted update; the
     honest node's run of agreements was reset, even though its flag was withdrawn once the
     round's review caught the colluders' update. Now the withdrawal gives the run back."""
-    from gpuflex.hub.appkeys import LEDGER
+    from gpuflex.hub.server.appkeys import LEDGER
 
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", throughput_alpha=0.0)  # shard sizes stay as seeded
@@ -786,7 +786,7 @@ def test_job_spec_norm_bound_and_untrusted_share():
 def test_cli_issues_lists_and_revokes_enrollment_tokens(tmp_path, capsys):
     """`gpuflex-hub token create --role enroll`: stored hashed in its own table, listed as e<N>,
     revoked by that id; `serve` has the admission options."""
-    from gpuflex.hub import cli
+    from gpuflex.hub.ops import cli
 
     data = tmp_path / "hub"
     assert cli.main(["token", "create", "--data", str(data), "--role", "enroll", "--name", "lab-42"]) == 0

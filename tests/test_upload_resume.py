@@ -14,7 +14,7 @@ import time
 
 import aiohttp
 import torch
-from gpuflex.hub.app import drop_stale_partials
+from gpuflex.hub.server.app import drop_stale_partials
 from gpuflex.protocol.messages import Ack, Assignment, UploadOffset
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import decode_state, encode_state

@@ -118,7 +118,7 @@ def test_cli_runs_the_real_node_cli_with_the_attack_agent(monkeypatch):
 
 
 def _record(uid, node, d):
-    from gpuflex.hub.verification import UpdateRecord
+    from gpuflex.hub.policy.verification import UpdateRecord
 
     return UpdateRecord(
         update_id=uid,
@@ -136,8 +136,14 @@ def _record(uid, node, d):
 def test_the_round_policy_does_not_let_an_identical_pair_of_attackers_settle_a_shard():
     """Deterministic attacks agree with themselves: two colluders handed the same shard must
     not settle it (hub/policy.decide_shard, the function the hub and the bench run)."""
-    from gpuflex.hub.policy import Drop, ReplicaState, Settle, WaitForMore, decide_shard
-    from gpuflex.hub.verification import Reputation
+    from gpuflex.hub.policy.round_policy import (
+        Drop,
+        ReplicaState,
+        Settle,
+        WaitForMore,
+        decide_shard,
+    )
+    from gpuflex.hub.policy.verification import Reputation
     from gpuflex.protocol.jobspec import VerificationSpec
 
     spec = VerificationSpec()

@@ -1,4 +1,4 @@
-"""The referee (hub/referee.py) and the commitments it checks (protocol/checkpoint.py,
+"""The referee (hub/policy/referee.py) and the commitments it checks (protocol/checkpoint.py,
 node/checkpoints.py): real training with the node's trainer, states written to and read back
 from disk in the GFT1 codec, segments re-executed by the hub's code in other numeric classes."""
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from gpuflex.hub import policy
-from gpuflex.hub import verification as vf
-from gpuflex.hub.referee import (
+from gpuflex.hub.policy import round_policy as policy
+from gpuflex.hub.policy import verification as vf
+from gpuflex.hub.policy.referee import (
     ALL_STATES_MAX_BYTES,
     SegmentVerdict,
     fetch_steps,
@@ -27,7 +27,7 @@ from gpuflex.hub.referee import (
     replay_onednn,
     request_steps,
 )
-from gpuflex.hub.verification import Reputation, UpdateRecord
+from gpuflex.hub.policy.verification import Reputation, UpdateRecord
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore, training_state
 from gpuflex.node.device import compute_class
 from gpuflex.node.optim import SGD, Adam
@@ -410,7 +410,7 @@ def test_the_referee_asks_for_every_state_while_they_are_small() -> None:
 def test_the_segment_replayed_is_drawn_under_the_hubs_secret_not_the_largest_claimed() -> None:
     """A spot-check's segment is uniform over the segments and secret to the node: a node that
     claims a small norm for the segment it crafted in is no longer sure never to be replayed."""
-    from gpuflex.hub.rounds import segment_draw
+    from gpuflex.hub.domain.rounds import segment_draw
 
     c = Commitment(every=2, steps=10, precision="fp32", hashes=("a" * 64,) * 6, norms=(1.0, 3.0, 2.0, 2.0, 0.1))
     assert pick_segment(c) == 1  # no draw (tools): the largest
@@ -592,8 +592,8 @@ def test_the_spot_check_draw_is_keyed_by_the_hubs_secret() -> None:
     """A node knows its shard's id; it must not be able to tell whether the referee will check it."""
     import hashlib
 
-    from gpuflex.hub.keys import audit_secret
-    from gpuflex.hub.rounds import spot_draw
+    from gpuflex.hub.domain.rounds import spot_draw
+    from gpuflex.hub.storage.hub_key import audit_secret
     from gpuflex.protocol.signing import SigningKey
 
     a, b = audit_secret(SigningKey.from_seed(bytes(32))), audit_secret(SigningKey.from_seed(bytes([1]) * 32))

@@ -1,10 +1,10 @@
-"""hub/worksignal.py: which long-polls a change wakes, and that no wake-up is lost."""
+"""hub/domain/worksignal.py: which long-polls a change wakes, and that no wake-up is lost."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gpuflex.hub.worksignal import MISSES, Wake, WorkSignal, pass_on
+from gpuflex.hub.domain.worksignal import MISSES, Wake, WorkSignal, pass_on
 
 
 async def _waiting(sig: WorkSignal, *nodes: str, within: float = 5.0) -> list[asyncio.Task[Wake]]:
@@ -100,7 +100,7 @@ async def test_a_returned_shard_wakes_one_waiting_node_not_all(tmp_path) -> None
     import time
 
     import aiohttp
-    from gpuflex.hub.appkeys import LEDGER
+    from gpuflex.hub.server.appkeys import LEDGER
     from gpuflex.protocol.messages import Assignment
 
     from tests.helpers import SimNode, start_hub, submit_job, write_digits

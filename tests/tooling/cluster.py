@@ -1,4 +1,4 @@
-"""The end-to-end tests' cluster: the demo's launcher (gpuflex.hub.localcluster) plus what
+"""The end-to-end tests' cluster: the demo's launcher (gpuflex.hub.ops.localcluster) plus what
 only tests need - one benchmark shared by a whole session, the run's store (its hub on PostgreSQL
 in `make test`'s second pass, tests/helpers.py), kill -9 of the hub, reading the API over loopback
 and the hub's rows, and waiting for a job."""
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflex.hub.localcluster import LocalCluster as DemoCluster
-from gpuflex.hub.localcluster import Proc, digits_job
+from gpuflex.hub.ops.localcluster import LocalCluster as DemoCluster
+from gpuflex.hub.ops.localcluster import Proc, digits_job
 
 from tests.helpers import open_store, store_args, store_for
 
@@ -47,7 +47,7 @@ class LocalCluster(DemoCluster):
         return super().start_hub(timeout_s=timeout_s)
 
     def create_token(self, role: str, name: str) -> str:
-        from gpuflex.hub.tokens import create_token
+        from gpuflex.hub.storage.token_admin import create_token
 
         return create_token(self.hub_dir, role, name, store=self.store)
 

@@ -1,0 +1,148 @@
+"""Jobs: submission ingest (validate, chunk, store). The in-memory picture of a job's round
+(`JobState` and its parts) is plain state, hub/model/job.py."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
+from gpuflex.protocol.modelspec import ModelSpec, build_model
+from gpuflex.protocol.tensors import (
+    MAX_HEADER_BYTES,
+    encode_state,
+)
+
+from ..base.errors import BadRequest, Unprocessable
+from ..model.job import (
+    ChunkInfo,
+    JobState,
+    new_id,
+)
+from ..policy.datadefaults import (
+    Decision,
+    apply_decisions,
+    chunk_size_default,
+    record_in_spec,
+    validation_default,
+)
+from ..policy.dataset import (
+    Arrays,
+    encode_arrays,
+    make_chunks,
+    read_arrays,
+    split_validation,
+    validate_arrays,
+)
+from ..storage.blobs import BlobStore
+
+if TYPE_CHECKING:
+
+    from ..storage.store import Store
+
+def silo_size_bounds(spec: ModelSpec, samples: int) -> tuple[int, int]:
+    """The bytes a chunk blob of ``samples`` rows of this model's data takes (encode_state of x
+    and y: the raw rows plus the GFT1 header), as the node checks a chunk's declared size."""
+    x_item = 8 if spec.input_dtype == torch.int64 else 4
+    row = math.prod(spec.input_shape) * x_item + (8 if spec.task == "classification" else spec.outputs * 4)
+    return samples * row, samples * row + MAX_HEADER_BYTES + 64
+
+
+# -- submission -------------------------------------------------------------------------------
+
+
+def _split_and_size(spec: JobSpec, train_path: Path, val_path: Path | None,
+                    nodes_online: int) -> tuple[Arrays, Arrays | None, list[Decision]]:
+    """(training set, validation set, what the hub decided for the spec's [data]) of a hub job."""
+    dspec, mspec = spec.data, spec.model
+    x, y = read_arrays(train_path, label_column=dspec.label_column, what="train")
+    train = validate_arrays(x, y, mspec, what="train")
+    val: Arrays | None = None
+    if val_path is not None:
+        vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
+        val = validate_arrays(vx, vy, mspec, what="val")
+    held = validation_default(dspec, len(train), val_path is not None)
+    if val_path is None:
+        fraction = float(held.value if held is not None else dspec.validation_fraction or 0.0)
+        stratified = dspec.split == "stratified" and mspec.task == "classification"
+        train, val = split_validation(train, fraction, stratified=stratified, seed=spec.train.seed)
+    sized = chunk_size_default(dspec, len(train), nodes_online)
+    return train, val, [d for d in (held, sized) if d is not None]
+
+
+def ingest_job(
+    store: Store,
+    blobs: BlobStore,
+    *,
+    owner: str,
+    spec_text: bytes,
+    train_path: Path | None,
+    val_path: Path | None,
+    nodes_online: int = 0,
+) -> JobState:
+    """Validate a submission and store it (blobs, then rows). Runs in a worker thread. A
+    node-local job ([data] source = "node-local") comes with no training set: its chunks are the
+    silos nodes attach later; an optional validation set is the owner's own. What the spec leaves
+    to the hub (the hold-out, the chunk size: hub/policy/datadefaults.py) is decided here, from the
+    training set and ``nodes_online``, and written into the stored spec."""
+    try:
+        spec = parse_job_spec(spec_text)
+    except ProtocolError as exc:
+        raise Unprocessable(str(exc), code="bad_spec") from None
+    mspec = spec.model
+    dspec = spec.data
+    stratified = dspec.split == "stratified" and mspec.task == "classification"
+    val: Arrays | None = None
+    chunks: list[ChunkInfo] = []
+    train_samples = 0
+    if dspec.node_local:
+        if train_path is not None:
+            raise Unprocessable("a node-local job takes no training set: its data stays on the nodes "
+                                "(gpuflex-node data add); give only the spec and an optional val", code="bad_form")
+        if val_path is not None:
+            vx, vy = read_arrays(val_path, label_column=dspec.label_column, what="val")
+            val = validate_arrays(vx, vy, mspec, what="val")
+    else:
+        if train_path is None:  # a missing form part: 400, as the route answers for a missing spec
+            raise BadRequest("a job needs a training set (part 'train': .npz or .csv), or "
+                             "[data] source = \"node-local\"", code="bad_form")
+        train, val, decided = _split_and_size(spec, train_path, val_path, nodes_online)
+        spec_text = record_in_spec(spec_text.decode("utf-8"), spec, decided).encode("utf-8")
+        spec = apply_decisions(spec, decided)
+        pieces = make_chunks(train, int(spec.data.chunk_size or 0), stratified=stratified, seed=spec.train.seed)
+        shas = blobs.put_many([data for data, _ in pieces])  # the small ones: one commit for them all
+        for idx, ((data, samples), sha) in enumerate(zip(pieces, shas, strict=True)):
+            chunks.append(ChunkInfo(idx, sha, samples, len(data)))
+        train_samples = len(train)
+    val_sha = blobs.put(encode_arrays(val)) if val is not None else None
+    try:
+        model = build_model(mspec, seed=spec.train.seed)
+    except ProtocolError as exc:
+        raise Unprocessable(str(exc), code="bad_spec") from None
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    model_blob = encode_state(state)
+    model_hash = blobs.put(model_blob)
+    now = time.time()
+    job = JobState(
+        id=new_id("j"),
+        owner=owner,
+        name=spec.name,
+        spec=spec,
+        state="running",
+        round=0,
+        rounds=spec.train.rounds,
+        model_hash=model_hash,
+        model_size=len(model_blob),
+        chunks=chunks,
+        val_sha=val_sha,
+        opt_state_sha=None,
+        created_at=now,
+    )
+    job.note_model(0, model_hash)
+    job.open_round()
+    store.insert_job_sync(job, spec_text.decode("utf-8"), train_samples, len(val) if val is not None else 0)
+    return job

@@ -1,0 +1,87 @@
+"""A node as the hub sees it: a plain state type the whole hub shares (the scheduler places work
+on it, the ledger changes it, the store saves it), and the benchmark figures it is built from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gpuflex.protocol.compute import class_key, resolve_precision
+from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
+
+from ..policy.verification import Reputation
+
+
+@dataclass
+class NodeState:
+    """A registered node as the hub works with it; its track record is a `Reputation`."""
+
+    id: str
+    public_key: bytes
+    bench_sps: float
+    ema_sps: float
+    last_seen: float
+    reputation: Reputation = field(default_factory=Reputation)
+    updates_accepted: int = 0
+    #: the most chunks one of its accepted updates covered (memory only: after a restart the
+    #: ramp of chunk_cap starts again from the delivery count)
+    proven_chunks: int = 0
+    peak_flops: float = 0.0  # from the benchmark: the fastest matmul dtype, FLOP/s
+    live: set[str] = field(default_factory=set)  # live assignment ids
+    #: the compute class from its hello; its class key depends on a job's precision (class_key)
+    compute: ComputeClass = UNKNOWN_CLASS
+    precision_sps: dict[str, float] = field(default_factory=dict)  # benchmark: samples/s per precision
+    # Sybil defences (hub/policy/admission.py): where it registered from and was last seen, its operator
+    registered_at: float = 0.0
+    block: str = ""
+    last_block: str = ""
+    operator: str | None = None
+    banned_at: float | None = None
+    stall_until: float = 0.0  # after an assignment expired undelivered: no new work before this
+    stalls: int = 0  # assignments in a row that expired undelivered (the backoff doubles)
+
+    @property
+    def blocks(self) -> set[str]:
+        return {b for b in (self.block, self.last_block) if b}
+
+    @property
+    def throughput(self) -> float:
+        return max(1e-3, self.ema_sps)
+
+    def precision_for(self, requested: str) -> str | None:
+        """What this node trains a job asking for ``requested`` in (None: it cannot)."""
+        return resolve_precision(self.compute, requested)
+
+    def class_key(self, requested: str) -> str | None:
+        """Its compute class key for a job's precision; None for a node that did not say
+        (it is placed like any class and always compared strictly)."""
+        if self.compute.device_kind == "unknown":
+            return None
+        return class_key(self.compute, requested)
+
+    def precision_factor(self, precision: str) -> float:
+        """Its benchmark's training speed in ``precision`` over fp32 (1 when not measured)."""
+        base, this = self.precision_sps.get("fp32"), self.precision_sps.get(precision)
+        if not base or not this or not math.isfinite(base) or not math.isfinite(this):
+            return 1.0
+        return min(100.0, max(0.01, this / base))
+
+    @property
+    def banned(self) -> bool:
+        return self.reputation.banned
+
+
+def peak_flops(benchmark: dict[str, object]) -> float:
+    """The fastest matmul throughput a node's benchmark reported, in FLOP/s (0 when unknown)."""
+    best = 0.0
+    for key in ("matmul_tflops_fp32", "matmul_tflops_bf16", "matmul_tflops_fp16"):
+        v = benchmark.get(key)
+        if isinstance(v, int | float) and math.isfinite(v) and v > best:
+            best = float(v)
+    return best * 1e12
+
+
+def clamp_sps(value: float) -> float:
+    if not math.isfinite(value) or value <= 0:
+        return 1.0
+    return min(value, 1e9)

@@ -1,0 +1,642 @@
+"""Node-facing routes: signed msgpack in, hub-signed msgpack out.
+
+Each handler parses and checks the signed message (hub/server/wire.py), calls the ledger
+(hub/domain/ledger.py) and answers with a hub-signed message. The upload handler also moves
+the update's bytes into the blob store, hashing and checking them in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import mmap
+import os
+import time
+from functools import partial
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+import numpy as np
+from aiohttp import web
+from gpuflex.protocol.errors import ProtocolError, TensorError
+from gpuflex.protocol.messages import (
+    Abandon,
+    Ack,
+    BlobRequest,
+    Heartbeat,
+    Hello,
+    NoWork,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggPoll,
+    SecAggShares,
+    SecAggUnmask,
+    SiloQuery,
+    SiloRegistration,
+    SiloWithdrawal,
+    StateUnavailable,
+    StateUpload,
+    UpdateHeader,
+    UploadOffset,
+    Welcome,
+    WorkRequest,
+)
+from gpuflex.protocol.tensors import Manifest, check_blob, check_finite, decode_state
+from gpuflex.protocol.version import PROTOCOL_VERSION
+
+from ..base.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    HubError,
+    LengthRequired,
+    NotFound,
+    PayloadTooLarge,
+    Unprocessable,
+)
+from ..base.numbers import parse_count
+from ..domain.worksignal import Wake, WorkSignal, pass_on
+from ..model.job import UpdateLayout
+from ..model.node import NodeState
+from ..storage.blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
+from ..storage.tokens import enrollment_operator
+from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
+from .manifests import check_streamed_manifest
+from .wire import (
+    b64_header,
+    json_response,
+    open_node_message,
+    protocol_to_hub,
+    read_body,
+    sealed_response,
+)
+
+routes = web.RouteTableDef()
+M = TypeVar("M")
+UPLOAD_READ = 1 << 20
+SMALL_UPDATE = 1 << 20  # updates up to this size are received in memory
+
+
+@routes.get("/v1/hub")
+async def hub_identity(request: web.Request) -> web.Response:
+    key = request.app[HUB_KEY]
+    return json_response({"public_key": key.public_bytes.hex(), "fingerprint": key.fingerprint,
+                          "protocol_version": PROTOCOL_VERSION, "server_time": time.time()})
+
+
+@routes.post("/v1/nodes/register")
+async def register(request: web.Request) -> web.Response:
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_message_bytes)
+    hello, signer = open_node_message(request, body, Hello)
+    operator = None
+    if hello.enroll_token:
+        operator = await app[DB].read(lambda conn: enrollment_operator(conn, hello.enroll_token))
+    node = await app[LEDGER].register(signer, hello, address=request.remote, operator=operator)
+    return sealed_response(request, Welcome(node_id=node.id, hub_fingerprint=app[HUB_KEY].fingerprint,
+                                            server_time=node.last_seen, poll_s=app[CONFIG].node_poll_s))
+
+
+@routes.post("/v1/work")
+async def work(request: web.Request) -> web.Response:
+    app = request.app
+    cfg = app[CONFIG]
+    ledger = app[LEDGER]
+    body = await read_body(request, cfg.max_message_bytes)
+    req, signer = open_node_message(request, body, WorkRequest)
+    node = ledger.known_node(signer, request.remote)
+    cached = frozenset(req.cached_chunks)
+    wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + wait_s
+    wake = ledger.signal  # the WorkSignal that long-polls wait on (hub/domain/worksignal.py)
+    woken = Wake("timeout")
+    with ledger.polling(node):
+        while not wake.closing:
+            since = wake.generation
+            asked = ledger.pending_state_request(node)  # the referee's request comes first
+            if asked is not None:
+                _pass_on(wake, woken, got_work=False)
+                request.app[METRICS].bytes_out += len(asked)
+                return web.Response(body=asked, content_type="application/x-msgpack")
+            issued = await ledger.next_assignment(node, cached)
+            _pass_on(wake, woken, got_work=issued is not None)
+            if issued is not None:
+                return _assignment_response(request, issued.sealed, issued.model_hash, cached, node)
+            left = give_up - loop.time()
+            if left <= 0:
+                break
+            woken = await wake.wait(node.id, left, since)
+            if woken.kind != "timeout":
+                request.app[METRICS].poll_wakeups[woken.kind] += 1
+    running = any(j.state == "running" for j in ledger.scheduler.jobs.values())
+    refusal = ledger.scheduler.precision_refusal(node)
+    if wake.closing:
+        reason, retry = "the hub is shutting down", 2.0
+    elif refusal is not None:
+        reason, retry = refusal[:256], cfg.node_poll_s
+    elif running:
+        reason, retry = "every chunk of the current rounds is taken", 1.0
+    else:
+        reason, retry = "no job is running", cfg.node_poll_s
+    return sealed_response(request, NoWork(retry_after_s=retry, reason=reason))
+
+
+def _pass_on(wake: WorkSignal, woken: Wake, *, got_work: bool) -> None:
+    """An offer this poll was woken by travels on to the next waiting poll (worksignal.pass_on)."""
+    misses = pass_on(woken, got_work)
+    if misses is not None:
+        wake.offer(misses, woken.to)
+
+
+def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, cached: frozenset[str],
+                         node: NodeState) -> web.Response:
+    """The sealed assignment, followed by the model's bytes when the node asked for them inline.
+
+    A node that sends ``X-GPUFlex-Inline-Max: N`` and does not list the model among its
+    cached blobs gets a small model (at most N bytes and in the hub's memory) in the same
+    answer: ``X-GPUFlex-Sealed-Length`` says where the sealed message ends. That saves the
+    node one request per round (one round trip over a real network). The bytes are bound
+    to the signed assignment by its model_hash, which the node checks.
+    """
+    headers: dict[str, str] = {}
+    body = sealed
+    try:
+        inline_max = min(parse_count(request.headers.get("X-GPUFlex-Inline-Max", "0"), "X-GPUFlex-Inline-Max",
+                                     maximum=1 << 62), HOT_BLOB_MAX)
+    except BadRequest:
+        inline_max = 0  # a value this hub cannot read only costs the node the inline model
+    if inline_max > 0 and model_hash not in cached:
+        blob = request.app[BLOBS].hot(model_hash)  # memory only: never a disk read on the loop
+        if blob is not None and len(blob) <= inline_max:
+            body = sealed + blob
+            headers["X-GPUFlex-Sealed-Length"] = str(len(sealed))
+            request.app[LEDGER].count_served(node, model_hash, len(blob))
+    request.app[METRICS].bytes_out += len(body)
+    return web.Response(body=body, content_type="application/x-msgpack", headers=headers)
+
+
+@routes.post("/v1/heartbeat")
+async def heartbeat(request: web.Request) -> web.Response:
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_message_bytes)
+    hb, signer = open_node_message(request, body, Heartbeat)
+    ledger = app[LEDGER]
+    ok, detail, deadline = await ledger.heartbeat(ledger.known_node(signer, request.remote), hb.assignment_id,
+                                                  hb.steps, hb.digest)
+    return sealed_response(request, Ack(ok=ok, detail=detail, deadline=deadline))
+
+
+@routes.post("/v1/abandon")
+async def abandon(request: web.Request) -> web.Response:
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_message_bytes)
+    msg, signer = open_node_message(request, body, Abandon)
+    ledger = app[LEDGER]
+    detail = await ledger.abandon(ledger.known_node(signer, request.remote), msg.assignment_id)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+async def _signed(request: web.Request, cls: type[M]) -> tuple[M, NodeState]:
+    """The body's signed message of type ``cls`` and the registered node that signed it."""
+    app = request.app
+    msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), cls)
+    return msg, app[LEDGER].known_node(signer, request.remote)
+
+
+@routes.post("/v1/silos/schema")
+async def silo_schema(request: web.Request) -> web.Response:
+    """What a silo of a node-local job must hold (signed SiloQuery -> signed SiloSchema)."""
+    msg, node = await _signed(request, SiloQuery)
+    return sealed_response(request, request.app[LEDGER].silo_schema(node, msg.job_id))
+
+
+@routes.post("/v1/silos")
+async def attach_silo(request: web.Request) -> web.Response:
+    """A node attaches its silo to a node-local job (signed SiloRegistration -> signed Ack):
+    the blob id, size, sample count and opt-in label histogram; never a row."""
+    msg, node = await _signed(request, SiloRegistration)
+    detail = await request.app[LEDGER].attach_silo(node, msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+@routes.post("/v1/silos/withdraw")
+async def withdraw_silo(request: web.Request) -> web.Response:
+    """A node's operator removed its silo (signed SiloWithdrawal -> signed Ack): the hub stops
+    assigning it and no round waits for it."""
+    msg, node = await _signed(request, SiloWithdrawal)
+    detail = await request.app[LEDGER].withdraw_silo(node, msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+# -- secure aggregation (hub/policy/secagg.py; each answer is the node's SecAggState) -------------
+@routes.post("/v1/secagg/keys")
+async def secagg_keys(request: web.Request) -> web.Response:
+    msg, node = await _signed(request, SecAggKeys)
+    return sealed_response(request, await request.app[LEDGER].secagg_keys(node, msg))
+
+
+@routes.post("/v1/secagg/poll")
+async def secagg_poll(request: web.Request) -> web.Response:
+    msg, node = await _signed(request, SecAggPoll)
+    return sealed_response(request, await request.app[LEDGER].secagg_wait(node, msg.assignment_id, msg.after,
+                                                                          msg.wait_s))
+
+
+@routes.post("/v1/secagg/shares")
+async def secagg_shares(request: web.Request) -> web.Response:
+    msg, node = await _signed(request, SecAggShares)
+    return sealed_response(request, await request.app[LEDGER].secagg_shares(node, msg))
+
+
+@routes.post("/v1/secagg/masked")
+async def secagg_masked(request: web.Request) -> web.Response:
+    """The masked update (header X-GPUFlex-Masked: a sealed SecAggMasked; body: uint32 LE). It is
+    stored like any update blob (durably, before the 2xx), then handed to the round's protocol."""
+    app = request.app
+    hdr, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Masked"), SecAggMasked)
+    ledger = app[LEDGER]
+    node = ledger.known_node(signer, request.remote)
+    ledger.secagg_may_mask(node, hdr)  # the size is the protocol's: checked before the body is read
+    body = await read_body(request, hdr.size)
+    if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
+        raise BadRequest("the masked update's bytes do not match its signed size and SHA-256", code="bad_masked")
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(app[IO_POOL], partial(app[BLOBS].put, body, sha=hdr.sha256))
+    vector = np.frombuffer(body, dtype="<u4").astype(np.uint32)
+    return sealed_response(request, await ledger.secagg_masked(node, hdr, vector))
+
+
+@routes.post("/v1/secagg/unmask")
+async def secagg_unmask(request: web.Request) -> web.Response:
+    msg, node = await _signed(request, SecAggUnmask)
+    return sealed_response(request, request.app[LEDGER].secagg_unmask(node, msg))
+
+
+def _blob_reader(request: web.Request, sha: str) -> NodeState:
+    """The node whose signed BlobRequest (X-GPUFlex-Auth) names ``sha``, a blob one of its live
+    assignments names; 400/401/403 otherwise."""
+    data = b64_header(request, "X-GPUFlex-Auth")
+    req, signer = open_node_message(request, data, BlobRequest)
+    if req.sha256 != sha:
+        raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
+    ledger = request.app[LEDGER]
+    node = ledger.known_node(signer, request.remote)
+    if not ledger.may_read_blob(node, sha):
+        raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
+    return node
+
+
+@routes.get("/v1/blobs/{sha256}")
+async def blob(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    sha = check_blob_id(request.match_info["sha256"])  # before anything touches the disk
+    node = _blob_reader(request, sha)
+    ledger = app[LEDGER]
+    headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
+    loop = asyncio.get_running_loop()
+    # a small blob: in memory (this round's model), or else packed (read off the loop)
+    small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
+    if small is not None:  # no file to open
+        resp = _bytes_response(request, small, headers)
+        ledger.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
+        return resp
+    # off the loop: a bucket-backed store (hub/storage/blobs_s3.py) fetches a blob missing from its cache
+    path = await loop.run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
+    if not path.is_file():
+        raise NotFound(f"blob {sha} is not stored", code="unknown_blob")
+    size = path.stat().st_size
+    try:
+        start = request.http_range.start or 0
+    except ValueError:
+        start = 0
+    served = max(0, size - start) if start >= 0 else min(size, -start)
+    app[METRICS].bytes_out += served
+    ledger.count_served(node, sha, served)
+    return web.FileResponse(path, headers=headers)
+
+
+@routes.get("/v1/blobs/{sha256}/from/{base}")
+async def blob_delta(request: web.Request) -> web.Response:
+    """Model ``sha256`` as a delta from ``base``, an earlier model of the same job the node holds
+    (protocol/blobdelta.py); the node applies it and checks the result against the signed
+    model_hash. 404 no_delta when there is none to give: the node downloads the whole model."""
+    app = request.app
+    sha = check_blob_id(request.match_info["sha256"])
+    base = check_blob_id(request.match_info["base"])
+    node = _blob_reader(request, sha)
+    ledger = app[LEDGER]
+    if not ledger.delta_base_ok(node, sha, base):
+        raise NotFound("no delta to that model from this base: download the whole model", code="no_delta")
+    delta = await app[DELTAS].get(base, sha)
+    if delta is None:
+        raise NotFound("the two models differ in layout: download the whole model", code="no_delta")
+    app[METRICS].bytes_out += len(delta)
+    ledger.count_served(node, sha, len(delta))
+    return web.Response(body=delta, headers={"Content-Type": "application/octet-stream", "X-GPUFlex-Delta-From": base})
+
+
+def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:
+    """Serve in-memory bytes with the same single-range semantics as FileResponse."""
+    metrics = request.app[METRICS]
+    headers = {**headers, "Accept-Ranges": "bytes"}
+    try:
+        rng = request.http_range
+    except ValueError:
+        rng = slice(None, None)  # a malformed Range is ignored: the whole blob
+    if rng.start is None and rng.stop is None:
+        metrics.bytes_out += len(data)
+        return web.Response(body=data, headers=headers)
+    start, stop, _ = rng.indices(len(data))
+    if start >= len(data) or start >= stop:
+        return web.Response(status=416, headers={**headers, "Content-Range": f"bytes */{len(data)}"})
+    metrics.bytes_out += stop - start
+    return web.Response(status=206, body=data[start:stop],
+                        headers={**headers, "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}"})
+
+
+def _ingest_update_bytes(body: bytes, sha: str, layout: UpdateLayout, blobs: BlobStore) -> None:
+    """An update held in memory: hash and check it, then store it durably (and keep it in memory
+    for the round's close). Worker thread."""
+    _check_update_bytes(body, sha, layout)
+    blobs.put(body, sha=sha)
+
+
+def _check_update_bytes(body: bytes, sha: str, layout: UpdateLayout) -> None:
+    if hashlib.sha256(body).hexdigest() != sha:
+        raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
+    _check_update(body, layout)
+
+
+def _ingest_update_file(path: Path, layout: UpdateLayout, blobs: BlobStore, sha: str) -> None:
+    """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise Unprocessable("update is empty", code="bad_manifest")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            _check_update(mm, layout)
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        os.fsync(fh.fileno())
+    blobs.commit_temp(path, sha)
+
+
+def _check_update(buf: bytes | mmap.mmap, layout: UpdateLayout) -> None:
+    """The update's tensors are the job's encoding of the model's (names, dtypes, shapes), hold
+    only values its encoder makes, and are all finite."""
+    if len(buf) == 0:
+        raise Unprocessable("update is empty", code="bad_manifest")
+    try:
+        nonfinite = check_blob(buf, layout.wire)  # no tensor made: an fp32 update needs no more
+    except ProtocolError as exc:
+        raise Unprocessable(f"update does not match the model: {exc}", code="bad_manifest") from None
+    if nonfinite is not None:
+        raise Unprocessable(f"tensor {nonfinite!r} contains NaN or infinite values", code="non_finite")
+    if layout.encoding.identity:
+        return
+    state = decode_state(buf)
+    try:
+        layout.encoding.check(state, layout.model)
+    except TensorError as exc:
+        raise Unprocessable(str(exc), code="non_finite") from None
+    finally:
+        del state
+
+
+@routes.post("/v1/updates")
+async def update(request: web.Request) -> web.Response:
+    app = request.app
+    metrics = app[METRICS]
+    try:
+        return await _update(request)
+    except HubError as exc:
+        metrics.updates_rejected[exc.code] += 1
+        raise
+
+
+async def _update(request: web.Request) -> web.Response:
+    app = request.app
+    ledger = app[LEDGER]
+    data = b64_header(request, "X-GPUFlex-Update")
+    hdr, signer = open_node_message(request, data, UpdateHeader)
+    node = ledger.known_node(signer, request.remote)
+    a, job = await ledger.begin_upload(node, hdr, request.content_length)
+    blobs = app[BLOBS]
+    # A large update streams into a file kept per (assignment, hash): when the link drops mid-way,
+    # what arrived stays, and the node sends only the rest (POST /v1/updates/offset says how much).
+    resumable = hdr.update_size > SMALL_UPDATE and hdr.update_size <= job.model_size
+    tmp = blobs.partial_path(a.id, hdr.update_sha256) if resumable else blobs.temp_path()
+    keep = False
+    try:
+        largest = max(job.model_size, job.layout.max_update_bytes)
+        if hdr.update_size > largest:  # refused before a byte of the body is read
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than any update of this job's model"
+                                  f" and encoding can be (at most {largest}; its tensors: "
+                                  f"{_tensor_list(job.layout.wire)})", code="too_large")
+        if hdr.update_size > job.model_size:
+            await check_streamed_manifest(request, hdr.update_size, job.layout.wire)  # 422 names the tensor
+            raise PayloadTooLarge(f"update of {hdr.update_size} bytes is larger than the model ({job.model_size})",
+                                  code="too_large")
+        held = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _held_bytes, tmp) if resumable else 0
+        if hdr.offset != 0 and hdr.offset != held:
+            raise Conflict(f"the hub holds {held} bytes of this update; send it from offset {held}",
+                           code="offset_mismatch")
+        keep = resumable
+        await _receive_update(request, hdr, job.layout, tmp)
+        upd = await ledger.accept_update(node, a, job, hdr)
+    except BaseException as exc:
+        # a temp file goes; what an interrupted upload left stays, unless its bytes were refused
+        if not resumable or (keep and not _interrupted(exc)):
+            tmp.unlink(missing_ok=True)
+        ledger.end_upload(a)
+        raise
+    if hdr.offset:
+        app[METRICS].uploads_resumed += 1
+    return sealed_response(request, Ack(ok=True, detail=f"accepted as {upd.id}", deadline=0.0))
+
+
+def _tensor_list(wire: Manifest, shown: int = 6) -> str:
+    """The job's update tensors, for a refusal a client with the wrong model can act on."""
+    names = [f"{t.name} {list(t.shape)} {t.dtype}" for t in wire[:shown]]
+    return ", ".join(names) + (f", and {len(wire) - shown} more" if len(wire) > shown else "")
+
+
+@routes.post("/v1/updates/offset")
+async def update_offset(request: web.Request) -> web.Response:
+    """How much of an interrupted upload the hub holds: the node's signed update header in
+    X-GPUFlex-Update (as for the upload itself), no body; a signed UploadOffset back."""
+    app = request.app
+    ledger = app[LEDGER]
+    data = b64_header(request, "X-GPUFlex-Update")
+    hdr, signer = open_node_message(request, data, UpdateHeader)
+    node = ledger.known_node(signer, request.remote)
+    a = ledger.upload_target(node, hdr)
+    held = 0
+    if hdr.update_size > SMALL_UPDATE:
+        path = app[BLOBS].partial_path(a.id, hdr.update_sha256)
+        held = await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _held_bytes, path)
+    return sealed_response(request, UploadOffset(assignment_id=a.id, update_sha256=hdr.update_sha256,
+                                                 offset=min(held, hdr.update_size)))
+
+
+def _held_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+#: refusals about the update's content: what arrived of it is worth nothing to a resumed upload
+_CONTENT_CODES = frozenset({"hash_mismatch", "bad_manifest", "non_finite", "too_large", "body_too_long"})
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Did the upload stop for a reason a resume can get past (the link, the round's state), as
+    opposed to a refusal of the bytes themselves?"""
+    return not (isinstance(exc, HubError) and exc.code in _CONTENT_CODES)
+
+
+async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: UpdateLayout, tmp: Path) -> None:
+    """Read the body, hash it and check it against the model's manifest, then store it durably.
+
+    Hashing, file writes, the manifest and finiteness checks and the fsync run in the I/O
+    pool, never on the event loop, except for an update small enough to be packed
+    (hub/storage/blobpack.py), checked on the loop. A small update is held in memory (creating a file
+    costs ~1 ms); a large one streams into a file, hashed piece by piece as it arrives. A resumed one
+    (``hdr.offset`` > 0) appends to the bytes an interrupted upload left there, hashed first.
+    If the body stops short, what arrived is written before the error goes up (a resume starts
+    after it).
+    """
+    app = request.app
+    pool = app[IO_POOL]
+    loop = asyncio.get_running_loop()
+    blobs = app[BLOBS]
+    size, sha = hdr.update_size, hdr.update_sha256
+    small = size <= SMALL_UPDATE
+    pieces: list[bytes] = []
+    fh: BinaryIO | None = None
+    digest = hashlib.sha256()
+    if not small:
+        fh = await loop.run_in_executor(pool, _open_for_append, tmp, hdr.offset, digest)
+    received = buffered = 0
+    want = size - hdr.offset
+    try:
+        while True:
+            piece = await request.content.read(UPLOAD_READ)
+            received += len(piece)
+            if received > want:
+                raise BadRequest("body is longer than update_size", code="body_too_long")
+            if piece:
+                pieces.append(piece)
+                buffered += len(piece)
+            if fh is not None and pieces and (buffered >= UPLOAD_READ or not piece):
+                # a large update: hash and write about a MiB at a time, off the loop
+                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
+                pieces, buffered = [], 0
+            if not piece:
+                break
+    finally:
+        if fh is not None:
+            if pieces and received <= want:  # a body that stopped short: keep what came
+                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
+            await loop.run_in_executor(pool, fh.close)
+        app[METRICS].bytes_in += received
+    if received != want:
+        raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
+    if small:
+        body = b"".join(pieces)
+        if blobs.packs(len(body)):
+            # a packed update: checked here (a tenth of a millisecond, less than a hand-off to a
+            # worker thread and back) and committed with the others arriving now, no thread held
+            _check_update_bytes(body, sha, layout)
+            await blobs.put_packed(body, sha)
+        else:
+            await loop.run_in_executor(pool, _ingest_update_bytes, body, sha, layout, blobs)
+    else:
+        if digest.hexdigest() != sha:
+            raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
+        await loop.run_in_executor(pool, _ingest_update_file, tmp, layout, blobs, sha)
+
+
+def _open_for_append(path: Path, offset: int, digest: hashlib._Hash) -> BinaryIO:
+    """The update's file, positioned at ``offset`` with ``digest`` fed the bytes before it (a
+    fresh upload, offset 0, starts it empty)."""
+    if offset == 0:
+        return open(path, "wb")
+    fh = open(path, "r+b")
+    while fh.tell() < offset:
+        block = fh.read(min(UPLOAD_READ, offset - fh.tell()))
+        if not block:
+            break
+        digest.update(block)
+    fh.seek(offset)
+    fh.truncate()
+    return fh
+
+
+def _hash_and_write(digest: hashlib._Hash, fh: BinaryIO, pieces: list[bytes]) -> None:
+    for piece in pieces:
+        digest.update(piece)
+        fh.write(piece)
+
+
+@routes.post("/v1/states")
+async def state_upload(request: web.Request) -> web.Response:
+    """A checkpoint state the referee asked for: signed StateUpload header, GFT1 bytes as the body.
+    The bytes must hash to the state the node committed to in its update header."""
+    app = request.app
+    ledger = app[LEDGER]
+    data = b64_header(request, "X-GPUFlex-State")
+    hdr, signer = open_node_message(request, data, StateUpload)
+    node = ledger.known_node(signer)
+    r, expected, limit = ledger.begin_state(node, hdr)
+    if request.content_length is None:
+        raise LengthRequired("send the state with a Content-Length header", code="length_required")
+    if request.content_length != hdr.state_size:
+        raise BadRequest(f"Content-Length {request.content_length} differs from state_size {hdr.state_size}",
+                         code="size_mismatch")
+    if hdr.state_size > limit:
+        raise PayloadTooLarge(f"a state of {hdr.state_size} bytes is larger than this model's can be ({limit})",
+                              code="too_large")
+    pieces: list[bytes] = []
+    received = 0
+    while piece := await request.content.read(UPLOAD_READ):
+        received += len(piece)
+        if received > hdr.state_size:
+            raise BadRequest("body is longer than state_size", code="size_mismatch")
+        pieces.append(piece)
+    if received != hdr.state_size:
+        raise BadRequest(f"body has {received} bytes, state_size says {hdr.state_size}", code="size_mismatch")
+    body = b"".join(pieces)
+    app[METRICS].bytes_in += len(body)
+    await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _ingest_state, body, expected, app[BLOBS])
+    await ledger.accept_state(r, hdr.step, expected)
+    return sealed_response(request, Ack(ok=True, detail=f"state of step {hdr.step} accepted", deadline=r.deadline))
+
+
+@routes.post("/v1/states/unavailable")
+async def state_unavailable(request: web.Request) -> web.Response:
+    """The node no longer holds states the referee asked for: the referee decides at once."""
+    msg, node = await _signed(request, StateUnavailable)
+    detail = await request.app[LEDGER].decline_states(node, msg)
+    return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
+
+
+def _ingest_state(body: bytes, sha: str, blobs: BlobStore) -> None:
+    """Hash, decode-check and store one state (worker thread)."""
+    if hashlib.sha256(body).hexdigest() != sha:
+        raise Unprocessable("state bytes do not hash to state_sha256", code="hash_mismatch")
+    try:
+        state = decode_state(body)
+        check_finite(state)
+    except ProtocolError as exc:
+        raise Unprocessable(f"state is not a valid tensor state: {exc}", code="bad_state") from None
+    del state
+    blobs.put(body, sha=sha)
+
+
+__all__ = ["protocol_to_hub", "routes"]
