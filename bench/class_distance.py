@@ -1,6 +1,6 @@
 """How far apart honest replicas of one shard land when they train in different compute classes.
 
-The calibration of ``[verification] cross_class_tolerance`` and the figures the README quotes.
+The calibration of ``[verification] cross_class_tolerance`` and the figures docs/verification.md quotes.
 On this CPU, classes that really differ numerically: fp32 against bf16 autocast, intra-op
 threads 1 against 2, oneDNN on against off. For the digits MLP (64-128-10) and the digits CNN
 (16/32 channels), one 704-sample shard (11 chunks of 64, the hub's stratified split) from the

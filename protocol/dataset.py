@@ -1,6 +1,6 @@
 """Dataset files and the arrays they hold: one implementation for the hub and the node.
 
-A training or validation set (uploaded to the hub) and a silo (kept on a node, README "Data
+A training or validation set (uploaded to the hub) and a silo (kept on a node, docs/silos.md "Data
 that stays on its node") are the same thing: an ``.npz`` archive holding arrays ``x`` and
 ``y`` (``numpy.savez``), or a ``.csv`` file with a header row naming a label column. Both are
 read here, told apart by content (:func:`sniff`), checked against the model spec

@@ -82,7 +82,7 @@ HALF: Final = {"fp16": "float16", "bf16": "bfloat16"}
 #: covers how a code flip magnifies the strict tolerance's 1e-4 of drift (about
 #: sqrt(1e-4 x the encoding's relative step)). With feedback, each replica adds its own residual:
 #: the allowance is about twice what bench/bandwidth.py measures between honest replicas
-#: (README, "Update encodings").
+#: (docs/encodings.md).
 DEFAULT_TOLERANCE: Final[dict[tuple[str, bool], float]] = {
     ("fp32", False): 0.0, ("fp32", True): 0.0,
     ("fp16", False): 3e-4, ("fp16", True): 1e-3,

@@ -126,7 +126,7 @@ class DataSpec:
     label_column: str = "label"
     #: "hub": the owner uploads the training set and the hub cuts it into chunks; "node-local":
     #: the data stays in silos on the nodes (``gpuflex-node data add``), the hub never gets a row,
-    #: and each round trains the silos that are online (README, "Data that stays on its node")
+    #: and each round trains the silos that are online (docs/silos.md)
     source: str = "hub"
     #: node-local: the fewest samples a silo may hold, and the most its update is weighted by
     #: (a larger silo is refused at ``data add``; the node may keep a subset with --max-samples)

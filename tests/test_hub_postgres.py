@@ -204,7 +204,7 @@ def test_serve_and_token_take_store_from_the_command_line(tmp_path, postgres_url
 def test_a_released_lease_can_be_taken_at_once(postgres_url):
     """A hub that stops gives its lease up before stop returns: the next hub on the database,
     started at once, leads it (the server had not yet seen the first connection close)."""
-    from gpuflex.hub.lease import Lease
+    from gpuflex.hub.storage.lease import Lease
 
     for i in range(40):
         first = Lease(postgres_url, f"first-{i}").acquire()

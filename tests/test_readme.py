@@ -131,7 +131,7 @@ def _argv(cmd: str) -> list[str]:
 
 @pytest.mark.parametrize(("page", "cmd"), _cli_commands(), ids=lambda v: v)
 def test_every_command_in_the_readme_and_docs_is_one_the_cli_takes(page: str, cmd: str) -> None:
-    from gpuflex.hub.cli import build_parser as hub_parser
+    from gpuflex.hub.ops.cli import build_parser as hub_parser
     from gpuflex.node.cli import build_parser as node_parser
 
     argv = _argv(cmd)

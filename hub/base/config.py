@@ -62,7 +62,7 @@ class HubConfig:
     #: a background loop that died starts again after this delay (doubling up to 30 s)
     loop_restart_s: float = 1.0
 
-    # -- Sybil and collusion defences (README "Verification": identities, blocks, progress) -----
+    # -- Sybil and collusion defences (docs/verification.md: Sybils and collusion) -----
     #: an address block is the node's IPv4 /ipv4_block_prefix or IPv6 /ipv6_block_prefix network
     ipv4_block_prefix: int = 24
     ipv6_block_prefix: int = 48

@@ -688,7 +688,7 @@ class RoundEngine:
         rows): the loss of the model plus that update minus the model's, as evidence for the
         auditors. Not a rule: measured over 30 rounds of 10 Dirichlet(0.5) digits silos, honest
         updates reached 23 MADs above the round's median change while a sign-flipped one sat under
-        1, so a threshold that flags it flags honest silos (README, "Data that stays on its node")."""
+        1, so a threshold that flags it flags honest silos (docs/silos.md)."""
         val = decode_state(self.blobs.read_private(job.val_sha or ""))
         probe = {k: v[:PROBE_SAMPLES] for k, v in val.items()}
         before = evaluate(job.spec, global_state, probe)["loss"]

@@ -206,7 +206,7 @@ def _check_spec_file(path: Path) -> None:
     if path.is_dir():
         raise Unprocessable(f"spec {path}: is a directory; give the job's .toml file")
     if path.suffix.lower() != ".toml":
-        raise Unprocessable(f"spec {path}: a job spec is a .toml file (see the README's job spec reference)")
+        raise Unprocessable(f"spec {path}: a job spec is a .toml file (see docs/job-spec.md)")
 
 
 def cmd_job_submit(args: argparse.Namespace) -> int:

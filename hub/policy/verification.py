@@ -34,7 +34,7 @@ hub/policy/round_policy.py; hub/rounds applies its decisions):
 4. Reputation transitions (``record_agreement``, ``record_flag``,
    ``record_verdict``) are pure: they return a new `Reputation`.
 
-Calibration (measured; the figures are in the README's Verification section): honest replicas
+Calibration (measured; the figures are in docs/verification.md): honest replicas
 on the same device type and thread count are bit-identical (relative distance
 0.0). The digits MLP at the contract's defaults is bit-identical even between
 torch threads 1 and 2 (its matmuls are too small to split); a 64-1024-1024-10

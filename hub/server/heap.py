@@ -15,7 +15,7 @@ thresholds (700, 10, 10) a busy hub collects often: `perf` on a hub serving 1,00
   so a collection every few requests mostly finds nothing. Cycles are still collected, in bigger,
   rarer passes.
 
-Measured in bench/hub_load.py (README, "hub load").
+Measured in bench/hub_load.py (docs/performance.md, "hub load").
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def openapi_document() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "GPUFlex hub", "version": SOFTWARE_VERSION,
                  "description": "Node-facing routes speak signed msgpack (protocol/messages.py, protocol/signing.py; "
-                                "the README's Security model); owner/auditor routes speak JSON with a bearer "
+                                "docs/security.md); owner/auditor routes speak JSON with a bearer "
                                 "token. An auditor reads flags, the audit log and nodes, not jobs or models. A "
                                 "query parameter not listed for an operation is refused (400 bad_query); a "
                                 "number in a query is ASCII digits only. A request body that sends no bytes "
