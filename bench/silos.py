@@ -174,7 +174,7 @@ def run_gpuflex_silos(job: vsf.Job, work: Path, base_env: dict[str, str], timeou
     finally:
         procs.shutdown()
         res.update(procs.monitor.summary())
-        res["logs"] = str(run_dir)
+        res["logs"] = run_dir.name  # the run's folder in the bench's work folder (no machine path in results)
     return res
 
 

@@ -567,7 +567,7 @@ def run_flower(job: Job, work: Path, mode: str, base_env: dict[str, str], timeou
         res["loadavg_end"] = os.getloadavg()
         procs.shutdown()
         res.update(procs.monitor.summary())
-        res["logs"] = str(run_dir)
+        res["logs"] = run_dir.name  # the run's folder in the bench's work folder (no machine path in results)
     return res
 
 
@@ -773,7 +773,7 @@ def run_gpuflex(job: Job, work: Path, base_env: dict[str, str], timeout: float,
         res["loadavg_end"] = os.getloadavg()
         procs.shutdown()
         res.update(procs.monitor.summary())
-        res["logs"] = str(run_dir)
+        res["logs"] = run_dir.name  # the run's folder in the bench's work folder (no machine path in results)
     return res
 
 
