@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Final
-
-from torch import nn
+from typing import TYPE_CHECKING, Final
 
 from .errors import SpecError
 from .modelspec import ModelSpec, build_for_state
-from .tensors import safetensors_metadata, state_from_safetensors
+
+if TYPE_CHECKING:  # torch and the tensor codec load where a file is read, not on import (CLI start-up)
+    from torch import nn
 
 #: what a model file's metadata says it is
 MODEL_FILE_FORMAT: Final = "gpuflex-model/1"
@@ -33,6 +33,8 @@ def load_safetensors_model(path: str | os.PathLike[str]) -> nn.Module:
 
     SpecError when the file has no GPUFlex model spec in its metadata; DecodeError or
     TensorError when it is not a readable .safetensors file."""
+    from .tensors import safetensors_metadata, state_from_safetensors
+
     data = Path(path).read_bytes()
     meta = safetensors_metadata(data)
     if meta.get("format") != MODEL_FILE_FORMAT or "model_spec" not in meta:
