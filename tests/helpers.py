@@ -7,11 +7,14 @@ exercise the real wire without importing hub code into the node or vice versa.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -610,3 +613,33 @@ class SimNode:
         blob, samples, loss = await self.train(a)
         await self.upload(a, blob, samples, loss)
         return a
+
+
+async def job_with_a_round(hub: Any, tmp_path: Path) -> tuple[str, Path, str]:
+    """A 2-round digits job on ``hub`` whose round 0 one SimNode trained and closed: (job id, its
+    spec file, the node's id)."""
+    train, val, spec = write_digits(tmp_path / "d", rounds=2)
+    async with aiohttp.ClientSession() as s:
+        r = await submit_job(s, hub, spec, train, val)
+        assert r.status == 201, await r.text()
+        job_id = (await r.json())["id"]
+        node = SimNode(s, hub.url)
+        await node.register()
+        a = await node.work(5.0)
+        assert isinstance(a, Assignment), a
+        await node.upload(a, *await node.train(a))
+        while not (await wait_job(s, hub, job_id, states=("running", "done")))["history"]:
+            await asyncio.sleep(0.05)
+    return job_id, spec, node.node_id
+
+
+@contextlib.asynccontextmanager
+async def sessions_from(*addresses: str) -> AsyncIterator[list[aiohttp.ClientSession]]:
+    """One client session per local address (127.0.N.x): each connects from that address."""
+    async with contextlib.AsyncExitStack() as stack:
+        out = []
+        for addr in addresses:
+            connector = aiohttp.TCPConnector(local_addr=(addr, 0))
+            out.append(await stack.enter_async_context(aiohttp.ClientSession(connector=connector)))
+        yield out
+

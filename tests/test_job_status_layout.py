@@ -14,29 +14,7 @@ import struct
 import sys
 import termios
 
-import aiohttp
-from gpuflex.protocol.messages import Assignment
-
-from tests.helpers import SimNode, submit_job, wait_job, write_digits
-
-
-async def _job_with_a_round(hub, tmp_path) -> tuple[str, str]:
-    """(job id, the node id that trained its round 0) on ``hub``."""
-    train, val, spec = write_digits(tmp_path / "d", rounds=2)
-    async with aiohttp.ClientSession() as s:
-        r = await submit_job(s, hub, spec, train, val)
-        assert r.status == 201, await r.text()
-        job_id = (await r.json())["id"]
-        node = SimNode(s, hub.url)
-        await node.register()
-        a = await node.work(5.0)
-        assert isinstance(a, Assignment), a
-        await node.upload(a, *await node.train(a))
-        doc = await wait_job(s, hub, job_id, states=("running", "done"))
-        while not doc["history"]:
-            await asyncio.sleep(0.05)
-            doc = await wait_job(s, hub, job_id, states=("running", "done"))
-    return job_id, node.node_id
+from tests.helpers import job_with_a_round
 
 
 def _env(hub, **extra: str) -> dict[str, str]:
@@ -87,7 +65,7 @@ def _check_plain(text: str, job_id: str, node_id: str) -> None:
 
 
 async def test_piped_and_narrow_status_print_whole_values(running_hub, tmp_path):
-    job_id, node_id = await _job_with_a_round(running_hub, tmp_path)
+    job_id, _, node_id = await job_with_a_round(running_hub, tmp_path)
     _check_plain(await _piped(running_hub, job_id), job_id, node_id)
     _check_plain(await _piped(running_hub, job_id, COLUMNS="80"), job_id, node_id)
     _check_plain(await _in_terminal(running_hub, job_id, 80), job_id, node_id)

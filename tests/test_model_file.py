@@ -20,12 +20,11 @@ import pytest
 import torch
 from gpuflex.protocol import load_safetensors_model, parse_job_spec
 from gpuflex.protocol.errors import SpecError
-from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
 from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 from safetensors import safe_open
 
-from tests.helpers import SimNode, submit_job, wait_job, write_digits
+from tests.helpers import job_with_a_round
 
 OWNER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "owner.md"
 
@@ -33,23 +32,6 @@ OWNER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "owner.md"
 def _guide_snippet() -> str:
     blocks = re.findall(r"```python\n(.*?)```", OWNER_GUIDE.read_text(), flags=re.S)
     return next(b for b in blocks if "load_safetensors_model" in b)
-
-
-async def _trained_job(hub, tmp_path: Path) -> tuple[str, Path]:
-    """(job id, its spec file) with round 0 closed."""
-    train, val, spec = write_digits(tmp_path / "d", rounds=2)
-    async with aiohttp.ClientSession() as s:
-        r = await submit_job(s, hub, spec, train, val)
-        assert r.status == 201, await r.text()
-        job_id = (await r.json())["id"]
-        node = SimNode(s, hub.url)
-        await node.register()
-        a = await node.work(5.0)
-        assert isinstance(a, Assignment), a
-        await node.upload(a, *await node.train(a))
-        while not (await wait_job(s, hub, job_id, states=("running", "done")))["history"]:
-            await asyncio.sleep(0.05)
-    return job_id, spec
 
 
 async def _run(*argv: str, cwd: Path, env: dict[str, str]) -> str:
@@ -62,7 +44,7 @@ async def _run(*argv: str, cwd: Path, env: dict[str, str]) -> str:
 
 async def test_downloaded_model_names_its_spec_job_round_and_hub_and_rebuilds_alone(running_hub, tmp_path):
     hub = running_hub
-    job_id, spec_path = await _trained_job(hub, tmp_path)
+    job_id, spec_path, _ = await job_with_a_round(hub, tmp_path)
     env = dict(os.environ, GPUFLEX_HUB=hub.url, GPUFLEX_TOKEN=hub.owner_token)
     out = await _run(sys.executable, "-m", "gpuflex.hub", "job", "download", job_id, "-o", "model.safetensors",
                      cwd=tmp_path, env=env)

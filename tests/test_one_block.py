@@ -8,10 +8,8 @@ started without --source-address on one machine do."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -36,6 +34,7 @@ from tests.helpers import (
     digits_spec,
     open_store,
     production_defences,
+    sessions_from,
     start_hub,
     submit_job,
     write_digits,
@@ -50,14 +49,6 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@contextlib.asynccontextmanager
-async def sessions(*addresses: str) -> AsyncIterator[list[aiohttp.ClientSession]]:
-    async with contextlib.AsyncExitStack() as stack:
-        out = []
-        for addr in addresses:
-            connector = aiohttp.TCPConnector(local_addr=(addr, 0))
-            out.append(await stack.enter_async_context(aiohttp.ClientSession(connector=connector)))
-        yield out
 
 
 async def _job_state(s: aiohttp.ClientSession, hub: RunningHub, job_id: str) -> dict:
@@ -104,7 +95,7 @@ async def _run_one_block(tmp_path: Path, *, craft: bool) -> tuple[RunningHub, di
     train, val, _ = write_digits(tmp_path / "d")
     spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S, spot_check=0.0)
     hub = await start_hub(tmp_path / "hub", **production_defences())
-    async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
+    async with sessions_from("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
         nodes = [SimNode(s1, hub.url), SimNode(s2, hub.url)]
         for n in nodes:
             await n.register()
@@ -163,7 +154,7 @@ async def test_a_node_registering_again_from_another_block_is_recorded_there_acr
     spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S)
     hub = await start_hub(tmp_path / "hub", **production_defences())
     tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
-    async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.9.1") as (owner, s1, s2, moved):
+    async with sessions_from("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.9.1") as (owner, s1, s2, moved):
         a, b = SimNode(s1, hub.url), SimNode(s2, hub.url)
         for n in (a, b):
             await n.register()
@@ -207,7 +198,7 @@ async def test_job_status_and_the_console_say_why_a_round_waits_and_how_to_fix_i
     hub = await start_hub(tmp_path / "hub", **production_defences())
     browser = Browserish(hub.url)
     try:
-        async with sessions("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
+        async with sessions_from("127.0.0.1", "127.0.0.2", "127.0.0.3") as (owner, s1, s2):
             a, b = SimNode(s1, hub.url), SimNode(s2, hub.url)
             for n in (a, b):
                 await n.register()
@@ -244,7 +235,7 @@ async def test_job_status_says_what_else_a_round_waits_for(tmp_path):
     spec = digits_spec(rounds=1, replication='"adaptive"', replica_wait_s=REPLICA_WAIT_S)
     hub = await start_hub(tmp_path / "hub", **production_defences())
     try:
-        async with sessions("127.0.0.1", "127.0.0.2", "127.0.5.1") as (owner, s1, s2):
+        async with sessions_from("127.0.0.1", "127.0.0.2", "127.0.5.1") as (owner, s1, s2):
             r = await submit_job(owner, hub, spec, train, val)
             job_id = (await r.json())["id"]
             (alone,) = (await _job_state(owner, hub, job_id))["waiting"]

@@ -16,7 +16,6 @@ import json
 import math
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -42,6 +41,7 @@ from tests.helpers import (
     digits_spec,
     open_store,
     production_defences,
+    sessions_from,
     start_hub,
     submit_job,
     wait_job,
@@ -55,15 +55,6 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@contextlib.asynccontextmanager
-async def sessions(*addresses: str) -> AsyncIterator[list[aiohttp.ClientSession]]:
-    """One client session per local address (127.0.N.x): each connects from that address."""
-    async with contextlib.AsyncExitStack() as stack:
-        out = []
-        for addr in addresses:
-            connector = aiohttp.TCPConnector(local_addr=(addr, 0))
-            out.append(await stack.enter_async_context(aiohttp.ClientSession(connector=connector)))
-        yield out
 
 
 async def register_raw(node: SimNode, **hello: Any) -> aiohttp.ClientResponse:
@@ -99,7 +90,7 @@ async def test_three_identities_of_one_block_never_hold_replicas_of_one_shard(tm
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", **production_defences())
     try:
-        async with sessions("127.0.0.1", "127.0.21.1", "127.0.21.2", "127.0.21.3", "127.0.22.1") as (
+        async with sessions_from("127.0.0.1", "127.0.21.1", "127.0.21.2", "127.0.21.3", "127.0.22.1") as (
             owner, s1, s2, s3, s_honest
         ):
             r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"'), train, val)
@@ -133,7 +124,7 @@ async def test_two_nodes_of_one_operator_in_distinct_blocks_never_replicate_each
     hub = await start_hub(tmp_path / "hub", **production_defences())
     token = hub.token("enroll", "lab-one")
     try:
-        async with sessions("127.0.0.1", "127.0.31.1", "127.0.32.1", "127.0.33.1") as (owner, s1, s2, s3):
+        async with sessions_from("127.0.0.1", "127.0.31.1", "127.0.32.1", "127.0.33.1") as (owner, s1, s2, s3):
             r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"'), train, val)
             assert r.status == 201, await r.text()
             a, b, other = SimNode(s1, hub.url), SimNode(s2, hub.url), SimNode(s3, hub.url)
@@ -160,7 +151,7 @@ async def test_fifty_registrations_from_one_process_are_rate_limited(tmp_path):
     hub = await start_hub(tmp_path / "hub", **production_defences())
     per_block = HubConfig(data_dir=tmp_path).registrations_per_block
     try:
-        async with sessions("127.0.41.7") as (s,):
+        async with sessions_from("127.0.41.7") as (s,):
             nodes = [SimNode(s, hub.url) for _ in range(50)]
             t0 = time.monotonic()
             answers = await asyncio.gather(*(register_raw(n) for n in nodes))
@@ -184,7 +175,7 @@ async def test_registrations_are_limited_in_all_and_per_block_in_probation(tmp_p
     probation_per_block identities still earning trust, whatever the per-window limit."""
     hub = await start_hub(tmp_path / "hub", **{**production_defences(), "registrations_global": 4})
     try:
-        async with sessions(*(f"127.0.{50 + i}.1" for i in range(6))) as ss:
+        async with sessions_from(*(f"127.0.{50 + i}.1" for i in range(6))) as ss:
             codes = [(await register_raw(SimNode(s, hub.url))).status for s in ss]
             assert codes == [200, 200, 200, 200, 429, 429]
     finally:
@@ -192,7 +183,7 @@ async def test_registrations_are_limited_in_all_and_per_block_in_probation(tmp_p
     hub = await start_hub(tmp_path / "hub2", **{**production_defences(), "registrations_per_block": 100,
                                                 "probation_per_block": 3})
     try:
-        async with sessions("127.0.60.1") as (s,):
+        async with sessions_from("127.0.60.1") as (s,):
             answers = [await register_raw(SimNode(s, hub.url)) for _ in range(4)]
             assert [r.status for r in answers] == [200, 200, 200, 429]
             assert (await answers[-1].json())["error"] == "probation_full"
@@ -208,7 +199,7 @@ async def test_enrollment_token_required_when_the_hub_says_so(tmp_path):
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
     token = hub.token("enroll", "lab")
     try:
-        async with sessions("127.0.70.1") as (s,):
+        async with sessions_from("127.0.70.1") as (s,):
             r = await register_raw(SimNode(s, hub.url))
             assert r.status == 403 and (await r.json())["error"] == "enrollment_required"
             r = await register_raw(SimNode(s, hub.url), enroll_token="gft_not-a-token")
@@ -243,7 +234,7 @@ async def test_a_banned_nodes_block_and_operator_get_no_fresh_identity(tmp_path)
     hub = await start_hub(tmp_path / "hub")
     token = hub.token("enroll", "lab")
     try:
-        async with sessions("127.0.0.1", "127.0.81.1", "127.0.81.2", "127.0.82.1", "127.0.83.1") as (
+        async with sessions_from("127.0.0.1", "127.0.81.1", "127.0.81.2", "127.0.82.1", "127.0.83.1") as (
             owner, s_bad, s_same_block, s_other_block, s_clean
         ):
             r = await submit_job(owner, hub, spec(rounds=3), train, val)
@@ -274,7 +265,7 @@ async def test_a_banned_nodes_block_and_operator_get_no_fresh_identity(tmp_path)
     hub2 = await start_hub(tmp_path / "hub", tokens={"owner": hub.owner_token, "auditor": hub.auditor_token,
                                                      "admin": hub.admin_token})  # one hub per folder: after the first
     try:  # the cooldown survives a restart (the ban time is stored)
-        async with sessions("127.0.81.3") as (s,):
+        async with sessions_from("127.0.81.3") as (s,):
             again = await register_raw(SimNode(s, hub2.url))
             assert again.status == 403 and (await again.json())["error"] == "cooldown"
     finally:
@@ -292,7 +283,7 @@ async def test_a_node_claiming_1e9_samples_per_s_gets_a_capped_shard(tmp_path):
     hub = await start_hub(tmp_path / "hub", **production_defences())
     cap = HubConfig(data_dir=tmp_path).unproven_max_chunks
     try:
-        async with sessions("127.0.0.1", "127.0.91.1") as (owner, s):
+        async with sessions_from("127.0.0.1", "127.0.91.1") as (owner, s):
             r = await submit_job(owner, hub, spec(rounds=2, chunk_size=32), train, val)
             assert r.status == 201, await r.text()
             job_id = (await r.json())["id"]
@@ -325,7 +316,7 @@ async def test_an_unproven_node_among_several_gets_its_equal_part_not_what_it_cl
     hub = await start_hub(tmp_path / "hub", long_poll_max_s=10.0, **production_defences())
     cap = HubConfig(data_dir=tmp_path).unproven_max_chunks
     try:
-        async with sessions("127.0.0.1", "127.0.92.1", "127.0.93.1") as (owner, s1, s2):
+        async with sessions_from("127.0.0.1", "127.0.92.1", "127.0.93.1") as (owner, s1, s2):
             liar, honest = SimNode(s1, hub.url, samples_per_s=1e9), SimNode(s2, hub.url, samples_per_s=500.0)
             job, got = await when_job_arrives([liar, honest], owner, hub, spec(rounds=1, chunk_size=32), train, val)
             job_id = job["id"]
@@ -374,7 +365,7 @@ async def test_sybils_holding_every_shard_with_heartbeats_no_longer_stall_the_jo
     addresses = ["127.0.0.1", *(f"127.0.{100 + i}.1" for i in range(n_sybils)),
                  *(f"127.0.{150 + i}.1" for i in range(3))]
     try:
-        async with sessions(*addresses) as ss:
+        async with sessions_from(*addresses) as ss:
             owner, sybil_sessions, honest_sessions = ss[0], ss[1:1 + n_sybils], ss[1 + n_sybils:]
             r = await submit_job(owner, hub, spec(rounds=1, replication='"adaptive"'), train, val)
             assert r.status == 201, await r.text()
@@ -421,7 +412,7 @@ async def test_a_heartbeat_without_new_steps_does_not_extend_the_deadline(tmp_pa
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", min_deadline_s=5.0)
     try:
-        async with sessions("127.0.0.1", "127.0.120.1") as (owner, s):
+        async with sessions_from("127.0.0.1", "127.0.120.1") as (owner, s):
             r = await submit_job(owner, hub, spec(rounds=1), train, val)
             assert r.status == 201
             node = SimNode(s, hub.url)
@@ -458,7 +449,7 @@ async def test_a_crafted_x3_5_update_does_not_get_in_unchanged(tmp_path):
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub")
     try:
-        async with sessions("127.0.0.1", *(f"127.0.{130 + i}.1" for i in range(4))) as ss:
+        async with sessions_from("127.0.0.1", *(f"127.0.{130 + i}.1" for i in range(4))) as ss:
             owner, node_sessions = ss[0], ss[1:]
             nodes = [SimNode(s, hub.url) for s in node_sessions]
             for n in nodes:
@@ -515,7 +506,7 @@ async def test_a_crafted_update_whose_partner_replica_stalls_is_bounded_too(tmp_
     train, val, _ = write_digits(tmp_path / "d")
     hub = await start_hub(tmp_path / "hub", min_deadline_s=20.0)
     try:
-        async with sessions("127.0.0.1", *(f"127.0.{170 + i}.1" for i in range(5))) as ss:
+        async with sessions_from("127.0.0.1", *(f"127.0.{170 + i}.1" for i in range(5))) as ss:
             owner = ss[0]
             c1, c2, h1, h2, h3 = nodes = [SimNode(s, hub.url) for s in ss[1:]]
             for n in nodes:
@@ -572,7 +563,7 @@ async def test_an_outvoted_honest_node_keeps_its_run_when_its_flag_is_withdrawn(
     hub = await start_hub(tmp_path / "hub", throughput_alpha=0.0)  # shard sizes stay as seeded
     ledger = hub.app[LEDGER]
     try:
-        async with sessions("127.0.0.1", *(f"127.0.{200 + i}.1" for i in range(7))) as ss:
+        async with sessions_from("127.0.0.1", *(f"127.0.{200 + i}.1" for i in range(7))) as ss:
             owner = ss[0]
             # a few chunks per shard (2,000 samples/s x round_target_s 0.1 s), so a round has several
             h, c1, c2, x, y, z, w = nodes = [SimNode(s, hub.url, samples_per_s=2000.0) for s in ss[1:]]
@@ -647,7 +638,7 @@ async def test_the_real_node_enrolls_and_connects_from_its_source_address(tmp_pa
     hub = await start_hub(tmp_path / "hub", require_enrollment=True)
     token = hub.token("enroll", "lab")
     try:
-        async with sessions("127.0.0.1") as (owner,):
+        async with sessions_from("127.0.0.1") as (owner,):
             r = await submit_job(owner, hub, spec(rounds=1), train, val)
             assert r.status == 201, await r.text()
         events = EventLog()
