@@ -149,21 +149,27 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         await hub.stop()
 
 
-async def _answer_state_request(n: SimNode, store: CheckpointStore) -> StateRequest:
-    """Poll /v1/work until the hub asks ``n`` for states; hand over every one asked for."""
+async def _state_request(n: SimNode) -> StateRequest:
+    """Poll /v1/work until the hub asks ``n`` for states (30 s at most)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
         got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
         if isinstance(got, StateRequest):
-            for step in got.steps:
-                data = store.read(got.assignment_id, step)
-                assert data is not None
-                hdr = StateUpload(request_id=got.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
-                                  state_size=len(data), timestamp=time.time(), nonce=new_nonce())
-                assert (await _post_state(n, hdr, data)).status == 200
             return got
     raise AssertionError("the hub never asked for states")
+
+
+async def _answer_state_request(n: SimNode, store: CheckpointStore) -> StateRequest:
+    """Wait until the hub asks ``n`` for states; hand over every one asked for."""
+    got = await _state_request(n)
+    for step in got.steps:
+        data = store.read(got.assignment_id, step)
+        assert data is not None
+        hdr = StateUpload(request_id=got.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                          state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+        assert (await _post_state(n, hdr, data)).status == 200
+    return got
 
 
 async def test_a_trusted_nodes_lone_update_is_audited_and_a_crafted_one_is_left_out(tmp_path: Path) -> None:
@@ -350,13 +356,7 @@ async def test_a_node_that_no_longer_holds_its_states_says_so_and_the_hub_decide
             ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c),
                                                            blob), Ack)
             assert ack.ok
-            deadline = time.monotonic() + 30
-            asked = None
-            while not isinstance(asked, StateRequest):
-                assert time.monotonic() < deadline
-                req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
-                asked = await n.open_response(await n.post("/v1/work", seal(n.key, req)),
-                                              StateRequest, Assignment, NoWork)
+            asked = await _state_request(n)
 
             async def decline(who: SimNode, steps: tuple[int, ...]) -> tuple[int, str]:
                 msg = StateUnavailable(request_id=asked.request_id, steps=steps, reason="pruned",

@@ -388,8 +388,11 @@ class RoundEngine:
         thread), record the verdicts (store, then memory)."""
         reqs = list(shard.requests.values())
         by_id = {u.id: u for u in shard.accepted}
-        earlier = await self._earlier_uploads(job, [by_id[r.update_id] for r in reqs])
-        verdicts = await asyncio.to_thread(self._judge_blocking, job, shard, reqs, by_id, earlier)
+        # a request the node declined is decided without a replay: no model, chunks or states read
+        verdicts = {r.update_id: _declined(r, by_id[r.update_id]) for r in reqs if r.declined}
+        if replay := [r for r in reqs if not r.declined]:
+            earlier = await self._earlier_uploads(job, [by_id[r.update_id] for r in replay])
+            verdicts |= await asyncio.to_thread(self._judge_blocking, job, shard, replay, by_id, earlier)
         await self.store.close_state_requests([(r.id, verdicts[r.update_id].outcome,
                                                 dict(verdicts[r.update_id].evidence)) for r in reqs])
         for r in reqs:
@@ -420,13 +423,6 @@ class RoundEngine:
             u = by_id[r.update_id]
             c = u.commitment
             if c is None:  # not reached: requests are opened only for committed updates
-                continue
-            if r.declined:
-                out[u.id] = SegmentVerdict(u.id, u.node_id, "unreachable", {
-                    "check": "segment_replay", "round": r.round, "node": u.node_id, "update": u.id,
-                    "reason": r.reason, "request": r.id, "declined_steps": sorted(r.declined),
-                    "why": "the node said it no longer holds the committed states asked for; its update "
-                           "is left out unverified"})
                 continue
             states = {step: decode_state(self.blobs.read_private(sha)) for step, sha in r.states.items()}
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
@@ -891,3 +887,12 @@ class RoundEngine:
         job.end(state)
         job.error = reason
         self.signal.notify()
+
+
+def _declined(r: StateRequestState, u: UpdateState) -> SegmentVerdict:
+    """The verdict on an update whose node said it no longer holds the states asked for: left
+    out unverified, without a flag (policy: "unreachable")."""
+    return SegmentVerdict(u.id, u.node_id, "unreachable", {
+        "check": "segment_replay", "round": r.round, "node": u.node_id, "update": u.id, "reason": r.reason,
+        "request": r.id, "declined_steps": sorted(r.declined),
+        "why": "the node said it no longer holds the committed states asked for; its update is left out unverified"})
