@@ -112,3 +112,34 @@ def test_the_torch_free_bench_key_is_the_hardware_fingerprint():
     finally:
         torch.set_num_threads(threads)
         set_onednn(onednn)
+
+
+def test_a_hub_on_sqlite_serves_without_the_postgres_and_s3_extras(tmp_path):
+    """`pip install gpuflex` (no extras) must run `gpuflex-hub serve`: psycopg and boto3 are
+    made unimportable in the child, and the hub still starts, writes its url and answers."""
+    import time
+    import urllib.request
+
+    blocker = ("import sys, importlib.abc\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('psycopg', 'boto3', 'botocore'):\n"
+               "            raise ModuleNotFoundError(f'No module named {name!r} (blocked by the test)')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import runpy; sys.argv = ['gpuflex-hub'] + sys.argv[1:]\n"
+               "runpy.run_module('gpuflex.hub', run_name='__main__')\n")
+    data = tmp_path / "hub"
+    proc = subprocess.Popen([sys.executable, "-c", blocker, "serve", "--data", str(data), "--host", "127.0.0.1",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (data / "hub.url").exists():
+            assert proc.poll() is None, proc.stdout.read()[-2000:] if proc.stdout else proc.returncode
+            assert time.monotonic() < deadline, "no hub.url within 60 s"
+            time.sleep(0.1)
+        url = (data / "hub.url").read_text().strip()
+        with urllib.request.urlopen(f"{url}/healthz", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

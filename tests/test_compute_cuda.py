@@ -55,14 +55,17 @@ def test_the_gpus_compute_class_and_auto_precision() -> None:
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_every_supported_precision_trains_on_the_gpu_and_repeats_bit_for_bit(kind: str) -> None:
+    """Accuracy is compared after 10 local epochs: after 3 the digits CNN is still far from
+    converged (fp32 0.878 on an H200) and bf16's rounding alone moved it to 0.839."""
     device = _gpu()
-    reference, acc32 = _train(kind, "fp32", device)
+    epochs = 10
+    reference, acc32 = _train(kind, "fp32", device, epochs)
     for precision in supported_precisions(device):
-        result, acc = _train(kind, precision, device)
-        again, _ = _train(kind, precision, device)
+        result, acc = _train(kind, precision, device, epochs)
+        again, _ = _train(kind, precision, device, epochs)
         d_fp32 = relative_distance(result.delta, reference.delta)[0]
         print(f"\n{kind} {precision}: accuracy {acc:.4f} (fp32 {acc32:.4f}), "
-              f"{result.sample_count * 3 / result.train_s:,.0f} samples/s, distance to fp32 {d_fp32:.3g}")
+              f"{result.sample_count * epochs / result.train_s:,.0f} samples/s, distance to fp32 {d_fp32:.3g}")
         assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in result.delta.values())
         assert relative_distance(result.delta, again.delta)[0] <= VerificationSpec().tolerance, "one class, one result"
         assert acc >= acc32 - 0.03, (precision, acc, acc32)

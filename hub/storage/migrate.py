@@ -34,8 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
 from ..base.errors import HubError
 from . import db as sqlite_db
 from .datalock import data_lock
@@ -132,6 +130,8 @@ def migrate(data_dir: Path, url: str, *, progress: Any = None) -> list[TableCopy
 
 
 def _copy(src: sqlite3.Connection, target: Any, say: Any) -> list[TableCopy]:
+    import psycopg  # the postgres extra: a hub on SQLite imports this module without it
+
     raw = target.raw
     names = tables()
     held = [(t, n) for t in names if (n := int(raw.execute(f"SELECT count(*) FROM {t}").fetchone()[0]))]  # noqa: S608
