@@ -4,7 +4,8 @@ The contract, which the hub's chunk format (hub/policy/dataset.py) and verificat
 comparison rely on: build the module from the declarative spec
 (shape only, seed 0), load the global state, concatenate the chunks in assignment order,
 shuffle every epoch with ``torch.Generator().manual_seed(seed + epoch)``, use a fresh
-optimizer, seed dropout from ``seed``, and return the DELTA (trained - global for floating
+optimizer, draw dropout masks keyed by ``seed`` and the step (protocol/dropout.py: any
+device draws them alike), and return the DELTA (trained - global for floating
 tensors, the node's value otherwise) as CPU tensors.
 
 Same inputs on the same kind of device give bit-identical deltas: every source of
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.modelspec import build_for_state
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
@@ -240,7 +242,8 @@ def train_assignment(
             if stop():
                 raise TrainingStopped("training stopped between batches")
             # x: (batch, *input_shape); y: (batch,) or (batch, outputs)
-            loss = batch_step(x.index_select(0, idx), y.index_select(0, idx))
+            with dropout_step(seed, step):  # the referee replays step ``step`` with the same masks
+                loss = batch_step(x.index_select(0, idx), y.index_select(0, idx))
             if last_epoch:
                 loss_sum += loss.detach().float() * idx.shape[0]
                 last_seen += int(idx.shape[0])

@@ -450,12 +450,16 @@ def _activation(name: str) -> Callable[[], nn.Module]:
     return acts[name]
 
 
-def _make_layer(layer: LayerSpec, factory: dict[str, Any]) -> nn.Module:
+def _make_layer(layer: LayerSpec, factory: dict[str, Any], slot: int) -> nn.Module:
     import torch
     from torch import nn
 
     kw: dict[str, Any] = {k: v for k, v in layer.args}
     t = layer.type
+    if t == "Dropout":  # masks every device draws alike, so the referee replays them
+        from .dropout import KeyedDropout
+
+        return KeyedDropout(float(kw.get("p", 0.5)), slot=slot)
     if t in ("Linear", "Conv1d", "Conv2d", "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Embedding"):
         kw.update(factory)
     if t == "Embedding" and factory["device"].type == "meta":
@@ -473,7 +477,7 @@ def _construct(spec: ModelSpec, device: torch.device) -> nn.Sequential:
 
     factory: dict[str, Any] = {"device": device, "dtype": torch.float32}
     if spec.kind == "sequential":
-        return nn.Sequential(*(_make_layer(layer, factory) for layer in spec.layers))
+        return nn.Sequential(*(_make_layer(layer, factory, slot) for slot, layer in enumerate(spec.layers)))
     act = _activation(spec.activation)
     modules: list[nn.Module] = []
     if spec.kind == "cnn":
@@ -495,7 +499,9 @@ def _construct(spec: ModelSpec, device: torch.device) -> nn.Sequential:
         modules.append(nn.Linear(features, width, **factory))
         modules.append(act())
         if spec.dropout > 0:
-            modules.append(nn.Dropout(spec.dropout))
+            from .dropout import KeyedDropout
+
+            modules.append(KeyedDropout(spec.dropout, slot=len(modules)))
         features = width
     modules.append(nn.Linear(features, spec.outputs, **factory))
     return nn.Sequential(*modules)

@@ -92,3 +92,25 @@ def test_a_cuda_replica_and_a_cpu_replica_of_one_shard_stay_within_the_cross_cla
         d = relative_distance(cpu.delta, gpu.delta)[0]
         print(f"\n{kind}: CPU fp32 vs {torch.cuda.get_device_name(device)} {precision}: relative L2 {d:.4g}")
         assert d < tolerance, (precision, d)
+
+
+def test_dropout_masks_are_the_same_bits_on_the_gpu_and_the_cpu() -> None:
+    from gpuflex.protocol.dropout import keep_mask
+
+    for shape, p, key in (((33, 517), 0.1, (11, 0, 0, 1)), ((4, 8, 64, 64), 0.5, (7, 123, 3, 9))):
+        cpu = keep_mask(shape, p, *key, torch.device("cpu"))
+        gpu = keep_mask(shape, p, *key, _gpu())
+        assert torch.equal(cpu, gpu.cpu()), (shape, p)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpu_segment_with_dropout_replays_on_the_cpu_referee(tmp_path, precision: str) -> None:
+    """A GPU node training with dropout: the hub's referee (CPU) reproduces every segment."""
+    from tests.test_verification_referee import FP32_TOL, LOW_TOL, judge, train
+
+    t = train(tmp_path, "mlp_dropout", precision=precision, device="cuda")
+    tol = FP32_TOL if precision == "fp32" else LOW_TOL
+    for seg in range(len(t.commitment.norms)):
+        v = judge(t, segment=seg, threads=1)
+        print(f"\ndropout MLP, {precision} on the GPU, segment {seg}: distance {v.evidence['distance']:.3g}")
+        assert v.outcome == "reproduced" and v.evidence["distance"] <= tol, (seg, v.evidence)

@@ -1,7 +1,7 @@
 """CUDA only (skipped without a GPU), with real processes: a CPU hub, a CPU node in fp32 and three
 CUDA nodes (one in the GPU's own precision, one held to fp32, one to tf32) train one job as replicas. The
 referee, which replays on the hub's CPU, must reproduce every GPU segment it asks for, so no
-honest GPU node is flagged. Run with ``-s`` to see the referee's distances per precision."""
+honest GPU node is flagged, dropout included. Run with ``-s`` to see the referee's distances per precision."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_gpu_and_cpu_replicas_of_one_job_reproduce_under_the_referee_and_nobody_
         replication=1.0,
         extra_toml="spot_check = 1.0\nreplica_wait_s = 120.0\nstate_wait_s = 60.0\n",
     )
+    # with dropout: a GPU node's masks must be the ones the CPU referee draws (protocol/dropout.py)
+    spec = files.spec.read_text()
+    files.spec.write_text(spec.replace('activation = "relu"', 'activation = "relu"\ndropout = 0.2'))
     with LocalCluster(
         workdir=tmp_path, hub_args=("--long-poll-max", "2", "--min-deadline", "4")
     ) as cluster:

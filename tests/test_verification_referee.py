@@ -57,6 +57,7 @@ from tests.tooling import attacks
 MODELS = {
     "mlp": '[model]\nkind = "mlp"\ninput = 64\nhidden = [128]\noutputs = 10\n',
     "cnn": '[model]\nkind = "cnn"\nimage = [1, 8, 8]\nchannels = [16, 32]\nhidden = [64]\noutputs = 10\n',
+    "mlp_dropout": '[model]\nkind = "mlp"\ninput = 64\nhidden = [128, 64]\noutputs = 10\ndropout = 0.3\n',
 }
 FP32_TOL = VerificationSpec().segment_tolerance
 LOW_TOL = VerificationSpec().segment_tolerance_low
@@ -92,7 +93,7 @@ def _job(kind: str, optimizer: str = "sgd", epochs: int = 2) -> Any:
 
 
 def train(tmp: Path, kind: str = "mlp", *, precision: str = "fp32", threads: int = 2, onednn: bool = True,
-          optimizer: str = "sgd", n: int = 320, seed: int = 11) -> Trained:
+          optimizer: str = "sgd", n: int = 320, seed: int = 11, device: str = "cpu") -> Trained:
     job = _job(kind, optimizer)
     xtr, ytr, _, _ = digits_arrays()
     x = torch.from_numpy(xtr[:n].copy())
@@ -107,7 +108,7 @@ def train(tmp: Path, kind: str = "mlp", *, precision: str = "fp32", threads: int
                              assignment_id="as-1")
     with numeric_class(threads, onednn):
         res = train_assignment(job.model, global_state, [{"x": x, "y": y}], dataclasses.replace(cfg, precision=precision),
-                               seed, device=torch.device("cpu"), on_step=rec)
+                               seed, device=torch.device(device), on_step=rec)
     c = rec.commitment()
     states = {}
     for step in rec.steps:

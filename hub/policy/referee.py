@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from gpuflex.protocol.checkpoint import feedback_part, model_part, segment_norm, step_of
+from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import TensorError
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
@@ -231,7 +232,8 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
     """Re-execute steps [start_step, end_step) from checkpoint ``start``; the module state at
     ``end_step``. Same contract as the node's trainer (node/trainer.py): the epoch's shuffle is
     ``randperm(n, Generator().manual_seed(seed + epoch))``, batches are its consecutive slices,
-    dropout draws from the checkpoint's CPU RNG state, ``precision`` "bf16" runs the forward
+    dropout draws the step's keyed masks (protocol/dropout.py; any other in-model randomness from
+    the checkpoint's CPU RNG state), ``precision`` "bf16" runs the forward
     under bf16 autocast, ``onednn`` says whether oneDNN's CPU kernels run (``replay_onednn``)."""
     model = build_for_state(spec, model_part(start))
     model.train()
@@ -257,7 +259,7 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
             xb = x.index_select(0, idx)  # (batch, *input_shape)
             yb = y.index_select(0, idx)  # (batch,) or (batch, outputs)
             opt.zero_grad(set_to_none=True)
-            with autocast:
+            with autocast, dropout_step(seed, step):
                 loss = loss_fn(model(xb), yb)
             loss.backward()
             if cfg.grad_clip > 0:
