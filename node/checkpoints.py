@@ -37,6 +37,7 @@ from gpuflex.protocol.checkpoint import (
     checkpoint_steps,
     segment_norm,
 )
+from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.messages import Assignment, Commitment
 from gpuflex.protocol.tensors import sha256_hex
 from gpuflex.protocol.workload import assignment_steps
@@ -50,7 +51,8 @@ __all__ = ["CheckpointRecorder", "CheckpointStore", "training_state"]
 _ID_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
 
-def training_state(model: nn.Module, optimizer: LocalOptimizer, step: int) -> dict[str, Tensor]:
+def training_state(model: nn.Module, optimizer: LocalOptimizer, step: int,
+                   scaler: LossScaler | None = None) -> dict[str, Tensor]:
     """The full training state in the layout of protocol/checkpoint.py (CPU copies)."""
     out: dict[str, Tensor] = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -72,6 +74,8 @@ def training_state(model: nn.Module, optimizer: LocalOptimizer, step: int) -> di
         put("exp_avg_sq", optimizer.exp_avg_sq)
         if optimizer.t:
             out["opt.t"] = torch.tensor([optimizer.t], dtype=torch.int64)
+    if scaler is not None:  # fp16: the scale decides which steps are skipped
+        out.update(scaler.state())
     out["step"] = torch.tensor([step], dtype=torch.int64)
     out["rng"] = torch.get_rng_state()
     return out
@@ -200,10 +204,11 @@ class CheckpointRecorder:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpuflex-checkpoints")
         self._pending: list[concurrent.futures.Future[None]] = []
 
-    def __call__(self, step: int, model: nn.Module, optimizer: LocalOptimizer) -> None:
+    def __call__(self, step: int, model: nn.Module, optimizer: LocalOptimizer,
+                 scaler: LossScaler | None = None) -> None:
         if step not in self._wanted:
             return
-        state = training_state(model, optimizer, step)  # a copy: training goes on at once
+        state = training_state(model, optimizer, step, scaler)  # a copy: training goes on at once
         if step == self.steps[-1] and self.feedback:
             state.update({f"{FEEDBACK_PREFIX}{k}": v.detach().to("cpu", copy=True) for k, v in self.feedback.items()})
         # Encoding, hashing, the norm and the write overlap the next steps (one writer, in order).

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.modelspec import build_for_state
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
@@ -128,49 +129,6 @@ def _prepare_device(device: torch.device, precision: str = "fp32") -> None:
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class LossScaler:
-    """Dynamic loss scaling for fp16, with ``torch.amp.GradScaler``'s rules (initial scale
-    2**16, x2 after 2000 finite steps, x0.5 and the step skipped on an inf/NaN gradient).
-
-    Why not GradScaler itself: it drives a ``torch.optim`` optimizer (see node/optim.py).
-    Deterministic: the scale depends only on the gradients seen.
-    """
-
-    def __init__(self, device: torch.device, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.scale = torch.full((), init_scale, dtype=torch.float32, device=device)
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
-        self.growth_interval = growth_interval
-
-    def unscale(self, params: Sequence[Tensor]) -> bool:
-        """Divide the gradients by the scale; True when every one is finite (step it)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        self.found_inf.zero_()
-        if grads:
-            inv = self.scale.reciprocal()
-            try:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
-            except (RuntimeError, NotImplementedError):  # a backend without the fused kernel (MPS)
-                for g in grads:
-                    g.mul_(inv)
-                    if not bool(torch.isfinite(g).all()):
-                        self.found_inf.fill_(1.0)
-        return not bool(self.found_inf.item())
-
-    def update(self) -> None:
-        try:
-            torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, 2.0, 0.5, self.growth_interval)
-        except (RuntimeError, NotImplementedError):  # the same rule, step by step
-            if bool(self.found_inf.item()):
-                self.scale.mul_(0.5)
-                self.growth_tracker.zero_()
-            else:
-                self.growth_tracker.add_(1)
-                if int(self.growth_tracker.item()) >= self.growth_interval:
-                    self.scale.mul_(2.0)
-                    self.growth_tracker.zero_()
-
-
 def _load_model(spec: ModelSpec, global_state: Mapping[str, Tensor], device: torch.device) -> nn.Module:
     """A private copy of the global model on ``device`` (no random init: it is overwritten)."""
     try:
@@ -190,7 +148,7 @@ def train_assignment(
     device: torch.device,
     progress: Callable[[float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
-    on_step: Callable[[int, nn.Module, LocalOptimizer], None] | None = None,
+    on_step: Callable[[int, nn.Module, LocalOptimizer, LossScaler | None], None] | None = None,
     on_loss: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train ``cfg.local_epochs`` epochs on the concatenated chunks (or exactly
@@ -199,7 +157,7 @@ def train_assignment(
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
     when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
-    optimizer)`` is called before the first step (0) and after each one: the checkpoint
+    optimizer, scaler)`` (the fp16 loss scaler, else None) is called before the first step (0) and after each one: the checkpoint
     commitments' hook (node/checkpoints.py). ``on_loss(step, loss)`` is called at each progress
     report: the heartbeats' proof of progress (protocol.messages.progress_digest).
     ``cfg.precision`` says what the forward pass runs in (autocast over fp32 master weights).
@@ -236,7 +194,7 @@ def train_assignment(
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(seed)  # dropout and any other in-model randomness
         if on_step is not None:
-            on_step(0, model, optimizer)
+            on_step(0, model, optimizer, scaler)
         last_seen = 0  # samples the last (possibly partial) epoch ran through: its mean loss
         for idx, last_epoch in _batches(n, bs, epochs, total_steps, seed, device):
             if stop():
@@ -249,7 +207,7 @@ def train_assignment(
                 last_seen += int(idx.shape[0])
             step += 1
             if on_step is not None:
-                on_step(step, model, optimizer)
+                on_step(step, model, optimizer, scaler)
             if progress is not None and step % report_every == 0:
                 progress(step / total_steps)
             if on_loss is not None and step % report_every == 0:  # (steps, loss): heartbeats' proof

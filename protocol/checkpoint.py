@@ -8,9 +8,12 @@ as one flat state dict in the GFT1 codec (protocol/tensors.py; never pickle):
 - ``opt.momentum.<param>`` (SGD with momentum, once the first step made the buffer),
   ``opt.exp_avg.<param>`` / ``opt.exp_avg_sq.<param>`` and ``opt.t`` (Adam/AdamW, once
   stepped): the optimizer's state, by parameter name;
-- ``step``: int64 (1,), the number of optimizer steps taken;
-- ``rng``: uint8, the CPU generator's state (dropout draws from it; the epoch's shuffle is
-  re-derived from ``seed + epoch`` and needs no state);
+- ``amp.scale`` (float32 (1,)) and ``amp.growth`` (int32 (1,)), fp16 only: the loss scaler's
+  state (protocol/lossscale.py), which decides the steps an overflow skips;
+- ``step``: int64 (1,), the number of optimizer attempts taken (a skipped fp16 step counts);
+- ``rng``: uint8, the CPU generator's state (in-model randomness other than dropout, whose
+  masks are keyed by seed and step: protocol/dropout.py; the epoch's shuffle is re-derived
+  from ``seed + epoch`` and needs no state);
 - ``feedback.<name>`` (the last checkpoint only, when the job's encoding carries error
   feedback): the residual the node added to this update. Committing it lets the referee check
   that the upload is exactly the encoding of (last state - round model + residual).

@@ -103,7 +103,7 @@ def test_dropout_masks_are_the_same_bits_on_the_gpu_and_the_cpu() -> None:
         assert torch.equal(cpu, gpu.cpu()), (shape, p)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_gpu_segment_with_dropout_replays_on_the_cpu_referee(tmp_path, precision: str) -> None:
     """A GPU node training with dropout: the hub's referee (CPU) reproduces every segment."""
     from tests.test_verification_referee import FP32_TOL, LOW_TOL, judge, train

@@ -61,6 +61,7 @@ from gpuflex.protocol.checkpoint import feedback_part, model_part, segment_norm,
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import TensorError
+from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
 from gpuflex.protocol.tensors import Manifest, manifest_of
@@ -233,8 +234,9 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
     ``end_step``. Same contract as the node's trainer (node/trainer.py): the epoch's shuffle is
     ``randperm(n, Generator().manual_seed(seed + epoch))``, batches are its consecutive slices,
     dropout draws the step's keyed masks (protocol/dropout.py; any other in-model randomness from
-    the checkpoint's CPU RNG state), ``precision`` "bf16" runs the forward
-    under bf16 autocast, ``onednn`` says whether oneDNN's CPU kernels run (``replay_onednn``)."""
+    the checkpoint's CPU RNG state), ``precision`` "bf16" / "fp16" runs the forward under that
+    autocast, and "fp16" scales the loss with the checkpoint's loss scaler, skipping the steps
+    whose gradients overflow, as the node's trainer does, ``onednn`` says whether oneDNN's CPU kernels run (``replay_onednn``)."""
     model = build_for_state(spec, model_part(start))
     model.train()
     n = int(x.shape[0])
@@ -243,7 +245,10 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
     loss_fn: nn.Module = nn.CrossEntropyLoss() if cfg.loss == "cross_entropy" else nn.MSELoss()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(model, cfg, start)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None)
+    # fp16: the node's loss scaler, from the start state, skips the steps the node skipped
+    scaler = LossScaler.from_state(start, torch.device("cpu")) if precision == "fp16" else None
     perm = torch.empty(0, dtype=torch.int64)
     perm_epoch = -1
     with torch.random.fork_rng(devices=[]), _onednn(onednn):
@@ -261,11 +266,28 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
             opt.zero_grad(set_to_none=True)
             with autocast, dropout_step(seed, step):
                 loss = loss_fn(model(xb), yb)
-            loss.backward()
+            if scaler is None:
+                loss.backward()
+            else:
+                (loss.float() * scaler.scale).backward()
+                finite = scaler.unscale(params)
+                scaler.update()
+                if not finite:
+                    continue
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _fresh_scaler(start: Mapping[str, Tensor]) -> bool:
+    """Step 0's loss scaler (fp16) is a new one: the initial scale, no finite steps counted."""
+    scale, growth = start.get("amp.scale"), start.get("amp.growth")
+    if scale is None and growth is None:
+        return True
+    fresh = LossScaler(torch.device("cpu"))
+    return (scale is not None and growth is not None and scale.numel() == 1 and growth.numel() == 1
+            and float(scale.reshape(())) == float(fresh.scale) and int(growth.reshape(())) == 0)
 
 
 def segment_distance(start: Mapping[str, Tensor], committed_end: Mapping[str, Tensor],
@@ -373,7 +395,7 @@ def judge_segment(
                                   for k in names):
             return _verdict(update_id, node_id, "mismatch", base, why=f"the {label} state does not fit the model")
     if s == 0:
-        fresh = not any(k.startswith("opt.") for k in start)
+        fresh = not any(k.startswith("opt.") for k in start) and _fresh_scaler(start)
         same = all(torch.equal(start_m[k], global_state[k]) for k in names)
         if not (fresh and same):
             return _verdict(update_id, node_id, "mismatch", base,
