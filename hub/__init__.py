@@ -11,7 +11,7 @@ The hub is seven rooms, bottom first; each imports only the rooms below it (test
 - ``storage``: the store contract (store.py), its SQLite and PostgreSQL stores, the one switch
   between them (backend.py), blobs (folder, S3, pack), migrations, the audit log, tokens, the
   data lock, the database lease, model deltas, the hub's key.
-- ``domain``: the ledger and its use cases (ledger.py), job ingest, the scheduler, the rounds,
+- ``domain``: the ledger and its use cases (ledger/), job ingest, the scheduler, the rounds,
   waits, the work signal, metrics.
 - ``server``: the aiohttp app, its routes and wire, the workers, the read model, the web console
   (console/).

@@ -66,8 +66,8 @@ async def test_round_loop_failure_is_reported_and_the_loop_restarts(tmp_path, ca
 
 async def test_sweep_loop_failure_turns_health_red_until_it_recovers(tmp_path):
     hub = await start_hub(tmp_path / "hub", loop_restart_s=2.0)
-    ledger = hub.app[LEDGER]
-    healthy = ledger.expire_overdue
+    assignments = hub.app[LEDGER].assignments
+    healthy = assignments.expire_overdue
     calls = 0
 
     async def broken(now: float) -> int:
@@ -76,7 +76,7 @@ async def test_sweep_loop_failure_turns_health_red_until_it_recovers(tmp_path):
         raise RuntimeError("sweep broke")
 
     try:
-        ledger.expire_overdue = broken
+        assignments.expire_overdue = broken
         async with aiohttp.ClientSession() as s:
             statuses = []
             for _ in range(60):
@@ -87,7 +87,7 @@ async def test_sweep_loop_failure_turns_health_red_until_it_recovers(tmp_path):
                         break
                 await asyncio.sleep(0.05)
             assert statuses[-1] == 503 and calls >= 1
-            ledger.expire_overdue = healthy
+            assignments.expire_overdue = healthy
             for _ in range(100):
                 async with s.get(f"{hub.url}/healthz") as r:
                     if r.status == 200:

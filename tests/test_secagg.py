@@ -184,7 +184,7 @@ async def _job_run(tmp_path: Any, *, rounds: int, drop: dict[int, set[int]] | No
     update id -> the bytes the hub stored for it)."""
     hub = await start_hub(tmp_path, long_poll_max_s=long_poll_max_s)
     if recheck_s is not None:
-        hub.app[LEDGER].secagg_recheck_s = recheck_s
+        hub.app[LEDGER].secagg.recheck_s = recheck_s
     try:
         async with aiohttp.ClientSession() as session:
             job = await _submit(session, hub, spec(rounds=rounds, quorum=4))

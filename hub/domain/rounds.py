@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -417,7 +416,6 @@ class RoundEngine:
         vspec = spec.verification
         global_state = decode_state(self.blobs.read_private(job.model_hash))
         x, y = stack_data([decode_state(self.blobs.read_private(c.sha)) for c in job.chunks_at(shard.chunk_idxs)])
-        cfg = dataclasses.replace(spec.train.train_config(), checkpoint_every=int(vspec.checkpoint_every))
         out: dict[str, SegmentVerdict] = {}
         for r in reqs:
             u = by_id[r.update_id]
@@ -432,7 +430,7 @@ class RoundEngine:
             if earlier is not None and u.id in earlier:
                 previous = [decode_state(self.blobs.read_private(sha)) for sha in earlier[u.id]]
             v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model,
-                              cfg=dataclasses.replace(cfg, lr=cfg.lr * job.lr_scale(shard.samples)),
+                              cfg=job.train_config(shard.samples),
                               seed=shard.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
                               onednn=replay_onednn(None if node is None else node.compute),

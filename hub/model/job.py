@@ -1,7 +1,7 @@
 """The in-memory picture of a job's round: plain state types the whole hub shares.
 
 The store is the truth; `JobState` is the event loop's working copy, rebuilt from the store on
-start (`Store.load`), changed only by the ledger, on the loop (hub/domain/ledger.py). Submission
+start (`Store.load`), changed only by the ledger, on the loop (hub/domain/ledger/). Submission
 ingest (validate, chunk, store) is hub/domain/jobs.py.
 """
 
@@ -12,13 +12,13 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.jobspec import JobSpec
-from gpuflex.protocol.messages import Commitment
+from gpuflex.protocol.messages import Commitment, TrainConfig
 from gpuflex.protocol.modelspec import manifest
 from gpuflex.protocol.tensors import ITEMSIZE, Manifest, max_encoded_size
 
@@ -275,6 +275,26 @@ class JobState:
         """The factor on the spec's lr for a shard of ``samples`` ([train] lr_scaling: the samples
         the round pools over the shard's)."""
         return self.spec.train.lr_scale(samples, self.pool_samples)
+
+    def train_config(self, samples: int, precision: str | None = None) -> TrainConfig:
+        """The training settings of a shard of ``samples`` in this round: what an assignment
+        carries to the node (``precision``: what that node trains in) and what the referee
+        replays a segment with. One place, so the two cannot drift: the lr scaled for the
+        shard ([train] lr_scaling), the checkpoint grid, how the update travels and, when the
+        job asks for it, secure aggregation's settings."""
+        spec = self.spec
+        cfg = replace(spec.train.train_config(precision),
+                      lr=spec.train.lr * self.lr_scale(samples),
+                      checkpoint_every=int(spec.verification.checkpoint_every),
+                      commit=spec.verification.asks_referee(),
+                      update=spec.communication.update,
+                      topk_fraction=spec.communication.topk_fraction,
+                      error_feedback=spec.communication.error_feedback)
+        p = spec.privacy
+        if not p.secure_aggregation:
+            return cfg
+        return replace(cfg, secagg=True, secagg_clip=p.secagg_clip, secagg_bits=p.secagg_bits,
+                       secagg_max_samples=spec.data.max_samples)
 
     def withdraw_silo(self, node_id: str) -> ChunkInfo | None:
         """A node's silo leaves the job (its operator removed it): no longer anyone's, never in

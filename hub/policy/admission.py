@@ -19,7 +19,8 @@ new identities are admitted here, per block, per operator and in all:
   ``ban_cooldown_s`` (403 ``cooldown``).
 
 Re-registering a known identity (a node restarting) is never limited. Pure bookkeeping in
-memory, rebuilt from the nodes table at start (hub/domain/ledger.py ``load``); the clock is passed in.
+memory, rebuilt from the nodes table at start (hub/domain/ledger/registry.py ``restore``); the
+clock is passed in.
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ async def drop_stale_partials(app: web.Application) -> int:
     """Delete the bytes of interrupted uploads whose assignment is no longer live; how many."""
     blobs = app[BLOBS]
     held = await asyncio.to_thread(blobs.partial_uploads)
-    stale = app[LEDGER].stale_partials(held)
+    stale = app[LEDGER].uploads.stale_partials(held)
     for path in stale:
         await asyncio.to_thread(path.unlink, missing_ok=True)
     return len(stale)
@@ -273,7 +273,7 @@ async def drop_stale_partials(app: web.Application) -> int:
 
 async def _sweep_once(app: web.Application) -> None:
     ledger = app[LEDGER]
-    await ledger.expire_overdue(time.time())
+    await ledger.assignments.expire_overdue(time.time())
     for job in list(ledger.scheduler.jobs.values()):
         if job.state != "running":
             continue

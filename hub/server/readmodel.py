@@ -1,6 +1,6 @@
 """The read model: what owners, auditors and the console are shown.
 
-Queries only; nothing here changes state (that is the ledger's, hub/domain/ledger.py). Each
+Queries only; nothing here changes state (that is the ledger's, hub/domain/ledger/). Each
 function takes the store's connection (through `Store.query`) or the app, applies the
 caller's visibility rule, and returns plain JSON-ready documents. The API routes and
 the console (hub/server/console) use the same functions, so they cannot disagree.

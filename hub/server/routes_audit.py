@@ -54,7 +54,7 @@ async def verdict(request: web.Request) -> web.Response:
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object", code="bad_json")
     flag_id = await request.app[STORE].query(lambda c: readmodel.resolve_flag_id(c, who, request.match_info["flag_id"]))
-    out = await request.app[LEDGER].verdict(who, flag_id, doc.get("verdict"), doc.get("note", ""))
+    out = await request.app[LEDGER].flags.verdict(who, flag_id, doc.get("verdict"), doc.get("note", ""))
     return json_response({"flag": out.flag.to_dict(), "node_banned": out.node_banned,
                           "banned_by_this_verdict": out.banned_by_this_verdict})
 

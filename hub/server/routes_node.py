@@ -1,7 +1,7 @@
 """Node-facing routes: signed msgpack in, hub-signed msgpack out.
 
 Each handler parses and checks the signed message (hub/server/wire.py), calls the ledger
-(hub/domain/ledger.py) and answers with a hub-signed message. The upload handler also moves
+(hub/domain/ledger/) and answers with a hub-signed message. The upload handler also moves
 the update's bytes into the blob store, hashing and checking them in worker threads.
 """
 
@@ -93,7 +93,7 @@ async def register(request: web.Request) -> web.Response:
     operator = None
     if hello.enroll_token:
         operator = await app[DB].read(lambda conn: enrollment_operator(conn, hello.enroll_token))
-    node = await app[LEDGER].register(signer, hello, address=request.remote, operator=operator)
+    node = await app[LEDGER].registry.register(signer, hello, address=request.remote, operator=operator)
     return sealed_response(request, Welcome(node_id=node.id, hub_fingerprint=app[HUB_KEY].fingerprint,
                                             server_time=node.last_seen, poll_s=app[CONFIG].node_poll_s))
 
@@ -105,22 +105,22 @@ async def work(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     body = await read_body(request, cfg.max_message_bytes)
     req, signer = open_node_message(request, body, WorkRequest)
-    node = ledger.known_node(signer, request.remote)
+    node = ledger.registry.known_node(signer, request.remote)
     cached = frozenset(req.cached_chunks)
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     loop = asyncio.get_running_loop()
     give_up = loop.time() + wait_s
     wake = ledger.signal  # the WorkSignal that long-polls wait on (hub/domain/worksignal.py)
     woken = Wake("timeout")
-    with ledger.polling(node):
+    with ledger.assignments.polling(node):
         while not wake.closing:
             since = wake.generation
-            asked = ledger.pending_state_request(node)  # the referee's request comes first
+            asked = ledger.states.pending_state_request(node)  # the referee's request comes first
             if asked is not None:
                 _pass_on(wake, woken, got_work=False)
                 request.app[METRICS].bytes_out += len(asked)
                 return web.Response(body=asked, content_type="application/x-msgpack")
-            issued = await ledger.next_assignment(node, cached)
+            issued = await ledger.assignments.next_assignment(node, cached)
             _pass_on(wake, woken, got_work=issued is not None)
             if issued is not None:
                 return _assignment_response(request, issued.sealed, issued.model_hash, cached, node)
@@ -172,7 +172,7 @@ def _assignment_response(request: web.Request, sealed: bytes, model_hash: str, c
         if blob is not None and len(blob) <= inline_max:
             body = sealed + blob
             headers["X-GPUFlex-Sealed-Length"] = str(len(sealed))
-            request.app[LEDGER].count_served(node, model_hash, len(blob))
+            request.app[LEDGER].assignments.count_served(node, model_hash, len(blob))
     request.app[METRICS].bytes_out += len(body)
     return web.Response(body=body, content_type="application/x-msgpack", headers=headers)
 
@@ -183,8 +183,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     hb, signer = open_node_message(request, body, Heartbeat)
     ledger = app[LEDGER]
-    ok, detail, deadline = await ledger.heartbeat(ledger.known_node(signer, request.remote), hb.assignment_id,
-                                                  hb.steps, hb.digest)
+    node = ledger.registry.known_node(signer, request.remote)
+    ok, detail, deadline = await ledger.assignments.heartbeat(node, hb.assignment_id, hb.steps, hb.digest)
     return sealed_response(request, Ack(ok=ok, detail=detail, deadline=deadline))
 
 
@@ -194,7 +194,7 @@ async def abandon(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     msg, signer = open_node_message(request, body, Abandon)
     ledger = app[LEDGER]
-    detail = await ledger.abandon(ledger.known_node(signer, request.remote), msg.assignment_id)
+    detail = await ledger.assignments.abandon(ledger.registry.known_node(signer, request.remote), msg.assignment_id)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
@@ -202,14 +202,14 @@ async def _signed(request: web.Request, cls: type[M]) -> tuple[M, NodeState]:
     """The body's signed message of type ``cls`` and the registered node that signed it."""
     app = request.app
     msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), cls)
-    return msg, app[LEDGER].known_node(signer, request.remote)
+    return msg, app[LEDGER].registry.known_node(signer, request.remote)
 
 
 @routes.post("/v1/silos/schema")
 async def silo_schema(request: web.Request) -> web.Response:
     """What a silo of a node-local job must hold (signed SiloQuery -> signed SiloSchema)."""
     msg, node = await _signed(request, SiloQuery)
-    return sealed_response(request, request.app[LEDGER].silo_schema(node, msg.job_id))
+    return sealed_response(request, request.app[LEDGER].silos.silo_schema(node, msg.job_id))
 
 
 @routes.post("/v1/silos")
@@ -217,7 +217,7 @@ async def attach_silo(request: web.Request) -> web.Response:
     """A node attaches its silo to a node-local job (signed SiloRegistration -> signed Ack):
     the blob id, size, sample count and opt-in label histogram; never a row."""
     msg, node = await _signed(request, SiloRegistration)
-    detail = await request.app[LEDGER].attach_silo(node, msg)
+    detail = await request.app[LEDGER].silos.attach_silo(node, msg)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
@@ -226,7 +226,7 @@ async def withdraw_silo(request: web.Request) -> web.Response:
     """A node's operator removed its silo (signed SiloWithdrawal -> signed Ack): the hub stops
     assigning it and no round waits for it."""
     msg, node = await _signed(request, SiloWithdrawal)
-    detail = await request.app[LEDGER].withdraw_silo(node, msg)
+    detail = await request.app[LEDGER].silos.withdraw_silo(node, msg)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
@@ -234,20 +234,19 @@ async def withdraw_silo(request: web.Request) -> web.Response:
 @routes.post("/v1/secagg/keys")
 async def secagg_keys(request: web.Request) -> web.Response:
     msg, node = await _signed(request, SecAggKeys)
-    return sealed_response(request, await request.app[LEDGER].secagg_keys(node, msg))
+    return sealed_response(request, await request.app[LEDGER].secagg.keys(node, msg))
 
 
 @routes.post("/v1/secagg/poll")
 async def secagg_poll(request: web.Request) -> web.Response:
     msg, node = await _signed(request, SecAggPoll)
-    return sealed_response(request, await request.app[LEDGER].secagg_wait(node, msg.assignment_id, msg.after,
-                                                                          msg.wait_s))
+    return sealed_response(request, await request.app[LEDGER].secagg.wait(node, msg.assignment_id, msg.after, msg.wait_s))
 
 
 @routes.post("/v1/secagg/shares")
 async def secagg_shares(request: web.Request) -> web.Response:
     msg, node = await _signed(request, SecAggShares)
-    return sealed_response(request, await request.app[LEDGER].secagg_shares(node, msg))
+    return sealed_response(request, await request.app[LEDGER].secagg.shares(node, msg))
 
 
 @routes.post("/v1/secagg/masked")
@@ -257,21 +256,21 @@ async def secagg_masked(request: web.Request) -> web.Response:
     app = request.app
     hdr, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Masked"), SecAggMasked)
     ledger = app[LEDGER]
-    node = ledger.known_node(signer, request.remote)
-    ledger.secagg_may_mask(node, hdr)  # the size is the protocol's: checked before the body is read
+    node = ledger.registry.known_node(signer, request.remote)
+    ledger.secagg.may_mask(node, hdr)  # the size is the protocol's: checked before the body is read
     body = await read_body(request, hdr.size)
     if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
         raise BadRequest("the masked update's bytes do not match its signed size and SHA-256", code="bad_masked")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(app[IO_POOL], partial(app[BLOBS].put, body, sha=hdr.sha256))
     vector = np.frombuffer(body, dtype="<u4").astype(np.uint32)
-    return sealed_response(request, await ledger.secagg_masked(node, hdr, vector))
+    return sealed_response(request, await ledger.secagg.masked(node, hdr, vector))
 
 
 @routes.post("/v1/secagg/unmask")
 async def secagg_unmask(request: web.Request) -> web.Response:
     msg, node = await _signed(request, SecAggUnmask)
-    return sealed_response(request, request.app[LEDGER].secagg_unmask(node, msg))
+    return sealed_response(request, request.app[LEDGER].secagg.unmask(node, msg))
 
 
 def _blob_reader(request: web.Request, sha: str) -> NodeState:
@@ -282,8 +281,8 @@ def _blob_reader(request: web.Request, sha: str) -> NodeState:
     if req.sha256 != sha:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
     ledger = request.app[LEDGER]
-    node = ledger.known_node(signer, request.remote)
-    if not ledger.may_read_blob(node, sha):
+    node = ledger.registry.known_node(signer, request.remote)
+    if not ledger.assignments.may_read_blob(node, sha):
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
     return node
 
@@ -300,7 +299,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
     if small is not None:  # no file to open
         resp = _bytes_response(request, small, headers)
-        ledger.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
+        ledger.assignments.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
         return resp
     # off the loop: a bucket-backed store (hub/storage/blobs_s3.py) fetches a blob missing from its cache
     path = await loop.run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
@@ -313,7 +312,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
         start = 0
     served = max(0, size - start) if start >= 0 else min(size, -start)
     app[METRICS].bytes_out += served
-    ledger.count_served(node, sha, served)
+    ledger.assignments.count_served(node, sha, served)
     return web.FileResponse(path, headers=headers)
 
 
@@ -327,13 +326,13 @@ async def blob_delta(request: web.Request) -> web.Response:
     base = check_blob_id(request.match_info["base"])
     node = _blob_reader(request, sha)
     ledger = app[LEDGER]
-    if not ledger.delta_base_ok(node, sha, base):
+    if not ledger.assignments.delta_base_ok(node, sha, base):
         raise NotFound("no delta to that model from this base: download the whole model", code="no_delta")
     delta = await app[DELTAS].get(base, sha)
     if delta is None:
         raise NotFound("the two models differ in layout: download the whole model", code="no_delta")
     app[METRICS].bytes_out += len(delta)
-    ledger.count_served(node, sha, len(delta))
+    ledger.assignments.count_served(node, sha, len(delta))
     return web.Response(body=delta, headers={"Content-Type": "application/octet-stream", "X-GPUFlex-Delta-From": base})
 
 
@@ -423,8 +422,8 @@ async def _update(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-Update")
     hdr, signer = open_node_message(request, data, UpdateHeader)
-    node = ledger.known_node(signer, request.remote)
-    a, job = await ledger.begin_upload(node, hdr, request.content_length)
+    node = ledger.registry.known_node(signer, request.remote)
+    a, job = await ledger.uploads.begin_upload(node, hdr, request.content_length)
     blobs = app[BLOBS]
     # A large update streams into a file kept per (assignment, hash): when the link drops mid-way,
     # what arrived stays, and the node sends only the rest (POST /v1/updates/offset says how much).
@@ -447,12 +446,12 @@ async def _update(request: web.Request) -> web.Response:
                            code="offset_mismatch")
         keep = resumable
         await _receive_update(request, hdr, job.layout, tmp)
-        upd = await ledger.accept_update(node, a, job, hdr)
+        upd = await ledger.uploads.accept_update(node, a, job, hdr)
     except BaseException as exc:
         # a temp file goes; what an interrupted upload left stays, unless its bytes were refused
         if not resumable or (keep and not _interrupted(exc)):
             tmp.unlink(missing_ok=True)
-        ledger.end_upload(a)
+        ledger.uploads.end_upload(a)
         raise
     if hdr.offset:
         app[METRICS].uploads_resumed += 1
@@ -473,8 +472,8 @@ async def update_offset(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-Update")
     hdr, signer = open_node_message(request, data, UpdateHeader)
-    node = ledger.known_node(signer, request.remote)
-    a = ledger.upload_target(node, hdr)
+    node = ledger.registry.known_node(signer, request.remote)
+    a = ledger.uploads.upload_target(node, hdr)
     held = 0
     if hdr.update_size > SMALL_UPDATE:
         path = app[BLOBS].partial_path(a.id, hdr.update_sha256)
@@ -592,8 +591,8 @@ async def state_upload(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-State")
     hdr, signer = open_node_message(request, data, StateUpload)
-    node = ledger.known_node(signer)
-    r, expected, limit = ledger.begin_state(node, hdr)
+    node = ledger.registry.known_node(signer)
+    r, expected, limit = ledger.states.begin_state(node, hdr)
     if request.content_length is None:
         raise LengthRequired("send the state with a Content-Length header", code="length_required")
     if request.content_length != hdr.state_size:
@@ -614,7 +613,7 @@ async def state_upload(request: web.Request) -> web.Response:
     body = b"".join(pieces)
     app[METRICS].bytes_in += len(body)
     await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _ingest_state, body, expected, app[BLOBS])
-    await ledger.accept_state(r, hdr.step, expected)
+    await ledger.states.accept_state(r, hdr.step, expected)
     return sealed_response(request, Ack(ok=True, detail=f"state of step {hdr.step} accepted", deadline=r.deadline))
 
 
@@ -622,7 +621,7 @@ async def state_upload(request: web.Request) -> web.Response:
 async def state_unavailable(request: web.Request) -> web.Response:
     """The node no longer holds states the referee asked for: the referee decides at once."""
     msg, node = await _signed(request, StateUnavailable)
-    detail = await request.app[LEDGER].decline_states(node, msg)
+    detail = await request.app[LEDGER].states.decline_states(node, msg)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 

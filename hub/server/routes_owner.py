@@ -86,7 +86,7 @@ async def submit_job(request: web.Request) -> web.Response:
             raise BadRequest("a job needs the part 'spec' (TOML), and 'train' (.npz or .csv) unless its "
                              "[data] source is \"node-local\"", code="bad_form")
         app[METRICS].bytes_in += len(spec_text) + sum(p.stat().st_size for p in paths.values())
-        job = await app[LEDGER].submit_job(who.name, spec_text, paths.get("train"), paths.get("val"))
+        job = await app[LEDGER].jobs.submit_job(who.name, spec_text, paths.get("train"), paths.get("val"))
     except UnicodeDecodeError:
         raise Unprocessable("spec is not UTF-8 text", code="bad_spec") from None
     finally:
@@ -130,5 +130,5 @@ async def cancel_job(request: web.Request) -> web.Response:
     before = await request.app[STORE].job_state(job_id)
     if before not in ("queued", "running"):
         return json_response({"id": job_id, "state": before, "detail": "job had already ended"})
-    state = await request.app[LEDGER].cancel_job(job_id, who.name)
+    state = await request.app[LEDGER].jobs.cancel_job(job_id, who.name)
     return json_response({"id": job_id, "state": state})

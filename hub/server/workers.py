@@ -7,7 +7,7 @@ The shape (a pre-fork server with a leader):
   accepts first. It restarts a worker that ends (kill -9 included), and stops them all on
   SIGTERM.
 - **One worker leads.** The hub's round state lives in memory beside the store
-  (hub/domain/ledger.py), so exactly one process may hold it: the one holding the database's lease
+  (hub/domain/ledger/), so exactly one process may hold it: the one holding the database's lease
   (hub/storage/lease.py, a PostgreSQL advisory lock). The leader is a whole hub: it closes every
   round, so no round is closed twice, and it checks every signed request against one replay
   cache, so a request replayed to another worker is refused like any replay. It also listens

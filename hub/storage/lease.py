@@ -1,6 +1,6 @@
 """The lease on a PostgreSQL database: one leading hub process per database.
 
-Why: the hub keeps its round state in memory beside the store (hub/domain/ledger.py). Two hubs on one
+Why: the hub keeps its round state in memory beside the store (hub/domain/ledger/). Two hubs on one
 PostgreSQL database, on two machines or as two workers of `serve --workers N`, would each
 believe their own memory: both would close the same round, hand out the same chunks, and
 contradict each other's acknowledged writes. The data folder's flock (hub/storage/datalock.py) cannot
