@@ -146,7 +146,7 @@ class Ledger:
         now = time.time()
         for node in loaded.nodes:
             self.scheduler.nodes[node.id] = node
-            self.scheduler.refresh_probation(node, now)
+            self.scheduler.presence.refresh_probation(node, now)
             self.admission.admitted(node.block, node.operator, node.registered_at)
             if node.banned:
                 self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen)
@@ -201,7 +201,7 @@ class Ledger:
             seed = min(bench_sps, self.config.bench_seed_max_sps)
             node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=seed, last_seen=now,
                              registered_at=now, block=block, last_block=block, operator=operator)
-            self.scheduler.refresh_probation(node, now)
+            self.scheduler.presence.refresh_probation(node, now)
             self.scheduler.nodes[node_id] = node
         # a node registering again from elsewhere (--source-address, another network) is recorded
         # there: replicas keep apart from where it is, not from where it first came from
@@ -234,11 +234,11 @@ class Ledger:
     @contextlib.contextmanager
     def polling(self, node: NodeState) -> Iterator[None]:
         """The node waits for work while inside: it counts in the gathering a round is cut for."""
-        self.scheduler.poll_started(node.id)
+        self.scheduler.presence.poll_started(node.id)
         try:
             yield
         finally:
-            self.scheduler.poll_ended(node.id, time.time())
+            self.scheduler.presence.poll_ended(node.id, time.time())
 
     async def next_assignment(self, node: NodeState, cached: frozenset[str]) -> Issued | None:
         """The node's live assignment if it still holds one, else a new one, else None."""
@@ -265,7 +265,7 @@ class Ledger:
             model_size=job.model_size, model_spec=job.spec.model.to_dict(),
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
             seed=shard.seed, issued_at=now, deadline=plan.deadline,
-            train=dataclasses.replace(job.spec.train.train_config(self.scheduler.precision_for(job, node)),
+            train=dataclasses.replace(job.spec.train.train_config(self.scheduler.presence.precision_for(job, node)),
                                       lr=job.spec.train.lr * job.lr_scale(shard.samples),
                                       checkpoint_every=int(job.spec.verification.checkpoint_every),
                                       commit=job.spec.verification.asks_referee(),
@@ -460,9 +460,10 @@ class Ledger:
             elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
         before = (node.ema_sps, node.updates_accepted, node.proven_chunks)
-        self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
-                                          self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
-        self.scheduler.count_delivery(node, shard)
+        self.scheduler.presence.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
+                                                   self.config.throughput_alpha,
+                                                   self.scheduler.presence.precision_factor(job, node))
+        self.scheduler.presence.count_delivery(node, shard)
         first = shard.first_update_at is None
         # an unreplicated shard is settled by its one update, in the same transaction, unless the
         # referee's draw picks it for a spot-check or its alignment with the model's trend is to be
@@ -750,7 +751,7 @@ class Ledger:
         """Validate, chunk and store a job (in a worker thread), then open its first round."""
         job = await asyncio.to_thread(ingest_job, self.store, self.blobs, owner=owner, spec_text=spec_text,
                                       train_path=train_path, val_path=val_path,
-                                      nodes_online=self.scheduler.online_nodes(time.time()))
+                                      nodes_online=self.scheduler.presence.online_nodes(time.time()))
         self.scheduler.add_job(job)
         self.signal.notify()
         return job
