@@ -10,7 +10,7 @@ verification's `record_agreement` / `record_flag`, as the engine applies them. W
 are woken as the hub's WorkSignal wakes its long-polls (hub/domain/worksignal.py): everyone when a
 round opens; for chunks back in the pool, the longest-waiting poll first, the offer passed on
 (`pass_on`) while polls get work, until 3 in a row find nothing; for a wanted replica, the
-longest-waiting poll of a node that may take it (`Scheduler.may_take_replica`).
+longest-waiting poll of a node that may take it (`Replicas.may_take_replica`).
 
 An update is a small real tensor (256 floats): an honest node returns the shard's true
 update (a function of the round's direction and the shard's seed, so honest replicas agree
@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 from gpuflex.hub.base.config import HubConfig  # noqa: E402
+from gpuflex.hub.domain.presence import Presence  # noqa: E402
 from gpuflex.hub.domain.scheduler import Scheduler  # noqa: E402
 from gpuflex.hub.domain.worksignal import Target, Wake, pass_on  # noqa: E402
 from gpuflex.hub.model.job import AssignmentState, ChunkInfo, JobState, ShardState, UpdateState  # noqa: E402
@@ -159,7 +160,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
         online = [sn for sn in nodes.values() if sn.online and not sn.state.banned]
         for sn in online:
             sn.state.last_seen = clock
-            sched.poll_started(sn.state.id)
+            sched.presence.poll_started(sn.state.id)
         cpu = 0.0
         heap: list[tuple[float, int, str, AssignmentState]] = []
         idle: collections.deque[SimNode] = collections.deque()  # the waiting polls, longest first
@@ -174,7 +175,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             c0 = time.process_time()
             p = sched.plan(sn.state, frozenset(), t)
             cpu += time.process_time() - c0
-            sched.poll_ended(sn.state.id, t) if p is None else None
+            sched.presence.poll_ended(sn.state.id, t) if p is None else None
             if p is None:
                 return False
             a = AssignmentState(id=f"a-{r}-{issued}", shard_id=p.shard.id, job_id=job.id, round=r,
@@ -182,7 +183,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                                 sealed=b"", model_hash="", chunk_shas=frozenset())
             issued += 1
             sched.attach(a, p.shard)
-            sched.poll_ended(sn.state.id, t)
+            sched.presence.poll_ended(sn.state.id, t)
             took = p.shard.samples * EPOCHS / sn.speed
             if p.new_shard and opening:
                 carve_times.append(took)
@@ -221,7 +222,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
             waited_s = waited if waited is not None else t - (shard.first_update_at or t)
             n = len(ups)  # the engine's rule (RoundEngine._replica_state)
-            taker = bool(shard.live) or (shard.wanted <= n < 2) or sched.can_take_replica(job, shard, t)
+            taker = bool(shard.live) or (shard.wanted <= n < 2) or sched.replicas.can_take_replica(job, shard, t)
             state = policy.ReplicaState(wanted=shard.wanted, waited_s=waited_s, live=bool(shard.live), taker=taker)
             if not policy.shard_due(len(ups), vspec, state):
                 return
@@ -233,8 +234,8 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             if isinstance(d, policy.WaitForMore):
                 if d.wanted != shard.wanted:
                     shard.wanted = d.wanted
-                    sched.want_replica(job, shard)
-                    offer(t, to=lambda nid: sched.may_take_replica(job, shard, nid, t))
+                    sched.replicas.want_replica(job, shard)
+                    offer(t, to=lambda nid: sched.replicas.may_take_replica(job, shard, nid, t))
                 return
             for a in list(shard.live.values()):
                 sched.detach(a)
@@ -268,7 +269,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                     honest = true_update(direction, shard.seed, shard.samples)
                     deltas[upd.id] = -honest if sn.adversary else honest
                     shard.accepted.append(upd)
-                    Scheduler.count_delivery(sn.state, shard)  # as the ledger does (an unproven node's cap grows)
+                    Presence.count_delivery(sn.state, shard)  # as the ledger does (an unproven node's cap grows)
                     if shard.first_update_at is None:
                         shard.first_update_at = t
                     stats.trained += shard.samples
@@ -276,7 +277,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
                         stats.trained_steady += shard.samples
                     decide(shard, t)
                 sn.state.last_seen = t
-                sched.poll_started(nid)
+                sched.presence.poll_started(nid)
                 if not serve(sn, t):
                     idle.append(sn)
                 continue
@@ -290,7 +291,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             if any(s.state == "open" and s.accepted for s in job.shards.values()) and not heap:
                 break  # held shards (unverified = "hold"): nothing more happens this round
         for sn in idle:
-            sched.poll_ended(sn.state.id, clock)
+            sched.presence.poll_ended(sn.state.id, clock)
         settled = [s for s in job.shards.values() if s.state == "settled" and s.representative]
         reps, groups = [], {}
         for s in settled:
@@ -327,7 +328,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
         stats.cpu_s.append(cpu)
         stats.shards.append(len(settled))
         for sn in online:
-            sched.polling.pop(sn.state.id, None)
+            sched.presence.polling.pop(sn.state.id, None)
         clock += 1.0
     return {
         "nodes": n, "rounds": rounds, "shards_per_round": statistics.fmean(stats.shards),

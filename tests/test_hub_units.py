@@ -227,14 +227,14 @@ def test_settle_heap_freezes_start_up_and_collects_young_objects_less_often():
 
 
 def test_an_unproven_nodes_cap_doubles_per_delivery_and_is_twice_its_largest_delivered_shard():
-    from gpuflex.hub.domain.scheduler import MAX_CHUNKS_PER_ASSIGNMENT
+    from gpuflex.hub.domain.sizing import MAX_CHUNKS_PER_ASSIGNMENT
 
     sched = Scheduler(min_deadline_s=1.0, online_window_s=90.0, unproven_max_chunks=4)
     n = node("n-1", 100.0)
-    assert sched.chunk_cap(n) == 4  # nothing delivered: the ramp's first step
+    assert sched.sizing.chunk_cap(n) == 4  # nothing delivered: the ramp's first step
     n.updates_accepted, n.proven_chunks = 1, 4
-    assert sched.chunk_cap(n) == 8  # a lone node that took 4 chunks: doubled, as before
+    assert sched.sizing.chunk_cap(n) == 8  # a lone node that took 4 chunks: doubled, as before
     n.proven_chunks = 12  # it took its equal part (12 chunks) of a round among several
-    assert sched.chunk_cap(n) == 24
+    assert sched.sizing.chunk_cap(n) == 24
     n.updates_accepted = 16
-    assert sched.chunk_cap(n) == MAX_CHUNKS_PER_ASSIGNMENT  # proven
+    assert sched.sizing.chunk_cap(n) == MAX_CHUNKS_PER_ASSIGNMENT  # proven

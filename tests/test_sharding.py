@@ -35,7 +35,7 @@ def serve(sched: Scheduler, nodes: list[NodeState]) -> dict[str, tuple[int, str]
     Returns node -> (samples, shard id)."""
     for n in nodes:
         sched.nodes[n.id] = n
-        sched.poll_started(n.id)
+        sched.presence.poll_started(n.id)
     out = {}
     for i, n in enumerate(nodes):
         p = sched.plan(n, frozenset())
@@ -43,7 +43,7 @@ def serve(sched: Scheduler, nodes: list[NodeState]) -> dict[str, tuple[int, str]
         sched.attach(AssignmentState(id=f"a{i}", shard_id=p.shard.id, job_id=p.job.id, round=0, node_id=n.id,
                                      issued_at=0, expected_s=1, deadline=1e12, sealed=b"", model_hash="",
                                      chunk_shas=frozenset()), p.shard)
-        sched.poll_ended(n.id, time.time())
+        sched.presence.poll_ended(n.id, time.time())
         out[n.id] = (p.shard.samples, p.shard.id)
     return out
 

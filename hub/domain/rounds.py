@@ -278,14 +278,14 @@ class RoundEngine:
                         break
                     if not await self._settle(job, shard, state):
                         break
-            if job.state == "running" and job.round_complete(now, self.scheduler.is_online):
+            if job.state == "running" and job.round_complete(now, self.scheduler.presence.is_online):
                 await self._close(job)
             if _secagg_phases(job) != before:  # only a move: a waiting poll pokes the engine when it looks
                 self.secagg_moved.fire()
 
     def _secagg_expected(self, job: JobState) -> set[str]:
         """Who the round's secure aggregation waits for at its keys: every silo whose node is online."""
-        return {c.owner for c in job.chunks if c.owner is not None and self.scheduler.is_online(c.owner)}
+        return {c.owner for c in job.chunks if c.owner is not None and self.scheduler.presence.is_online(c.owner)}
 
     # -- replicas: gather the policy's inputs, ask it (hub/policy.decide_shard) ---------------
     def _replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
@@ -294,8 +294,8 @@ class RoundEngine:
         # The policy reads `taker` only with no replica out and fewer updates than wanted, or two or
         # more: ask the scheduler only then.
         n = len(shard.accepted)
-        taker = live or (shard.wanted <= n < 2) or self.scheduler.can_take_replica(job, shard, now)
-        keys = {u.node_id: self.scheduler.class_key(job, u.node_id) for u in shard.accepted}
+        taker = live or (shard.wanted <= n < 2) or self.scheduler.replicas.can_take_replica(job, shard, now)
+        keys = {u.node_id: self.scheduler.presence.class_key(job, u.node_id) for u in shard.accepted}
         return policy.ReplicaState(wanted=shard.wanted, waited_s=waited, live=live, taker=taker,
                                    comparison=policy.comparison_of(keys.values()),
                                    class_keys={n: k for n, k in keys.items() if k is not None})
@@ -470,9 +470,9 @@ class RoundEngine:
                 return
             await self.store.want_replicas(shard.id, decision.wanted, dict(decision.evidence))
             shard.wanted = decision.wanted
-            self.scheduler.want_replica(job, shard)
+            self.scheduler.replicas.want_replica(job, shard)
             # a replica, for the longest-waiting node that may take it
-            self.signal.offer(to=lambda nid: self.scheduler.may_take_replica(job, shard, nid, time.time()))
+            self.signal.offer(to=lambda nid: self.scheduler.replicas.may_take_replica(job, shard, nid, time.time()))
             return
         settled = isinstance(decision, policy.Settle)
         representative = decision.representative if isinstance(decision, policy.Settle) else None

@@ -65,7 +65,7 @@ def _shard_wait(scheduler: Scheduler, job: JobState, shard: ShardState, now: flo
     if shard.live:
         holders = ", ".join(name(a.node_id) for a in shard.live.values())
         return f"{head} waits for its replica from {holders}, who is training it"
-    if scheduler.can_take_replica(job, shard, now):
+    if scheduler.replicas.can_take_replica(job, shard, now):
         left = float(job.spec.verification.replica_wait_s) - (now - (shard.first_update_at or now))
         return (f"{head} waits up to {max(0.0, left):.0f} s more for a replica: an online node may take it "
                 "when it next asks for work")
@@ -76,11 +76,11 @@ def no_holder_why(scheduler: Scheduler, shard: ShardState, name: Callable[[str],
     """Why no online node may hold a replica of ``shard``, e.g. "every other online node shares
     127.0.0.0/24 with node X"."""
     holders = [n for nid in sorted(shard.nodes) if (n := scheduler.nodes.get(nid)) is not None]
-    others = [n for n in scheduler.nodes.values() if n.id not in shard.nodes and scheduler.is_online(n.id)]
+    others = [n for n in scheduler.nodes.values() if n.id not in shard.nodes and scheduler.presence.is_online(n.id)]
     if not others:
         return "no other node is online"
     holder = " and ".join(name(h.id) for h in holders) or "its holder"
-    apart = {_apart_from(n, holders) if scheduler.separate_replicas else "" for n in others}
+    apart = {_apart_from(n, holders) if scheduler.replicas.separate_replicas else "" for n in others}
     if apart == {"block"}:
         shared = sorted({b for n in others for h in holders for b in n.blocks & h.blocks})
         return f"every other online node shares {', '.join(shared) if names else 'an address block'} with {holder}"
@@ -105,10 +105,10 @@ def _idle_chunks(scheduler: Scheduler, job: JobState, now: float) -> str | None:
     """Chunks of the round nobody trains because no online node can take them."""
     if not job.free or job.node_local or job.live_count():
         return None
-    online = [n for n in scheduler.nodes.values() if scheduler.is_online(n.id)]
+    online = [n for n in scheduler.nodes.values() if scheduler.presence.is_online(n.id)]
     if not online:
         return f"{len(job.free)} chunks wait for a node: no node is online"
-    if not any(scheduler.can_run(job, n) for n in online):
+    if not any(scheduler.presence.can_run(job, n) for n in online):
         return (f"{len(job.free)} chunks wait for a node: no online node trains "
                 f"{job.spec.train.precision} (start one whose device does)")
     return None

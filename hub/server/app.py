@@ -228,7 +228,7 @@ async def prometheus(request: web.Request) -> web.Response:
 
     def gauges() -> dict[str, float]:
         now = time.time()
-        return {"nodes_online": sched.online_nodes(now), "nodes_registered": len(sched.nodes),
+        return {"nodes_online": sched.presence.online_nodes(now), "nodes_registered": len(sched.nodes),
                 "assignments_in_flight": sched.in_flight(),
                 "jobs_active": sum(1 for j in sched.jobs.values() if j.active),
                 "loops_down": len(app[LOOPS].down)}
@@ -278,7 +278,7 @@ async def _sweep_once(app: web.Application) -> None:
         if job.state != "running":
             continue
         waiting = any(s.state == "open" and s.accepted for s in job.shards.values())
-        if waiting or job.round_complete(time.time(), ledger.scheduler.is_online):
+        if waiting or job.round_complete(time.time(), ledger.scheduler.presence.is_online):
             ledger.rounds.poke(job.id)
 
 

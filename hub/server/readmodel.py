@@ -321,7 +321,7 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
         if live.error and not doc.get("error"):
             doc["error"] = live.error
         if live.active:
-            online = 0 if live.node_local else app[LEDGER].scheduler.online_nodes(time.time())
+            online = 0 if live.node_local else app[LEDGER].scheduler.presence.online_nodes(time.time())
             doc["progress"] = {
                 "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
                 "chunks_free": len(live.free), "assignments_live": live.live_count(),

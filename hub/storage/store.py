@@ -5,6 +5,11 @@ The ledger (hub/domain/ledger.py) decides every state change and then calls exac
 was given in one transaction, or nothing, and returns only after the commit is
 durable, so a 2xx built on it survives kill -9.
 
+`Store` composes one smaller interface per aggregate: `NodeStore`, `JobStore` (jobs and their
+rounds), `SiloStore` (a node-local job's silos), `AssignmentStore` (assignments, the updates they
+bring, their shards' verdicts), `StateRequestStore` (the referee) and `FlagStore` (the audit of
+flags); a use case that needs one aggregate can ask for that one alone.
+
 Two implementations run the same statements (`SqlStore`, hub/storage/store_sqlite.py) and the
 same contract tests (tests/test_store_contract.py): `SqliteStore`, the default, and
 `PostgresStore` (hub/storage/store_postgres.py, `serve --store postgresql://...`). Nothing above
@@ -22,7 +27,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..model.job import (
     AssignmentState,
@@ -99,24 +104,9 @@ class LoadedState:
     broken: list[tuple[str, str]]  # (job id, why it cannot be resumed)
 
 
-class Store(abc.ABC):
-    """Durable hub state. Every method commits once; none is called from a worker thread
-    except the `*_sync` ones."""
+class NodeStore(Protocol):
+    """Nodes: a registration, and the reputations verdicts change."""
 
-    # -- start -------------------------------------------------------------------------------
-    @abc.abstractmethod
-    async def load(self) -> LoadedState:
-        """Every node, and every active job's open round (shards, live assignments, updates)."""
-
-    @abc.abstractmethod
-    async def fail_job(self, job_id: str, error: str, cancelled: Sequence[str] = ()) -> None:
-        """The job ends as failed with `error`; its live assignments are cancelled."""
-
-    @abc.abstractmethod
-    def first_admin_token_sync(self) -> str:
-        """Create and return an admin token when there is none yet ('' otherwise)."""
-
-    # -- nodes -------------------------------------------------------------------------------
     @abc.abstractmethod
     async def save_node(self, node_id: str, public_key: bytes, profile: NodeProfile, *, bench_sps: float,
                         now: float, address_block: str = "", operator: str | None = None) -> None:
@@ -128,7 +118,10 @@ class Store(abc.ABC):
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:
         """(node id, its new reputation): counters and ban state."""
 
-    # -- jobs --------------------------------------------------------------------------------
+
+class JobStore(Protocol):
+    """Jobs and their rounds: a new job, the end of one, a round closed."""
+
     @abc.abstractmethod
     def insert_job_sync(self, job: JobState, spec_text: str, train_samples: int, val_samples: int) -> None:
         """A new job with its chunks, model version 0 and round 0 (from the ingest thread)."""
@@ -142,6 +135,23 @@ class Store(abc.ABC):
         """The job leaves the running states (done by close_round; cancelled; failed)."""
 
     @abc.abstractmethod
+    async def fail_job(self, job_id: str, error: str, cancelled: Sequence[str] = ()) -> None:
+        """The job ends as failed with `error`; its live assignments are cancelled."""
+
+    @abc.abstractmethod
+    async def close_round(self, job: JobState, result: RoundResult, *, flags: Sequence[Flag],
+                          withdrawn: Sequence[str], cancelled: Sequence[str],
+                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float,
+                          carried: Sequence[tuple[str, ShardState]] = ()) -> None:
+        """The round's outcome and the next model; the job moves on (or is done). ``carried``:
+        live assignments that count in the next round (node-local, late = "next"), each with its
+        new shard of that round."""
+
+
+class SiloStore(Protocol):
+    """A node-local job's silos: who holds which chunk."""
+
+    @abc.abstractmethod
     async def save_silo(self, job_id: str, chunk: ChunkInfo, *, histogram: Sequence[int] | None, now: float) -> None:
         """A node's silo for a node-local job (``chunk.owner``): a new chunk row, or its earlier
         silo's row (same index) replaced."""
@@ -151,7 +161,10 @@ class Store(abc.ABC):
         """A node-local job's silo ``idx`` belongs to nobody any more (its chunk row stays, without
         an owner), and its live assignments ``abandoned`` end abandoned, in one transaction."""
 
-    # -- assignments -------------------------------------------------------------------------
+
+class AssignmentStore(Protocol):
+    """Assignments and the updates they bring: issued, extended, ended, delivered, settled."""
+
     @abc.abstractmethod
     async def issue_assignment(self, a: AssignmentState, new_shard: ShardState | None,
                                chunks: Sequence[ChunkInfo]) -> None:
@@ -167,7 +180,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def assignment_fate(self, assignment_id: str) -> AssignmentFate | None: ...
 
-    # -- updates and shards ------------------------------------------------------------------
     @abc.abstractmethod
     async def accept_update(self, upd: UpdateState, *, job_id: str, round: int, metrics: dict[str, float],
                             timings: dict[str, float], node: NodeState, first_update: bool,
@@ -186,15 +198,18 @@ class Store(abc.ABC):
         """A replica group's verdict: shard state, update statuses, void replicas, flags, reputations."""
 
     @abc.abstractmethod
-    async def close_round(self, job: JobState, result: RoundResult, *, flags: Sequence[Flag],
-                          withdrawn: Sequence[str], cancelled: Sequence[str],
-                          reputations: Sequence[tuple[str, Reputation]], last: bool, now: float,
-                          carried: Sequence[tuple[str, ShardState]] = ()) -> None:
-        """The round's outcome and the next model; the job moves on (or is done). ``carried``:
-        live assignments that count in the next round (node-local, late = "next"), each with its
-        new shard of that round."""
+    async def update_sha(self, update_id: str) -> str | None: ...
 
-    # -- the referee (hub/policy/referee.py) --------------------------------------------------------
+    @abc.abstractmethod
+    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
+                             limit: int) -> list[str]:
+        """The blob ids of a node's latest updates in a job received before ``before`` (newest
+        first, at most ``limit``, not the update ``but``)."""
+
+
+class StateRequestStore(Protocol):
+    """The referee's state requests (hub/policy/referee.py): asked, answered, decided."""
+
     @abc.abstractmethod
     async def open_state_requests(self, requests: Sequence[StateRequestState]) -> None:
         """The referee asks nodes for checkpoint states: one row per request, status open."""
@@ -217,7 +232,10 @@ class Store(abc.ABC):
         """The referee's requests about shards still open (after a restart): each request with the
         states handed over so far, its status (open or a verdict) and the verdict's evidence."""
 
-    # -- flags -------------------------------------------------------------------------------
+
+class FlagStore(Protocol):
+    """The audit of suspicions: a flag, and an auditor's verdict on it."""
+
     @abc.abstractmethod
     async def flag(self, flag_id: str) -> FlagRecord | None: ...
 
@@ -229,14 +247,19 @@ class Store(abc.ABC):
         given (the verdict banned the node), the node's other open flags become 'moot' with it.
         Returns the decided flag, or None when the flag was no longer open."""
 
+
+class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, Protocol):
+    """Durable hub state: the aggregates' stores above, and what starts, reads and stops it. Every
+    method commits once; none is called from a worker thread except the `*_sync` ones."""
+
+    # -- start -------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def update_sha(self, update_id: str) -> str | None: ...
+    async def load(self) -> LoadedState:
+        """Every node, and every active job's open round (shards, live assignments, updates)."""
 
     @abc.abstractmethod
-    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
-                             limit: int) -> list[str]:
-        """The blob ids of a node's latest updates in a job received before ``before`` (newest
-        first, at most ``limit``, not the update ``but``)."""
+    def first_admin_token_sync(self) -> str:
+        """Create and return an admin token when there is none yet ('' otherwise)."""
 
     # -- the read side -----------------------------------------------------------------------
     @abc.abstractmethod

@@ -1,6 +1,8 @@
 """`SqlStore`: the `Store`'s methods as SQL that SQLite and PostgreSQL both run, and `SqliteStore`,
 the `Store` on the hub's SQLite database (hub/storage/db.py: WAL, synchronous=FULL, one writer thread,
-group commit). Each method below is one transaction.
+group commit). Each method below is one transaction. The methods are grouped as the `Store`'s
+interfaces are, one class per aggregate (`SqlNodes`, `SqlJobs`, `SqlSilos`, `SqlAssignments`,
+`SqlStateRequests`, `SqlFlags`), and `SqlStore` composes them.
 
 The statements are written once, in the dialect both databases share (`?` placeholders, which the
 PostgreSQL connection (hub/storage/store_postgres.py) turns into its own; `INSERT ... ON CONFLICT`); what
@@ -17,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from gpuflex.protocol.errors import ProtocolError
-from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.messages import UNKNOWN_CLASS, Commitment, ComputeClass, nested_from_dict
 
 from ..base.errors import Conflict
@@ -33,7 +35,20 @@ from ..model.job import (
 from ..model.node import NodeState, peak_flops
 from ..policy.verification import Flag, Reputation
 from .db import Database
-from .store import AssignmentFate, FlagRecord, LoadedState, NodeProfile, RoundResult, Store
+from .store import (
+    AssignmentFate,
+    AssignmentStore,
+    FlagRecord,
+    FlagStore,
+    JobStore,
+    LoadedState,
+    NodeProfile,
+    NodeStore,
+    RoundResult,
+    SiloStore,
+    StateRequestStore,
+    Store,
+)
 from .tokens import insert_token
 
 T = TypeVar("T")
@@ -120,39 +135,19 @@ def _state_request(r: Any) -> StateRequestState:
         declined={k for k, v in answered.items() if v == _DECLINED})
 
 
-class SqlStore(Store):
-    """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit)."""
+class _SqlRows:
+    """What every aggregate's statements run on: a `Database` (one thread, one connection, group
+    commit) and the two things the databases differ in (`SqlStore` sets them)."""
 
-    #: the database's clock as Unix seconds, in its SQL
-    clock_sql = "(julianday('now') - 2440587.5) * 86400.0"
-    #: what the connection raises on a broken UNIQUE constraint
-    integrity_errors: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
+    db: Database
+    integrity_errors: tuple[type[Exception], ...]
+    #: `reputation_sql` with the database's clock
+    _reputation_sql: str
 
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self._reputation_sql = reputation_sql(self.clock_sql)
 
-    # -- start -------------------------------------------------------------------------------
-    async def load(self) -> LoadedState:
-        def read(conn: sqlite3.Connection) -> LoadedState:
-            nodes = [_node(r) for r in conn.execute("SELECT * FROM nodes").fetchall()]
-            jobs, broken = _load_jobs(conn)
-            return LoadedState(nodes, jobs, broken)
+class SqlNodes(_SqlRows, NodeStore):
+    """The nodes' rows."""
 
-        return await self.db.read(read)
-
-    async def fail_job(self, job_id: str, error: str, cancelled: Sequence[str] = ()) -> None:
-        await self.end_job(job_id, "failed", error, cancelled)
-
-    def first_admin_token_sync(self) -> str:
-        def first_admin(conn: sqlite3.Connection) -> str:
-            if conn.execute("SELECT COUNT(*) FROM tokens WHERE role = 'admin'").fetchone()[0]:
-                return ""
-            return insert_token(conn, "admin", "admin")
-
-        return self.db.write_sync(first_admin)
-
-    # -- nodes -------------------------------------------------------------------------------
     async def save_node(self, node_id: str, public_key: bytes, profile: NodeProfile, *, bench_sps: float,
                         now: float, address_block: str = "", operator: str | None = None) -> None:
         device, bench = json.dumps(profile.device), json.dumps(profile.benchmark)
@@ -172,7 +167,10 @@ class SqlStore(Store):
         rows = [_reputation_row(n, r) for n, r in reputations]
         await self.db.write(lambda c: c.executemany(self._reputation_sql, rows))
 
-    # -- jobs --------------------------------------------------------------------------------
+
+class SqlJobs(_SqlRows, JobStore):
+    """The jobs' rows and their rounds, chunks and models."""
+
     def insert_job_sync(self, job: JobState, spec_text: str, train_samples: int, val_samples: int) -> None:
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(
@@ -191,25 +189,6 @@ class SqlStore(Store):
 
         self.db.write_sync(write)
 
-    async def save_silo(self, job_id: str, chunk: ChunkInfo, *, histogram: Sequence[int] | None, now: float) -> None:
-        hist = None if histogram is None else json.dumps(list(histogram))
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM chunks WHERE job_id = ? AND idx = ?", (job_id, chunk.idx))
-            conn.execute(
-                "INSERT INTO chunks (job_id, idx, sha, samples, size, owner_node, histogram, registered_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, chunk.idx, chunk.sha, chunk.samples, chunk.size, chunk.owner, hist, now))
-
-        await self.db.write(write)
-
-    async def withdraw_silo(self, job_id: str, idx: int, abandoned: Sequence[str]) -> None:
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE chunks SET owner_node = NULL WHERE job_id = ? AND idx = ?", (job_id, idx))
-            _end_live(conn, abandoned, "abandoned")
-
-        await self.db.write(write)
-
     async def job_state(self, job_id: str) -> str | None:
         row = await self.db.read(lambda c: c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone())
         return None if row is None else str(row["state"])
@@ -224,80 +203,8 @@ class SqlStore(Store):
 
         await self.db.write(write)
 
-    # -- assignments -------------------------------------------------------------------------
-    async def issue_assignment(self, a: AssignmentState, new_shard: ShardState | None,
-                               chunks: Sequence[ChunkInfo]) -> None:
-        def write(conn: sqlite3.Connection) -> None:
-            if new_shard is not None:
-                _insert_shard(conn, new_shard, chunks)
-            conn.execute(
-                "INSERT INTO assignments (id, shard_id, job_id, round, node_id, issued_at, expected_s, deadline,"
-                " state, sealed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'live', ?)",
-                (a.id, a.shard_id, a.job_id, a.round, a.node_id, a.issued_at, a.expected_s, a.deadline,
-                 a.sealed))
-
-        await self.db.write(write)
-
-    async def extend_deadline(self, assignment_id: str, deadline: float) -> None:
-        await self.db.write(lambda c: c.execute("UPDATE assignments SET deadline = ? WHERE id = ?",
-                                                (deadline, assignment_id)))
-
-    async def end_assignments(self, ids: Sequence[str], state: str) -> None:
-        if state not in ("expired", "abandoned", "cancelled"):
-            raise ValueError(f"an assignment cannot end as {state!r}")
-        await self.db.write(lambda c: _end_live(c, ids, state))
-
-    async def assignment_fate(self, assignment_id: str) -> AssignmentFate | None:
-        row = await self.db.read(lambda c: c.execute(
-            "SELECT a.node_id, a.state, u.id AS update_id FROM assignments a"
-            " LEFT JOIN updates u ON u.assignment_id = a.id WHERE a.id = ?", (assignment_id,)).fetchone())
-        if row is None:
-            return None
-        return AssignmentFate(row["node_id"], row["state"], row["update_id"])
-
-    # -- updates and shards ------------------------------------------------------------------
-    async def accept_update(self, upd: UpdateState, *, job_id: str, round: int, metrics: dict[str, float],
-                            timings: dict[str, float], node: NodeState, first_update: bool,
-                            settles: bool) -> None:
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT INTO updates (id, assignment_id, shard_id, job_id, round, node_id, sha, size,"
-                " sample_count, loss, train_s, metrics, timings, status, received_at, commitment)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'accepted', ?, ?)",
-                (upd.id, upd.assignment_id, upd.shard_id, job_id, round, upd.node_id, upd.sha, upd.size,
-                 upd.sample_count, upd.loss, upd.train_s, json.dumps(metrics), json.dumps(timings),
-                 upd.received_at, commitment_to_json(upd.commitment)))
-            conn.execute("UPDATE assignments SET state = 'done' WHERE id = ?", (upd.assignment_id,))
-            conn.execute("UPDATE nodes SET ema_sps = ?, updates_accepted = ?, last_seen = ? WHERE id = ?",
-                         (node.ema_sps, node.updates_accepted, upd.received_at, node.id))
-            if first_update:
-                conn.execute("UPDATE shards SET first_update_at = ? WHERE id = ?", (upd.received_at, upd.shard_id))
-            if settles:
-                conn.execute("UPDATE shards SET state = 'settled', outcome = '{\"replicas\":1}' WHERE id = ?",
-                             (upd.shard_id,))
-
-        try:
-            await self.db.write(write)
-        except self.integrity_errors:
-            raise DuplicateUpdate("an update for this assignment was already accepted") from None
-
-    async def want_replicas(self, shard_id: str, wanted: int, evidence: dict[str, Any]) -> None:
-        await self.db.write(lambda c: c.execute("UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
-                                                (wanted, _json(evidence), shard_id)))
-
-    async def settle_shard(self, shard: ShardState, *, state: str, evidence: dict[str, Any], statuses: dict[str, str],
-                           cancelled: Sequence[str], flags: Sequence[Flag], round: int,
-                           reputations: Sequence[tuple[str, Reputation]], now: float) -> None:
-        rows = [_reputation_row(n, r) for n, r in reputations]
-
-        def write(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE shards SET state = ?, outcome = ? WHERE id = ?", (state, _json(evidence), shard.id))
-            conn.executemany("UPDATE updates SET status = ? WHERE id = ?", [(s, u) for u, s in statuses.items()])
-            _end_live(conn, cancelled, "cancelled")
-            insert_flags(conn, shard.job_id, round, flags, now)
-            conn.executemany(self._reputation_sql, rows)
-
-        await self.db.write(write)
+    async def fail_job(self, job_id: str, error: str, cancelled: Sequence[str] = ()) -> None:
+        await self.end_job(job_id, "failed", error, cancelled)
 
     async def close_round(self, job: JobState, result: RoundResult, *, flags: Sequence[Flag],
                           withdrawn: Sequence[str], cancelled: Sequence[str],
@@ -344,33 +251,122 @@ class SqlStore(Store):
 
         await self.db.write(write)
 
-    # -- flags -------------------------------------------------------------------------------
-    async def flag(self, flag_id: str) -> FlagRecord | None:
-        row = await self.db.read(lambda c: c.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone())
-        return None if row is None else flag_record(row)
 
-    async def decide_flag(self, flag_id: str, *, status: str, note: str, auditor: str, now: float,
-                          reputation: tuple[str, Reputation] | None,
-                          moot_note: str | None) -> FlagRecord | None:
-        rep_row = _reputation_row(*reputation) if reputation is not None else None
+class SqlSilos(_SqlRows, SiloStore):
+    """A node-local job's silos: its chunk rows' owners."""
 
-        def write(conn: sqlite3.Connection) -> FlagRecord | None:
-            cur = conn.execute(
-                "UPDATE flags SET status = ?, verdict_note = ?, auditor = ?, decided_at = ?"
-                " WHERE id = ? AND status = 'open'", (status, note, auditor, now, flag_id))
-            if cur.rowcount == 0:
-                return None
-            if rep_row is not None:
-                conn.execute(self._reputation_sql, rep_row)
-                if moot_note is not None:
-                    conn.execute(
-                        "UPDATE flags SET status = 'moot', verdict_note = ?, auditor = 'hub', decided_at = ?"
-                        " WHERE node_id = ? AND status = 'open'", (moot_note, now, rep_row[-1]))
-            return flag_record(conn.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone())
+    async def save_silo(self, job_id: str, chunk: ChunkInfo, *, histogram: Sequence[int] | None, now: float) -> None:
+        hist = None if histogram is None else json.dumps(list(histogram))
 
-        return await self.db.write(write)
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM chunks WHERE job_id = ? AND idx = ?", (job_id, chunk.idx))
+            conn.execute(
+                "INSERT INTO chunks (job_id, idx, sha, samples, size, owner_node, histogram, registered_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, chunk.idx, chunk.sha, chunk.samples, chunk.size, chunk.owner, hist, now))
 
-    # -- the referee -------------------------------------------------------------------------
+        await self.db.write(write)
+
+    async def withdraw_silo(self, job_id: str, idx: int, abandoned: Sequence[str]) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE chunks SET owner_node = NULL WHERE job_id = ? AND idx = ?", (job_id, idx))
+            _end_live(conn, abandoned, "abandoned")
+
+        await self.db.write(write)
+
+
+class SqlAssignments(_SqlRows, AssignmentStore):
+    """Assignments, the updates they bring, and their shards' verdicts."""
+
+    async def issue_assignment(self, a: AssignmentState, new_shard: ShardState | None,
+                               chunks: Sequence[ChunkInfo]) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            if new_shard is not None:
+                _insert_shard(conn, new_shard, chunks)
+            conn.execute(
+                "INSERT INTO assignments (id, shard_id, job_id, round, node_id, issued_at, expected_s, deadline,"
+                " state, sealed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'live', ?)",
+                (a.id, a.shard_id, a.job_id, a.round, a.node_id, a.issued_at, a.expected_s, a.deadline,
+                 a.sealed))
+
+        await self.db.write(write)
+
+    async def extend_deadline(self, assignment_id: str, deadline: float) -> None:
+        await self.db.write(lambda c: c.execute("UPDATE assignments SET deadline = ? WHERE id = ?",
+                                                (deadline, assignment_id)))
+
+    async def end_assignments(self, ids: Sequence[str], state: str) -> None:
+        if state not in ("expired", "abandoned", "cancelled"):
+            raise ValueError(f"an assignment cannot end as {state!r}")
+        await self.db.write(lambda c: _end_live(c, ids, state))
+
+    async def assignment_fate(self, assignment_id: str) -> AssignmentFate | None:
+        row = await self.db.read(lambda c: c.execute(
+            "SELECT a.node_id, a.state, u.id AS update_id FROM assignments a"
+            " LEFT JOIN updates u ON u.assignment_id = a.id WHERE a.id = ?", (assignment_id,)).fetchone())
+        if row is None:
+            return None
+        return AssignmentFate(row["node_id"], row["state"], row["update_id"])
+
+    async def accept_update(self, upd: UpdateState, *, job_id: str, round: int, metrics: dict[str, float],
+                            timings: dict[str, float], node: NodeState, first_update: bool,
+                            settles: bool) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO updates (id, assignment_id, shard_id, job_id, round, node_id, sha, size,"
+                " sample_count, loss, train_s, metrics, timings, status, received_at, commitment)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'accepted', ?, ?)",
+                (upd.id, upd.assignment_id, upd.shard_id, job_id, round, upd.node_id, upd.sha, upd.size,
+                 upd.sample_count, upd.loss, upd.train_s, json.dumps(metrics), json.dumps(timings),
+                 upd.received_at, commitment_to_json(upd.commitment)))
+            conn.execute("UPDATE assignments SET state = 'done' WHERE id = ?", (upd.assignment_id,))
+            conn.execute("UPDATE nodes SET ema_sps = ?, updates_accepted = ?, last_seen = ? WHERE id = ?",
+                         (node.ema_sps, node.updates_accepted, upd.received_at, node.id))
+            if first_update:
+                conn.execute("UPDATE shards SET first_update_at = ? WHERE id = ?", (upd.received_at, upd.shard_id))
+            if settles:
+                conn.execute("UPDATE shards SET state = 'settled', outcome = '{\"replicas\":1}' WHERE id = ?",
+                             (upd.shard_id,))
+
+        try:
+            await self.db.write(write)
+        except self.integrity_errors:
+            raise DuplicateUpdate("an update for this assignment was already accepted") from None
+
+    async def want_replicas(self, shard_id: str, wanted: int, evidence: dict[str, Any]) -> None:
+        await self.db.write(lambda c: c.execute("UPDATE shards SET wanted = ?, outcome = ? WHERE id = ?",
+                                                (wanted, _json(evidence), shard_id)))
+
+    async def settle_shard(self, shard: ShardState, *, state: str, evidence: dict[str, Any], statuses: dict[str, str],
+                           cancelled: Sequence[str], flags: Sequence[Flag], round: int,
+                           reputations: Sequence[tuple[str, Reputation]], now: float) -> None:
+        rows = [_reputation_row(n, r) for n, r in reputations]
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE shards SET state = ?, outcome = ? WHERE id = ?", (state, _json(evidence), shard.id))
+            conn.executemany("UPDATE updates SET status = ? WHERE id = ?", [(s, u) for u, s in statuses.items()])
+            _end_live(conn, cancelled, "cancelled")
+            insert_flags(conn, shard.job_id, round, flags, now)
+            conn.executemany(self._reputation_sql, rows)
+
+        await self.db.write(write)
+
+    async def update_sha(self, update_id: str) -> str | None:
+        row = await self.db.read(lambda c: c.execute("SELECT sha FROM updates WHERE id = ?",
+                                                      (update_id,)).fetchone())
+        return None if row is None else str(row["sha"])
+
+    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
+                             limit: int) -> list[str]:
+        rows = await self.db.read(lambda c: c.execute(
+            "SELECT sha FROM updates WHERE job_id = ? AND node_id = ? AND received_at < ? AND id != ?"
+            " ORDER BY received_at DESC LIMIT ?", (job_id, node_id, before, but, limit)).fetchall())
+        return [str(r["sha"]) for r in rows]
+
+
+class SqlStateRequests(_SqlRows, StateRequestStore):
+    """The referee's state requests."""
+
     async def open_state_requests(self, requests: Sequence[StateRequestState]) -> None:
         rows = [(r.id, r.job_id, r.round, r.shard_id, r.update_id, r.node_id, r.assignment_id, r.reason, r.segment,
                  _json(list(r.steps)), r.requested_at, r.deadline) for r in requests]
@@ -411,17 +407,65 @@ class SqlStore(Store):
 
         return await self.db.read(read)
 
-    async def update_sha(self, update_id: str) -> str | None:
-        row = await self.db.read(lambda c: c.execute("SELECT sha FROM updates WHERE id = ?",
-                                                      (update_id,)).fetchone())
-        return None if row is None else str(row["sha"])
 
-    async def uploads_before(self, job_id: str, node_id: str, before: float, *, but: str,
-                             limit: int) -> list[str]:
-        rows = await self.db.read(lambda c: c.execute(
-            "SELECT sha FROM updates WHERE job_id = ? AND node_id = ? AND received_at < ? AND id != ?"
-            " ORDER BY received_at DESC LIMIT ?", (job_id, node_id, before, but, limit)).fetchall())
-        return [str(r["sha"]) for r in rows]
+class SqlFlags(_SqlRows, FlagStore):
+    """The flags and the auditors' verdicts on them."""
+
+    async def flag(self, flag_id: str) -> FlagRecord | None:
+        row = await self.db.read(lambda c: c.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone())
+        return None if row is None else flag_record(row)
+
+    async def decide_flag(self, flag_id: str, *, status: str, note: str, auditor: str, now: float,
+                          reputation: tuple[str, Reputation] | None,
+                          moot_note: str | None) -> FlagRecord | None:
+        rep_row = _reputation_row(*reputation) if reputation is not None else None
+
+        def write(conn: sqlite3.Connection) -> FlagRecord | None:
+            cur = conn.execute(
+                "UPDATE flags SET status = ?, verdict_note = ?, auditor = ?, decided_at = ?"
+                " WHERE id = ? AND status = 'open'", (status, note, auditor, now, flag_id))
+            if cur.rowcount == 0:
+                return None
+            if rep_row is not None:
+                conn.execute(self._reputation_sql, rep_row)
+                if moot_note is not None:
+                    conn.execute(
+                        "UPDATE flags SET status = 'moot', verdict_note = ?, auditor = 'hub', decided_at = ?"
+                        " WHERE node_id = ? AND status = 'open'", (moot_note, now, rep_row[-1]))
+            return flag_record(conn.execute("SELECT * FROM flags WHERE id = ?", (flag_id,)).fetchone())
+
+        return await self.db.write(write)
+
+
+class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, Store):
+    """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
+    one class per aggregate above, and what starts, reads and stops the store."""
+
+    #: the database's clock as Unix seconds, in its SQL
+    clock_sql = "(julianday('now') - 2440587.5) * 86400.0"
+    #: what the connection raises on a broken UNIQUE constraint
+    integrity_errors: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._reputation_sql = reputation_sql(self.clock_sql)
+
+    # -- start -------------------------------------------------------------------------------
+    async def load(self) -> LoadedState:
+        def read(conn: sqlite3.Connection) -> LoadedState:
+            nodes = [_node(r) for r in conn.execute("SELECT * FROM nodes").fetchall()]
+            jobs, broken = _load_jobs(conn)
+            return LoadedState(nodes, jobs, broken)
+
+        return await self.db.read(read)
+
+    def first_admin_token_sync(self) -> str:
+        def first_admin(conn: sqlite3.Connection) -> str:
+            if conn.execute("SELECT COUNT(*) FROM tokens WHERE role = 'admin'").fetchone()[0]:
+                return ""
+            return insert_token(conn, "admin", "admin")
+
+        return self.db.write_sync(first_admin)
 
     # -- the read side -----------------------------------------------------------------------
     async def query(self, fn: Callable[[Any], T]) -> T:
@@ -481,75 +525,86 @@ def _load_jobs(conn: sqlite3.Connection) -> tuple[list[JobState], list[tuple[str
         except ProtocolError as exc:
             broken.append((row["id"], str(exc)))
             continue
-        chunks = [
-            ChunkInfo(r["idx"], r["sha"], r["samples"], r["size"], r["owner_node"])
-            for r in conn.execute(
-                "SELECT idx, sha, samples, size, owner_node FROM chunks WHERE job_id = ? ORDER BY idx", (row["id"],)
-            )
-        ]
-        job = JobState(
-            id=row["id"], owner=row["owner"], name=row["name"], spec=spec, state=row["state"],
-            round=row["round"], rounds=row["rounds"], model_hash=row["model_hash"],
-            model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
-            opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
-        )
-        for m in conn.execute("SELECT version, sha FROM models WHERE job_id = ? AND version >= ? ORDER BY version",
-                              (job.id, job.round - spec.verification.trend_rounds)):
-            job.note_model(m["version"], m["sha"])
-        job.note_model(job.round, job.model_hash)
-        job.open_round()
-        by_idx = {c.idx: c for c in chunks}
-        for s in conn.execute(
-            "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq", (job.id, job.round)
-        ):
-            job.next_seq = max(job.next_seq, s["seq"] + 1)
-            if s["state"] == "dropped":
-                continue
-            idxs = tuple(
-                r["chunk_idx"]
-                for r in conn.execute(
-                    "SELECT chunk_idx FROM shard_chunks WHERE shard_id = ? ORDER BY pos", (s["id"],)
-                )
-            )
-            shard = ShardState(
-                id=s["id"], job_id=job.id, round=job.round, seq=s["seq"], seed=s["seed"],
-                chunk_idxs=idxs, samples=s["samples"], replica_group=s["replica_group"],
-                wanted=s["wanted"], state=s["state"], first_update_at=s["first_update_at"],
-            )
-            if s["state"] == "settled":
-                unverified = json.loads(s["outcome"] or "{}").get("unverified")
-                shard.unverified = str(unverified) if unverified else None
-            for a in conn.execute("SELECT * FROM assignments WHERE shard_id = ?", (shard.id,)):
-                shard.nodes.add(a["node_id"])
-                if a["state"] == "live":
-                    shard.live[a["id"]] = AssignmentState(
-                        id=a["id"], shard_id=shard.id, job_id=job.id, round=job.round,
-                        node_id=a["node_id"], issued_at=a["issued_at"], expected_s=a["expected_s"],
-                        deadline=a["deadline"], sealed=bytes(a["sealed"]), model_hash=job.model_hash,
-                        chunk_shas=frozenset(by_idx[i].sha for i in idxs),
-                    )
-            for u in conn.execute(
-                "SELECT u.*, a.issued_at FROM updates u JOIN assignments a ON a.id = u.assignment_id"
-                " WHERE u.shard_id = ? AND u.status IN ('accepted', 'redundant') ORDER BY u.received_at, u.id",
-                (shard.id,),
-            ):
-                upd = UpdateState(
-                    id=u["id"], assignment_id=u["assignment_id"], shard_id=shard.id,
-                    node_id=u["node_id"], sha=u["sha"], size=u["size"],
-                    sample_count=u["sample_count"], loss=u["loss"], train_s=u["train_s"],
-                    received_at=u["received_at"], status=u["status"],
-                    elapsed_s=u["received_at"] - u["issued_at"],
-                    commitment=commitment_from_json(u["commitment"]),
-                )
-                shard.accepted.append(upd)
-                if upd.status == "accepted" and shard.state == "settled":
-                    shard.representative = upd.id
-            if shard.state == "settled" and shard.representative is None:
-                shard.state = "dropped"  # nothing usable; its chunks go back to the pool
-                continue
-            job.shards[shard.id] = shard
-            if shard.wanted > 1 and shard.state == "open":
-                job.replicated[shard.id] = shard
-            job.take(idxs)
-        jobs.append(job)
+        jobs.append(_load_job(conn, row, spec))
     return jobs, broken
+
+
+def _load_job(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec) -> JobState:
+    """A job's row, its chunks, its recent models and its open round's shards."""
+    chunks = [
+        ChunkInfo(r["idx"], r["sha"], r["samples"], r["size"], r["owner_node"])
+        for r in conn.execute(
+            "SELECT idx, sha, samples, size, owner_node FROM chunks WHERE job_id = ? ORDER BY idx", (row["id"],)
+        )
+    ]
+    job = JobState(
+        id=row["id"], owner=row["owner"], name=row["name"], spec=spec, state=row["state"],
+        round=row["round"], rounds=row["rounds"], model_hash=row["model_hash"],
+        model_size=row["model_size"], chunks=chunks, val_sha=row["val_sha"],
+        opt_state_sha=row["opt_state_sha"], created_at=row["created_at"],
+    )
+    for m in conn.execute("SELECT version, sha FROM models WHERE job_id = ? AND version >= ? ORDER BY version",
+                          (job.id, job.round - spec.verification.trend_rounds)):
+        job.note_model(m["version"], m["sha"])
+    job.note_model(job.round, job.model_hash)
+    job.open_round()
+    by_idx = {c.idx: c for c in chunks}
+    for s in conn.execute(
+        "SELECT * FROM shards WHERE job_id = ? AND round = ? ORDER BY seq", (job.id, job.round)
+    ):
+        job.next_seq = max(job.next_seq, s["seq"] + 1)
+        if s["state"] == "dropped":
+            continue
+        shard = _load_shard(conn, job, s, by_idx)
+        if shard.state == "settled" and shard.representative is None:
+            shard.state = "dropped"  # nothing usable; its chunks go back to the pool
+            continue
+        job.shards[shard.id] = shard
+        if shard.wanted > 1 and shard.state == "open":
+            job.replicated[shard.id] = shard
+        job.take(shard.chunk_idxs)
+    return job
+
+
+def _load_shard(conn: sqlite3.Connection, job: JobState, s: sqlite3.Row, by_idx: dict[int, ChunkInfo]) -> ShardState:
+    """A shard of the job's open round, with its holders, live assignments and usable updates."""
+    idxs = tuple(
+        r["chunk_idx"]
+        for r in conn.execute(
+            "SELECT chunk_idx FROM shard_chunks WHERE shard_id = ? ORDER BY pos", (s["id"],)
+        )
+    )
+    shard = ShardState(
+        id=s["id"], job_id=job.id, round=job.round, seq=s["seq"], seed=s["seed"],
+        chunk_idxs=idxs, samples=s["samples"], replica_group=s["replica_group"],
+        wanted=s["wanted"], state=s["state"], first_update_at=s["first_update_at"],
+    )
+    if s["state"] == "settled":
+        unverified = json.loads(s["outcome"] or "{}").get("unverified")
+        shard.unverified = str(unverified) if unverified else None
+    for a in conn.execute("SELECT * FROM assignments WHERE shard_id = ?", (shard.id,)):
+        shard.nodes.add(a["node_id"])
+        if a["state"] == "live":
+            shard.live[a["id"]] = AssignmentState(
+                id=a["id"], shard_id=shard.id, job_id=job.id, round=job.round,
+                node_id=a["node_id"], issued_at=a["issued_at"], expected_s=a["expected_s"],
+                deadline=a["deadline"], sealed=bytes(a["sealed"]), model_hash=job.model_hash,
+                chunk_shas=frozenset(by_idx[i].sha for i in idxs),
+            )
+    for u in conn.execute(
+        "SELECT u.*, a.issued_at FROM updates u JOIN assignments a ON a.id = u.assignment_id"
+        " WHERE u.shard_id = ? AND u.status IN ('accepted', 'redundant') ORDER BY u.received_at, u.id",
+        (shard.id,),
+    ):
+        upd = UpdateState(
+            id=u["id"], assignment_id=u["assignment_id"], shard_id=shard.id,
+            node_id=u["node_id"], sha=u["sha"], size=u["size"],
+            sample_count=u["sample_count"], loss=u["loss"], train_s=u["train_s"],
+            received_at=u["received_at"], status=u["status"],
+            elapsed_s=u["received_at"] - u["issued_at"],
+            commitment=commitment_from_json(u["commitment"]),
+        )
+        shard.accepted.append(upd)
+        if upd.status == "accepted" and shard.state == "settled":
+            shard.representative = upd.id
+    return shard

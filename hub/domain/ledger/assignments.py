@@ -52,11 +52,11 @@ class Assignments:
     @contextlib.contextmanager
     def polling(self, node: NodeState) -> Iterator[None]:
         """The node waits for work while inside: it counts in the gathering a round is cut for."""
-        self.scheduler.poll_started(node.id)
+        self.scheduler.presence.poll_started(node.id)
         try:
             yield
         finally:
-            self.scheduler.poll_ended(node.id, time.time())
+            self.scheduler.presence.poll_ended(node.id, time.time())
 
     async def next_assignment(self, node: NodeState, cached: frozenset[str]) -> Issued | None:
         """The node's live assignment if it still holds one, else a new one, else None."""
@@ -83,7 +83,7 @@ class Assignments:
             model_size=job.model_size, model_spec=job.spec.model.to_dict(),
             chunks=tuple(ChunkRef(sha256=c.sha, size=c.size, samples=c.samples) for c in chunks),
             seed=shard.seed, issued_at=now, deadline=plan.deadline,
-            train=job.train_config(shard.samples, self.scheduler.precision_for(job, node)),
+            train=job.train_config(shard.samples, self.scheduler.presence.precision_for(job, node)),
             # Never the shard's replica group: a node that knew its work is checked could behave
             # only then.
             replica_group="",

@@ -33,7 +33,7 @@ class Jobs:
         """Validate, chunk and store a job (in a worker thread), then open its first round."""
         job = await asyncio.to_thread(ingest_job, self.store, self.blobs, owner=owner, spec_text=spec_text,
                                       train_path=train_path, val_path=val_path,
-                                      nodes_online=self.scheduler.online_nodes(time.time()))
+                                      nodes_online=self.scheduler.presence.online_nodes(time.time()))
         self.scheduler.add_job(job)
         self.signal.notify()
         return job

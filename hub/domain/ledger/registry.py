@@ -38,7 +38,7 @@ class Registry:
         """A node loaded from the store at start joins the working state, and counts again in
         admission's limits (and, when banned, in its ban cooldown)."""
         self.scheduler.nodes[node.id] = node
-        self.scheduler.refresh_probation(node, now)
+        self.scheduler.presence.refresh_probation(node, now)
         self.admission.admitted(node.block, node.operator, node.registered_at)
         if node.banned:
             self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen)
@@ -72,7 +72,7 @@ class Registry:
             seed = min(bench_sps, self.config.bench_seed_max_sps)
             node = NodeState(id=node_id, public_key=signer, bench_sps=bench_sps, ema_sps=seed, last_seen=now,
                              registered_at=now, block=block, last_block=block, operator=operator)
-            self.scheduler.refresh_probation(node, now)
+            self.scheduler.presence.refresh_probation(node, now)
             self.scheduler.nodes[node_id] = node
         # a node registering again from elsewhere (--source-address, another network) is recorded
         # there: replicas keep apart from where it is, not from where it first came from

@@ -102,9 +102,9 @@ class Uploads:
             elapsed_s=now - a.issued_at, commitment=hdr.commitment,
         )
         before = (node.ema_sps, node.updates_accepted, node.proven_chunks)
-        self.scheduler.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
-                                          self.config.throughput_alpha, self.scheduler.precision_factor(job, node))
-        self.scheduler.count_delivery(node, shard)
+        self.scheduler.presence.observe_throughput(node, job.spec.train.processed(shard.samples), now - a.issued_at,
+                                          self.config.throughput_alpha, self.scheduler.presence.precision_factor(job, node))
+        self.scheduler.presence.count_delivery(node, shard)
         first = shard.first_update_at is None
         decision = self._settlement(job, shard, node)
         try:
