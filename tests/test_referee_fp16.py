@@ -40,12 +40,13 @@ def _train(tmp: Path, seed: int = 5):
     rec = CheckpointRecorder(total_steps=total, every=auto_every(total), precision="fp16", store=store,
                              assignment_id="as-1")
     res = train_assignment(job.model, state, [{"x": x, "y": y}], cfg, seed, device=torch.device("cpu"), on_step=rec)
+    commitment = rec.commitment()  # waits for the recorder's writes
     states = {}
     for step in rec.steps:
         data = store.read("as-1", step)
         assert data is not None
         states[step] = {k: v.clone() for k, v in decode_state(bytearray(data)).items()}
-    return job, cfg, x, y, state, res, rec.commitment(), states
+    return job, cfg, x, y, state, res, commitment, states
 
 
 def _judge(t, segment: int):
