@@ -23,8 +23,9 @@ from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.dataset import DatasetError, text_windows, validate_arrays
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
+from gpuflex.protocol.modelfile import load_safetensors_model, model_file_metadata
 from gpuflex.protocol.modelspec import build_model
-from gpuflex.protocol.tensors import decode_state
+from gpuflex.protocol.tensors import decode_state, state_to_safetensors
 
 from tests.tooling.text import stdlib_text
 
@@ -212,3 +213,16 @@ def test_training_on_real_text_lowers_the_next_token_loss_and_the_referee_reprod
         tolerance=VerificationSpec().segment_tolerance,
     )
     assert lied.outcome != "reproduced", dataclasses.asdict(lied)
+
+
+def test_the_model_file_rebuilds_the_transformer(tmp_path: Path) -> None:
+    spec = parse_job_spec(SPEC).model
+    model = build_model(spec, seed=2)
+    meta = model_file_metadata(spec, job_id="j", round_=0, hub_fingerprint="f")
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(state_to_safetensors(model.state_dict(), meta))
+    loaded = load_safetensors_model(path)
+    x, _ = _windows(1_000)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
