@@ -8,7 +8,7 @@ results bit for bit, and the same draws from the RNG in training mode):
   ``head`` (final LayerNorm and the projection to the vocabulary);
 - mlp, cnn, sequential: a unit starts at each layer with weights (Linear, Conv, Embedding) and
   takes the layers up to the next one (its activation, pooling, normalisation, dropout,
-  flatten); layers before the first weighted layer start the first unit.
+  flatten); layers before the first weighted layer join the first unit.
 
 Each unit names the model's state-dict entry of each of its own (``Unit.names``), so a stage's
 state is cut from the whole model's (:func:`cut_state`) and put back (:func:`put_state`).
@@ -117,7 +117,7 @@ def _stack_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from torch import nn
 
     layers = list(model.children())
-    starts = [i for i, layer in enumerate(layers) if type(layer).__name__ in WEIGHTED and i > 0]
+    starts = [i for i, layer in enumerate(layers) if type(layer).__name__ in WEIGHTED][1:]
     bounds = list(zip([0, *starts], [*starts, len(layers)], strict=True))
     return [(f"layers_{a}_{b - 1}", nn.Sequential(*layers[a:b])) for a, b in bounds]
 

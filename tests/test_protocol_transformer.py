@@ -201,3 +201,16 @@ def test_stack_units_group_a_layer_with_what_follows_it() -> None:
     assert [u.name for u in units.units] == ["layers_0_4", "layers_5_8", "layers_9_9"]
     assert dict(units[1].names)["1.weight"] == "6.weight"  # the LayerNorm after the Linear
     assert "1.running_mean" in dict(units[0].names)  # buffers travel with their unit
+    leading = {
+        "kind": "sequential",
+        "input_shape": [2, 4],
+        "outputs": 2,
+        "layers": [
+            {"type": "Flatten"},
+            {"type": "Linear", "in_features": 8, "out_features": 4},
+            {"type": "ReLU"},
+            {"type": "Linear", "in_features": 4, "out_features": 2},
+        ],
+    }
+    units = pipeline_units(ModelSpec.from_dict(leading))
+    assert [u.name for u in units.units] == ["layers_0_2", "layers_3_3"]  # Flatten joins the first
