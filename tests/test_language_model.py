@@ -226,3 +226,51 @@ def test_the_model_file_rebuilds_the_transformer(tmp_path: Path) -> None:
     model.eval()
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_job_submit_names_a_bad_text_file_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuflex.hub.ops import cli
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC)
+    for name, data, expected in (
+        ("latin1.txt", "café au lait, ".encode("latin-1") * 20, "not UTF-8 text"),
+        ("short.txt", b"tiny", "hold no window of 32 tokens"),
+    ):
+        (tmp_path / name).write_bytes(data)
+        code = cli.main(
+            [
+                "job",
+                "submit",
+                str(spec),
+                "--train",
+                str(tmp_path / name),
+                "--hub",
+                "http://127.0.0.1:9",
+                "--token",
+                "gft_x",
+            ]
+        )
+        err = capsys.readouterr().err
+        assert (
+            code == 1 and len(err.strip().splitlines()) == 1 and expected in err and name in err
+        ), err
+    (tmp_path / "ok.txt").write_bytes(stdlib_text(2_000))
+    code = cli.main(
+        [
+            "job",
+            "submit",
+            str(spec),
+            "--train",
+            str(tmp_path / "ok.txt"),
+            "--hub",
+            "http://127.0.0.1:9",
+            "--token",
+            "gft_x",
+        ]
+    )
+    assert (
+        code == 1 and "cannot reach the hub" in capsys.readouterr().err
+    )  # cut and ready to upload
