@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Container, Sequence
 
-import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.modelspec import ModelSpec, manifest, param_count
@@ -79,8 +78,7 @@ def check_assignment(
     if not a.chunks:
         raise AssignmentRejected(f"assignment {a.assignment_id} names no chunks")
     names: set[str] = set()
-    x_item = 8 if getattr(spec, "input_dtype", None) == torch.int64 else 4
-    row = math.prod(spec.input_shape) * x_item + (8 if spec.task == "classification" else spec.outputs * 4)
+    row = spec.sample_bytes
     for c in a.chunks:
         if c.sha256 in names:
             raise AssignmentRejected(f"assignment {a.assignment_id} names chunk {c.sha256[:12]}… twice")

@@ -36,6 +36,7 @@ import torch
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.modelspec import build_for_state
+from gpuflex.protocol.transformer import NextTokenLoss
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
@@ -78,14 +79,16 @@ def stack_chunks(
 ) -> tuple[Tensor, Tensor]:
     """Concatenate the chunks in order into (x, y), checking them against the spec.
 
-    x: float32 (n, *input_shape) (int64 for Embedding-first models); y: int64 (n,) with labels in [0, outputs) for
-    classification, float32 (n, outputs) for regression.
+    x: float32 (n, *input_shape) (int64 token ids for Embedding-first models and transformers); y: int64 (n,) with
+    labels in [0, outputs) for classification, float32 (n, outputs) for regression, int64 (n, context) next tokens
+    in [0, vocab) for a language model.
     """
     if not chunks:
         raise TrainError("assignment has no chunks")
     input_shape = tuple(spec.input_shape)
     x_dtype = getattr(spec, "input_dtype", torch.float32)  # int64 token ids for Embedding models
-    classification = spec.task == "classification"
+    labels = spec.task in ("classification", "language_model")  # int64 class ids: labels or next tokens
+    target_shape = tuple(spec.target_shape)
     xs: list[Tensor] = []
     ys: list[Tensor] = []
     for i, chunk in enumerate(chunks):
@@ -97,9 +100,11 @@ def stack_chunks(
                 f"chunk {i}: x is {x.dtype} {tuple(x.shape)}, expected {x_dtype} (n, {input_shape})"
             )
         n = x.shape[0]
-        if classification:
-            if y.dtype != torch.int64 or tuple(y.shape) != (n,):
-                raise TrainError(f"chunk {i}: y is {y.dtype} {tuple(y.shape)}, expected int64 ({n},)")
+        if n and spec.takes_tokens and (int(x.min()) < 0 or int(x.max()) >= spec.vocab):
+            raise TrainError(f"chunk {i}: token ids outside [0, {spec.vocab})")
+        if labels:
+            if y.dtype != torch.int64 or tuple(y.shape) != (n, *target_shape):
+                raise TrainError(f"chunk {i}: y is {y.dtype} {tuple(y.shape)}, expected int64 {(n, *target_shape)}")
             if n and (int(y.min()) < 0 or int(y.max()) >= spec.outputs):
                 raise TrainError(f"chunk {i}: labels outside [0, {spec.outputs})")
         elif y.dtype != torch.float32 or tuple(y.shape) != (n, spec.outputs):
@@ -275,10 +280,12 @@ def _loss_for(spec: ModelSpec, cfg: TrainConfig) -> nn.Module:
     if cfg.loss not in ("cross_entropy", "mse"):
         raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")
     if cfg.loss == "cross_entropy":
+        if spec.task == "language_model":
+            return NextTokenLoss()
         if spec.task != "classification":
-            raise TrainError("loss cross_entropy needs a classification model")
+            raise TrainError("loss cross_entropy needs a classification model or a language model")
         return nn.CrossEntropyLoss()
-    if spec.task == "classification":
+    if spec.task != "regression":
         raise TrainError("loss mse needs a regression model")
     return nn.MSELoss()
 

@@ -10,7 +10,9 @@ read here, told apart by content (:func:`sniff`), checked against the model spec
                                          [0, num_embeddings) when the model's first layer is an
                                          Embedding (ModelSpec.input_dtype);
                                          y int64 (n,) for classification, float32 (n, outputs)
-                                         for regression
+                                         for regression;
+                                         a language model: x and y int64 (n, context) token ids
+                                         in [0, vocab), y[i, t] the token after x[i, t]
 
 which is what the node's trainer requires of a chunk.
 
@@ -282,6 +284,8 @@ def validate_arrays(x: Any, y: Any, spec: ModelSpec, *, what: str) -> Arrays:
         raise DatasetError(f"{what}: {n} samples is more than the limit {MAX_SAMPLES}")
     if y.ndim == 0 or y.shape[0] != n:
         raise DatasetError(f"{what}: x has {n} samples but y has shape {tuple(y.shape)}")
+    if spec.task == "language_model":
+        return _token_windows(x, y, spec, what)
     input_shape = tuple(int(d) for d in spec.input_shape)
     want = math.prod(input_shape)
     if x[0].size != want:
@@ -290,7 +294,7 @@ def validate_arrays(x: Any, y: Any, spec: ModelSpec, *, what: str) -> Arrays:
             code="bad_shape",
         )
     if spec.input_dtype == torch.int64:
-        xf = _token_ids(x.reshape((n, *input_shape)), _num_embeddings(spec), what)
+        xf = _token_ids(x.reshape((n, *input_shape)), spec.vocab, what)
     else:
         with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused below
             xf = np.ascontiguousarray(x.reshape((n, *input_shape)), dtype=np.float32)
@@ -324,8 +328,46 @@ def validate_arrays(x: Any, y: Any, spec: ModelSpec, *, what: str) -> Arrays:
     return Arrays(xf, np.ascontiguousarray(yf))
 
 
-def _num_embeddings(spec: ModelSpec) -> int:
-    return int(spec.layers[0].kwargs()["num_embeddings"])  # type: ignore[arg-type]
+def _token_windows(x: np.ndarray, y: np.ndarray, spec: ModelSpec, what: str) -> Arrays:
+    """A language model's samples: x and y int64 (n, context) token ids below the vocabulary
+    (:func:`text_windows` makes them from text). Integer arrays only: a token id is not
+    rounded from a float."""
+    import numpy as np
+
+    context, vocab = int(spec.input_shape[0]), spec.vocab
+    for name, arr in (("x", x), ("y", y)):
+        if arr.dtype.kind not in "iu":
+            raise DatasetError(f"{what}: {name} holds token ids, an integer array; got {arr.dtype}",
+                               code="bad_tokens")
+        if arr.ndim != 2 or arr.shape[1] != context:
+            raise DatasetError(f"{what}: {name} must have shape (n, {context}) for context {context},"
+                               f" got {tuple(arr.shape)}", code="bad_shape")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= vocab:
+            raise DatasetError(f"{what}: token ids in {name} must be in 0..{vocab - 1} for vocab {vocab}"
+                               f" (found {lo}..{hi})", code="bad_tokens")
+    return Arrays(np.ascontiguousarray(x, dtype=np.int64), np.ascontiguousarray(y, dtype=np.int64))
+
+
+def text_windows(text: bytes, context: int, *, what: str) -> Arrays:
+    """Byte-level language-model samples from UTF-8 ``text``: token i is byte i (vocab 256);
+    non-overlapping windows of ``context`` tokens, x the window and y the same window one byte
+    later (the next token at every position). The bytes after the last whole window are left
+    out. DatasetError when the text is not UTF-8 or shorter than one window plus one byte."""
+    import numpy as np
+
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{what}: not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    n = (len(text) - 1) // context if context > 0 else 0
+    if n < 1:
+        raise DatasetError(f"{what}: {len(text)} bytes of text hold no window of {context} tokens"
+                           f" and its next token; give at least {context + 1} bytes")
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+    x = tokens[: n * context].reshape(n, context)
+    y = tokens[1 : n * context + 1].reshape(n, context)
+    return Arrays(np.ascontiguousarray(x), np.ascontiguousarray(y))
 
 
 def _token_ids(x: np.ndarray, vocab: int, what: str) -> np.ndarray:
@@ -400,5 +442,6 @@ __all__ = [
     "encode_arrays",
     "read_arrays",
     "sniff",
+    "text_windows",
     "validate_arrays",
 ]

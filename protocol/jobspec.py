@@ -392,6 +392,8 @@ def _train(s: _Section, task: str) -> TrainSpec:
         raise SpecError("train.loss: a classification model trains with cross_entropy")
     if task == "regression" and spec.loss != "mse":
         raise SpecError("train.loss: a regression model trains with mse")
+    if task == "language_model" and spec.loss != "cross_entropy":
+        raise SpecError("train.loss: a language_model trains with cross_entropy (on the next token)")
     return spec
 
 
@@ -624,7 +626,7 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     if "job" not in doc:
         raise SpecError("job.name: required (add a [job] section with name = \"...\")")
     if "model" not in doc:
-        raise SpecError("model.kind: required (add a [model] section; kind = mlp, cnn or sequential)")
+        raise SpecError("model.kind: required (add a [model] section; kind = mlp, cnn, sequential or transformer)")
     job = _Section(doc["job"], "job")
     name = job.get_text("name", None)
     job.finish()

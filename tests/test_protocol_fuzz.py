@@ -308,7 +308,8 @@ def test_mutated_safetensors(seed: int) -> None:
 
 
 _SPEC_KEYS = ("kind", "input", "hidden", "outputs", "activation", "dropout", "task", "image", "channels",
-              "kernel", "pool", "input_shape", "layers", "x")
+              "kernel", "pool", "input_shape", "layers", "x", "vocab", "context", "width", "heads", "mlp_ratio",
+              "tied_embeddings")
 _LAYER_KEYS = ("in_features", "out_features", "kernel_size", "in_channels", "out_channels", "args",
                "normalized_shape", "p", "num_features", "stride", "padding", "start_dim", "embedding_dim",
                "num_embeddings")
@@ -317,6 +318,7 @@ _GOOD_SPECS = (
     {"kind": "cnn", "image": [1, 8, 8], "channels": [2], "outputs": 3},
     {"kind": "sequential", "input_shape": [8], "layers": [{"type": "Linear", "in_features": 8, "out_features": 3}],
      "outputs": 3},
+    {"kind": "transformer", "vocab": 16, "context": 8, "layers": 1, "width": 8, "heads": 2},
 )
 
 

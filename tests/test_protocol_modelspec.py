@@ -210,7 +210,7 @@ def test_param_bound() -> None:
 
 def test_errors_name_key_and_allowed_values() -> None:
     _bad({**DIGITS, "activation": "swish"}, "model.activation", "relu, gelu, tanh, sigmoid")
-    _bad({**DIGITS, "kind": "transformer"}, "model.kind", "mlp, cnn, sequential")
+    _bad({**DIGITS, "kind": "rnn"}, "model.kind", "mlp, cnn, sequential, transformer")
     _bad({**DIGITS, "task": "ranking"}, "model.task", "classification")
     _bad({**DIGITS, "input": 0}, "model.input")
     _bad({**DIGITS, "input": True}, "model.input")
@@ -308,7 +308,8 @@ def test_seed_validated() -> None:
 # ---------------------------------------------------------------------------
 # Shape inference agrees with a real forward on the meta device.
 
-from gpuflex.protocol.modelspec import _parse_layer, infer_shapes, meta_forward_shape  # noqa: E402
+from gpuflex.protocol.layerspec import parse_layer  # noqa: E402
+from gpuflex.protocol.modelspec import infer_shapes, meta_forward_shape  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -370,7 +371,7 @@ def test_infer_shapes_matches_meta_forward(data: st.DataObject, dims: int) -> No
             input_shape=tuple(shape),
             outputs=1,
             layers=tuple(
-                _parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(layers)
+                parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(layers)
             ),
         )
     except SpecError:
@@ -415,7 +416,7 @@ def test_conv_after_flatten_is_refused_not_run_unbatched() -> None:
         task="classification",
         input_shape=(1, 1),
         outputs=1,
-        layers=tuple(_parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(raw["layers"])),
+        layers=tuple(parse_layer(layer, f"l[{i}]", first=i == 0) for i, layer in enumerate(raw["layers"])),
     )
     with pytest.raises(ValueError, match="batch dimension"):
         meta_forward_shape(spec)

@@ -26,12 +26,12 @@ MAX_README_LINES = 400
 
 def test_readme_has_examples_for_every_model_kind() -> None:
     kinds = {re.search(r'kind = "(\w+)"', b).group(1) for b in MODEL_BLOCKS}  # type: ignore[union-attr]
-    assert kinds == {"mlp", "cnn", "sequential"}
+    assert kinds == {"mlp", "cnn", "sequential", "transformer"}
 
 
 @pytest.mark.parametrize("block", MODEL_BLOCKS, ids=lambda b: re.search(r'kind = "(\w+)"', b).group(1))  # type: ignore[union-attr]
 def test_reference_with_each_model_example_parses_and_builds(block: str) -> None:
-    reference = REFERENCE.replace("[model]                         # required: one of the three kinds below\n", "")
+    reference = REFERENCE.replace("[model]                         # required: one of the four kinds below\n", "")
     spec = jobspec.parse_job_spec(reference + "\n" + block)
     assert spec.name == "digits"
     model = build_model(spec.model, seed=0)
@@ -40,7 +40,7 @@ def test_reference_with_each_model_example_parses_and_builds(block: str) -> None
 
 def test_reference_defaults_match_the_parser() -> None:
     """Every value the reference shows is the parser's default (the reference is not a wish list)."""
-    reference = REFERENCE.replace("[model]                         # required: one of the three kinds below\n", "")
+    reference = REFERENCE.replace("[model]                         # required: one of the four kinds below\n", "")
     mlp = next(b for b in MODEL_BLOCKS if 'kind = "mlp"' in b)
     shown = jobspec.parse_job_spec(reference + "\n" + mlp)
     minimal = jobspec.parse_job_spec('[job]\nname = "digits"\n' + mlp)

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.modelspec import ModelSpec, build_model
@@ -47,8 +45,7 @@ if TYPE_CHECKING:
 def silo_size_bounds(spec: ModelSpec, samples: int) -> tuple[int, int]:
     """The bytes a chunk blob of ``samples`` rows of this model's data takes (encode_state of x
     and y: the raw rows plus the GFT1 header), as the node checks a chunk's declared size."""
-    x_item = 8 if spec.input_dtype == torch.int64 else 4
-    row = math.prod(spec.input_shape) * x_item + (8 if spec.task == "classification" else spec.outputs * 4)
+    row = spec.sample_bytes
     return samples * row, samples * row + MAX_HEADER_BYTES + 64
 
 

@@ -210,19 +210,32 @@ def _check_spec_file(path: Path) -> None:
 
 
 def cmd_job_submit(args: argparse.Namespace) -> int:
-    from ..policy.datafiles import check_dataset_file
+    import tempfile
 
     spec, val = Path(args.spec), Path(args.val) if args.val else None
     train = Path(args.train) if args.train else None
     _check_spec_file(spec)
-    if train is not None:
-        check_dataset_file(train, "--train")
-    if val is not None:
-        check_dataset_file(val, "--val")
-    hub, token = _hub_and_token(args)
-    doc = asyncio.run(oc.submit_job(hub, token, spec, train, val))
+    with tempfile.TemporaryDirectory(prefix="gpuflex-submit-") as tmp:
+        train = _dataset_file(train, spec, Path(tmp), "--train")
+        val = _dataset_file(val, spec, Path(tmp), "--val")
+        hub, token = _hub_and_token(args)
+        doc = asyncio.run(oc.submit_job(hub, token, spec, train, val))
     print(json.dumps(doc) if args.json else doc["id"])
     return 0
+
+
+def _dataset_file(path: Path | None, spec: Path, tmp: Path, what: str) -> Path | None:
+    """``path`` checked for upload; a language model's UTF-8 text (.txt) is first cut into
+    token windows by the spec's context and written as an .npz in ``tmp``."""
+    from ..policy.datafiles import check_dataset_file, is_text_file, text_as_npz, text_context
+
+    if path is None:
+        return None
+    context = text_context(spec.read_bytes(), what) if is_text_file(path) else None
+    if context is None:
+        check_dataset_file(path, what)
+        return path
+    return text_as_npz(path, context, tmp / f"{what.strip('-')}.npz", what)
 
 
 def cmd_job_list(args: argparse.Namespace) -> int:
@@ -501,9 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="job_command", metavar="ACTION", required=True)
     p = job.add_parser("submit", help="submit SPEC.toml with a training set (none for node-local data)")
     p.add_argument("spec")
-    p.add_argument("--train", help=".npz with x and y, or CSV; left out for a [data] source = \"node-local\" job, "
-                                   "whose data stays on the nodes")
-    p.add_argument("--val", help="validation set (optional)")
+    p.add_argument("--train", help=".npz with x and y, or CSV, or UTF-8 text (.txt) for a transformer; left out "
+                                   "for a [data] source = \"node-local\" job, whose data stays on the nodes")
+    p.add_argument("--val", help="validation set (optional; like --train)")
     _client_args(p)
     p.set_defaults(func=cmd_job_submit)
     p = job.add_parser("list", help="list your jobs")

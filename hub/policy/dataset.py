@@ -7,7 +7,8 @@ its ``code``), and keeps what only the hub does: the split and the chunks.
 A chunk blob (and the validation set) is `encode_state({"x": ..., "y": ...})`: x is
 float32 (n, *input_shape), or int64 token ids in [0, num_embeddings) when the model's
 first layer is an Embedding (ModelSpec.input_dtype, what the node's trainer requires);
-y is int64 (n,) for classification or float32 (n, outputs) for regression.
+y is int64 (n,) for classification, float32 (n, outputs) for regression, and for a language
+model int64 (n, context) next tokens beside x's int64 (n, context) tokens.
 Never unpickles: `np.load(..., allow_pickle=False)`; object arrays are refused.
 """
 

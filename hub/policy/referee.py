@@ -65,6 +65,7 @@ from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_for_state
 from gpuflex.protocol.tensors import Manifest, manifest_of
+from gpuflex.protocol.transformer import NextTokenLoss
 from torch import Tensor, nn
 
 __all__ = [
@@ -242,7 +243,8 @@ def replay_segment(spec: ModelSpec, start: Mapping[str, Tensor], x: Tensor, y: T
     n = int(x.shape[0])
     bs = int(cfg.batch_size)
     per_epoch = math.ceil(n / bs)
-    loss_fn: nn.Module = nn.CrossEntropyLoss() if cfg.loss == "cross_entropy" else nn.MSELoss()
+    loss_fn: nn.Module = (NextTokenLoss() if spec.task == "language_model"  # the node's loss (node/trainer.py)
+                          else nn.CrossEntropyLoss() if cfg.loss == "cross_entropy" else nn.MSELoss())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(model, cfg, start)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

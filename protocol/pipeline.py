@@ -1,0 +1,165 @@
+"""A model as an ordered list of units: the pieces a pipeline's stages are cut from.
+
+``pipeline_units(spec)`` splits the module ``build_model(spec, seed)`` builds into units whose
+composition ``units[-1](... units[0](x))`` is its forward, operation for operation (the same
+results bit for bit, and the same draws from the RNG in training mode):
+
+- transformer: ``embed`` (token + position, dropout), ``block_0`` ... ``block_<L-1>``,
+  ``head`` (final LayerNorm and the projection to the vocabulary);
+- mlp, cnn, sequential: a unit starts at each layer with weights (Linear, Conv, Embedding) and
+  takes the layers up to the next one (its activation, pooling, normalisation, dropout,
+  flatten); layers before the first weighted layer join the first unit.
+
+Each unit names the model's state-dict entry of each of its own (``Unit.names``), so a stage's
+state is cut from the whole model's (:func:`cut_state`) and put back (:func:`put_state`).
+Tied embeddings are one tensor of the model held by two units (``embed`` and ``head``):
+:attr:`Units.tied` reports each such group so a pipeline sums the members' gradients.
+
+The units' modules are on the meta device (shapes, nothing allocated); :func:`load_unit`
+materialises one with its state. Torch is imported where a module is built, not on import.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from .modelspec import ModelSpec, construct_meta
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+__all__ = ["TiedGroup", "Unit", "Units", "cut_state", "load_unit", "pipeline_units", "put_state"]
+
+#: layers that start a unit of a stack: the ones with weights
+WEIGHTED: Final = ("Linear", "Conv1d", "Conv2d", "Embedding")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the model: ``module`` (meta device) and, for each entry of its state
+    dict, the whole model's name for it: ``names`` is ((unit name, model name), ...)."""
+
+    name: str
+    module: nn.Module
+    names: tuple[tuple[str, str], ...]
+
+    def model_name(self, unit_name: str) -> str:
+        return dict(self.names)[unit_name]
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One tensor of the model (``model_name``) held by several units: ``members`` are
+    (unit index, the unit's name for it). Their gradients add up to the model's."""
+
+    model_name: str
+    members: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class Units:
+    units: tuple[Unit, ...]
+    tied: tuple[TiedGroup, ...]
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, index: int) -> Unit:
+        return self.units[index]
+
+
+def pipeline_units(spec: ModelSpec) -> Units:
+    """The units of ``spec``'s model, in forward order (see the module docstring)."""
+    model = construct_meta(spec)
+    if spec.transformer is not None:
+        parts = _transformer_parts(model)
+    else:
+        parts = _stack_parts(model)
+    owner = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+    units = tuple(
+        Unit(
+            name,
+            module,
+            tuple((k, owner[id(t)]) for k, t in module.state_dict(keep_vars=True).items()),
+        )
+        for name, module in parts
+    )
+    holders: dict[str, list[tuple[int, str]]] = {}
+    for index, unit in enumerate(units):
+        for unit_name, model_name in unit.names:
+            holders.setdefault(model_name, []).append((index, unit_name))
+    tied = tuple(
+        TiedGroup(name, tuple(members)) for name, members in holders.items() if len(members) > 1
+    )
+    return Units(units, tied)
+
+
+def _transformer_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from .transformer import Head, Transformer
+
+    if not isinstance(model, Transformer):
+        raise TypeError(f"expected a Transformer, got {type(model).__name__}")
+    head = model.head
+    if head.weight is None:  # tied: the head unit holds the token embedding itself
+        head = Head(model.head.ln, model.embed.tok)
+    return [
+        ("embed", model.embed),
+        *((f"block_{i}", b) for i, b in enumerate(model.blocks)),
+        ("head", head),
+    ]
+
+
+def _stack_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torch import nn
+
+    layers = list(model.children())
+    starts = [i for i, layer in enumerate(layers) if type(layer).__name__ in WEIGHTED][1:]
+    bounds = list(zip([0, *starts], [*starts, len(layers)], strict=True))
+    return [(f"layers_{a}_{b - 1}", nn.Sequential(*layers[a:b])) for a, b in bounds]
+
+
+def cut_state(unit: Unit, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``unit``'s state (its own names) out of the whole model's ``state``; KeyError naming a
+    missing entry. The tensors are ``state``'s (no copy)."""
+    return {unit_name: state[model_name] for unit_name, model_name in unit.names}
+
+
+def put_state(
+    unit: Unit, unit_state: Mapping[str, Tensor], state: MutableMapping[str, Tensor]
+) -> None:
+    """Write ``unit_state`` (the unit's names) into the whole model's ``state``. A tied tensor
+    is written by each unit that holds it: put the units' states back after summing."""
+    missing = [k for k, _ in unit.names if k not in unit_state]
+    if missing or len(unit_state) != len(unit.names):
+        extra = sorted(set(unit_state) - {k for k, _ in unit.names})
+        raise KeyError(
+            f"unit {unit.name}: state must hold exactly its entries (missing {missing[:3]}, "
+            f"unexpected {extra[:3]})"
+        )
+    for unit_name, model_name in unit.names:
+        state[model_name] = unit_state[unit_name]
+
+
+def load_unit(
+    unit: Unit,
+    unit_state: Mapping[str, Tensor],
+    *,
+    device: torch.device | None = None,
+    share: bool = False,
+) -> nn.Module:
+    """A module for ``unit`` holding ``unit_state`` (strict: every name and shape must match),
+    with nothing initialised at random: a copy on ``device`` (CPU by default), or ``unit_state``'s
+    own tensors when ``share`` (read-only use). ``unit.module`` stays on the meta device.
+    Raises RuntimeError from ``load_state_dict`` when ``unit_state`` does not fit."""
+    import torch
+
+    module = copy.deepcopy(unit.module)
+    if not share:
+        target = device or torch.device("cpu")
+        unit_state = {k: v.detach().to(target, copy=True) for k, v in unit_state.items()}
+    module.load_state_dict(dict(unit_state), strict=True, assign=True)
+    return module

@@ -1,0 +1,173 @@
+"""A decoder-only transformer in nanoGPT's shape, built from a :class:`TransformerConfig`.
+
+Pre-LayerNorm blocks (causal self-attention through ``scaled_dot_product_attention``, a GELU
+MLP), learned token and position embeddings, a final LayerNorm and a bias-free projection to
+the vocabulary that shares the token embedding when the embeddings are tied. The pieces are
+the pipeline's units (:mod:`.pipeline`): ``embed``, each of ``blocks``, ``head``.
+
+Tied embeddings hold the weight once (``embed.tok``): the head takes it as an argument in the
+whole model, so the state dict names every tensor exactly once.
+
+Initialisation (nanoGPT's): every weight from N(0, 0.02), the residual projections from
+N(0, 0.02 / sqrt(2 * layers)), biases zero, LayerNorms one and zero, drawn in module order
+from the global CPU generator (``build_model`` seeds and restores it). A module built on the
+meta device is not initialised: it only carries shapes.
+
+Imports torch: the modules that only read specs import this one where a module is built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .modelspec import TransformerConfig
+
+__all__ = ["MLP", "Block", "Embed", "Head", "NextTokenLoss", "SelfAttention", "Transformer"]
+
+_STD = 0.02
+
+
+class Embed(nn.Module):
+    """Token plus position embeddings, then dropout."""
+
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+        super().__init__()
+        self.tok = nn.Parameter(torch.empty(c.vocab, c.width, **factory))
+        self.pos = nn.Parameter(torch.empty(c.context, c.width, **factory))
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        # idx: (batch, time) int64 token ids
+        x = F.embedding(idx, self.tok) + self.pos[: idx.shape[1]]  # (batch, time, width)
+        out: Tensor = self.drop(x)
+        return out
+
+
+class SelfAttention(nn.Module):
+    """Multi-head causal self-attention."""
+
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.dropout = c.dropout
+        self.qkv = nn.Linear(c.width, 3 * c.width, **factory)
+        self.proj = nn.Linear(c.width, c.width, **factory)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape  # (batch, time, width)
+        q, k, v = self.qkv(x).split(c, dim=2)  # each (batch, time, width)
+        h = self.heads
+        # (batch, time, width) -> (batch, heads, time, head_width)
+        q = q.view(b, t, h, c // h).transpose(1, 2)
+        k = k.view(b, t, h, c // h).transpose(1, 2)
+        v = v.view(b, t, h, c // h).transpose(1, 2)
+        p = self.dropout if self.training else 0.0
+        # (batch, heads, time, head_width)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)  # (batch, time, width)
+        out: Tensor = self.drop(self.proj(y))
+        return out
+
+
+class MLP(nn.Module):
+    """Width -> mlp_ratio x width -> GELU -> width."""
+
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c.width, c.mlp_ratio * c.width, **factory)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(c.mlp_ratio * c.width, c.width, **factory)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: (batch, time, width)
+        out: Tensor = self.drop(self.proj(self.act(self.fc(x))))  # (batch, time, width)
+        return out
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.width, **factory)
+        self.attn = SelfAttention(c, factory)
+        self.ln2 = nn.LayerNorm(c.width, **factory)
+        self.mlp = MLP(c, factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: (batch, time, width)
+        x = x + self.attn(self.ln1(x))
+        out: Tensor = x + self.mlp(self.ln2(x))  # (batch, time, width)
+        return out
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to the vocabulary. ``weight`` is None when the
+    embeddings are tied: the caller passes the token embedding in."""
+
+    def __init__(self, ln: nn.LayerNorm, weight: nn.Parameter | None) -> None:
+        super().__init__()
+        self.ln = ln
+        self.weight = weight
+
+    @classmethod
+    def new(cls, c: TransformerConfig, factory: dict[str, Any]) -> Head:
+        weight = (
+            None if c.tied_embeddings else nn.Parameter(torch.empty(c.vocab, c.width, **factory))
+        )
+        return cls(nn.LayerNorm(c.width, **factory), weight)
+
+    def forward(self, x: Tensor, tied: Tensor | None = None) -> Tensor:
+        # x: (batch, time, width)
+        weight = self.weight if self.weight is not None else tied
+        if weight is None:
+            raise ValueError("a head with tied embeddings needs the token embedding")
+        return F.linear(self.ln(x), weight)  # (batch, time, vocab)
+
+
+class Transformer(nn.Module):
+    """(batch, context) token ids -> (batch, context, vocab) next-token logits."""
+
+    def __init__(self, c: TransformerConfig, *, device: torch.device) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": torch.float32}
+        self.config = c
+        self.embed = Embed(c, factory)
+        self.blocks = nn.ModuleList(Block(c, factory) for _ in range(c.layers))
+        self.head = Head.new(c, factory)
+        if device.type != "meta":
+            self._init_weights()
+
+    def _init_weights(self) -> None:
+        residual_std = _STD / math.sqrt(2 * self.config.layers)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln" in name:  # blocks.<i>.ln1, blocks.<i>.ln2, head.ln
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, residual_std if name.endswith("proj.weight") else _STD)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        # idx: (batch, time) int64
+        x = self.embed(idx)  # (batch, time, width)
+        for block in self.blocks:
+            x = block(x)
+        out: Tensor = self.head(x, self.embed.tok)  # (batch, time, vocab)
+        return out
+
+
+class NextTokenLoss(nn.Module):
+    """Mean cross-entropy of every position's logits against its next token."""
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+        # logits: (batch, time, vocab); targets: (batch, time)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
