@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .dropout import KeyedDropout
 from .modelspec import TransformerConfig
 
 __all__ = ["MLP", "Block", "Embed", "Head", "NextTokenLoss", "SelfAttention", "Transformer"]
@@ -33,13 +34,13 @@ _STD = 0.02
 
 
 class Embed(nn.Module):
-    """Token plus position embeddings, then dropout."""
+    """Token plus position embeddings, then dropout (slot 0)."""
 
     def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
         super().__init__()
         self.tok = nn.Parameter(torch.empty(c.vocab, c.width, **factory))
         self.pos = nn.Parameter(torch.empty(c.context, c.width, **factory))
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = KeyedDropout(c.dropout, slot=0)
 
     def forward(self, idx: Tensor) -> Tensor:
         # idx: (batch, time) int64 token ids
@@ -49,15 +50,16 @@ class Embed(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention."""
+    """Multi-head causal self-attention. Dropout acts on its output (keyed, ``slot``), not on
+    the attention weights: ``scaled_dot_product_attention``'s own dropout draws from the
+    device's generator, which the hub's CPU referee cannot replay (protocol/dropout.py)."""
 
-    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any], slot: int) -> None:
         super().__init__()
         self.heads = c.heads
-        self.dropout = c.dropout
         self.qkv = nn.Linear(c.width, 3 * c.width, **factory)
         self.proj = nn.Linear(c.width, c.width, **factory)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = KeyedDropout(c.dropout, slot=slot)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape  # (batch, time, width)
@@ -67,9 +69,7 @@ class SelfAttention(nn.Module):
         q = q.view(b, t, h, c // h).transpose(1, 2)
         k = k.view(b, t, h, c // h).transpose(1, 2)
         v = v.view(b, t, h, c // h).transpose(1, 2)
-        p = self.dropout if self.training else 0.0
-        # (batch, heads, time, head_width)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (batch, heads, time, head_width)
         y = y.transpose(1, 2).contiguous().view(b, t, c)  # (batch, time, width)
         out: Tensor = self.drop(self.proj(y))
         return out
@@ -78,12 +78,12 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """Width -> mlp_ratio x width -> GELU -> width."""
 
-    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any], slot: int) -> None:
         super().__init__()
         self.fc = nn.Linear(c.width, c.mlp_ratio * c.width, **factory)
         self.act = nn.GELU()
         self.proj = nn.Linear(c.mlp_ratio * c.width, c.width, **factory)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = KeyedDropout(c.dropout, slot=slot)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: (batch, time, width)
@@ -92,14 +92,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). Block ``index``
+    owns the dropout slots 1 + 2 x index (attention) and 2 + 2 x index (MLP)."""
 
-    def __init__(self, c: TransformerConfig, factory: dict[str, Any]) -> None:
+    def __init__(self, c: TransformerConfig, factory: dict[str, Any], index: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(c.width, **factory)
-        self.attn = SelfAttention(c, factory)
+        self.attn = SelfAttention(c, factory, slot=1 + 2 * index)
         self.ln2 = nn.LayerNorm(c.width, **factory)
-        self.mlp = MLP(c, factory)
+        self.mlp = MLP(c, factory, slot=2 + 2 * index)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: (batch, time, width)
@@ -140,7 +141,7 @@ class Transformer(nn.Module):
         factory: dict[str, Any] = {"device": device, "dtype": torch.float32}
         self.config = c
         self.embed = Embed(c, factory)
-        self.blocks = nn.ModuleList(Block(c, factory) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(Block(c, factory, i) for i in range(c.layers))
         self.head = Head.new(c, factory)
         if device.type != "meta":
             self._init_weights()

@@ -87,3 +87,20 @@ def test_a_node_whose_masks_came_from_its_devices_generator_does_not_reproduce(
     t = train(tmp_path, "mlp_dropout", threads=1)
     v = judge(t, segment=1, threads=1)
     assert v.outcome != "reproduced" and v.evidence["distance"] > 1e-3, v.evidence
+
+
+def test_a_transformer_keys_every_dropout_in_its_own_slot() -> None:
+    spec = parse_job_spec('[job]\nname = "t"\n[model]\nkind = "transformer"\nvocab = 256\ncontext = 16\nlayers = 3\n'
+                          'width = 32\nheads = 4\ndropout = 0.1\n').model
+    model = build_model(spec, seed=0)
+    slots = sorted(m.slot for m in model.modules() if isinstance(m, KeyedDropout))
+    assert slots == list(range(1 + 2 * 3))
+    assert not any(type(m) is torch.nn.Dropout for m in model.modules())
+    model.train()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with dropout_step(3, 1):
+        a = model(x)
+    with dropout_step(3, 1):
+        assert torch.equal(a, model(x)), "one step's masks, drawn twice"
+    with dropout_step(3, 2):
+        assert not torch.equal(a, model(x))
