@@ -98,7 +98,7 @@ def max_rel_diff(stages: list[nn.Module], reference: nn.Module) -> float:
     want = list(reference.parameters())
     assert len(got) == len(want)
     return max(
-        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).detach())
         for a, b in zip(got, want, strict=True)
     )
 
