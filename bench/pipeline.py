@@ -100,7 +100,10 @@ def reference(cfg: dict[str, Any]) -> list[torch.Tensor]:
 def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     if len(got) != len(want):
         raise SystemExit(f"{len(got)} parameter tensors came back, the model has {len(want)}")
-    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, want, strict=True))
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        for a, b in zip(got, want, strict=True)
+    )
 
 
 def free_port() -> int:
@@ -119,7 +122,9 @@ def torch_rank(cfg: dict[str, Any], rank: int, port: int, result: str) -> None:
 
     torch.set_num_threads(1)
     world = cfg["stages"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     bounds = [*starts(cfg), 2 * cfg["layers"] - 1]
     for schedule_name in SCHEDULES:
         module = nn.Sequential(*units(cfg)[bounds[rank] : bounds[rank + 1]])
@@ -140,7 +145,9 @@ def torch_rank(cfg: dict[str, Any], rank: int, port: int, result: str) -> None:
             else:
                 schedule.step()
             opt.step()
-        _write_stage(Path(result.format(schedule=schedule_name)), module, time.perf_counter() - started)
+        _write_stage(
+            Path(result.format(schedule=schedule_name)), module, time.perf_counter() - started
+        )
     dist.destroy_process_group()
 
 
@@ -171,11 +178,15 @@ def _read_stages(outs: list[Path]) -> tuple[list[torch.Tensor], float]:
 def run_torch(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.Tensor], float]]:
     port = free_port()
     result = str(work / "torch-{schedule}-%d.json")
-    procs = [_child(["--torch-rank", str(r), "--port", str(port), "--result", result % r], cfg)
-             for r in range(cfg["stages"])]
+    procs = [
+        _child(["--torch-rank", str(r), "--port", str(port), "--result", result % r], cfg)
+        for r in range(cfg["stages"])
+    ]
     _wait_all(procs, "torch.distributed.pipelining")
-    return {s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
-            for s in SCHEDULES}
+    return {
+        s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
+        for s in SCHEDULES
+    }
 
 
 # -- gpuflex: a hub with the relay, and one process per stage ------------------------------------------
@@ -189,12 +200,24 @@ async def _serve_hub(data_dir: Path, plan_file: Path, port_file: Path) -> None:
     from gpuflex.hub.server.appkeys import RELAY
 
     plan = json.loads(plan_file.read_text())
-    app = create_app(HubConfig(data_dir=data_dir, port=0, long_poll_max_s=10.0, registrations_per_block=1000,
-                               probation_per_block=1000))
+    app = create_app(
+        HubConfig(
+            data_dir=data_dir,
+            port=0,
+            long_poll_max_s=10.0,
+            registrations_per_block=1000,
+            probation_per_block=1000,
+        )
+    )
     for schedule in SCHEDULES:  # one job per schedule, the same stages
-        app[RELAY].registry.assign(f"{JOB}-{schedule}", RelayPlan(
-            stages=tuple(plan["stages"]), micro_batches=plan["micro"],
-            boundaries=tuple(Crossing("float32", tuple(shape)) for shape in plan["boundaries"])))
+        app[RELAY].registry.assign(
+            f"{JOB}-{schedule}",
+            RelayPlan(
+                stages=tuple(plan["stages"]),
+                micro_batches=plan["micro"],
+                boundaries=tuple(Crossing("float32", tuple(shape)) for shape in plan["boundaries"]),
+            ),
+        )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -213,19 +236,36 @@ def _register(url: str, seed: bytes) -> None:
     from gpuflex.protocol.signing import SigningKey, new_nonce, seal
     from gpuflex.protocol.version import PROTOCOL_VERSION
 
-    hello = Hello(software_version="0.1.0", protocol_version=PROTOCOL_VERSION,
-                  device=DeviceInfo(kind="cpu", name="bench", memory_bytes=1, threads=1),
-                  benchmark=Benchmark(samples_per_s=100.0, matmul_tflops_fp32=0.1, matmul_tflops_bf16=None,
-                                      matmul_tflops_fp16=None, mem_bandwidth_gbs=1.0, h2d_gbs=None, d2h_gbs=None,
-                                      reference_model="bench"),
-                  timestamp=time.time(), nonce=new_nonce())
+    hello = Hello(
+        software_version="0.1.0",
+        protocol_version=PROTOCOL_VERSION,
+        device=DeviceInfo(kind="cpu", name="bench", memory_bytes=1, threads=1),
+        benchmark=Benchmark(
+            samples_per_s=100.0,
+            matmul_tflops_fp32=0.1,
+            matmul_tflops_bf16=None,
+            matmul_tflops_fp16=None,
+            mem_bandwidth_gbs=1.0,
+            h2d_gbs=None,
+            d2h_gbs=None,
+            reference_model="bench",
+        ),
+        timestamp=time.time(),
+        nonce=new_nonce(),
+    )
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/nodes/register", body=seal(SigningKey.from_seed(seed), hello),
-                 headers={"Content-Type": "application/x-msgpack"})
+    conn.request(
+        "POST",
+        "/v1/nodes/register",
+        body=seal(SigningKey.from_seed(seed), hello),
+        headers={"Content-Type": "application/x-msgpack"},
+    )
     resp = conn.getresponse()
     if resp.status != 200:
-        raise SystemExit(f"the hub refused a stage's registration: {resp.status} {resp.read()[:200]!r}")
+        raise SystemExit(
+            f"the hub refused a stage's registration: {resp.status} {resp.read()[:200]!r}"
+        )
     conn.close()
 
 
@@ -241,16 +281,27 @@ def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> Non
         stages = cut(units(cfg), starts(cfg))
         specs = boundary_specs(stages, torch.zeros(cfg["batch"], cfg["width"]))
         module = stages[stage]
-        transport = RelayTransport(url, SigningKey.from_seed(_seed(stage)), f"{JOB}-{schedule}", wait_s=5.0)
-        runner = StageRunner(module=module, stage=stage, stages=cfg["stages"], transport=transport,
-                             optimizer=make_optimizer_for(module), inbound=specs[stage - 1] if stage else None,
-                             outbound=None if last else specs[stage],
-                             loss_fn=nn.CrossEntropyLoss() if last else None, schedule=schedule)
+        transport = RelayTransport(
+            url, SigningKey.from_seed(_seed(stage)), f"{JOB}-{schedule}", wait_s=5.0
+        )
+        runner = StageRunner(
+            module=module,
+            stage=stage,
+            stages=cfg["stages"],
+            transport=transport,
+            optimizer=make_optimizer_for(module),
+            inbound=specs[stage - 1] if stage else None,
+            outbound=None if last else specs[stage],
+            loss_fn=nn.CrossEntropyLoss() if last else None,
+            schedule=schedule,
+        )
         started = 0.0
         for n, (xs, ys) in enumerate(step_data(cfg)):
             if n == 1:
                 started = time.perf_counter()
-            runner.run_step(n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ())
+            runner.run_step(
+                n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
+            )
         transport.close()
         _write_stage(Path(result.format(schedule=schedule)), module, time.perf_counter() - started)
 
@@ -265,10 +316,20 @@ def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.T
 
     specs = boundary_specs(cut(units(cfg), starts(cfg)), torch.zeros(cfg["batch"], cfg["width"]))
     plan_file, port_file = work / "plan.json", work / "port"
-    plan_file.write_text(json.dumps({
-        "stages": [SigningKey.from_seed(_seed(s)).fingerprint for s in range(cfg["stages"])],
-        "micro": cfg["micro"], "boundaries": [list(spec.shape) for spec in specs]}))
-    hub = _child(["--hub", str(work / "hub"), "--plan", str(plan_file), "--port-file", str(port_file)], cfg)
+    plan_file.write_text(
+        json.dumps(
+            {
+                "stages": [
+                    SigningKey.from_seed(_seed(s)).fingerprint for s in range(cfg["stages"])
+                ],
+                "micro": cfg["micro"],
+                "boundaries": [list(spec.shape) for spec in specs],
+            }
+        )
+    )
+    hub = _child(
+        ["--hub", str(work / "hub"), "--plan", str(plan_file), "--port-file", str(port_file)], cfg
+    )
     result = str(work / "gpuflex-{schedule}-%d.json")
     try:
         give_up = time.monotonic() + 90
@@ -279,14 +340,18 @@ def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.T
         url = f"http://127.0.0.1:{port_file.read_text()}"
         for s in range(cfg["stages"]):
             _register(url, _seed(s))
-        procs = [_child(["--stage", str(s), "--url", url, "--result", result % s], cfg)
-                 for s in range(cfg["stages"])]
+        procs = [
+            _child(["--stage", str(s), "--url", url, "--result", result % s], cfg)
+            for s in range(cfg["stages"])
+        ]
         _wait_all(procs, "gpuflex stages")
     finally:
         hub.terminate()
         hub.wait(30)
-    return {s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
-            for s in SCHEDULES}
+    return {
+        s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
+        for s in SCHEDULES
+    }
 
 
 # -- orchestration ------------------------------------------------------------------------------------
@@ -318,12 +383,15 @@ def measure(base: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpuflex-bench-pipeline-") as tmp:
         theirs = run_torch(base, Path(tmp))
         ours = run_gpuflex(base, Path(tmp))
-    return {schedule: {
-        "torch_samples_per_s": round(samples / theirs[schedule][1], 1),
-        "gpuflex_samples_per_s": round(samples / ours[schedule][1], 1),
-        "gpuflex_max_rel_diff": max_rel_diff(ours[schedule][0], want),
-        "torch_max_rel_diff": max_rel_diff(theirs[schedule][0], want),
-    } for schedule in SCHEDULES}
+    return {
+        schedule: {
+            "torch_samples_per_s": round(samples / theirs[schedule][1], 1),
+            "gpuflex_samples_per_s": round(samples / ours[schedule][1], 1),
+            "gpuflex_max_rel_diff": max_rel_diff(ours[schedule][0], want),
+            "torch_max_rel_diff": max_rel_diff(theirs[schedule][0], want),
+        }
+        for schedule in SCHEDULES
+    }
 
 
 def main() -> None:
@@ -334,9 +402,20 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pipeline.json")
-    for hidden in ("--cfg", "--torch-rank", "--port", "--result", "--hub", "--plan", "--port-file", "--stage",
-                   "--url"):
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "pipeline.json"
+    )
+    for hidden in (
+        "--cfg",
+        "--torch-rank",
+        "--port",
+        "--result",
+        "--hub",
+        "--plan",
+        "--port-file",
+        "--stage",
+        "--url",
+    ):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cfg is not None:
@@ -361,13 +440,19 @@ def _run_child(args: argparse.Namespace) -> None:
 
 
 def report(base: dict[str, Any], rows: dict[str, Any], out: Path, wall_s: float) -> None:
-    print(f"{base['stages']} stages of an MLP ({base['layers']} Linear {base['width']}-wide), {base['micro']} "
-          f"micro-batches of {base['batch']}, {base['steps']} timed steps, Adam; every stage its own process")
-    print(f"{'schedule':<9} {'torch samples/s':>16} {'gpuflex samples/s':>18} {'ratio':>6} {'max rel diff':>13}")
+    print(
+        f"{base['stages']} stages of an MLP ({base['layers']} Linear {base['width']}-wide), {base['micro']} "
+        f"micro-batches of {base['batch']}, {base['steps']} timed steps, Adam; every stage its own process"
+    )
+    print(
+        f"{'schedule':<9} {'torch samples/s':>16} {'gpuflex samples/s':>18} {'ratio':>6} {'max rel diff':>13}"
+    )
     for schedule, row in rows.items():
         ratio = row["gpuflex_samples_per_s"] / row["torch_samples_per_s"]
-        print(f"{schedule:<9} {row['torch_samples_per_s']:>16.1f} {row['gpuflex_samples_per_s']:>18.1f} "
-              f"{ratio:>6.2f} {row['gpuflex_max_rel_diff']:>13.2e}")
+        print(
+            f"{schedule:<9} {row['torch_samples_per_s']:>16.1f} {row['gpuflex_samples_per_s']:>18.1f} "
+            f"{ratio:>6.2f} {row['gpuflex_max_rel_diff']:>13.2e}"
+        )
     ratio = min(r["gpuflex_samples_per_s"] / r["torch_samples_per_s"] for r in rows.values())
     result = {
         "name": "pipeline",
@@ -375,22 +460,30 @@ def report(base: dict[str, Any], rows: dict[str, Any], out: Path, wall_s: float)
             "equivalence_max_rel_diff": max(r["gpuflex_max_rel_diff"] for r in rows.values()),
             "torch_pipelining_max_rel_diff": max(r["torch_max_rel_diff"] for r in rows.values()),
             **{f"{s}_{k}": v for s, r in rows.items() for k, v in r.items() if k.endswith("per_s")},
-            **base, "wall_s": round(wall_s, 1),
+            **base,
+            "wall_s": round(wall_s, 1),
         },
-        "ratios": {"throughput_vs_torch_pipelining": round(ratio, 3),
-                   **{f"throughput_vs_torch_pipelining_{s}": round(r["gpuflex_samples_per_s"]
-                                                                   / r["torch_samples_per_s"], 3)
-                      for s, r in rows.items()}},
+        "ratios": {
+            "throughput_vs_torch_pipelining": round(ratio, 3),
+            **{
+                f"throughput_vs_torch_pipelining_{s}": round(
+                    r["gpuflex_samples_per_s"] / r["torch_samples_per_s"], 3
+                )
+                for s, r in rows.items()
+            },
+        },
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}, "
-                   f"python {platform.python_version()}, torch {torch.__version__}",
+        f"python {platform.python_version()}, torch {torch.__version__}",
         "notes": "loopback, CPU, one torch thread per stage process; gpuflex's tensors go through the hub's relay "
-                 "(POST then long-poll GET, each message sealed by its node and checked by the hub and the receiver), "
-                 "torch's over gloo point-to-point; throughput ratio = the worse schedule's; equivalence = the largest "
-                 "relative difference of any parameter tensor after 1 + steps steps vs single-process gradient "
-                 "accumulation over the same micro-batches",
+        "(POST then long-poll GET, each message sealed by its node and checked by the hub and the receiver), "
+        "torch's over gloo point-to-point; throughput ratio = the worse schedule's; equivalence = the largest "
+        "relative difference of any parameter tensor after 1 + steps steps vs single-process gradient "
+        "accumulation over the same micro-batches",
     }
-    print(f"throughput vs torch.distributed.pipelining: {ratio:.2f}; equivalence max rel diff "
-          f"{result['figures']['equivalence_max_rel_diff']:.2e}; {wall_s:.0f} s")
+    print(
+        f"throughput vs torch.distributed.pipelining: {ratio:.2f}; equivalence max rel diff "
+        f"{result['figures']['equivalence_max_rel_diff']:.2e}; {wall_s:.0f} s"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")

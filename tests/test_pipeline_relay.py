@@ -400,3 +400,63 @@ def test_the_relay_endpoint_answers_hostile_input_with_4xx_and_keeps_nothing(
         status, _, _ = _put(hub, sealed, body)
     assert 400 <= status < 500, (how, status)
     assert len(hub.relay) == 0
+
+
+# -- the mailboxes ----------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _key(step: int, job: str = "j") -> tuple[str, int, int, str, int, int]:
+    return (job, step, 0, "activation", 0, 1)
+
+
+async def test_a_mailbox_holds_one_message_taken_once() -> None:
+    from gpuflex.hub.base.errors import Conflict
+    from gpuflex.hub.server.relaybox import Relay
+
+    relay = Relay(clock=Clock())
+    relay.put(_key(1), b"h", b"body")
+    with pytest.raises(Conflict, match="already holds this message"):
+        relay.put(_key(1), b"h", b"other")
+    taken = await relay.take(_key(1), 0.0)
+    assert taken is not None and taken.body == b"body"
+    assert await relay.take(_key(1), 0.0) is None
+    assert len(relay) == 0 and relay.held_bytes == 0
+
+
+async def test_a_waiting_take_wakes_when_the_message_comes() -> None:
+    from gpuflex.hub.server.relaybox import Relay
+
+    relay = Relay(clock=Clock())
+    waiting = asyncio.ensure_future(relay.take(_key(2), 5.0))
+    await asyncio.sleep(0.01)
+    relay.put(_key(2), b"h", b"late")
+    taken = await asyncio.wait_for(waiting, 1.0)
+    assert taken is not None and taken.body == b"late"
+    assert await relay.take(_key(3), 0.05) is None  # nothing came: None after the wait
+
+
+async def test_the_relay_is_bounded_and_forgets_what_nobody_takes() -> None:
+    from gpuflex.hub.base.errors import TooManyRequests
+    from gpuflex.hub.server.relaybox import Relay
+
+    clock = Clock()
+    relay = Relay(max_bytes=100, max_per_job=2, ttl_s=10.0, clock=clock)
+    relay.put(_key(1), b"h", b"x" * 40)
+    relay.put(_key(2), b"h", b"x" * 40)
+    with pytest.raises(TooManyRequests, match="the relay is full"):
+        relay.put(_key(3), b"h", b"x")  # the job's 2 messages
+    with pytest.raises(TooManyRequests, match="the relay is full"):
+        relay.put(_key(1, job="k"), b"h", b"x" * 30)  # 100 bytes in all
+    assert len(relay) == 2 and relay.held_bytes == 82
+    clock.now += 11
+    relay.put(_key(4), b"h", b"y")  # the two expired first
+    assert len(relay) == 1 and relay.held_bytes == 2
+    assert await relay.take(_key(1), 0.0) is None
