@@ -460,3 +460,13 @@ async def test_the_relay_is_bounded_and_forgets_what_nobody_takes() -> None:
     relay.put(_key(4), b"h", b"y")  # the two expired first
     assert len(relay) == 1 and relay.held_bytes == 2
     assert await relay.take(_key(1), 0.0) is None
+
+
+async def test_shutdown_answers_a_waiting_take_at_once() -> None:
+    from gpuflex.hub.server.relaybox import Relay
+
+    relay = Relay(clock=Clock())
+    waiting = asyncio.ensure_future(relay.take(_key(5), 30.0))
+    await asyncio.sleep(0.01)
+    relay.wake_all()
+    assert await asyncio.wait_for(waiting, 1.0) is None

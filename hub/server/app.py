@@ -203,8 +203,9 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
 
 async def _wake_long_polls(app: web.Application) -> None:
     """Shutdown waits for in-flight handlers: answer every waiting long-poll now (NoWork,
-    retry soon) rather than let each run out its wait (up to long_poll_max_s)."""
+    retry soon; a relay take, 204) rather than let each run out its wait (up to long_poll_max_s)."""
     app[LEDGER].signal.close()
+    app[RELAY].wake_all()
 
 
 def _attach_console(app: web.Application) -> None:

@@ -84,6 +84,12 @@ class Relay:
             self._waiting.pop(key, None)
         return self._pop(key)
 
+    def wake_all(self) -> None:
+        """Answer every waiting take now (the hub is shutting down): each finds what is there, or None."""
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _pop(self, key: RelayKey) -> RelayMessage | None:
         self.expire()
         message = self._boxes.pop(key, None)

@@ -166,7 +166,10 @@ class RelayTransport:
                 None,
                 min(self.wait_s, left) + 30.0,
             )
-            if status == 204 or status in _RETRY:
+            if status == 204:
+                continue
+            if status in _RETRY:  # the hub is busy or restarting: ask again shortly
+                time.sleep(min(0.2, max(give_up - time.monotonic(), 0.0)))
                 continue
             if status != 200:
                 raise PipelineError(
