@@ -25,7 +25,7 @@ from gpuflex.protocol.tensors import TensorSpec, check_blob, max_encoded_size
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
 from ..model.relay import Crossing, RelayPlan
-from .appkeys import CONFIG, IO_POOL, LEDGER, RELAY
+from .appkeys import CONFIG, IO_POOL, LEDGER, METRICS, RELAY
 from .relaybox import RelayKey
 from .wire import b64_header, open_node_message, protocol_to_hub, read_body, sealed_response
 
@@ -113,6 +113,7 @@ async def relay_take(request: web.Request) -> web.Response:
     )
     if message is None:
         return web.Response(status=204)
+    app[METRICS].bytes_out += len(message.body)
     return web.Response(
         body=message.body,
         content_type="application/octet-stream",
