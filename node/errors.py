@@ -20,6 +20,7 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     ├── BlobError            download failed verification (size / hash)
     ├── TrainError           the data or model does not fit the spec
     ├── TrainingStopped      should_stop() returned True between batches
+    ├── PipelineError        a pipeline stage cannot run its share of a step (node/pipeline)
     └── ControlError         the local control endpoint is unreachable / refused
 """
 
@@ -103,3 +104,8 @@ class TrainingStopped(NodeError):
 
 class ControlError(NodeError):
     """The local control endpoint refused the request or is not running."""
+
+
+class PipelineError(NodeError):
+    """A pipeline stage cannot run its share of a step: a bad cut or schedule, a neighbour's tensor
+    of the wrong shape or dtype or holding NaN, a relay that refused, a neighbour that never sent."""

@@ -531,10 +531,54 @@ class SecAggUnmask:
     nonce: Nonce
 
 
+# -- pipeline relay (hub/server/relay.py; node/pipeline/relay.py) ------------------------------------
+#: what a relay message carries between two pipeline stages: a micro-batch's activation (stage
+#: s -> s+1), its gradient (s -> s-1), or a tied parameter's gradient (two stages of one tied group)
+RELAY_KINDS: Final = ("activation", "gradient", "tied")
+
+
+@dataclass(frozen=True)
+class RelayHeader:
+    """Node -> hub, POST /v1/relay (header X-GPUFlex-Relay; the body is one GFT1 tensor of
+    ``size`` bytes and SHA-256 ``sha256``): one tensor from stage ``stage`` to stage
+    ``to_stage`` of ``job_id``'s pipeline at ``step``. The hub hands this sealed header on,
+    as it came, with the body, so the receiving stage checks the sender's signature itself."""
+
+    KIND: ClassVar[str] = "relay"
+    job_id: IdStr
+    step: Annotated[int, Int(0, 1 << 40)]
+    micro_batch: Annotated[int, Int(0, 1 << 16)]
+    carries: Annotated[str, Text(16, choices=RELAY_KINDS)]
+    stage: Annotated[int, Int(0, 1 << 10)]
+    to_stage: Annotated[int, Int(0, 1 << 10)]
+    sha256: BlobIdStr
+    size: Count
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class RelayTake:
+    """Node -> hub, GET /v1/relay (header X-GPUFlex-Auth): take the tensor that stage ``stage``
+    sent stage ``to_stage`` (the taker's own) at ``step``; the hub waits up to ``wait_s``."""
+
+    KIND: ClassVar[str] = "relay_take"
+    job_id: IdStr
+    step: Annotated[int, Int(0, 1 << 40)]
+    micro_batch: Annotated[int, Int(0, 1 << 16)]
+    carries: Annotated[str, Text(16, choices=RELAY_KINDS)]
+    stage: Annotated[int, Int(0, 1 << 10)]
+    to_stage: Annotated[int, Int(0, 1 << 10)]
+    wait_s: Annotated[float, Float(0.0, 60.0)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
            | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
            | SiloWithdrawal
-           | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask)
+           | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask
+           | RelayHeader | RelayTake)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -560,6 +604,8 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     SecAggShares,
     SecAggMasked,
     SecAggUnmask,
+    RelayHeader,
+    RelayTake,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -634,6 +680,7 @@ __all__ = [
     "MESSAGE_KINDS",
     "MESSAGE_TYPES",
     "PRECISIONS",
+    "RELAY_KINDS",
     "SECAGG_PHASES",
     "UNKNOWN_CLASS",
     "Abandon",
@@ -649,6 +696,8 @@ __all__ = [
     "Hello",
     "Message",
     "NoWork",
+    "RelayHeader",
+    "RelayTake",
     "RosterMember",
     "Sealed",
     "SecAggKeys",

@@ -10,6 +10,7 @@ a node's signature opens no bearer route.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 from gpuflex.hub.server.appkeys import DB, LEDGER
 from gpuflex.hub.server.openapi import openapi_document
 from gpuflex.hub.storage.token_admin import create_token
@@ -27,6 +29,8 @@ from gpuflex.protocol.messages import (
     Assignment,
     BlobRequest,
     Heartbeat,
+    RelayHeader,
+    RelayTake,
     SecAggKeys,
     SecAggMasked,
     SecAggPoll,
@@ -108,6 +112,12 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                             (400, "bad_message"), node=(409, "no_secagg"),
                                             other_node=(403, "not_your_assignment"))
        for step in ("keys", "poll", "shares", "masked", "unmask")},
+    # the pipeline relay: alice's job runs a 2-stage plan, the node stage 0, the other node stage 1
+    # (tests/test_pipeline_relay.py has every refusal); a take finds nothing sent (204)
+    ("POST", "/v1/relay"): _node(unsigned=(401, "missing_auth"), node=(200, None),
+                                 other_node=(403, "not_your_stage")),
+    ("GET", "/v1/relay"): _node(unsigned=(401, "missing_auth"), node=(403, "not_your_stage"),
+                                other_node=(204, None)),
     ("POST", "/v1/jobs"): _bearer(owner=(201, None), other=(201, None), auditor=WRONG_ROLE, admin=(201, None)),
     ("GET", "/v1/jobs"): _bearer(owner=(200, "sees"), other=(200, "blind"), auditor=WRONG_ROLE,
                                  admin=(200, "sees")),
@@ -255,6 +265,8 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
                 nonce=new_nonce())))
         headers["Content-Type"] = "application/octet-stream"
         return {"method": method, "path": path, "headers": headers, "data": b"\0" * 4}
+    if path == "/v1/relay":
+        return _relay_request(w, method, headers, signer, now)
     if path == "/v1/secagg/masked":
         if signer is not None:
             headers["X-GPUFlex-Masked"] = _b64(seal(signer.key, SecAggMasked(
@@ -309,6 +321,30 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
             body = seal(signer.key, Abandon(assignment_id=a.assignment_id, reason="test", timestamp=now,
                                             nonce=new_nonce()))
     return {"method": method, "path": path, "headers": headers, "data": body}
+
+
+def _relay_request(w: World, method: str, headers: dict[str, str], signer: SimNode | None,
+                   now: float) -> dict[str, Any]:
+    from gpuflex.hub.model.relay import Crossing, RelayPlan
+    from gpuflex.hub.server.appkeys import RELAY
+    from gpuflex.protocol.tensors import encode_state
+
+    w.hub.app[RELAY].registry.assign(w.job, RelayPlan(stages=(w.node.node_id, w.other_node.node_id),
+                                                      boundaries=(Crossing("float32", (2, 3)),), micro_batches=1))
+    step = int(now * 1000) % (1 << 30)  # a fresh message each time
+    if method == "GET":
+        if signer is not None:
+            headers["X-GPUFlex-Auth"] = _b64(seal(signer.key, RelayTake(
+                job_id=w.job, step=step, micro_batch=0, carries="activation", stage=0, to_stage=1, wait_s=0.0,
+                timestamp=now, nonce=new_nonce())))
+        return {"method": method, "path": "/v1/relay", "headers": headers}
+    body = encode_state({"activation": torch.zeros(2, 3)})
+    if signer is not None:
+        headers["X-GPUFlex-Relay"] = _b64(seal(signer.key, RelayHeader(
+            job_id=w.job, step=step, micro_batch=0, carries="activation", stage=0, to_stage=1,
+            sha256=hashlib.sha256(body).hexdigest(), size=len(body), timestamp=now, nonce=new_nonce())))
+    headers["Content-Type"] = "application/octet-stream"
+    return {"method": method, "path": "/v1/relay", "headers": headers, "data": body}
 
 
 async def _bearer_request(w: World, route: tuple[str, str], role: str) -> dict[str, Any]:
@@ -368,7 +404,7 @@ async def test_route_by_role(world: World, route: tuple[str, str], role: str) ->
     status, detail = TABLE[route][role]
     builder = _node_request if any(route[1].startswith(p) for p in (
         "/v1/nodes/register", "/v1/work", "/v1/heartbeat", "/v1/abandon", "/v1/blobs", "/v1/updates",
-        "/v1/states", "/v1/silos", "/v1/secagg")) \
+        "/v1/states", "/v1/silos", "/v1/secagg", "/v1/relay")) \
         else _bearer_request
     kw = await builder(world, route, role)
     path = kw.pop("path")

@@ -44,6 +44,8 @@ from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
     Commitment,
     ComputeClass,
+    RelayHeader,
+    RelayTake,
     RosterMember,
     Sealed,
     SecAggKeys,
@@ -130,6 +132,8 @@ SAMPLES: list[Any] = [
     UpdateHeader(
         "as-3", "6" * 64, 2_000_000, 64, {"loss": 0.3}, {"train_s": 1.5}, 1000.0, NONCE, None, 700_000,
     ),
+    RelayHeader("job-1", 7, 2, "activation", 1, 2, "a" * 64, 4096, 1000.0, NONCE),
+    RelayTake("job-1", 7, 2, "gradient", 2, 1, 30.0, 1000.0, NONCE),
 ]
 WIRE = [encode_message(m) for m in SAMPLES]
 KEY = SigningKey.from_seed(b"\x01" * 32)

@@ -35,10 +35,13 @@ from gpuflex.protocol import (
 from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
     PRECISIONS,
+    RELAY_KINDS,
     SECAGG_PHASES,
     UNKNOWN_CLASS,
     Commitment,
     ComputeClass,
+    RelayHeader,
+    RelayTake,
     RosterMember,
     Sealed,
     SecAggKeys,
@@ -245,6 +248,14 @@ MESSAGES = {
     SecAggUnmask: st.builds(SecAggUnmask, assignment_id=ids, shares=st.lists(st.builds(
         UnmaskShare, node_id=ids, kind=st.sampled_from(["b", "s"]), share=st.binary(min_size=1, max_size=1024)),
         max_size=5).map(tuple), timestamp=timestamps, nonce=nonces),
+    RelayHeader: st.builds(RelayHeader, job_id=ids, step=st.integers(0, 1 << 40), micro_batch=st.integers(0, 1 << 16),
+                           carries=st.sampled_from(RELAY_KINDS), stage=st.integers(0, 1 << 10),
+                           to_stage=st.integers(0, 1 << 10), sha256=blob_ids, size=counts, timestamp=timestamps,
+                           nonce=nonces),
+    RelayTake: st.builds(RelayTake, job_id=ids, step=st.integers(0, 1 << 40), micro_batch=st.integers(0, 1 << 16),
+                         carries=st.sampled_from(RELAY_KINDS), stage=st.integers(0, 1 << 10),
+                         to_stage=st.integers(0, 1 << 10), wait_s=st.floats(0.0, 60.0), timestamp=timestamps,
+                         nonce=nonces),
 }
 
 

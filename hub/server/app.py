@@ -32,7 +32,7 @@ from ..storage.deltas import ModelDeltas
 from ..storage.hub_key import load_or_create_hub_key
 from ..storage.migrate import refuse_if_migrated
 from ..storage.store import Store
-from . import routes_audit, routes_node, routes_owner
+from . import relay, routes_audit, routes_node, routes_owner
 from .appkeys import (
     AUDIT,
     BLOBS,
@@ -45,6 +45,7 @@ from .appkeys import (
     LEDGER,
     LOOPS,
     METRICS,
+    RELAY,
     REPLAY,
     STORE,
 )
@@ -52,6 +53,7 @@ from .bodywatch import body_idle_guard
 from .edge import guard_edge
 from .loops import LoopHealth, supervise
 from .openapi import openapi_document
+from .relaybox import Relay
 from .wire import PEER_HEADER, SCHEME_HEADER, error_response, json_response, protocol_to_hub
 
 if TYPE_CHECKING:
@@ -174,12 +176,14 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
     app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
     app[DELTAS] = deltas = ModelDeltas(blobs, app[IO_POOL])
     app[FIRST_ADMIN_TOKEN] = admin_token
+    app[RELAY] = Relay()
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)
     app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas
     app.add_routes(routes_node.routes)
     app.add_routes(routes_owner.routes)
     app.add_routes(routes_audit.routes)
+    app.add_routes(relay.routes)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/openapi.json", openapi)
@@ -199,8 +203,9 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
 
 async def _wake_long_polls(app: web.Application) -> None:
     """Shutdown waits for in-flight handlers: answer every waiting long-poll now (NoWork,
-    retry soon) rather than let each run out its wait (up to long_poll_max_s)."""
+    retry soon; a relay take, 204) rather than let each run out its wait (up to long_poll_max_s)."""
     app[LEDGER].signal.close()
+    app[RELAY].wake_all()
 
 
 def _attach_console(app: web.Application) -> None:

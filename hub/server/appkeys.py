@@ -16,6 +16,7 @@ from ..storage.db import Database
 from ..storage.deltas import ModelDeltas
 from ..storage.store import Store
 from .loops import LoopHealth
+from .relaybox import Relay
 
 CONFIG = web.AppKey("config", HubConfig)
 #: the store's database (SQLite, or PostgreSQL's PgDatabase): the read model's and tokens' queries
@@ -36,3 +37,5 @@ AUDIT = web.AppKey("audit", AuditLog)
 IO_POOL = web.AppKey("io_pool", ThreadPoolExecutor)
 #: the admin token printed on first start (None after)
 FIRST_ADMIN_TOKEN = web.AppKey("first_admin_token", str)
+#: the pipeline relay: its plans and its in-memory mailboxes (hub/server/relay.py)
+RELAY = web.AppKey("relay", Relay)

@@ -181,6 +181,31 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": _sealed("UploadOffset"), **_errors(400, 401, 403, 404, 409)},
             "description": "No body. 404 unknown_assignment when the assignment is not a live one of the caller; "
                            "409 busy while the interrupted upload is still being closed"}},
+        "/v1/relay": {
+            "post": {
+                "summary": "pipeline relay: hand one activation, gradient or tied gradient to another stage",
+                "tags": ["node"],
+                "parameters": [{"name": "X-GPUFlex-Relay", "in": "header", "required": True,
+                                "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed RelayHeader"}],
+                "requestBody": {"required": True, "content": {"application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary"}}}},
+                "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 413, 422, 429)},
+                "description": "The body is one GFT1 tensor of the header's size and SHA-256, kept in memory only "
+                               "until the receiving stage takes it. 404 no_pipeline; 403 not_your_stage / "
+                               "not_your_step; 400 not_in_plan / size_mismatch / hash_mismatch; 413 too_large; "
+                               "422 bad_tensor (shape, dtype) / nonfinite; 409 relay_duplicate / replay; "
+                               "429 relay_full"},
+            "get": {
+                "summary": "pipeline relay: take the tensor sent to this node's stage (long-poll)",
+                "tags": ["node"],
+                "parameters": [{"name": "X-GPUFlex-Auth", "in": "header", "required": True,
+                                "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed RelayTake"}],
+                "responses": {"200": {"description": "the GFT1 tensor; header X-GPUFlex-Relay carries the sender's "
+                                                     "sealed RelayHeader as it came",
+                                      "content": {"application/octet-stream": {
+                                          "schema": {"type": "string", "format": "binary"}}}},
+                              "204": {"description": "nothing came within the wait"},
+                              **_errors(400, 401, 403, 404, 409)}}},
         "/v1/states": {"post": {
             "summary": "hand over a committed checkpoint state the referee asked for (StateRequest)",
             "tags": ["node"],

@@ -1,0 +1,493 @@
+"""Pipeline execution on loopback: this engine over the hub's relay against torch.distributed.pipelining.
+
+Both run the same model (an MLP of ``--layers`` Linear+GELU units of width ``--width``), cut into
+the same ``--stages`` contiguous stages, over the same ``--micro`` micro-batches of ``--batch``
+samples a step, with the same schedule (GPipe and 1F1B), each stage in its own process:
+
+- torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` over gloo (process group on
+  127.0.0.1);
+- gpuflex: ``node/pipeline`` stage runners whose tensors travel through the relay of a hub
+  (the app factory, in its own process on 127.0.0.1), every message signed, hashed and checked.
+
+Each run trains 1 warm-up step and ``--steps`` timed steps with the node's optimizer (Adam);
+throughput is samples per second over the timed steps, measured on the last stage. The engine's
+parameters after every step are compared with single-process gradient accumulation over the same
+micro-batches (``figures.equivalence_max_rel_diff``, the largest relative difference of any
+parameter tensor, over both schedules). ``ratios.throughput_vs_torch_pipelining`` is the engine's
+samples/s over torch's, the worse of the two schedules.
+
+Usage: python bench/pipeline.py [--stages 4] [--micro 8] [--batch 64] [--width 512] [--layers 8]
+    [--steps 10] [--out bench/results/pipeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "bench-pipeline"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+# -- the shared workload ---------------------------------------------------------------------------
+
+
+def units(cfg: dict[str, Any]) -> list[nn.Module]:
+    """The model as an ordered list of units, identical in every process (seeded)."""
+    torch.manual_seed(0)
+    width, layers = cfg["width"], cfg["layers"]
+    out: list[nn.Module] = []
+    for i in range(layers):
+        out.append(nn.Linear(width, width if i < layers - 1 else 10))
+        if i < layers - 1:
+            out.append(nn.GELU())
+    return out
+
+
+def starts(cfg: dict[str, Any]) -> list[int]:
+    """Stage boundaries: every stage holds the same number of Linear layers (with their GELU)."""
+    per = cfg["layers"] // cfg["stages"]
+    return [2 * per * s for s in range(cfg["stages"])]
+
+
+def step_data(cfg: dict[str, Any]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(cfg["steps"] + 1):
+        xs = [torch.randn(cfg["batch"], cfg["width"], generator=g) for _ in range(cfg["micro"])]
+        ys = [torch.randint(0, 10, (cfg["batch"],), generator=g) for _ in range(cfg["micro"])]
+        steps.append((xs, ys))
+    return steps
+
+
+def train_config() -> Any:
+    from gpuflex.protocol.messages import TrainConfig
+
+    return TrainConfig(1, 32, "adam", 1e-3, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0)
+
+
+def reference(cfg: dict[str, Any]) -> list[torch.Tensor]:
+    """Single-process gradient accumulation over the same micro-batches: the parameters after."""
+    from gpuflex.node.trainer import make_optimizer
+
+    torch.set_num_threads(1)  # the stages' kernels: one thread each
+    model = nn.Sequential(*units(cfg))
+    opt = make_optimizer(list(model.parameters()), train_config())
+    loss_fn = nn.CrossEntropyLoss()
+    for xs, ys in step_data(cfg):
+        opt.zero_grad()
+        for x, y in zip(xs, ys, strict=True):
+            (loss_fn(model(x), y) / len(xs)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    if len(got) != len(want):
+        raise SystemExit(f"{len(got)} parameter tensors came back, the model has {len(want)}")
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- torch.distributed.pipelining (one process per rank) ----------------------------------------
+
+
+def torch_rank(cfg: dict[str, Any], rank: int, port: int, result: str) -> None:
+    """One rank of torch's pipeline: each schedule in turn, on a fresh copy of its stage."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    world = cfg["stages"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    bounds = [*starts(cfg), 2 * cfg["layers"] - 1]
+    for schedule_name in SCHEDULES:
+        module = nn.Sequential(*units(cfg)[bounds[rank] : bounds[rank + 1]])
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        kind = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+        # scale_grads (the default) divides the summed gradients by the micro-batches: the step's mean
+        schedule = kind(stage, n_microbatches=cfg["micro"], loss_fn=nn.CrossEntropyLoss())
+        opt = make_optimizer_for(module)
+        started = 0.0
+        for n, (xs, ys) in enumerate(step_data(cfg)):
+            if n == 1:
+                started = time.perf_counter()
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(torch.cat(xs))
+            elif rank == world - 1:
+                schedule.step(target=torch.cat(ys), losses=[])
+            else:
+                schedule.step()
+            opt.step()
+        _write_stage(
+            Path(result.format(schedule=schedule_name)), module, time.perf_counter() - started
+        )
+    dist.destroy_process_group()
+
+
+def make_optimizer_for(module: nn.Module) -> Any:
+    from gpuflex.node.trainer import make_optimizer
+
+    return make_optimizer(list(module.parameters()), train_config())
+
+
+def _write_stage(out: Path, module: nn.Module, elapsed: float) -> None:
+    from gpuflex.protocol.tensors import encode_state
+
+    state = {f"p{i:03d}": p.detach() for i, p in enumerate(module.parameters())}
+    (out.with_suffix(".gft")).write_bytes(encode_state(state))
+    out.write_text(json.dumps({"elapsed_s": elapsed}))
+
+
+def _read_stages(outs: list[Path]) -> tuple[list[torch.Tensor], float]:
+    from gpuflex.protocol.tensors import decode_state
+
+    params: list[torch.Tensor] = []
+    for out in outs:
+        state = decode_state(out.with_suffix(".gft").read_bytes())
+        params += [state[name].clone() for name in sorted(state)]
+    return params, float(json.loads(outs[-1].read_text())["elapsed_s"])
+
+
+def run_torch(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.Tensor], float]]:
+    port = free_port()
+    result = str(work / "torch-{schedule}-%d.json")
+    procs = [
+        _child(["--torch-rank", str(r), "--port", str(port), "--result", result % r], cfg)
+        for r in range(cfg["stages"])
+    ]
+    _wait_all(procs, "torch.distributed.pipelining")
+    return {
+        s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
+        for s in SCHEDULES
+    }
+
+
+# -- gpuflex: a hub with the relay, and one process per stage ------------------------------------------
+
+
+async def _serve_hub(data_dir: Path, plan_file: Path, port_file: Path) -> None:
+    from aiohttp import web
+    from gpuflex.hub.base.config import HubConfig
+    from gpuflex.hub.model.relay import Crossing, RelayPlan
+    from gpuflex.hub.server.app import create_app
+    from gpuflex.hub.server.appkeys import RELAY
+
+    plan = json.loads(plan_file.read_text())
+    app = create_app(
+        HubConfig(
+            data_dir=data_dir,
+            port=0,
+            long_poll_max_s=10.0,
+            registrations_per_block=1000,
+            probation_per_block=1000,
+        )
+    )
+    for schedule in SCHEDULES:  # one job per schedule, the same stages
+        app[RELAY].registry.assign(
+            f"{JOB}-{schedule}",
+            RelayPlan(
+                stages=tuple(plan["stages"]),
+                micro_batches=plan["micro"],
+                boundaries=tuple(Crossing("float32", tuple(shape)) for shape in plan["boundaries"]),
+            ),
+        )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port_file.write_text(str(site._server.sockets[0].getsockname()[1]))  # type: ignore[union-attr]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def _register(url: str, seed: bytes) -> None:
+    import http.client
+
+    from gpuflex.protocol.messages import Benchmark, DeviceInfo, Hello
+    from gpuflex.protocol.signing import SigningKey, new_nonce, seal
+    from gpuflex.protocol.version import PROTOCOL_VERSION
+
+    hello = Hello(
+        software_version="0.1.0",
+        protocol_version=PROTOCOL_VERSION,
+        device=DeviceInfo(kind="cpu", name="bench", memory_bytes=1, threads=1),
+        benchmark=Benchmark(
+            samples_per_s=100.0,
+            matmul_tflops_fp32=0.1,
+            matmul_tflops_bf16=None,
+            matmul_tflops_fp16=None,
+            mem_bandwidth_gbs=1.0,
+            h2d_gbs=None,
+            d2h_gbs=None,
+            reference_model="bench",
+        ),
+        timestamp=time.time(),
+        nonce=new_nonce(),
+    )
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(
+        "POST",
+        "/v1/nodes/register",
+        body=seal(SigningKey.from_seed(seed), hello),
+        headers={"Content-Type": "application/x-msgpack"},
+    )
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise SystemExit(
+            f"the hub refused a stage's registration: {resp.status} {resp.read()[:200]!r}"
+        )
+    conn.close()
+
+
+def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> None:
+    """One stage of this engine: each schedule in turn (its own job), on a fresh copy of its stage."""
+    from gpuflex.node.pipeline.relay import RelayTransport
+    from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut
+    from gpuflex.protocol.signing import SigningKey
+
+    torch.set_num_threads(1)
+    last = stage == cfg["stages"] - 1
+    for schedule in SCHEDULES:
+        stages = cut(units(cfg), starts(cfg))
+        specs = boundary_specs(stages, torch.zeros(cfg["batch"], cfg["width"]))
+        module = stages[stage]
+        transport = RelayTransport(
+            url, SigningKey.from_seed(_seed(stage)), f"{JOB}-{schedule}", wait_s=5.0
+        )
+        runner = StageRunner(
+            module=module,
+            stage=stage,
+            stages=cfg["stages"],
+            transport=transport,
+            optimizer=make_optimizer_for(module),
+            inbound=specs[stage - 1] if stage else None,
+            outbound=None if last else specs[stage],
+            loss_fn=nn.CrossEntropyLoss() if last else None,
+            schedule=schedule,
+        )
+        started = 0.0
+        for n, (xs, ys) in enumerate(step_data(cfg)):
+            if n == 1:
+                started = time.perf_counter()
+            runner.run_step(
+                n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
+            )
+        transport.close()
+        _write_stage(Path(result.format(schedule=schedule)), module, time.perf_counter() - started)
+
+
+def _seed(stage: int) -> bytes:
+    return bytes([stage + 1]) * 32
+
+
+def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.Tensor], float]]:
+    from gpuflex.node.pipeline.stage import boundary_specs, cut
+    from gpuflex.protocol.signing import SigningKey
+
+    specs = boundary_specs(cut(units(cfg), starts(cfg)), torch.zeros(cfg["batch"], cfg["width"]))
+    plan_file, port_file = work / "plan.json", work / "port"
+    plan_file.write_text(
+        json.dumps(
+            {
+                "stages": [
+                    SigningKey.from_seed(_seed(s)).fingerprint for s in range(cfg["stages"])
+                ],
+                "micro": cfg["micro"],
+                "boundaries": [list(spec.shape) for spec in specs],
+            }
+        )
+    )
+    hub = _child(
+        ["--hub", str(work / "hub"), "--plan", str(plan_file), "--port-file", str(port_file)], cfg
+    )
+    result = str(work / "gpuflex-{schedule}-%d.json")
+    try:
+        give_up = time.monotonic() + 90
+        while not port_file.exists() or not port_file.read_text():
+            if hub.poll() is not None or time.monotonic() > give_up:
+                raise SystemExit("the hub did not start")
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port_file.read_text()}"
+        for s in range(cfg["stages"]):
+            _register(url, _seed(s))
+        procs = [
+            _child(["--stage", str(s), "--url", url, "--result", result % s], cfg)
+            for s in range(cfg["stages"])
+        ]
+        _wait_all(procs, "gpuflex stages")
+    finally:
+        hub.terminate()
+        hub.wait(30)
+    return {
+        s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
+        for s in SCHEDULES
+    }
+
+
+# -- orchestration ------------------------------------------------------------------------------------
+
+
+def _child(args: list[str], cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, __file__, "--cfg", json.dumps(cfg), *args], env=env)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    give_up = time.monotonic() + 240
+    for p in procs:
+        try:
+            code = p.wait(max(1.0, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+                    q.wait()
+            raise SystemExit(f"{what}: a process ended with {code}")
+
+
+def measure(base: dict[str, Any]) -> dict[str, Any]:
+    want = reference(base)
+    samples = base["steps"] * base["micro"] * base["batch"]
+    with tempfile.TemporaryDirectory(prefix="gpuflex-bench-pipeline-") as tmp:
+        theirs = run_torch(base, Path(tmp))
+        ours = run_gpuflex(base, Path(tmp))
+    return {
+        schedule: {
+            "torch_samples_per_s": round(samples / theirs[schedule][1], 1),
+            "gpuflex_samples_per_s": round(samples / ours[schedule][1], 1),
+            "gpuflex_max_rel_diff": max_rel_diff(ours[schedule][0], want),
+            "torch_max_rel_diff": max_rel_diff(theirs[schedule][0], want),
+        }
+        for schedule in SCHEDULES
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "pipeline.json"
+    )
+    for hidden in (
+        "--cfg",
+        "--torch-rank",
+        "--port",
+        "--result",
+        "--hub",
+        "--plan",
+        "--port-file",
+        "--stage",
+        "--url",
+    ):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cfg is not None:
+        _run_child(args)
+        return
+    if args.layers % args.stages:
+        raise SystemExit(f"--layers {args.layers} does not split into {args.stages} equal stages")
+    base = {k: getattr(args, k) for k in ("stages", "micro", "batch", "width", "layers", "steps")}
+    started = time.monotonic()
+    rows = measure(base)
+    report(base, rows, args.out, time.monotonic() - started)
+
+
+def _run_child(args: argparse.Namespace) -> None:
+    cfg = json.loads(args.cfg)
+    if args.torch_rank is not None:
+        torch_rank(cfg, int(args.torch_rank), int(args.port), args.result)
+    elif args.hub is not None:
+        asyncio.run(_serve_hub(Path(args.hub), Path(args.plan), Path(args.port_file)))
+    else:
+        gpuflex_stage(cfg, int(args.stage), args.url, args.result)
+
+
+def report(base: dict[str, Any], rows: dict[str, Any], out: Path, wall_s: float) -> None:
+    print(
+        f"{base['stages']} stages of an MLP ({base['layers']} Linear {base['width']}-wide), {base['micro']} "
+        f"micro-batches of {base['batch']}, {base['steps']} timed steps, Adam; every stage its own process"
+    )
+    print(
+        f"{'schedule':<9} {'torch samples/s':>16} {'gpuflex samples/s':>18} {'ratio':>6} {'max rel diff':>13}"
+    )
+    for schedule, row in rows.items():
+        ratio = row["gpuflex_samples_per_s"] / row["torch_samples_per_s"]
+        print(
+            f"{schedule:<9} {row['torch_samples_per_s']:>16.1f} {row['gpuflex_samples_per_s']:>18.1f} "
+            f"{ratio:>6.2f} {row['gpuflex_max_rel_diff']:>13.2e}"
+        )
+    ratio = min(r["gpuflex_samples_per_s"] / r["torch_samples_per_s"] for r in rows.values())
+    result = {
+        "name": "pipeline",
+        "figures": {
+            "equivalence_max_rel_diff": max(r["gpuflex_max_rel_diff"] for r in rows.values()),
+            "torch_pipelining_max_rel_diff": max(r["torch_max_rel_diff"] for r in rows.values()),
+            **{f"{s}_{k}": v for s, r in rows.items() for k, v in r.items() if k.endswith("per_s")},
+            **base,
+            "wall_s": round(wall_s, 1),
+        },
+        "ratios": {
+            "throughput_vs_torch_pipelining": round(ratio, 3),
+            **{
+                f"throughput_vs_torch_pipelining_{s}": round(
+                    r["gpuflex_samples_per_s"] / r["torch_samples_per_s"], 3
+                )
+                for s, r in rows.items()
+            },
+        },
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}, "
+        f"python {platform.python_version()}, torch {torch.__version__}",
+        "notes": "loopback, CPU, one torch thread per stage process; gpuflex's tensors go through the hub's relay "
+        "(POST then long-poll GET, each message sealed by its node and checked by the hub and the receiver), "
+        "torch's over gloo point-to-point; throughput ratio = the worse schedule's; equivalence = the largest "
+        "relative difference of any parameter tensor after 1 + steps steps vs single-process gradient "
+        "accumulation over the same micro-batches",
+    }
+    print(
+        f"throughput vs torch.distributed.pipelining: {ratio:.2f}; equivalence max rel diff "
+        f"{result['figures']['equivalence_max_rel_diff']:.2e}; {wall_s:.0f} s"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Who owns which pipeline stage, and what passes between stages: what the hub's relay checks.
+
+A job's pipeline ``RelayPlan`` names the node that runs each stage, the tensor that crosses each
+boundary per micro-batch (an activation forward, its gradient back: the same shape and dtype),
+the tied-parameter groups, and the steps it governs. The pipeline's planning sets it with
+``RelayRegistry.assign``; the relay (hub/server/relay.py) refuses every message the plan does
+not allow, in one line, before it reads the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..base.errors import BadRequest, Forbidden, NotFound
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A tensor that one message carries: its dtype name (GFT1's: "float32") and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TiedStages:
+    """A parameter held by several stages: each sends its gradient (``crossing``) to every other."""
+
+    stages: tuple[int, ...]
+    crossing: Crossing
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """``stages[i]``: the node id running stage i; ``boundaries[i]``: what crosses between stage
+    i and i + 1 per micro-batch; steps ``first_step`` up to ``end_step`` (None: no end)."""
+
+    stages: tuple[str, ...]
+    boundaries: tuple[Crossing, ...]
+    micro_batches: int
+    first_step: int = 0
+    end_step: int | None = None
+    tied: tuple[TiedStages, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.stages) < 2 or len(self.boundaries) != len(self.stages) - 1:
+            raise ValueError(
+                "a pipeline plan has at least 2 stages and one boundary between each two"
+            )
+        if self.micro_batches < 1:
+            raise ValueError("a pipeline plan has at least one micro-batch")
+
+    def crossing(
+        self, *, step: int, micro_batch: int, carries: str, stage: int, to_stage: int
+    ) -> Crossing:
+        """What a message from ``stage`` to ``to_stage`` must hold; Forbidden for a step outside the
+        plan, BadRequest when the plan has no such message."""
+        if step < self.first_step or (self.end_step is not None and step >= self.end_step):
+            end = "" if self.end_step is None else f" up to {self.end_step - 1}"
+            raise Forbidden(
+                f"step {step} is not one of this pipeline plan's (steps {self.first_step}{end})",
+                code="not_your_step",
+            )
+        if not (0 <= stage < len(self.stages) and 0 <= to_stage < len(self.stages)):
+            raise BadRequest(
+                f"the pipeline has stages 0 to {len(self.stages) - 1}, not {max(stage, to_stage)}",
+                code="not_in_plan",
+            )
+        if carries == "tied":
+            if (
+                micro_batch < len(self.tied)
+                and {stage, to_stage} <= set(self.tied[micro_batch].stages)
+                and stage != to_stage
+            ):
+                return self.tied[micro_batch].crossing
+            raise BadRequest(
+                f"stages {stage} and {to_stage} share no tied group {micro_batch}",
+                code="not_in_plan",
+            )
+        if micro_batch >= self.micro_batches:
+            raise BadRequest(
+                f"micro-batch {micro_batch} is beyond the plan's {self.micro_batches}",
+                code="not_in_plan",
+            )
+        if carries == "activation" and to_stage == stage + 1:
+            return self.boundaries[stage]
+        if carries == "gradient" and to_stage == stage - 1:
+            return self.boundaries[to_stage]
+        raise BadRequest(
+            f"an {carries} does not go from stage {stage} to stage {to_stage}", code="not_in_plan"
+        )
+
+    def check_owner(self, node_id: str, stage: int, what: str) -> None:
+        """Forbidden unless ``node_id`` runs ``stage``."""
+        if self.stages[stage] != node_id:
+            raise Forbidden(
+                f"this node does not run stage {stage} of the pipeline, so it may not {what}",
+                code="not_your_stage",
+            )
+
+
+@dataclass
+class RelayRegistry:
+    """The current pipeline plan of each job (memory only; the pipeline's planning sets it)."""
+
+    plans: dict[str, RelayPlan] = field(default_factory=dict)
+
+    def assign(self, job_id: str, plan: RelayPlan) -> None:
+        self.plans[job_id] = plan
+
+    def drop(self, job_id: str) -> None:
+        self.plans.pop(job_id, None)
+
+    def plan(self, job_id: str) -> RelayPlan:
+        plan = self.plans.get(job_id)
+        if plan is None:
+            raise NotFound(f"job {job_id} runs no pipeline on this hub", code="no_pipeline")
+        return plan
+
+
+__all__ = ["Crossing", "RelayPlan", "RelayRegistry", "TiedStages"]

@@ -1,0 +1,124 @@
+"""The pipeline relay: stages behind NAT hand each other activations and gradients through the hub.
+
+POST /v1/relay puts one tensor (header X-GPUFlex-Relay: a sealed RelayHeader; body: one GFT1
+tensor of the header's size and SHA-256); GET /v1/relay (header X-GPUFlex-Auth: a sealed
+RelayTake) takes it, waiting up to the long-poll limit, and answers the bytes with the sender's
+sealed header as it came (X-GPUFlex-Relay), so the receiving stage verifies the sender itself.
+
+Every refusal is one line and keeps nothing: a bad signature or a replayed nonce, an unknown
+node, a job with no pipeline, a step or stage the node does not own under the job's plan
+(hub/model/relay.py), a body larger than the plan's tensor can be or not matching its signed
+size and hash, a tensor of another shape or dtype, NaN or infinity. Messages live in memory
+only (hub/server/relaybox.py), never in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+
+from aiohttp import web
+from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
+from gpuflex.protocol.tensors import TensorSpec, check_blob, max_encoded_size
+
+from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
+from ..model.relay import Crossing, RelayPlan
+from .appkeys import CONFIG, IO_POOL, LEDGER, METRICS, RELAY
+from .relaybox import RelayKey
+from .wire import b64_header, open_node_message, protocol_to_hub, read_body, sealed_response
+
+routes = web.RouteTableDef()
+RELAY_HEADER = "X-GPUFlex-Relay"
+#: the most bytes one relayed tensor may take, whatever its plan says
+MAX_RELAY_BODY = 256 << 20
+#: a tensor up to this size is checked on the event loop (less than the hand-off to a thread)
+CHECK_ON_LOOP = 64 << 10
+
+
+def _crossing(plan: RelayPlan, msg: RelayHeader | RelayTake) -> Crossing:
+    return plan.crossing(
+        step=msg.step,
+        micro_batch=msg.micro_batch,
+        carries=msg.carries,
+        stage=msg.stage,
+        to_stage=msg.to_stage,
+    )
+
+
+def _key(msg: RelayHeader | RelayTake) -> RelayKey:
+    return (msg.job_id, msg.step, msg.micro_batch, msg.carries, msg.stage, msg.to_stage)
+
+
+def _check_tensor(body: bytes, spec: TensorSpec) -> None:
+    try:
+        nonfinite = check_blob(body, (spec,), max_total_bytes=MAX_RELAY_BODY)
+    except ProtocolError as exc:
+        raise protocol_to_hub(exc) from None
+    if nonfinite is not None:
+        raise Unprocessable(
+            f"the relayed {spec.name} holds NaN or infinite values; refused", code="nonfinite"
+        )
+
+
+@routes.post("/v1/relay")
+async def relay_put(request: web.Request) -> web.Response:
+    """Keep one tensor for the stage it is addressed to (signed RelayHeader -> signed Ack)."""
+    app = request.app
+    sealed = b64_header(request, RELAY_HEADER)
+    hdr, signer = open_node_message(request, sealed, RelayHeader)
+    node = app[LEDGER].known_node(signer, request.remote)
+    plan = app[RELAY].registry.plan(hdr.job_id)
+    crossing = _crossing(plan, hdr)
+    plan.check_owner(node.id, hdr.stage, f"send as stage {hdr.stage}")
+    spec = TensorSpec(hdr.carries, crossing.dtype, crossing.shape)
+    limit = min(max_encoded_size((spec,)), MAX_RELAY_BODY)
+    if hdr.size > limit:
+        raise PayloadTooLarge(
+            f"a relayed {hdr.carries} of this pipeline is at most {limit} bytes, not {hdr.size}",
+            code="too_large",
+        )
+    if request.content_length is not None and request.content_length != hdr.size:
+        raise BadRequest(
+            f"Content-Length {request.content_length} differs from the signed size {hdr.size}",
+            code="size_mismatch",
+        )
+    body = await read_body(request, hdr.size)
+    if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
+        raise BadRequest(
+            "the relayed bytes do not match their signed size and SHA-256", code="hash_mismatch"
+        )
+    if len(body) <= CHECK_ON_LOOP:
+        _check_tensor(body, spec)
+    else:
+        await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _check_tensor, body, spec)
+    app[RELAY].put(_key(hdr), sealed, body)
+    return sealed_response(
+        request, Ack(ok=True, detail=f"{hdr.carries} relayed to stage {hdr.to_stage}", deadline=0.0)
+    )
+
+
+@routes.get("/v1/relay")
+async def relay_take(request: web.Request) -> web.Response:
+    """Take the tensor sent to the caller's stage: 200 with it, or 204 when none came in time."""
+    app = request.app
+    take, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), RelayTake)
+    node = app[LEDGER].known_node(signer, request.remote)
+    plan = app[RELAY].registry.plan(take.job_id)
+    _crossing(plan, take)
+    plan.check_owner(node.id, take.to_stage, f"take what is sent to stage {take.to_stage}")
+    message = await app[RELAY].take(
+        _key(take), min(float(take.wait_s), app[CONFIG].long_poll_max_s)
+    )
+    if message is None:
+        return web.Response(status=204)
+    app[METRICS].bytes_out += len(message.body)
+    return web.Response(
+        body=message.body,
+        content_type="application/octet-stream",
+        headers={RELAY_HEADER: base64.urlsafe_b64encode(message.header).decode("ascii")},
+    )
+
+
+__all__ = ["MAX_RELAY_BODY", "RELAY_HEADER", "routes"]

@@ -1,0 +1,6 @@
+"""Pipeline execution: a model's units cut into contiguous stages, each run by one node.
+
+``schedule`` orders a stage's forwards and backwards (GPipe, 1F1B); ``stage`` runs one stage's
+share of a step and steps its parameters; ``transport`` is how stages' tensors meet (in memory
+here, through the hub's relay in ``relay``); ``local`` runs every stage of a pipeline in threads.
+"""

@@ -1,0 +1,232 @@
+"""``Transport`` through the hub's relay (POST/GET /v1/relay): stages behind NAT never connect
+to each other, only to the hub.
+
+A tensor travels as one GFT1 blob (protocol/tensors.py); its header, a RelayHeader naming the
+job, step, micro-batch, what it carries, both stages and the blob's size and SHA-256, is sealed
+with the node's key like every request it makes. The receiver gets the sender's sealed header
+as it came and checks it (the signature; the sender's key when ``peers`` names it; the key
+fields; size and hash) before it decodes the bytes, then checks shape, dtype and finiteness.
+
+Blocking (``http.client``): a stage runs in its own thread, whose compute blocks anyway.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import http.client
+import json
+import random
+import time
+from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
+
+import torch
+from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
+from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
+from gpuflex.protocol.tensors import TensorSpec, decode_state, encode_state, max_encoded_size
+
+from ..errors import PipelineError
+from .transport import MessageKey, check_received
+
+RELAY_HEADER = "X-GPUFlex-Relay"
+_RETRY = (429, 502, 503, 504)
+
+
+class RelayTransport:
+    """The stages of ``job_id`` on this node, talking through the relay of the hub at ``base_url``.
+
+    ``hub_public_key``: the pinned hub key its answers must be sealed with (None: not checked);
+    ``peers``: stage -> the public key of the node running it, when known (the sender of each
+    received tensor is then checked); ``wait_s``: one long-poll's wait.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        key: SigningKey,
+        job_id: str,
+        *,
+        hub_public_key: bytes | None = None,
+        peers: Mapping[int, bytes] | None = None,
+        wait_s: float = 20.0,
+        send_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PipelineError(f"the hub's address {base_url!r} is not an http(s) URL")
+        self._parts = parts
+        self.key = key
+        self.job_id = job_id
+        self.hub_public_key = hub_public_key
+        self.peers = dict(peers or {})
+        self.wait_s = wait_s
+        self.send_timeout_s = send_timeout_s
+        self.clock = clock
+        self._conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _request(
+        self, method: str, headers: dict[str, str], body: bytes | None, timeout_s: float
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """One request on the kept connection (reopened once if the hub closed it)."""
+        for attempt in (0, 1):
+            if self._conn is None:
+                cls = (
+                    http.client.HTTPSConnection
+                    if self._parts.scheme == "https"
+                    else http.client.HTTPConnection
+                )
+                self._conn = cls(self._parts.hostname or "", self._parts.port, timeout=timeout_s)
+            self._conn.timeout = timeout_s
+            try:
+                self._conn.request(method, "/v1/relay", body=body, headers=headers)
+                resp = self._conn.getresponse()
+                return resp.status, {k: v for k, v in resp.getheaders()}, resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if attempt:
+                    raise PipelineError(
+                        f"the hub's relay cannot be reached: {type(exc).__name__}: {exc}"
+                    ) from None
+        raise AssertionError("unreachable")
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        body = encode_state({key.carries: tensor.detach().to("cpu").contiguous()})
+        header = RelayHeader(
+            job_id=self.job_id,
+            step=key.step,
+            micro_batch=key.micro_batch,
+            carries=key.carries,
+            stage=key.stage,
+            to_stage=key.to_stage,
+            sha256=hashlib.sha256(body).hexdigest(),
+            size=len(body),
+            timestamp=self.clock(),
+            nonce=new_nonce(),
+        )
+        give_up = time.monotonic() + self.send_timeout_s
+        delay = 0.02
+        while True:
+            sealed = seal(self.key, header)
+            status, _, answer = self._request(
+                "POST",
+                {RELAY_HEADER: _b64(sealed), "Content-Type": "application/octet-stream"},
+                body,
+                30.0,
+            )
+            if status == 200:
+                self._check_ack(answer, key)
+                return
+            if status not in _RETRY or time.monotonic() >= give_up:
+                raise PipelineError(
+                    f"the hub's relay refused {key.describe()}: {_refusal(status, answer)}"
+                )
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+            header = dataclasses.replace(header, timestamp=self.clock(), nonce=new_nonce())
+
+    def _check_ack(self, answer: bytes, key: MessageKey) -> None:
+        if self.hub_public_key is None:
+            return
+        try:
+            open_sealed(answer, Ack, signer=self.hub_public_key)
+        except ProtocolError as exc:
+            raise PipelineError(
+                f"the relay's answer for {key.describe()} is not the pinned hub's: {exc}"
+            ) from None
+
+    def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        give_up = time.monotonic() + timeout_s
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise PipelineError(f"{key.describe()} did not arrive within {timeout_s:g} s")
+            take = RelayTake(
+                job_id=self.job_id,
+                step=key.step,
+                micro_batch=key.micro_batch,
+                carries=key.carries,
+                stage=key.stage,
+                to_stage=key.to_stage,
+                wait_s=min(self.wait_s, max(left, 0.0)),
+                timestamp=self.clock(),
+                nonce=new_nonce(),
+            )
+            status, headers, body = self._request(
+                "GET",
+                {"X-GPUFlex-Auth": _b64(seal(self.key, take))},
+                None,
+                min(self.wait_s, left) + 30.0,
+            )
+            if status == 204:
+                continue
+            if status in _RETRY:  # the hub is busy or restarting: ask again shortly
+                time.sleep(min(0.2, max(give_up - time.monotonic(), 0.0)))
+                continue
+            if status != 200:
+                raise PipelineError(
+                    f"the hub's relay refused to hand over {key.describe()}: "
+                    f"{_refusal(status, body)}"
+                )
+            return self._open(key, expected, headers.get(RELAY_HEADER, ""), body)
+
+    def _open(
+        self, key: MessageKey, expected: TensorSpec, sealed_b64: str, body: bytes
+    ) -> torch.Tensor:
+        """The sender's sealed header checked, then the bytes against it, then the tensor."""
+        try:
+            sealed = base64.urlsafe_b64decode(sealed_b64 + "=" * (-len(sealed_b64) % 4))
+            hdr, _ = open_sealed(sealed, RelayHeader, signer=self.peers.get(key.stage))
+        except (ValueError, ProtocolError) as exc:
+            raise PipelineError(
+                f"{key.describe()} came without a valid signed header: {exc}"
+            ) from None
+        if (hdr.job_id, hdr.step, hdr.micro_batch, hdr.carries, hdr.stage, hdr.to_stage) != (
+            self.job_id,
+            key.step,
+            key.micro_batch,
+            key.carries,
+            key.stage,
+            key.to_stage,
+        ):
+            raise PipelineError(f"{key.describe()} came with the header of another message")
+        if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
+            raise PipelineError(f"{key.describe()} does not match its signed size and SHA-256")
+        if len(body) > max_encoded_size((TensorSpec(key.carries, expected.dtype, expected.shape),)):
+            raise PipelineError(
+                f"{key.describe()} is larger than a {expected.dtype} {list(expected.shape)} tensor"
+            )
+        try:
+            state = decode_state(body)
+        except ProtocolError as exc:
+            raise PipelineError(f"{key.describe()} is not a valid tensor: {exc}") from None
+        if set(state) != {key.carries}:
+            raise PipelineError(
+                f"{key.describe()} holds tensors {sorted(state)[:4]}, expected one named {key.carries!r}"
+            )
+        return check_received(key, state[key.carries].clone(), expected)
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def _refusal(status: int, body: bytes) -> str:
+    try:
+        obj = json.loads(body.decode("utf-8", "replace"))
+        return (
+            f"{status} {obj.get('error', '')}: {' '.join(str(obj.get('detail', '')).split())[:300]}"
+        )
+    except (ValueError, AttributeError):
+        return f"{status} {body[:120].decode('utf-8', 'replace')}"
+
+
+__all__ = ["RELAY_HEADER", "RelayTransport"]

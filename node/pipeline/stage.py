@@ -1,0 +1,216 @@
+"""One pipeline stage: its contiguous share of a model's units, and its part of a training step.
+
+A model that pipelines is an ordered list of ``nn.Module`` units; ``cut`` makes contiguous stages
+of it. Each step, ``StageRunner.run_step`` runs this stage's forwards and backwards over the
+step's micro-batches in the schedule's order (node/pipeline/schedule.py): stage 0 reads the inputs,
+the others receive activations from the stage before; each forward's output goes on to the next
+stage; the last stage computes the loss, each micro-batch's loss weighted by its share of the
+step's samples (the step's mean loss); a backward receives its output gradient from the next
+stage and sends its input gradient back. At the step's end every stage sums the gradients of
+its tied parameters with the other stages of their groups and applies its optimizer (the
+optimizer node/trainer.py builds from the job's TrainConfig) to its own parameters. With
+deterministic units (no dropout), a step's result equals single-process training with gradient
+accumulation over the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from gpuflex.protocol.tensors import TensorSpec
+from torch import Tensor, nn
+
+from ..errors import PipelineError
+from ..optim import LocalOptimizer
+from .schedule import stage_actions
+from .transport import MessageKey, Transport, spec_of
+
+#: a mean-reduced loss of (output, target)
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def cut(units: Sequence[nn.Module], starts: Sequence[int]) -> list[nn.Sequential]:
+    """The stages of ``units``: stage i holds units ``starts[i]`` up to ``starts[i + 1]`` (the last
+    up to the end). ``starts`` begins at 0 and rises; each stage is a private copy, so that two
+    stages never share a parameter (a tied one is summed by ``TiedGroup`` instead)."""
+    bounds = [*starts, len(units)]
+    if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise PipelineError(
+            f"stage starts {list(starts)} do not cut {len(units)} units into non-empty "
+            "contiguous stages (they begin at 0 and rise)"
+        )
+    return [copy.deepcopy(nn.Sequential(*units[a:b])) for a, b in itertools.pairwise(bounds)]
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One parameter held by several stages (an embedding tied to the output layer): ``members``
+    are (stage, parameter name in that stage's module). Their gradients are summed, in stage
+    order, before the step, so every copy takes the same update."""
+
+    members: tuple[tuple[int, str], ...]
+
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted(stage for stage, _ in self.members))
+
+
+def boundary_specs(stages: Sequence[nn.Module], example: Tensor) -> list[TensorSpec]:
+    """What passes between stage i and i+1 for one micro-batch like ``example``: found by running
+    the stages on the meta device (no memory, no compute)."""
+    specs: list[TensorSpec] = []
+    x = example.to("meta")
+    with torch.no_grad():
+        for module in stages[:-1]:
+            x = copy.deepcopy(module).to("meta")(x)
+            if not isinstance(x, Tensor) or not x.is_floating_point():
+                raise PipelineError(
+                    "a stage must hand the next one a floating-point tensor (a gradient flows back)"
+                )
+            specs.append(spec_of(x, "activation"))
+    return specs
+
+
+@dataclass
+class StageRunner:
+    """Stage ``stage`` of ``stages``: runs its share of each step and steps its own parameters.
+
+    ``inbound``: the activation it receives per micro-batch (stage > 0); ``outbound``: the one it
+    sends (stage < last), whose gradient comes back; ``loss_fn`` on the last stage only.
+    """
+
+    module: nn.Module
+    stage: int
+    stages: int
+    transport: Transport
+    optimizer: LocalOptimizer
+    inbound: TensorSpec | None = None
+    outbound: TensorSpec | None = None
+    loss_fn: LossFn | None = None
+    schedule: str = "1f1b"
+    tied: Sequence[TiedGroup] = ()
+    timeout_s: float = 60.0
+    _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        last = self.stage == self.stages - 1
+        if (self.stage > 0) != (self.inbound is not None) or (not last) != (
+            self.outbound is not None
+        ):
+            raise PipelineError(
+                f"stage {self.stage} of {self.stages} needs an inbound spec exactly when it is not "
+                "the first and an outbound spec exactly when it is not the last"
+            )
+        if last != (self.loss_fn is not None):
+            raise PipelineError("the last stage, and only it, computes the loss")
+
+    def run_step(
+        self,
+        step: int,
+        micro_batches: int,
+        *,
+        inputs: Sequence[Tensor] = (),
+        targets: Sequence[Tensor] = (),
+    ) -> float | None:
+        """Run step ``step`` over ``micro_batches``: ``inputs`` on stage 0, ``targets`` on the last.
+        Returns the step's mean loss on the last stage, None elsewhere."""
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        if (first and len(inputs) != micro_batches) or (last and len(targets) != micro_batches):
+            raise PipelineError(
+                f"stage {self.stage} needs {micro_batches} micro-batches of its data"
+            )
+        samples = sum(int(t.shape[0]) for t in targets)
+        self.optimizer.zero_grad()
+        self._held.clear()
+        loss_sum = 0.0
+        for action in stage_actions(
+            self.schedule, stage=self.stage, stages=self.stages, micro_batches=micro_batches
+        ):
+            i = action.micro_batch
+            if action.op == "F":
+                loss = self._forward(
+                    step, i, inputs[i] if first else None, targets[i] if last else None, samples
+                )
+                if loss is not None:
+                    loss_sum += float(loss.detach())
+            else:
+                self._backward(step, i)
+        self._sum_tied(step)
+        self.optimizer.step()
+        return loss_sum if last else None
+
+    def _key(self, step: int, micro_batch: int, carries: str, to_stage: int) -> MessageKey:
+        return MessageKey(step, micro_batch, carries, self.stage, to_stage)
+
+    def _forward(
+        self, step: int, i: int, x: Tensor | None, y: Tensor | None, samples: int
+    ) -> Tensor | None:
+        if x is None:
+            if self.inbound is None:
+                raise PipelineError("stage 0 needs its inputs")
+            key = MessageKey(step, i, "activation", self.stage - 1, self.stage)
+            received = self.transport.receive(key, self.inbound, timeout_s=self.timeout_s)
+            x_in: Tensor | None = received.requires_grad_(True)
+            out = self.module(x_in)
+        else:
+            x_in = None  # stage 0's inputs need no gradient
+            out = self.module(x)
+        if y is None:
+            self.transport.send(self._key(step, i, "activation", self.stage + 1), out)
+            self._held[i] = (x_in, out)
+            return None
+        if self.loss_fn is None:
+            raise PipelineError("the last stage needs its loss")
+        # (micro-batch's mean loss) x (its share of the step's samples): the step's mean, summed
+        loss = self.loss_fn(out, y) * (int(y.shape[0]) / samples)
+        self._held[i] = (x_in, loss)
+        return loss
+
+    def _backward(self, step: int, i: int) -> None:
+        x_in, out = self._held.pop(i)
+        if self.outbound is None:  # the last stage: ``out`` is the weighted loss
+            out.backward()
+        else:
+            key = MessageKey(step, i, "gradient", self.stage + 1, self.stage)
+            grad = self.transport.receive(key, self.outbound, timeout_s=self.timeout_s)
+            torch.autograd.backward(out, grad)
+        if x_in is not None:
+            if x_in.grad is None:
+                raise PipelineError(f"stage {self.stage}'s input received no gradient")
+            self.transport.send(self._key(step, i, "gradient", self.stage - 1), x_in.grad)
+
+    def _sum_tied(self, step: int) -> None:
+        params = dict(self.module.named_parameters())
+        for g, group in enumerate(self.tied):
+            mine = [name for stage, name in group.members if stage == self.stage]
+            if not mine:
+                continue
+            param = params.get(mine[0])
+            if param is None or param.grad is None:
+                raise PipelineError(
+                    f"stage {self.stage} has no gradient for tied parameter {mine[0]!r}"
+                )
+            own = param.grad.detach().clone()
+            expected = spec_of(own, "tied")
+            others = [s for s in group.stages() if s != self.stage]
+            for other in others:
+                self.transport.send(self._key(step, g, "tied", other), own)
+            total: Tensor | None = None
+            for s in group.stages():  # the same order on every stage: identical sums
+                part = (
+                    own
+                    if s == self.stage
+                    else self.transport.receive(
+                        MessageKey(step, g, "tied", s, self.stage),
+                        expected,
+                        timeout_s=self.timeout_s,
+                    )
+                )
+                total = part.clone() if total is None else total.add_(part)
+            param.grad = total
+
+
+__all__ = ["LossFn", "StageRunner", "TiedGroup", "boundary_specs", "cut"]

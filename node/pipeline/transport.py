@@ -1,0 +1,130 @@
+"""How one stage's tensors reach another: the ``Transport`` interface and its in-memory form.
+
+A message is keyed by the step, the micro-batch, what it carries ("activation" from stage s to
+s+1, "gradient" from s to s-1, "tied": a tied parameter's gradient between two stages of one
+group, its micro-batch the group's index) and the two stages. ``send`` never waits for the
+receiver; ``receive`` waits for the message, then checks it against what the receiver expects
+(shape, dtype, finite values) and refuses it in one line otherwise. The relay through the hub
+(node/pipeline/relay.py) is the other implementation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from gpuflex.protocol.messages import RELAY_KINDS
+from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec
+
+from ..errors import PipelineError
+
+
+@dataclass(frozen=True)
+class MessageKey:
+    """Which tensor: ``carries`` (activation, gradient, tied) of ``micro_batch`` at ``step``, from
+    stage ``stage`` to stage ``to_stage``."""
+
+    step: int
+    micro_batch: int
+    carries: str
+    stage: int
+    to_stage: int
+
+    def __post_init__(self) -> None:
+        if self.carries not in RELAY_KINDS:
+            raise PipelineError(
+                f"a pipeline message carries one of {', '.join(RELAY_KINDS)}, not {self.carries!r}"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"the {self.carries} of step {self.step} micro-batch {self.micro_batch} "
+            f"from stage {self.stage} to stage {self.to_stage}"
+        )
+
+
+class Transport(Protocol):
+    """Carries tensors between the stages of one job's pipeline."""
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        """Hand ``tensor`` on (it may be reused by the caller afterwards); does not wait for the receiver."""
+
+    def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        """The tensor sent under ``key``, checked against ``expected``; a fresh tensor the caller owns.
+        PipelineError when none comes within ``timeout_s`` or it is not what was expected."""
+
+
+def spec_of(tensor: torch.Tensor, name: str) -> TensorSpec:
+    """The (name, dtype, shape) a receiver expects of a tensor like ``tensor``."""
+    dtype = DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise PipelineError(f"a pipeline cannot carry {name} of dtype {tensor.dtype}")
+    return TensorSpec(name, dtype, tuple(int(d) for d in tensor.shape))
+
+
+def check_received(key: MessageKey, tensor: torch.Tensor, expected: TensorSpec) -> torch.Tensor:
+    """``tensor`` when it has ``expected``'s dtype and shape and only finite values; PipelineError
+    naming the message and what is wrong otherwise."""
+    got = spec_of(tensor, key.carries)
+    if got.dtype != expected.dtype:
+        raise PipelineError(f"{key.describe()} has dtype {got.dtype}, expected {expected.dtype}")
+    if got.shape != expected.shape:
+        raise PipelineError(
+            f"{key.describe()} has shape {list(got.shape)}, expected {list(expected.shape)}"
+        )
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        raise PipelineError(f"{key.describe()} holds NaN or infinite values; refused")
+    return tensor
+
+
+class MemoryNetwork:
+    """The stages of one process (threads), connected by one queue per message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[MessageKey, queue.Queue[torch.Tensor]] = {}
+
+    def box(self, key: MessageKey) -> queue.Queue[torch.Tensor]:
+        with self._lock:
+            return self._queues.setdefault(key, queue.Queue(maxsize=1))
+
+    def drop(self, key: MessageKey) -> None:
+        with self._lock:
+            self._queues.pop(key, None)
+
+    def transport(self) -> MemoryTransport:
+        return MemoryTransport(self)
+
+
+class MemoryTransport:
+    """``Transport`` over a ``MemoryNetwork``: for tests, and for stages that share a machine."""
+
+    def __init__(self, network: MemoryNetwork) -> None:
+        self.network = network
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        try:
+            self.network.box(key).put_nowait(tensor.detach().to("cpu", copy=True))
+        except queue.Full:
+            raise PipelineError(f"{key.describe()} was already sent") from None
+
+    def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        try:
+            tensor = self.network.box(key).get(timeout=timeout_s)
+        except queue.Empty:
+            raise PipelineError(f"{key.describe()} did not arrive within {timeout_s:g} s") from None
+        self.network.drop(key)
+        return check_received(key, tensor, expected)
+
+
+__all__ = [
+    "MemoryNetwork",
+    "MemoryTransport",
+    "MessageKey",
+    "Transport",
+    "check_received",
+    "spec_of",
+]
