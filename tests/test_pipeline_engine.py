@@ -69,7 +69,7 @@ def accumulate(model: nn.Module, data, cfg: TrainConfig) -> list[float]:
     return losses
 
 
-def runners_for(units, starts, cfg, schedule, network, tied=(), timeout_s=30.0):
+def runners_for(units, starts, cfg, schedule, network, tied=(), timeout_s=30.0, seed=0):
     stages = cut(units, starts)
     specs = boundary_specs(stages, torch.zeros(BATCH, 12))
     out = []
@@ -88,6 +88,7 @@ def runners_for(units, starts, cfg, schedule, network, tied=(), timeout_s=30.0):
                 schedule=schedule,
                 tied=tied,
                 timeout_s=timeout_s,
+                seed=seed,
             )
         )
     return out
@@ -119,6 +120,34 @@ def test_a_pipeline_equals_gradient_accumulation(stages: int, schedule: str) -> 
     assert max_rel_diff([r.module for r in runners], reference) <= 1e-5
     assert got == pytest.approx(want, rel=1e-5)
     assert got[-1] < got[0]  # it trains
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dropout_in_a_pipeline_draws_what_one_process_draws(schedule: str) -> None:
+    """Keyed dropout (protocol/dropout.py): each stage keys its masks by (seed, step,
+    micro-batch), as one process accumulating over the same micro-batches does."""
+    from gpuflex.protocol.dropout import KeyedDropout, dropout_step
+
+    units = mlp_units()
+    units[2:2] = [KeyedDropout(0.3, slot=2)]
+    units[5:5] = [KeyedDropout(0.3, slot=5)]
+    reference = nn.Sequential(*copy.deepcopy(units))
+    data = step_data()
+    params = list(reference.parameters())
+    opt = make_optimizer(params, ADAM)
+    for step, (xs, ys) in enumerate(data):
+        opt.zero_grad()
+        n = sum(y.shape[0] for y in ys)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            with dropout_step(7, step, part=i):
+                (nn.CrossEntropyLoss()(reference(x), y) * (y.shape[0] / n)).backward()
+        opt.step()
+    runners = runners_for(units, [0, 3, 6], ADAM, schedule, MemoryNetwork(), seed=7)
+    run_stages(runners, data)
+    assert max_rel_diff([r.module for r in runners], reference) <= 1e-5
+    other = runners_for(units, [0, 3, 6], ADAM, schedule, MemoryNetwork(), seed=8)
+    run_stages(other, data)
+    assert max_rel_diff([r.module for r in other], reference) > 1e-3, "other seed, other masks"
 
 
 class Tied(nn.Module):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -93,6 +94,9 @@ class StageRunner:
     schedule: str = "1f1b"
     tied: Sequence[TiedGroup] = ()
     timeout_s: float = 60.0
+    #: the training seed: dropout masks are keyed by (seed, step, micro-batch) (protocol/dropout.py),
+    #: so every stage draws what one process training the whole model would
+    seed: int = 0
     _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,10 +158,12 @@ class StageRunner:
             key = MessageKey(step, i, "activation", self.stage - 1, self.stage)
             received = self.transport.receive(key, self.inbound, timeout_s=self.timeout_s)
             x_in: Tensor | None = received.requires_grad_(True)
-            out = self.module(x_in)
+            with dropout_step(self.seed, step, part=i):
+                out = self.module(x_in)
         else:
             x_in = None  # stage 0's inputs need no gradient
-            out = self.module(x)
+            with dropout_step(self.seed, step, part=i):
+                out = self.module(x)
         if y is None:
             self.transport.send(self._key(step, i, "activation", self.stage + 1), out)
             self._held[i] = (x_in, out)
