@@ -165,12 +165,12 @@ def test_training_on_real_text_lowers_the_next_token_loss_and_the_referee_reprod
     assert after["loss"] < before["loss"] - 1.0, (before, after)
     assert after["accuracy"] > before["accuracy"] + 0.1, (before, after)
 
+    commitment = rec.commitment()  # waits for the recorder's background writes
     states = {}
     for step in rec.steps:
         data = store.read("as-1", step)
         assert data is not None
         states[step] = dict(decode_state(bytearray(data)))
-    commitment = rec.commitment()
     verdict = judge_segment(
         update_id="u-1",
         node_id="n-1",
