@@ -70,7 +70,7 @@ def test_gpu_and_cpu_replicas_of_one_job_reproduce_under_the_referee_and_nobody_
         for v in verdicts:
             print(
                 f"\nreferee: {names.get(v['node'], v['node'])} {v['precision']}: {v['outcome']} "
-                f"distance {v['distance']:.3g} (threshold {v['threshold']:.3g})"
+                f"distance {v.get('distance', '-')} (threshold {v.get('threshold', '-')}) {'' if 'distance' in v else v}"
             )
         print(
             f"\nstate requests: {len(reqs)}, by node: "

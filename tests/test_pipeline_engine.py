@@ -246,3 +246,4 @@ def test_a_neighbour_that_never_sends_is_named() -> None:
         r"not arrive within 0\.2 s",
     ):
         runners[1].run_step(0, MICRO, targets=ys)
+

@@ -146,6 +146,10 @@ class StageRunner:
         self.optimizer.step()
         return loss_sum if last else None
 
+    def _device(self) -> torch.device:
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
     def _key(self, step: int, micro_batch: int, carries: str, to_stage: int) -> MessageKey:
         return MessageKey(step, micro_batch, carries, self.stage, to_stage)
 
@@ -157,7 +161,8 @@ class StageRunner:
                 raise PipelineError("stage 0 needs its inputs")
             key = MessageKey(step, i, "activation", self.stage - 1, self.stage)
             received = self.transport.receive(key, self.inbound, timeout_s=self.timeout_s)
-            x_in: Tensor | None = received.requires_grad_(True)
+            # a transport hands over CPU tensors (they crossed a wire): onto this stage's device
+            x_in: Tensor | None = received.to(self._device()).requires_grad_(True)
             with dropout_step(self.seed, step, part=i):
                 out = self.module(x_in)
         else:
@@ -182,7 +187,7 @@ class StageRunner:
         else:
             key = MessageKey(step, i, "gradient", self.stage + 1, self.stage)
             grad = self.transport.receive(key, self.outbound, timeout_s=self.timeout_s)
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(out, grad.to(out.device))
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")
@@ -213,7 +218,7 @@ class StageRunner:
                         MessageKey(step, g, "tied", s, self.stage),
                         expected,
                         timeout_s=self.timeout_s,
-                    )
+                    ).to(own.device)
                 )
                 total = part.clone() if total is None else total.add_(part)
             param.grad = total
