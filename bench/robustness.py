@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 
 from gpuflex.hub.policy import round_policy as policy  # noqa: E402
 from gpuflex.hub.policy import verification as vf  # noqa: E402
-from gpuflex.hub.policy.aggregation import ServerOptimizer, aggregate  # noqa: E402
+from gpuflex.hub.policy.aggregation import aggregate  # noqa: E402
 from gpuflex.hub.policy.referee import (  # noqa: E402
     SegmentVerdict,
     fetch_steps,
@@ -87,6 +87,7 @@ from gpuflex.hub.policy.referee import (  # noqa: E402
     request_steps,
     stack_data,
 )
+from gpuflex.hub.policy.server_optimizer import ServerOptimizer  # noqa: E402
 from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
