@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
-from gpuflex.protocol.jobspec import JobSpec, PrivacySpec
+from gpuflex.protocol.jobspec import JobSpec, strategy_of
 from torch import Tensor
 
 from . import privacy
@@ -70,6 +70,7 @@ __all__ = [
     "StrategyContext",
     "Weighting",
     "aggregation_weights",
+    "check_registered",
     "register",
     "registered",
     "sample_weighting",
@@ -213,17 +214,21 @@ def registered() -> tuple[str, ...]:
 
 
 def strategy_name(spec: JobSpec) -> str:
-    """The strategy a job spec means: secure aggregation or central DP when [privacy] asks for it,
-    FedAvgM or FedAdam for FedAvg with that server optimizer, else the [aggregation] method."""
-    p: PrivacySpec = spec.privacy
-    if p.secure_aggregation:
-        return "secure_aggregation"
-    if p.central:
-        return "central_dp"
-    agg = spec.aggregation
-    if agg.method == "fedavg" and agg.server_optimizer in ("fedavgm", "fedadam"):
-        return str(agg.server_optimizer)
-    return str(agg.method)
+    """The strategy a job uses: the one its ``[aggregation] strategy`` names, else the one its other
+    fields mean (protocol/jobspec.py ``derived_strategy``: secure aggregation or central DP when
+    [privacy] asks for it, FedAvgM or FedAdam for FedAvg with that server optimizer, else the
+    method)."""
+    return strategy_of(spec)
+
+
+def check_registered(spec: JobSpec) -> None:
+    """Refuse a spec whose strategy this hub does not have (at submission, before anything is
+    stored): one line naming the ones it has."""
+    name = strategy_name(spec)
+    if name not in _REGISTRY:
+        raise AggregationError(
+            f"aggregation.strategy: this hub has no strategy {name!r}; it has {', '.join(registered())}"
+        )
 
 
 def strategy_for(ctx: StrategyContext) -> Strategy:
