@@ -32,7 +32,7 @@ class PageReleaser:
     stays in the page cache and a later read simply faults it back in.
 
     Only ranges inside the read-only file mappings registered with
-    ``readonly_mapping`` (what ``rounds.open_deltas`` maps) are ever touched: for
+    ``readonly_mapping`` (what hub/domain/updates.py ``open_deltas`` maps) are ever touched: for
     those DONTNEED cannot lose data, and a mapping leaves the registry before it is
     closed. Any other tensor (ordinary memory) is left alone; without madvise this
     is a no-op. The registry is read once per releaser, not from /proc/self/maps.
