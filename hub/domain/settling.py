@@ -32,6 +32,7 @@ class ShardSettling:
         self.referee = referee
 
     def replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
+        """The policy's view of a shard's replicas (hub/policy/round_policy.py ``ReplicaState``)."""
         waited = None if shard.first_update_at is None else now - shard.first_update_at
         live = bool(shard.live)
         # The policy reads `taker` only with no replica out and fewer updates than wanted, or two or
@@ -60,7 +61,6 @@ class ShardSettling:
         await self._apply(job, shard, decision, state)
         return False
 
-    # -- the referee (hub/policy/referee.py): ask nodes for committed states, re-execute a segment ----
     def _decide(self, job: JobState, shard: ShardState, ups: list[UpdateState],
                 state: policy.ReplicaState) -> policy.ShardDecision:
         """Worker thread: open the replicas' deltas (and the models the trend is measured on)
@@ -80,7 +80,7 @@ class ShardSettling:
 
     # -- applying a shard decision: the store, then memory ------------------------------------
     async def _apply(self, job: JobState, shard: ShardState, decision: policy.ShardDecision,
-                                    state: policy.ReplicaState | None = None) -> None:
+                     state: policy.ReplicaState | None = None) -> None:
         if isinstance(decision, policy.WaitForMore):
             if decision.wanted == shard.wanted:
                 return
