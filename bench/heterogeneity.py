@@ -13,7 +13,7 @@ real training with the node's own ``gpuflex.node.trainer.train_assignment``), wi
   ``[train] precision``), and its class key is the product's own
   (``gpuflex.node.device.compute_class`` read inside the class, ``gpuflex.protocol.compute.class_key``).
   The policy gets the members' class keys and the comparison the engine would pass
-  (``policy.comparison_of``; RoundEngine._replica_state), so a cross-class group is judged as the
+  (``policy.comparison_of``; ShardSettling.replica_state), so a cross-class group is judged as the
   hub judges it (``judge_cross_class``, and the referee's segment re-execution where the round
   policy asks for it).
 - replicas placed regardless of class (the policy's ``replica_candidates`` only): the hub's

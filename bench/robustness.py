@@ -45,9 +45,9 @@ The referee (issue 14; on unless ``--no-referee``): every node records the check
 commitments the shipped node records (gpuflex.node.checkpoints.CheckpointRecorder, states
 kept in memory: the node hands them over), the updates carry them into ``decide_shard``
 (``committed``, ``verdicts`` and the shard's spot-check draw, which the policy holds against
-``verification.spot_check`` or ``spot_check_trusted``, as RoundEngine._referee_inputs passes them), and a ``Referee`` decision is answered with
+``verification.spot_check`` or ``spot_check_trusted``, as RefereeReplays.inputs passes them (hub/domain/replays.py)), and a ``Referee`` decision is answered with
 ``gpuflex.hub.policy.referee.judge_segment`` on the segment ``pick_segment`` chooses, as
-RoundEngine._judge does. ``verification_cost_fraction``: re-executed steps / trained steps.
+RefereeReplays.judge does. ``verification_cost_fraction``: re-executed steps / trained steps.
 
 Run: .venv/bin/python bench/robustness.py [--quick] [--rounds N] [--attacks a,b]
 -> bench/results/robustness.json (not written with --quick)
@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 
 from gpuflex.hub.policy import round_policy as policy  # noqa: E402
 from gpuflex.hub.policy import verification as vf  # noqa: E402
-from gpuflex.hub.policy.aggregation import ServerOptimizer, aggregate  # noqa: E402
+from gpuflex.hub.policy.aggregation import aggregate  # noqa: E402
 from gpuflex.hub.policy.referee import (  # noqa: E402
     SegmentVerdict,
     fetch_steps,
@@ -87,6 +87,8 @@ from gpuflex.hub.policy.referee import (  # noqa: E402
     request_steps,
     stack_data,
 )
+from gpuflex.hub.policy.server_optimizer import ServerOptimizer  # noqa: E402
+from gpuflex.hub.policy.strategy import Contribution, aggregation_weights  # noqa: E402
 from gpuflex.node.checkpoints import CheckpointRecorder, training_state  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.checkpoint import auto_every  # noqa: E402
@@ -156,7 +158,7 @@ def train_committed(spec: Any, state: dict, chunks: list, cfg: Any, seed: int) -
 
 
 def global_norm(state: dict[str, torch.Tensor]) -> float:
-    """L2 norm of the model's floating tensors, as RoundEngine._aggregate computes it."""
+    """L2 norm of the model's floating tensors, as RoundAggregation.aggregate computes it (hub/domain/aggregating.py)."""
     return math.sqrt(
         sum(float((t.double() ** 2).sum()) for t in state.values() if t.is_floating_point())
     )
@@ -235,7 +237,7 @@ class Simulation:
             train_s=res.train_s,
             node_samples_per_s=0.0,
             delta=res.delta,
-            # the hub's path-length check (RoundEngine._records): an uncoded, committed update
+            # the hub's path-length check (hub/domain/updates.py update_records): an uncoded, committed update
             path_length=math.fsum(res.commitment.norms) if self.referee and res.commitment else None,
         )
         sha = hashlib.sha256(encode_state(res.delta)).hexdigest()
@@ -248,7 +250,7 @@ class Simulation:
         return None
 
     def judge(self, decision: policy.Referee, group: list[Work], verdicts: dict) -> None:
-        """What RoundEngine._ask_referee / _judge do, the node handing its states over at once."""
+        """What RefereeReplays.ask / judge do, the node handing its states over at once."""
         cfg = self.w["cfg"]
         for uid in decision.update_ids:
             g = next(x for x in group if x.rec.update_id == uid)
@@ -259,9 +261,9 @@ class Simulation:
                 continue
             others = [o.commitment for o in group if o is not g and o.commitment is not None]
             seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
-                               draw=seed_of(self.seed, "segment", uid) / float(1 << 63))  # RoundEngine's segment_draw
+                               draw=seed_of(self.seed, "segment", uid) / float(1 << 63))  # replays.segment_draw
             steps = fetch_steps(c, seg)
-            wanted = request_steps(c, seg, 12 * param_count(self.w["spec"]))  # RoundEngine._ask_referee's
+            wanted = request_steps(c, seg, 12 * param_count(self.w["spec"]))  # RefereeReplays.ask's
             x, y = stack_data(g.chunks)
             tol = self.vspec.segment_tolerance if c.precision == "fp32" else self.vspec.segment_tolerance_low
             verdicts[uid] = judge_segment(
@@ -278,7 +280,7 @@ class Simulation:
     def replica_state(
         self, wanted: int, waited: float, taker: bool, members: set[str]
     ) -> policy.ReplicaState:
-        """What RoundEngine._replica_state hands the policy (no replica assignment is ever
+        """What ShardSettling.replica_state hands the policy (no replica assignment is ever
         out here: ``live`` False). No compute classes in this bench: every group is
         same-class; bench/heterogeneity.py adds the members' class keys."""
         return policy.ReplicaState(wanted=wanted, waited_s=waited, live=False, taker=taker)
@@ -317,7 +319,7 @@ class Simulation:
             waited = float(self.vspec.replica_wait_s)  # nobody else comes: the window runs out
 
     def trend(self, group: list[Work], issue: Any) -> dict[str, tuple[float, str]]:
-        """What RoundEngine._decide measures: each update against the model's trend (the
+        """What ShardSettling._decide measures: each update against the model's trend (the
         current model minus the one ``policy.trend_base_round`` names), with the hub's function."""
         base = policy.trend_base_round(issue.rnd, self.vspec)
         if base is None:
@@ -386,7 +388,7 @@ class Simulation:
                     primary = rng.choice(active)  # the chunks go back to the pool
                 else:
                     s["lost_shards"] += 1
-            # Close the round: what RoundEngine._close / _aggregate do, in that order.
+            # Close the round: what RoundClosing.close / RoundAggregation.aggregate do, in that order.
             reps_w: list[Work] = []
             groups: dict[str, tuple[policy.GroupMember, ...]] = {}
             for d, grp in settled:
@@ -434,11 +436,15 @@ class Simulation:
                     s["banned"].append(f.node_id)
             use = [g for g in reps_w if g.rec.update_id in keep]
             if use:
-                scales = [judgement.scales.get(g.rec.update_id, 1.0) for g in use]  # the round's norm bound
+                # the hub's weighting rule (hub/policy/strategy.py): samples x the round's weight
+                # factor, each delta scaled by the round's norm bound
+                weighting = aggregation_weights([
+                    Contribution(g.rec.update_id, g.rec.node_id, g.rec.shard_samples,
+                                 judgement.weight_factors.get(g.rec.update_id, 1.0),
+                                 judgement.scales.get(g.rec.update_id, 1.0)) for g in use], central_dp=False)
                 agg = aggregate(
-                    [g.rec.delta for g in use],
-                    [float(g.rec.shard_samples) * judgement.weight_factors.get(g.rec.update_id, 1.0) for g in use],
-                    AGG, scales=scales if any(x < 1.0 for x in scales) else None,
+                    [g.rec.delta for g in use], list(weighting.weights), AGG,
+                    scales=list(weighting.scales) if any(x < 1.0 for x in weighting.scales) else None,
                 )
                 state = opt.step(state, agg)
             self.models.append(state)
@@ -501,7 +507,7 @@ def n_attackers(attack: str, fraction: float) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer rounds, 20 % only")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, 20 %% only")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--attacks", default=",".join(atk.ATTACKS))
     ap.add_argument("--referee", action=argparse.BooleanOptionalAction, default=True,

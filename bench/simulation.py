@@ -221,7 +221,7 @@ def simulate(n: int, rounds: int, *, attackers: float, churn: float, trust_after
             nonlocal cpu
             ups = sorted(shard.accepted, key=lambda u: (u.sha, u.id))
             waited_s = waited if waited is not None else t - (shard.first_update_at or t)
-            n = len(ups)  # the engine's rule (RoundEngine._replica_state)
+            n = len(ups)  # the engine's rule (ShardSettling.replica_state)
             taker = bool(shard.live) or (shard.wanted <= n < 2) or sched.replicas.can_take_replica(job, shard, t)
             state = policy.ReplicaState(wanted=shard.wanted, waited_s=waited_s, live=bool(shard.live), taker=taker)
             if not policy.shard_due(len(ups), vspec, state):

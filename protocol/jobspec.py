@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,10 @@ DP_MODES: Final = ("off", "central")
 #: [privacy] keys that only dp = "central" may set
 PRIVACY_KEYS: Final = ("clip_norm", "noise_multiplier", "delta")
 SECAGG_KEYS: Final = ("secagg_clip", "secagg_bits", "secagg_phase_s")
+#: [aggregation] strategy: the names a spec's other fields mean (``derived_strategy``); any other
+#: name is a strategy registered in the hub's code (hub/policy/strategy.py), which the hub checks
+DERIVED_STRATEGIES: Final = (*METHODS, "fedavgm", "fedadam", "central_dp", "secure_aggregation")
+STRATEGY_NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,9 @@ class AggregationSpec:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_eps: float = 1e-3
+    #: the aggregation strategy by name; None: the one the fields above and [privacy] mean
+    #: (``derived_strategy``)
+    strategy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -453,6 +461,40 @@ def _aggregation(s: _Section) -> AggregationSpec:
     return spec
 
 
+def derived_strategy(aggregation: AggregationSpec, privacy: PrivacySpec) -> str:
+    """The strategy a spec's fields mean: secure aggregation or central DP when [privacy] asks for
+    it, FedAvgM or FedAdam for FedAvg with that server optimizer, else the [aggregation] method."""
+    if privacy.secure_aggregation:
+        return "secure_aggregation"
+    if privacy.central:
+        return "central_dp"
+    if aggregation.method == "fedavg" and aggregation.server_optimizer in ("fedavgm", "fedadam"):
+        return aggregation.server_optimizer
+    return aggregation.method
+
+
+def strategy_of(spec: JobSpec) -> str:
+    """The aggregation strategy a job uses: the one it names, else the one its fields mean."""
+    return spec.aggregation.strategy or derived_strategy(spec.aggregation, spec.privacy)
+
+
+def _strategy(s: _Section, aggregation: AggregationSpec, privacy: PrivacySpec) -> AggregationSpec:
+    """[aggregation] strategy, optional: a name the other fields mean must be the one they mean
+    (a spec says one thing), and under [privacy] no other strategy may stand in for the one that
+    keeps its promise."""
+    if "strategy" not in s.table:
+        s.used.add("strategy")
+        return aggregation
+    name = s.get_text("strategy", None, max_len=48)
+    if STRATEGY_NAME.fullmatch(name) is None:
+        raise SpecError(f"aggregation.strategy: expected a name of lowercase letters, digits and _, got {_short(name)}")
+    derived = derived_strategy(aggregation, privacy)
+    if (name in DERIVED_STRATEGIES or privacy.central or privacy.secure_aggregation) and name != derived:
+        raise SpecError(f"aggregation.strategy: this spec's fields mean {derived!r}, not {name!r}; "
+                        "leave strategy out, or change the fields that choose it")
+    return dataclasses.replace(aggregation, strategy=name)
+
+
 def _verification(s: _Section) -> VerificationSpec:
     d = VerificationSpec()  # the defaults live in the dataclass only
     s.used.add("replication")
@@ -646,6 +688,7 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
         verification = _node_local_verification(sections["verification"], verification)
     communication = _communication(sections["communication"], model)
     privacy = _privacy(sections["privacy"], data, aggregation, communication)
+    aggregation = _strategy(sections["aggregation"], aggregation, privacy)
     for section in sections.values():
         section.finish()
     if communication.tolerance:
@@ -673,6 +716,8 @@ __all__ = [
     "PrivacySpec",
     "TrainSpec",
     "VerificationSpec",
+    "derived_strategy",
     "load_job_spec",
     "parse_job_spec",
+    "strategy_of",
 ]

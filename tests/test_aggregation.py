@@ -12,7 +12,6 @@ import torch
 from gpuflex.hub.policy.aggregation import (
     METHODS,
     AggregationError,
-    ServerOptimizer,
     aggregate,
     aggregate_detailed,
     clip_factors,
@@ -23,6 +22,7 @@ from gpuflex.hub.policy.aggregation import (
     trimmed_mean,
     update_norm,
 )
+from gpuflex.hub.policy.server_optimizer import ServerOptimizer
 from gpuflex.protocol.jobspec import AggregationSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st

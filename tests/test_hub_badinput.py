@@ -227,6 +227,8 @@ async def test_bad_job_submissions(running_hub, tmp_path):
         ("[job\nname=", npz_bytes(x=x, y=y), 422, "bad_spec"),
         (spec.replace('kind = "mlp"', 'kind = "rnn"'), npz_bytes(x=x, y=y), 422, "bad_spec"),
         (spec + "\n[bogus]\nkey = 1\n", npz_bytes(x=x, y=y), 422, "bad_spec"),
+        # a strategy this hub's code does not have (hub/policy/strategy.py's registry)
+        (spec + '\n[aggregation]\nstrategy = "not_on_this_hub"\n', npz_bytes(x=x, y=y), 422, "bad_spec"),
         (spec, npz_bytes(x=np.array([object()] * 100, dtype=object), y=y), 422, "bad_dataset"),
         (spec, npz_bytes(x=x[:, :10], y=y), 422, "bad_shape"),
         (spec, npz_bytes(x=x, y=y[:50]), 422, "bad_dataset"),
@@ -243,7 +245,9 @@ async def test_bad_job_submissions(running_hub, tmp_path):
             path = tmp_path / f"t{i}.bin"
             path.write_bytes(train_bytes)
             r = await submit_job(s, running_hub, spec_text, path)
-            await expect(r, status, error)
+            body = await expect(r, status, error)
+            if "not_on_this_hub" in spec_text:
+                assert "this hub has no strategy 'not_on_this_hub'" in body["detail"]
         headers = running_hub.auth()
         async with s.post(f"{running_hub.url}/v1/jobs", data=b"{}", headers=headers) as r:
             await expect(r, 400, "bad_form")

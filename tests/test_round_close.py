@@ -1,4 +1,4 @@
-"""Closing a round (hub/rounds.RoundEngine._aggregate): the model blob, the server optimizer's
+"""Closing a round (hub/domain/aggregating.py RoundAggregation.aggregate): the model blob, the server optimizer's
 blob and the evaluation run side by side, and all three are done (the blobs durable) before the
 close returns to be committed; the delta of a large model starts as soon as its blob is durable;
 the blobs a close reads are mapped copy-on-write (hub/blobs.read_private)."""
@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 from gpuflex.hub.base.errors import NotFound
-from gpuflex.hub.domain import rounds
-from gpuflex.hub.domain.rounds import RoundEngine, _all_finite
+from gpuflex.hub.domain import aggregating, rounds
+from gpuflex.hub.domain.aggregating import ClosedRound, _all_finite
+from gpuflex.hub.domain.rounds import RoundEngine
 from gpuflex.hub.model.job import JobState, ShardState, UpdateState
 from gpuflex.hub.policy.evaluation import evaluate
 from gpuflex.hub.storage.blobs import HOT_BLOB_MAX, BlobStore
@@ -85,7 +86,7 @@ def _setup(tmp_path: Path, rounds_: int = 3) -> tuple[RoundEngine, JobState, Blo
 
 
 def _round(engine: RoundEngine, job: JobState, blobs: BlobStore, seed: int,
-           on_model: Any = None) -> dict[str, Any]:
+           on_model: Any = None) -> ClosedRound:
     reps, shard_of = [], {}
     for i in range(2):
         g = torch.Generator().manual_seed(seed * 10 + i)
@@ -98,7 +99,7 @@ def _round(engine: RoundEngine, job: JobState, blobs: BlobStore, seed: int,
         shard_of[u.id] = ShardState(id=u.shard_id, job_id=job.id, round=job.round, seq=i, seed=0, chunk_idxs=(i,),
                                     samples=64, replica_group="g", wanted=1)
     reps.sort(key=lambda u: (u.sha, u.id))
-    result = engine._aggregate(job, reps, shard_of, {}, on_model)
+    result = engine.closing.aggregation.aggregate(job, reps, shard_of, {}, on_model)
     return result
 
 
@@ -108,17 +109,17 @@ def test_both_blobs_are_durable_and_the_round_evaluated_when_the_close_returns(t
     for r in range(3):
         before = job.model_hash
         result = _round(engine, job, blobs, r, on_model=lambda sha: seen.append((sha, blobs.has(sha))))
-        model, opt = result["model_hash"], result["opt_state_sha"]
+        model, opt = result.model_hash, result.opt_state_sha
         assert model != before and blobs.has(model) and opt is not None and blobs.has(opt)
         assert seen[-1] == (model, True)  # called once the model's blob was in place, never before
         # the figures are the evaluation of the published model, recorded in the audit log as well
         published = decode_state(blobs.read(model))
         val = decode_state(blobs.read(job.val_sha or ""))
         want = evaluate(job.spec, published, val)
-        assert result["metrics"] == {**want, "train_loss": 1.5}
+        assert result.metrics == {**want, "train_loss": 1.5}
         kind, body = audit.records[-1]
         assert kind == "aggregation" and body["model_hash"] == model and body["round"] == r
-        assert body["metrics"] == {k: round(v, 6) for k, v in result["metrics"].items()}
+        assert body["metrics"] == {k: round(v, 6) for k, v in result.metrics.items()}
         # the stored optimizer state carries the download residual
         stored = decode_state(blobs.read(opt))
         assert any(k.startswith("download.") for k in stored) and any(k.startswith("m.") for k in stored)
@@ -132,8 +133,8 @@ def test_the_same_inputs_close_to_the_same_bytes(tmp_path: Path) -> None:
         engine, job, blobs, _ = _setup(tmp_path / run)
         for r in range(2):
             result = _round(engine, job, blobs, r)
-            job.model_hash, job.opt_state_sha, job.round = result["model_hash"], result["opt_state_sha"], r + 1
-            out.append((run, r, result["model_hash"], result["opt_state_sha"], result["metrics"]))
+            job.model_hash, job.opt_state_sha, job.round = result.model_hash, result.opt_state_sha, r + 1
+            out.append((run, r, result.model_hash, result.opt_state_sha, result.metrics))
     assert [o[2:] for o in out[:2]] == [o[2:] for o in out[2:]]
 
 
@@ -143,7 +144,7 @@ def test_a_failed_evaluation_fails_the_close(tmp_path: Path, monkeypatch: pytest
     def broken(*_: Any) -> dict[str, float]:
         raise RuntimeError("evaluation broke")
 
-    monkeypatch.setattr(rounds, "evaluate", broken)
+    monkeypatch.setattr(aggregating, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation broke"):
         _round(engine, job, blobs, 0)
     assert audit.records == []  # nothing logged for a round that did not close
@@ -151,22 +152,22 @@ def test_a_failed_evaluation_fails_the_close(tmp_path: Path, monkeypatch: pytest
 
 async def test_the_delta_starts_on_the_loop_once_the_model_is_durable(tmp_path: Path) -> None:
     engine, job, blobs, _ = _setup(tmp_path, rounds_=2)
-    assert engine._delta_starter(job) is None  # nobody wired on_new_model
+    assert engine.closing.delta_starter(job) is None  # nobody wired on_new_model
     prepared: list[tuple[str, str, bool]] = []
     engine.on_new_model = lambda base, new: prepared.append((base, new, blobs.has(new)))
-    start = engine._delta_starter(job)
+    start = engine.closing.delta_starter(job)
     assert start is not None
     before = job.model_hash
     result = await asyncio.to_thread(_round, engine, job, blobs, 0, start)
     await asyncio.sleep(0)  # the loop runs what the worker thread handed it
-    assert prepared == [(before, result["model_hash"], True)]
+    assert prepared == [(before, result.model_hash, True)]
     start(before)  # an unchanged model has no delta
     await asyncio.sleep(0)
     assert len(prepared) == 1
     job.round = 1  # the last round: its model trains nothing, no delta
-    assert engine._delta_starter(job) is None
+    assert engine.closing.delta_starter(job) is None
     job.round, job.model_size = 0, HOT_BLOB_MAX  # a small model travels inline with the work answer
-    assert engine._delta_starter(job) is None
+    assert engine.closing.delta_starter(job) is None
 
 
 def test_a_blob_read_private_is_the_callers_own(tmp_path: Path) -> None:
@@ -203,7 +204,7 @@ def test_encoded_updates_of_a_large_model_stream_from_mapped_files(tmp_path: Pat
     temporary file and maps it read-only, as fp32 updates are mapped: the PageReleasers can drop
     its pages, and a round of many updates does not hold them all decoded in memory."""
     from gpuflex.hub.model.job import UpdateLayout
-    from gpuflex.hub.policy.aggregation import _MAPPED, _MAPPED_LOCK
+    from gpuflex.hub.policy.pages import _MAPPED, _MAPPED_LOCK
 
     spec = parse_job_spec(SPEC.format(rounds=2).replace('update = "topk"', f'update = "{update}"'))
     layout = UpdateLayout.of(spec)

@@ -21,6 +21,7 @@ from ..model.job import (
     JobState,
     new_id,
 )
+from ..policy.aggregation import AggregationError
 from ..policy.datadefaults import (
     Decision,
     apply_decisions,
@@ -36,6 +37,7 @@ from ..policy.dataset import (
     split_validation,
     validate_arrays,
 )
+from ..policy.strategy import check_registered
 from ..storage.blobs import BlobStore
 
 if TYPE_CHECKING:
@@ -88,7 +90,8 @@ def ingest_job(
     training set and ``nodes_online``, and written into the stored spec."""
     try:
         spec = parse_job_spec(spec_text)
-    except ProtocolError as exc:
+        check_registered(spec)  # a strategy the spec names is one this hub's code has
+    except (ProtocolError, AggregationError) as exc:
         raise Unprocessable(str(exc), code="bad_spec") from None
     mspec = spec.model
     dspec = spec.data

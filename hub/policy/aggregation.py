@@ -1,4 +1,5 @@
-"""Aggregation rules: weighted FedAvg, robust rules and server optimizers.
+"""Aggregation rules: weighted FedAvg and the robust rules (the server optimizers that step the
+model by their result are in server_optimizer.py, the strategies that use both in strategy.py).
 
 Pure math: every public function takes updates in and returns a new
 result; nothing passed in is ever mutated, reordered or popped.
@@ -16,9 +17,8 @@ never "loaded": this module walks each floating tensor in flat slices of
 - clipping computes each update's L2 norm in a streaming pass first and scales
   slices on the fly (no clipped copy of an update is ever made).
 - pages of the read-only blob mappings are dropped from the resident set once
-  consumed (`PageReleaser`), so peak RSS does not grow with N
-  (bench/aggregate.py: 344 MB for 8 vs 382 MB for 32 updates of 100 MB; the
-  difference is ~1.5 MB per blob mapped when it is opened, not the aggregation).
+  consumed (`PageReleaser`, pages.py), so peak RSS does not grow with N
+  (bench/aggregate.py measures it).
 - models of at most SMALL_MODEL_ELEMS elements take a flat path in fedavg (one
   row per update): same operations, same bits, far fewer Python calls.
 
@@ -45,33 +45,24 @@ aggregated and are omitted from the result: the hub keeps the global value.
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import ctypes
 import math
-import mmap
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from gpuflex.protocol.jobspec import METHODS as JOBSPEC_METHODS
-from gpuflex.protocol.jobspec import SERVER_OPTIMIZERS as JOBSPEC_SERVER_OPTIMIZERS
 from gpuflex.protocol.jobspec import AggregationSpec
 from torch import Tensor
 
 from ..base.errors import HubError
+from .pages import PageReleaser, readonly_mapping
 
 __all__ = [
     "METHODS",
-    "SERVER_OPTIMIZERS",
     "Aggregation",
     "AggregationError",
     "PageReleaser",
-    "ServerOptimizer",
     "aggregate",
     "aggregate_detailed",
     "bulyan",
@@ -82,12 +73,12 @@ __all__ = [
     "floating_keys",
     "krum_select",
     "pairwise_sq_distances",
+    "readonly_mapping",
     "trimmed_mean",
     "update_norm",
 ]
 
 METHODS = JOBSPEC_METHODS  # the job spec's list (protocol/jobspec.py)
-SERVER_OPTIMIZERS = JOBSPEC_SERVER_OPTIMIZERS  # the job spec's list (protocol/jobspec.py): one source
 DEFAULT_SLICE_ELEMS = 1 << 20
 FEDAVG_BLOCK_ELEMS = 1 << 16
 SMALL_MODEL_ELEMS = 1 << 16  # fedavg flattens whole updates below this
@@ -168,95 +159,6 @@ def _slices(numel: int, slice_elems: int) -> Iterator[tuple[int, int]]:
         yield start, min(numel, start + slice_elems)
 
 
-class PageReleaser:
-    """Keeps the resident set flat while reading zero-copy mmap views of update blobs.
-
-    Pages of a file mapping that a process has read count in its RSS until it
-    unmaps them, so summing N mmap'd 100 MB updates would show N x 100 MB of RSS
-    even though every slice is touched once. After a slice is consumed this
-    drops its pages from our page tables with ``madvise(MADV_DONTNEED)``; the data
-    stays in the page cache and a later read simply faults it back in.
-
-    Only ranges inside the read-only file mappings registered with
-    ``readonly_mapping`` (what ``rounds.open_deltas`` maps) are ever touched: for
-    those DONTNEED cannot lose data, and a mapping leaves the registry before it is
-    closed. Any other tensor (ordinary memory) is left alone; without madvise this
-    is a no-op. (It used to read /proc/self/maps per releaser: 4 ms in a process
-    with torch loaded, 80 % of the hub's replica comparison CPU on small models.)
-    """
-
-    def __init__(self) -> None:
-        self._ranges: list[tuple[int, int]] | None = None
-        self._starts: list[int] = []
-
-    def _load(self) -> list[tuple[int, int]]:
-        with _MAPPED_LOCK:
-            self._ranges = sorted(_MAPPED.values())
-        self._starts = [lo for lo, _ in self._ranges]
-        return self._ranges
-
-    def release_all(self, flats: Sequence[Tensor]) -> None:
-        """Drop whatever is already mapped of these tensors (e.g. by the blob's decode)."""
-        for f in flats:
-            self.release(f, 0, f.numel())
-
-    def release(self, flat: Tensor, start: int, end: int) -> None:
-        """Drop the whole pages of ``flat[start:end]`` if they lie in a registered read-only file mapping."""
-        if end <= start or _madvise is None:
-            return
-        item = flat.element_size()
-        addr = flat.data_ptr() + start * item
-        lo = -(-addr // _PAGE) * _PAGE
-        hi = (addr + (end - start) * item) // _PAGE * _PAGE
-        if hi <= lo:
-            return
-        ranges = self._ranges if self._ranges is not None else self._load()
-        if not ranges:
-            return
-        i = bisect.bisect_right(self._starts, lo) - 1
-        if i < 0 or hi > ranges[i][1]:
-            return
-        _madvise(lo, hi - lo, _MADV_DONTNEED)
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_madvise = _libc_madvise()
-#: live read-only file mappings whose pages a PageReleaser may drop: token -> (start, end) address
-_MAPPED: dict[int, tuple[int, int]] = {}
-_MAPPED_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def readonly_mapping(mm: mmap.mmap) -> Iterator[None]:
-    """Register ``mm`` (a read-only mapping of a file) with the PageReleasers for the body; it
-    must stay open until the body ends. Outside the body its pages are never touched."""
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    start = int(arr.ctypes.data)
-    del arr  # no export may outlive this line: the mapping must stay closable
-    token = id(mm)
-    with _MAPPED_LOCK:
-        _MAPPED[token] = (start, start + len(mm))
-    try:
-        yield
-    finally:
-        with _MAPPED_LOCK:
-            _MAPPED.pop(token, None)
-
-
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
 
 
 def _stack(
@@ -670,163 +572,3 @@ def aggregate(
     return aggregate_detailed(deltas, weights, spec, slice_elems=slice_elems, scales=scales).delta
 
 
-# --------------------------------------------------------------------------- server optimizers
-
-
-_KIND_CODE = {name: i for i, name in enumerate(SERVER_OPTIMIZERS)}
-_DEFAULTS = AggregationSpec()  # the job spec's defaults (protocol/jobspec.py) are the only ones
-
-
-class ServerOptimizer:
-    """Applies an aggregated delta to the global model (Reddi et al. 2021, "Adaptive
-    Federated Optimization"), treating the delta as a pseudo-gradient step.
-
-    - ``none``:    x <- x + lr * delta            (lr = 1 is plain FedAvg)
-    - ``fedavgm``: v <- momentum * v + delta; x <- x + lr * v     (Hsu et al. 2019)
-    - ``nesterov``: v <- momentum * v + delta; x <- x + lr * (delta + momentum * v): SGD with
-                   Nesterov momentum on the pseudo-gradient -delta, DiLoCo's outer optimizer
-                   (Douillard et al. 2023: lr 0.7, momentum 0.9)
-    - ``fedadam``: m <- b1*m + (1-b1)*delta; v <- b2*v + (1-b2)*delta^2;
-                   x <- x + lr * m / (sqrt(v) + eps)   (no bias correction, as in the paper;
-                   eps is the paper's tau. Note lr is then a per-coordinate step size: the
-                   paper's good values are 1e-2..1e-1, not FedAvg's 1.0.)
-
-    State is a flat ``dict[str, Tensor]`` (``state_dict``) so the hub can store it
-    as a GFT1 blob: ``meta.kind``/``meta.step`` (int64, shape (1,)) plus ``m.<name>``
-    / ``v.<name>`` in the parameter's dtype. ``step`` never mutates its inputs and
-    only updates this object's own state.
-    """
-
-    def __init__(
-        self,
-        *,
-        kind: str = _DEFAULTS.server_optimizer,
-        lr: float = _DEFAULTS.server_lr,
-        momentum: float = _DEFAULTS.server_momentum,
-        beta1: float = _DEFAULTS.server_beta1,
-        beta2: float = _DEFAULTS.server_beta2,
-        eps: float = _DEFAULTS.server_eps,
-    ) -> None:
-        if kind not in SERVER_OPTIMIZERS:
-            raise AggregationError(
-                f"aggregation.server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {kind!r}"
-            )
-        for name, value in (("server_lr", lr), ("server_eps", eps)):
-            if not math.isfinite(value) or value <= 0:
-                raise AggregationError(f"aggregation.{name} must be finite and > 0, got {value}")
-        for name, value in (
-            ("server_momentum", momentum),
-            ("server_beta1", beta1),
-            ("server_beta2", beta2),
-        ):
-            if not (0.0 <= value < 1.0):
-                raise AggregationError(f"aggregation.{name} must be in [0, 1), got {value}")
-        self.kind = kind
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.steps = 0
-        self._m: dict[str, Tensor] = {}
-        self._v: dict[str, Tensor] = {}
-
-    @classmethod
-    def from_spec(cls, spec: AggregationSpec) -> ServerOptimizer:
-        """Build from an ``AggregationSpec`` (server_optimizer, server_lr, ...)."""
-        return cls(
-            kind=str(spec.server_optimizer),
-            lr=float(spec.server_lr),
-            momentum=float(spec.server_momentum),
-            beta1=float(spec.server_beta1),
-            beta2=float(spec.server_beta2),
-            eps=float(spec.server_eps),
-        )
-
-    def step(
-        self, global_state: Mapping[str, Tensor], agg_delta: Mapping[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """Return the next global state; neither argument is mutated.
-
-        Tensors of ``global_state`` absent from ``agg_delta`` (non-floating ones)
-        are carried over as copies.
-        """
-        for k, d in agg_delta.items():
-            g = global_state.get(k)
-            if g is None:
-                raise AggregationError(f"aggregated delta has tensor {k!r} that the model lacks")
-            if tuple(g.shape) != tuple(d.shape) or not g.is_floating_point():
-                raise AggregationError(
-                    f"aggregated delta {k!r} {tuple(d.shape)} does not fit model tensor {tuple(g.shape)} {g.dtype}"
-                )
-        new: dict[str, Tensor] = {}
-        for k, g in global_state.items():
-            raw = agg_delta.get(k)
-            if raw is None:
-                new[k] = g.detach().clone()
-                continue
-            d = raw.detach().to(g.dtype)
-            if self.kind == "none":
-                upd = d * self.lr
-            elif self.kind in ("fedavgm", "nesterov"):
-                prev_v = self._m.get(k)
-                v = d.clone() if prev_v is None else prev_v * self.momentum + d
-                self._m[k] = v
-                upd = (v if self.kind == "fedavgm" else d + v * self.momentum) * self.lr
-            else:
-                prev_m, prev_v = self._m.get(k), self._v.get(k)
-                m = (
-                    d * (1 - self.beta1)
-                    if prev_m is None
-                    else prev_m * self.beta1 + d * (1 - self.beta1)
-                )
-                v = (
-                    (d * d) * (1 - self.beta2)
-                    if prev_v is None
-                    else prev_v * self.beta2 + (d * d) * (1 - self.beta2)
-                )
-                self._m[k], self._v[k] = m, v
-                upd = m / (v.sqrt() + self.eps) * self.lr
-            new[k] = g.detach() + upd
-        self.steps += 1
-        return new
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """Tensors only (GFT1-encodable). Returned tensors are copies."""
-        out = {
-            "meta.kind": torch.tensor([_KIND_CODE[self.kind]], dtype=torch.int64),
-            "meta.step": torch.tensor([self.steps], dtype=torch.int64),
-        }
-        for k, t in self._m.items():
-            out["m." + k] = t.clone()
-        for k, t in self._v.items():
-            out["v." + k] = t.clone()
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        """Restore from ``state_dict()`` output; refuses a state of another kind."""
-        kind_t = state.get("meta.kind")
-        step_t = state.get("meta.step")
-        if kind_t is None or step_t is None or kind_t.numel() != 1 or step_t.numel() != 1:
-            raise AggregationError(
-                "server optimizer state lacks meta.kind/meta.step: not a state_dict() blob"
-            )
-        code = int(kind_t.reshape(-1)[0])
-        if code != _KIND_CODE[self.kind]:
-            other = (
-                SERVER_OPTIMIZERS[code] if 0 <= code < len(SERVER_OPTIMIZERS) else f"code {code}"
-            )
-            raise AggregationError(
-                f"server optimizer state is for {other!r} but this job uses {self.kind!r}"
-            )
-        m: dict[str, Tensor] = {}
-        v: dict[str, Tensor] = {}
-        for k, t in state.items():
-            if k.startswith("m."):
-                m[k[2:]] = t.detach().clone()
-            elif k.startswith("v."):
-                v[k[2:]] = t.detach().clone()
-            elif not k.startswith("meta."):
-                raise AggregationError(f"server optimizer state has unknown entry {k!r}")
-        self.steps = int(step_t.reshape(-1)[0])
-        self._m, self._v = m, v

@@ -29,7 +29,7 @@ is drawn with torch's generator seeded from ``secrets`` (unpredictable, never de
 job), not from a floating-point-hardened sampler (Mironov 2012): fine against the threat of a
 published model, not a certified implementation.
 
-Which checks it changes (hub/domain/rounds.py ``_aggregate_with``). The round's scores still run and a
+Which checks it changes (hub/policy/strategy.py ``CentralDP``, run by hub/domain/aggregating.py). The round's scores still run and a
 flagged update is still excluded (before the noise; the noise is scaled to the updates included).
 The norm bound (verification.norm_bound) and the untrusted weight share no longer reshape the
 mean: both depend on the other silos' updates (the round's median), so one silo's presence
