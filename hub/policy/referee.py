@@ -21,7 +21,7 @@ inputs and the policy (hub/policy/round_policy.py) applies the verdicts.
   always the largest committed norm: a norm is the node's own claim, and a node that injects
   its change into one segment and claims that segment's honest norm would never be picked; a
   secret uniform draw meets such a segment 1 time in the segment count, whatever the node
-  claims, and the path-length check (verification.py) caps what an understated claim can hide.
+  claims, and the path-length check (round_review.py) caps what an understated claim can hide.
 - ``fetch_steps``: the segment's start and end and the last state; ``request_steps``: what the
   referee asks for: every checkpoint state of the commitment while they add up to at most
   ``ALL_STATES_MAX_BYTES``, else those three. With every state, every committed segment norm
@@ -38,7 +38,7 @@ inputs and the policy (hub/policy/round_policy.py) applies the verdicts.
   binds the update); every segment whose two states were handed over has the norm the node
   committed for it (within ``NORM_CHECK``, relative: a claim the referee can test is tested;
   where it holds fewer states, the untested ones are bounded all together by the path-length
-  check, verification.py); the re-executed segment end lies within ``tolerance`` of the committed
+  check, round_review.py); the re-executed segment end lies within ``tolerance`` of the committed
   one: distance = ||committed end - re-executed end|| / ||re-executed end - start|| over the
   model's floating tensors. With error feedback, the residual the last state commits must be
   what encoding one of the node's latest earlier uploads left (``residual_chain``; an upload
