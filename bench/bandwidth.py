@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gpuflex.hub.policy.verification import relative_distance  # noqa: E402
+from gpuflex.hub.policy.distances import relative_distance  # noqa: E402
 from gpuflex.protocol.encoding import DEFAULT_TOLERANCE, UpdateEncoding  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec  # noqa: E402
 from gpuflex.protocol.tensors import encode_state, manifest_of  # noqa: E402

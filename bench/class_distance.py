@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from gpuflex.hub.policy.verification import relative_distance  # noqa: E402
+from gpuflex.hub.policy.distances import relative_distance  # noqa: E402
 from gpuflex.node.trainer import train_assignment  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec  # noqa: E402
 from tooling import attacks as atk  # noqa: E402

@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 import torch
 from gpuflex.hub.policy import round_policy as policy
-from gpuflex.hub.policy.verification import Reputation, UpdateRecord, relative_distance
+from gpuflex.hub.policy.distances import relative_distance
+from gpuflex.hub.policy.reputation import Reputation
+from gpuflex.hub.policy.update_record import UpdateRecord
 from gpuflex.node.assignment import check_assignment
 from gpuflex.node.device import compute_class, supported_precisions
 from gpuflex.node.errors import AssignmentRejected

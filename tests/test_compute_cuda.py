@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpuflex.hub.policy.verification import relative_distance
+from gpuflex.hub.policy.distances import relative_distance
 from gpuflex.node.benchmark import run_benchmark
 from gpuflex.node.device import compute_class, select_device, supported_precisions
 from gpuflex.node.trainer import train_assignment

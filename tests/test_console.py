@@ -41,7 +41,7 @@ async def hub(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[SimpleNamespace]:
     """alice's job, bob's job named like a script tag, a registered node with one open flag."""
-    from gpuflex.hub.policy.verification import Flag
+    from gpuflex.hub.policy.update_record import Flag
     from gpuflex.hub.storage.store_sqlite import insert_flags
 
     from tests.helpers import start_hub

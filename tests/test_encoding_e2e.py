@@ -13,7 +13,8 @@ import stat
 
 import pytest
 import torch
-from gpuflex.hub.policy.verification import UpdateRecord, compare_replicas
+from gpuflex.hub.policy.replicas import compare_replicas
+from gpuflex.hub.policy.update_record import UpdateRecord
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
 from gpuflex.protocol.tensors import manifest_of

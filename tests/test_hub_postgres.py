@@ -117,7 +117,7 @@ async def test_the_same_accepted_update_gives_the_same_model_on_sqlite_and_on_po
 
 
 async def test_flags_verdicts_tokens_and_the_console_read_postgres(tmp_path, postgres_url):
-    from gpuflex.hub.policy.verification import Flag
+    from gpuflex.hub.policy.update_record import Flag
     from gpuflex.hub.storage.store_sqlite import insert_flags
     from gpuflex.hub.storage.token_admin import create_token, list_tokens, revoke_token
 

@@ -8,7 +8,7 @@ import time
 from gpuflex.hub.domain.scheduler import Scheduler
 from gpuflex.hub.model.job import AssignmentState, ChunkInfo, JobState
 from gpuflex.hub.model.node import NodeState
-from gpuflex.hub.policy.verification import Reputation
+from gpuflex.hub.policy.reputation import Reputation
 from gpuflex.protocol.jobspec import parse_job_spec
 
 from tests.helpers import digits_spec
@@ -146,7 +146,7 @@ def test_the_replica_pool_answers_as_replica_candidates_does():
     """The scheduler's fast index gives replica_candidates' answers, for random pools."""
     import random
 
-    from gpuflex.hub.policy.verification import ReplicaPool, replica_candidates
+    from gpuflex.hub.policy.reputation import ReplicaPool, replica_candidates
     from gpuflex.protocol.jobspec import VerificationSpec
 
     rng = random.Random(7)
@@ -169,7 +169,7 @@ def test_ruled_out_never_hides_a_node_that_some_shard_would_take():
     import itertools
     import random
 
-    from gpuflex.hub.policy.verification import ReplicaPool
+    from gpuflex.hub.policy.reputation import ReplicaPool
     from gpuflex.protocol.jobspec import VerificationSpec
 
     rng = random.Random(11)

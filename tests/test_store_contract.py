@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 from gpuflex.hub.domain.jobs import ingest_job
 from gpuflex.hub.model.job import AssignmentState, JobState, UpdateState
-from gpuflex.hub.policy.verification import Flag, Reputation
+from gpuflex.hub.policy.reputation import Reputation
+from gpuflex.hub.policy.update_record import Flag
 from gpuflex.hub.storage.blobs import BlobStore
 from gpuflex.hub.storage.db import SCHEMA_VERSION, Database
 from gpuflex.hub.storage.store import NodeProfile, RoundResult, Store

@@ -26,8 +26,8 @@ from gpuflex.hub.base.config import HubConfig
 from gpuflex.hub.base.errors import Forbidden, TooManyRequests
 from gpuflex.hub.policy.admission import Admission, address_block
 from gpuflex.hub.policy.progress import Progress, heartbeat_deadline, stall_backoff
+from gpuflex.hub.policy.reputation import Reputation, is_trusted, record_flag, record_withdrawn
 from gpuflex.hub.policy.round_policy import bound_weights, norm_bound_scales
-from gpuflex.hub.policy.verification import Reputation, is_trusted, record_flag, record_withdrawn
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
 from gpuflex.protocol.messages import Ack, Assignment, NoWork, progress_digest

@@ -11,6 +11,18 @@ from dataclasses import replace
 import pytest
 import torch
 from gpuflex.hub.policy.aggregation import fedavg
+from gpuflex.hub.policy.distances import relative_distance
+from gpuflex.hub.policy.replicas import compare_replicas
+from gpuflex.hub.policy.reputation import (
+    MIN_REPLICATION,
+    Reputation,
+    record_agreement,
+    record_flag,
+    record_verdict,
+    replica_candidates,
+    replication_probability,
+    should_replicate,
+)
 from gpuflex.hub.policy.round_policy import (
     Drop,
     GroupMember,
@@ -20,21 +32,8 @@ from gpuflex.hub.policy.round_policy import (
     decide_shard,
     judge_round,
 )
-from gpuflex.hub.policy.verification import (
-    MIN_REPLICATION,
-    Reputation,
-    UpdateRecord,
-    VerificationError,
-    compare_replicas,
-    record_agreement,
-    record_flag,
-    record_verdict,
-    relative_distance,
-    replica_candidates,
-    replication_probability,
-    review_round,
-    should_replicate,
-)
+from gpuflex.hub.policy.round_review import review_round
+from gpuflex.hub.policy.update_record import UpdateRecord, VerificationError
 from gpuflex.protocol.jobspec import VerificationSpec
 
 from tests.tooling import attacks as atk
@@ -408,7 +407,7 @@ def test_inconclusive_group_members_are_scored_but_never_included(world):
 
 
 def test_matrix_fast_path_and_sliced_path_agree(world, monkeypatch):
-    import gpuflex.hub.policy.verification as vmod
+    import gpuflex.hub.policy.round_review as vmod
 
     recs = [run(world, j, node=f"h{j}") for j in range(5)]
     recs += [run(world, 5, "sign_flip", node="s"), run(world, 6, "free_rider", node="z")]
@@ -637,7 +636,8 @@ def test_a_minority_flag_is_withdrawn_only_when_the_minority_passes_the_review(w
 def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
     """policy judges a group twice on the referee path (strict, then the plain rules): the memo
     carries the measured pairs to the second call, and the second call really reads it."""
-    from gpuflex.hub.policy.verification import UpdateRecord, compare_replicas
+    from gpuflex.hub.policy.replicas import compare_replicas
+    from gpuflex.hub.policy.update_record import UpdateRecord
     from gpuflex.protocol.jobspec import VerificationSpec
 
     def rec(uid: str, node: str, value: float) -> UpdateRecord:
@@ -681,7 +681,7 @@ def test_norm_bound_widens_for_shards_far_from_the_rounds_median_size(world):
     flag = rv.flags[0]
     assert any("norm per sample" in p for p in flag.evidence["problems"])
     assert flag.evidence["norm_ratio_limit"] == pytest.approx(SPEC.norm_ratio_max)  # median size
-    from gpuflex.hub.policy.verification import size_allowance
+    from gpuflex.hub.policy.round_review import size_allowance
 
     assert size_allowance(1024, 128) == pytest.approx(math.sqrt(8))
     assert size_allowance(32, 128) == pytest.approx(2.0) and size_allowance(128, 128) == 1.0

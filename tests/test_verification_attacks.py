@@ -118,7 +118,7 @@ def test_cli_runs_the_real_node_cli_with_the_attack_agent(monkeypatch):
 
 
 def _record(uid, node, d):
-    from gpuflex.hub.policy.verification import UpdateRecord
+    from gpuflex.hub.policy.update_record import UpdateRecord
 
     return UpdateRecord(
         update_id=uid,
@@ -136,6 +136,7 @@ def _record(uid, node, d):
 def test_the_round_policy_does_not_let_an_identical_pair_of_attackers_settle_a_shard():
     """Deterministic attacks agree with themselves: two colluders handed the same shard must
     not settle it (hub/policy.decide_shard, the function the hub and the bench run)."""
+    from gpuflex.hub.policy.reputation import Reputation
     from gpuflex.hub.policy.round_policy import (
         Drop,
         ReplicaState,
@@ -143,7 +144,6 @@ def test_the_round_policy_does_not_let_an_identical_pair_of_attackers_settle_a_s
         WaitForMore,
         decide_shard,
     )
-    from gpuflex.hub.policy.verification import Reputation
     from gpuflex.protocol.jobspec import VerificationSpec
 
     spec = VerificationSpec()

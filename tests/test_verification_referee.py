@@ -27,7 +27,8 @@ from gpuflex.hub.policy.referee import (
     replay_onednn,
     request_steps,
 )
-from gpuflex.hub.policy.verification import Reputation, UpdateRecord
+from gpuflex.hub.policy.reputation import Reputation
+from gpuflex.hub.policy.update_record import UpdateRecord
 from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore, training_state
 from gpuflex.node.device import compute_class
 from gpuflex.node.optim import SGD, Adam

@@ -21,7 +21,7 @@ inputs and the policy (hub/policy/round_policy.py) applies the verdicts.
   always the largest committed norm: a norm is the node's own claim, and a node that injects
   its change into one segment and claims that segment's honest norm would never be picked; a
   secret uniform draw meets such a segment 1 time in the segment count, whatever the node
-  claims, and the path-length check (verification.py) caps what an understated claim can hide.
+  claims, and the path-length check (round_review.py) caps what an understated claim can hide.
 - ``fetch_steps``: the segment's start and end and the last state; ``request_steps``: what the
   referee asks for: every checkpoint state of the commitment while they add up to at most
   ``ALL_STATES_MAX_BYTES``, else those three. With every state, every committed segment norm
@@ -38,7 +38,7 @@ inputs and the policy (hub/policy/round_policy.py) applies the verdicts.
   binds the update); every segment whose two states were handed over has the norm the node
   committed for it (within ``NORM_CHECK``, relative: a claim the referee can test is tested;
   where it holds fewer states, the untested ones are bounded all together by the path-length
-  check, verification.py); the re-executed segment end lies within ``tolerance`` of the committed
+  check, round_review.py); the re-executed segment end lies within ``tolerance`` of the committed
   one: distance = ||committed end - re-executed end|| / ||re-executed end - start|| over the
   model's floating tensors. With error feedback, the residual the last state commits must be
   what encoding one of the node's latest earlier uploads left (``residual_chain``; an upload
@@ -380,68 +380,16 @@ def judge_segment(
                             "steps": [s, e], "last_step": last, "precision": commitment.precision,
                             "threshold": tolerance, "segments": len(commitment.norms), "onednn": onednn,
                             "segment_norm": commitment.norms[segment] if commitment.norms else 0.0}
-    for step in (s, e, last):
-        st = states.get(step)
-        if st is None:
-            return _verdict(update_id, node_id, "unverifiable", base, why=f"state of step {step} not handed over")
-        try:
-            if step_of(st) != step:
-                return _verdict(update_id, node_id, "mismatch", base, why=f"the state of step {step} says step {step_of(st)}")
-        except Exception as exc:
-            return _verdict(update_id, node_id, "mismatch", base, why=f"state of step {step}: {exc}"[:200])
-    start, end, final = states[s], states[e], states[last]
-    start_m, end_m, final_m = model_part(start), model_part(end), model_part(final)
-    names = set(global_state)
-    for label, m in (("start", start_m), ("end", end_m), ("last", final_m)):
-        if set(m) != names or any(m[k].shape != global_state[k].shape or m[k].dtype != global_state[k].dtype
-                                  for k in names):
-            return _verdict(update_id, node_id, "mismatch", base, why=f"the {label} state does not fit the model")
-    if s == 0:
-        fresh = not any(k.startswith("opt.") for k in start) and _fresh_scaler(start)
-        same = all(torch.equal(start_m[k], global_state[k]) for k in names)
-        if not (fresh and same):
-            return _verdict(update_id, node_id, "mismatch", base,
-                            why="step 0 is not the round's model with a fresh optimizer")
-    # The commitment binds the update: last state - round model == the uploaded delta, exactly;
-    # for an encoded update, its encoding (with the residual the last state commits) == the upload.
-    # in the model's order: topk lays the model's tensors end to end in it (protocol/encoding.py)
-    dense = {k: final_m[k].to(v.dtype) - v if v.is_floating_point() else final_m[k] for k, v in global_state.items()}
-    if encoding is None or encoding.identity:
-        bound = set(delta) == names and all(torch.equal(dense[k], delta[k]) for k in names)
-    else:
-        try:
-            expected = encoding.encode(dense, feedback_part(final) if encoding.error_feedback else None).wire
-        except TensorError as exc:
-            return _verdict(update_id, node_id, "mismatch", base, why=f"the last state cannot be encoded: {exc}"[:200])
-        bound = encoding.same_code(expected, delta)
-        base["encoding"] = encoding.kind
-        if bound and encoding.error_feedback and previous is not None:
-            chain = residual_chain(encoding, feedback_part(final), previous, manifest_of(global_state))
-            base["residual_chain"] = chain
-            if chain == "forged":
-                return _verdict(update_id, node_id, "mismatch", base,
-                                why="the committed residual is not what error feedback left after any of the"
-                                    f" node's last {len(previous)} uploads of this job")
-            if chain == "no_upload":
-                return _verdict(update_id, node_id, "mismatch", base,
-                                why="the committed residual is not zero, and the node has no earlier upload"
-                                    " of this job for it to come from")
-        if not bound:
-            layout = manifest_of(global_state)
-            floating = sorted(k for k in names if global_state[k].is_floating_point())
-            try:
-                off = segment_norm(encoding.decode(delta, layout), encoding.decode(expected, layout), floating)
-            except (TensorError, KeyError):
-                off = math.inf
-            return _verdict(update_id, node_id, "mismatch", base, binding_distance=off if math.isfinite(off) else 1e300,
-                            why=f"the update is not the {encoding.kind} encoding of the committed last state"
-                                " minus the round's model")
-    if not bound:
-        off = segment_norm(delta, {k: final_m[k].double() - global_state[k].double() for k in names
-                                   if global_state[k].is_floating_point()},
-                           sorted(k for k in names if global_state[k].is_floating_point()))
-        return _verdict(update_id, node_id, "mismatch", base, why="the update is not the committed last state"
-                        " minus the round's model", binding_distance=off)
+    unfit = _unfit_states((s, e, last), states, global_state)
+    if unfit is not None:
+        outcome, why = unfit
+        return _verdict(update_id, node_id, outcome, base, why=why)
+    start, final = states[s], states[last]
+    start_m, end_m = model_part(start), model_part(states[e])
+    binding = _binding(final, global_state, delta, encoding, previous)
+    base.update(binding.evidence)
+    if binding.failure is not None:
+        return _verdict(update_id, node_id, "mismatch", base, **binding.failure)
     untrue, tested = _untrue_norm(commitment, states, global_state)
     base["norms_tested"] = tested
     if untrue is not None:
@@ -450,3 +398,93 @@ def judge_segment(
     dist = segment_distance(start_m, end_m, replayed)
     outcome = "reproduced" if dist <= tolerance else "mismatch"
     return _verdict(update_id, node_id, outcome, base, distance=dist if math.isfinite(dist) else 1e300)
+
+
+def _unfit_states(steps: tuple[int, int, int], states: Mapping[int, Mapping[str, Tensor]],
+                  global_state: Mapping[str, Tensor]) -> tuple[str, str] | None:
+    """(outcome, why) when the states of ``steps`` (start, end, last) cannot be judged further:
+    one not handed over ("unverifiable"), one that says another step, does not fit the model, or
+    a step 0 that is not the round's model with a fresh optimizer ("mismatch"). None: they fit."""
+    for step in steps:
+        st = states.get(step)
+        if st is None:
+            return "unverifiable", f"state of step {step} not handed over"
+        try:
+            if step_of(st) != step:
+                return "mismatch", f"the state of step {step} says step {step_of(st)}"
+        except Exception as exc:
+            return "mismatch", f"state of step {step}: {exc}"[:200]
+    names = set(global_state)
+    for label, step in zip(("start", "end", "last"), steps, strict=True):
+        m = model_part(states[step])
+        if set(m) != names or any(m[k].shape != global_state[k].shape or m[k].dtype != global_state[k].dtype
+                                  for k in names):
+            return "mismatch", f"the {label} state does not fit the model"
+    if steps[0] == 0:
+        start = states[0]
+        start_m = model_part(start)
+        fresh = not any(k.startswith("opt.") for k in start) and _fresh_scaler(start)
+        same = all(torch.equal(start_m[k], global_state[k]) for k in names)
+        if not (fresh and same):
+            return "mismatch", "step 0 is not the round's model with a fresh optimizer"
+    return None
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """Is the uploaded update the committed last state minus the round's model? ``failure``: the
+    mismatch verdict's evidence (None: it is); ``evidence``: what the check adds to the verdict's
+    evidence either way (the encoding, the residual's chain)."""
+
+    failure: dict[str, Any] | None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _binding(final: Mapping[str, Tensor], global_state: Mapping[str, Tensor], delta: Mapping[str, Tensor],
+             encoding: UpdateEncoding | None, previous: Sequence[Mapping[str, Tensor]] | None) -> _Binding:
+    """The commitment binds the update: last state - round model == the uploaded delta, exactly;
+    for an encoded update, its encoding (with the residual the last state commits) == the upload."""
+    names = set(global_state)
+    final_m = model_part(final)
+    # in the model's order: topk lays the model's tensors end to end in it (protocol/encoding.py)
+    dense = {k: final_m[k].to(v.dtype) - v if v.is_floating_point() else final_m[k] for k, v in global_state.items()}
+    if encoding is not None and not encoding.identity:
+        return _encoded_binding(final, dense, global_state, delta, encoding, previous)
+    if set(delta) == names and all(torch.equal(dense[k], delta[k]) for k in names):
+        return _Binding(None)
+    off = segment_norm(delta, {k: final_m[k].double() - global_state[k].double() for k in names
+                               if global_state[k].is_floating_point()},
+                       sorted(k for k in names if global_state[k].is_floating_point()))
+    return _Binding({"why": "the update is not the committed last state minus the round's model",
+                     "binding_distance": off})
+
+
+def _encoded_binding(final: Mapping[str, Tensor], dense: Mapping[str, Tensor], global_state: Mapping[str, Tensor],
+                     delta: Mapping[str, Tensor], encoding: UpdateEncoding,
+                     previous: Sequence[Mapping[str, Tensor]] | None) -> _Binding:
+    """``_binding`` for an encoded update; with error feedback, the committed residual's chain too."""
+    try:
+        expected = encoding.encode(dense, feedback_part(final) if encoding.error_feedback else None).wire
+    except TensorError as exc:
+        return _Binding({"why": f"the last state cannot be encoded: {exc}"[:200]})
+    evidence: dict[str, Any] = {"encoding": encoding.kind}
+    if not encoding.same_code(expected, delta):
+        layout = manifest_of(global_state)
+        floating = sorted(k for k in global_state if global_state[k].is_floating_point())
+        try:
+            off = segment_norm(encoding.decode(delta, layout), encoding.decode(expected, layout), floating)
+        except (TensorError, KeyError):
+            off = math.inf
+        return _Binding({"binding_distance": off if math.isfinite(off) else 1e300,
+                         "why": f"the update is not the {encoding.kind} encoding of the committed last state"
+                                " minus the round's model"}, evidence)
+    if encoding.error_feedback and previous is not None:
+        chain = residual_chain(encoding, feedback_part(final), previous, manifest_of(global_state))
+        evidence["residual_chain"] = chain
+        if chain == "forged":
+            return _Binding({"why": "the committed residual is not what error feedback left after any of the"
+                                    f" node's last {len(previous)} uploads of this job"}, evidence)
+        if chain == "no_upload":
+            return _Binding({"why": "the committed residual is not zero, and the node has no earlier upload"
+                                    " of this job for it to come from"}, evidence)
+    return _Binding(None, evidence)

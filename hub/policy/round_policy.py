@@ -28,7 +28,7 @@ The rules of ``decide_shard``, in order:
    unverified when a replica was wanted (no agreement credit): "no_replica_holder" when none
    could come, else "lone_update". With the referee on, a lone update no replica can come
    for is re-executed first (rule 4, ``stand_in``).
-3. Otherwise ``verification.compare_replicas`` judges the group (trusted = members
+3. Otherwise ``replicas.compare_replicas`` judges the group (trusted = members
    whose reputation ``is_trusted``; until a group holds a trusted node it needs one
    more agreeing replica, and a split among untrusted nodes accuses nobody).
    - It wants another replica: ask for one (``wanted + 1``) while below
@@ -63,7 +63,7 @@ The rules of ``decide_shard``, in order:
    every check: a node that earned trust and then crafts (a patient colluder) meets the
    referee at that rate. Whatever the draw, a representative that points against the model's
    trend in some layer (``trend``: its lowest layer cosine to the global model's movement over
-   the last ``trend_rounds`` rounds, under ``trend_cosine_min``; verification.trend_alignment)
+   the last ``trend_rounds`` rounds, under ``trend_cosine_min``; distances.trend_alignment)
    is re-executed first (reason "against_trend"): honest updates follow the trend, so this
    costs about 1 % of them a replay, and a crafted one meets the referee on its first try
    instead of one time in ten.
@@ -91,16 +91,10 @@ from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS
 from .referee import SegmentVerdict
-from .verification import (
-    Flag,
-    ReplicaOutcome,
-    Reputation,
-    RoundReview,
-    UpdateRecord,
-    compare_replicas,
-    is_trusted,
-    review_round,
-)
+from .replicas import Distances, ReplicaOutcome, ReplicaPair, compare_replicas
+from .reputation import Reputation, is_trusted
+from .round_review import RoundReview, review_round
+from .update_record import Flag, UpdateRecord, jsonable
 
 __all__ = [
     "NO_REPLICA_HOLDER",
@@ -167,7 +161,7 @@ def judge_cross_class(
     *,
     trusted: Collection[str] | None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
-    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
+    distances: Distances | None = None,
 ) -> ReplicaOutcome:
     """THE place a cross-class replica group is judged.
 
@@ -210,7 +204,7 @@ class Settle:
     evidence: Mapping[str, Any]
     unverified: str | None = None
     #: nodes whose update was left out because they never came back for the referee's request
-    #: (offline): no flag, but their run of agreements starts over (verification.record_missed)
+    #: (offline): no flag, but their run of agreements starts over (reputation.record_missed)
     missed_nodes: tuple[str, ...] = ()
 
 
@@ -308,7 +302,7 @@ def _decide_plain(
     reputations: Mapping[str, Reputation],
     *,
     slice_elems: int,
-    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
+    distances: Distances | None = None,
 ) -> ShardDecision:
     decision = _decide_shard(updates, spec, state, reputations, slice_elems=slice_elems, distances=distances)
     if isinstance(decision, Settle) and decision.unverified and spec.unverified == "hold":
@@ -337,77 +331,137 @@ def _with_referee(
     """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
     none of which carries a commitment is judged by the plain rules (nothing to re-execute)."""
     ups = list(updates)
-    ids = [u.update_id for u in ups]
-    node_of = {u.update_id: u.node_id for u in ups}
-    pairs: list[dict[str, Any]] = []
     # the pairs measured once: the plain rules below judge the same group again
-    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
+    distances: Distances = {}
+    pairs: tuple[ReplicaPair, ...] = ()
     if len(ups) >= 2:
-        trusted = {u.node_id for u in ups
-                   if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)}
-        pairs = list(compare_replicas(ups, spec, trusted=trusted, slice_elems=slice_elems,
-                                      distances=distances).evidence.get("pairs") or [])
-    failed = {u for u in ids if u in verdicts and not verdicts[u].ok}
-    # never came back for the request (offline): left out without a flag, and no one vouched
-    gone = {u for u in failed if verdicts[u].outcome == "unreachable"}
-    missed = tuple(sorted({node_of[u] for u in gone}))
+        pairs = compare_replicas(ups, spec, trusted=_trusted_nodes(ups, reputations, spec),
+                                 slice_elems=slice_elems, distances=distances).pairs
+    case = _RefereeCase(tuple(u.update_id for u in ups), {u.update_id: u.node_id for u in ups}, pairs, verdicts)
+    failed = frozenset(u for u in case.ids if u in verdicts and not verdicts[u].ok)
     if failed:
-        flags: list[Flag] = []
-        for u in ids:
-            if u in failed and u not in gone:
-                v = verdicts[u]
-                reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
-                flags.append(Flag(u, node_of[u], reason, {
-                    "referee": _referee_evidence(verdicts, [u])[0], "group": _referee_evidence(verdicts, ids),
-                    "pairs": [p for p in pairs if u in (p["a"], p["b"])], "tolerance": spec.tolerance}))
-        # members that agreed with a failed one, and were not reproduced themselves, vouched for it
-        # (a refusal to hand over states says nothing of the update's content: no vouching there)
-        for p in pairs:
-            for mine, theirs in ((p["a"], p["b"]), (p["b"], p["a"])):
-                if (p.get("agree") and theirs in failed and mine not in failed
-                        and verdicts[theirs].outcome == "mismatch"
-                        and not (mine in verdicts and verdicts[mine].ok)
-                        and all(f.update_id != mine for f in flags)):
-                    reason = "unverifiable" if verdicts[theirs].outcome == "unverifiable" else "referee_mismatch"
-                    flags.append(Flag(mine, node_of[mine], reason, {
-                        "vouched_for": theirs, "relative_distance": p.get("relative_distance"),
-                        "referee": _referee_evidence(verdicts, [theirs])[0]}))
-        flagged = {f.update_id for f in flags}
-        flagged_nodes = tuple(sorted({f.node_id for f in flags}))
-        rest = [u for u in ids if u not in flagged and u not in gone]
-        evidence: dict[str, Any] = {"replicas": len(ids), "referee": _referee_evidence(verdicts, ids), "pairs": pairs}
-        statuses = {u: "quarantined" for u in flagged} | {u: "excluded" for u in gone}
-        if not rest:
-            return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence, missed)
-        lacking = tuple(u for u in rest if u not in verdicts)
-        if lacking:  # after a failure, what is left counts only once the referee has seen it too
-            split = any(not p.get("agree") for p in pairs if p["a"] in rest and p["b"] in rest)
-            return Referee(lacking, "disagreement" if split else "spot_check", evidence)
-        rep = rest[0]
-        for u in rest[1:]:
-            statuses[u] = "redundant"
-        agreed = tuple(sorted({node_of[u] for u in rest if u in verdicts and verdicts[u].ok}))
-        return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence, missed_nodes=missed)
-    if any(not p.get("agree") for p in pairs) and committed & set(ids):
-        lacking = tuple(u for u in ids if u not in verdicts)
-        if lacking:
-            return Referee(lacking, "disagreement", {"replicas": len(ids), "pairs": pairs})
-        # every member reproduced its segment: an honest divergence (different hardware), not a flag
-        rep = ids[0]
-        evidence = {"replicas": len(ids), "pairs": pairs, "referee": _referee_evidence(verdicts, ids),
-                    "cross_class": True, "comparison": state.comparison}
-        if state.class_keys:
-            evidence["class_keys"] = dict(state.class_keys)
-        return Settle(rep, {u: "redundant" for u in ids if u != rep}, (), tuple(sorted(set(node_of.values()))), (),
-                      evidence)
+        return _after_failure(case, failed, spec)
+    if any(not p.agree for p in pairs) and committed & set(case.ids):
+        return _divergence(case, state)
     decision = _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems, distances=distances)
     if not isinstance(decision, Settle):
         return decision
+    return _check_settlement(decision, ups, spec, state, reputations, committed, verdicts, spot_draw, trend)
+
+
+def _trusted_nodes(ups: Sequence[UpdateRecord], reputations: Mapping[str, Reputation],
+                   spec: VerificationSpec) -> set[str]:
+    """The members' nodes that are trusted now (a node missing from ``reputations`` is not)."""
+    return {u.node_id for u in ups if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)}
+
+
+@dataclass(frozen=True)
+class _RefereeCase:
+    """A due shard as the referee's rule sees it: its update ids (the hub's order), their nodes,
+    the pairs of members measured and the referee's verdicts so far."""
+
+    ids: tuple[str, ...]
+    node_of: Mapping[str, str]
+    pairs: tuple[ReplicaPair, ...]
+    verdicts: Mapping[str, SegmentVerdict]
+
+    def pairs_evidence(self) -> list[dict[str, Any]]:
+        return [p.evidence() for p in self.pairs]
+
+    def referee_evidence(self, ids: Sequence[str]) -> list[dict[str, Any]]:
+        return _referee_evidence(self.verdicts, ids)
+
+
+def _after_failure(case: _RefereeCase, failed: frozenset[str], spec: VerificationSpec) -> ShardDecision:
+    """Some member failed the referee (``failed``): it is flagged and left out, with every member
+    that vouched for it; one that never came back for the request is left out unflagged."""
+    verdicts, node_of = case.verdicts, case.node_of
+    # never came back for the request (offline): left out without a flag, and no one vouched
+    gone = {u for u in failed if verdicts[u].outcome == "unreachable"}
+    missed = tuple(sorted({node_of[u] for u in gone}))
+    flags = _failure_flags(case, failed, gone, spec)
+    flagged = {f.update_id for f in flags}
+    flagged_nodes = tuple(sorted({f.node_id for f in flags}))
+    rest = [u for u in case.ids if u not in flagged and u not in gone]
+    evidence: dict[str, Any] = {"replicas": len(case.ids), "referee": case.referee_evidence(case.ids),
+                                "pairs": case.pairs_evidence()}
+    statuses = {u: "quarantined" for u in flagged} | {u: "excluded" for u in gone}
+    if not rest:
+        return Drop("referee", statuses, tuple(flags), flagged_nodes, evidence, missed)
+    lacking = tuple(u for u in rest if u not in verdicts)
+    if lacking:  # after a failure, what is left counts only once the referee has seen it too
+        split = any(not p.agree for p in case.pairs if p.a in rest and p.b in rest)
+        return Referee(lacking, "disagreement" if split else "spot_check", evidence)
+    rep = rest[0]
+    for u in rest[1:]:
+        statuses[u] = "redundant"
+    agreed = tuple(sorted({node_of[u] for u in rest if u in verdicts and verdicts[u].ok}))
+    return Settle(rep, statuses, tuple(flags), agreed, flagged_nodes, evidence, missed_nodes=missed)
+
+
+def _failure_flags(case: _RefereeCase, failed: Collection[str], gone: Collection[str],
+                   spec: VerificationSpec) -> list[Flag]:
+    """A flag for each member that failed the referee (not the unreachable), then one for each
+    member that agreed with a mismatching one without being reproduced itself (it vouched for it;
+    a refusal to hand over states says nothing of the update's content: no vouching there)."""
+    verdicts, node_of = case.verdicts, case.node_of
+    flags: list[Flag] = []
+    for u in case.ids:
+        if u in failed and u not in gone:
+            v = verdicts[u]
+            reason = "unverifiable" if v.outcome == "unverifiable" else "referee_mismatch"
+            flags.append(Flag(u, node_of[u], reason, {
+                "referee": case.referee_evidence([u])[0], "group": case.referee_evidence(case.ids),
+                "pairs": [p.evidence() for p in case.pairs if p.involves(u)], "tolerance": spec.tolerance}))
+    for p in case.pairs:
+        for mine, theirs in ((p.a, p.b), (p.b, p.a)):
+            if (p.agree and theirs in failed and mine not in failed
+                    and verdicts[theirs].outcome == "mismatch"
+                    and not (mine in verdicts and verdicts[mine].ok)
+                    and all(f.update_id != mine for f in flags)):
+                reason = "unverifiable" if verdicts[theirs].outcome == "unverifiable" else "referee_mismatch"
+                flags.append(Flag(mine, node_of[mine], reason, {
+                    "vouched_for": theirs, "relative_distance": jsonable(p.distance),
+                    "referee": case.referee_evidence([theirs])[0]}))
+    return flags
+
+
+def _divergence(case: _RefereeCase, state: ReplicaState) -> ShardDecision:
+    """Replicas that disagree, some with a commitment: every member is re-executed first; when
+    every one reproduced its segment, it is an honest divergence (different hardware), not a flag."""
+    ids = case.ids
+    lacking = tuple(u for u in ids if u not in case.verdicts)
+    if lacking:
+        return Referee(lacking, "disagreement", {"replicas": len(ids), "pairs": case.pairs_evidence()})
+    rep = ids[0]
+    evidence = {"replicas": len(ids), "pairs": case.pairs_evidence(), "referee": case.referee_evidence(ids),
+                "cross_class": True, "comparison": state.comparison}
+    if state.class_keys:
+        evidence["class_keys"] = dict(state.class_keys)
+    return Settle(rep, {u: "redundant" for u in ids if u != rep}, (), tuple(sorted(set(case.node_of.values()))), (),
+                  evidence)
+
+
+def _check_settlement(
+    decision: Settle,
+    ups: Sequence[UpdateRecord],
+    spec: VerificationSpec,
+    state: ReplicaState,
+    reputations: Mapping[str, Reputation],
+    committed: frozenset[str],
+    verdicts: Mapping[str, SegmentVerdict],
+    spot_draw: float,
+    trend: Mapping[str, tuple[float, str]],
+) -> ShardDecision:
+    """A shard the plain rules settle: verified when the referee reproduced its representative;
+    else re-executed first when it points against the trend, stands in for a replica that cannot
+    come, or the spot-check draw falls under its rate."""
     rep = decision.representative
     if rep in verdicts:  # reproduced by the referee: verified, and the node earns the agreement ...
         # ... unless the referee stood in for a replica of another block (rule 4: no trust from it),
         # whatever it was asked for first (a lone update against the trend, say)
         standing_in = verdicts[rep].evidence.get("reason") == NO_REPLICA_HOLDER or replica_hopeless(len(ups), state)
+        node_of = {u.update_id: u.node_id for u in ups}
         agreed = tuple(sorted({*decision.agreed_nodes, *(() if standing_in else (node_of[rep],))}))
         evidence = {k: v for k, v in decision.evidence.items() if k != "unverified"}
         return Settle(rep, decision.statuses, decision.flags, agreed, decision.flagged_nodes,
@@ -420,7 +474,7 @@ def _with_referee(
     standin = stand_in(ups, state, committed)
     if standin is not None and standin.referee:
         return Referee((standin.update_id,), NO_REPLICA_HOLDER, dict(decision.evidence))
-    trusted = any((r := reputations.get(u.node_id)) is not None and is_trusted(r, spec) for u in ups)
+    trusted = bool(_trusted_nodes(ups, reputations, spec))
     if spot_draw < spot_rate(trusted, spec):
         return Referee((rep,), "spot_check", dict(decision.evidence))
     return decision
@@ -461,7 +515,7 @@ def _decide_shard(
     reputations: Mapping[str, Reputation],
     *,
     slice_elems: int,
-    distances: dict[tuple[str, str], tuple[float, dict[str, float]]] | None = None,
+    distances: Distances | None = None,
 ) -> ShardDecision:
     """Rules 1-3 of the module docstring.
 
@@ -475,12 +529,7 @@ def _decide_shard(
     if len(ups) == 1:
         why = (NO_REPLICA_HOLDER if replica_hopeless(1, state) else "lone_update") if state.wanted > 1 else None
         return Settle(ups[0].update_id, {}, (), (), (), {"replicas": 1} | ({"unverified": why} if why else {}), why)
-    ids = [u.update_id for u in ups]
-    trusted = {
-        u.node_id
-        for u in ups
-        if (r := reputations.get(u.node_id)) is not None and is_trusted(r, spec)
-    }
+    trusted = _trusted_nodes(ups, reputations, spec)
     if state.comparison == "cross_class":
         out = judge_cross_class(ups, spec, trusted=trusted, slice_elems=slice_elems, distances=distances)
     else:
@@ -489,31 +538,50 @@ def _decide_shard(
     if state.class_keys:
         evidence["class_keys"] = dict(state.class_keys)
     if out.needs_more:
-        pairs = evidence.get("pairs") or []
-        unanimous = bool(pairs) and all(p.get("agree") for p in pairs)
-        timed_out = state.waited_s is not None and state.waited_s >= float(spec.replica_wait_s)
-        # Waiting for a replica nobody can take only delays the round: unanimous replicas settle now.
-        nobody = unanimous and not state.live and not state.taker
-        if state.wanted < int(spec.max_replicas) and not timed_out and not nobody:
-            return WaitForMore(state.wanted + 1, evidence)
-        if unanimous:
-            rep = ids[0]
-            return Settle(
-                rep,
-                {u: "redundant" for u in ids if u != rep},
-                (),
-                (),
-                (),
-                evidence | {"unverified": "replica_wait"},
-                "replica_wait",
-            )
-        return Drop(
-            "inconclusive",
-            {u: "excluded" for u in ids},
+        return _wanting_more(ups, out, evidence, spec, state)
+    return _settle_outcome(ups, out, evidence)
+
+
+def _wanting_more(
+    ups: Sequence[UpdateRecord],
+    out: ReplicaOutcome,
+    evidence: dict[str, Any],
+    spec: VerificationSpec,
+    state: ReplicaState,
+) -> ShardDecision:
+    """The comparison wants another replica: ask for one while that can help; past it,
+    unanimous replicas settle unverified and a split is dropped inconclusive."""
+    ids = [u.update_id for u in ups]
+    unanimous = bool(out.pairs) and all(p.agree for p in out.pairs)
+    timed_out = state.waited_s is not None and state.waited_s >= float(spec.replica_wait_s)
+    # Waiting for a replica nobody can take only delays the round: unanimous replicas settle now.
+    nobody = unanimous and not state.live and not state.taker
+    if state.wanted < int(spec.max_replicas) and not timed_out and not nobody:
+        return WaitForMore(state.wanted + 1, evidence)
+    if unanimous:
+        rep = ids[0]
+        return Settle(
+            rep,
+            {u: "redundant" for u in ids if u != rep},
             (),
             (),
-            evidence | {"inconclusive": "replica_wait"},
+            (),
+            evidence | {"unverified": "replica_wait"},
+            "replica_wait",
         )
+    return Drop(
+        "inconclusive",
+        {u: "excluded" for u in ids},
+        (),
+        (),
+        evidence | {"inconclusive": "replica_wait"},
+    )
+
+
+def _settle_outcome(ups: Sequence[UpdateRecord], out: ReplicaOutcome, evidence: dict[str, Any]) -> ShardDecision:
+    """A comparison that wants no more replicas: the majority settles the shard (the minority
+    flagged), or the shard is dropped (a split nobody is accused on, or no majority)."""
+    ids = [u.update_id for u in ups]
     flags = tuple(out.flags)
     flagged = {f.update_id for f in flags}
     flagged_nodes = tuple(sorted({f.node_id for f in flags}))
@@ -625,8 +693,7 @@ def judge_round(
         withdrawn = _minority_right(candidates, withdrawn, dissent, global_norm, spec, slice_elems)
     flagged_nodes = (*sorted({f.node_id for f in review.flags}), *(f.node_id for f in vouched))
     included = [c for c in candidates if c.update_id in keep]
-    scores = review.evidence.get("scores", {})
-    norms = {c.update_id: _num(scores.get(c.update_id, {}).get("norm")) for c in included}
+    norms = {c.update_id: _finite(review.norms.get(c.update_id, math.inf)) for c in included}
     unit = {c.update_id: norms[c.update_id] / c.work for c in included}
     scales = norm_bound_scales(unit, float(spec.norm_bound))
     samples = {c.update_id: float(c.shard_samples) for c in included}
@@ -644,8 +711,9 @@ def judge_round(
     )
 
 
-def _num(value: object) -> float:
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else math.inf
+def _finite(value: float) -> float:
+    """A norm the bounds can use: a non-finite one counts as infinitely large."""
+    return value if math.isfinite(value) else math.inf
 
 
 def _minority_right(
@@ -672,7 +740,7 @@ def norm_bound_scales(unit_norms: Mapping[str, float], bound: float) -> dict[str
     more updates (the median of two is their mean, which one update drags); ``bound`` 0 = off.
 
     Unlike the review's norm-ratio limit, this bound does not widen for a shard larger than the
-    round's median (``verification.size_allowance``): clipping accuses nobody, and a node can ask
+    round's median (``round_review.size_allowance``): clipping accuses nobody, and a node can ask
     for a larger shard by claiming more throughput, so the room a crafted update gets stays
     ``bound`` x the median per sample whatever its shard's size."""
     if bound <= 0 or len(unit_norms) < 3:
