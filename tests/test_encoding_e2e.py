@@ -13,7 +13,7 @@ import stat
 
 import pytest
 import torch
-from gpuflex.hub.policy.replicas import compare_replicas
+from gpuflex.hub.policy.replica_comparison import compare_replicas
 from gpuflex.hub.policy.update_record import UpdateRecord
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gpuflex.hub.policy.aggregation import fedavg
 from gpuflex.hub.policy.distances import relative_distance
-from gpuflex.hub.policy.replicas import compare_replicas
+from gpuflex.hub.policy.replica_comparison import compare_replicas
 from gpuflex.hub.policy.reputation import (
     MIN_REPLICATION,
     Reputation,
@@ -636,7 +636,7 @@ def test_a_minority_flag_is_withdrawn_only_when_the_minority_passes_the_review(w
 def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
     """policy judges a group twice on the referee path (strict, then the plain rules): the memo
     carries the measured pairs to the second call, and the second call really reads it."""
-    from gpuflex.hub.policy.replicas import compare_replicas
+    from gpuflex.hub.policy.replica_comparison import compare_replicas
     from gpuflex.hub.policy.update_record import UpdateRecord
     from gpuflex.protocol.jobspec import VerificationSpec
 

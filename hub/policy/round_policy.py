@@ -91,7 +91,7 @@ from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS
 from .referee import SegmentVerdict
-from .replicas import Distances, ReplicaOutcome, ReplicaPair, compare_replicas
+from .replica_comparison import Distances, ReplicaOutcome, ReplicaPair, compare_replicas
 from .reputation import Reputation, is_trusted
 from .round_review import RoundReview, review_round
 from .update_record import Flag, UpdateRecord, jsonable

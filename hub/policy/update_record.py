@@ -1,6 +1,6 @@
 """An accepted update as verification sees it, and the flag raised against one.
 
-The shared vocabulary of the verification modules (hub/policy/replicas.py,
+The shared vocabulary of the verification modules (hub/policy/replica_comparison.py,
 hub/policy/round_review.py, hub/policy/reputation.py): ``UpdateRecord`` in, ``Flag`` out.
 A flag's ``evidence`` is the JSON the auditors are shown and the store keeps; ``jsonable``
 makes a float fit it.

@@ -9,7 +9,7 @@ This module is the map; each decision lives in a module named after it:
 - hub/policy/update_record.py: ``UpdateRecord`` (an accepted update) and ``Flag`` (a suspicion
   with the evidence auditors are shown);
 - hub/policy/distances.py: relative distance, cosines and norms, the model's trend;
-- hub/policy/replicas.py: ``compare_replicas``, does a replica group agree;
+- hub/policy/replica_comparison.py: ``compare_replicas``, does a replica group agree;
 - hub/policy/round_review.py: ``review_round``, the free-rider, plausibility and outlier scores;
 - hub/policy/reputation.py: ``Reputation`` and its transitions, trust and replication.
 
@@ -72,7 +72,7 @@ implausible checks run; the skip is stated in ``RoundReview.evidence``.
 from __future__ import annotations
 
 from .distances import cosine_and_norms, layer_of, relative_distance, trend_alignment
-from .replicas import ReplicaOutcome, ReplicaPair, compare_replicas
+from .replica_comparison import ReplicaOutcome, ReplicaPair, compare_replicas
 from .reputation import (
     BAN_AFTER_CONFIRMED,
     MIN_REPLICATION,
