@@ -425,8 +425,8 @@ def evidence_view(
 ) -> dict[str, Any]:
     """Turn a flag's evidence (hub/policy/verification.py shapes) into rows and charts.
 
-    ``computed``: per-layer rows against the round's centre (evidence.py), used when
-    the recorded evidence has none of its own."""
+    ``computed``: per-layer rows against the round's centre (the read model's layer evidence),
+    used when the recorded evidence has none of its own."""
     ev: Mapping[str, Any] = flag.get("evidence") or {}
     if not isinstance(ev, Mapping):
         ev = {}
@@ -440,9 +440,30 @@ def evidence_view(
         }
         for row in evidence.threshold_scores(flag)
     ]
+    layer_chart, layer_note = _layer_charts(ev, rev, computed)
+    replica, distance_chart = _replica_view(flag, ev)
+    layer_chart += distance_chart
+    if not layer_chart:
+        layer_chart = charts.bar_chart([], title="Per-layer evidence", legend=[])
+    problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
+    if not problems and ev.get("why"):
+        problems = [str(ev["why"])]
+    return {
+        "layer_note": layer_note,
+        "referee": evidence.referee_rows(flag),
+        "scores": scores,
+        "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
+        "replica": replica,
+        "problems": problems,
+        "evidence_json": json.dumps(ev, indent=2, sort_keys=True, default=str),
+    }
 
-    # Per-layer bars against the round's centre: recorded evidence first, else computed.
-    layer_chart = ""
+
+def _layer_charts(
+    ev: Mapping[str, Any], rev: Mapping[str, Any], computed: Mapping[str, Any] | None
+) -> tuple[str, str]:
+    """Per-layer bars against the round's centre, recorded evidence first, else computed: (the
+    charts' SVG, the note that says where the centre came from); ("", "") without layers."""
     layers = ev.get("layers")
     centre_note = (
         "From the flag's evidence: the round's robust centre (coordinate-wise median),"
@@ -455,85 +476,81 @@ def evidence_view(
             f" median of its {computed.get('centre_of')} candidate updates (aggregated or"
             " quarantined as outliers)."
         )
-    if isinstance(layers, list) and layers:
-        bars = [
-            charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
-            for x in layers
-            if isinstance(x, Mapping)
-        ]
-        layer_chart = charts.bar_chart(
-            bars,
-            title="Per-layer L2 norm: this update vs. the round's centre",
-            legend=["this update", "round centre"],
+    if not (isinstance(layers, list) and layers):
+        return "", ""
+    bars = [
+        charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
+        for x in layers
+        if isinstance(x, Mapping)
+    ]
+    layer_chart = charts.bar_chart(
+        bars,
+        title="Per-layer L2 norm: this update vs. the round's centre",
+        legend=["this update", "round centre"],
+    )
+    cos_bars = [
+        charts.Bar(str(x.get("name", "?")), [_num(x.get("cosine"))])
+        for x in layers
+        if isinstance(x, Mapping) and _num(x.get("cosine")) is not None
+    ]
+    if cos_bars:
+        layer_chart += charts.bar_chart(
+            cos_bars,
+            title="Per-layer cosine to the round's centre",
+            legend=["cosine"],
+            threshold=_num(rev.get("cosine_min", 0.0)),
+            threshold_label="min",
         )
-        cos_bars = [
-            charts.Bar(str(x.get("name", "?")), [_num(x.get("cosine"))])
-            for x in layers
-            if isinstance(x, Mapping) and _num(x.get("cosine")) is not None
-        ]
-        if cos_bars:
-            layer_chart += charts.bar_chart(
-                cos_bars,
-                title="Per-layer cosine to the round's centre",
-                legend=["cosine"],
-                threshold=_num(rev.get("cosine_min", 0.0)),
-                threshold_label="min",
-            )
-    replica: dict[str, Any] | None = None
+    return layer_chart, centre_note
+
+
+def _replica_view(flag: Mapping[str, Any], ev: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """A replica group's comparison (its pairs, tolerance, majority) and the chart of the
+    flagged update's per-tensor distances to the others ("" without any); (None, "") when the
+    evidence has no pairs."""
     pairs = ev.get("pairs")
-    if isinstance(pairs, list):
-        rows = []
-        worst: dict[str, float] = {}
-        for p in pairs:
-            if not isinstance(p, Mapping):
-                continue
-            raw = p.get("tensors")
-            tensors: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-            items = sorted(
-                ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
-                key=lambda kv: -float(kv[1]),
-            )
-            if flag.get("update_id") in (p.get("a"), p.get("b")):
-                for k, v in items:
-                    worst[k] = max(worst.get(k, 0.0), float(v))
-            rows.append(
-                {
-                    "a": str(p.get("a", "")),
-                    "b": str(p.get("b", "")),
-                    "relative_distance": _num(p.get("relative_distance")),
-                    "agree": bool(p.get("agree")),
-                    "tensors": items,
-                }
-            )
-        replica = {
-            "tolerance": _num(ev.get("tolerance")),
-            "majority": [str(m) for m in ev.get("majority") or []],
-            "distance": _num(ev.get("relative_distance_to_canonical")),
-            "why": str(ev.get("why", "")),
-            "pairs": rows,
-        }
-        if worst:
-            layer_chart += charts.bar_chart(
-                [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
-                title="Per-tensor relative distance to the other replicas",
-                legend=["relative distance"],
-                threshold=_num(ev.get("tolerance")),
-                threshold_label="tolerance",
-            )
-    if not layer_chart:
-        layer_chart = charts.bar_chart([], title="Per-layer evidence", legend=[])
-    problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
-    if not problems and ev.get("why"):
-        problems = [str(ev["why"])]
-    return {
-        "layer_note": centre_note if isinstance(layers, list) and layers else "",
-        "referee": evidence.referee_rows(flag),
-        "scores": scores,
-        "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
-        "replica": replica,
-        "problems": problems,
-        "evidence_json": json.dumps(ev, indent=2, sort_keys=True, default=str),
+    if not isinstance(pairs, list):
+        return None, ""
+    rows = []
+    worst: dict[str, float] = {}
+    for p in pairs:
+        if not isinstance(p, Mapping):
+            continue
+        raw = p.get("tensors")
+        tensors: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        items = sorted(
+            ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
+            key=lambda kv: -float(kv[1]),
+        )
+        if flag.get("update_id") in (p.get("a"), p.get("b")):
+            for k, v in items:
+                worst[k] = max(worst.get(k, 0.0), float(v))
+        rows.append(
+            {
+                "a": str(p.get("a", "")),
+                "b": str(p.get("b", "")),
+                "relative_distance": _num(p.get("relative_distance")),
+                "agree": bool(p.get("agree")),
+                "tensors": items,
+            }
+        )
+    replica = {
+        "tolerance": _num(ev.get("tolerance")),
+        "majority": [str(m) for m in ev.get("majority") or []],
+        "distance": _num(ev.get("relative_distance_to_canonical")),
+        "why": str(ev.get("why", "")),
+        "pairs": rows,
     }
+    if not worst:
+        return replica, ""
+    chart = charts.bar_chart(
+        [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
+        title="Per-tensor relative distance to the other replicas",
+        legend=["relative distance"],
+        threshold=_num(ev.get("tolerance")),
+        threshold_label="tolerance",
+    )
+    return replica, chart
 
 
 async def flag_page(request: web.Request) -> web.StreamResponse:
