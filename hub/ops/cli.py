@@ -304,7 +304,7 @@ def _job_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
         counts = [s["samples"] for s in silos]
         total = f", {sum(counts)} samples in all" if None not in counts else ""
         out.append(("silos", f"{len(silos)} attached{total} (the rows stay on their nodes)"))
-    if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.owner_view)
+    if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.redaction.owner_view)
         out.append(("not shown", str(doc["redacted"])))
     return out
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from ..readmodel.figures import short_number as _fmt
+
 __all__ = [
     "Bar",
     "Series",
@@ -47,15 +49,6 @@ class Bar:
 
 def _ok(v: float | None) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _fmt(v: float) -> str:
-    """Short human number for labels: 0.0123, 1.5e-05, 1200."""
-    if v == 0:
-        return "0"
-    if abs(v) >= 1e5 or abs(v) < 1e-3:
-        return f"{v:.2g}"
-    return f"{v:.4g}"
 
 
 def _num(v: float) -> str:

@@ -1,41 +1,35 @@
-"""Per-layer evidence for a flag's page: the flagged update against its round's centre.
+"""A flag's evidence as it is shown: its scores against the thresholds they broke, its headline
+(the check it failed, in one line), the referee's re-executed segments, and the flagged update
+against its round's centre, layer by layer.
 
-Verification's flag evidence carries whole-update scores (cosine, norm ratio,
-replica distance). An auditor also wants to see *where* an update departs:
-which layers point the other way or are blown up. When the evidence itself has
-no per-layer rows, the console computes them here from the stored update blobs:
-the centre is the coordinate-wise median (hub/aggregation.coordinate_median, the
-same robust centre verification scores against) of the round's candidate
+Verification's flag evidence carries whole-update scores (cosine, norm ratio, replica distance).
+An auditor also wants to see *where* an update departs: which layers point the other way or are
+blown up. When the evidence itself has no per-layer rows, they are computed here from the stored
+update blobs: the centre is the coordinate-wise median (hub/policy/aggregation.py
+coordinate_median, the same robust centre verification scores against) of the round's candidate
 updates (those aggregated plus those quarantined as outliers).
 
-``layer_profile`` is a pure function; ``round_layer_evidence`` is the blocking
-loader (run it in a thread). Both are bounded: only small rounds and models are
-profiled on demand, larger ones show the recorded evidence only.
+``layer_profile`` is a pure function; ``round_layer_evidence`` is the blocking loader (run it in
+a thread); ``layer_evidence`` runs it for a request and keeps a closed round's result. They are
+bounded: only small rounds and models are profiled on demand, larger ones show the recorded
+evidence only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sqlite3
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+from aiohttp import web
 from gpuflex.protocol.jobspec import VerificationSpec
 from torch import Tensor
 
-from .charts import _fmt
-
-__all__ = [
-    "MAX_MODEL_BYTES",
-    "MAX_UPDATES",
-    "candidate_shas",
-    "headline",
-    "layer_profile",
-    "referee_rows",
-    "round_layer_evidence",
-    "threshold_scores",
-]
+from ..appkeys import BLOBS, LAYER_CACHE, STORE
+from .figures import short_number as _fmt
 
 MAX_UPDATES = 32
 MAX_MODEL_BYTES = 64 << 20
@@ -103,6 +97,23 @@ def round_layer_evidence(blobs: Any, needed: Mapping[str, Any]) -> dict[str, Any
     return {"layers": layers, "centre_of": len(shas), "closed": bool(needed.get("closed"))}
 
 
+async def layer_evidence(app: web.Application, flag: dict[str, Any]) -> dict[str, Any] | None:
+    """Per-layer rows of the flagged update against its round's centre (round_layer_evidence);
+    None when the round or model is too large to profile on a page view."""
+    cache = app[LAYER_CACHE]
+    if flag["id"] in cache:
+        return cache[flag["id"]]  # type: ignore[no-any-return]
+    needed = await app[STORE].query(lambda c: candidate_shas(c, flag))
+    result = None
+    if needed is not None:
+        result = await asyncio.to_thread(round_layer_evidence, app[BLOBS], needed)
+    if result is not None and result["closed"]:  # a closed round's updates never change
+        if len(cache) >= 256:
+            cache.clear()
+        cache[flag["id"]] = result
+    return result
+
+
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -142,7 +153,7 @@ def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A flag's scores against the thresholds they broke: rows of name, value, threshold,
     the rule in words, ``ok`` (None when there is no threshold) and ``bad_when``.
 
-    ``flag`` carries ``evidence`` and, from queries.flag_context, ``round_evidence`` (the
+    ``flag`` carries ``evidence`` and, from flags.flag_context, ``round_evidence`` (the
     round's thresholds). The console's gauges and ``GET /v1/flags/{id}`` both show these rows."""
     ev: Mapping[str, Any] = flag.get("evidence") or {}
     if not isinstance(ev, Mapping):
