@@ -21,8 +21,11 @@ def require_job_reader(who: Principal) -> None:
     """Jobs and models are read by their owner and by admins; an auditor's token is for the
     evidence (flags, audit log, nodes), not for an owner's jobs or models."""
     if who.role not in ("owner", "admin"):
-        raise Forbidden("jobs and models are read with an owner or admin token; an auditor token reads "
-                        "flags, the audit log and nodes", code="wrong_role")
+        raise Forbidden(
+            "jobs and models are read with an owner or admin token; an auditor token reads "
+            "flags, the audit log and nodes",
+            code="wrong_role",
+        )
 
 
 def visible(who: Principal) -> tuple[str, tuple[Any, ...]]:

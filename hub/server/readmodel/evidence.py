@@ -131,22 +131,37 @@ def referee_rows(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
     group = ev.get("group")
     items = [mine] if isinstance(mine, Mapping) else list(mine) if isinstance(mine, list) else []
     if isinstance(group, list):
-        items += [g for g in group if isinstance(g, Mapping) and all(g.get("update") != i.get("update")
-                                                                     for i in items if isinstance(i, Mapping))]
+        items += [
+            g
+            for g in group
+            if isinstance(g, Mapping)
+            and all(g.get("update") != i.get("update") for i in items if isinstance(i, Mapping))
+        ]
     rows = []
     for v in items:
         if not isinstance(v, Mapping):
             continue
         steps = v.get("steps") if isinstance(v.get("steps"), list) else []
-        rows.append({
-            "node": str(v.get("node", "")), "update": str(v.get("update", "")),
-            "round": v.get("round"), "steps": [int(x) for x in steps if isinstance(x, int)],
-            "precision": str(v.get("precision", "")), "reason": str(v.get("reason", "")),
-            "outcome": str(v.get("outcome", "mismatch" if "why" in v else "")),
-            "distance": _num(v.get("distance")), "threshold": _num(v.get("threshold")),
-            "why": str(v.get("why", "")), "this": v.get("update") == flag.get("update_id"),
-        })
+        rows.append(
+            {
+                "node": str(v.get("node", "")),
+                "update": str(v.get("update", "")),
+                "round": v.get("round"),
+                "steps": [int(x) for x in steps if isinstance(x, int)],
+                "precision": str(v.get("precision", "")),
+                "reason": str(v.get("reason", "")),
+                "outcome": str(v.get("outcome", "mismatch" if "why" in v else "")),
+                "distance": _num(v.get("distance")),
+                "threshold": _num(v.get("threshold")),
+                "why": str(v.get("why", "")),
+                "this": v.get("update") == flag.get("update_id"),
+            }
+        )
     return rows
+
+
+#: one score to show: (name, value, threshold, bad_when "above" | "below", the rule with {th})
+_Candidate = tuple[str, Any, Any, str, str]
 
 
 def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -160,72 +175,131 @@ def threshold_scores(flag: Mapping[str, Any]) -> list[dict[str, Any]]:
         ev = {}
     rev: Mapping[str, Any] = flag.get("round_evidence") or {}
     # the job's own thresholds (its spec), else the round's recorded ones, else the spec's defaults
-    limits: Mapping[str, Any] = {**asdict(VerificationSpec()), **rev, **(flag.get("thresholds") or {})}
-    scores: list[dict[str, Any]] = []
-
-    def score(name: str, value: Any, threshold: Any, bad_when: str, rule: str) -> None:
+    limits: Mapping[str, Any] = {
+        **asdict(VerificationSpec()),
+        **rev,
+        **(flag.get("thresholds") or {}),
+    }
+    scores = []
+    for name, value, threshold, bad_when, rule in [
+        *_update_scores(flag, ev, limits),
+        *_referee_scores(flag, ev, limits),
+    ]:
         v, th = _num(value), _num(threshold)
         if v is None:
-            return
+            continue
         ok = None if th is None else (v <= th if bad_when == "above" else v >= th)
-        scores.append({"name": name, "value": v, "threshold": th, "bad_when": bad_when, "ok": ok,
-                       "rule": rule.format(th=_fmt(th) if th is not None else "n/a")})
+        scores.append(
+            {
+                "name": name,
+                "value": v,
+                "threshold": th,
+                "bad_when": bad_when,
+                "ok": ok,
+                "rule": rule.format(th=_fmt(th) if th is not None else "n/a"),
+            }
+        )
+    return scores
 
-    score(
-        "cosine to round centre",
-        ev.get("cosine"),
-        limits.get("cosine_min"),
-        "below",
-        "must be ≥ {th}",
-    )
-    score(
-        "norm per sample / round median",
-        ev.get("norm_ratio"),
-        limits.get("norm_ratio_max"),
-        "above",
-        "must be ≤ {th}",
-    )
-    if flag.get("reason") == "free_rider":
-        score(
-            "update norm",
-            ev.get("update_norm"),
-            ev.get("threshold"),
+
+def _update_scores(
+    flag: Mapping[str, Any], ev: Mapping[str, Any], limits: Mapping[str, Any]
+) -> list[_Candidate]:
+    """The scores verification records of the update itself: direction, size, replica distance,
+    claimed samples and training time."""
+    out: list[_Candidate] = [
+        (
+            "cosine to round centre",
+            ev.get("cosine"),
+            limits.get("cosine_min"),
             "below",
-            "must be > {th} (free-rider floor)",
+            "must be ≥ {th}",
+        ),
+        (
+            "norm per sample / round median",
+            ev.get("norm_ratio"),
+            limits.get("norm_ratio_max"),
+            "above",
+            "must be ≤ {th}",
+        ),
+    ]
+    if flag.get("reason") == "free_rider":
+        out.append(
+            (
+                "update norm",
+                ev.get("update_norm"),
+                ev.get("threshold"),
+                "below",
+                "must be > {th} (free-rider floor)",
+            )
         )
     elif _num(ev.get("norm_ratio")) is None:
-        score("update norm", ev.get("update_norm"), None, "above", "")
+        out.append(("update norm", ev.get("update_norm"), None, "above", ""))
     if "relative_distance_to_canonical" in ev:
-        score(
-            "replica distance",
-            ev.get("relative_distance_to_canonical"),
-            ev.get("tolerance"),
-            "above",
-            "must be ≤ {th} (tolerance)",
+        out.append(
+            (
+                "replica distance",
+                ev.get("relative_distance_to_canonical"),
+                ev.get("tolerance"),
+                "above",
+                "must be ≤ {th} (tolerance)",
+            )
         )
     if "samples_claimed" in ev:
-        score(
-            "samples claimed",
-            ev.get("samples_claimed"),
-            ev.get("shard_samples"),
-            "above",
-            "shard holds {th}",
+        out.append(
+            (
+                "samples claimed",
+                ev.get("samples_claimed"),
+                ev.get("shard_samples"),
+                "above",
+                "shard holds {th}",
+            )
         )
     if "train_s" in ev:
-        score("train time (s)", ev.get("train_s"), None, "above", "node claims")
+        out.append(("train time (s)", ev.get("train_s"), None, "above", "node claims"))
+    return out
+
+
+def _referee_scores(
+    flag: Mapping[str, Any], ev: Mapping[str, Any], limits: Mapping[str, Any]
+) -> list[_Candidate]:
+    """The referee's: each re-executed segment's distance, this update's binding to its committed
+    state, and a replica's distance to the update it vouched for."""
+    out: list[_Candidate] = []
     for row in referee_rows(flag):
         who = "this update's" if row["this"] else f"replica {row['update'][:14]}'s"
         steps = f" (steps {row['steps'][0]}-{row['steps'][1]})" if len(row["steps"]) == 2 else ""
-        score(f"{who} re-executed segment{steps}", row["distance"], row["threshold"], "above",
-              "must be ≤ {th} (segment tolerance, " + (row["precision"] or "fp32") + ")")
+        out.append(
+            (
+                f"{who} re-executed segment{steps}",
+                row["distance"],
+                row["threshold"],
+                "above",
+                "must be ≤ {th} (segment tolerance, " + (row["precision"] or "fp32") + ")",
+            )
+        )
     own = _own_referee(flag)
     if own is not None and _num(own.get("binding_distance")) is not None:
-        score("this update vs. its committed last state minus the round's model", own["binding_distance"], 0.0,
-              "above", "must be {th}: the commitment binds the update")
+        out.append(
+            (
+                "this update vs. its committed last state minus the round's model",
+                own["binding_distance"],
+                0.0,
+                "above",
+                "must be {th}: the commitment binds the update",
+            )
+        )
     if "relative_distance" in ev and "vouched_for" in ev:
-        score("distance to the update it vouched for", ev.get("relative_distance"), limits.get("tolerance"),
-              "below", "agreed within {th}")
-    return scores
+        out.append(
+            (
+                "distance to the update it vouched for",
+                ev.get("relative_distance"),
+                limits.get("tolerance"),
+                "below",
+                "agreed within {th}",
+            )
+        )
+    return out
 
 
 def _own_referee(flag: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -240,13 +314,19 @@ def _own_referee(flag: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def _referee_check(v: Mapping[str, Any]) -> str:
     """One failed referee check in words, with its numbers."""
     why = str(v.get("why") or "")
-    binding, dist, th = _num(v.get("binding_distance")), _num(v.get("distance")), _num(v.get("threshold"))
+    binding, dist, th = (
+        _num(v.get("binding_distance")),
+        _num(v.get("distance")),
+        _num(v.get("threshold")),
+    )
     if binding is not None:
         return f"{why}: relative distance {_fmt(binding)} (must be 0)"
     steps = v.get("steps")
     if dist is not None and th is not None and isinstance(steps, list) and len(steps) == 2:
-        return (f"re-executed segment (steps {steps[0]}-{steps[1]}) ended {_fmt(dist)} from the committed"
-                f" state (must be ≤ {_fmt(th)})")
+        return (
+            f"re-executed segment (steps {steps[0]}-{steps[1]}) ended {_fmt(dist)} from the committed"
+            f" state (must be ≤ {_fmt(th)})"
+        )
     return why or f"referee outcome: {v.get('outcome', '?')}"
 
 
@@ -263,8 +343,10 @@ def headline(flag: Mapping[str, Any]) -> str:
         return "referee: " + _referee_check(own)
     theirs = ev.get("referee")
     if "vouched_for" in ev and isinstance(theirs, Mapping):
-        return (f"agreed with {ev['vouched_for']} (relative distance {_fmt(_num(ev.get('relative_distance')) or 0.0)}),"
-                f" which failed the referee: {_referee_check(theirs)}")
+        return (
+            f"agreed with {ev['vouched_for']} (relative distance {_fmt(_num(ev.get('relative_distance')) or 0.0)}),"
+            f" which failed the referee: {_referee_check(theirs)}"
+        )
     beyond = [s for s in threshold_scores(flag) if s["ok"] is False]
     if beyond:
         return "; ".join(f"{s['name']} {_fmt(s['value'])} ({s['rule']})" for s in beyond)

@@ -27,8 +27,9 @@ def _flag_dict(r: sqlite3.Row) -> dict[str, Any]:
     return d
 
 
-async def list_flags_for(app: web.Application, who: Principal, status: str | None = None,
-                         job: str | None = None) -> list[dict[str, Any]]:
+async def list_flags_for(
+    app: web.Application, who: Principal, status: str | None = None, job: str | None = None
+) -> list[dict[str, Any]]:
     """Flags visible to `who` (auditors/admins: all; owners: their jobs'), oldest first."""
     if status is not None and status not in FLAG_STATUSES:
         raise BadRequest(f"status must be one of {', '.join(FLAG_STATUSES)}", code="bad_status")
@@ -61,21 +62,28 @@ def resolve_flag_id(conn: sqlite3.Connection, who: Principal, ref: str) -> str:
     where, args = flag_scope(who)
     if not ref or len(ref) > 64 or not ref.isprintable():
         raise NotFound(f"no flag {ref[:64]!r} visible to you", code="unknown_flag")
-    exact = conn.execute(f"SELECT f.id FROM flags f WHERE f.id = ? AND {where}",  # noqa: S608
-                         (ref, *args)).fetchone()
+    exact = conn.execute(
+        f"SELECT f.id FROM flags f WHERE f.id = ? AND {where}",  # noqa: S608
+        (ref, *args),
+    ).fetchone()
     if exact is not None:
         return str(exact["id"])
     escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     rows = conn.execute(
         f"SELECT f.id FROM flags f WHERE (f.id LIKE ? ESCAPE '\\' OR f.id LIKE ? ESCAPE '\\') AND {where}"  # noqa: S608
-        " ORDER BY f.id LIMIT ?", (escaped + "%", "f-" + escaped + "%", *args, MAX_CANDIDATES + 1)).fetchall()
+        " ORDER BY f.id LIMIT ?",
+        (escaped + "%", "f-" + escaped + "%", *args, MAX_CANDIDATES + 1),
+    ).fetchall()
     ids = [str(r["id"]) for r in rows]
     if not ids:
         raise NotFound(f"no flag {ref} visible to you", code="unknown_flag")
     if len(ids) > 1:
         more = " ..." if len(ids) > MAX_CANDIDATES else ""
-        raise Conflict(f"flag prefix {ref} is ambiguous: it matches {', '.join(ids[:MAX_CANDIDATES])}{more};"
-                       " give more characters", code="ambiguous_flag")
+        raise Conflict(
+            f"flag prefix {ref} is ambiguous: it matches {', '.join(ids[:MAX_CANDIDATES])}{more};"
+            " give more characters",
+            code="ambiguous_flag",
+        )
     return ids[0]
 
 
@@ -83,8 +91,9 @@ async def flag_for(app: web.Application, who: Principal, flag_id: str) -> dict[s
     """One flag visible to `who`, by id or unique prefix (resolve_flag_id)."""
 
     def read(c: sqlite3.Connection) -> sqlite3.Row:
-        row: sqlite3.Row = c.execute("SELECT * FROM flags WHERE id = ?",
-                                     (resolve_flag_id(c, who, flag_id),)).fetchone()
+        row: sqlite3.Row = c.execute(
+            "SELECT * FROM flags WHERE id = ?", (resolve_flag_id(c, who, flag_id),)
+        ).fetchone()
         return row
 
     return _flag_dict(await app[STORE].query(read))
@@ -102,7 +111,9 @@ def _loads(text: str | None) -> Any:
 def flag_context(conn: sqlite3.Connection, flag: dict[str, Any]) -> dict[str, Any]:
     """What a flag's page shows beside the flag row: the job's name, the round's review
     evidence (thresholds), the flagged update and its shard's replica outcome."""
-    job = conn.execute("SELECT name, spec_toml FROM jobs WHERE id = ?", (flag["job_id"],)).fetchone()
+    job = conn.execute(
+        "SELECT name, spec_toml FROM jobs WHERE id = ?", (flag["job_id"],)
+    ).fetchone()
     rnd = conn.execute(
         "SELECT evidence FROM rounds WHERE job_id = ? AND round = ?",
         (flag["job_id"], flag["round"]),

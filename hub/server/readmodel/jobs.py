@@ -29,11 +29,15 @@ def jobs_list(conn: sqlite3.Connection, who: Principal) -> list[dict[str, Any]]:
     where, args = visible(who)
     rows = conn.execute(
         f"SELECT id, name, owner, state, round, rounds, model_hash, created_at, updated_at, error"  # noqa: S608
-        f" FROM jobs WHERE {where} ORDER BY created_at", args).fetchall()
+        f" FROM jobs WHERE {where} ORDER BY created_at",
+        args,
+    ).fetchall()
     return [dict(r) | {"model_hash": r["model_hash"]} for r in rows]
 
 
-async def jobs_overview(app: web.Application, who: Principal, limit: int = 500) -> list[dict[str, Any]]:
+async def jobs_overview(
+    app: web.Application, who: Principal, limit: int = 500
+) -> list[dict[str, Any]]:
     """The console's list: the jobs ``who`` may read (access.visible), newest first, each with its
     closed rounds and latest metrics."""
     where, args = visible(who)
@@ -44,8 +48,16 @@ async def jobs_overview(app: web.Application, who: Principal, limit: int = 500) 
             (*args, limit),
         ).fetchall()
         return [
-            {"id": r["id"], "name": r["name"], "owner": r["owner"], "state": r["state"], "round": r["round"],
-             "rounds": r["rounds"], "closed": rounds.closed_rounds(conn, r["id"]), "updated_at": r["updated_at"]}
+            {
+                "id": r["id"],
+                "name": r["name"],
+                "owner": r["owner"],
+                "state": r["state"],
+                "round": r["round"],
+                "rounds": r["rounds"],
+                "closed": rounds.closed_rounds(conn, r["id"]),
+                "updated_at": r["updated_at"],
+            }
             | rounds.latest_metrics(conn, r["id"])
             for r in rows
         ]
@@ -59,52 +71,88 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
     job_id = row["id"]
     chunk_samples, chunk_count, chunk_max = conn.execute(
         "SELECT COALESCE(SUM(samples), 0), COUNT(*), COALESCE(MAX(samples), 0) FROM chunks WHERE job_id = ?",
-        (job_id,)).fetchone()
+        (job_id,),
+    ).fetchone()
     silos = _silos(conn, job_id)
     history = rounds.history(conn, row, 0 if silos else chunk_samples)
     return {
-        "id": job_id, "name": row["name"], "owner": row["owner"], "state": row["state"],
-        "round": row["round"], "rounds": row["rounds"], "model_hash": row["model_hash"],
-        "train_samples": row["train_samples"], "val_samples": row["val_samples"],
-        "error": row["error"], "created_at": row["created_at"], "updated_at": row["updated_at"],
+        "id": job_id,
+        "name": row["name"],
+        "owner": row["owner"],
+        "state": row["state"],
+        "round": row["round"],
+        "rounds": row["rounds"],
+        "model_hash": row["model_hash"],
+        "train_samples": row["train_samples"],
+        "val_samples": row["val_samples"],
+        "error": row["error"],
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
         "history": history,
         "data_source": "hub" if spec is None else spec.data.source,
         "data": _data_summary(spec, row, int(chunk_count), int(chunk_max)),
         # node-local data: the silos attached (what the hub knows of each: never a row)
         **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": rounds.job_parallelism(history),
-        **({"privacy": dp} if spec is not None and (dp := _privacy(spec, len(history))) is not None else {}),
+        **(
+            {"privacy": dp}
+            if spec is not None and (dp := _privacy(spec, len(history))) is not None
+            else {}
+        ),
     }
 
 
 def _silos(conn: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
     """A node-local job's silos attached, in chunk order ([] for a hub job)."""
-    return [{"node_id": c["owner_node"], "samples": c["samples"], "blob": c["sha"], "size": c["size"],
-             "label_histogram": None if c["histogram"] is None else json.loads(c["histogram"]),
-             "attached_at": c["registered_at"]}
-            for c in conn.execute("SELECT owner_node, samples, sha, size, histogram, registered_at FROM chunks"
-                                  " WHERE job_id = ? AND owner_node IS NOT NULL ORDER BY idx", (job_id,))]
+    return [
+        {
+            "node_id": c["owner_node"],
+            "samples": c["samples"],
+            "blob": c["sha"],
+            "size": c["size"],
+            "label_histogram": None if c["histogram"] is None else json.loads(c["histogram"]),
+            "attached_at": c["registered_at"],
+        }
+        for c in conn.execute(
+            "SELECT owner_node, samples, sha, size, histogram, registered_at FROM chunks"
+            " WHERE job_id = ? AND owner_node IS NOT NULL ORDER BY idx",
+            (job_id,),
+        )
+    ]
 
 
-def _data_summary(spec: JobSpec | None, row: sqlite3.Row, chunks: int, chunk_max: int) -> dict[str, Any]:
+def _data_summary(
+    spec: JobSpec | None, row: sqlite3.Row, chunks: int, chunk_max: int
+) -> dict[str, Any]:
     """How the job's data was cut: its chunks (a hub job's) and where its validation set came
     from, in words (with what to do when there is none: no round then reports accuracy)."""
     val_samples = int(row["val_samples"])
     fraction = None if spec is None else spec.data.validation_fraction
     node_local = spec is not None and spec.data.node_local
     if val_samples and fraction and HELD_BY_HUB.search(row["spec_toml"]):
-        words = (f"{val_samples} samples held out of the training set ({fraction:.0%}, the hub's default without"
-                 " a validation file); [data] validation_fraction = 0 turns the hold-out off")
-    elif val_samples and fraction:  # the spec's own fraction: a validation file, when given, is used instead
-        words = (f"{val_samples} samples: the validation file given with the job, or else held out of the"
-                 f" training set (validation_fraction = {fraction:g})")
+        words = (
+            f"{val_samples} samples held out of the training set ({fraction:.0%}, the hub's default without"
+            " a validation file); [data] validation_fraction = 0 turns the hold-out off"
+        )
+    elif (
+        val_samples and fraction
+    ):  # the spec's own fraction: a validation file, when given, is used instead
+        words = (
+            f"{val_samples} samples: the validation file given with the job, or else held out of the"
+            f" training set (validation_fraction = {fraction:g})"
+        )
     elif val_samples:
         words = f"{val_samples} samples from the validation file given with the job"
     else:
-        words = ("none, so no round reports loss or accuracy on held-out data: give a validation file (--val)"
-                 + ("" if node_local else " or set [data] validation_fraction"))
-    return {"validation_samples": val_samples, "validation": words,
-            **({} if node_local else {"chunks": chunks, "chunk_size": chunk_max})}
+        words = (
+            "none, so no round reports loss or accuracy on held-out data: give a validation file (--val)"
+            + ("" if node_local else " or set [data] validation_fraction")
+        )
+    return {
+        "validation_samples": val_samples,
+        "validation": words,
+        **({} if node_local else {"chunks": chunks, "chunk_size": chunk_max}),
+    }
 
 
 def idle_note(online: int, pool_chunks: int, chunk_size: int) -> str | None:
@@ -113,9 +161,11 @@ def idle_note(online: int, pool_chunks: int, chunk_size: int) -> str | None:
     it does not)."""
     if online <= pool_chunks:
         return None
-    return (f"{online} nodes are online but a round has {pool_chunks} chunks of up to {chunk_size} samples;"
-            f" a shard is at least one chunk, so {online - pool_chunks} of them get no shard of this job to train"
-            " (at most a replica to check): a smaller [data] chunk_size spreads a round over more nodes")
+    return (
+        f"{online} nodes are online but a round has {pool_chunks} chunks of up to {chunk_size} samples;"
+        f" a shard is at least one chunk, so {online - pool_chunks} of them get no shard of this job to train"
+        " (at most a replica to check): a smaller [data] chunk_size spreads a round over more nodes"
+    )
 
 
 def _privacy(spec: JobSpec, closed: int) -> dict[str, Any] | None:
@@ -129,10 +179,15 @@ def _privacy(spec: JobSpec, closed: int) -> dict[str, Any] | None:
     def finite(eps: float) -> float | None:
         return eps if math.isfinite(eps) else None
 
-    return {"mechanism": "central gaussian, fixed clipping", "clip_norm": dp.clip_norm,
-            "noise_multiplier": dp.noise_multiplier, "delta": dp.delta, "rounds": closed,
-            "epsilon": finite(epsilon(closed, dp.noise_multiplier, dp.delta)),
-            "epsilon_at_end": finite(epsilon(spec.train.rounds, dp.noise_multiplier, dp.delta))}
+    return {
+        "mechanism": "central gaussian, fixed clipping",
+        "clip_norm": dp.clip_norm,
+        "noise_multiplier": dp.noise_multiplier,
+        "delta": dp.delta,
+        "rounds": closed,
+        "epsilon": finite(epsilon(closed, dp.noise_multiplier, dp.delta)),
+        "epsilon_at_end": finite(epsilon(spec.train.rounds, dp.noise_multiplier, dp.delta)),
+    }
 
 
 async def job_document(app: web.Application, who: Principal, job_id: str) -> dict[str, Any]:
@@ -147,8 +202,10 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
         if live.active:
             online = 0 if live.node_local else app[LEDGER].scheduler.online_nodes(time.time())
             doc["progress"] = {
-                "chunks_total": len(live.chunks), "chunks_covered": live.covered_chunks(),
-                "chunks_free": len(live.free), "assignments_live": live.live_count(),
+                "chunks_total": len(live.chunks),
+                "chunks_covered": live.covered_chunks(),
+                "chunks_free": len(live.free),
+                "assignments_live": live.live_count(),
                 "idle": idle_note(online, live.pool_chunks, int(doc["data"].get("chunk_size", 0))),
             }
     waiting = live_waits(app, who, job_id)
@@ -168,7 +225,9 @@ def live_waits(app: web.Application, who: Principal, job_id: str) -> list[str] |
     return round_waits(scheduler, live, time.time(), names=names)
 
 
-def _status_and_spec(conn: sqlite3.Connection, row: sqlite3.Row) -> tuple[dict[str, Any], JobSpec | None]:
+def _status_and_spec(
+    conn: sqlite3.Connection, row: sqlite3.Row
+) -> tuple[dict[str, Any], JobSpec | None]:
     spec = spec_of(row)
     return job_status(conn, row, spec), spec
 
@@ -185,7 +244,9 @@ def job_extras(
 
     The caller has already checked visibility (access.job_row)."""
     out: dict[str, Any] = dict(rounds.latest_metrics(conn, job_id))
-    out["chunks"] = conn.execute("SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)).fetchone()[0]
+    out["chunks"] = conn.execute(
+        "SELECT COUNT(*) FROM chunks WHERE job_id = ?", (job_id,)
+    ).fetchone()[0]
     out["closed"] = rounds.closed_rounds(conn, job_id)
     out.update(rounds.shard_map(conn, job_id, state, current_round, shard_round))
     out["flags"] = flags.job_flags(conn, job_id)
@@ -216,9 +277,29 @@ async def job_view(
 
 # What an auditor sees of a job and of each closed round: how the rounds went and who took part,
 # not the owner, the data, the model's metrics or the models themselves.
-REVIEW_JOB_FIELDS = ("id", "name", "state", "round", "rounds", "created_at", "updated_at", "history")
-REVIEW_ROUND_FIELDS = ("round", "opened_at", "closed_at", "updates", "flags", "unverified", "replica_comparison",
-                       "replication_overhead", "shards", "node_shares", "parallel")
+REVIEW_JOB_FIELDS = (
+    "id",
+    "name",
+    "state",
+    "round",
+    "rounds",
+    "created_at",
+    "updated_at",
+    "history",
+)
+REVIEW_ROUND_FIELDS = (
+    "round",
+    "opened_at",
+    "closed_at",
+    "updates",
+    "flags",
+    "unverified",
+    "replica_comparison",
+    "replication_overhead",
+    "shards",
+    "node_shares",
+    "parallel",
+)
 REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "replica_group", "chunks")
 
 

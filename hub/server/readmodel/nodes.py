@@ -16,8 +16,13 @@ from gpuflex.protocol.messages import ComputeClass, nested_from_dict, nested_to_
 from ...storage.tokens import Principal
 from ..appkeys import CONFIG, LEDGER, STORE
 
-REPUTATION_FIELDS = ("consecutive_agreements", "agreements_total", "flags_total", "confirmed_flags",
-                     "dismissed_flags")
+REPUTATION_FIELDS = (
+    "consecutive_agreements",
+    "agreements_total",
+    "flags_total",
+    "confirmed_flags",
+    "dismissed_flags",
+)
 
 
 def _compute_view(text: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -33,25 +38,43 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
     """Every registered node: device, benchmark, throughput EMA, reputation, activity (auditor/admin).
     A node's track record is its `reputation` (the Reputation's fields, the columns' names)."""
     who.require("auditor")
-    rows = await app[STORE].query(lambda c: c.execute(
-        "SELECT n.*,"
-        " (SELECT COUNT(*) FROM assignments a WHERE a.node_id = n.id AND a.state IN ('expired', 'abandoned'))"
-        " AS assignments_failed"
-        " FROM nodes n ORDER BY n.registered_at").fetchall())
+    rows = await app[STORE].query(
+        lambda c: c.execute(
+            "SELECT n.*,"
+            " (SELECT COUNT(*) FROM assignments a WHERE a.node_id = n.id AND a.state IN ('expired', 'abandoned'))"
+            " AS assignments_failed"
+            " FROM nodes n ORDER BY n.registered_at"
+        ).fetchall()
+    )
     sched = app[LEDGER].scheduler
     now = time.time()
     out = []
     for r in rows:
-        d = {k: r[k] for k in ("id", "software_version", "bench_sps", "ema_sps", "registered_at", "last_seen",
-                               "updates_accepted", "assignments_failed")}
+        d = {
+            k: r[k]
+            for k in (
+                "id",
+                "software_version",
+                "bench_sps",
+                "ema_sps",
+                "registered_at",
+                "last_seen",
+                "updates_accepted",
+                "assignments_failed",
+            )
+        }
         d["device"] = json.loads(r["device"])
         d["benchmark"] = json.loads(r["benchmark"])
         d["compute_class"], d["class_keys"] = _compute_view(r["compute_class"])
         rep = {k: r[k] for k in REPUTATION_FIELDS} | {"banned": bool(r["banned"])}
         live = sched.nodes.get(r["id"])
         if live is not None:  # memory is at least as new as the row
-            d.update(ema_sps=live.ema_sps, last_seen=max(d["last_seen"], live.last_seen),
-                     updates_accepted=live.updates_accepted, assignments_live=len(live.live))
+            d.update(
+                ema_sps=live.ema_sps,
+                last_seen=max(d["last_seen"], live.last_seen),
+                updates_accepted=live.updates_accepted,
+                assignments_live=len(live.live),
+            )
             rep = {k: getattr(live.reputation, k) for k in (*REPUTATION_FIELDS, "banned")}
         d["reputation"] = rep
         d["banned"] = rep["banned"]

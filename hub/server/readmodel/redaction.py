@@ -11,8 +11,9 @@ from gpuflex.protocol.jobspec import JobSpec
 from ...storage.tokens import Principal
 
 
-def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
-               extras: dict[str, Any] | None = None) -> dict[str, Any]:
+def owner_view(
+    doc: dict[str, Any], spec: JobSpec | None, who: Principal, extras: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What the owner of a job with a [privacy] option may see of its status (``doc``) and of the
     console's extras (shard map, flags); admins and auditors, the hub's own side, see everything.
 
@@ -25,8 +26,13 @@ def owner_view(doc: dict[str, Any], spec: JobSpec | None, who: Principal,
       Counts (silos attached, updates per round, shards) and the model's metrics stay.
 
     Neither doc nor extras is changed: what is redacted is a copy (extras come back under "extras")."""
-    mode = None if spec is None or who.role != "owner" else (
-        "dp" if spec.privacy.central else "secagg" if spec.privacy.secure_aggregation else None)
+    mode = (
+        None
+        if spec is None or who.role != "owner"
+        else (
+            "dp" if spec.privacy.central else "secagg" if spec.privacy.secure_aggregation else None
+        )
+    )
     out, ext = doc, extras
     if mode is not None:
         out, ext = copy.deepcopy(doc), copy.deepcopy(extras)
@@ -50,18 +56,27 @@ def _pseudonymize(doc: dict[str, Any], extras: dict[str, Any] | None) -> None:
     def alias(node: Any) -> Any:
         return names.setdefault(node, f"silo-{len(names) + 1}") if isinstance(node, str) else node
 
-    doc["redacted"] = ("central differential privacy: nodes are pseudonyms, and no silo's or update's "
-                       "sample count, loss, size or timing is shown")
+    doc["redacted"] = (
+        "central differential privacy: nodes are pseudonyms, and no silo's or update's "
+        "sample count, loss, size or timing is shown"
+    )
     for silo in doc.get("silos", []):
-        silo.update(node_id=alias(silo["node_id"]), samples=None, blob=None, size=None, label_histogram=None)
+        silo.update(
+            node_id=alias(silo["node_id"]), samples=None, blob=None, size=None, label_histogram=None
+        )
     for h in doc["history"]:
         for u in h["updates"]:
             u.update(node_id=alias(u["node_id"]), samples=None, loss=None, chunks=None)
         for f in h["flags"]:
             f["node_id"] = alias(f["node_id"])
         for sh in h.get("shards", []):
-            sh.update(nodes=[alias(n) for n in sh["nodes"]], samples=None, chunks=None, train_s=None,
-                      elapsed_s=None)
+            sh.update(
+                nodes=[alias(n) for n in sh["nodes"]],
+                samples=None,
+                chunks=None,
+                train_s=None,
+                elapsed_s=None,
+            )
         h["node_shares"] = {}
         h.get("parallel", {}).update(balance=None)
     if extras is None:
