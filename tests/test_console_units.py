@@ -70,7 +70,7 @@ def test_session_store_expires_and_checks_csrf(tmp_path: Path):
 
 def test_layer_profile_against_centre():
     import torch
-    from gpuflex.hub.server.console.evidence import layer_profile
+    from gpuflex.hub.server.readmodel.evidence import layer_profile
 
     centre = {"w": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([1.0]), "n": torch.tensor(7)}
     update = {"w": -centre["w"].clone(), "b": torch.tensor([0.0]), "n": torch.tensor(1)}
@@ -134,15 +134,14 @@ def _replication_db(path: Path):
 def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
     """The job page's replication line, its shard map's copies and the read model's shards agree:
     a replica group whose second copy never came back is one copy, not a replicated shard."""
-    from gpuflex.hub.server import readmodel
-    from gpuflex.hub.server.console import queries
     from gpuflex.hub.server.console.routes import _job_context
+    from gpuflex.hub.server.readmodel import jobs
 
     conn = _replication_db(tmp_path)
     try:
         row = conn.execute("SELECT * FROM jobs WHERE id = 'j1'").fetchone()
-        doc = readmodel.job_status(conn, row, None)
-        extras = queries.job_extras(conn, "j1", "done", 1, 0)
+        doc = jobs.job_status(conn, row, None)
+        extras = jobs.job_extras(conn, "j1", "done", 1, 0)
     finally:
         conn.close()
     (entry,) = doc["history"]
@@ -155,7 +154,7 @@ def test_a_shard_counts_as_replicated_only_when_trained_twice(tmp_path: Path):
 
 def test_a_flags_headline_names_the_check_it_failed():
     """evidence.headline on the evidence shapes hub/policy/verification.py and hub/policy/referee.py record."""
-    from gpuflex.hub.server.console.evidence import headline
+    from gpuflex.hub.server.readmodel.evidence import headline
 
     replay = {"update": "u-1", "node": "gf1-a", "steps": [12, 24], "threshold": 0.15, "outcome": "mismatch",
               "distance": 2.47, "precision": "bf16"}

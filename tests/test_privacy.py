@@ -390,7 +390,7 @@ def test_job_status_prints_the_privacy_line():
 
 def test_the_owner_view_hides_silos_from_the_owner_only_and_job_status_prints_what_is_not_shown():
     from gpuflex.hub.ops.cli import _status_view
-    from gpuflex.hub.server.readmodel import owner_view
+    from gpuflex.hub.server.readmodel.redaction import owner_view
     from gpuflex.hub.storage.tokens import Principal
     from rich.console import Console
 

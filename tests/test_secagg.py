@@ -221,7 +221,7 @@ async def test_the_hub_gets_the_weighted_mean_of_the_updates_and_none_of_them(tm
     for rnd, h in enumerate(doc["history"]):
         assert len(h["updates"]) == 4 and all(u["status"] == "included" for u in h["updates"])
         assert h["secure_aggregation"]["phase"] == "done" and h["secure_aggregation"]["summed"] == 4
-        # the owner sees the round's train loss, not any one silo's (readmodel.owner_view)
+        # the owner sees the round's train loss, not any one silo's (readmodel.redaction.owner_view)
         assert all(u["loss"] is None for u in h["updates"]) and h["train_loss"] is not None
         # the model moved by the FedAvg of the four plain updates, up to the quantization
         # (2 x clip / (2^22 - 1) = 9.5e-7 a coordinate and node, divided by the weights)

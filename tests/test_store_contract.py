@@ -571,7 +571,7 @@ def test_an_unreachable_postgres_server_is_one_line_without_the_password() -> No
 
 
 def test_postgres_rows_read_like_sqlite_rows(postgres_url: str) -> None:
-    """What the read model (hub/server/readmodel.py, hub/server/console) does with a row: by name, by position,
+    """What the read model (hub/server/readmodel/, hub/server/console) does with a row: by name, by position,
     dict(row), tuple(row); `?` placeholders; a `%` in a literal; SUM of a BIGINT is an int."""
     from gpuflex.hub.storage.store_postgres import connect
 

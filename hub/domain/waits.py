@@ -1,6 +1,6 @@
 """Why a job's open round waits, in words, with what fixes it: one sentence per waiting shard
 (a replica, the referee) and one for chunks no online node can take. `gpuflex-hub job status`
-and the console's job page show these same sentences (hub/server/readmodel.py puts them in the status
+and the console's job page show these same sentences (hub/server/readmodel/ puts them in the status
 document as ``waiting``). Read from the scheduler's memory on the event loop; nothing changes.
 """
 

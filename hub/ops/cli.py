@@ -20,11 +20,16 @@ import ssl
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import owner_client as oc
 from .cli_common import ENV_HUB, ENV_TOKEN, _hub_and_token, print_columns
 from .owner_client import OwnerClientError
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from ..base.config import HubConfig
 
 PLUGIN_MODULES = ("gpuflex.hub.ops.cli_audit", "gpuflex.hub.ops.demo")
 
@@ -51,21 +56,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+def _serve_config(args: argparse.Namespace) -> HubConfig | None:
+    """serve's options as the hub's config; None (with one line on stderr) for a bad pair of them.
+    A bad store URL or S3 option raises its one-line error before anything is created."""
     from ..base.config import HubConfig
-    from ..server.app import create_app
-    from ..server.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
-    from ..server.heap import settle_heap
 
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
-        return 2
+        return None
     if not 0 <= args.body_idle_timeout < float("inf"):
         print(f"error: --body-idle-timeout must be a number of seconds, 0 or more (got {args.body_idle_timeout})",
               file=sys.stderr)
-        return 2
+        return None
     if args.store is not None:
         from ..storage.store_postgres import check_url
 
@@ -73,7 +75,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..storage.blobs import check_s3_options
 
     check_s3_options(args.blobs, args.s3_endpoint, args.s3_region)  # likewise
-    config = HubConfig(
+    return HubConfig(
         data_dir=Path(args.data), store=args.store, host=args.host, port=args.port,
         blobs=args.blobs, s3_endpoint=args.s3_endpoint, s3_region=args.s3_region,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
@@ -85,6 +87,15 @@ async def _serve(args: argparse.Namespace) -> int:
         trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
         body_idle_timeout_s=args.body_idle_timeout,
     )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from ..server.app import create_app
+    from ..server.appkeys import FIRST_ADMIN_TOKEN, HUB_KEY
+
+    config = _serve_config(args)
+    if config is None:
+        return 2
     ssl_ctx = None
     if config.tls_cert and config.tls_key:
         ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -107,6 +118,16 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"hub key fingerprint: {app[HUB_KEY].fingerprint}", flush=True)
     if app[FIRST_ADMIN_TOKEN]:
         print(f"admin token (shown once): {app[FIRST_ADMIN_TOKEN]}", flush=True)
+    await _run_until_signalled(app, config, ssl_ctx)
+    return 0
+
+
+async def _run_until_signalled(app: web.Application, config: HubConfig, ssl_ctx: ssl.SSLContext | None) -> None:
+    """Listen, write the hub's URL to its file, and serve until SIGTERM or SIGINT."""
+    from aiohttp import web
+
+    from ..server.heap import settle_heap
+
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
     settle_heap()  # start-up done: its objects leave the collector's walks (hub/server/heap.py)
@@ -132,7 +153,6 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         print("gpuflex-hub shutting down", flush=True)
         await runner.cleanup()
-    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -297,7 +317,7 @@ def _job_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
         counts = [s["samples"] for s in silos]
         total = f", {sum(counts)} samples in all" if None not in counts else ""
         out.append(("silos", f"{len(silos)} attached{total} (the rows stay on their nodes)"))
-    if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.owner_view)
+    if doc.get("redacted"):  # what the job's [privacy] option keeps from its owner (readmodel.redaction.owner_view)
         out.append(("not shown", str(doc["redacted"])))
     return out
 
@@ -437,7 +457,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuflex-hub", description="GPUFlex hub: serve, tokens, jobs.")
     parser.add_argument("--version", action="version", version=f"gpuflex-hub {_software_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(sub)
+    _add_token(sub)
+    _add_migrate(sub)
+    _add_job(sub)
+    _add_plugins(sub)
+    return parser
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="run the hub")
     p.add_argument("--data", required=True, help="data directory (key, database, blobs)")
     _store_arg(p)
@@ -459,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--long-poll-max", type=float, default=30.0, metavar="S", help="longest work long-poll")
     p.add_argument("--min-deadline", type=float, default=30.0, metavar="S", help="shortest assignment deadline")
+    _add_serve_defences(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_serve_defences(p: argparse.ArgumentParser) -> None:
+    """serve's admission and Sybil-defence options, their defaults the config's own."""
     from ..base.config import HubConfig  # a small module: the defaults below are the config's own
 
     d = HubConfig(data_dir=Path("."))
@@ -483,8 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-idle-timeout", type=float, default=d.body_idle_timeout_s, metavar="S",
                    help="a request whose body sends no bytes for this long gets 408 and its connection is"
                         " closed; 0 = wait for ever (default %(default)s)")
-    p.set_defaults(func=cmd_serve)
 
+
+def _add_token(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tok = sub.add_parser("token", help="manage owner/auditor/admin tokens").add_subparsers(
         dest="token_command", metavar="ACTION", required=True)
     p = tok.add_parser("create", help="create a token and print it (once)")
@@ -504,12 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="the id `token list` shows (e<N> for an enrollment token)")
     p.set_defaults(func=cmd_token_revoke)
 
+
+def _add_migrate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("migrate", help="move a stopped hub's state from SQLite to PostgreSQL")
     p.add_argument("--data", required=True, help="the hub's data directory (hub.sqlite3 in it)")
     p.add_argument("--to", required=True, metavar="URL",
                    help="an empty PostgreSQL database: postgresql://user@host:port/database")
     p.set_defaults(func=cmd_migrate)
 
+
+def _add_job(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     job = sub.add_parser("job", help="submit and follow training jobs").add_subparsers(
         dest="job_command", metavar="ACTION", required=True)
     p = job.add_parser("submit", help="submit SPEC.toml with a training set (none for node-local data)")
@@ -539,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(p)
     p.set_defaults(func=cmd_job_cancel)
 
+
+def _add_plugins(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The sub-commands of PLUGIN_MODULES that are installed (each module's ``register``)."""
     for name in PLUGIN_MODULES:
         try:
             mod = importlib.import_module(name)
@@ -549,7 +591,6 @@ def build_parser() -> argparse.ArgumentParser:
         register = getattr(mod, "register", None)
         if callable(register):
             register(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,106 @@ def _flag_details(url: str, token: str, entry: dict[str, Any]) -> dict[str, str]
     return out
 
 
+def _start(console: Any, cluster: LocalCluster, args: argparse.Namespace, misbehaving: int,
+           workdir: Path) -> tuple[str, str, str]:
+    """Start the hub and the nodes, wait for them to register, and submit the digits job:
+    (owner token, auditor token, job id)."""
+    cluster.start_hub()
+    console.print(f"hub    {cluster.url}  key {cluster.fingerprint}  (pid {cluster.hub and cluster.hub.pid})")
+    token = cluster.create_token("owner", "demo-owner")
+    auditor = cluster.create_token("auditor", "demo-auditor")
+
+    for i in range(args.nodes):
+        bad = i >= args.nodes - misbehaving
+        name = f"node-{i + 1}" + (f"-{args.attack}" if bad else "")
+        proc: Proc = cluster.start_node(name, attack=args.attack if bad else None)
+        role = f"misbehaving ({args.attack})" if bad else "honest"
+        console.print(f"node   {name:<22} {role:<24} id {proc.node_id}  pid {proc.pid}")
+
+    console.print("waiting for the nodes to benchmark themselves and register ...")
+    cluster.wait_registered(timeout_s=min(args.timeout, 180.0))
+    files = digits_job(workdir / "job", rounds=args.rounds)
+    job = asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))
+    job_id = str(job["id"])
+    console.print(f"job    {job_id}: MLP 64-128-10 on scikit-learn digits, {args.rounds} rounds\n")
+    console.print(LEGEND + "\n", markup=False)
+    return token, auditor, job_id
+
+
+def _follow(console: Any, cluster: LocalCluster, args: argparse.Namespace, tokens: tuple[str, str], job_id: str,
+            workdir: Path) -> dict[str, Any] | None:
+    """Print each round as it closes until the job ends: its last status, or None (said why) when
+    the run timed out or the hub or every node exited."""
+    from rich.markup import escape
+
+    token, auditor = tokens
+    names = _names(cluster)
+    shown = 0
+    reported_dead: set[str] = set()
+    deadline = time.monotonic() + args.timeout
+    while True:
+        status: dict[str, Any] = asyncio.run(oc.job_status(cluster.url, token, job_id))
+        for entry in status["history"][shown:]:
+            details = _flag_details(cluster.url, auditor, entry) if entry.get("flags") else {}
+            console.print(_round_line(entry, names, details), markup=False)  # "[quarantined]" is text
+        shown = len(status["history"])
+        if status["state"] in {"done", "failed", "cancelled"}:
+            return status
+        if time.monotonic() > deadline:
+            console.print(f"[red]timed out after {args.timeout:.0f} s[/red] (state {status['state']})")
+            return None
+        for p in cluster.nodes():
+            if not p.alive() and p.name not in reported_dead:
+                reported_dead.add(p.name)
+                tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+                console.print(f"[yellow]{p.name} exited ({p.popen.returncode}): {escape(tail[0][:200])}[/yellow]")
+        dead = [p.name for p in cluster.nodes() if not p.alive()]
+        if cluster.hub is not None and not cluster.hub.alive():
+            console.print(f"[red]the hub exited; see {cluster.hub.log}[/red]")
+            return None
+        if dead and len(dead) == len(list(cluster.nodes())):
+            console.print(f"[red]every node exited; logs in {workdir / 'logs'}[/red]")
+            return None
+        time.sleep(0.3)
+
+
+def _summary(console: Any, cluster: LocalCluster, tokens: tuple[str, str], job_id: str, status: dict[str, Any],
+             started: float, keep: bool) -> None:
+    """A finished job: its model, accuracy and flags, then how to explore further."""
+    token, auditor = tokens
+    model = cluster.workdir / "model.safetensors"  # (removed with a temporary folder: see the end)
+    asyncio.run(oc.download_model(cluster.url, token, job_id, model))
+    flags = asyncio.run(oc.request_json(cluster.url, auditor, "GET", f"/v1/flags?job={job_id}"))
+    flags = flags["flags"]
+    final = status["history"][-1]
+    names = _names(cluster)
+    elapsed = time.monotonic() - started
+    console.print(f"\n[bold]done[/bold] in {elapsed:.1f} s")
+    console.print(f"model          {model}" + ("" if keep else "  (removed with the demo's folder at the end)"))
+    console.print(f"test accuracy  {final['accuracy']:.4f}  (val loss {final['loss']:.4f})")
+    by_node: dict[str, list[str]] = {}
+    for f in flags:
+        by_node.setdefault(names.get(f["node_id"], f["node_id"]), []).append(f["reason"])
+    console.print(f"audit          {len(flags)} open flag(s)")
+    for who, reasons in sorted(by_node.items()):
+        counts = {r: reasons.count(r) for r in sorted(set(reasons))}
+        console.print(f"               {who}: " + ", ".join(f"{n}x {r}" for r, n in counts.items()))
+    hub_cmd = hub_command()
+    if not keep:
+        console.print(f"\nexplore further: keep the hub's folder with --workdir, e.g. `{hub_cmd} demo --workdir"
+                      " gpuflex-demo`; the demo then prints the commands to serve it again, follow the job,"
+                      " review the flags and verify the audit log")
+        return
+    q = shlex.quote
+    console.print("\nexplore further: start this hub again on its data folder, then")
+    console.print(f"  {hub_cmd} serve --data {q(str(cluster.hub_dir))} --port {cluster.port} &")
+    console.print(f"  export GPUFLEX_HUB={cluster.url} GPUFLEX_TOKEN={token}")
+    console.print(f"  {hub_cmd} job status {job_id}")
+    console.print(f"  GPUFLEX_TOKEN={auditor} {hub_cmd} audit list --job {job_id}")
+    console.print(f"  {hub_cmd} audit verify-log --from {q(str(cluster.hub_dir))}")
+    console.print(f"  web console: {cluster.url}/console/ (log in with a token)")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -141,89 +241,14 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         console.print(f"[bold]GPUFlex demo[/bold] in {workdir}")
-        cluster.start_hub()
-        console.print(f"hub    {cluster.url}  key {cluster.fingerprint}  (pid {cluster.hub and cluster.hub.pid})")
-        token = cluster.create_token("owner", "demo-owner")
-        auditor = cluster.create_token("auditor", "demo-auditor")
-
-        for i in range(args.nodes):
-            bad = i >= args.nodes - misbehaving
-            name = f"node-{i + 1}" + (f"-{args.attack}" if bad else "")
-            proc: Proc = cluster.start_node(name, attack=args.attack if bad else None)
-            role = f"misbehaving ({args.attack})" if bad else "honest"
-            console.print(f"node   {name:<22} {role:<24} id {proc.node_id}  pid {proc.pid}")
-
-        console.print("waiting for the nodes to benchmark themselves and register ...")
-        cluster.wait_registered(timeout_s=min(args.timeout, 180.0))
-        files = digits_job(workdir / "job", rounds=args.rounds)
-        job = asyncio.run(oc.submit_job(cluster.url, token, files.spec, files.train, files.val))
-        job_id = job["id"]
-        console.print(f"job    {job_id}: MLP 64-128-10 on scikit-learn digits, {args.rounds} rounds\n")
-        console.print(LEGEND + "\n", markup=False)
-
-        names = _names(cluster)
-        shown = 0
-        reported_dead: set[str] = set()
-        deadline = time.monotonic() + args.timeout
-        status: dict[str, Any] = {}
-        while True:
-            status = asyncio.run(oc.job_status(cluster.url, token, job_id))
-            for entry in status["history"][shown:]:
-                details = _flag_details(cluster.url, auditor, entry) if entry.get("flags") else {}
-                console.print(_round_line(entry, names, details), markup=False)  # "[quarantined]" is text
-            shown = len(status["history"])
-            if status["state"] in {"done", "failed", "cancelled"}:
-                break
-            if time.monotonic() > deadline:
-                console.print(f"[red]timed out after {args.timeout:.0f} s[/red] (state {status['state']})")
-                return 1
-            for p in cluster.nodes():
-                if not p.alive() and p.name not in reported_dead:
-                    reported_dead.add(p.name)
-                    tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
-                    console.print(f"[yellow]{p.name} exited ({p.popen.returncode}): {escape(tail[0][:200])}[/yellow]")
-            dead = [p.name for p in cluster.nodes() if not p.alive()]
-            if cluster.hub is not None and not cluster.hub.alive():
-                console.print(f"[red]the hub exited; see {cluster.hub.log}[/red]")
-                return 1
-            if dead and len(dead) == len(list(cluster.nodes())):
-                console.print(f"[red]every node exited; logs in {workdir / 'logs'}[/red]")
-                return 1
-            time.sleep(0.3)
-
+        token, auditor, job_id = _start(console, cluster, args, misbehaving, workdir)
+        status = _follow(console, cluster, args, (token, auditor), job_id, workdir)
+        if status is None:
+            return 1
         if status["state"] != "done":
             console.print(f"[red]job ended {status['state']}: {escape(str(status.get('error')))}[/red]")
             return 1
-        model = workdir / "model.safetensors"  # (removed with a temporary folder: see the end)
-        asyncio.run(oc.download_model(cluster.url, token, job_id, model))
-        flags = asyncio.run(oc.request_json(cluster.url, auditor, "GET", f"/v1/flags?job={job_id}"))
-        flags = flags["flags"]
-        final = status["history"][-1]
-        elapsed = time.monotonic() - started
-        console.print(f"\n[bold]done[/bold] in {elapsed:.1f} s")
-        console.print(f"model          {model}" + ("" if keep else "  (removed with the demo's folder at the end)"))
-        console.print(f"test accuracy  {final['accuracy']:.4f}  (val loss {final['loss']:.4f})")
-        by_node: dict[str, list[str]] = {}
-        for f in flags:
-            by_node.setdefault(names.get(f["node_id"], f["node_id"]), []).append(f["reason"])
-        console.print(f"audit          {len(flags)} open flag(s)")
-        for who, reasons in sorted(by_node.items()):
-            counts = {r: reasons.count(r) for r in sorted(set(reasons))}
-            console.print(f"               {who}: " + ", ".join(f"{n}x {r}" for r, n in counts.items()))
-        hub_cmd = hub_command()
-        if not keep:
-            console.print(f"\nexplore further: keep the hub's folder with --workdir, e.g. `{hub_cmd} demo --workdir"
-                          " gpuflex-demo`; the demo then prints the commands to serve it again, follow the job,"
-                          " review the flags and verify the audit log")
-            return 0
-        q = shlex.quote
-        console.print("\nexplore further: start this hub again on its data folder, then")
-        console.print(f"  {hub_cmd} serve --data {q(str(cluster.hub_dir))} --port {cluster.port} &")
-        console.print(f"  export GPUFLEX_HUB={cluster.url} GPUFLEX_TOKEN={token}")
-        console.print(f"  {hub_cmd} job status {job_id}")
-        console.print(f"  GPUFLEX_TOKEN={auditor} {hub_cmd} audit list --job {job_id}")
-        console.print(f"  {hub_cmd} audit verify-log --from {q(str(cluster.hub_dir))}")
-        console.print(f"  web console: {cluster.url}/console/ (log in with a token)")
+        _summary(console, cluster, (token, auditor), job_id, status, started, keep)
         return 0
     except KeyboardInterrupt:
         console.print("\ninterrupted: stopping every process")

@@ -35,6 +35,7 @@ from ..storage.store import Store
 from . import relay, routes_audit, routes_node, routes_owner
 from .appkeys import (
     AUDIT,
+    AUDIT_STATUS_CACHE,
     BLOBS,
     CONFIG,
     DB,
@@ -42,6 +43,7 @@ from .appkeys import (
     FIRST_ADMIN_TOKEN,
     HUB_KEY,
     IO_POOL,
+    LAYER_CACHE,
     LEDGER,
     LOOPS,
     METRICS,
@@ -177,6 +179,8 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
     app[DELTAS] = deltas = ModelDeltas(blobs, app[IO_POOL])
     app[FIRST_ADMIN_TOKEN] = admin_token
     app[RELAY] = Relay()
+    app[LAYER_CACHE] = {}
+    app[AUDIT_STATUS_CACHE] = {}
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)
     app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas

@@ -39,3 +39,7 @@ IO_POOL = web.AppKey("io_pool", ThreadPoolExecutor)
 FIRST_ADMIN_TOKEN = web.AppKey("first_admin_token", str)
 #: the pipeline relay: its plans and its in-memory mailboxes (hub/server/relay.py)
 RELAY = web.AppKey("relay", Relay)
+#: the read model's: flag id -> a closed round's per-layer evidence (bounded; blobs never change)
+LAYER_CACHE = web.AppKey("layer_cache", dict)
+#: the read model's: (log size, mtime) -> the audit log's verification, so an unchanged log is not re-read
+AUDIT_STATUS_CACHE = web.AppKey("audit_status_cache", dict)

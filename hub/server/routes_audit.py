@@ -7,38 +7,27 @@ import json
 from aiohttp import web
 
 from ..base.errors import BadRequest
-from . import readmodel
 from .appkeys import AUDIT, CONFIG, LEDGER, STORE
+from .readmodel import flags, nodes
 from .wire import json_response, principal, read_body
 
 routes = web.RouteTableDef()
 @routes.get("/v1/flags")
 async def list_flags(request: web.Request) -> web.Response:
     who = await principal(request)
-    flags = await readmodel.list_flags_for(request.app, who, request.query.get("status"), request.query.get("job"))
-    return json_response({"flags": flags})
+    found = await flags.list_flags_for(request.app, who, request.query.get("status"), request.query.get("job"))
+    return json_response({"flags": found})
 
 
 @routes.get("/v1/flags/{flag_id}")
 async def get_flag(request: web.Request) -> web.Response:
-    """The flag with what the console's flag page shows beside it: `job_name`, `round_evidence`
-    (the round's thresholds), `update`, `headline` (the check it failed, with its numbers),
-    `scores` (each score against its threshold) and
-    `layer_evidence` (per-layer norms and cosines against the round's centre; None for
-    rounds too large to profile)."""
-    from .console import (  # the console's own computations (web imports this module)
-        bridge,
-        evidence,
-    )
-
+    """The flag with what the console's flag page shows beside it (readmodel.flags.flag_document):
+    `job_name`, `round_evidence` (the round's thresholds), `update`, `headline` (the check it
+    failed, with its numbers), `scores` (each score against its threshold), `referee` and
+    `layer_evidence` (per-layer norms and cosines against the round's centre; None for rounds
+    too large to profile)."""
     who = await principal(request)
-
-    flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
-    flag["scores"] = evidence.threshold_scores(flag)
-    flag["headline"] = evidence.headline(flag)
-    flag["referee"] = evidence.referee_rows(flag)
-    flag["layer_evidence"] = await bridge.layer_evidence(request.app, flag)
-    return json_response(flag)
+    return json_response(await flags.flag_document(request.app, who, request.match_info["flag_id"]))
 
 
 @routes.post("/v1/flags/{flag_id}/verdict")
@@ -53,7 +42,7 @@ async def verdict(request: web.Request) -> web.Response:
                          code="bad_json") from None
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object", code="bad_json")
-    flag_id = await request.app[STORE].query(lambda c: readmodel.resolve_flag_id(c, who, request.match_info["flag_id"]))
+    flag_id = await request.app[STORE].query(lambda c: flags.resolve_flag_id(c, who, request.match_info["flag_id"]))
     out = await request.app[LEDGER].flags.verdict(who, flag_id, doc.get("verdict"), doc.get("note", ""))
     return json_response({"flag": out.flag.to_dict(), "node_banned": out.node_banned,
                           "banned_by_this_verdict": out.banned_by_this_verdict})
@@ -73,4 +62,4 @@ async def audit_log(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/nodes")
 async def list_nodes(request: web.Request) -> web.Response:
     who = await principal(request)
-    return json_response({"nodes": await readmodel.nodes_overview(request.app, who)})
+    return json_response({"nodes": await nodes.nodes_overview(request.app, who)})

@@ -2,7 +2,7 @@
 
 Who reads what: a job, its status and its models are its owner's and an admin's. An
 auditor judges the evidence (flags with their evidence, the audit log, the nodes: see
-routes_audit), never an owner's jobs, data or models: `readmodel.require_job_reader` refuses it.
+routes_audit), never an owner's jobs, data or models: `readmodel.access.require_job_reader` refuses it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
 from ..base.numbers import parse_count
-from . import readmodel
 from .appkeys import BLOBS, CONFIG, LEDGER, METRICS, STORE
 from .httplog import one_line
+from .readmodel import jobs
+from .readmodel.access import job_row
+from .readmodel.models import export_model, model_file_name
 from .wire import json_response, principal
 
 routes = web.RouteTableDef()
@@ -99,13 +101,13 @@ async def submit_job(request: web.Request) -> web.Response:
 @routes.get("/v1/jobs")
 async def list_jobs(request: web.Request) -> web.Response:
     who = await principal(request)
-    return json_response({"jobs": await request.app[STORE].query(lambda c: readmodel.jobs_list(c, who))})
+    return json_response({"jobs": await request.app[STORE].query(lambda c: jobs.jobs_list(c, who))})
 
 
 @routes.get("/v1/jobs/{job_id}")
 async def get_job(request: web.Request) -> web.Response:
     who = await principal(request)
-    return json_response(await readmodel.job_document(request.app, who, request.match_info["job_id"]))
+    return json_response(await jobs.job_document(request.app, who, request.match_info["job_id"]))
 
 
 @routes.get("/v1/jobs/{job_id}/model")
@@ -114,10 +116,10 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     job_id = request.match_info["job_id"]
     version_q = request.query.get("round")
     version = None if version_q is None else parse_count(version_q, "round", code="bad_round")
-    got, sha, data = await readmodel.export_model(request.app, who, job_id, version)
+    got, sha, data = await export_model(request.app, who, job_id, version)
     request.app[METRICS].bytes_out += len(data)
     return web.Response(body=data, content_type="application/octet-stream", headers={
-        "Content-Disposition": f'attachment; filename="{job_id}-v{got}.safetensors"',
+        "Content-Disposition": f'attachment; filename="{model_file_name(job_id, got)}"',
         "X-GPUFlex-Model-Version": str(got), "X-GPUFlex-Model-Hash": sha})
 
 
@@ -126,7 +128,7 @@ async def cancel_job(request: web.Request) -> web.Response:
     who = await principal(request)
     who.require("owner")
     job_id = request.match_info["job_id"]
-    await request.app[STORE].query(lambda c: readmodel.job_row(c, who, job_id))  # visible to `who`, or 404
+    await request.app[STORE].query(lambda c: job_row(c, who, job_id))  # visible to `who`, or 404
     before = await request.app[STORE].job_state(job_id)
     if before not in ("queued", "running"):
         return json_response({"id": job_id, "state": before, "detail": "job had already ended"})

@@ -9,7 +9,7 @@ back alone.
 
 Tables: jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
 nodes, flags, state_requests, tokens (the columns are documented in _SCHEMA below). Only the store
-(hub/storage/store_sqlite.py), the read model (hub/server/readmodel.py, hub/server/console/queries.py) and the
+(hub/storage/store_sqlite.py), the read model (hub/server/readmodel/) and the
 token table's module (hub/storage/tokens.py) run SQL.
 
 Migrations: `PRAGMA user_version` is the schema version; `_MIGRATIONS[v]` takes a

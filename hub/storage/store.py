@@ -1,6 +1,6 @@
 """The `Store`: the hub's durable state behind one interface.
 
-The ledger (hub/domain/ledger.py) decides every state change and then calls exactly one
+The ledger (hub/domain/ledger/) decides every state change and then calls exactly one
 `Store` method for it. Each method is one unit of work: it commits everything it
 was given in one transaction, or nothing, and returns only after the commit is
 durable, so a 2xx built on it survives kill -9.
@@ -17,7 +17,7 @@ this interface knows which store it talks to.
 
 The read side (job status documents, flag lists, the console's pages) is not here:
 those are queries, not state changes; they run through `Store.query` (see
-hub/server/readmodel.py) on a connection with sqlite3's interface: a `sqlite3.Connection`, or
+hub/server/readmodel/) on a connection with sqlite3's interface: a `sqlite3.Connection`, or
 on PostgreSQL a `PgConnection` that takes the same `?` statements and gives rows read by
 name or position, as `sqlite3.Row` does.
 """
@@ -264,7 +264,7 @@ class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, 
     # -- the read side -----------------------------------------------------------------------
     @abc.abstractmethod
     async def query(self, fn: Callable[[Any], T]) -> T:
-        """Run a read-only query function against the store's connection (hub/server/readmodel.py):
+        """Run a read-only query function against the store's connection (hub/server/readmodel/):
         sqlite3's interface on either store (`?` placeholders, rows by name or position)."""
 
     @abc.abstractmethod

@@ -11,7 +11,7 @@ SQLite (hub/storage/store_sqlite.py) stays the default. Both stores run the same
   (PostgreSQL's default), so a 2xx built on it survives kill -9 of the hub and of the server.
 - **The statements are SQLite's** (`?` placeholders, rows read by name or position): `PgConnection`
   turns `?` into psycopg's `%s` and gives rows `sqlite3.Row`'s interface (`PgRow`), so the read
-  model (hub/server/readmodel.py, hub/server/console) and the token table's module run unchanged on either store.
+  model (hub/server/readmodel/, hub/server/console) and the token table's module run unchanged on either store.
 - **Schema and migrations**: the tables are hub/storage/db.py's, translated (INTEGER -> BIGINT, REAL ->
   DOUBLE PRECISION, BLOB -> BYTEA), at the same version number. ``gpuflex_schema`` holds the
   version; a database of a newer hub is refused in one line; `_MIGRATIONS` (falling back to the

@@ -40,7 +40,6 @@ from ...storage.auditlog import AuditLog
 from ...storage.blobs import BlobStore
 from ...storage.hub_key import audit_secret
 from ...storage.store import Store
-from ...storage.tokens import Principal
 from ..metrics import HubMetrics
 from ..rounds import RoundEngine
 from ..scheduler import Scheduler
@@ -105,7 +104,3 @@ class Ledger:
             log.error("job %s cannot be resumed: %s", job_id, reason)
             await self.store.fail_job(job_id, f"cannot resume: {reason}")
         self.rounds.resume_referee(await self.store.referee_requests())
-
-    async def verdict(self, who: Principal, flag_id: str, verdict: str, note: str) -> Verdict:
-        """``Flags.verdict``, under the name the web console calls (hub/server/console/bridge.py)."""
-        return await self.flags.verdict(who, flag_id, verdict, note)

@@ -28,7 +28,7 @@ import jinja2
 from aiohttp import web
 from markupsafe import Markup
 
-from .console_keys import ASSET_VERSION, AUDIT_STATUS_CACHE, LAYER_CACHE, SESSIONS, TEMPLATES
+from .console_keys import ASSET_VERSION, SESSIONS, TEMPLATES
 from .routes import add_routes, console_middleware
 from .security import CONSOLE_PREFIX, add_security_headers
 from .sessions import SessionStore
@@ -133,8 +133,6 @@ def setup_console(app: web.Application) -> None:
     """Add the web console to the hub's app (call once, before the app starts)."""
     version = _asset_version()
     app[ASSET_VERSION] = version
-    app[AUDIT_STATUS_CACHE] = {}
-    app[LAYER_CACHE] = {}
     env = aiohttp_jinja2.setup(
         app,
         app_key=TEMPLATES,

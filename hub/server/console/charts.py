@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from ..readmodel.figures import short_number as _fmt
+
 __all__ = [
     "Bar",
     "Series",
@@ -47,15 +49,6 @@ class Bar:
 
 def _ok(v: float | None) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _fmt(v: float) -> str:
-    """Short human number for labels: 0.0123, 1.5e-05, 1200."""
-    if v == 0:
-        return "0"
-    if abs(v) >= 1e5 or abs(v) < 1e-3:
-        return f"{v:.2g}"
-    return f"{v:.4g}"
 
 
 def _num(v: float) -> str:
@@ -99,6 +92,36 @@ def _empty(width: int, height: int, title: str, message: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """A plot area (``left``, ``top``, width ``pw``, height ``ph``) and the data ranges it shows."""
+
+    left: int
+    top: int
+    pw: int
+    ph: int
+    x_lo: float
+    x_hi: float
+    y_lo: float = 0.0
+    y_hi: float = 1.0
+
+    def sx(self, x: float) -> float:
+        return self.left + (x - self.x_lo) / (self.x_hi - self.x_lo) * self.pw
+
+    def sy(self, y: float) -> float:
+        return self.top + (1 - (y - self.y_lo) / (self.y_hi - self.y_lo)) * self.ph
+
+
+def _svg_head(width: int, height: int, title: str, cls: str, title_x: int) -> list[str]:
+    t = escape(title)
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="{cls}" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="{t}">',
+        f"<title>{t}</title>",
+        f'<text x="{title_x}" y="18" class="chart-title" font-size="13" font-weight="600">{t}</text>',
+    ]
+
+
 def line_chart(
     series: Sequence[Series],
     *,
@@ -135,25 +158,26 @@ def line_chart(
         xt = [t for t in xt if float(t).is_integer()]
 
     left, right, top, bottom = 56, 16, 30, 44
-    pw, ph = width - left - right, height - top - bottom
+    frame = _Frame(left, top, width - left - right, height - top - bottom, x_lo, x_hi, y_lo, y_hi)
+    out = _svg_head(width, height, title, "chart", left)
+    out += _line_axes(frame, xt, yt, height, x_label, y_label)
+    for i, s in enumerate(series):
+        out += _line_series(frame, i, s)
+    out += _line_legend(series, left + frame.pw)
+    out.append("</svg>")
+    return "".join(out)
 
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * pw
 
-    def sy(y: float) -> float:
-        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * ph
-
-    t = escape(title)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="{t}">',
-        f"<title>{t}</title>",
-        f'<text x="{left}" y="18" class="chart-title" font-size="13" font-weight="600">{t}</text>',
-    ]
+def _line_axes(
+    f: _Frame, xt: list[float], yt: list[float], height: int, x_label: str, y_label: str
+) -> list[str]:
+    """The grid with its y ticks, the x ticks, the frame and the axis labels."""
+    left, top, pw, ph = f.left, f.top, f.pw, f.ph
+    out = []
     for v in yt:
-        if not (y_lo <= v <= y_hi):
+        if not (f.y_lo <= v <= f.y_hi):
             continue
-        yc = _num(sy(v))
+        yc = _num(f.sy(v))
         out.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{yc}" y2="{yc}" class="grid" '
             f'stroke="#ddd" stroke-width="1"/>'
@@ -161,7 +185,7 @@ def line_chart(
             f'font-size="11">{escape(_fmt(v))}</text>'
         )
     for v in xt:
-        xc = _num(sx(v))
+        xc = _num(f.sx(v))
         out.append(
             f'<line x1="{xc}" x2="{xc}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#888"/>'
             f'<text x="{xc}" y="{top + ph + 16}" text-anchor="middle" class="tick" '
@@ -180,33 +204,39 @@ def line_chart(
             f'<text x="12" y="{top + ph / 2:.1f}" text-anchor="middle" class="axis-label" '
             f'font-size="11" transform="rotate(-90 12 {top + ph / 2:.1f})">{escape(y_label)}</text>'
         )
-    lx = left + pw
-    for i, s in enumerate(series):
-        colour = PALETTE[i % len(PALETTE)]
-        cls = f"series s{i % len(PALETTE)}"
-        name = escape(s.name)
-        # Split into runs at gaps so a missing round is not bridged by a line.
-        runs: list[list[tuple[float, float]]] = [[]]
-        for x, y in s.points:
-            if _ok(x) and _ok(y) and y is not None:
-                runs[-1].append((float(x), float(y)))
-            elif runs[-1]:
-                runs.append([])
-        out.append(f'<g class="{cls}"><title>{name}</title>')
-        for run in runs:
-            if len(run) > 1:
-                d = " ".join(f"{_num(sx(x))},{_num(sy(y))}" for x, y in run)
-                out.append(
-                    f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="2"/>'
-                )
-            for x, y in run:
-                out.append(
-                    f'<circle cx="{_num(sx(x))}" cy="{_num(sy(y))}" r="3" fill="{colour}">'
-                    f"<title>{name} @ {escape(_fmt(x))}: {escape(_fmt(y))}</title></circle>"
-                )
-        out.append("</g>")
-    # Legend right-aligned in the title row, last series right-most.
-    legend_x = lx
+    return out
+
+
+def _line_series(f: _Frame, i: int, s: Series) -> list[str]:
+    """Series ``i``: its lines (split into runs at gaps, so a missing round is not bridged) and
+    its points with their tooltips."""
+    colour = PALETTE[i % len(PALETTE)]
+    cls = f"series s{i % len(PALETTE)}"
+    name = escape(s.name)
+    runs: list[list[tuple[float, float]]] = [[]]
+    for x, y in s.points:
+        if _ok(x) and _ok(y) and y is not None:
+            runs[-1].append((float(x), float(y)))
+        elif runs[-1]:
+            runs.append([])
+    out = [f'<g class="{cls}"><title>{name}</title>']
+    for run in runs:
+        if len(run) > 1:
+            d = " ".join(f"{_num(f.sx(x))},{_num(f.sy(y))}" for x, y in run)
+            out.append(f'<polyline points="{d}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        for x, y in run:
+            out.append(
+                f'<circle cx="{_num(f.sx(x))}" cy="{_num(f.sy(y))}" r="3" fill="{colour}">'
+                f"<title>{name} @ {escape(_fmt(x))}: {escape(_fmt(y))}</title></circle>"
+            )
+    out.append("</g>")
+    return out
+
+
+def _line_legend(series: Sequence[Series], right_x: float) -> list[str]:
+    """The legend, right-aligned in the title row at ``right_x``, last series right-most."""
+    out = []
+    legend_x = right_x
     for i in reversed(range(len(series))):
         name = series[i].name
         legend_x -= 18 + 7 * len(name)
@@ -216,8 +246,7 @@ def line_chart(
             f'fill="{colour}"/><text x="{legend_x + 14}" y="18" font-size="11">'
             f"{escape(name)}</text></g>"
         )
-    out.append("</svg>")
-    return "".join(out)
+    return out
 
 
 def bar_chart(
@@ -255,17 +284,26 @@ def bar_chart(
         lo, hi = min(lo, ticks[0]), max(hi, ticks[-1])
     if hi == lo:
         hi = lo + 1
+    frame = _Frame(left, top, pw, group_h * len(bars), lo, hi)
+    out = _svg_head(width, height, title, "chart bars", 8)
+    out += _bar_legend(legend)
+    out += _bar_grid(frame, ticks)
+    for gi, b in enumerate(bars):
+        out += _bar_group(frame, gi, b, legend, group_h, bar_height)
+    if threshold is not None and _ok(threshold):
+        x = _num(frame.sx(float(threshold)))
+        out.append(
+            f'<line x1="{x}" x2="{x}" y1="{top - 4}" y2="{top + frame.ph}" stroke="#c00" '
+            f'stroke-dasharray="4 3" stroke-width="1.5" class="threshold"/>'
+            f'<text x="{x}" y="{top - 6}" text-anchor="middle" font-size="10" fill="#c00">'
+            f"{escape(threshold_label)} {escape(_fmt(float(threshold)))}</text>"
+        )
+    out.append("</svg>")
+    return "".join(out)
 
-    def sx(v: float) -> float:
-        return left + (v - lo) / (hi - lo) * pw
 
-    t = escape(title)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart bars" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="{t}">',
-        f"<title>{t}</title>",
-        f'<text x="8" y="18" class="chart-title" font-size="13" font-weight="600">{t}</text>',
-    ]
+def _bar_legend(legend: Sequence[str]) -> list[str]:
+    out = []
     lx = 8
     for i, name in enumerate(legend):
         colour = PALETTE[i % len(PALETTE)]
@@ -274,45 +312,48 @@ def bar_chart(
             f'<text x="{lx + 14}" y="36" font-size="11">{escape(name)}</text>'
         )
         lx += 24 + 7 * len(name)
-    base = top + group_h * len(bars)
+    return out
+
+
+def _bar_grid(f: _Frame, ticks: list[float]) -> list[str]:
+    """The value ticks under the groups, and the zero line."""
+    top, base = f.top, f.top + f.ph
+    out = []
     for v in ticks:
-        x = _num(sx(v))
+        x = _num(f.sx(v))
         out.append(
             f'<line x1="{x}" x2="{x}" y1="{top}" y2="{base}" stroke="#eee"/>'
             f'<text x="{x}" y="{base + 14}" text-anchor="middle" font-size="10" class="tick">'
             f"{escape(_fmt(v))}</text>"
         )
-    zero = _num(sx(0.0))
+    zero = _num(f.sx(0.0))
     out.append(f'<line x1="{zero}" x2="{zero}" y1="{top}" y2="{base}" stroke="#888"/>')
-    for gi, b in enumerate(bars):
-        gy = top + gi * group_h
+    return out
+
+
+def _bar_group(
+    f: _Frame, gi: int, b: Bar, legend: Sequence[str], group_h: int, bar_height: int
+) -> list[str]:
+    """Group ``gi``: its label and one bar per value (a gap for a missing one)."""
+    gy = f.top + gi * group_h
+    out = [
+        f'<text x="{f.left - 6}" y="{gy + group_h / 2 + 3:.1f}" text-anchor="end" '
+        f'font-size="11" class="bar-label">{escape(b.label[:40])}</text>'
+    ]
+    for si, bv in enumerate(list(b.values)[: max(1, len(legend))]):
+        if not _ok(bv) or bv is None:
+            continue
+        v = float(bv)
+        x0, x1 = f.sx(min(0.0, v)), f.sx(max(0.0, v))
+        colour = PALETTE[si % len(PALETTE)]
+        name = legend[si] if si < len(legend) else ""
         out.append(
-            f'<text x="{left - 6}" y="{gy + group_h / 2 + 3:.1f}" text-anchor="end" '
-            f'font-size="11" class="bar-label">{escape(b.label[:40])}</text>'
+            f'<rect x="{_num(x0)}" y="{gy + 4 + si * bar_height}" '
+            f'width="{_num(max(1.0, x1 - x0))}" height="{bar_height - 1}" fill="{colour}" '
+            f'class="bar s{si % len(PALETTE)}"><title>{escape(b.label)} {escape(name)}: '
+            f"{escape(_fmt(float(v)))}</title></rect>"
         )
-        for si, bv in enumerate(list(b.values)[:n]):
-            if not _ok(bv) or bv is None:
-                continue
-            v = float(bv)
-            x0, x1 = sx(min(0.0, v)), sx(max(0.0, v))
-            colour = PALETTE[si % len(PALETTE)]
-            name = legend[si] if si < len(legend) else ""
-            out.append(
-                f'<rect x="{_num(x0)}" y="{gy + 4 + si * bar_height}" '
-                f'width="{_num(max(1.0, x1 - x0))}" height="{bar_height - 1}" fill="{colour}" '
-                f'class="bar s{si % len(PALETTE)}"><title>{escape(b.label)} {escape(name)}: '
-                f"{escape(_fmt(float(v)))}</title></rect>"
-            )
-    if threshold is not None and _ok(threshold):
-        x = _num(sx(float(threshold)))
-        out.append(
-            f'<line x1="{x}" x2="{x}" y1="{top - 4}" y2="{base}" stroke="#c00" '
-            f'stroke-dasharray="4 3" stroke-width="1.5" class="threshold"/>'
-            f'<text x="{x}" y="{top - 6}" text-anchor="middle" font-size="10" fill="#c00">'
-            f"{escape(threshold_label)} {escape(_fmt(float(threshold)))}</text>"
-        )
-    out.append("</svg>")
-    return "".join(out)
+    return out
 
 
 def score_gauge(

@@ -9,15 +9,11 @@ from aiohttp import web
 
 from .sessions import Session, SessionStore
 
-__all__ = ["ASSET_VERSION", "AUDIT_STATUS_CACHE", "LAYER_CACHE", "SESSION", "SESSIONS", "TEMPLATES"]
+__all__ = ["ASSET_VERSION", "SESSION", "SESSIONS", "TEMPLATES"]
 
 TEMPLATES = web.AppKey("gpuflex_console_templates", jinja2.Environment)
 SESSIONS = web.AppKey("gpuflex_console_sessions", SessionStore)
 ASSET_VERSION = web.AppKey("gpuflex_console_asset_version", str)
-#: (log size, mtime) -> verification result, so the queue page does not re-verify an unchanged log
-AUDIT_STATUS_CACHE = web.AppKey("gpuflex_console_audit_cache", dict)
-#: flag id -> computed per-layer evidence (bounded; blobs never change)
-LAYER_CACHE = web.AppKey("gpuflex_console_layer_cache", dict)
 #: per-request: the authenticated console session (web.RequestKey exists only in
 #: recent aiohttp releases; pyproject allows older ones, which take a str key)
 SESSION: Any = (

@@ -3,7 +3,7 @@
 Authorisation mirrors the API: an owner sees only jobs whose owner is their
 token name; admins see every job; auditors and admins see the nodes and the audit queue;
 only auditors and admins give verdicts (through the hub's verdict function). An auditor
-starts at the audit queue and reads any job's page as a review (bridge.job_review: rounds,
+starts at the audit queue and reads any job's page as a review (the read model's job_review: rounds,
 updates, nodes, shard map, flags), never an owner's metrics, data or models.
 """
 
@@ -22,7 +22,13 @@ from markupsafe import Markup
 
 from ...base.errors import BadRequest
 from ...base.numbers import parse_count
-from . import bridge, charts, evidence, queries
+from ..readmodel.audit import audit_log_status
+from ..readmodel.evidence import referee_rows, threshold_scores
+from ..readmodel.flags import flag_document, flags_overview
+from ..readmodel.jobs import job_review, job_view, jobs_overview
+from ..readmodel.models import export_model, model_file_name
+from ..readmodel.nodes import node_history, nodes_with_assignments
+from . import bridge, charts
 from .console_keys import SESSION, SESSIONS, TEMPLATES
 from .security import (
     CONSOLE_PREFIX,
@@ -184,7 +190,7 @@ async def jobs_page(request: web.Request) -> web.StreamResponse:
     s = _session(request)
     if s.role == "auditor":  # no jobs list for an auditor: its jobs are those of the flags
         raise web.HTTPFound(landing(s.role))
-    jobs = await bridge.jobs(request.app, bridge.principal(s))
+    jobs = await jobs_overview(request.app, bridge.principal(s))
     return render(request, "jobs.html", {"jobs": jobs, "nav": "jobs", "poll": POLL_S})
 
 
@@ -195,7 +201,7 @@ async def job_page(request: web.Request) -> web.StreamResponse:
     shard_round = _round_param(request)
     job_id = request.match_info["job_id"]
     review = s.role == "auditor"
-    view = bridge.job_review if review else bridge.job_view
+    view = job_review if review else job_view
     d = await view(request.app, bridge.principal(s), job_id, shard_round)
     ctx = _job_context(d, review=review)
     ctx["can_audit"] = s.role in AUDIT_ROLES
@@ -252,7 +258,7 @@ def _charts(hist: list[dict[str, Any]]) -> dict[str, Markup]:
 
 
 def _job_context(d: Mapping[str, Any], *, review: bool) -> dict[str, Any]:
-    """job.html's context from bridge.job_view or bridge.job_review."""
+    """job.html's context from the read model's job_view or job_review."""
     doc = d["doc"]
     rounds = [_round_row(h) for h in doc["history"]]
     overheads = [r["overhead"] for r in rounds if r["overhead"] is not None]
@@ -306,9 +312,8 @@ def _round_param(request: web.Request) -> int | None:
 async def job_model(request: web.Request) -> web.StreamResponse:
     s = _session(request)
     job_id = request.match_info["job_id"]
-    filename, data = await bridge.export_model(
-        request.app, bridge.principal(s), job_id, _round_param(request)
-    )
+    version, _sha, data = await export_model(request.app, bridge.principal(s), job_id, _round_param(request))
+    filename = model_file_name(job_id, version)
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in filename)[:128]
     return web.Response(
         body=data,
@@ -387,7 +392,7 @@ def class_summary(c: Mapping[str, Any]) -> str:
 
 async def nodes_page(request: web.Request) -> web.StreamResponse:
     s = _require_audit(request)
-    nodes = [node_view(n) for n in await bridge.nodes(request.app, bridge.principal(s))]
+    nodes = [node_view(n) for n in await nodes_with_assignments(request.app, bridge.principal(s))]
     nodes.sort(key=lambda n: -(n["last_seen"] or 0))
     return render(request, "nodes.html", {"nodes": nodes, "nav": "nodes", "poll": POLL_S})
 
@@ -403,10 +408,10 @@ async def flags_page(request: web.Request) -> web.StreamResponse:
     status = request.query.get("status", "open")
     if status not in FLAG_STATUSES:
         raise web.HTTPBadRequest(text=f"status must be one of {', '.join(FLAG_STATUSES)}")
-    flags = await bridge.flags(
+    flags = await flags_overview(
         request.app, bridge.principal(s), None if status == "all" else status
     )
-    auditlog = await bridge.audit_log_status(request.app)
+    auditlog = await audit_log_status(request.app)
     return render(
         request,
         "flags.html",
@@ -425,8 +430,8 @@ def evidence_view(
 ) -> dict[str, Any]:
     """Turn a flag's evidence (hub/policy/verification.py shapes) into rows and charts.
 
-    ``computed``: per-layer rows against the round's centre (evidence.py), used when
-    the recorded evidence has none of its own."""
+    ``computed``: per-layer rows against the round's centre (the read model's layer evidence),
+    used when the recorded evidence has none of its own."""
     ev: Mapping[str, Any] = flag.get("evidence") or {}
     if not isinstance(ev, Mapping):
         ev = {}
@@ -438,11 +443,32 @@ def evidence_view(
                 charts.score_gauge(row["value"], row["threshold"], bad_when=row["bad_when"], title=row["name"])
             ),
         }
-        for row in evidence.threshold_scores(flag)
+        for row in threshold_scores(flag)
     ]
+    layer_chart, layer_note = _layer_charts(ev, rev, computed)
+    replica, distance_chart = _replica_view(flag, ev)
+    layer_chart += distance_chart
+    if not layer_chart:
+        layer_chart = charts.bar_chart([], title="Per-layer evidence", legend=[])
+    problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
+    if not problems and ev.get("why"):
+        problems = [str(ev["why"])]
+    return {
+        "layer_note": layer_note,
+        "referee": referee_rows(flag),
+        "scores": scores,
+        "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
+        "replica": replica,
+        "problems": problems,
+        "evidence_json": json.dumps(ev, indent=2, sort_keys=True, default=str),
+    }
 
-    # Per-layer bars against the round's centre: recorded evidence first, else computed.
-    layer_chart = ""
+
+def _layer_charts(
+    ev: Mapping[str, Any], rev: Mapping[str, Any], computed: Mapping[str, Any] | None
+) -> tuple[str, str]:
+    """Per-layer bars against the round's centre, recorded evidence first, else computed: (the
+    charts' SVG, the note that says where the centre came from); ("", "") without layers."""
     layers = ev.get("layers")
     centre_note = (
         "From the flag's evidence: the round's robust centre (coordinate-wise median),"
@@ -455,85 +481,81 @@ def evidence_view(
             f" median of its {computed.get('centre_of')} candidate updates (aggregated or"
             " quarantined as outliers)."
         )
-    if isinstance(layers, list) and layers:
-        bars = [
-            charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
-            for x in layers
-            if isinstance(x, Mapping)
-        ]
-        layer_chart = charts.bar_chart(
-            bars,
-            title="Per-layer L2 norm: this update vs. the round's centre",
-            legend=["this update", "round centre"],
+    if not (isinstance(layers, list) and layers):
+        return "", ""
+    bars = [
+        charts.Bar(str(x.get("name", "?")), [_num(x.get("norm")), _num(x.get("centre_norm"))])
+        for x in layers
+        if isinstance(x, Mapping)
+    ]
+    layer_chart = charts.bar_chart(
+        bars,
+        title="Per-layer L2 norm: this update vs. the round's centre",
+        legend=["this update", "round centre"],
+    )
+    cos_bars = [
+        charts.Bar(str(x.get("name", "?")), [_num(x.get("cosine"))])
+        for x in layers
+        if isinstance(x, Mapping) and _num(x.get("cosine")) is not None
+    ]
+    if cos_bars:
+        layer_chart += charts.bar_chart(
+            cos_bars,
+            title="Per-layer cosine to the round's centre",
+            legend=["cosine"],
+            threshold=_num(rev.get("cosine_min", 0.0)),
+            threshold_label="min",
         )
-        cos_bars = [
-            charts.Bar(str(x.get("name", "?")), [_num(x.get("cosine"))])
-            for x in layers
-            if isinstance(x, Mapping) and _num(x.get("cosine")) is not None
-        ]
-        if cos_bars:
-            layer_chart += charts.bar_chart(
-                cos_bars,
-                title="Per-layer cosine to the round's centre",
-                legend=["cosine"],
-                threshold=_num(rev.get("cosine_min", 0.0)),
-                threshold_label="min",
-            )
-    replica: dict[str, Any] | None = None
+    return layer_chart, centre_note
+
+
+def _replica_view(flag: Mapping[str, Any], ev: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """A replica group's comparison (its pairs, tolerance, majority) and the chart of the
+    flagged update's per-tensor distances to the others ("" without any); (None, "") when the
+    evidence has no pairs."""
     pairs = ev.get("pairs")
-    if isinstance(pairs, list):
-        rows = []
-        worst: dict[str, float] = {}
-        for p in pairs:
-            if not isinstance(p, Mapping):
-                continue
-            raw = p.get("tensors")
-            tensors: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-            items = sorted(
-                ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
-                key=lambda kv: -float(kv[1]),
-            )
-            if flag.get("update_id") in (p.get("a"), p.get("b")):
-                for k, v in items:
-                    worst[k] = max(worst.get(k, 0.0), float(v))
-            rows.append(
-                {
-                    "a": str(p.get("a", "")),
-                    "b": str(p.get("b", "")),
-                    "relative_distance": _num(p.get("relative_distance")),
-                    "agree": bool(p.get("agree")),
-                    "tensors": items,
-                }
-            )
-        replica = {
-            "tolerance": _num(ev.get("tolerance")),
-            "majority": [str(m) for m in ev.get("majority") or []],
-            "distance": _num(ev.get("relative_distance_to_canonical")),
-            "why": str(ev.get("why", "")),
-            "pairs": rows,
-        }
-        if worst:
-            layer_chart += charts.bar_chart(
-                [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
-                title="Per-tensor relative distance to the other replicas",
-                legend=["relative distance"],
-                threshold=_num(ev.get("tolerance")),
-                threshold_label="tolerance",
-            )
-    if not layer_chart:
-        layer_chart = charts.bar_chart([], title="Per-layer evidence", legend=[])
-    problems = [str(p) for p in ev.get("problems") or [] if isinstance(p, (str, int, float))]
-    if not problems and ev.get("why"):
-        problems = [str(ev["why"])]
-    return {
-        "layer_note": centre_note if isinstance(layers, list) and layers else "",
-        "referee": evidence.referee_rows(flag),
-        "scores": scores,
-        "layer_chart": Markup(layer_chart),  # noqa: S704 - escaped in charts.bar_chart
-        "replica": replica,
-        "problems": problems,
-        "evidence_json": json.dumps(ev, indent=2, sort_keys=True, default=str),
+    if not isinstance(pairs, list):
+        return None, ""
+    rows = []
+    worst: dict[str, float] = {}
+    for p in pairs:
+        if not isinstance(p, Mapping):
+            continue
+        raw = p.get("tensors")
+        tensors: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        items = sorted(
+            ((str(k), v) for k, v in tensors.items() if _num(v) is not None),
+            key=lambda kv: -float(kv[1]),
+        )
+        if flag.get("update_id") in (p.get("a"), p.get("b")):
+            for k, v in items:
+                worst[k] = max(worst.get(k, 0.0), float(v))
+        rows.append(
+            {
+                "a": str(p.get("a", "")),
+                "b": str(p.get("b", "")),
+                "relative_distance": _num(p.get("relative_distance")),
+                "agree": bool(p.get("agree")),
+                "tensors": items,
+            }
+        )
+    replica = {
+        "tolerance": _num(ev.get("tolerance")),
+        "majority": [str(m) for m in ev.get("majority") or []],
+        "distance": _num(ev.get("relative_distance_to_canonical")),
+        "why": str(ev.get("why", "")),
+        "pairs": rows,
     }
+    if not worst:
+        return replica, ""
+    chart = charts.bar_chart(
+        [charts.Bar(k, [v]) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])],
+        title="Per-tensor relative distance to the other replicas",
+        legend=["relative distance"],
+        threshold=_num(ev.get("tolerance")),
+        threshold_label="tolerance",
+    )
+    return replica, chart
 
 
 async def flag_page(request: web.Request) -> web.StreamResponse:
@@ -541,13 +563,13 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
     who = bridge.principal(s)
     auditor = s.role in AUDIT_ROLES
     # Visibility exactly as GET /v1/flags/{id}: auditors and admins, and the job's owner.
-    flag = await bridge.flag(request.app, who, request.match_info["flag_id"])
+    flag = await flag_document(request.app, who, request.match_info["flag_id"])
     node = None
     history: dict[str, Any] = {"node_flags": [], "node_updates": []}
     if auditor:  # a node's history spans every owner's jobs
-        found = [n for n in await bridge.nodes(request.app, who) if n["id"] == flag["node_id"]]
+        found = [n for n in await nodes_with_assignments(request.app, who) if n["id"] == flag["node_id"]]
         node = node_view(found[0]) if found else None
-        history = await bridge.node_history(request.app, flag["node_id"])
+        history = await node_history(request.app, flag["node_id"])
     flash = None
     kind = "info"
     done = request.query.get("done")
@@ -558,10 +580,10 @@ async def flag_page(request: web.Request) -> web.StreamResponse:
         "flag.html",
         {
             "flag": flag,
-            "headline": evidence.headline(flag),
+            "headline": flag["headline"],
             "node": node,
             **history,
-            **evidence_view(flag, await bridge.layer_evidence(request.app, flag)),
+            **evidence_view(flag, flag["layer_evidence"]),
             "can_decide": auditor,
             "nav": "flags" if auditor else "jobs",
             "flash": flash,
@@ -643,7 +665,7 @@ async def _load_session(request: web.Request) -> Session | None:
     if session is None:
         return None
     # The token behind a session must still be live (revocation ends sessions).
-    alive = await bridge.read(request.app, lambda c: queries.token_alive(c, session.token_id))
+    alive = await bridge.session_alive(request.app, session)
     if alive is None or alive != (session.role, session.name):
         store.delete_for_token(session.token_id)
         return None
