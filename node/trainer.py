@@ -162,11 +162,10 @@ def train_assignment(
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
     when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
-    optimizer, scaler)`` (the fp16 loss scaler, else None) is called before the first step (0) and after each one: the checkpoint
-    commitments' hook (node/checkpoints.py). ``on_loss(step, loss)`` is called at each progress
-    report: the heartbeats' proof of progress (protocol.messages.progress_digest).
-    ``cfg.precision`` says what the forward pass runs in (autocast over fp32 master weights).
-    """
+    optimizer, scaler)`` (the fp16 loss scaler, else None), before the first step (0) and after
+    each one, is the checkpoint commitments' hook (node/checkpoints.py); ``on_loss(step, loss)``,
+    at each progress report, the heartbeats' proof of progress (protocol.messages.progress_digest).
+    ``cfg.precision``: what the forward pass runs in (autocast over fp32 master weights)."""
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
     loss_fn = _loss_for(spec, cfg)
@@ -183,8 +182,7 @@ def train_assignment(
 
     model = _load_model(spec, global_state, device)
     model.train()
-    x = x_cpu.to(device)
-    y = y_cpu.to(device)
+    x, y = x_cpu.to(device), y_cpu.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
     stop = should_stop if should_stop is not None else (lambda: False)
