@@ -49,6 +49,7 @@ import torch
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.encoding import Encoded
 from gpuflex.protocol.messages import (
+    MAX_MEMORY_BYTES,
     Assignment,
     Benchmark,
     ComputeClass,
@@ -68,7 +69,7 @@ from .checkpoints import CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
-from .device import apply_limits, compute_class, select_device, set_onednn
+from .device import apply_limits, compute_class, free_memory_bytes, select_device, set_onednn
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -116,6 +117,8 @@ class NodeConfig:
     max_cache_bytes: int = 20 << 30
     threads: int | None = None
     max_gpu_memory_gb: float | None = None
+    #: the memory offered to a pipeline stage (--max-memory); None: what the device has free
+    max_memory_bytes: int | None = None
     once: bool = False
     max_assignments: int | None = None
     poll_wait_s: float = 30.0
@@ -480,6 +483,12 @@ class NodeAgent:
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await pause.sleep(delay)
 
+    def _max_memory(self) -> int:
+        """The memory offered to a pipeline stage: --max-memory, else what the device has free now."""
+        if self.config.max_memory_bytes is not None:
+            return self.config.max_memory_bytes
+        return min(MAX_MEMORY_BYTES, max(0, free_memory_bytes(self.device)))
+
     def _client(self) -> HubClient:
         if self.client is None:
             raise HubUnavailable("no hub client")
@@ -490,6 +499,7 @@ class NodeAgent:
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
             benchmark=benchmark, compute=self.compute, enroll_token=self.config.enroll_token,
+            max_memory_bytes=self._max_memory(),
         )
         self.registered = True
         self._benchmark_msg = benchmark

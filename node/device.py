@@ -18,7 +18,13 @@ from gpuflex.protocol.compute import NUMERIC_ISA
 from gpuflex.protocol.messages import ComputeClass
 
 from .errors import ConfigError
-from .hostinfo import cpu_model, default_cpu_threads, fingerprint_of, host_memory_bytes
+from .hostinfo import (
+    available_memory_bytes,
+    cpu_model,
+    default_cpu_threads,
+    fingerprint_of,
+    host_memory_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,15 @@ def describe(device: torch.device) -> DeviceDescription:
     if device.type == "mps":
         return DeviceDescription("mps", f"Apple MPS ({platform.machine()})", host_memory_bytes(), threads)
     return DeviceDescription("cpu", cpu_model()[:200], host_memory_bytes(), threads)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What ``device`` has free for training now: the CUDA driver's free memory on a GPU, the
+    host's available memory on a CPU or MPS (which share it). The default of --max-memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_memory_bytes()
 
 
 def cpu_vendor_and_isa() -> tuple[str, tuple[str, ...]]:
