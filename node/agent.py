@@ -49,7 +49,6 @@ import torch
 from gpuflex.protocol.compute import class_key
 from gpuflex.protocol.encoding import Encoded
 from gpuflex.protocol.messages import (
-    MAX_MEMORY_BYTES,
     Assignment,
     Benchmark,
     ComputeClass,
@@ -69,7 +68,7 @@ from .checkpoints import CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
-from .device import apply_limits, compute_class, free_memory_bytes, select_device, set_onednn
+from .device import apply_limits, compute_class, offered_memory, select_device, set_onednn
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -483,12 +482,6 @@ class NodeAgent:
                 self.output.event("error", **json_error_detail(exc), retry_in_s=round(delay, 2))
                 await pause.sleep(delay)
 
-    def _max_memory(self) -> int:
-        """The memory offered to a pipeline stage: --max-memory, else what the device has free now."""
-        if self.config.max_memory_bytes is not None:
-            return self.config.max_memory_bytes
-        return min(MAX_MEMORY_BYTES, max(0, free_memory_bytes(self.device)))
-
     def _client(self) -> HubClient:
         if self.client is None:
             raise HubUnavailable("no hub client")
@@ -499,7 +492,7 @@ class NodeAgent:
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
             benchmark=benchmark, compute=self.compute, enroll_token=self.config.enroll_token,
-            max_memory_bytes=self._max_memory(),
+            max_memory_bytes=offered_memory(self.device, self.config.max_memory_bytes),
         )
         self.registered = True
         self._benchmark_msg = benchmark

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from gpuflex.protocol.compute import NUMERIC_ISA
-from gpuflex.protocol.messages import ComputeClass
+from gpuflex.protocol.messages import MAX_MEMORY_BYTES, ComputeClass
 
 from .errors import ConfigError
 from .hostinfo import (
@@ -96,6 +96,14 @@ def free_memory_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return available_memory_bytes()
+
+
+def offered_memory(device: torch.device, configured: int | None) -> int:
+    """The memory this node offers a pipeline stage: --max-memory when given, else what
+    ``device`` has free now (within what the hello carries)."""
+    if configured is not None:
+        return configured
+    return min(MAX_MEMORY_BYTES, max(0, free_memory_bytes(device)))
 
 
 def cpu_vendor_and_isa() -> tuple[str, tuple[str, ...]]:

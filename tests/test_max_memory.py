@@ -10,7 +10,7 @@ import pytest
 import torch
 from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.node.cli import main, parse_size
-from gpuflex.node.device import free_memory_bytes
+from gpuflex.node.device import free_memory_bytes, offered_memory
 from gpuflex.node.errors import NodeError
 from gpuflex.node.hostinfo import available_memory_bytes, host_memory_bytes
 from gpuflex.protocol.errors import DecodeError
@@ -28,16 +28,40 @@ from gpuflex.protocol.signing import seal
 from tests.helpers import SimNode, start_hub
 
 
-@pytest.mark.parametrize(("text", "size"), [
-    ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("2gb", 2 * 10**9),
-    (" 3 GB ", 3 * 10**9), ("800kB", 800_000), ("1TiB", 2**40), ("4096B", 4096),
-])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("2GB", 2 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("2gb", 2 * 10**9),
+        (" 3 GB ", 3 * 10**9),
+        ("800kB", 800_000),
+        ("1TiB", 2**40),
+        ("4096B", 4096),
+    ],
+)
 def test_sizes_are_read_in_decimal_and_binary_units(text, size):
     assert parse_size(text, "--max-memory") == size
 
 
-@pytest.mark.parametrize("text", ["2", "GB", "2 GBs", "-1GB", "0GB", "1e3GB", "2PB", "nanGB", "2000TiB",
-                                  "9" * 400 + "GB", "", "1,5GB"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2",
+        "GB",
+        "2 GBs",
+        "-1GB",
+        "0GB",
+        "1e3GB",
+        "2PB",
+        "nanGB",
+        "2000TiB",
+        "9" * 400 + "GB",
+        "",
+        "1,5GB",
+    ],
+)
 def test_anything_else_is_one_line_naming_the_flag(text):
     with pytest.raises(NodeError, match=r"^--max-memory ") as info:
         parse_size(text, "--max-memory")
@@ -54,9 +78,13 @@ def test_a_bad_size_stops_the_node_before_it_starts(capsys):
 def test_the_default_is_what_the_device_has_free():
     free = free_memory_bytes(torch.device("cpu"))
     assert 0 < free <= host_memory_bytes()
+    assert offered_memory(torch.device("cpu"), 2 * 10**9) == 2 * 10**9
+    assert 0 < offered_memory(torch.device("cpu"), None) <= host_memory_bytes()
     if os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo", encoding="ascii") as f:
-            shown = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            shown = next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")
+            )
         assert abs(available_memory_bytes() - shown) < host_memory_bytes() // 10
 
 
@@ -85,7 +113,9 @@ async def test_the_hub_keeps_and_shows_the_offer_across_a_restart(tmp_path) -> N
             node = SimNode(s, hub.url)
             async with s.get(hub.url + "/v1/hub") as r:
                 node.hub_public = bytes.fromhex((await r.json())["public_key"])
-            resp = await node.post("/v1/nodes/register", seal(node.key, node.hello(max_memory_bytes=2 * 10**9)))
+            resp = await node.post(
+                "/v1/nodes/register", seal(node.key, node.hello(max_memory_bytes=2 * 10**9))
+            )
             await node.open_response(resp, Welcome)
             legacy = SimNode(s, hub.url)
             await legacy.register()
@@ -93,7 +123,10 @@ async def test_the_hub_keeps_and_shows_the_offer_across_a_restart(tmp_path) -> N
             assert shown[node.node_id]["device"]["max_memory_bytes"] == 2 * 10**9
             assert shown[legacy.node_id]["device"]["max_memory_bytes"] == 0
             live = hub.app[LEDGER].scheduler.nodes
-            assert live[node.node_id].max_memory_bytes == 2 * 10**9 and live[legacy.node_id].max_memory_bytes == 0
+            assert (
+                live[node.node_id].max_memory_bytes == 2 * 10**9
+                and live[legacy.node_id].max_memory_bytes == 0
+            )
         tokens = {"owner": hub.owner_token, "auditor": hub.auditor_token, "admin": hub.admin_token}
     finally:
         await hub.stop()
@@ -102,5 +135,34 @@ async def test_the_hub_keeps_and_shows_the_offer_across_a_restart(tmp_path) -> N
         async with aiohttp.ClientSession() as s:
             assert (await _shown(s, hub))[node.node_id]["device"]["max_memory_bytes"] == 2 * 10**9
             assert hub.app[LEDGER].scheduler.nodes[node.node_id].max_memory_bytes == 2 * 10**9
+    finally:
+        await hub.stop()
+
+
+async def _registered(tmp_path, hub, name: str, **kw) -> dict:
+    """A real NodeAgent registers with ``hub`` (then stops); the node as GET /v1/nodes shows it."""
+    import asyncio
+
+    from tests.test_node_support import EventLog, agent, wait_for
+
+    events = EventLog()
+    node = agent(tmp_path / name, hub.url, events, **kw)
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(node.run())
+        try:
+            await wait_for(lambda: events.of("registered") or task.done())
+        finally:
+            node.request_exit("test")
+    async with aiohttp.ClientSession() as s:
+        return (await _shown(s, hub))[events.of("registered")[0]["node_id"]]
+
+
+async def test_a_real_node_sends_its_flag_or_what_its_device_has_free(tmp_path) -> None:
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        capped = await _registered(tmp_path, hub, "capped", max_memory_bytes=512 * 2**20)
+        assert capped["device"]["max_memory_bytes"] == 512 * 2**20
+        free = await _registered(tmp_path, hub, "free")
+        assert 0 < free["device"]["max_memory_bytes"] <= host_memory_bytes()
     finally:
         await hub.stop()
