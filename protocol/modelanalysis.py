@@ -7,8 +7,10 @@ run on the meta device: shapes and dtypes flow through every op, no memory is al
 arithmetic is done, so a model far larger than this machine is analysed in milliseconds. Each
 unit runs forward and backward twice, at two batch sizes, and a per-sample figure is the slope
 between them: what does not grow with the batch (a weight an op saves for its backward, a
-normalisation's statistics) is not an activation. The planner (hub/policy/pipeline_plan.py)
-reads the result as plain numbers; docs/pipeline.md describes the cost model.
+normalisation's statistics) is not an activation. A unit with an op torch cannot run on the
+meta device is measured the same way on a tiny zero-filled batch on the CPU. The planner
+(hub/policy/pipeline_plan.py) reads the result as plain numbers; docs/pipeline.md describes
+the cost model.
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ def analyse_units(
     for index, unit in enumerate(units):
         name = type(unit).__name__
         with _training(unit):
-            runs = [_measure(unit, index, name, shape, sample_dtype, batch) for batch in _BATCHES]
+            try:
+                runs = [
+                    _measure(unit, index, name, shape, sample_dtype, b, "meta") for b in _BATCHES
+                ]
+            except _NoMetaKernel:  # an op torch cannot run on meta: a tiny real batch on the CPU
+                runs = [
+                    _measure(unit, index, name, shape, sample_dtype, b, "cpu") for b in _BATCHES
+                ]
         small, large = runs
         extra = _BATCHES[1] - _BATCHES[0]
         output = large.output
@@ -122,23 +131,34 @@ class _Run:
     output: torch.Tensor
 
 
+class _NoMetaKernel(Exception):
+    """An op of the unit has no meta implementation."""
+
+
 def _measure(
-    unit: nn.Module, index: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, batch: int
+    unit: nn.Module,
+    index: int,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    batch: int,
+    where: str,
 ) -> _Run:
-    """One forward and backward of ``unit`` on a meta batch of ``batch`` samples."""
+    """One forward and backward of ``unit`` on a batch of ``batch`` samples, on the meta device
+    (``where`` "meta") or, zero-filled, on the CPU ("cpu"); the unit's own tensors are not used."""
     import torch
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
-    meta = torch.device("meta")
+    device = torch.device(where)
     state: dict[str, torch.Tensor] = {
-        n: torch.empty_like(p, device=meta).requires_grad_(p.requires_grad)
+        n: torch.zeros_like(p, device=device).requires_grad_(p.requires_grad)
         for n, p in unit.named_parameters()
     }
-    state.update({n: torch.empty_like(b, device=meta) for n, b in unit.named_buffers()})
+    state.update({n: torch.zeros_like(b, device=device) for n, b in unit.named_buffers()})
     # the input of any unit but the first is another stage's output: its gradient is sent back
     needs_grad = index > 0 and dtype.is_floating_point
-    x = torch.empty((batch, *shape), dtype=dtype, device=meta, requires_grad=needs_grad)
+    x = torch.zeros((batch, *shape), dtype=dtype, device=device, requires_grad=needs_grad)
     saved: dict[int, torch.Tensor] = {}
     try:
         with torch.autograd.graph.saved_tensors_hooks(_keeper(saved), lambda t: t):
@@ -151,8 +171,12 @@ def _measure(
         with FlopCounterMode(display=False) as backward:
             if out.requires_grad:
                 torch.autograd.backward(out, torch.ones_like(out))
-    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
-        line = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+    except NotImplementedError as exc:
+        if where == "meta":
+            raise _NoMetaKernel from exc
+        raise SpecError(f"pipeline unit {index} ({name}) cannot run: {_first_line(exc)}") from None
+    except (RuntimeError, TypeError, ValueError) as exc:
+        line = _first_line(exc)
         raise SpecError(
             f"pipeline unit {index} ({name}) cannot run on input {(batch, *shape)} {dtype}: {line}"
         ) from None
@@ -163,6 +187,11 @@ def _measure(
         backward=float(backward.get_total_flops()),
         output=out.detach(),
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _keeper(saved: dict[int, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -176,3 +176,31 @@ def test_unknown_optimizer_and_non_tensor_output_are_refused():
 
     with pytest.raises(SpecError, match=r"pipeline unit 0 \(Pair\) returns tuple"):
         analyse_units([Pair()], (2,), torch.float32)
+
+
+def test_an_op_without_a_meta_kernel_is_measured_on_a_tiny_cpu_batch():
+    class CpuOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.is_meta:
+                raise NotImplementedError(
+                    "Could not run 'custom::op' with arguments from the 'Meta' backend"
+                )
+            return torch.relu(self.lin(x))
+
+    (cost,) = analyse_units([CpuOnly()], (8,), torch.float32)
+    assert (
+        cost.forward_flops == 2 * 8 * 8
+        and cost.saved_bytes == (8 + 8) * F32
+        and cost.output_bytes == 8 * F32
+    )
+
+    class Never(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise NotImplementedError("no kernel\nanywhere")
+
+    with pytest.raises(SpecError, match=r"^pipeline unit 0 \(Never\) cannot run: no kernel$"):
+        analyse_units([Never()], (2,), torch.float32)
