@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from gpuflex.protocol.modelanalysis import UnitCost
@@ -393,10 +393,41 @@ class _Search:
     m: int
     schedule: str
     max_stages: int
+    #: memo: nodes used per kind -> (memory left, speed left, the kinds with a node left)
+    left: dict[tuple[int, ...], tuple[float, float, tuple[int, ...]]] = field(default_factory=dict)
+    #: memo: (cut, front stage's kind, nodes used per kind) -> the cheapest send back across the cut
+    cuts: dict[tuple[int, int, tuple[int, ...]], float] = field(default_factory=dict)
 
     @property
     def b(self) -> int:
         return math.ceil(self.model.batch_size / self.m)
+
+    def nodes_left(self, used: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
+        found = self.left.get(used)
+        if found is None:
+            kinds = tuple(
+                k for k, (g, n) in enumerate(zip(self.members, used, strict=True)) if n < len(g)
+            )
+            memory = sum(
+                (len(self.members[k]) - used[k]) * self.members[k][0].memory_bytes for k in kinds
+            )
+            speed = sum(
+                (len(self.members[k]) - used[k]) * self.members[k][0].flops_per_s for k in kinds
+            )
+            found = self.left[used] = (memory, speed, kinds)
+        return found
+
+    def cheapest_cut(self, h: int, front: int, used: tuple[int, ...]) -> float:
+        key = (h, front, used)
+        found = self.cuts.get(key)
+        if found is None:
+            node, kinds = self.members[front][0], self.nodes_left(used)[2]
+            found = min(
+                (self.model.boundary_s(h, node, self.members[k][0], self.b) for k in kinds),
+                default=math.inf,
+            )
+            self.cuts[key] = found
+        return found
 
 
 #: a partial pipeline, built from the last stage forwards: (the slowest closed stage's
@@ -482,7 +513,7 @@ def _extend(
     for v, group in enumerate(members):
         if used[v] >= len(group):
             continue
-        sender = group[0]
+        sender, bumped = group[0], _bump(used, v)
         cut = model.boundary_s(i, sender, receiver, b)
         closed = max(slowest, front + cut)
         flight = in_flight(schedule, m, after + 1)
@@ -493,22 +524,16 @@ def _extend(
             new_update = max(update, model.update_s(h, i, sender))
             if (m + after) * max(closed, new_front) + new_update >= bound:
                 break  # a longer stage is no faster
-            if h > 0 and not _may_finish(
-                ctx, _bump(used, v), h, sender, closed, new_front, new_update, bound
-            ):
+            if h > 0 and not _may_finish(ctx, bumped, h, v, closed, new_front, new_update, bound):
                 continue
-            _add(
-                layers[h],
-                (_bump(used, v), v),
-                (closed, new_front, new_update, ((h, i, v), *chosen)),
-            )
+            _add(layers[h], (bumped, v), (closed, new_front, new_update, ((h, i, v), *chosen)))
 
 
 def _may_finish(
     ctx: _Search,
     used: tuple[int, ...],
     h: int,
-    front_node: NodeOffer,
+    front_kind: int,
     slowest: float,
     front: float,
     update: float,
@@ -518,19 +543,14 @@ def _may_finish(
     beats ``bound``: their state must fit in the memory left, the front stage still sends a
     gradient back across the cut at ``h``, and no split runs their FLOPs faster than all the
     speed left together."""
-    model, stages = ctx.model, sum(used)
+    stages = sum(used)
     if stages >= ctx.max_stages:
         return False
-    memory = speed = 0.0
-    cut = math.inf
-    for group, n in zip(ctx.members, used, strict=True):
-        if n < len(group):
-            memory += (len(group) - n) * group[0].memory_bytes
-            speed += (len(group) - n) * group[0].flops_per_s
-            cut = min(cut, model.boundary_s(h, front_node, group[0], ctx.b))
-    if speed <= 0 or model.state[h] > memory:
+    memory, speed, _ = ctx.nodes_left(used)
+    if speed <= 0 or ctx.model.state[h] > memory:
         return False
-    spread = ctx.b * model.flops[h] / speed
+    spread = ctx.b * ctx.model.flops[h] / speed
+    cut = ctx.cheapest_cut(h, front_kind, used)
     return (ctx.m + stages) * max(slowest, front + cut, spread) + update < bound
 
 
@@ -546,10 +566,11 @@ def _add(
     """Keep ``entry`` in its state's Pareto set unless one there is at least as good in all three
     times; drop those it beats."""
     entries = layer.setdefault(key, [])
-    a = entry[:3]
-    if any(all(x <= y for x, y in zip(e[:3], a, strict=True)) for e in entries):
-        return
-    entries[:] = [e for e in entries if not all(y <= x for x, y in zip(e[:3], a, strict=True))]
+    a, b, c = entry[0], entry[1], entry[2]
+    for e in entries:
+        if e[0] <= a and e[1] <= b and e[2] <= c:
+            return
+    entries[:] = [e for e in entries if not (a <= e[0] and b <= e[1] and c <= e[2])]
     entries.append(entry)
 
 
