@@ -105,7 +105,9 @@ def random_case(rng: random.Random):
         for k in range(rng.randint(1, 4))
     ]
     if rng.random() < 0.4:  # identical nodes: the search groups them
-        offers += [dataclasses.replace(offers[0], node_id=f"twin{k}") for k in range(rng.randint(1, 2))]
+        offers += [
+            dataclasses.replace(offers[0], node_id=f"twin{k}") for k in range(rng.randint(1, 2))
+        ]
     return units, offers
 
 
