@@ -354,3 +354,12 @@ def test_plans_a_measured_transformer_like_model():
     assert len(stages) >= 3
     by_id = {o.node_id: o for o in offers}
     assert all(s.memory_bytes <= by_id[s.node_id].memory_bytes for s in stages)
+
+
+def test_beyond_the_exact_limit_roomy_nodes_are_tried_when_the_fastest_cannot_hold_the_model():
+    units = [unit(i, state=10_000) for i in range(4)]
+    fast_small = [node(f"f{k:02}", memory=5_000, speed=1e10 + k) for k in range(12)]
+    slow_roomy = [node(f"s{k:02}", memory=25_000 + k, speed=1e9) for k in range(4)]
+    plan = plan_pipelines(units, fast_small + slow_roomy, batch_size=4, max_replicas=1)
+    assert isinstance(plan, Plan)
+    assert {s.node_id[0] for s in plan.pipelines[0].stages} == {"s"}

@@ -10,12 +10,14 @@ contiguous units, run from the last stage to the first (a stage's activations in
 identical nodes rather than node ids (interchangeable nodes are not permuted), with a Pareto set
 per state and branch-and-bound against the best complete pipeline. It is exact for any node set
 whose groups of identical offers allow at most `MAX_STATES` combinations (every set of up to
-`MAX_EXACT_NODES` nodes); beyond that it keeps the `MAX_EXACT_NODES` strongest nodes for each
-pipeline, so its cost stays bounded.
+`MAX_EXACT_NODES` nodes); beyond that each pipeline is planned on the `MAX_EXACT_NODES` fastest
+nodes (or, when those cannot hold the model, the ones offering the most memory), so its cost
+stays bounded.
 
 When more nodes are online than one pipeline needs, the planner plans further pipelines on the
-nodes left (data-parallel replicas that train different shards and merge each step) for as long
-as each one raises the samples trained per second.
+nodes left (data-parallel replicas that train different shards and merge each step): for each
+cap on the stages a replica count allows, it adds pipelines for as long as each one raises the
+samples trained per second, and keeps the cap that trains the most.
 """
 
 from __future__ import annotations
@@ -254,9 +256,13 @@ def _replicate(
     pipelines: list[Pipeline] = []
     left = list(offers)
     while left and (max_replicas is None or len(pipelines) < max_replicas):
-        best = _best_pipeline(
-            units, _candidates(left, max_stages), batch_size, micro_batches, schedules, max_stages
-        )
+        pool = _candidates(left, max_stages)
+        best = _best_pipeline(units, pool, batch_size, micro_batches, schedules, max_stages)
+        if best is None and len(pool) < len(
+            left
+        ):  # the fastest nodes cannot hold it: the roomiest may
+            roomy = _candidates(left, max_stages, roomiest=True)
+            best = _best_pipeline(units, roomy, batch_size, micro_batches, schedules, max_stages)
         if best is None or (
             pipelines and _throughput([*pipelines, best]) <= _throughput(pipelines)
         ):
@@ -302,26 +308,31 @@ def _check(
             )
 
 
-def _candidates(offers: Sequence[NodeOffer], max_stages: int) -> list[NodeOffer]:
-    """The nodes one pipeline search considers: at most ``max_stages`` of each kind of offer and, when the groups of identical offers would make
-    more than `MAX_STATES` combinations, the `MAX_EXACT_NODES` strongest nodes."""
+def _candidates(
+    offers: Sequence[NodeOffer], max_stages: int, *, roomiest: bool = False
+) -> list[NodeOffer]:
+    """The nodes one pipeline search considers: at most ``max_stages`` of each kind of offer and,
+    when the groups of identical offers would make more than `MAX_STATES` combinations, the
+    `MAX_EXACT_NODES` fastest nodes (``roomiest``: those offering the most memory)."""
     groups: dict[tuple[int, float, float, float], list[NodeOffer]] = {}
     for o in sorted(offers, key=lambda o: o.node_id):
         groups.setdefault(_kind(o), []).append(o)
     kept = [o for members in groups.values() for o in members[:max_stages]]
     if math.prod(min(len(g), max_stages) + 1 for g in groups.values()) <= MAX_STATES:
         return kept
-    strongest = sorted(
-        kept,
-        key=lambda o: (
-            -o.flops_per_s,
-            -o.memory_bytes,
-            -o.bandwidth_bytes_per_s,
-            o.rtt_s,
-            o.node_id,
-        ),
-    )
-    return strongest[:MAX_EXACT_NODES]
+    if roomiest:
+        kept.sort(key=lambda o: (-o.memory_bytes, -o.flops_per_s, o.node_id))
+    else:
+        kept.sort(
+            key=lambda o: (
+                -o.flops_per_s,
+                -o.memory_bytes,
+                -o.bandwidth_bytes_per_s,
+                o.rtt_s,
+                o.node_id,
+            )
+        )
+    return kept[:MAX_EXACT_NODES]
 
 
 def _kind(o: NodeOffer) -> tuple[int, float, float, float]:
