@@ -68,7 +68,7 @@ from .checkpoints import CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
-from .device import apply_limits, compute_class, select_device, set_onednn
+from .device import apply_limits, compute_class, offered_memory, select_device, set_onednn
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -116,6 +116,8 @@ class NodeConfig:
     max_cache_bytes: int = 20 << 30
     threads: int | None = None
     max_gpu_memory_gb: float | None = None
+    #: the memory offered to a pipeline stage (--max-memory); None: what the device has free
+    max_memory_bytes: int | None = None
     once: bool = False
     max_assignments: int | None = None
     poll_wait_s: float = 30.0
@@ -490,6 +492,7 @@ class NodeAgent:
             self._client(), data_dir=self.config.data_dir, hub_url=self.config.hub_url,
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
             benchmark=benchmark, compute=self.compute, enroll_token=self.config.enroll_token,
+            max_memory_bytes=offered_memory(self.device, self.config.max_memory_bytes),
         )
         self.registered = True
         self._benchmark_msg = benchmark

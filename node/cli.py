@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,6 +88,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--threads", type=int, metavar="N", help="CPU threads for training "
                      "(torch.set_num_threads; default on a CPU: half the cores, at least 1)")
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
+    run.add_argument("--max-memory", metavar="SIZE", help="the memory this node offers a pipeline stage, e.g. 2GB,"
+                     " 512MiB or 1.5GiB (default: what the device has free when the node starts)")
     run.add_argument("--onednn", choices=("on", "off"), default="on",
                      help="torch's oneDNN (mkldnn) CPU kernels (default on); off is another compute class")
     run.add_argument("--precisions", metavar="LIST",
@@ -167,6 +170,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
     if args.max_assignments is not None and args.max_assignments < 1:
         raise NodeError("--max-assignments must be >= 1")
     precisions = _precisions(args.precisions)
+    max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
     config = NodeConfig(
         hub_url=args.hub, data_dir=_data_dir(args), hub_key=args.hub_key, device=args.device,
         max_cache_bytes=int(args.max_cache_gb * 1e9), max_checkpoint_bytes=int(args.max_checkpoint_gb * 1e9),
@@ -176,13 +180,37 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
         onednn=args.onednn == "on", precisions=precisions,
         enroll_token=args.enroll_token or os.environ.get("GPUFLEX_ENROLL_TOKEN", ""),
-        source_address=args.source_address,
+        source_address=args.source_address, max_memory_bytes=max_memory,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
     if agent.fatal is not None:
         print(f"gpuflex-node: error: {agent.fatal}", file=sys.stderr)
     return code
+
+
+#: a size's unit -> bytes (decimal and binary prefixes; "B" alone is bytes)
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]+)\s*")
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from a size like "2GB", "512MiB" or "1.5GiB" (a number and a unit of SIZE_UNITS,
+    either case); NodeError naming ``flag`` for anything else, zero, or more than the protocol
+    carries."""
+    from gpuflex.protocol.messages import MAX_MEMORY_BYTES
+
+    match = _SIZE_RE.fullmatch(text)
+    unit = SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise NodeError(f"{flag} {text[:40]!r}: expected a size like 2GB, 512MiB or 1.5GiB"
+                        " (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = float(match.group(1)) * unit
+    size = int(value) if value <= MAX_MEMORY_BYTES else MAX_MEMORY_BYTES + 1  # inf too
+    if not 0 < size <= MAX_MEMORY_BYTES:
+        raise NodeError(f"{flag} {text[:40]!r}: must be more than 0 bytes and at most 1 PiB")
+    return size
 
 
 def _precisions(text: str | None) -> tuple[str, ...] | None:

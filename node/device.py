@@ -15,10 +15,16 @@ from dataclasses import dataclass
 
 import torch
 from gpuflex.protocol.compute import NUMERIC_ISA
-from gpuflex.protocol.messages import ComputeClass
+from gpuflex.protocol.messages import MAX_MEMORY_BYTES, ComputeClass
 
 from .errors import ConfigError
-from .hostinfo import cpu_model, default_cpu_threads, fingerprint_of, host_memory_bytes
+from .hostinfo import (
+    available_memory_bytes,
+    cpu_model,
+    default_cpu_threads,
+    fingerprint_of,
+    host_memory_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,23 @@ def describe(device: torch.device) -> DeviceDescription:
     if device.type == "mps":
         return DeviceDescription("mps", f"Apple MPS ({platform.machine()})", host_memory_bytes(), threads)
     return DeviceDescription("cpu", cpu_model()[:200], host_memory_bytes(), threads)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What ``device`` has free for training now: the CUDA driver's free memory on a GPU, the
+    host's available memory on a CPU or MPS (which share it). The default of --max-memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_memory_bytes()
+
+
+def offered_memory(device: torch.device, configured: int | None) -> int:
+    """The memory this node offers a pipeline stage: --max-memory when given, else what
+    ``device`` has free now (within what the hello carries)."""
+    if configured is not None:
+        return configured
+    return min(MAX_MEMORY_BYTES, max(0, free_memory_bytes(device)))
 
 
 def cpu_vendor_and_isa() -> tuple[str, tuple[str, ...]]:

@@ -34,6 +34,22 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def available_memory_bytes() -> int:
+    """The memory the host can give a new process now: MemAvailable from /proc/meminfo on Linux;
+    elsewhere the free pages sysconf reports, or the total when it reports none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return host_memory_bytes()
+
+
 def cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))

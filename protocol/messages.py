@@ -95,6 +95,9 @@ class ComputeClass:
 
 
 #: a hello that does not describe its class (test clients): fp32 only, never the same class as a real node
+#: the most memory a node may offer a pipeline stage (1 PiB)
+MAX_MEMORY_BYTES: Final = 1 << 50
+
 UNKNOWN_CLASS: Final = ComputeClass("unknown", "", "", "", (), "", "", "", False, 0, ("fp32",))
 
 
@@ -171,6 +174,9 @@ class Hello:
     compute: Annotated[ComputeClass, Nested(ComputeClass)] = UNKNOWN_CLASS
     #: the operator's enrollment token ("" = none); the hub may require one
     enroll_token: Annotated[str, Text(128)] = ""
+    #: the memory the node offers a pipeline stage, in bytes (``gpuflex-node run --max-memory``,
+    #: by default what its device has free); 0 = not said
+    max_memory_bytes: Annotated[int, Int(0, MAX_MEMORY_BYTES)] = 0
 
 
 @dataclass(frozen=True)

@@ -364,6 +364,20 @@ async def test_a_nodes_compute_class_survives_a_restart(opened) -> None:
     assert key == class_key(cc, "bf16") and key.endswith("|bf16")
 
 
+async def test_a_nodes_memory_offer_survives_a_restart(opened) -> None:
+    kind, where, store = opened
+    offered = NodeProfile(software_version="0.1.0", device={"kind": "cpu", "max_memory_bytes": 3 << 30},
+                          benchmark={"samples_per_s": 10.0})
+    await store.save_node("gf1-n1", b"k" * 32, offered, bench_sps=10.0, now=100.0)
+    await store.save_node("gf1-n2", b"j" * 32, PROFILE, bench_sps=10.0, now=100.0)  # said nothing
+    store = await _reopen(kind, where, store)
+    try:
+        nodes = {n.id: n for n in (await store.load()).nodes}
+    finally:
+        store.close()
+    assert nodes["gf1-n1"].max_memory_bytes == 3 << 30 and nodes["gf1-n2"].max_memory_bytes == 0
+
+
 SYBIL_COLUMNS = ("address_block", "last_block", "operator", "banned_at")
 
 

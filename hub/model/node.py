@@ -39,6 +39,8 @@ class NodeState:
     banned_at: float | None = None
     stall_until: float = 0.0  # after an assignment expired undelivered: no new work before this
     stalls: int = 0  # assignments in a row that expired undelivered (the backoff doubles)
+    #: the memory it offers a pipeline stage, from its hello (``--max-memory``; 0: not said)
+    max_memory_bytes: int = 0
 
     @property
     def blocks(self) -> set[str]:

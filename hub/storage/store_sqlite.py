@@ -493,6 +493,13 @@ def _compute(text: str) -> ComputeClass:
         return UNKNOWN_CLASS
 
 
+def _max_memory(device: str) -> int:
+    """The memory a node offers a pipeline stage, kept in its device JSON (0: it did not say)."""
+    facts = json.loads(device)
+    value = facts.get("max_memory_bytes", 0) if isinstance(facts, dict) else 0
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
 def _node(r: sqlite3.Row) -> NodeState:
     bench = json.loads(r["benchmark"])
     sps = bench.get("precision_sps") if isinstance(bench, dict) else None
@@ -504,7 +511,7 @@ def _node(r: sqlite3.Row) -> NodeState:
         last_seen=r["last_seen"], updates_accepted=r["updates_accepted"],
         peak_flops=peak_flops(json.loads(r["benchmark"])),
         registered_at=r["registered_at"], block=r["address_block"], last_block=r["last_block"] or r["address_block"],
-        operator=r["operator"], banned_at=r["banned_at"],
+        operator=r["operator"], banned_at=r["banned_at"], max_memory_bytes=_max_memory(r["device"]),
         reputation=Reputation(
             consecutive_agreements=r["consecutive_agreements"], agreements_total=r["agreements_total"],
             flags_total=r["flags_total"], confirmed_flags=r["confirmed_flags"],
