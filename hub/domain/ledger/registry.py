@@ -83,6 +83,7 @@ class Registry:
         node.peak_flops = peak_flops(profile.benchmark)
         node.compute = hello.compute
         node.precision_sps = dict(hello.benchmark.precision_sps)
+        node.max_memory_bytes = hello.max_memory_bytes
         node.last_seen = now
         return node
 
@@ -109,7 +110,8 @@ def _profile(hello: Hello) -> NodeProfile:
     return NodeProfile(
         software_version=hello.software_version,
         device={"kind": hello.device.kind, "name": hello.device.name,
-                "memory_bytes": hello.device.memory_bytes, "threads": hello.device.threads},
+                "memory_bytes": hello.device.memory_bytes, "threads": hello.device.threads,
+                "max_memory_bytes": hello.max_memory_bytes},
         benchmark={"samples_per_s": b.samples_per_s, "matmul_tflops_fp32": b.matmul_tflops_fp32,
                    "matmul_tflops_bf16": b.matmul_tflops_bf16, "matmul_tflops_fp16": b.matmul_tflops_fp16,
                    "mem_bandwidth_gbs": b.mem_bandwidth_gbs, "h2d_gbs": b.h2d_gbs, "d2h_gbs": b.d2h_gbs,
