@@ -67,10 +67,10 @@ class Keeper(CheckpointRecorder):
         super().__init__(**kw)  # type: ignore[arg-type]
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, step, model, optimizer):  # type: ignore[no-untyped-def]
+    def __call__(self, step, model, optimizer, scaler=None):  # type: ignore[no-untyped-def]
         if step in self._wanted:
-            self.states[step] = training_state(model, optimizer, step)
-        super().__call__(step, model, optimizer)
+            self.states[step] = training_state(model, optimizer, step, scaler)
+        super().__call__(step, model, optimizer, scaler)
 
 
 def run(kind: str, epochs: int, n: int) -> dict[str, object]:

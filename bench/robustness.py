@@ -140,10 +140,10 @@ class _Keeper(CheckpointRecorder):
         super().__init__(**kw)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, step: int, model: Any, optimizer: Any) -> None:
+    def __call__(self, step: int, model: Any, optimizer: Any, scaler: Any = None) -> None:
         if step in self._wanted:
-            self.states[step] = training_state(model, optimizer, step)
-        super().__call__(step, model, optimizer)
+            self.states[step] = training_state(model, optimizer, step, scaler)
+        super().__call__(step, model, optimizer, scaler)
 
 
 def train_committed(spec: Any, state: dict, chunks: list, cfg: Any, seed: int) -> tuple[Any, dict]:

@@ -52,7 +52,7 @@ def test_the_trainer_stops_after_local_steps_on_the_epochs_own_batches() -> None
     assert all(torch.equal(epoch.delta[k], four.delta[k]) for k in epoch.delta)
     seen: list[int] = []
     seven = train_assignment(spec, state, [chunk], atk.train_config(local_epochs=1, local_steps=7), 5,
-                             device=torch.device("cpu"), on_step=lambda s, m, o: seen.append(s))
+                             device=torch.device("cpu"), on_step=lambda s, m, o, scaler: seen.append(s))
     assert seven.steps == 7 and seen == list(range(8)) and seven.sample_count == 128
     assert not all(torch.equal(epoch.delta[k], seven.delta[k]) for k in epoch.delta)
 
