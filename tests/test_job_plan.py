@@ -187,7 +187,11 @@ async def test_a_model_that_does_not_pipeline_gets_409_and_others_cannot_read_a_
         assert status == 409 and doc["error"] == "not_pipelined", doc
         assert "one pipeline unit" in doc["detail"] and "\n" not in doc["detail"]
         lm = await _lm_job(s, hub, tmp_path)
-        assert (await _plan(s, hub, lm))[0] == 200
+        assert (await _plan(s, hub, lm))[1]["refused"] == "no node is online to run the pipeline"
+        await SimNode(s, hub.url).register()  # a node too old to say what memory it offers
+        status, doc = await _plan(s, hub, lm)
+        assert status == 200 and doc["offers"]["left_out"]["count"] == 1, doc
+        assert doc["refused"].startswith("none of the 1 online node says how much memory"), doc
         assert (await _plan(s, hub, lm, hub.admin_token))[0] == 200
         bob = hub.token("owner", "bob")
         assert await _plan(s, hub, lm, bob) == (
