@@ -123,6 +123,9 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                  admin=(200, "sees")),
     ("GET", "/v1/jobs/{job_id}"): _bearer(owner=(200, None), other=(404, "unknown_job"), auditor=WRONG_ROLE,
                                           admin=(200, None)),
+    # the world's nodes offer no memory (no --max-memory): 200 with the one-line refusal
+    ("GET", "/v1/jobs/{job_id}/plan"): _bearer(owner=(200, None), other=(404, "unknown_job"),
+                                               auditor=WRONG_ROLE, admin=(200, None)),
     ("GET", "/v1/jobs/{job_id}/model"): _bearer(owner=(200, None), other=(404, "unknown_job"),
                                                 auditor=WRONG_ROLE, admin=(200, None)),
     ("POST", "/v1/jobs/{job_id}/cancel"): _bearer(owner=(200, None), other=(404, "unknown_job"),
@@ -440,5 +443,5 @@ def test_the_table_covers_every_documented_route_and_the_api_reference_agrees():
     model_row = next(line for line in api.splitlines() if line.startswith("| `GET /v1/jobs/{id}/model"))
     assert "auditor" not in model_row.split("|")[2]
     docs = openapi_document()["paths"]
-    for p in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/model"):
+    for p in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/model", "/v1/jobs/{job_id}/plan"):
         assert "403" in docs[p]["get"]["responses"], p

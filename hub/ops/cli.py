@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import owner_client as oc
 from .cli_common import ENV_HUB, ENV_TOKEN, _hub_and_token, print_columns
+from .cli_plan import cmd_job_plan
 from .owner_client import OwnerClientError
 
 if TYPE_CHECKING:
@@ -567,6 +568,10 @@ def _add_job(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--interval", type=float, default=1.0)
     _client_args(p)
     p.set_defaults(func=cmd_job_status)
+    p = job.add_parser("plan", help="the pipeline plan the job would get on the nodes online now")
+    p.add_argument("id")
+    _client_args(p)
+    p.set_defaults(func=cmd_job_plan)
     p = job.add_parser("download", help="download the model as .safetensors")
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True)

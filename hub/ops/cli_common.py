@@ -18,11 +18,20 @@ ENV_TOKEN = "GPUFLEX_TOKEN"  # noqa: S105 - an environment variable name
 def print_columns(headers: Sequence[str], rows: Sequence[Sequence[str]], *, title: str = "") -> None:
     """Plain aligned columns that never cut a value: ids are copied from here into the next
     command, so a narrow terminal wraps a long line rather than shortening an id."""
-    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
     if title:
         print(title)
-    for line in (headers, *rows):
-        print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    for line in column_lines(headers, rows):
+        print(line)
+
+
+def column_lines(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines `print_columns` prints: a header and one line per row, each column as wide as
+    its widest value."""
+    widths = [max([len(h), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
+    return [
+        "  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
+        for line in (headers, *rows)
+    ]
 
 
 def format_time(ts: Any, now: float | None = None) -> str:

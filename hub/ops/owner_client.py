@@ -83,6 +83,11 @@ async def job_status(hub: str, token: str, job_id: str) -> dict[str, Any]:
     return dict(await request_json(hub, token, "GET", f"/v1/jobs/{job_id}"))
 
 
+async def job_plan(hub: str, token: str, job_id: str) -> dict[str, Any]:
+    """Exactly the GET /v1/jobs/{id}/plan document: a plan, or {"refused": one line, ...}."""
+    return dict(await request_json(hub, token, "GET", f"/v1/jobs/{job_id}/plan"))
+
+
 async def download_model(hub: str, token: str, job_id: str, output: Path | None = None,
                          round_: int | None = None) -> tuple[int, bytes]:
     """(model version, .safetensors bytes); also written atomically to `output` when given."""

@@ -47,6 +47,7 @@ from .appkeys import (
     LEDGER,
     LOOPS,
     METRICS,
+    PLAN_CACHE,
     RELAY,
     REPLAY,
     STORE,
@@ -181,6 +182,7 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
     app[RELAY] = Relay()
     app[LAYER_CACHE] = {}
     app[AUDIT_STATUS_CACHE] = {}
+    app[PLAN_CACHE] = {}
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit)
     app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas

@@ -43,3 +43,6 @@ RELAY = web.AppKey("relay", Relay)
 LAYER_CACHE = web.AppKey("layer_cache", dict)
 #: the read model's: (log size, mtime) -> the audit log's verification, so an unchanged log is not re-read
 AUDIT_STATUS_CACHE = web.AppKey("audit_status_cache", dict)
+#: the read model's: job id -> its model cut into pipeline units and measured, or why it cannot be
+#: (readmodel/plans.py; a job's spec never changes)
+PLAN_CACHE = web.AppKey("plan_cache", dict)

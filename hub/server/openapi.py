@@ -283,6 +283,14 @@ def _owner_paths() -> dict[str, Any]:
                                   "tags": ["owner"], "security": _BEARER, "parameters": [_JOB_ID],
                                   "responses": {"200": _json({"$ref": "#/components/schemas/JobStatus"}),
                                                 "401": _ERROR, "403": _ERROR, "404": _ERROR}}},
+    "/v1/jobs/{job_id}/plan": {"get": {
+        "summary": "the pipeline plan the job would get on the nodes online now: stages, nodes, memory per "
+                   "stage against each node's offer, micro-batches, schedule, replicas, predicted step time and "
+                   "bubble; or the planner's one-line refusal (200 with `refused`). 409 not_pipelined: the "
+                   "model does not pipeline (owner of the job, admin)",
+        "tags": ["owner"], "security": _BEARER, "parameters": [_JOB_ID],
+        "responses": {"200": _json({"$ref": "#/components/schemas/JobPlan"}), "401": _ERROR, "403": _ERROR,
+                      "404": _ERROR, "409": _ERROR}}},
     "/v1/jobs/{job_id}/model": {"get": {
         "summary": "current model, or the model after `round` rounds, as .safetensors (owner of the job, "
                    "admin; never an auditor)", "tags": ["owner"],
@@ -361,6 +369,7 @@ def _schemas() -> dict[str, Any]:
                 "accuracy": {"type": ["number", "null"]}, "train_loss": {"type": ["number", "null"]},
                 "model_hash": {"type": "string"}, "updates": {"type": "array"}, "flags": {"type": "array"},
                 "replication_overhead": {"type": "number"}}}}}},
+        "JobPlan": _job_plan_schema(),
         "Flag": {"type": "object", "properties": {
             "id": {"type": "string"}, "job_id": {"type": "string"}, "round": {"type": "integer"},
             "update_id": {"type": "string"}, "node_id": {"type": "string"},
@@ -380,6 +389,30 @@ def _schemas() -> dict[str, Any]:
             "layer_evidence": {"type": ["object", "null"], "description":
                                "per-layer norm, centre norm and cosine against the round's centre"}}},
     }
+
+
+def _job_plan_schema() -> dict[str, Any]:
+    """GET /v1/jobs/{job_id}/plan's answer (hub/server/readmodel/plans.py; docs/pipeline.md)."""
+    num, integer = {"type": "number"}, {"type": "integer"}
+    stage = {"type": "object", "properties": {
+        "stage": integer, "first_unit": integer, "end_unit": {**integer, "description": "exclusive"},
+        "unit_names": {"type": "array", "items": {"type": "string"}}, "node_id": {"type": "string"},
+        "memory_bytes": integer, "offered_bytes": integer, "compute_s": num, "transfer_s": num,
+        "update_s": num}}
+    pipeline = {"type": "object", "properties": {
+        "micro_batches": integer, "micro_batch_size": integer, "schedule": {"enum": ["gpipe", "1f1b"]},
+        "step_s": num, "bubble_fraction": num, "stages": {"type": "array", "items": stage}}}
+    return {"type": "object", "required": ["id", "model", "offers"], "properties": {
+        "id": {"type": "string"}, "state": {"type": "string"}, "batch_size": integer,
+        "model": {"type": "object", "description": "units, state_bytes (parameters, gradients, optimizer "
+                  "state), flops_per_sample (forward + backward)"},
+        "offers": {"type": "object", "description": "online (count), nodes (node_id, memory_bytes, flops_per_s), "
+                   "left_out (count, why), speed (how flops_per_s was derived), link (bandwidth_bytes_per_s, "
+                   "rtt_s, assumed)"},
+        "plan": {"type": "object", "properties": {
+            "replicas": integer, "step_s": num, "samples_per_s": {"type": ["number", "null"]},
+            "pipelines": {"type": "array", "items": pipeline}}},
+        "refused": {"type": "string", "description": "why no plan fits the nodes online, in one line"}}}
 
 
 def openapi_document() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Owner-facing JSON routes (bearer token): submit, list, status, download, cancel.
+"""Owner-facing JSON routes (bearer token): submit, list, status, pipeline plan, download, cancel.
 
 Who reads what: a job, its status and its models are its owner's and an admin's. An
 auditor judges the evidence (flags with their evidence, the audit log, the nodes: see
@@ -17,7 +17,7 @@ from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
 from ..base.numbers import parse_count
 from .appkeys import BLOBS, CONFIG, LEDGER, METRICS, STORE
 from .httplog import one_line
-from .readmodel import jobs
+from .readmodel import jobs, plans
 from .readmodel.access import job_row
 from .readmodel.models import export_model, model_file_name
 from .wire import json_response, principal
@@ -108,6 +108,13 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def get_job(request: web.Request) -> web.Response:
     who = await principal(request)
     return json_response(await jobs.job_document(request.app, who, request.match_info["job_id"]))
+
+
+@routes.get("/v1/jobs/{job_id}/plan")
+async def get_job_plan(request: web.Request) -> web.Response:
+    """The pipeline plan the job would get on the nodes online now (readmodel/plans.py)."""
+    who = await principal(request)
+    return json_response(await plans.job_plan(request.app, who, request.match_info["job_id"]))
 
 
 @routes.get("/v1/jobs/{job_id}/model")

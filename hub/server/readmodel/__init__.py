@@ -15,6 +15,7 @@ disagree.
 - evidence: a flag's scores against its thresholds, its headline, the referee's segments, the
   per-layer profile against the round's centre
 - nodes: the node overview, assignments by state, a node's history
+- plans: the pipeline plan a job would get on the nodes online now, from their offers
 - audit: the audit log's verification, as the audit queue shows it
 - figures: how a number is written for a reader
 """
