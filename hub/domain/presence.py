@@ -162,6 +162,14 @@ class Presence:
         node.ema_sps = (1 - alpha) * node.ema_sps + alpha * seen
 
     @staticmethod
+    def observe_rtt(node: NodeState, rtt_s: float, alpha: float = 0.2) -> None:
+        """A round trip the hub measured on the node's connection: a moving average, the first
+        sample taken whole."""
+        if not rtt_s > 0:
+            return
+        node.rtt_s = rtt_s if node.rtt_s <= 0 else (1 - alpha) * node.rtt_s + alpha * rtt_s
+
+    @staticmethod
     def count_delivery(node: NodeState, shard: ShardState) -> None:
         """A node's update of ``shard`` was accepted: what its chunk cap grows by."""
         node.updates_accepted += 1

@@ -41,6 +41,9 @@ class NodeState:
     stalls: int = 0  # assignments in a row that expired undelivered (the backoff doubles)
     #: the memory it offers a pipeline stage, from its hello (``--max-memory``; 0: not said)
     max_memory_bytes: int = 0
+    #: the round trip of its connection to the hub, a moving average of the kernel's measure
+    #: (hub/server/linkmeter.py) taken as it asks for work; 0 until measured. Memory only
+    rtt_s: float = 0.0
 
     @property
     def blocks(self) -> set[str]:

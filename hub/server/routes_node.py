@@ -62,6 +62,7 @@ from ..model.node import NodeState
 from ..storage.blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from ..storage.tokens import enrollment_operator
 from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
+from .linkmeter import tcp_rtt_s
 from .manifests import check_streamed_manifest
 from .wire import (
     b64_header,
@@ -106,6 +107,9 @@ async def work(request: web.Request) -> web.Response:
     body = await read_body(request, cfg.max_message_bytes)
     req, signer = open_node_message(request, body, WorkRequest)
     node = ledger.registry.known_node(signer, request.remote)
+    rtt = tcp_rtt_s(request)
+    if rtt is not None:
+        ledger.scheduler.presence.observe_rtt(node, rtt)
     cached = frozenset(req.cached_chunks)
     wait_s = min(float(req.wait_s), cfg.long_poll_max_s)
     loop = asyncio.get_running_loop()

@@ -11,8 +11,9 @@ A node's offer is built from what the hub already keeps of it:
 - speed: its benchmark's training samples/s on the reference model (``NodeState.bench_sps``, what
   ``gpuflex-node bench`` measures on ``REFERENCE_MODEL``) times that model's forward and backward
   FLOPs per sample, measured by the same analysis as the job's units.
-- link: the hub measures no node's bandwidth or round trip, so every node gets
-  ``ASSUMED_LINK`` (a home line), and the answer says so.
+- link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
+  kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
+  not measured yet, so every node gets ``ASSUMED_LINK``'s (a home line). The answer says which.
 
 The analysis and the planner run in a worker thread, off the event loop. A job's analysis
 depends only on its spec, so it is kept per job (``PLAN_CACHE``), with a refusal to cut.
@@ -56,7 +57,9 @@ SPEED_DERIVATION: Final = (
     f"each node's benchmark samples/s on the reference model {REFERENCE_MODEL} (batch 32) times that"
     " model's forward + backward FLOPs per sample, measured by the same analysis as the job's units"
 )
-LINK_ASSUMED: Final = "the hub measures no node's link yet: every node is assumed to have this one"
+LINK_ASSUMED: Final = ("the hub measures no node's bandwidth yet: every node is assumed to have this one; a node's"
+                       " round trip is the kernel's TCP measure of its connection where the hub has one"
+                       " (nodes[].rtt_measured), else this one")
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def node_offers(
             memory_bytes=n.max_memory_bytes,
             flops_per_s=n.bench_sps * flops_per_sample,
             bandwidth_bytes_per_s=ASSUMED_LINK["bandwidth_bytes_per_s"],
-            rtt_s=ASSUMED_LINK["rtt_s"],
+            rtt_s=n.rtt_s if n.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
         )
         for n in online
         if n.max_memory_bytes > 0
@@ -148,7 +151,8 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             "state_bytes": sum(c.state_bytes for c in cut.costs),
             "flops_per_sample": sum(c.flops for c in cut.costs),
         },
-        "offers": _offers_doc(offers, online, unsaid, flops),
+        "offers": _offers_doc(offers, online, unsaid, flops, frozenset(
+            o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0)),
     }
     if not offers and online:
         doc["refused"] = (
@@ -181,11 +185,13 @@ async def _cached_cut(app: web.Application, job_id: str, spec: JobSpec) -> Model
     return cut
 
 
-def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float) -> dict[str, Any]:
+def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
+                measured: frozenset[str]) -> dict[str, Any]:
     return {
         "online": online,
         "nodes": [
-            {"node_id": o.node_id, "memory_bytes": o.memory_bytes, "flops_per_s": o.flops_per_s}
+            {"node_id": o.node_id, "memory_bytes": o.memory_bytes, "flops_per_s": o.flops_per_s,
+             "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured}
             for o in offers
         ],
         "left_out": {
