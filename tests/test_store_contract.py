@@ -204,6 +204,33 @@ async def test_settling_records_flags_and_a_verdict_is_given_once(opened) -> Non
     assert await store.flag("f-unknown") is None
 
 
+async def test_a_proven_mismatch_suspends_its_node_with_the_flag_until_a_verdict(opened) -> None:
+    """The flag that suspends (hub/policy/suspension.py) is written by the settling's one write; a
+    restarted hub loads the node suspended; a verdict on the flag lifts it."""
+    kind, where, store = opened
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+    await store.save_node("gf1-n2", b"j" * 32, PROFILE, bench_sps=1.0, now=1.0)
+    job = await _job(where, store)
+    shard = _carve(job, wanted=2)
+    flags = [Flag("u-1", "gf1-n1", "referee_mismatch", {"referee": {}}),
+             Flag("u-2", "gf1-n2", "referee_mismatch", {"vouched_for": "u-1"})]  # no proof of its own
+    await store.settle_shard(shard, state="dropped", evidence={}, statuses={}, cancelled=[], flags=flags, round=0,
+                             reputations=[], now=5.0)
+    store = await _reopen(kind, where, store)
+    try:
+        nodes = {n.id: n for n in (await store.load()).nodes}
+        assert nodes["gf1-n1"].suspended is not None and "u-1" in nodes["gf1-n1"].suspended
+        assert nodes["gf1-n2"].suspended is None and await store.suspension("gf1-n2") is None
+        (fid,) = await store.query(lambda c: [r[0] for r in c.execute("SELECT id FROM flags WHERE update_id = 'u-1'")])
+        flag = await store.flag(fid)
+        assert flag is not None and flag.suspends
+        await store.decide_flag(fid, status="dismissed", note="", auditor="audrey", now=6.0, reputation=None,
+                                moot_note=None)
+        assert await store.suspension("gf1-n1") is None
+    finally:
+        store.close()
+
+
 async def test_closing_the_last_round_finishes_the_job(opened) -> None:
     kind, where, store = opened
     job = await _job(where, store)
@@ -406,8 +433,14 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
     assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
 
 
+def _undo_suspension_column(conn: sqlite3.Connection) -> None:
+    """Undo schema 7 (a flag that suspends its node)."""
+    conn.execute("ALTER TABLE flags DROP COLUMN suspends")
+
+
 def _undo_silo_columns(conn: sqlite3.Connection) -> None:
-    """Undo schema 6 (a node-local job's silo columns on chunks)."""
+    """Undo schema 6 (a node-local job's silo columns on chunks), and 7 after it."""
+    _undo_suspension_column(conn)
     for column in ("owner_node", "histogram", "registered_at"):
         conn.execute(f"ALTER TABLE chunks DROP COLUMN {column}")
 
@@ -456,6 +489,24 @@ def test_a_version_5_database_gains_the_silo_columns_keeping_its_chunks(tmp_path
     finally:
         db.close()
     assert (row["sha"], row["samples"], row["owner_node"], row["histogram"]) == ("ab", 64, None, None)
+
+
+def test_a_version_6_database_gains_the_suspension_column_its_flags_suspending_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    _undo_suspension_column(conn)
+    conn.executescript("INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, created_at)"
+                       " VALUES ('f-old', 'j', 0, 'u', 'n', 'referee_mismatch', '{}', 0);"
+                       "PRAGMA user_version = 6;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM flags").fetchone()))
+    finally:
+        db.close()
+    assert (row["id"], row["status"], row["suspends"]) == ("f-old", "open", 0)
 
 
 async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened) -> None:

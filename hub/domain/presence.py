@@ -71,17 +71,17 @@ class Presence:
         out = []
         for nid in ids:
             node = self.nodes.get(nid)
-            if node is not None and not node.banned and not node.live:
+            if node is not None and not node.barred and not node.live:
                 out.append(node)
         return out
 
     # -- who is online ------------------------------------------------------------------------
     def is_online(self, node_id: str) -> bool:
-        """Was the node seen within the online window (and is it not banned)?"""
+        """Was the node seen within the online window (and is it neither banned nor suspended)?"""
         node = self.nodes.get(node_id)
         return (
             node is not None
-            and not node.banned
+            and not node.barred
             and time.time() - node.last_seen <= self.online_window_s
         )
 
@@ -89,14 +89,14 @@ class Presence:
         return sum(
             1
             for n in self.nodes.values()
-            if now - n.last_seen <= self.online_window_s and not n.banned
+            if now - n.last_seen <= self.online_window_s and not n.barred
         )
 
     def anyone_else_online(self, node_id: str, now: float) -> bool:
         """Exact, and O(1) in the usual case: stops at the first other online node."""
         window = self.online_window_s
         return any(
-            n.id != node_id and not n.banned and now - n.last_seen <= window
+            n.id != node_id and not n.barred and now - n.last_seen <= window
             for n in self.nodes.values()
         )
 
@@ -109,7 +109,7 @@ class Presence:
             reps = {
                 n.id: n.reputation
                 for n in self.nodes.values()
-                if not n.banned and now - n.last_seen <= self.online_window_s
+                if not n.barred and now - n.last_seen <= self.online_window_s
             }
             self._reps_cache = (now, reps)
         return reps

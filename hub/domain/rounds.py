@@ -76,7 +76,7 @@ class RoundEngine:
         self.referee = RefereeReplays(store=store, blobs=blobs, scheduler=scheduler, metrics=metrics,
                                       signal=signal, audit_secret=audit_secret, poke=self.poke)
         self.settling = ShardSettling(store=store, blobs=blobs, scheduler=scheduler, signal=signal,
-                                      reputations=reputations, referee=self.referee)
+                                      reputations=reputations, referee=self.referee, poke=self.poke)
         self.closing = RoundClosing(store=store, scheduler=scheduler, metrics=metrics, signal=signal,
                                     reputations=reputations,
                                     aggregation=RoundAggregation(blobs=blobs, scheduler=scheduler,
@@ -151,6 +151,7 @@ class RoundEngine:
             before = _secagg_phases(job)
             if job.secagg is not None and not job.secagg.settled:
                 job.secagg.advance(now, self._secagg_expected(job))
+            await self.settling.hold_out_suspended(job)
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
@@ -165,6 +166,7 @@ class RoundEngine:
                         break
                     if not await self.settling.settle(job, shard, state):
                         break
+            await self.settling.hold_out_suspended(job)
             if job.state == "running" and job.round_complete(now, self.scheduler.presence.is_online):
                 await self._close(job)
             if _secagg_phases(job) != before:  # only a move: a waiting poll pokes the engine when it looks

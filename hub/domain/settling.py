@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 
 from ..model.job import JobState, ShardState, UpdateState
 from ..policy import round_policy as policy
+from ..policy import suspension
 from ..policy import verification as vf
 from ..storage.blobs import BlobStore
 from ..storage.store import Store
@@ -23,13 +25,14 @@ class ShardSettling:
     """Decides the open shards of a round whose updates are in (see ``RoundEngine.advance``)."""
 
     def __init__(self, *, store: Store, blobs: BlobStore, scheduler: Scheduler, signal: WorkSignal,
-                 reputations: Reputations, referee: RefereeReplays) -> None:
+                 reputations: Reputations, referee: RefereeReplays, poke: Callable[[str], None]) -> None:
         self.store = store
         self.blobs = blobs
         self.scheduler = scheduler
         self.signal = signal
         self.reputations = reputations
         self.referee = referee
+        self.poke = poke  # the round engine looks at a job again
 
     def replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
         """The policy's view of a shard's replicas (hub/policy/round_policy.py ``ReplicaState``)."""
@@ -112,9 +115,45 @@ class ShardSettling:
             if u.id in statuses:
                 u.status = statuses[u.id]
         self.reputations.apply(touched)
+        self._suspend(decision.flags)
         job.replicated.pop(shard.id, None)
         if not settled:
             job.shards.pop(shard.id, None)
             job.release(shard.chunk_idxs)
         if not settled or cancelled:
             self.signal.offer()  # the chunks back in the pool
+
+    # -- a proven mismatch suspends its node (hub/policy/suspension.py) -------------------------
+    def _suspend(self, flags: Sequence[policy.Flag]) -> None:
+        """Memory follows the store, which wrote the suspension with the flag: the node gets no
+        more work, and every running job holds its pending updates out (``hold_out_suspended``)."""
+        for f in flags:
+            node = self.scheduler.nodes.get(f.node_id)
+            if node is None or node.suspended is not None or not suspension.flag_suspends(f):
+                continue
+            node.suspended = suspension.why(f.reason, f.update_id)
+            for j in self.scheduler.jobs.values():
+                if j.state == "running":
+                    self.poke(j.id)
+
+    def _held(self, node_id: str) -> bool:
+        node = self.scheduler.nodes.get(node_id)
+        return node is not None and node.suspended is not None
+
+    async def hold_out_suspended(self, job: JobState) -> None:
+        """A suspended node's updates in the open round count for nothing: a shard that waits on
+        one (with no referee request open) or stands on one is dropped like any dropped shard,
+        and its chunks go out again."""
+        for shard in list(job.shards.values()):
+            if shard.state == "open" and not shard.requests:
+                held = [u for u in shard.accepted if u.status == "accepted" and self._held(u.node_id)]
+            elif shard.state == "settled":
+                held = [u for u in shard.accepted if u.id == shard.representative and self._held(u.node_id)]
+            else:
+                continue
+            if not held:
+                continue
+            live = {u.id for u in shard.accepted if u.status in ("accepted", "redundant")}
+            await self._apply(job, shard, policy.Drop(
+                "suspended", dict.fromkeys(sorted(live), "excluded"), (), (),
+                {"dropped": "suspended", "nodes": sorted({u.node_id for u in held})}))

@@ -44,6 +44,9 @@ class NodeState:
     #: the round trip of its connection to the hub, a moving average of the kernel's measure
     #: (hub/server/linkmeter.py) taken as it asks for work; 0 until measured. Memory only
     rtt_s: float = 0.0
+    #: why it is suspended (a proven mismatch, hub/policy/suspension.py), None when it is not;
+    #: the store keeps it as the open flag that suspends it
+    suspended: str | None = None
 
     @property
     def blocks(self) -> set[str]:
@@ -74,6 +77,11 @@ class NodeState:
     @property
     def banned(self) -> bool:
         return self.reputation.banned
+
+    @property
+    def barred(self) -> bool:
+        """Banned or suspended: it is given no work."""
+        return self.reputation.banned or self.suspended is not None
 
 
 def peak_flops(benchmark: dict[str, object]) -> float:

@@ -124,6 +124,8 @@ async def work(request: web.Request) -> web.Response:
                 _pass_on(wake, woken, got_work=False)
                 request.app[METRICS].bytes_out += len(asked)
                 return web.Response(body=asked, content_type="application/x-msgpack")
+            if node.suspended is not None:
+                break
             issued = await ledger.assignments.next_assignment(node, cached)
             _pass_on(wake, woken, got_work=issued is not None)
             if issued is not None:
@@ -138,6 +140,8 @@ async def work(request: web.Request) -> web.Response:
     refusal = ledger.scheduler.precision_refusal(node)
     if wake.closing:
         reason, retry = "the hub is shutting down", 2.0
+    elif node.suspended is not None:
+        reason, retry = node.suspended[:256], cfg.node_poll_s
     elif refusal is not None:
         reason, retry = refusal[:256], cfg.node_poll_s
     elif running:

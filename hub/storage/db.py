@@ -30,7 +30,7 @@ from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -188,7 +188,8 @@ CREATE TABLE IF NOT EXISTS flags (
     verdict_note TEXT,
     auditor TEXT,
     created_at REAL NOT NULL,
-    decided_at REAL
+    decided_at REAL,
+    suspends INTEGER NOT NULL DEFAULT 0  -- 1: open, it suspends its node (hub/policy/suspension.py)
 );
 CREATE INDEX IF NOT EXISTS flags_job ON flags (job_id, status);
 -- the referee (hub/policy/referee.py): checkpoint states asked of a node, and the verdict on them
@@ -288,6 +289,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     5: ("ALTER TABLE chunks ADD COLUMN owner_node TEXT",
         "ALTER TABLE chunks ADD COLUMN histogram TEXT",
         "ALTER TABLE chunks ADD COLUMN registered_at REAL"),
+    # ---- 6 -> 7: a proven mismatch suspends its node while its flag is open (hub/policy/suspension.py)
+    6: ("ALTER TABLE flags ADD COLUMN suspends INTEGER NOT NULL DEFAULT 0",),
 }
 
 

@@ -78,6 +78,7 @@ class FlagRecord:
     auditor: str | None
     created_at: float
     decided_at: float | None
+    suspends: bool = False  # a proven mismatch: while open, its node is suspended
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -246,6 +247,10 @@ class FlagStore(Protocol):
         """Record a verdict on an open flag, with the node's new reputation. When `moot_note` is
         given (the verdict banned the node), the node's other open flags become 'moot' with it.
         Returns the decided flag, or None when the flag was no longer open."""
+
+    @abc.abstractmethod
+    async def suspension(self, node_id: str) -> str | None:
+        """Why the node is suspended (an open flag that suspends it), or None."""
 
 
 class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, Protocol):

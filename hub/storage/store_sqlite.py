@@ -33,6 +33,8 @@ from ..model.job import (
     new_id,
 )
 from ..model.node import NodeState, peak_flops
+from ..policy.suspension import flag_suspends
+from ..policy.suspension import why as suspension_why
 from ..policy.verification import Flag, Reputation
 from .db import Database
 from .store import (
@@ -92,10 +94,19 @@ def _reputation_row(node_id: str, r: Reputation) -> tuple[int, int, int, int, in
 
 def insert_flags(conn: sqlite3.Connection, job_id: str, round_: int, flags: Sequence[Flag], now: float) -> None:
     conn.executemany(
-        "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
-        [(new_id("f"), job_id, round_, f.update_id, f.node_id, f.reason, _json(f.evidence), now)
-         for f in flags])
+        "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at, suspends)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
+        [(new_id("f"), job_id, round_, f.update_id, f.node_id, f.reason, _json(f.evidence), now,
+          int(flag_suspends(f))) for f in flags])
+
+
+def _suspensions(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, str]:
+    """node id -> why it is suspended: its oldest open flag that suspends (hub/policy/suspension.py)."""
+    order = " ORDER BY created_at DESC, id DESC"
+    sql = "SELECT node_id, reason, update_id FROM flags WHERE status = 'open' AND suspends = 1"
+    rows = (conn.execute(sql + order) if node_id is None
+            else conn.execute(sql + " AND node_id = ?" + order, (node_id,))).fetchall()
+    return {r["node_id"]: suspension_why(r["reason"], r["update_id"]) for r in rows}
 
 
 def _end_live(conn: sqlite3.Connection, ids: Sequence[str], state: str) -> None:
@@ -118,7 +129,7 @@ def flag_record(row: sqlite3.Row) -> FlagRecord:
         id=row["id"], job_id=row["job_id"], round=row["round"], update_id=row["update_id"],
         node_id=row["node_id"], reason=row["reason"], evidence=json.loads(row["evidence"] or "{}"),
         status=row["status"], verdict_note=row["verdict_note"], auditor=row["auditor"],
-        created_at=row["created_at"], decided_at=row["decided_at"])
+        created_at=row["created_at"], decided_at=row["decided_at"], suspends=bool(row["suspends"]))
 
 
 #: the ``states`` value of a step the node said it no longer holds (no blob is ever named so)
@@ -436,6 +447,9 @@ class SqlFlags(_SqlRows, FlagStore):
 
         return await self.db.write(write)
 
+    async def suspension(self, node_id: str) -> str | None:
+        return await self.db.read(lambda c: _suspensions(c, node_id).get(node_id))
+
 
 class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
@@ -454,6 +468,9 @@ class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, Sq
     async def load(self) -> LoadedState:
         def read(conn: sqlite3.Connection) -> LoadedState:
             nodes = [_node(r) for r in conn.execute("SELECT * FROM nodes").fetchall()]
+            suspended = _suspensions(conn)
+            for n in nodes:
+                n.suspended = suspended.get(n.id)
             jobs, broken = _load_jobs(conn)
             return LoadedState(nodes, jobs, broken)
 

@@ -63,6 +63,8 @@ class Assignments:
         node.last_seen = time.time()
         if node.banned:
             raise Forbidden(BANNED, code="banned")
+        if node.suspended is not None:  # no new work, nor a held assignment handed out again
+            return None
         held = [a for a in self.scheduler.live_for(node.id) if not a.uploading]
         if held:
             first = min(held, key=lambda a: a.issued_at)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ...base.errors import BadRequest, Conflict, NotFound
 from ...policy.admission import Admission
-from ...policy.verification import record_verdict
+from ...policy.suspension import record_verdict
 from ...storage.auditlog import AuditLog, verdict_body
 from ...storage.store import FlagRecord, Store
 from ...storage.tokens import Principal
@@ -62,13 +62,14 @@ class Flags:
                 raise Conflict(f"flag {flag_id} already has a verdict ({flag.status})", code="already_decided")
             node = self.scheduler.nodes.get(flag.node_id)
             before = node.reputation if node is not None else None
-            after = record_verdict(before, verdict) if before is not None else None
+            after = record_verdict(before, verdict, flag.suspends) if before is not None else None
             newly_banned = bool(after and after.banned and before and not before.banned)
             banned = bool(after and after.banned)
             sha = await self.store.update_sha(flag.update_id)
             await asyncio.to_thread(self.audit.append, "verdict", verdict_body(
                 flag_id=flag_id, node_id=flag.node_id, update=sha or flag.update_id, reason=flag.reason,
-                verdict=verdict, auditor=who.name, note=note, job_id=flag.job_id, banned=banned))
+                verdict=verdict, auditor=who.name, note=note, job_id=flag.job_id, banned=banned,
+                **_suspension_note(flag, verdict)))
             decided = await self.store.decide_flag(
                 flag_id, status=status, note=note, auditor=who.name, now=time.time(),
                 reputation=(flag.node_id, after) if after is not None else None,
@@ -80,6 +81,18 @@ class Flags:
                 if newly_banned:  # its block and operator cool down (hub/policy/admission.py)
                     node.banned_at = time.time()
                     self.admission.banned(node.blocks, node.operator, node.banned_at)
+            if node is not None and flag.suspends:  # lifted unless another open flag suspends it
+                node.suspended = await self.store.suspension(flag.node_id)
         if newly_banned:
             self.signal.for_node(flag.node_id)  # its long-polls answer "banned" now
+        elif flag.suspends:
+            self.signal.offer()  # work for it again, when nothing else suspends it
         return Verdict(decided, banned, newly_banned)
+
+
+def _suspension_note(flag: FlagRecord, verdict: str) -> dict[str, str]:
+    """For the audit log: what a verdict does to the suspension its flag holds
+    (hub/policy/suspension.py); nothing for a flag that suspends nothing."""
+    if not flag.suspends:
+        return {}
+    return {"suspension": "confirmed: the node is banned" if verdict == "confirm" else "lifted: the flag is dismissed"}

@@ -335,6 +335,8 @@ def node_view(n: Mapping[str, Any]) -> dict[str, Any]:
     run = int(rep.get("consecutive_agreements", 0))
     if n.get("banned"):
         label, cls = f"banned ({confirmed} confirmed)", "banned"
+    elif n.get("suspended"):
+        label, cls = "suspended (a proven mismatch awaits an auditor)", "bad"
     elif confirmed:
         label, cls = f"suspect ({confirmed} confirmed)", "bad"
     elif run >= TRUSTED_RUN:

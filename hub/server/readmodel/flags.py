@@ -30,7 +30,8 @@ def _flag_dict(r: sqlite3.Row) -> dict[str, Any]:
 async def list_flags_for(
     app: web.Application, who: Principal, status: str | None = None, job: str | None = None
 ) -> list[dict[str, Any]]:
-    """Flags visible to `who` (auditors/admins: all; owners: their jobs'), oldest first."""
+    """Flags visible to `who` (auditors/admins: all; owners: their jobs'): the open flags that
+    suspend a node first (hub/policy/suspension.py), then oldest first."""
     if status is not None and status not in FLAG_STATUSES:
         raise BadRequest(f"status must be one of {', '.join(FLAG_STATUSES)}", code="bad_status")
     if job is not None and len(job) > 64:
@@ -44,7 +45,8 @@ async def list_flags_for(
     if job:
         sql += " AND f.job_id = ?"
         params.append(job)
-    sql += " ORDER BY f.created_at, f.id LIMIT 10000"
+    sql += (" ORDER BY CASE WHEN f.status = 'open' AND f.suspends = 1 THEN 0 ELSE 1 END, f.created_at, f.id"
+            " LIMIT 10000")
     rows = await app[STORE].query(lambda c: c.execute(sql, params).fetchall())
     return [_flag_dict(r) for r in rows]
 

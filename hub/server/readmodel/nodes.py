@@ -85,6 +85,9 @@ async def nodes_overview(app: web.Application, who: Principal) -> list[dict[str,
             d["last_block"] = live.last_block or d["last_block"]
             d["probation"] = live.reputation.probation
         d["online"] = now - d["last_seen"] <= app[CONFIG].online_window_s
+        # a proven mismatch suspends it until an auditor's verdict (hub/policy/suspension.py)
+        d["suspension"] = live.suspended if live is not None else None
+        d["suspended"] = d["suspension"] is not None
         out.append(d)
     return out
 
