@@ -112,6 +112,7 @@ async def _suspend_a_forger(s: aiohttp.ClientSession, hub: RunningHub, tmp_path:
     assert node["suspended"] and "referee_mismatch" in node["suspension"]
     (flag,) = flags
     assert (flag["reason"], flag["node_id"], flag["suspends"]) == ("referee_mismatch", forger.node_id, True)
+    assert flag["suspends"] is True
     conn = open_store(hub.data_dir)
     try:
         (pending,) = [r[0] for r in conn.execute("SELECT id FROM updates WHERE assignment_id = ?",

@@ -56,7 +56,10 @@ _COMPUTE_CLASS: dict[str, Any] = {"type": "object", "description": "the node's C
 _NODE: dict[str, Any] = {"type": "object", "required": ["id", "compute_class", "class_keys"], "properties": {
     "id": {"type": "string"}, "compute_class": _COMPUTE_CLASS,
     "class_keys": {"type": "object", "additionalProperties": {"type": "string"},
-                   "description": "precision -> canonical class key (protocol/compute.class_key)"}}}
+                   "description": "precision -> canonical class key (protocol/compute.class_key)"},
+    "suspended": {"type": "boolean", "description": "a proven mismatch (an open flag that suspends it): "
+                  "no work until an auditor dismisses the flag (lifted) or confirms it (banned)"},
+    "suspension": {"type": ["string", "null"], "description": "why it is suspended, in one line"}}}
 
 
 def _ops_paths() -> dict[str, Any]:
@@ -376,6 +379,8 @@ def _schemas() -> dict[str, Any]:
             "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible",
                                 "referee_mismatch", "unverifiable"]},
             "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed", "moot"]},
+            "suspends": {"type": "boolean", "description": "a proven mismatch: while open, its node is "
+                         "suspended (no work, pending updates held out); listed first in the queue"},
             "verdict_note": {"type": ["string", "null"]}, "auditor": {"type": ["string", "null"]},
             "job_name": {"type": "string"}, "round_evidence": {"type": "object"},
             "update": {"type": "object"},

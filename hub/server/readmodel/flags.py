@@ -24,6 +24,7 @@ FLAG_STATUSES = ("open", "confirmed", "dismissed", "moot")
 def _flag_dict(r: sqlite3.Row) -> dict[str, Any]:
     d = dict(r)
     d["evidence"] = json.loads(d["evidence"] or "{}")
+    d["suspends"] = bool(d.get("suspends"))
     return d
 
 
@@ -161,12 +162,14 @@ def job_flags(conn: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
 async def flags_overview(
     app: web.Application, who: Principal, status: str | None
 ) -> list[dict[str, Any]]:
-    """The console's audit queue: GET /v1/flags's list (same scoping), newest first, with job names."""
+    """The console's audit queue: GET /v1/flags's list (same scoping), the open flags that suspend a
+    node first, then newest first, with job names."""
     found = await list_flags_for(app, who, status=status)
     names = await app[STORE].query(job_names)
     for f in found:
         f["job_name"] = names.get(f["job_id"], f["job_id"])
     found.reverse()
+    found.sort(key=lambda f: not (f["status"] == "open" and f["suspends"]))  # stable: newest first within
     return found
 
 
