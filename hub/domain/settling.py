@@ -141,19 +141,22 @@ class ShardSettling:
         return node is not None and node.suspended is not None
 
     async def hold_out_suspended(self, job: JobState) -> None:
-        """A suspended node's updates in the open round count for nothing: a shard that waits on
-        one (with no referee request open) or stands on one is dropped like any dropped shard,
-        and its chunks go out again."""
+        """A suspended node's work in the open round counts for nothing: a shard that waits on
+        one of its updates (with no referee request open), stands on one, or is out only to it
+        (a live assignment and nothing else) is dropped like any dropped shard, and its chunks go
+        out again."""
         for shard in list(job.shards.values()):
             if shard.state == "open" and not shard.requests:
-                held = [u for u in shard.accepted if u.status == "accepted" and self._held(u.node_id)]
+                held = {u.node_id for u in shard.accepted if u.status == "accepted" and self._held(u.node_id)}
+                if not shard.accepted and shard.live and all(self._held(a.node_id) for a in shard.live.values()):
+                    held = {a.node_id for a in shard.live.values()}
             elif shard.state == "settled":
-                held = [u for u in shard.accepted if u.id == shard.representative and self._held(u.node_id)]
+                held = {u.node_id for u in shard.accepted if u.id == shard.representative and self._held(u.node_id)}
             else:
                 continue
             if not held:
                 continue
-            live = {u.id for u in shard.accepted if u.status in ("accepted", "redundant")}
+            left_out = {u.id for u in shard.accepted if u.status in ("accepted", "redundant")}
             await self._apply(job, shard, policy.Drop(
-                "suspended", dict.fromkeys(sorted(live), "excluded"), (), (),
-                {"dropped": "suspended", "nodes": sorted({u.node_id for u in held})}))
+                "suspended", dict.fromkeys(sorted(left_out), "excluded"), (), (),
+                {"dropped": "suspended", "nodes": sorted(held)}))
