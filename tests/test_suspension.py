@@ -220,3 +220,11 @@ def test_confirming_a_suspending_flag_bans_at_once_and_dismissing_it_does_not() 
     assert suspension.record_verdict(rep, "confirm", True).banned
     assert not suspension.record_verdict(rep, "confirm", False).banned  # three confirmed flags ban
     assert not suspension.record_verdict(rep, "dismiss", True).banned
+
+
+def test_audit_show_says_a_node_is_suspended_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuflex.hub.ops import cli_audit
+
+    why = suspension.why("referee_mismatch", "u-1")
+    cli_audit._print_node({"id": "gf1-x", "online": True, "suspended": True, "suspension": why})
+    assert f"state       SUSPENDED ({why}), online" in capsys.readouterr().out

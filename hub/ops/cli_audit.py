@@ -165,6 +165,8 @@ def _print_flag(flag: dict[str, Any]) -> None:
 def _print_node(node: dict[str, Any]) -> None:
     print(f"\nnode {node['id']}")
     state = "BANNED" if node.get("banned") else ("online" if node.get("online") else "offline")
+    if node.get("suspended") and not node.get("banned"):
+        state = f"SUSPENDED ({node.get('suspension')}), {state}"
     print(f"  state       {state}, software {node.get('software_version', '?')}")
     print(f"  registered  {format_time(node.get('registered_at'))}")
     print(f"  last seen   {format_time(node.get('last_seen'))}")
