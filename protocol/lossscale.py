@@ -22,7 +22,10 @@ class LossScaler:
     ``from_state``) is part of a training checkpoint, so the referee replays the skipped steps.
     """
 
-    def __init__(self, device: torch.device, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+    #: the scale a new scaler starts from (GradScaler's)
+    INIT_SCALE = 2.0**16
+
+    def __init__(self, device: torch.device, *, init_scale: float = INIT_SCALE, growth_interval: int = 2000) -> None:
         self.scale = torch.full((), init_scale, dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)

@@ -287,9 +287,8 @@ def _fresh_scaler(start: Mapping[str, Tensor]) -> bool:
     scale, growth = start.get("amp.scale"), start.get("amp.growth")
     if scale is None and growth is None:
         return True
-    fresh = LossScaler(torch.device("cpu"))
     return (scale is not None and growth is not None and scale.numel() == 1 and growth.numel() == 1
-            and float(scale.reshape(())) == float(fresh.scale) and int(growth.reshape(())) == 0)
+            and float(scale.reshape(())) == LossScaler.INIT_SCALE and int(growth.reshape(())) == 0)
 
 
 def segment_distance(start: Mapping[str, Tensor], committed_end: Mapping[str, Tensor],

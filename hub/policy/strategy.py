@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 import torch
 from gpuflex.protocol.jobspec import JobSpec, strategy_of
@@ -245,9 +245,8 @@ def strategy_for(ctx: StrategyContext) -> Strategy:
 # -- the strategies ------------------------------------------------------------------------------
 
 
-class _SpecRule:
-    """A rule of ``aggregation.aggregate`` (the spec's method, clip_norm...) weighted by samples,
-    stepping the model with the spec's server optimizer."""
+class _FromSpec:
+    """A strategy that needs only the job's spec, and opens the updates."""
 
     opens_updates: ClassVar[bool] = True
 
@@ -255,8 +254,13 @@ class _SpecRule:
         self.spec = spec
 
     @classmethod
-    def from_context(cls, ctx: StrategyContext) -> _SpecRule:
+    def from_context(cls, ctx: StrategyContext) -> Self:
         return cls(spec=ctx.spec)
+
+
+class _SpecRule(_FromSpec):
+    """A rule of ``aggregation.aggregate`` (the spec's method, clip_norm...) weighted by samples,
+    stepping the model with the spec's server optimizer."""
 
     def configure(self, contributions: Sequence[Contribution]) -> RoundPlan:
         return RoundPlan(tuple(c.update_id for c in contributions), sample_weighting(contributions))
@@ -302,19 +306,10 @@ for _method in ("median", "trimmed_mean", "krum", "multi_krum", "bulyan"):
 
 
 @register("central_dp")
-class CentralDP:
+class CentralDP(_FromSpec):
     """Central differential privacy (privacy.py): every included update clipped to the privacy
     clip, averaged with equal weights, Gaussian noise on the mean before the server optimizer
     steps (post-processing)."""
-
-    opens_updates: ClassVar[bool] = True
-
-    def __init__(self, *, spec: JobSpec) -> None:
-        self.spec = spec
-
-    @classmethod
-    def from_context(cls, ctx: StrategyContext) -> CentralDP:
-        return cls(spec=ctx.spec)
 
     def configure(self, contributions: Sequence[Contribution]) -> RoundPlan:
         return RoundPlan(
