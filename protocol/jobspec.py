@@ -291,6 +291,24 @@ class PrivacySpec:
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """[pipeline]: the model is cut into stages that run on different nodes (docs/pipeline.md).
+    A step trains ``[train] batch_size`` samples, split into micro-batches."""
+
+    #: stages per pipeline; 0: the planner chooses (the fewest that fit, balanced by speed)
+    stages: int = 0
+    #: micro-batches per step; 0: the planner chooses
+    micro_batches: int = 0
+    #: "auto" (the planner's choice), "gpipe" or "1f1b"
+    schedule: str = "auto"
+    #: optimizer steps of the whole job
+    steps: int = 100
+    #: every stage's state goes to the hub's blob store every this many steps (and at the end);
+    #: a lost stage node sends every stage back to the last step all of them saved
+    checkpoint_every: int = 10
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     model: ModelSpec
@@ -301,6 +319,8 @@ class JobSpec:
     verification: VerificationSpec = field(default_factory=VerificationSpec)
     communication: CommunicationSpec = field(default_factory=CommunicationSpec)
     privacy: PrivacySpec = field(default_factory=PrivacySpec)
+    #: None: data-parallel (every node holds the whole model)
+    pipeline: PipelineSpec | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -642,7 +662,29 @@ def _norm_bound(value: float) -> float:
     return value
 
 
-SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification", "communication", "privacy")
+SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification", "communication", "privacy",
+                   "pipeline")
+
+
+def _pipeline(s: _Section, train: TrainSpec, data: DataSpec, privacy: PrivacySpec) -> PipelineSpec:
+    d = PipelineSpec()  # the defaults live in the dataclass only
+    spec = PipelineSpec(
+        stages=s.get_int("stages", d.stages, 0, 1024),
+        micro_batches=s.get_int("micro_batches", d.micro_batches, 0, 1 << 16),
+        schedule=s.get_choice("schedule", d.schedule, ("auto", "gpipe", "1f1b")),
+        steps=s.get_int("steps", d.steps, 1, 1 << 40),
+        checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 1, 1 << 30),
+    )
+    if spec.stages == 1:
+        raise SpecError("pipeline.stages: 0 (the planner's choice) or at least 2, got 1")
+    if spec.micro_batches > train.batch_size:
+        raise SpecError(f"pipeline.micro_batches: {spec.micro_batches} micro-batches cannot split "
+                        f"train.batch_size = {train.batch_size} samples")
+    if data.node_local:
+        raise SpecError("pipeline: a pipelined job trains on the hub's data; node-local silos are not supported")
+    if privacy.dp != "off" or privacy.secure_aggregation:
+        raise SpecError("pipeline: a pipelined job has no updates to privatise; remove [privacy]")
+    return spec
 
 
 def parse_job_spec(text: str | bytes) -> JobSpec:
@@ -689,13 +731,18 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     communication = _communication(sections["communication"], model)
     privacy = _privacy(sections["privacy"], data, aggregation, communication)
     aggregation = _strategy(sections["aggregation"], aggregation, privacy)
+    pipeline = None
+    if "pipeline" in doc:
+        pipeline_section = _Section(doc["pipeline"], "pipeline")
+        pipeline = _pipeline(pipeline_section, train, data, privacy)
+        pipeline_section.finish()
     for section in sections.values():
         section.finish()
     if communication.tolerance:
         verification = dataclasses.replace(
             verification, tolerance=verification.tolerance + communication.tolerance,
             cross_class_tolerance=verification.cross_class_tolerance + communication.tolerance)
-    return JobSpec(name, model, train, data, aggregation, verification, communication, privacy)
+    return JobSpec(name, model, train, data, aggregation, verification, communication, privacy, pipeline)
 
 
 def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
@@ -713,6 +760,7 @@ __all__ = [
     "CommunicationSpec",
     "DataSpec",
     "JobSpec",
+    "PipelineSpec",
     "PrivacySpec",
     "TrainSpec",
     "VerificationSpec",

@@ -561,6 +561,9 @@ class RelayHeader:
     size: Count
     timestamp: Timestamp
     nonce: Nonce
+    #: the pipeline plan's generation (StageAssignment.generation); a re-plan starts a new one,
+    #: and the relay refuses a message of any other (code ``stale_generation``)
+    generation: Annotated[int, Int(0, 1 << 31)] = 0
 
 
 @dataclass(frozen=True)
@@ -578,13 +581,110 @@ class RelayTake:
     wait_s: Annotated[float, Float(0.0, 60.0)]
     timestamp: Timestamp
     nonce: Nonce
+    generation: Annotated[int, Int(0, 1 << 31)] = 0
+
+
+# -- pipelined jobs (hub/domain/pipelines; node/pipeline/worker) -------------------------------------
+PIPELINE_SCHEDULES: Final = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """One pipeline unit's durable state at a step: a GFT1 blob (content-addressed) holding the
+    unit's parameters and buffers under their unit names and its optimizer state under
+    ``"optim.<slot>.<name>"`` (the node's stage worker writes it)."""
+
+    unit: Annotated[int, Int(0, 1 << 16)]
+    sha256: BlobIdStr
+    size: Count
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """Hub -> node, an answer to POST /v1/work: run stage ``stage`` (units ``unit_start`` up to
+    ``unit_end``) of ``job_id``'s pipeline, generation ``generation``, for steps ``first_step``
+    up to ``end_step``; sealed by the hub like an Assignment.
+
+    ``stage_nodes``/``stage_keys``/``stage_starts``: each stage's node id, its public key (the
+    relay's sender check) and its first unit. ``unit_states``: the state of each of this stage's
+    units at ``first_step`` (empty at step 0: the units come from the job's model, ``model_hash``).
+    ``chunks``: the job's data, on the first and the last stage (empty in between). The step's
+    samples and micro-batches come from protocol/pipeline.py's ``step_samples`` and
+    ``micro_batch_slices``. Every ``checkpoint_every`` steps, and at ``end_step``, the stage
+    uploads each unit's state (UnitCheckpoint)."""
+
+    KIND: ClassVar[str] = "stage_assignment"
+    job_id: IdStr
+    generation: Annotated[int, Int(1, 1 << 31)]
+    node_id: IdStr
+    stage: Annotated[int, Int(0, 1 << 10)]
+    unit_start: Annotated[int, Int(0, 1 << 16)]
+    unit_end: Annotated[int, Int(1, 1 << 16)]
+    stage_nodes: Annotated[tuple[str, ...], Seq(Text(64, pattern=ID_RE), 1024)]
+    stage_keys: Annotated[tuple[bytes, ...], Seq(Blob(32), 1024)]
+    stage_starts: Annotated[tuple[int, ...], Seq(Int(0, 1 << 16), 1024)]
+    model_spec: Annotated[dict[str, Any], ModelSpecDict()]
+    model_hash: BlobIdStr
+    model_size: Count
+    unit_states: Annotated[tuple[UnitState, ...], Seq(Nested(UnitState), MAX_LIST)]
+    chunks: Annotated[tuple[ChunkRef, ...], Seq(Nested(ChunkRef), MAX_LIST)]
+    train: Annotated[TrainConfig, Nested(TrainConfig)]
+    seed: Count
+    batch_size: Annotated[int, Int(1, 1 << 24)]
+    micro_batches: Annotated[int, Int(1, 1 << 16)]
+    schedule: Annotated[str, Text(8, choices=PIPELINE_SCHEDULES)]
+    first_step: Annotated[int, Int(0, 1 << 40)]
+    end_step: Annotated[int, Int(1, 1 << 40)]
+    checkpoint_every: Annotated[int, Int(1, 1 << 30)]
+    issued_at: Timestamp
+
+
+@dataclass(frozen=True)
+class UnitCheckpoint:
+    """Node -> hub, POST /v1/pipeline/checkpoint (header X-GPUFlex-Auth; the body is the unit's
+    GFT1 state of ``size`` bytes and SHA-256 ``sha256``): unit ``unit``'s state once ``step``
+    steps are applied (steps 0 to ``step`` - 1; a resumed stage starts with step ``step``). The
+    hub answers a sealed Ack once the blob and its record are durable."""
+
+    KIND: ClassVar[str] = "unit_checkpoint"
+    job_id: IdStr
+    generation: Annotated[int, Int(1, 1 << 31)]
+    stage: Annotated[int, Int(0, 1 << 10)]
+    unit: Annotated[int, Int(0, 1 << 16)]
+    step: Annotated[int, Int(1, 1 << 40)]
+    sha256: BlobIdStr
+    size: Count
+    timestamp: Timestamp
+    nonce: Nonce
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """Node -> hub, POST /v1/pipeline/report: stage ``stage`` finished ``steps_done`` steps (the
+    number applied, counted from step 0), its last step took ``step_s`` (wall clock, waits
+    included) and ``compute_s`` of it computing; ``loss`` is that step's mean loss on the last
+    stage (None elsewhere). ``failed`` (non-empty): the stage stopped, and why (a peer's tensor
+    did not come, a bad tensor); the hub re-plans. The answer is a sealed Ack: ok=False means
+    this generation is over (re-planned or the job ended): stop and ask for work again."""
+
+    KIND: ClassVar[str] = "stage_report"
+    job_id: IdStr
+    generation: Annotated[int, Int(1, 1 << 31)]
+    stage: Annotated[int, Int(0, 1 << 10)]
+    steps_done: Annotated[int, Int(0, 1 << 40)]
+    step_s: Annotated[float, Float(0.0, 1e6)]
+    compute_s: Annotated[float, Float(0.0, 1e6)]
+    loss: OptFloat
+    failed: ShortText
+    timestamp: Timestamp
+    nonce: Nonce
 
 
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
            | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
            | SiloWithdrawal
            | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask
-           | RelayHeader | RelayTake)
+           | RelayHeader | RelayTake | StageAssignment | UnitCheckpoint | StageReport)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -612,6 +712,9 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     SecAggUnmask,
     RelayHeader,
     RelayTake,
+    StageAssignment,
+    UnitCheckpoint,
+    StageReport,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -685,6 +788,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MESSAGE_KINDS",
     "MESSAGE_TYPES",
+    "PIPELINE_SCHEDULES",
     "PRECISIONS",
     "RELAY_KINDS",
     "SECAGG_PHASES",
@@ -716,10 +820,14 @@ __all__ = [
     "SiloRegistration",
     "SiloSchema",
     "SiloWithdrawal",
+    "StageAssignment",
+    "StageReport",
     "StateRequest",
     "StateUnavailable",
     "StateUpload",
     "TrainConfig",
+    "UnitCheckpoint",
+    "UnitState",
     "UnmaskShare",
     "UpdateHeader",
     "UploadOffset",

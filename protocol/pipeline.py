@@ -32,7 +32,17 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
-__all__ = ["TiedGroup", "Unit", "Units", "cut_state", "load_unit", "pipeline_units", "put_state"]
+__all__ = [
+    "TiedGroup",
+    "Unit",
+    "Units",
+    "cut_state",
+    "load_unit",
+    "micro_batch_slices",
+    "pipeline_units",
+    "put_state",
+    "step_samples",
+]
 
 #: layers that start a unit of a stack: the ones with weights
 WEIGHTED: Final = ("Linear", "Conv1d", "Conv2d", "Embedding")
@@ -163,3 +173,47 @@ def load_unit(
         unit_state = {k: v.detach().to(target, copy=True) for k, v in unit_state.items()}
     module.load_state_dict(dict(unit_state), strict=True, assign=True)
     return module
+
+
+# -- which samples a pipelined job's step trains on ---------------------------------------------
+
+
+def step_samples(seed: int, step: int, batch_size: int, total: int) -> list[int]:
+    """The dataset indices step ``step`` of a pipelined job trains on: the data in epochs of a
+    fresh permutation each (keyed by ``seed`` and the epoch, torch's CPU generator, the same on
+    every machine), ``batch_size`` consecutive indices of it per step, a step that crosses an
+    epoch's end continuing into the next permutation. Every stage that reads data (the first
+    and the last) and a single process replaying the job draw the same indices."""
+    import torch
+
+    if total < 1 or batch_size < 1 or step < 0:
+        raise ValueError(f"step_samples needs total >= 1, batch_size >= 1, step >= 0; got "
+                         f"{total}, {batch_size}, {step}")
+    out: list[int] = []
+    position = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(position, total)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (1 << 63))
+        perm = torch.randperm(total, generator=gen)
+        take = min(batch_size - len(out), total - offset)
+        out.extend(int(i) for i in perm[offset : offset + take])
+        position += take
+    return out
+
+
+def micro_batch_slices(batch_size: int, micro_batches: int) -> list[tuple[int, int]]:
+    """How a step's ``batch_size`` samples split into ``micro_batches`` contiguous micro-batches,
+    as (start, end): as even as possible, the larger ones first. ValueError when a micro-batch
+    would be empty."""
+    if micro_batches < 1 or batch_size < micro_batches:
+        raise ValueError(
+            f"{batch_size} samples cannot make {micro_batches} non-empty micro-batches"
+        )
+    size, extra = divmod(batch_size, micro_batches)
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i in range(micro_batches):
+        end = start + size + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

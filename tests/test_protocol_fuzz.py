@@ -58,9 +58,13 @@ from gpuflex.protocol.messages import (
     SiloRegistration,
     SiloSchema,
     SiloWithdrawal,
+    StageAssignment,
+    StageReport,
     StateRequest,
     StateUnavailable,
     StateUpload,
+    UnitCheckpoint,
+    UnitState,
     UnmaskShare,
     UploadOffset,
 )
@@ -133,7 +137,15 @@ SAMPLES: list[Any] = [
         "as-3", "6" * 64, 2_000_000, 64, {"loss": 0.3}, {"train_s": 1.5}, 1000.0, NONCE, None, 700_000,
     ),
     RelayHeader("job-1", 7, 2, "activation", 1, 2, "a" * 64, 4096, 1000.0, NONCE),
-    RelayTake("job-1", 7, 2, "gradient", 2, 1, 30.0, 1000.0, NONCE),
+    RelayTake("job-1", 7, 2, "gradient", 2, 1, 30.0, 1000.0, NONCE, 3),
+    StageAssignment(
+        "job-1", 3, "gf1-a", 1, 2, 4, ("gf1-a", "gf1-b", "gf1-c"), (b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
+        (0, 2, 4), SPEC.to_dict(), "c" * 64, 9000, (UnitState(2, "d" * 64, 4096), UnitState(3, "e" * 64, 4096)),
+        (), TrainConfig(1, 32, "adam", 1e-3, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 1.0), 7, 32, 4, "1f1b",
+        20, 100, 10, 1000.0,
+    ),
+    UnitCheckpoint("job-1", 3, 1, 2, 30, "d" * 64, 4096, 1000.0, NONCE),
+    StageReport("job-1", 3, 2, 31, 0.25, 0.2, 2.5, "", 1000.0, NONCE),
 ]
 WIRE = [encode_message(m) for m in SAMPLES]
 KEY = SigningKey.from_seed(b"\x01" * 32)

@@ -34,6 +34,7 @@ from gpuflex.protocol import (
 )
 from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
+    PIPELINE_SCHEDULES,
     PRECISIONS,
     RELAY_KINDS,
     SECAGG_PHASES,
@@ -54,9 +55,13 @@ from gpuflex.protocol.messages import (
     SiloRegistration,
     SiloSchema,
     SiloWithdrawal,
+    StageAssignment,
+    StageReport,
     StateRequest,
     StateUnavailable,
     StateUpload,
+    UnitCheckpoint,
+    UnitState,
     UnmaskShare,
     UploadOffset,
     peek_kind,
@@ -255,7 +260,27 @@ MESSAGES = {
     RelayTake: st.builds(RelayTake, job_id=ids, step=st.integers(0, 1 << 40), micro_batch=st.integers(0, 1 << 16),
                          carries=st.sampled_from(RELAY_KINDS), stage=st.integers(0, 1 << 10),
                          to_stage=st.integers(0, 1 << 10), wait_s=st.floats(0.0, 60.0), timestamp=timestamps,
-                         nonce=nonces),
+                         nonce=nonces, generation=st.integers(0, 1 << 31)),
+    StageAssignment: st.builds(
+        StageAssignment, job_id=ids, generation=st.integers(1, 1 << 31), node_id=ids, stage=st.integers(0, 1 << 10),
+        unit_start=st.integers(0, 1 << 16), unit_end=st.integers(1, 1 << 16),
+        stage_nodes=st.lists(ids, max_size=4).map(tuple), stage_keys=st.lists(keys32, max_size=4).map(tuple),
+        stage_starts=st.lists(st.integers(0, 1 << 16), max_size=4).map(tuple), model_spec=model_specs,
+        model_hash=blob_ids, model_size=counts,
+        unit_states=st.lists(st.builds(UnitState, unit=st.integers(0, 1 << 16), sha256=blob_ids, size=counts),
+                             max_size=4).map(tuple),
+        chunks=st.lists(st.builds(ChunkRef, sha256=blob_ids, size=counts, samples=counts), max_size=3).map(tuple),
+        train=train_configs, seed=counts, batch_size=st.integers(1, 1 << 24), micro_batches=st.integers(1, 1 << 16),
+        schedule=st.sampled_from(PIPELINE_SCHEDULES), first_step=st.integers(0, 1 << 40),
+        end_step=st.integers(1, 1 << 40), checkpoint_every=st.integers(1, 1 << 30), issued_at=timestamps),
+    UnitCheckpoint: st.builds(
+        UnitCheckpoint, job_id=ids, generation=st.integers(1, 1 << 31), stage=st.integers(0, 1 << 10),
+        unit=st.integers(0, 1 << 16), step=st.integers(1, 1 << 40), sha256=blob_ids, size=counts,
+        timestamp=timestamps, nonce=nonces),
+    StageReport: st.builds(
+        StageReport, job_id=ids, generation=st.integers(1, 1 << 31), stage=st.integers(0, 1 << 10),
+        steps_done=st.integers(0, 1 << 40), step_s=st.floats(0.0, 1e6), compute_s=st.floats(0.0, 1e6),
+        loss=st.none() | st.floats(0.0, 1e6), failed=texts, timestamp=timestamps, nonce=nonces),
 }
 
 
