@@ -188,6 +188,9 @@ class Hello:
     #: the memory the node offers a pipeline stage, in bytes (``gpuflex-node run --max-memory``,
     #: by default what its device has free); 0 = not said
     max_memory_bytes: Annotated[int, Int(0, MAX_MEMORY_BYTES)] = 0
+    #: "host:port" where this node accepts other stages' tensors directly (``gpuflex-node run
+    #: --stage-listen``); "" = behind NAT: its stages talk through the hub's relay only
+    stage_address: Annotated[str, Text(128)] = ""
 
 
 @dataclass(frozen=True)
@@ -529,6 +532,8 @@ class StageAssignment:
     end_step: Annotated[int, Int(1, 1 << 40)]
     checkpoint_every: Annotated[int, Int(1, 1 << 30)]
     issued_at: Timestamp
+    #: each stage's direct address (its Hello.stage_address; "" = through the relay only)
+    stage_addresses: Annotated[tuple[str, ...], Seq(Text(128), 1024)] = ()
 
 
 @dataclass(frozen=True)
