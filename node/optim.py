@@ -5,18 +5,23 @@ Why not ``torch.optim``: constructing any ``torch.optim.Optimizer`` imports ``to
 and delays the first assignment and a prompt exit on SIGTERM. These classes follow
 torch.optim's update rules exactly (same formulas, foreach kernels; tests compare them), with
 the hyper-parameters of ``TrainConfig`` and nothing else: no closures, no param groups.
+
+A pipeline stage keeps its optimizer's state across a re-plan: ``state_slots`` and ``steps`` give
+it (torch.optim's slot names: ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``), and
+``load_state_slots`` takes it up in a fresh optimizer, which then steps as the first would have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 
 class LocalOptimizer:
-    """A fresh optimizer per assignment (contract); ``zero_grad`` + ``step`` like torch.optim."""
+    """A fresh optimizer per assignment (contract), or one that took up a pipeline stage's state;
+    ``zero_grad`` + ``step`` like torch.optim."""
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
@@ -32,6 +37,48 @@ class LocalOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         raise NotImplementedError
+
+    @property
+    def steps(self) -> int:
+        """The steps the state counts (Adam's bias correction); 0 where no rule needs it."""
+        return 0
+
+    def state_slots(self) -> dict[str, list[Tensor]]:
+        """The state each rule keeps per parameter, by slot name, aligned with ``params`` ({} until
+        it exists). The optimizer's own tensors: copy before changing them."""
+        return {}
+
+    def load_state_slots(self, slots: Mapping[str, Sequence[Tensor]], steps: int) -> None:
+        """Take up state that ``state_slots`` and ``steps`` gave (of this rule, over the same
+        parameters): the next ``step`` is the one the exporting optimizer would have taken.
+        ValueError when a slot is missing or unknown or a tensor does not fit its parameter."""
+        if slots:
+            raise ValueError(f"{type(self).__name__} keeps no state, got slots {sorted(slots)}")
+
+    def _aligned(self, slots: Mapping[str, list[Tensor] | None]) -> dict[str, list[Tensor]]:
+        out = {name: values for name, values in slots.items() if values is not None}
+        for name, values in out.items():
+            if len(values) != len(self.params):
+                raise ValueError(f"{name} covers {len(values)} of {len(self.params)} parameters "
+                                 "(some had no gradient at the first step)")
+        return out
+
+    def _copies(self, slots: Mapping[str, Sequence[Tensor]], names: Sequence[str]) -> list[list[Tensor]]:
+        """``slots``' tensors for ``names``, each checked against its parameter and copied onto it."""
+        if set(slots) != set(names):
+            raise ValueError(f"{type(self).__name__} keeps slots {sorted(names)}, got {sorted(slots)}")
+        out = []
+        for name in names:
+            values = list(slots[name])
+            if len(values) != len(self.params):
+                raise ValueError(f"{name} has {len(values)} tensors for {len(self.params)} parameters")
+            for i, (v, p) in enumerate(zip(values, self.params, strict=True)):
+                if v.shape != p.shape or not v.is_floating_point():
+                    raise ValueError(f"{name} of parameter {i} is {v.dtype} {list(v.shape)}, the parameter "
+                                     f"is {p.dtype} {list(p.shape)}")
+            out.append([v.detach().to(p.device, p.dtype, copy=True) for v, p in zip(values, self.params,
+                                                                                    strict=True)])
+        return out
 
 
 class SGD(LocalOptimizer):
@@ -57,6 +104,17 @@ class SGD(LocalOptimizer):
                 torch._foreach_add_(self.bufs, grads)
             grads = self.bufs
         torch._foreach_add_(ps, grads, alpha=-self.lr)
+
+    def state_slots(self) -> dict[str, list[Tensor]]:
+        return self._aligned({"momentum_buffer": self.bufs})
+
+    def load_state_slots(self, slots: Mapping[str, Sequence[Tensor]], steps: int) -> None:
+        if not slots:  # plain SGD, or momentum before its first step
+            self.bufs = None
+            return
+        if self.momentum == 0:
+            super().load_state_slots(slots, steps)
+        (self.bufs,) = self._copies(slots, ("momentum_buffer",))
 
 
 class Adam(LocalOptimizer):
@@ -94,6 +152,22 @@ class Adam(LocalOptimizer):
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, self.eps)
         torch._foreach_addcdiv_(ps, self.exp_avg, denom, (self.lr / bias1) * -1)
+
+    @property
+    def steps(self) -> int:
+        return self.t
+
+    def state_slots(self) -> dict[str, list[Tensor]]:
+        return self._aligned({"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq})
+
+    def load_state_slots(self, slots: Mapping[str, Sequence[Tensor]], steps: int) -> None:
+        if steps < 0 or (steps > 0) != bool(slots):
+            raise ValueError(f"Adam's state at step {steps} needs exp_avg and exp_avg_sq exactly when steps > 0")
+        self.t = steps
+        if not slots:
+            self.exp_avg = self.exp_avg_sq = None
+            return
+        self.exp_avg, self.exp_avg_sq = self._copies(slots, ("exp_avg", "exp_avg_sq"))
 
 
 def clip_grad_norm(params: Sequence[Tensor], max_norm: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gpuflex.node.errors import TrainError, TrainingStopped
@@ -187,3 +189,49 @@ def test_local_optimizers_match_torch_optim(name, kw):
             opt.step()
     for a, b in zip(ref.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("sgd", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+     ("sgd", dict(lr=0.1, momentum=0.0, weight_decay=0.0)),
+     ("adam", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)),
+     ("adamw", dict(lr=0.01, betas=(0.8, 0.999), weight_decay=0.1))],
+)
+def test_an_optimizers_state_taken_up_elsewhere_steps_as_the_original(name, kw):
+    """A pipeline stage resumed from a checkpoint: export -> import -> step equals stepping on."""
+    from gpuflex.node.optim import SGD, Adam
+
+    def make(model):
+        params = list(model.parameters())
+        if name == "sgd":
+            return SGD(params, **kw)
+        return Adam(params, lr=kw["lr"], betas=kw["betas"], weight_decay=kw["weight_decay"],
+                    decoupled=name == "adamw")
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    opt = make(model)
+    xs = [torch.randn(40, 6) for _ in range(6)]
+    fresh = make(copy.deepcopy(model))
+    assert fresh.state_slots() == {} and fresh.steps == 0
+    for x in xs[:3]:
+        step(model, opt, x)
+    slots = {k: [t.clone() for t in v] for k, v in opt.state_slots().items()}
+    assert sorted(slots) == ([] if kw.get("momentum", 1) == 0 else
+                             ["momentum_buffer"] if name == "sgd" else ["exp_avg", "exp_avg_sq"])
+    resumed = copy.deepcopy(model)
+    other = make(resumed)
+    other.load_state_slots(slots, opt.steps)
+    for x in xs[3:]:
+        step(model, opt, x)
+        step(resumed, other, x)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="keeps"):
+        other.load_state_slots({"nope": [torch.zeros(1)]}, 1)
