@@ -21,6 +21,7 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     ├── TrainError           the data or model does not fit the spec
     ├── TrainingStopped      should_stop() returned True between batches
     ├── PipelineError        a pipeline stage cannot run its share of a step (node/pipeline)
+    │   └── StaleGeneration  the hub re-planned the pipeline: this stage's generation is over
     └── ControlError         the local control endpoint is unreachable / refused
 """
 
@@ -109,3 +110,8 @@ class ControlError(NodeError):
 class PipelineError(NodeError):
     """A pipeline stage cannot run its share of a step: a bad cut or schedule, a neighbour's tensor
     of the wrong shape or dtype or holding NaN, a relay that refused, a neighbour that never sent."""
+
+
+class StaleGeneration(PipelineError):
+    """The hub answered 409 ``stale_generation``: the job's pipeline was re-planned (or ended), so
+    this stage's generation is over. Not a failure: the stage stops and the node asks for work."""

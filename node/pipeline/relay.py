@@ -28,7 +28,7 @@ from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
 from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
 from gpuflex.protocol.tensors import TensorSpec, decode_state, encode_state, max_encoded_size
 
-from ..errors import PipelineError
+from ..errors import PipelineError, StaleGeneration
 from .transport import MessageKey, check_received
 
 RELAY_HEADER = "X-GPUFlex-Relay"
@@ -40,7 +40,9 @@ class RelayTransport:
 
     ``hub_public_key``: the pinned hub key its answers must be sealed with (None: not checked);
     ``peers``: stage -> the public key of the node running it, when known (the sender of each
-    received tensor is then checked); ``wait_s``: one long-poll's wait.
+    received tensor is then checked); ``wait_s``: one long-poll's wait; ``generation``: the
+    pipeline plan's generation its messages belong to (StageAssignment.generation); a relay that
+    answers 409 ``stale_generation`` raises StaleGeneration.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class RelayTransport:
         wait_s: float = 20.0,
         send_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        generation: int = 0,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -66,6 +69,7 @@ class RelayTransport:
         self.wait_s = wait_s
         self.send_timeout_s = send_timeout_s
         self.clock = clock
+        self.generation = generation
         self._conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
@@ -111,6 +115,7 @@ class RelayTransport:
             size=len(body),
             timestamp=self.clock(),
             nonce=new_nonce(),
+            generation=self.generation,
         )
         give_up = time.monotonic() + self.send_timeout_s
         delay = 0.02
@@ -125,6 +130,7 @@ class RelayTransport:
             if status == 200:
                 self._check_ack(answer, key)
                 return
+            _check_generation(status, answer, key)
             if status not in _RETRY or time.monotonic() >= give_up:
                 raise PipelineError(
                     f"the hub's relay refused {key.describe()}: {_refusal(status, answer)}"
@@ -159,6 +165,7 @@ class RelayTransport:
                 wait_s=min(self.wait_s, max(left, 0.0)),
                 timestamp=self.clock(),
                 nonce=new_nonce(),
+                generation=self.generation,
             )
             status, headers, body = self._request(
                 "GET",
@@ -171,6 +178,7 @@ class RelayTransport:
             if status in _RETRY:  # the hub is busy or restarting: ask again shortly
                 time.sleep(min(0.2, max(give_up - time.monotonic(), 0.0)))
                 continue
+            _check_generation(status, body, key)
             if status != 200:
                 raise PipelineError(
                     f"the hub's relay refused to hand over {key.describe()}: "
@@ -217,6 +225,18 @@ class RelayTransport:
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def _check_generation(status: int, body: bytes, key: MessageKey) -> None:
+    """StaleGeneration when the relay says this plan's generation is over."""
+    if status != 409:
+        return
+    try:
+        code = json.loads(body.decode("utf-8", "replace")).get("error")
+    except (ValueError, AttributeError):
+        return
+    if code == "stale_generation":
+        raise StaleGeneration(f"the hub's relay refused {key.describe()}: {_refusal(status, body)}")
 
 
 def _refusal(status: int, body: bytes) -> str:
