@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from gpuflex.protocol.messages import Commitment, TrainConfig
     from gpuflex.protocol.modelspec import ModelSpec
 
-__all__ = ["AUTOCAST_DTYPES", "LossScaler", "TrainResult", "make_optimizer", "stack_chunks", "train_assignment"]
+__all__ = ["AUTOCAST_DTYPES", "LossScaler", "TrainResult", "loss_for", "make_optimizer", "prepare_device", "stack_chunks",
+           "train_assignment"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def stack_chunks(
     return x_all, y_all
 
 
-def _prepare_device(device: torch.device, precision: str = "fp32") -> None:
+def prepare_device(device: torch.device, precision: str = "fp32") -> None:
     if device.type == "cuda":
         # Must be set before cuBLAS creates its handle; the CLI sets it at start-up too.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -168,9 +169,9 @@ def train_assignment(
     ``cfg.precision``: what the forward pass runs in (autocast over fp32 master weights)."""
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
-    loss_fn = _loss_for(spec, cfg)
+    loss_fn = loss_for(spec, cfg)
     precision = cfg.precision
-    _prepare_device(device, precision)
+    prepare_device(device, precision)
     autocast_dtype = AUTOCAST_DTYPES.get(precision)
     x_cpu, y_cpu = stack_chunks(spec, chunks)
     n = int(x_cpu.shape[0])
@@ -273,7 +274,7 @@ class _Step:
         return loss
 
 
-def _loss_for(spec: ModelSpec, cfg: TrainConfig) -> nn.Module:
+def loss_for(spec: ModelSpec, cfg: TrainConfig) -> nn.Module:
     """The job's loss, checked against the model's task."""
     if cfg.loss not in ("cross_entropy", "mse"):
         raise TrainError(f"unknown loss {cfg.loss!r}; allowed: cross_entropy, mse")

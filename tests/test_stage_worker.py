@@ -1,0 +1,359 @@
+"""node/pipeline/worker.StageWorker: a node's run of one StageAssignment, with real torch, stages in
+threads over the in-memory transport and a hub made of plain objects holding real bytes.
+
+After 10 steps every parameter equals single-process gradient accumulation over the same
+step_samples micro-batches (a transformer with tied embeddings, a sequential stack; 2-4 stages);
+a new generation resumed from the uploaded unit states, cut at other boundaries, equals the
+uninterrupted run; NaN, a silent neighbour, a stale generation and an Ack with ok=False end a
+stage as the contract says."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from gpuflex.node.errors import StaleGeneration
+from gpuflex.node.pipeline.transport import MemoryNetwork
+from gpuflex.node.pipeline.worker import StageOutcome, StageWorker
+from gpuflex.node.trainer import loss_for, make_optimizer
+from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.messages import (
+    ChunkRef,
+    StageAssignment,
+    StageReport,
+    TrainConfig,
+    UnitCheckpoint,
+    UnitState,
+)
+from gpuflex.protocol.modelspec import ModelSpec, build_for_state, build_model
+from gpuflex.protocol.pipeline import micro_batch_slices, pipeline_units, put_state, step_samples
+from gpuflex.protocol.tensors import decode_state, encode_state, sha256_hex
+
+torch.set_num_threads(1)
+
+BATCH, MICRO, STEPS, SEED = 8, 4, 10, 5
+ADAM = TrainConfig(1, BATCH, "adam", 1e-2, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0)
+SGD = TrainConfig(1, BATCH, "sgd", 0.2, 0.9, 1e-4, 0.9, 0.999, "cross_entropy", 0.0)
+SGD_LM = TrainConfig(1, BATCH, "sgd", 0.3, 0.9, 0.0, 0.9, 0.999, "cross_entropy", 0.0)
+MSE = TrainConfig(1, BATCH, "sgd", 1e-2, 0.0, 0.0, 0.9, 0.999, "mse", 0.0)
+
+TRANSFORMER = ModelSpec.from_dict(
+    {"kind": "transformer", "vocab": 13, "context": 6, "layers": 2, "width": 8, "heads": 2}
+)
+STACK = ModelSpec.from_dict(
+    {
+        "kind": "sequential",
+        "input_shape": [12],
+        "layers": [
+            {"type": "Linear", "in_features": 12, "out_features": 16},
+            {"type": "Tanh"},
+            {"type": "Linear", "in_features": 16, "out_features": 16},
+            {"type": "ReLU"},
+            {"type": "Linear", "in_features": 16, "out_features": 8},
+            {"type": "Tanh"},
+            {"type": "Linear", "in_features": 8, "out_features": 5},
+        ],
+        "outputs": 5,
+    }
+)
+REGRESSION = ModelSpec.from_dict(
+    {"kind": "mlp", "input": 4, "hidden": [6], "outputs": 2, "task": "regression"}
+)
+
+
+class Hub:
+    """The hub's blob store, checkpoint records and reports (thread-safe); ``ok`` is what a
+    report's Ack says."""
+
+    def __init__(self, blobs: dict[str, bytes]) -> None:
+        self.blobs = dict(blobs)
+        self.lock = threading.Lock()
+        self.checkpoints: dict[tuple[int, int], UnitCheckpoint] = {}
+        self.reports: list[StageReport] = []
+        self.downloads: list[str] = []
+        self.ok = True
+
+    def put(self, body: bytes) -> tuple[str, int]:
+        sha = sha256_hex(body)
+        with self.lock:
+            self.blobs[sha] = body
+        return sha, len(body)
+
+    def states_at(self, step: int, units: range) -> tuple[UnitState, ...]:
+        return tuple(
+            UnitState(u, self.checkpoints[(step, u)].sha256, self.checkpoints[(step, u)].size)
+            for u in units
+        )
+
+    def model_at(self, spec: ModelSpec, step: int) -> dict[str, torch.Tensor]:
+        """The whole model from the units' checkpoints at ``step`` (as the hub assembles it)."""
+        units = pipeline_units(spec)
+        state: dict[str, torch.Tensor] = {}
+        for i, unit in enumerate(units.units):
+            blob = decode_state(self.blobs[self.checkpoints[(step, i)].sha256])
+            put_state(unit, {k: v for k, v in blob.items() if not k.startswith("optim.")}, state)
+        return state
+
+
+class NodeSide:
+    """One node's view of the hub (StageHub): its own blob cache in front of the hub's store."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.cache: dict[str, bytes] = {}
+
+    def blob(self, sha256: str, size: int) -> bytes:
+        if sha256 not in self.cache:
+            with self.hub.lock:
+                self.hub.downloads.append(sha256)
+                body = self.hub.blobs[sha256]
+            assert len(body) == size and sha256_hex(body) == sha256
+            self.cache[sha256] = body
+        return self.cache[sha256]
+
+    def keep(self, sha256: str, body: bytes) -> None:
+        self.cache[sha256] = body
+
+    def checkpoint(self, header: UnitCheckpoint, body: bytes) -> None:
+        assert sha256_hex(body) == header.sha256 and len(body) == header.size
+        with self.hub.lock:
+            self.hub.blobs[header.sha256] = body
+            self.hub.checkpoints[(header.step, header.unit)] = header
+
+    def report(self, report: StageReport) -> bool:
+        with self.hub.lock:
+            self.hub.reports.append(report)
+        return self.hub.ok
+
+
+def dataset(spec: ModelSpec, n: int = 40, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if spec.task == "language_model":
+        x = torch.randint(0, spec.vocab, (n, *spec.input_shape), generator=g)
+        return x, (x + 1) % spec.vocab  # learnable: the next token follows the current one
+    x = torch.randn(n, *spec.input_shape, generator=g)
+    if spec.task == "regression":
+        return x, torch.randn(n, spec.outputs, generator=g)
+    return x, x[:, : spec.outputs].argmax(1)  # learnable: the largest of the first features
+
+
+class Job:
+    """A pipelined job on ``hub``: its model blob and two chunks of its data."""
+
+    def __init__(self, spec: ModelSpec, cfg: TrainConfig, *, data=None) -> None:
+        self.spec, self.cfg = spec, cfg
+        self.x, self.y = data if data is not None else dataset(spec)
+        self.hub = Hub({})
+        self.model = build_model(spec, 0).state_dict()
+        self.model_hash, self.model_size = self.hub.put(encode_state(self.model))
+        half = int(self.x.shape[0]) // 2
+        self.chunks = tuple(
+            ChunkRef(*self.hub.put(encode_state({"x": self.x[lo:hi], "y": self.y[lo:hi]})), hi - lo)
+            for lo, hi in ((0, half), (half, int(self.x.shape[0])))
+        )
+        self.units = len(pipeline_units(spec))
+
+    def assignment(self, starts: list[int], stage: int, **over) -> StageAssignment:
+        bounds = [*starts, self.units]
+        fields = dict(
+            job_id="job-pp",
+            generation=1,
+            node_id=f"node-{stage}",
+            stage=stage,
+            unit_start=bounds[stage],
+            unit_end=bounds[stage + 1],
+            stage_nodes=tuple(f"node-{s}" for s in range(len(starts))),
+            stage_keys=tuple(bytes([s]) * 32 for s in range(len(starts))),
+            stage_starts=tuple(starts),
+            model_spec=self.spec.to_dict(),
+            model_hash=self.model_hash,
+            model_size=self.model_size,
+            unit_states=(),
+            chunks=self.chunks if stage in (0, len(starts) - 1) else (),
+            train=self.cfg,
+            seed=SEED,
+            batch_size=BATCH,
+            micro_batches=MICRO,
+            schedule="1f1b",
+            first_step=0,
+            end_step=STEPS,
+            checkpoint_every=5,
+            issued_at=time.time(),
+        )
+        fields.update(over)
+        fields["unit_states"] = tuple(
+            s for s in fields["unit_states"] if bounds[stage] <= s.unit < bounds[stage + 1]
+        )
+        return StageAssignment(**fields)
+
+    def run(self, starts: list[int], *, timeout_s: float = 30.0, **over) -> list[StageOutcome]:
+        """Every stage of the cut ``starts``, one thread each, over one memory network."""
+        network = MemoryNetwork()
+        outcomes: list[StageOutcome | None] = [None] * len(starts)
+
+        def work(stage: int) -> None:
+            worker = StageWorker(
+                self.assignment(starts, stage, **over),
+                hub=NodeSide(self.hub),
+                transport=network.transport(),
+                peer_timeout_s=timeout_s,
+            )
+            outcomes[stage] = worker.run()
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(len(starts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def reference(self, steps: int = STEPS) -> dict[str, torch.Tensor]:
+        """One process, the whole model, each step's micro-batches accumulated."""
+        model = build_for_state(self.spec, self.model).train()
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
+        loss_fn = loss_for(self.spec, self.cfg)
+        for step in range(steps):
+            index = torch.tensor(step_samples(SEED, step, BATCH, int(self.x.shape[0])))
+            opt.zero_grad()
+            for i, (lo, hi) in enumerate(micro_batch_slices(BATCH, MICRO)):
+                part = index[lo:hi]
+                with dropout_step(SEED, step, part=i):
+                    loss = loss_fn(model(self.x[part]), self.y[part]) * ((hi - lo) / BATCH)
+                loss.backward()
+            opt.step()
+        return model.state_dict()
+
+
+def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert sorted(got) == sorted(want)
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12))
+        for k in want
+        if want[k].is_floating_point()
+    )
+
+
+CUTS = {2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize(
+    ("spec", "cfg", "stages"),
+    [(TRANSFORMER, SGD_LM, 2), (TRANSFORMER, SGD_LM, 4), (STACK, SGD, 3), (STACK, ADAM, 2)],
+    ids=["transformer-2", "transformer-4", "stack-3", "stack-2"],
+)
+def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, stages: int) -> None:
+    """The transformer trains with SGD here: the gradient of an attention key's bias is zero up
+    to rounding, and Adam scales that rounding up to a full step, so the order in which the
+    stages add the tied embedding's two gradients (not autograd's) would show. The resumed run
+    below compares Adam against the pipeline itself."""
+    job = Job(spec, cfg)
+    outcomes = job.run(CUTS[stages])
+    assert [o.ended for o in outcomes] == ["done"] * stages, outcomes
+    assert all(o.steps_done == STEPS for o in outcomes)
+    want = job.reference()
+    assert max_rel_diff(job.hub.model_at(spec, STEPS), want) <= 1e-5
+    assert max_rel_diff(job.hub.model_at(spec, 5), job.reference(5)) <= 1e-5
+    # every stage reported every step; the last stage's losses, no one else's
+    for s in range(stages):
+        mine = [r for r in job.hub.reports if r.stage == s]
+        assert [r.steps_done for r in mine] == list(range(1, STEPS + 1))
+        assert all(not r.failed and r.generation == 1 for r in mine)
+        assert all((r.loss is not None) == (s == stages - 1) for r in mine)
+    losses = [r.loss for r in job.hub.reports if r.stage == stages - 1]
+    assert losses[-1] < losses[0]  # it trains
+
+
+def test_a_resumed_generation_cut_elsewhere_equals_the_uninterrupted_run() -> None:
+    job = Job(TRANSFORMER, ADAM)
+    job.run([0, 2])
+    want = job.hub.model_at(TRANSFORMER, STEPS)
+    first_gen = dict(job.hub.checkpoints)
+    job.hub.checkpoints = {k: v for k, v in first_gen.items() if k[0] == 5}
+    states = job.hub.states_at(5, range(job.units))
+    job.hub.downloads.clear()
+    outcomes = job.run([0, 1, 3], generation=2, first_step=5, unit_states=states)
+    assert [o.ended for o in outcomes] == ["done"] * 3
+    assert max_rel_diff(job.hub.model_at(TRANSFORMER, STEPS), want) <= 1e-5
+    assert job.model_hash not in job.hub.downloads  # from the unit states, not the model
+    resumed = [r for r in job.hub.reports if r.generation == 2]
+    assert sorted({r.steps_done for r in resumed}) == list(range(6, STEPS + 1))
+
+
+def test_a_unit_state_in_the_nodes_cache_is_not_downloaded_again() -> None:
+    job = Job(STACK, SGD)
+    a = job.assignment([0], 0, end_step=5)
+    node = NodeSide(job.hub)
+    assert StageWorker(a, hub=node, transport=MemoryNetwork().transport()).run().ended == "done"
+    states = job.hub.states_at(5, range(job.units))
+    job.hub.downloads.clear()
+    again = job.assignment([0], 0, generation=2, first_step=5, unit_states=states)
+    assert StageWorker(again, hub=node, transport=MemoryNetwork().transport()).run().ended == "done"
+    assert job.hub.downloads == []
+
+
+def test_a_nan_loss_fails_the_stage_and_says_so() -> None:
+    x, y = dataset(REGRESSION)
+    job = Job(REGRESSION, MSE, data=(x, torch.full_like(y, 3e38)))
+    outcomes = job.run([0, 1], timeout_s=1.0)
+    assert outcomes[1].ended == "failed" and "the loss of step 0 is" in outcomes[1].detail
+    assert outcomes[0].ended == "failed"
+    failed = {r.stage: r.failed for r in job.hub.reports if r.failed}
+    assert set(failed) == {0, 1} and "\n" not in failed[1]
+    assert not job.hub.checkpoints
+
+
+def test_a_neighbour_that_never_sends_fails_the_stage() -> None:
+    job = Job(STACK, SGD)
+    worker = StageWorker(
+        job.assignment([0, 2], 1),
+        hub=NodeSide(job.hub),
+        transport=MemoryNetwork().transport(),
+        peer_timeout_s=0.2,
+    )
+    outcome = worker.run()
+    assert outcome.ended == "failed" and outcome.steps_done == 0
+    assert "did not arrive within 0.2 s" in outcome.detail
+    (report,) = job.hub.reports
+    assert report.steps_done == 0 and "did not arrive" in report.failed
+
+
+class StaleTransport:
+    def send(self, key, tensor) -> None:
+        raise StaleGeneration("the hub's relay refused it: 409 stale_generation")
+
+    def receive(self, key, expected, *, timeout_s):
+        raise StaleGeneration("the hub's relay refused it: 409 stale_generation")
+
+
+def test_a_stale_generation_ends_the_stage_quietly() -> None:
+    job = Job(STACK, SGD)
+    outcome = StageWorker(
+        job.assignment([0, 2], 0), hub=NodeSide(job.hub), transport=StaleTransport()
+    ).run()
+    assert outcome.ended == "stale" and job.hub.reports == []
+
+
+def test_an_ack_with_ok_false_ends_the_generation() -> None:
+    job = Job(STACK, SGD)
+    job.hub.ok = False
+    outcome = StageWorker(
+        job.assignment([0], 0), hub=NodeSide(job.hub), transport=MemoryNetwork().transport()
+    ).run()
+    assert (outcome.ended, outcome.steps_done) == ("over", 1)
+    assert len(job.hub.reports) == 1
+
+
+def test_a_unit_state_that_does_not_fit_fails_the_stage_in_one_line() -> None:
+    job = Job(STACK, SGD)
+    sha, size = job.hub.put(encode_state({"0.weight": torch.zeros(3, 3)}))
+    states = tuple(UnitState(u, sha, size) for u in range(job.units))
+    outcome = StageWorker(
+        job.assignment([0], 0, first_step=5, unit_states=states),
+        hub=NodeSide(job.hub),
+        transport=MemoryNetwork().transport(),
+    ).run()
+    assert outcome.ended == "failed" and "does not fit unit layers_0_1" in outcome.detail
+    assert "\n" not in outcome.detail
