@@ -53,6 +53,7 @@ from gpuflex.protocol.messages import (
     Benchmark,
     ComputeClass,
     NoWork,
+    StageAssignment,
     StateRequest,
     progress_digest,
 )
@@ -96,6 +97,7 @@ from .pause import Interrupted, PauseState
 from .registration import register
 from .signals import EXIT_SECOND_INTERRUPT, exit_on_signals
 from .silos import SiloError, SiloStore
+from .stagework import take_stage
 from .totals import Totals, TotalsFile
 from .trainer import TrainResult, train_assignment
 from .transfers import Transfers
@@ -189,6 +191,8 @@ class NodeAgent:
         self.fatal: NodeError | None = None
         self.done_assignments = 0
         self.seen_assignments: set[str] = set()  # uploaded or refused: the same one again is a replay
+        self.seen_stages: set[tuple[str, int, int]] = set()  # (job, generation, stage) run or refused
+        self.stage_in_hand: StageAssignment | None = None
         self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
         self.handback = HandBack(self._client, self.output, lambda: self.totals,
                                  timeout_s=config.abandon_timeout_s)
@@ -308,6 +312,7 @@ class NodeAgent:
             },
             "class_keys": {p: class_key(self.compute, p) for p in self.compute.precisions},
             "assignment": assignment,
+            "stage": _stage_status(self.stage_in_hand),
             "samples_per_s": round(self.last_samples_per_s, 2),
             "cache_bytes": self.cache.size_bytes(),
             "cache_cap_bytes": self.cache.max_bytes,
@@ -435,7 +440,9 @@ class NodeAgent:
                     await pause.sleep(min(item.retry_after_s, 30.0))
                     continue
                 backoff.reset()
-                if not await self._handle(item, inline_model=inline):
+                handled = (take_stage(self, item) if isinstance(item, StageAssignment)
+                           else self._handle(item, inline_model=inline))
+                if not await handled:
                     continue  # abandoned (pause, re-registration, hub error): not a finished one
                 self.done_assignments += 1
                 if self.config.once or (
@@ -610,6 +617,13 @@ class NodeAgent:
                 with contextlib.suppress(OSError, SiloError):
                     self.silos.prune()
         return False
+
+
+def _stage_status(a: StageAssignment | None) -> dict[str, Any] | None:
+    if a is None:
+        return None
+    return {"job_id": a.job_id, "generation": a.generation, "stage": a.stage, "stages": len(a.stage_starts),
+            "units": [a.unit_start, a.unit_end - 1], "steps": [a.first_step, a.end_step - 1]}
 
 
 def _registration_benchmark(config: NodeConfig, device: torch.device, output: Output) -> Benchmark:

@@ -35,9 +35,12 @@ from gpuflex.protocol.messages import (
     SiloRegistration,
     SiloSchema,
     SiloWithdrawal,
+    StageAssignment,
+    StageReport,
     StateRequest,
     StateUnavailable,
     StateUpload,
+    UnitCheckpoint,
     UpdateHeader,
     UploadOffset,
     Welcome,
@@ -208,8 +211,9 @@ class HubClient:
         self.clock_offset = welcome.server_time - (sent + rtt / 2)
         return welcome
 
-    async def request_work(self, wait_s: float,
-                           cached: list[str]) -> tuple[Assignment | NoWork | StateRequest, bytes | None]:
+    async def request_work(
+        self, wait_s: float, cached: list[str]
+    ) -> tuple[Assignment | StageAssignment | NoWork | StateRequest, bytes | None]:
         """The hub's answer, and the model's bytes when the hub sent them inline (unchecked here:
         the caller matches them against the assignment's model_hash)."""
         req = WorkRequest(
@@ -229,7 +233,7 @@ class HubClient:
             raise HubError("work answer is larger than a sealed message may be", code="bad_answer")
         return self._open_work_answer(data), inline
 
-    def _open_work_answer(self, data: bytes) -> Assignment | NoWork | StateRequest:
+    def _open_work_answer(self, data: bytes) -> Assignment | StageAssignment | NoWork | StateRequest:
         if self.hub_public_key is None:
             raise HubError("hub key not pinned yet")
         # The signature's domain names the kind, so try each kind against the pinned key.
@@ -240,6 +244,13 @@ class HubClient:
             pass
         except ProtocolError as exc:
             raise AssignmentRejected(f"assignment refused: {exc}") from exc
+        try:
+            stage, _ = open_sealed(data, StageAssignment, signer=self.hub_public_key)
+            return stage
+        except SignatureError:
+            pass
+        except ProtocolError as exc:
+            raise AssignmentRejected(f"stage assignment refused: {exc}") from exc
         try:
             asked, _ = open_sealed(data, StateRequest, signer=self.hub_public_key)
             return asked
@@ -266,6 +277,16 @@ class HubClient:
     async def abandon(self, assignment_id: str, reason: str, *, limit_s: float = 10.0) -> Ack:
         msg = Abandon(assignment_id=assignment_id, reason=reason[:256], timestamp=self.now(), nonce=new_nonce())
         return self._signed_answer(await self._post("/v1/abandon", msg, limit_s=limit_s), Ack, "abandon")
+
+    async def stage_message(self, msg: StageReport | UnitCheckpoint, body: bytes = b"") -> Ack:
+        """A pipeline stage's report (POST /v1/pipeline/report: the Ack's ok=False ends the stage's
+        generation), or one unit's checkpoint (POST /v1/pipeline/checkpoint: the signed header in
+        X-GPUFlex-Auth, the GFT1 state as ``body``; answered once the hub holds it durably)."""
+        if isinstance(msg, UnitCheckpoint):
+            return await self._post_sealed("/v1/pipeline/checkpoint", "X-GPUFlex-Auth", seal(self.key, msg), body,
+                                           "unit checkpoint")
+        data = await self._post("/v1/pipeline/report", msg, limit_s=15.0)
+        return self._signed_answer(data, Ack, "stage report")
 
     async def silo_schema(self, job_id: str) -> SiloSchema:
         """POST /v1/silos/schema: what a node-local job's silo must hold (its model's input and

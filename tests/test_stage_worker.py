@@ -9,14 +9,16 @@ stage as the contract says."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
-from gpuflex.node.errors import StaleGeneration
+from gpuflex.node.errors import AssignmentRejected, StaleGeneration
 from gpuflex.node.pipeline.transport import MemoryNetwork
 from gpuflex.node.pipeline.worker import StageOutcome, StageWorker
+from gpuflex.node.stagework import check_stage_assignment, stage_line
 from gpuflex.node.trainer import loss_for, make_optimizer
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.messages import (
@@ -357,3 +359,51 @@ def test_a_unit_state_that_does_not_fit_fails_the_stage_in_one_line() -> None:
     ).run()
     assert outcome.ended == "failed" and "does not fit unit layers_0_1" in outcome.detail
     assert "\n" not in outcome.detail
+
+
+# -- the node's checks on a StageAssignment ---------------------------------------------------------
+
+
+def _bad(job: Job, **over) -> StageAssignment:
+    a = job.assignment([0, 2], 1)
+    return dataclasses.replace(a, **over)
+
+
+def _refusals(job: Job) -> list[tuple[StageAssignment, str]]:
+    return [
+        (_bad(job, node_id="node-9"), "is for node-9, not this node"),
+        (_bad(job, stage=2), "stage 2 of 2 nodes, 2 keys and 2 stage starts"),
+        (_bad(job, stage_keys=(bytes(32),)), "stage 1 of 2 nodes, 1 keys and 2 stage starts"),
+        (_bad(job, stage_nodes=("node-1", "node-0")), "its plan gives stage 1 to node-0"),
+        (_bad(job, unit_start=1), "units 1-3 are not stage 1 of a 4-unit model cut at [0, 2]"),
+        (_bad(job, stage_starts=(0, 5)), "are not stage 1 of a 4-unit model cut at [0, 5]"),
+        (_bad(job, micro_batches=3), "3 micro-batches do not divide the batch of 8"),
+        (_bad(job, first_step=10), "steps 10 up to 10 run backwards"),
+        (_bad(job, first_step=5), "resuming at step 5 needs the states of units 2-3, it names []"),
+        (_bad(job, unit_states=(UnitState(2, "a" * 64, 9),)), "step 0 starts from the model"),
+        (_bad(job, chunks=()), "stage 1 needs chunks, it names 0"),
+        (
+            _bad(job, train=dataclasses.replace(SGD, precision="bf16")),
+            "asks for precision bf16; a pipeline stage on this node trains in fp32",
+        ),
+        (_bad(job, train=dataclasses.replace(SGD, grad_clip=1.0)), "asks for gradient clipping"),
+        (_bad(job, model_spec={"kind": "mlp"}), "model spec refused"),
+    ]
+
+
+def test_a_bad_stage_assignment_is_refused_in_one_line() -> None:
+    job = Job(STACK, SGD)
+    good = job.assignment([0, 2], 1)
+    assert check_stage_assignment(good, node_id="node-1") == STACK
+    middle = job.assignment([0, 1, 3], 1)
+    assert check_stage_assignment(middle, node_id="node-1") == STACK
+    with pytest.raises(AssignmentRejected, match="reads no chunks, it names 2"):
+        check_stage_assignment(dataclasses.replace(middle, chunks=job.chunks), node_id="node-1")
+    for bad, words in _refusals(job):
+        with pytest.raises(AssignmentRejected) as info:
+            check_stage_assignment(bad, node_id="node-1")
+        assert words in str(info.value), (words, str(info.value))
+        assert "\n" not in str(info.value)
+    with pytest.raises(AssignmentRejected, match=r"stage 1 was already run \(replay\)"):
+        check_stage_assignment(good, node_id="node-1", seen={("job-pp", 1, 1)})
+    assert stage_line(good) == "stage 1 of 2 (units 2-3) of job job-pp, steps 0-9"
