@@ -191,7 +191,7 @@ class NodeAgent:
         self.fatal: NodeError | None = None
         self.done_assignments = 0
         self.seen_assignments: set[str] = set()  # uploaded or refused: the same one again is a replay
-        self.seen_stages: set[tuple[str, int, int]] = set()  # (job, generation, stage) run or refused
+        self.seen_stages: set[tuple[str, int, int]] = set()  # (job, generation, stage) run: the same again is a replay
         self.stage_in_hand: StageAssignment | None = None
         self._handed_over: set[str] = set()  # state requests answered (the referee's, node/checkpoints.py)
         self.handback = HandBack(self._client, self.output, lambda: self.totals,

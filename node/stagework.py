@@ -238,12 +238,10 @@ class StageHost(Protocol):
 async def take_stage(host: StageHost, a: StageAssignment) -> bool:
     """Check the stage the hub handed the node and run it; whether it ran to its last step.
     AssignmentRejected, in one line, when a check fails (nothing is downloaded)."""
-    try:
-        check_stage_assignment(
-            a, node_id=host.node_id, precisions=host.compute.precisions, seen=host.seen_stages
-        )
-    finally:
-        host.seen_stages.add((a.job_id, a.generation, a.stage))
+    check_stage_assignment(
+        a, node_id=host.node_id, precisions=host.compute.precisions, seen=host.seen_stages
+    )
+    host.seen_stages.add((a.job_id, a.generation, a.stage))
     host.pause_state.new_assignment()
     host.stage_in_hand = a
     try:

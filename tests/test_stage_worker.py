@@ -201,6 +201,7 @@ class Job:
                 hub=NodeSide(self.hub),
                 transport=network.transport(),
                 peer_timeout_s=timeout_s,
+                start_timeout_s=timeout_s,
             )
             outcomes[stage] = worker.run()
 
@@ -313,7 +314,8 @@ def test_a_neighbour_that_never_sends_fails_the_stage() -> None:
         job.assignment([0, 2], 1),
         hub=NodeSide(job.hub),
         transport=MemoryNetwork().transport(),
-        peer_timeout_s=0.2,
+        peer_timeout_s=30.0,
+        start_timeout_s=0.2,
     )
     outcome = worker.run()
     assert outcome.ended == "failed" and outcome.steps_done == 0
@@ -407,3 +409,19 @@ def test_a_bad_stage_assignment_is_refused_in_one_line() -> None:
     with pytest.raises(AssignmentRejected, match=r"stage 1 was already run \(replay\)"):
         check_stage_assignment(good, node_id="node-1", seen={("job-pp", 1, 1)})
     assert stage_line(good) == "stage 1 of 2 (units 2-3) of job job-pp, steps 0-9"
+
+
+def test_a_node_that_stops_ends_its_stage_between_steps_and_says_so() -> None:
+    job = Job(STACK, SGD)
+    steps: list[tuple[int, float | None]] = []
+    outcome = StageWorker(
+        job.assignment([0], 0),
+        hub=NodeSide(job.hub),
+        transport=MemoryNetwork().transport(),
+        should_stop=lambda: len(steps) >= 3,
+        on_step=lambda done, loss: steps.append((done, loss)),
+    ).run()
+    assert (outcome.ended, outcome.steps_done) == ("stopped", 3)
+    assert [done for done, _ in steps] == [1, 2, 3] and all(loss is not None for _, loss in steps)
+    assert [r.failed[:8] for r in job.hub.reports] == ["", "", "", "stopped:"]
+    assert job.hub.reports[-1].steps_done == 3

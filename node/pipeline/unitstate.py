@@ -178,7 +178,11 @@ def _step_of(optim: Mapping[str, Tensor]) -> int:
 
 
 def load_optimizer_state(
-    optimizer: LocalOptimizer, stage: nn.Sequential, states: Sequence[UnitTensors]
+    optimizer: LocalOptimizer,
+    stage: nn.Sequential,
+    states: Sequence[UnitTensors],
+    *,
+    first_unit: int = 0,
 ) -> None:
     """Give ``optimizer`` (over ``stage``'s trainable parameters) the state the units' blobs carry;
     a fresh optimizer when none carries any. PipelineError when some carry it and some do not,
@@ -207,7 +211,7 @@ def load_optimizer_state(
             u, name = holder[i]
             value = states[u].optim.get(f"{slot}.{name}")
             if value is None:
-                raise PipelineError(f"unit state {u} lacks optim.{slot}.{name}")
+                raise PipelineError(f"the state of unit {first_unit + u} lacks optim.{slot}.{name}")
             values.append(value)
         slots[slot] = values
     try:

@@ -119,7 +119,8 @@ class StageWorker:
     ``transport``: how this stage meets the others (the relay with the assignment's generation);
     ``should_stop``: polled before each step (the node pausing or exiting); ``clock``: the hub's
     time, for the messages' timestamps; ``peer_timeout_s``: how long a neighbour's tensor may
-    take; ``on_step(steps_done, loss)`` after each step (loss on the last stage only)."""
+    take, ``start_timeout_s`` in the first step (the other stages may still be downloading their
+    state); ``on_step(steps_done, loss)`` after each step (loss on the last stage only)."""
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class StageWorker:
         should_stop: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
         peer_timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,
         on_step: Callable[[int, float | None], None] | None = None,
     ) -> None:
         self.a = assignment
@@ -140,6 +142,7 @@ class StageWorker:
         self.should_stop = should_stop or (lambda: False)
         self.clock = clock
         self.peer_timeout_s = peer_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.on_step = on_step
         self.steps_done = assignment.first_step
         self.runner: StageRunner | None = None
@@ -187,6 +190,8 @@ class StageWorker:
         if runner is None:
             raise PipelineError("the stage was not prepared")
         inputs, targets = self.step_data(step)
+        first = step == self.a.first_step
+        runner.timeout_s = self.start_timeout_s if first else self.peer_timeout_s
         self.transport.waited = 0.0
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
@@ -276,7 +281,7 @@ class StageWorker:
         prepare_device(self.device, a.train.precision)
         module = self._build(units)
         optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], a.train)
-        load_optimizer_state(optimizer, module, self._states)
+        load_optimizer_state(optimizer, module, self._states, first_unit=a.unit_start)
         specs = self._crossings(units, spec)
         self.runner = StageRunner(
             module=module,
