@@ -348,6 +348,12 @@ def test_an_ack_with_ok_false_ends_the_generation() -> None:
     ).run()
     assert (outcome.ended, outcome.steps_done) == ("over", 1)
     assert len(job.hub.reports) == 1
+    last = StageWorker(  # the last step's Ack may say the job is done: the stage is done
+        job.assignment([0], 0, end_step=1),
+        hub=NodeSide(job.hub),
+        transport=MemoryNetwork().transport(),
+    ).run()
+    assert (last.ended, last.steps_done) == ("done", 1)
 
 
 def test_a_unit_state_that_does_not_fit_fails_the_stage_in_one_line() -> None:

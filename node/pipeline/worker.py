@@ -170,7 +170,8 @@ class StageWorker:
                     return StageOutcome(
                         "stopped", self.steps_done, "the node is pausing or exiting"
                     )
-                if not self._step(step):
+                # the last step's Ack may already say the job is done: the stage is done too
+                if not self._step(step) and self.steps_done < self.a.end_step:
                     return StageOutcome("over", self.steps_done, "the hub ended this generation")
         except StaleGeneration as exc:
             return StageOutcome("stale", self.steps_done, str(exc))
