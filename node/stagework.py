@@ -194,7 +194,9 @@ class HubStage:
             raise PipelineError(f"the unit state {sha256[:12]}… cannot be cached: {exc}") from None
 
     def checkpoint(self, header: UnitCheckpoint, body: bytes) -> None:
-        self._offer(header, lambda h: self.client.stage_message(h, body), "unit checkpoint")
+        ack = self._offer(header, lambda h: self.client.stage_message(h, body), "unit checkpoint")
+        if not ack.ok:  # taken, yet the hub says the generation is over
+            raise StaleGeneration(f"unit checkpoint: the hub ended this generation: {ack.detail}")
 
     def report(self, report: StageReport) -> bool:
         return self._offer(report, self.client.stage_message, "stage report").ok
