@@ -238,7 +238,9 @@ class StageWorker:
         if runner is None:
             raise PipelineError("the stage was not prepared")
         slots = runner.optimizer.state_slots()
-        return [unit_blob_state(child, runner.optimizer, slots) for child in runner.module]
+        return [
+            unit_blob_state(child, runner.optimizer, slots) for child in runner.module.children()
+        ]
 
     def checkpoint(self, step: int) -> None:
         """Every unit's state after ``step`` steps: into the node's cache, then to the hub."""
