@@ -167,6 +167,18 @@ class Router(nn.Module):
     def experts(self) -> int:
         return int(self.weight.shape[0])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (deepcopy, pickle-free state copies) leaves the last forward's graph behind
+        state = dict(self.__dict__)
+        state["aux_loss"] = None
+        return state
+
+    def take_aux_loss(self) -> Tensor | None:
+        """The last forward's weighted balancing loss, handed over once (the router keeps no
+        graph after it)."""
+        aux, self.aux_loss = self.aux_loss, None
+        return aux
+
     def capacity(self, tokens: int) -> int:
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
 

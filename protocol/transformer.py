@@ -184,9 +184,10 @@ class Transformer(nn.Module):
         return attach_aux_loss(out, self.aux_loss())
 
     def aux_loss(self) -> Tensor | None:
-        """The weighted load-balancing loss of the last forward, summed over the routers; None
-        for a dense model."""
-        losses = [m.aux_loss for m in self.modules() if isinstance(m, Router) and m.aux_loss is not None]
+        """The weighted load-balancing loss of the last forward, summed over the routers (taken
+        from them: asked again, None); None for a dense model."""
+        taken = [m.take_aux_loss() for m in self.modules() if isinstance(m, Router)]
+        losses = [aux for aux in taken if aux is not None]
         return torch.stack(losses).sum() if losses else None
 
 
