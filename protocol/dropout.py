@@ -56,18 +56,35 @@ def dropout_step(seed: int, step: int, part: int = 0) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def keep_mask(shape: torch.Size | tuple[int, ...], p: float, seed: int, step: int, part: int, slot: int,
-              device: torch.device) -> Tensor:
-    """The elements kept (True) by a layer at ``slot`` dropping a share ``p``."""
+def step_key() -> tuple[int, int, int] | None:
+    """The (seed, step, part) of the enclosing ``dropout_step`` block; None outside one."""
+    return _STEP.get()
+
+
+def _keyed_bits(shape: torch.Size | tuple[int, ...], seed: int, step: int, part: int, slot: int,
+                device: torch.device) -> Tensor:
+    """One 32-bit hash per element (int64 values in [0, 2**32)): a pure function of the key."""
     k1 = _mix((seed & _M32) ^ _mix((step & _M32) ^ _mix(part & _M32)))
     k2 = _mix(k1 ^ _mix((slot & _M32) ^ _mix((seed >> 32) & _M32)))
     numel = 1
     for n in shape:
         numel *= int(n)
     idx = torch.arange(numel, dtype=torch.int64, device=device) & _M32
-    h = _mix_tensor(_mix_tensor(idx ^ k1) ^ k2)
+    return _mix_tensor(_mix_tensor(idx ^ k1) ^ k2).reshape(shape)
+
+
+def keep_mask(shape: torch.Size | tuple[int, ...], p: float, seed: int, step: int, part: int, slot: int,
+              device: torch.device) -> Tensor:
+    """The elements kept (True) by a layer at ``slot`` dropping a share ``p``."""
     threshold = min(round(p * (_M32 + 1)), _M32 + 1)
-    return (h >= threshold).reshape(shape)
+    return _keyed_bits(shape, seed, step, part, slot, device) >= threshold
+
+
+def keyed_uniform(shape: torch.Size | tuple[int, ...], seed: int, step: int, part: int, slot: int,
+                  device: torch.device) -> Tensor:
+    """float32 values in [0, 1), a pure function of the key (24 bits each: exact in float32)."""
+    bits = _keyed_bits(shape, seed, step, part, slot, device) >> 8
+    return bits.to(torch.float32) * (1.0 / (1 << 24))
 
 
 class KeyedDropout(nn.Dropout):

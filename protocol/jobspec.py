@@ -736,6 +736,10 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
         pipeline_section = _Section(doc["pipeline"], "pipeline")
         pipeline = _pipeline(pipeline_section, train, data, privacy)
         pipeline_section.finish()
+        if model.transformer is not None and model.transformer.experts:
+            # the routers' balancing loss rides on the logits of a whole model's forward
+            raise SpecError("pipeline: a mixture-of-experts model (model.experts > 0) trains on one "
+                            "node; remove [pipeline]")
     for section in sections.values():
         section.finish()
     if communication.tolerance:

@@ -434,8 +434,17 @@ class SiloWithdrawal:
 
 # -- pipeline relay (hub/server/relay.py; node/pipeline/relay.py) ------------------------------------
 #: what a relay message carries between two pipeline stages: a micro-batch's activation (stage
-#: s -> s+1), its gradient (s -> s-1), or a tied parameter's gradient (two stages of one tied group)
-RELAY_KINDS: Final = ("activation", "gradient", "tied")
+#: s -> s+1), its gradient (s -> s-1), or a tied parameter's gradient (two stages of one tied group);
+#: between a mixture-of-experts layer's router and an expert host: the tokens each of the host's
+#: experts gets ("expert_route", int64 counts), the tokens ("expert_in"), the experts' outputs
+#: ("expert_out"), and their gradients ("expert_grad", either way); between a layer split by width
+#: and one of its slices: the input's shape ("slice_shape"), the input ("slice_in"), the slice's
+#: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py)
+RELAY_KINDS: Final = (
+    "activation", "gradient", "tied",
+    "expert_route", "expert_in", "expert_out", "expert_grad",
+    "slice_shape", "slice_in", "slice_out", "slice_grad",
+)
 
 
 @dataclass(frozen=True)

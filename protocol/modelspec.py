@@ -16,11 +16,14 @@ Canonical dict forms (``to_dict``; ``from_dict`` accepts exactly these keys):
   ``"args"`` as a table or a positional list; see :mod:`.layerspec`).
 - transformer: ``{kind, vocab, context, layers, width, heads, mlp_ratio, dropout,
   tied_embeddings, task}``: a decoder-only transformer (:mod:`.transformer`) whose task is
-  always ``language_model`` (next-token cross-entropy at every position).
+  always ``language_model`` (next-token cross-entropy at every position). With ``experts`` > 0
+  its MLPs are mixtures of experts (:mod:`.moe`) and the dict also holds ``experts, top_k,
+  capacity_factor, router_jitter, aux_loss_weight, moe_every``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -43,6 +46,9 @@ MAX_LAYERS: Final = 128
 MAX_OUTPUTS: Final = 1 << 20
 MAX_CONTEXT: Final = 1 << 16
 MAX_HEADS: Final = 1024
+MAX_EXPERTS: Final = 256
+#: the mixture-of-experts keys of a transformer, allowed only with experts > 0
+MOE_KEYS: Final = ("top_k", "capacity_factor", "router_jitter", "aux_loss_weight", "moe_every")
 
 KINDS: Final = ("mlp", "cnn", "sequential", "transformer")
 TASKS: Final = ("classification", "regression", "language_model")
@@ -57,7 +63,12 @@ class TransformerConfig:
     """A decoder-only transformer's shape (nanoGPT's ``GPTConfig``): ``vocab`` tokens,
     ``context`` positions, ``layers`` blocks of ``width`` features split into ``heads``, an MLP
     ``mlp_ratio`` times as wide, and the output projection sharing the token embedding when
-    ``tied_embeddings``."""
+    ``tied_embeddings``.
+
+    ``experts`` > 0 makes the MLP of every ``moe_every``-th block (blocks ``moe_every - 1``,
+    ``2 x moe_every - 1``, ...) a mixture of that many experts, each token visiting ``top_k`` of
+    them, with the capacity, router jitter and load-balancing loss weight of :mod:`.moe`;
+    ``experts`` 0 is the dense MLP everywhere."""
 
     vocab: int
     context: int
@@ -67,6 +78,16 @@ class TransformerConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tied_embeddings: bool = True
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    router_jitter: float = 0.0
+    aux_loss_weight: float = 0.01
+    moe_every: int = 1
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block``'s MLP is a mixture of experts."""
+        return self.experts > 0 and block % self.moe_every == self.moe_every - 1
 
 
 @dataclass(frozen=True)
@@ -202,6 +223,14 @@ def _transformer_dict(c: TransformerConfig) -> dict[str, Any]:
         "mlp_ratio": c.mlp_ratio,
         "dropout": c.dropout,
         "tied_embeddings": c.tied_embeddings,
+        **({} if not c.experts else {
+            "experts": c.experts,
+            "top_k": c.top_k,
+            "capacity_factor": c.capacity_factor,
+            "router_jitter": c.router_jitter,
+            "aux_loss_weight": c.aux_loss_weight,
+            "moe_every": c.moe_every,
+        }),
     }
 
 
@@ -263,6 +292,7 @@ def _read_transformer(r: Reader) -> ModelSpec:
         dropout=r.get_float("dropout", 0.0, 0.9, default=0.0),
         tied_embeddings=r.get_bool("tied_embeddings", default=True),
     )
+    config = _read_experts(r, config)
     task = r.get_choice("task", ("language_model",), default="language_model")
     if config.width % config.heads:
         raise SpecError(
@@ -274,6 +304,37 @@ def _read_transformer(r: Reader) -> ModelSpec:
         input_shape=(config.context,),
         outputs=config.vocab,
         transformer=config,
+    )
+
+
+def _read_experts(r: Reader, config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the mixture-of-experts keys read (module docstring); their keys are
+    refused when ``experts`` is 0."""
+    experts = r.get_int("experts", 0, MAX_EXPERTS, default=0)
+    if not experts:
+        given = [k for k in MOE_KEYS if k in r.d]
+        if given:
+            raise SpecError(f"{r.where}.{given[0]}: only for a mixture of experts (experts > 0)")
+        return config
+    d = TransformerConfig(1, 1, 1, 1, 1)  # the defaults live in the dataclass only
+    top_k = r.get_int("top_k", 1, MAX_EXPERTS, default=d.top_k)
+    if top_k > experts:
+        raise SpecError(f"{r.where}.top_k: at most experts ({experts}), got {top_k}")
+    capacity_factor = r.get_float("capacity_factor", 0.0, 64.0, default=d.capacity_factor)
+    if capacity_factor <= 0:
+        raise SpecError(f"{r.where}.capacity_factor: must be > 0 (1.0: room for an even share), "
+                        f"got {capacity_factor}")
+    moe_every = r.get_int("moe_every", 1, MAX_LAYERS, default=d.moe_every)
+    if moe_every > config.layers:
+        raise SpecError(f"{r.where}.moe_every: at most layers ({config.layers}), got {moe_every}")
+    return dataclasses.replace(
+        config,
+        experts=experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        router_jitter=r.get_float("router_jitter", 0.0, 0.5, default=d.router_jitter),
+        aux_loss_weight=r.get_float("aux_loss_weight", 0.0, 10.0, default=d.aux_loss_weight),
+        moe_every=moe_every,
     )
 
 
@@ -380,6 +441,10 @@ def _transformer_shapes(c: TransformerConfig) -> list[tuple[int, ...]]:
         "MLP hidden (context x mlp_ratio x width)": c.context * c.mlp_ratio * c.width,
         "logits (context x vocab)": c.context * c.vocab,
     }
+    if c.experts:
+        largest["expert hidden (context x top_k x mlp_ratio x width)"] = (
+            c.context * c.top_k * c.mlp_ratio * c.width
+        )
     for what, elems in largest.items():
         if elems > MAX_ACTIVATION_ELEMS:
             raise SpecError(

@@ -5,6 +5,9 @@ MLP), learned token and position embeddings, a final LayerNorm and a bias-free p
 the vocabulary that shares the token embedding when the embeddings are tied. The pieces are
 the pipeline's units (:mod:`.pipeline`): ``embed``, each of ``blocks``, ``head``.
 
+A block's MLP may be a mixture of experts instead (``TransformerConfig.experts``, :mod:`.moe`):
+its routers' load-balancing loss rides on the logits to :class:`NextTokenLoss`.
+
 Tied embeddings hold the weight once (``embed.tok``): the head takes it as an argument in the
 whole model, so the state dict names every tensor exactly once.
 
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 
 from .dropout import KeyedDropout
 from .modelspec import TransformerConfig
+from .moe import JITTER_SLOT, ExpertMLP, MoE, Router, attach_aux_loss, aux_loss_of
 
 __all__ = ["MLP", "Block", "Embed", "Head", "NextTokenLoss", "SelfAttention", "Transformer"]
 
@@ -91,16 +95,29 @@ class MLP(nn.Module):
         return out
 
 
+def moe_mlp(c: TransformerConfig, factory: dict[str, Any], index: int) -> MoE:
+    """Block ``index``'s mixture of experts: the dropout slot of its MLP, jitter slot
+    ``JITTER_SLOT + index``."""
+    router = Router(c.width, c.experts, top_k=c.top_k, capacity_factor=c.capacity_factor,
+                    jitter=c.router_jitter, aux_loss_weight=c.aux_loss_weight,
+                    slot=JITTER_SLOT + index, factory=factory)
+    experts = [ExpertMLP(c.width, c.mlp_ratio * c.width, factory) for _ in range(c.experts)]
+    return MoE(router, experts, c.dropout, slot=2 + 2 * index)
+
+
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). Block ``index``
-    owns the dropout slots 1 + 2 x index (attention) and 2 + 2 x index (MLP)."""
+    owns the dropout slots 1 + 2 x index (attention) and 2 + 2 x index (MLP, or mixture of
+    experts when the config makes this block one)."""
 
     def __init__(self, c: TransformerConfig, factory: dict[str, Any], index: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(c.width, **factory)
         self.attn = SelfAttention(c, factory, slot=1 + 2 * index)
         self.ln2 = nn.LayerNorm(c.width, **factory)
-        self.mlp = MLP(c, factory, slot=2 + 2 * index)
+        self.mlp: nn.Module = (
+            moe_mlp(c, factory, index) if c.is_moe(index) else MLP(c, factory, slot=2 + 2 * index)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         # x: (batch, time, width)
@@ -134,7 +151,8 @@ class Head(nn.Module):
 
 
 class Transformer(nn.Module):
-    """(batch, context) token ids -> (batch, context, vocab) next-token logits."""
+    """(batch, context) token ids -> (batch, context, vocab) next-token logits, carrying the
+    routers' load-balancing loss when the model has experts (:func:`.moe.aux_loss_of`)."""
 
     def __init__(self, c: TransformerConfig, *, device: torch.device) -> None:
         super().__init__()
@@ -163,12 +181,22 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         out: Tensor = self.head(x, self.embed.tok)  # (batch, time, vocab)
-        return out
+        return attach_aux_loss(out, self.aux_loss())
+
+    def aux_loss(self) -> Tensor | None:
+        """The weighted load-balancing loss of the last forward, summed over the routers (taken
+        from them: asked again, None); None for a dense model."""
+        taken = [m.take_aux_loss() for m in self.modules() if isinstance(m, Router)]
+        losses = [aux for aux in taken if aux is not None]
+        return torch.stack(losses).sum() if losses else None
 
 
 class NextTokenLoss(nn.Module):
-    """Mean cross-entropy of every position's logits against its next token."""
+    """Mean cross-entropy of every position's logits against its next token, plus the auxiliary
+    loss the model attached to the logits (a mixture of experts' load balancing)."""
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
         # logits: (batch, time, vocab); targets: (batch, time)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        aux = aux_loss_of(logits)
+        return loss if aux is None else loss + aux.to(loss.dtype)

@@ -120,10 +120,15 @@ LM_SPEC = ('[job]\nname = "lm"\n[model]\nkind = "transformer"\nvocab = 256\ncont
            'heads = 4\ndropout = 0.1\n[train]\noptimizer = "adam"\nlr = 0.003\nbatch_size = 32\nlocal_epochs = 1\n')
 
 
+#: the same model with mixture-of-experts MLPs: routing, keyed jitter and the balancing loss
+MOE_SPEC = LM_SPEC.replace("dropout = 0.1\n", "dropout = 0.1\nexperts = 4\ntop_k = 2\nrouter_jitter = 0.05\n")
+
+
+@pytest.mark.parametrize("spec", [LM_SPEC, MOE_SPEC], ids=["dense", "experts"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_transformer_trained_on_the_gpu_replays_on_the_cpu_referee(tmp_path, precision: str) -> None:
-    """A language model with dropout, trained on the GPU; the hub's referee (CPU) reproduces
-    every committed segment (attention included)."""
+def test_a_transformer_trained_on_the_gpu_replays_on_the_cpu_referee(tmp_path, precision: str, spec: str) -> None:
+    """A language model with dropout (and one with experts), trained on the GPU; the hub's
+    referee (CPU) reproduces every committed segment (attention and routing included)."""
     import dataclasses
     import math
 
@@ -137,7 +142,7 @@ def test_a_transformer_trained_on_the_gpu_replays_on_the_cpu_referee(tmp_path, p
 
     from tests.tooling.text import stdlib_text
 
-    job = parse_job_spec(LM_SPEC)
+    job = parse_job_spec(spec)
     data = text_windows(stdlib_text(20_000), 32, what="text")
     x, y = torch.from_numpy(data.x[:320]), torch.from_numpy(data.y[:320])
     cfg = dataclasses.replace(job.train.train_config(), precision=precision)

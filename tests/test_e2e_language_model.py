@@ -1,7 +1,8 @@
 """A transformer language model trained end to end through the data-parallel path: the owner
 submits the standard library's own source text (`gpuflex-hub job submit --train corpus.txt`),
 a real `gpuflex-hub serve` cuts its windows into chunks, two real `gpuflex-node run` processes
-train them, and the validation loss per position falls round after round."""
+train them, and the validation loss per position falls round after round; the same with
+mixture-of-experts MLPs (each node holding every expert)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ layers = 2
 width = 32
 heads = 4
 dropout = 0.0
-
+{{experts}}
 [train]
 rounds = {ROUNDS}
 local_epochs = 1
@@ -44,11 +45,15 @@ validation_fraction = 0.1
 """
 
 
+MOE = "experts = 4\ntop_k = 2\nrouter_jitter = 0.01\naux_loss_weight = 0.03\n"
+
+
+@pytest.mark.parametrize("experts", ["", MOE], ids=["dense", "experts"])
 def test_a_transformer_learns_the_standard_librarys_bytes_on_real_nodes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], experts: str
 ) -> None:
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC)
+    spec.write_text(SPEC.replace("{experts}", experts))
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(stdlib_text(64_000))  # 1999 windows of 32 bytes
     with LocalCluster(

@@ -56,7 +56,8 @@ STACKS: dict[str, dict[str, Any]] = {
         ],
     },
 }
-ALL = {"tiny": TINY, "dropping": DROPPING, **STACKS}
+MIXTURE = {**DROPPING, "experts": 4, "top_k": 2, "capacity_factor": 1.0, "router_jitter": 0.1}
+ALL = {"tiny": TINY, "dropping": DROPPING, "mixture": MIXTURE, **STACKS}
 
 
 def _bad(d: dict[str, Any], *needles: str) -> None:
