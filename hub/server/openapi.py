@@ -229,7 +229,9 @@ def _upload_paths() -> dict[str, Any]:
             "schema": {"type": "string", "format": "binary"}}}},
         "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
         "description": "The body must carry a Content-Length equal to the header's update_size - offset (411 "
-                       "without one). The tensor names, dtypes and shapes are checked before the size: 422 "
+                       "without one). Where the assignment's train.commit asks for a checkpoint commitment, "
+                       "400 commitment_required without one and 400 bad_commitment for one that does not cover "
+                       "the assignment's steps, before the body is read (the assignment stays live). The tensor names, dtypes and shapes are checked before the size: 422 "
                        "bad_manifest names the first tensor that is not the job's encoding of the model's (its "
                        "[communication] update: fp32 = the model's own tensors; protocol/encoding.py); 422 "
                        "non_finite also for values no encoder makes; 413 too_large only for an "
