@@ -19,7 +19,9 @@ from gpuflex.protocol.messages import Assignment
 from tests.helpers import SimNode, open_store, start_hub, submit_job, wait_job, write_digits
 
 
-async def _refused(n: SimNode, a: Assignment, blob: bytes, samples: int, loss: float, **over: object) -> tuple[int, dict]:
+async def _refused(
+    n: SimNode, a: Assignment, blob: bytes, samples: int, loss: float, **over: object
+) -> tuple[int, dict]:
     resp = await n.upload_raw(n.update_header(a, blob, samples, loss, **over), blob)
     return resp.status, await resp.json()
 
@@ -33,7 +35,8 @@ def _rows(hub_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
 
 
 async def test_an_uncommitted_update_is_refused_where_the_referee_may_ask_and_its_assignment_stays_live(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     train, val, spec = write_digits(tmp_path / "d", rounds=1, replication='"adaptive"')
     hub = await start_hub(tmp_path / "hub")
     try:
@@ -53,14 +56,20 @@ async def test_an_uncommitted_update_is_refused_where_the_referee_may_ask_and_it
             assert (status, body["error"]) == (400, "bad_commitment"), body
             # nothing of it was stored, and the assignment is still the node's to deliver
             assert _rows(hub.data_dir, "SELECT id FROM updates") == []
-            assert _rows(hub.data_dir, "SELECT state FROM assignments WHERE id = ?", (a.assignment_id,)) == [("live",)]
-            assert (await node.upload(a, blob, samples, loss)).ok  # with the commitment its training recorded
+            assert _rows(
+                hub.data_dir, "SELECT state FROM assignments WHERE id = ?", (a.assignment_id,)
+            ) == [("live",)]
+            assert (
+                await node.upload(a, blob, samples, loss)
+            ).ok  # with the commitment its training recorded
             assert len(_rows(hub.data_dir, "SELECT id FROM updates")) == 1
     finally:
         await hub.stop()
 
 
-async def test_a_job_that_never_asks_the_referee_takes_updates_without_a_commitment(tmp_path: Path) -> None:
+async def test_a_job_that_never_asks_the_referee_takes_updates_without_a_commitment(
+    tmp_path: Path,
+) -> None:
     train, val, spec = write_digits(tmp_path / "d", rounds=1)  # no replication, no spot check
     hub = await start_hub(tmp_path / "hub")
     try:
