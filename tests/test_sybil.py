@@ -612,7 +612,7 @@ async def test_colluders_cannot_outvote_an_honest_replica_the_referee_replays_ea
                            hub.replica_group(a_h.assignment_id))
         assert (h.node_id, "reproduced") in verdicts and (c1.node_id, "mismatch") in verdicts, verdicts
         assert ledger.scheduler.nodes[h.node_id].reputation.consecutive_agreements >= run[h.node_id]
-        assert ledger.scheduler.nodes[c1.node_id].reputation.consecutive_agreements == 0
+        assert ledger.scheduler.nodes[c1.node_id].suspended is not None  # a proven mismatch stops it
     finally:
         await hub.stop()
 

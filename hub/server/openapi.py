@@ -352,6 +352,29 @@ def _audit_paths() -> dict[str, Any]:
     }
 
 
+def _cooldown_paths() -> dict[str, Any]:
+    """The paths of the operator's view of a ban's block cooldowns (admin)."""
+    return {
+    "/v1/cooldowns": {"get": {
+        "summary": "address blocks and operators cooling down after a ban (admin)", "tags": ["audit"],
+        "security": _BEARER,
+        "description": "Each: kind (block | operator), name, node_id and banned_at (the ban that caused it), until, "
+                       "remaining_s, lifted (the addresses the operator lifted it for; the block's own name: "
+                       "all of it). No new identity registers from a cooled-down block or operator (403 "
+                       "cooldown) unless it was lifted for that address.",
+        "responses": {"200": _json(_OBJ), **_errors(401, 403)}}},
+    "/v1/cooldowns/lift": {"post": {
+        "summary": "lift a ban's block cooldown for one IP address or the whole block (admin; in the audit log)",
+        "tags": ["audit"], "security": _BEARER,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["address"], "properties": {
+                "address": {"type": "string", "maxLength": 100}, "note": {"type": "string", "maxLength": 2000}}}}}},
+        "description": "400 bad_address: neither an IP address nor a block as the hub counts them; 409 "
+                       "not_cooling: no ban's cooldown covers it now. A later ban in the block cools it down again.",
+        "responses": {"200": _json(_OBJ), **_errors(400, 401, 403, 409)}}},
+    }
+
+
 def _schemas() -> dict[str, Any]:
     """The documents the paths refer to (#/components/schemas/...)."""
     return {
@@ -425,7 +448,7 @@ def _job_plan_schema() -> dict[str, Any]:
 def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {**_ops_paths(), **_node_paths(), **_secagg_paths(), **_silo_paths(),
                              **_blob_paths(), **_relay_paths(), **_upload_paths(), **_owner_paths(),
-                             **_audit_paths()}
+                             **_audit_paths(), **_cooldown_paths()}
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
         for method, op in ops.items():
             op["responses"].setdefault("400", _ERROR_400)
