@@ -24,7 +24,9 @@ from ...storage.tokens import Principal
 class Cooldowns:
     """The blocks and operators cooling down after a ban, and the operator's lifts of them."""
 
-    def __init__(self, *, config: HubConfig, store: Store, audit: AuditLog, admission: Admission) -> None:
+    def __init__(
+        self, *, config: HubConfig, store: Store, audit: AuditLog, admission: Admission
+    ) -> None:
         self.config = config
         self.store = store
         self.audit = audit
@@ -41,34 +43,65 @@ class Cooldowns:
         that caused it (node, time), when it ends, the seconds left, and the addresses lifted."""
         who.require("admin")
         now = time.time()
-        return [{"kind": c.kind, "name": c.name, "node_id": c.node_id, "banned_at": c.banned_at,
-                 "until": c.until, "remaining_s": round(c.remaining_s(now), 1), "lifted": list(c.lifted)}
-                for c in self.admission.cooldowns(now)]
+        return [
+            {
+                "kind": c.kind,
+                "name": c.name,
+                "node_id": c.node_id,
+                "banned_at": c.banned_at,
+                "until": c.until,
+                "remaining_s": round(c.remaining_s(now), 1),
+                "lifted": list(c.lifted),
+            }
+            for c in self.admission.cooldowns(now)
+        ]
 
     async def lift(self, who: Principal, address: str, note: str) -> dict[str, Any]:
         """Lift the cooldown for ``address`` (an IP address, or a block as listed). Refused in
         one line when it is neither, or when no ban's cooldown covers it now."""
         who.require("admin")
         if not isinstance(address, str) or not address or len(address) > 100:
-            raise BadRequest("address must be an IP address or an address block", code="bad_address")
+            raise BadRequest(
+                "address must be an IP address or an address block", code="bad_address"
+            )
         if not isinstance(note, str) or len(note) > 2000:
             raise BadRequest("note must be a string of at most 2000 characters", code="bad_address")
         try:
-            target, block = lift_target(address, ipv4_prefix=self.config.ipv4_block_prefix,
-                                        ipv6_prefix=self.config.ipv6_block_prefix)
+            target, block = lift_target(
+                address,
+                ipv4_prefix=self.config.ipv4_block_prefix,
+                ipv6_prefix=self.config.ipv6_block_prefix,
+            )
         except ValueError as exc:
             raise BadRequest(str(exc), code="bad_address") from None
         async with self._lifts:
             now = time.time()
             cooling = {c.name: c for c in self.admission.cooldowns(now) if c.kind == "block"}
             if block not in cooling:
-                raise Conflict(f"no ban's cooldown covers {target} (its block {block} is not cooling down)",
-                               code="not_cooling")
+                raise Conflict(
+                    f"no ban's cooldown covers {target} (its block {block} is not cooling down)",
+                    code="not_cooling",
+                )
             cause = cooling[block]
-            await asyncio.to_thread(self.audit.append, "cooldown_lift", {
-                "address": target, "block": block, "banned_node": cause.node_id, "banned_at": cause.banned_at,
-                "until": cause.until, "by": who.name, "note": note})
+            await asyncio.to_thread(
+                self.audit.append,
+                "cooldown_lift",
+                {
+                    "address": target,
+                    "block": block,
+                    "banned_node": cause.node_id,
+                    "banned_at": cause.banned_at,
+                    "until": cause.until,
+                    "by": who.name,
+                    "note": note,
+                },
+            )
             await self.store.lift_cooldown(CooldownLift(target, now, who.name, note))
             self.admission.lift(target, now)
-        return {"address": target, "block": block, "lifted_at": now, "banned_node": cause.node_id,
-                "until": cause.until}
+        return {
+            "address": target,
+            "block": block,
+            "lifted_at": now,
+            "banned_node": cause.node_id,
+            "until": cause.until,
+        }
