@@ -567,7 +567,16 @@ async def test_a_flag_keeps_the_run_it_reset_for_a_withdrawal_after_a_restart(op
     try:
         (node,) = (await store.load()).nodes
         assert node.reputation.consecutive_agreements == 0
-        assert await store.runs_before_flags(["u-1", "u-2", "u-unknown"]) == {"u-1": ("gf1-n1", 4)}
+        runs = await store.runs_before_flags(["u-1", "u-2", "u-unknown"])
+        assert runs == {"u-1": ("gf1-n1", 4)}
+        # the round engine's side (hub/domain/reputations.py): the restarted hub gives the run back
+        from gpuflex.hub.domain.reputations import Reputations
+        from gpuflex.hub.domain.scheduler import Scheduler
+
+        scheduler = Scheduler(min_deadline_s=30.0, online_window_s=60.0)
+        scheduler.nodes[node.id] = node
+        touched = Reputations(scheduler).withdraw([], runs)
+        assert [(n, r.consecutive_agreements, r.flags_total) for n, r in touched] == [("gf1-n1", 4, 1)]
     finally:
         store.close()
 
