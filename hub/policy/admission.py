@@ -22,8 +22,9 @@ new identities are admitted here, per block, per operator and in all:
   from there are admitted again, until a later ban in that block.
 
 Re-registering a known identity (a node restarting) is never limited. Pure bookkeeping in
-memory, rebuilt from the nodes table at start (hub/domain/ledger/registry.py ``restore``); the
-clock is passed in.
+memory, rebuilt at start from the nodes table (hub/domain/ledger/registry.py ``restore``: each
+node's registered and last-seen blocks, its ban) and the operator's lifts
+(hub/domain/ledger/cooldowns.py); the clock is passed in.
 """
 
 from __future__ import annotations
