@@ -5,7 +5,9 @@ the benchmark's process with --hub inproc.
 
 Each node registers, long-polls for work, and uploads a small update (its own
 random delta of the model, a new one each round, as training makes) for every assignment,
-for R rounds of one job whose chunks give every node one shard per round. Reports:
+for R rounds of one job whose chunks give every node one shard per round. The job replicates
+and spot-checks nothing, so it never asks the referee and its assignments ask for no checkpoint
+commitment (an update without one is refused where they do: docs/verification.md). Reports:
 
 - requests_per_s: node requests (register + work + update) completed per second of the run,
 - p50/p99 assignment latency: from the moment work existed for a node (its request
@@ -314,6 +316,8 @@ class Node:
             if peek_kind(payload) == NoWork.KIND:
                 continue
             a, _ = open_sealed(data, Assignment)
+            if a.train.commit:  # SPEC asks no referee: its nodes owe no checkpoint commitment
+                raise RuntimeError("the bench's job asks for checkpoint commitments, which its nodes do not make")
             self.polls.append((a.round, t_sent, t_got))
             self.got.append((a.round, t_got))
             delta, delta_sha = self.deltas[done_rounds], self.delta_shas[done_rounds]

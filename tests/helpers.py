@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,10 +30,14 @@ from gpuflex.protocol.messages import (
     Assignment,
     Benchmark,
     BlobRequest,
+    Commitment,
     DeviceInfo,
     Heartbeat,
     Hello,
     NoWork,
+    StateRequest,
+    StateUnavailable,
+    StateUpload,
     UpdateHeader,
     Welcome,
     WorkRequest,
@@ -412,6 +417,23 @@ async def wait_job(
         await asyncio.sleep(0.05)
 
 
+async def finish_job(session: aiohttp.ClientSession, hub: RunningHub, job_id: str, nodes: list[SimNode],
+                     timeout: float = 60.0) -> dict[str, Any]:
+    """Every node in turn asks for work until the job is done: it hands over the states the
+    referee asks of it (``SimNode.work``) and trains and uploads any assignment honestly. The job's
+    JSON when done."""
+    give_up = time.monotonic() + timeout
+    while (doc := await wait_job(session, hub, job_id, states=("running", "done", "failed", "cancelled")))[
+            "state"] == "running":
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"job {job_id} still running (round {doc['round']})")
+        for n in nodes:
+            got = await n.work(0.2)
+            if isinstance(got, Assignment):
+                await n.upload(got, *await n.train(got))
+    return doc
+
+
 # -- simulated node -------------------------------------------------------------------------------
 
 
@@ -420,7 +442,12 @@ def b64(data: bytes) -> str:
 
 
 class SimNode:
-    """A minimal node: signs requests, fetches blobs, trains with the real trainer, uploads."""
+    """A minimal node: signs requests, fetches blobs, trains with the real trainer, uploads.
+
+    As the real node does (node/agent.py), it commits to its checkpoints when the assignment asks
+    (``train.commit``: the job may ask the referee) with the node's own recorder
+    (node/checkpoints.py), keeps the states in a folder of its own, sends the commitment in its
+    update header, and hands the states over when ``work`` is answered with a state request."""
 
     def __init__(
         self,
@@ -440,6 +467,9 @@ class SimNode:
         self.cache: dict[str, bytes] = {}
         self.steps = 0  # the heartbeat progress chain (protocol.messages.progress_digest)
         self.digest = bytes(32)
+        #: assignment id -> the commitment its training recorded (sent in its update header)
+        self.commitments: dict[str, Commitment] = {}
+        self._states: tempfile.TemporaryDirectory[str] | None = None  # made at the first commitment
 
     @property
     def node_id(self) -> str:
@@ -495,11 +525,45 @@ class SimNode:
         return await self.open_response(resp, Welcome)
 
     async def work(self, wait_s: float = 1.0, cached: tuple[str, ...] = ()) -> Assignment | NoWork:
-        req = WorkRequest(
-            timestamp=time.time(), nonce=new_nonce(), wait_s=wait_s, cached_chunks=cached
-        )
-        resp = await self.post("/v1/work", seal(self.key, req))
-        return await self.open_response(resp, Assignment, NoWork)
+        """Ask for work; a state request in the answer is handed over (``hand_over``), as the
+        real node does, and the node asks again for the rest of ``wait_s``."""
+        give_up = time.monotonic() + wait_s
+        for _ in range(8):
+            req = WorkRequest(timestamp=time.time(), nonce=new_nonce(),
+                              wait_s=max(0.0, give_up - time.monotonic()), cached_chunks=cached)
+            resp = await self.post("/v1/work", seal(self.key, req))
+            got = await self.open_response(resp, Assignment, NoWork, StateRequest)
+            if not isinstance(got, StateRequest):
+                return got
+            await self.hand_over(got)
+        raise AssertionError("the hub asked for states again and again")
+
+    @property
+    def checkpoints(self) -> Any:
+        """The node's checkpoint store (node/checkpoints.py), in a temporary folder of its own."""
+        from gpuflex.node.checkpoints import CheckpointStore
+
+        if self._states is None:
+            self._states = tempfile.TemporaryDirectory(prefix="gpuflex-simnode-")
+        return CheckpointStore(Path(self._states.name))
+
+    async def hand_over(self, asked: StateRequest) -> None:
+        """The committed states the referee asked for (as node/handover.py), or which are not held."""
+        store = self.checkpoints
+        missing = [s for s in asked.steps if store.read(asked.assignment_id, s) is None]
+        if missing:
+            msg = StateUnavailable(request_id=asked.request_id, steps=tuple(missing), reason="not kept",
+                                   timestamp=time.time(), nonce=new_nonce())
+            resp = await self.post("/v1/states/unavailable", seal(self.key, msg))
+            assert resp.status == 200, await resp.text()
+            return
+        for step in asked.steps:
+            data = store.read(asked.assignment_id, step)
+            hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                              state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+            async with self.session.post(self.url + "/v1/states", data=data, headers={
+                    "X-GPUFlex-State": b64(seal(self.key, hdr)), "Content-Type": "application/octet-stream"}) as r:
+                assert r.status == 200, await r.text()
 
     async def silo_schema(self, job_id: str) -> Any:
         """POST /v1/silos/schema: the job's silo schema (a SiloSchema)."""
@@ -540,6 +604,18 @@ class SimNode:
         self.cache[sha] = data
         return data
 
+    def recorder(self, a: Assignment, chunks: list[dict[str, torch.Tensor]]) -> Any:
+        """The trainer's checkpoint hook for ``a`` when it asks for a commitment (the job may ask
+        the referee: node/agent.py commits then), else None."""
+        if not a.train.commit:
+            return None
+        return self.checkpoints.recorder(a, sum(int(c["x"].shape[0]) for c in chunks))
+
+    def keep_commitment(self, a: Assignment, recorder: Any) -> None:
+        """The commitment ``recorder`` made, for ``a``'s update header."""
+        if recorder is not None:
+            self.commitments[a.assignment_id] = recorder.commitment()
+
     async def train(self, a: Assignment) -> tuple[bytes, int, float]:
         """Returns (update blob, sample_count, loss)."""
         from gpuflex.node.trainer import train_assignment
@@ -547,14 +623,22 @@ class SimNode:
         torch.set_num_threads(1)
         global_state = decode_state(bytearray(await self.blob(a.model_hash)))
         chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
-        res = train_assignment(
-            ModelSpec.from_dict(a.model_spec),
-            global_state,
-            chunks,
-            a.train,
-            a.seed,
-            device=torch.device("cpu"),
-        )
+        recorder = self.recorder(a, chunks)
+        try:
+            res = train_assignment(
+                ModelSpec.from_dict(a.model_spec),
+                global_state,
+                chunks,
+                a.train,
+                a.seed,
+                device=torch.device("cpu"),
+                on_step=recorder,
+            )
+        except BaseException:
+            if recorder is not None:
+                recorder.abandon()
+            raise
+        self.keep_commitment(a, recorder)
         return encode_state(res.delta), res.sample_count, res.loss
 
     def update_header(
@@ -569,6 +653,7 @@ class SimNode:
             timings={"train_s": 0.01},
             timestamp=time.time(),
             nonce=new_nonce(),
+            commitment=self.commitments.get(a.assignment_id),
         )
         return dataclasses.replace(h, **over)
 

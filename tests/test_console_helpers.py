@@ -132,6 +132,7 @@ class TrainingNode(SimNode):
         torch.set_num_threads(1)
         global_state = decode_state(bytearray(await self.blob(a.model_hash)))
         chunks = [decode_state(bytearray(await self.blob(c.sha256))) for c in a.chunks]
+        recorder = self.recorder(a, chunks)  # committed to the training that ran, whatever it then sends
         res = contribute(
             self.attack,
             ModelSpec.from_dict(a.model_spec),
@@ -140,7 +141,9 @@ class TrainingNode(SimNode):
             a.train,
             a.seed,
             device=torch.device("cpu"),
+            on_step=recorder,
         )
+        self.keep_commitment(a, recorder)
         self.last_train_s = max(float(res.train_s), 1e-3)
         return encode_state(res.delta), res.sample_count, res.loss
 
@@ -224,8 +227,9 @@ async def run_job_with_attacker(
         b = TrainingNode(s, hub.url, samples_per_s=5000.0)
         for n in (x, a, b):
             await n.register()
-        # The attacker asks first: it carves shard 0 (replicated for a new node);
-        # a and b replicate it, agree with each other, and outvote it.
+        # The attacker asks first: it carves shard 0 (replicated for a new node); a replicates
+        # it, they disagree, and the referee re-executes both: the attacker's committed training
+        # does not give its update. It takes no more work, but hands its states over when asked.
         first = await x.step(wait_s=1.0)
         assert isinstance(first, Assignment) and first.job_id == job_id
         give_up = time.monotonic() + timeout
@@ -235,6 +239,9 @@ async def run_job_with_attacker(
                 break
             if time.monotonic() > give_up:
                 raise TimeoutError(f"job still {doc['state']} at round {doc['round']}")
+            left = await x.work(0.05)
+            if isinstance(left, Assignment):
+                (await x.abandon(left.assignment_id)).release()
             progressed = False
             for n in (a, b):
                 got = await n.step(wait_s=0.3)

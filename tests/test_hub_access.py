@@ -138,6 +138,10 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                                      admin=(200, None)),
     ("GET", "/v1/audit-log"): _bearer(owner=WRONG_ROLE, other=WRONG_ROLE, auditor=(200, None), admin=(200, None)),
     ("GET", "/v1/nodes"): _bearer(owner=WRONG_ROLE, other=WRONG_ROLE, auditor=(200, None), admin=(200, None)),
+    # nothing of this world is banned: nothing cools down, so a lift finds nothing to lift
+    ("GET", "/v1/cooldowns"): _bearer(owner=WRONG_ROLE, other=WRONG_ROLE, auditor=WRONG_ROLE, admin=(200, None)),
+    ("POST", "/v1/cooldowns/lift"): _bearer(owner=WRONG_ROLE, other=WRONG_ROLE, auditor=WRONG_ROLE,
+                                            admin=(409, "not_cooling")),
 }
 
 SPEC = """
@@ -365,6 +369,8 @@ async def _bearer_request(w: World, route: tuple[str, str], role: str) -> dict[s
         form.add_field("spec", SPEC.format(name=f"by-{role}", rounds=1).encode(), filename="spec.toml")
         form.add_field("train", _train_npz(), filename="train.npz")
         kw["data"] = form
+    if path == "/v1/cooldowns/lift":
+        kw["json"] = {"address": "203.0.113.7", "note": f"access test, {role}"}
     if path.endswith("/verdict"):
         kw["json"] = {"verdict": "dismiss", "note": f"access test, {role}"}
         path = path.replace("{flag_id}", await w.new_flag())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 
 import aiohttp
@@ -17,6 +16,7 @@ from gpuflex.protocol.tensors import state_from_safetensors
 from tests.helpers import (
     SimNode,
     digits_spec,
+    finish_job,
     open_store,
     start_hub,
     stored_blobs,
@@ -339,7 +339,8 @@ async def test_replicas_of_a_shard_agree_and_count_once(tmp_path):
 async def test_a_node_that_cheats_only_when_unwatched_is_caught(tmp_path):
     """The attack the wire used to allow: a node reads its signed assignment, and cheats (here it
     flips its update's sign) only where the shard is not replicated. The hub never says, so the
-    cheat lands on a replicated shard too, loses the vote to two honest replicas and is flagged."""
+    cheat lands on a replicated shard too, disagrees with the honest replica, and the referee
+    re-executes both: the cheat's committed training does not give its update, so it is flagged."""
     from gpuflex.protocol.tensors import decode_state, encode_state
 
     train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0)
@@ -351,7 +352,7 @@ async def test_a_node_that_cheats_only_when_unwatched_is_caught(tmp_path):
             for n in (sly, h1, h2):
                 await n.register()
             cheated = []
-            for n in (sly, h1, h2):
+            for n in (sly, h1):
                 a = await n.work(0.5)
                 assert isinstance(a, Assignment) and hub.replica_group(a.assignment_id)
                 blob, samples, loss = await n.train(a)
@@ -360,18 +361,17 @@ async def test_a_node_that_cheats_only_when_unwatched_is_caught(tmp_path):
                     cheated.append(a.assignment_id)
                 await n.upload(a, blob, samples, loss)
             assert cheated, "the node could not tell a replicated shard from another"
-            doc = await wait_job(s, hub, job_id)
+            doc = await finish_job(s, hub, job_id, [sly, h1, h2])
             flags = doc["history"][0]["flags"]
-            assert [f["node_id"] for f in flags] == [sly.node_id], flags
+            assert [(f["node_id"], f["reason"]) for f in flags] == [(sly.node_id, "referee_mismatch")], flags
     finally:
         await hub.stop()
 
 
-async def test_a_lone_untrusted_node_is_not_kept_waiting_and_is_marked_unverified(tmp_path):
+async def test_a_lone_untrusted_node_is_not_kept_waiting_and_the_referee_checks_it(tmp_path):
     """Adaptive replication: an untrusted node's shard always wants a replica. Alone, no replica
-    can come, so the round does not wait replica_wait_s for one; its update carries no checkpoint
-    commitment (nothing for the referee to re-execute), so (unverified = "accept") it is
-    aggregated at once and the round's status and audit entry say it was unverified."""
+    can come, so the round does not wait replica_wait_s for one: the referee re-executes a segment
+    of its committed update at once (reason no_replica_holder), and the update counts verified."""
     train, val, spec = write_digits(tmp_path / "d", rounds=1, replication='"adaptive"', replica_wait_s=30.0)
     hub = await start_hub(tmp_path / "hub")
     try:
@@ -382,15 +382,17 @@ async def test_a_lone_untrusted_node_is_not_kept_waiting_and_is_marked_unverifie
             a = await node.step()
             assert a is not None and hub.replica_group(a.assignment_id) != "", "an untrusted node's shard is replicated"
             t0 = time.monotonic()
-            doc = await wait_job(s, hub, job_id, timeout=20)
+            doc = await finish_job(s, hub, job_id, [node], timeout=20)
             assert time.monotonic() - t0 < 15, "the round waited for a replica that could not come"
             (h,) = doc["history"]
             (upd,) = h["updates"]
-            assert h["unverified"] == {upd["update_id"]: "no_replica_holder"} and upd["status"] == "included"
-            async with s.get(f"{hub.url}/v1/audit-log", headers=hub.auth(hub.auditor_token)) as r:
-                entries = [json.loads(line) for line in (await r.text()).splitlines()]
-            agg = [e for e in entries if e["kind"] == "aggregation"]
-            assert agg and agg[-1]["body"]["unverified"] == agg[-1]["body"]["included"]
+            assert h["unverified"] == {} and upd["status"] == "included"
+            conn = open_store(hub.data_dir)
+            try:
+                asked = conn.execute("SELECT reason, status FROM state_requests").fetchall()
+            finally:
+                conn.close()
+            assert [tuple(r) for r in asked] == [("no_replica_holder", "reproduced")]
     finally:
         await hub.stop()
 

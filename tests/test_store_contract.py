@@ -433,8 +433,15 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
     assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
 
 
+def _undo_sybil_state(conn: sqlite3.Connection) -> None:
+    """Undo schema 9 (a flag's reset run, the operator's cooldown lifts)."""
+    conn.execute("ALTER TABLE flags DROP COLUMN run_before")
+    conn.execute("DROP TABLE cooldown_lifts")
+
+
 def _undo_suspension_column(conn: sqlite3.Connection) -> None:
-    """Undo schema 7 (a flag that suspends its node)."""
+    """Undo schema 7 (a flag that suspends its node), and 9 after it."""
+    _undo_sybil_state(conn)
     conn.execute("ALTER TABLE flags DROP COLUMN suspends")
 
 
@@ -507,6 +514,86 @@ def test_a_version_6_database_gains_the_suspension_column_its_flags_suspending_n
     finally:
         db.close()
     assert (row["id"], row["status"], row["suspends"]) == ("f-old", "open", 0)
+
+
+def test_a_version_7_database_gains_the_flags_reset_run_and_the_cooldown_lifts(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    _undo_sybil_state(conn)
+    conn.executescript("INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, created_at)"
+                       " VALUES ('f-old', 'j', 0, 'u', 'n', 'replica_mismatch', '{}', 0);"
+                       "PRAGMA user_version = 7;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM flags").fetchone()))
+        lifts = db.write_sync(lambda c: c.execute("SELECT COUNT(*) FROM cooldown_lifts").fetchone()[0])
+    finally:
+        db.close()
+    assert (row["id"], row["run_before"], lifts) == ("f-old", None, 0)  # a run it never kept gives back nothing
+
+
+async def test_a_nodes_last_seen_block_survives_a_restart(opened) -> None:
+    """Where a known node was last seen (it moved after registering): replicas keep apart from it
+    and a ban cools it down, after a restart too (hub/policy/admission.py)."""
+    kind, where, store = opened
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=100.0, address_block="203.0.113.0/24")
+    await store.note_block("gf1-n1", "198.51.100.0/24")
+    store = await _reopen(kind, where, store)
+    try:
+        (node,) = (await store.load()).nodes
+        assert (node.block, node.last_block) == ("203.0.113.0/24", "198.51.100.0/24")
+        assert node.blocks == {"203.0.113.0/24", "198.51.100.0/24"}
+    finally:
+        store.close()
+
+
+async def test_a_flag_keeps_the_run_it_reset_for_a_withdrawal_after_a_restart(opened) -> None:
+    """The settling's one write stores each flag with its node's run of agreements before the
+    flag reset it; a round that withdraws the flag gives that run back, whatever restarted between."""
+    kind, where, store = opened
+    await store.save_node("gf1-n1", b"k" * 32, PROFILE, bench_sps=1.0, now=1.0)
+    await store.save_reputations([("gf1-n1", Reputation(consecutive_agreements=4, agreements_total=4))])
+    job = await _job(where, store)
+    shard = _carve(job, wanted=2)
+    reset = Reputation(consecutive_agreements=0, agreements_total=4, flags_total=1)
+    await store.settle_shard(shard, state="settled", evidence={}, statuses={}, cancelled=[],
+                             flags=[Flag("u-1", "gf1-n1", "replica_mismatch", {}),
+                                    Flag("u-2", "gf1-n1", "outlier", {})],
+                             round=0, reputations=[("gf1-n1", reset)], now=5.0)
+    store = await _reopen(kind, where, store)
+    try:
+        (node,) = (await store.load()).nodes
+        assert node.reputation.consecutive_agreements == 0
+        runs = await store.runs_before_flags(["u-1", "u-2", "u-unknown"])
+        assert runs == {"u-1": ("gf1-n1", 4)}
+        # the round engine's side (hub/domain/reputations.py): the restarted hub gives the run back
+        from gpuflex.hub.domain.reputations import Reputations
+        from gpuflex.hub.domain.scheduler import Scheduler
+
+        scheduler = Scheduler(min_deadline_s=30.0, online_window_s=60.0)
+        scheduler.nodes[node.id] = node
+        touched = Reputations(scheduler).withdraw([], runs)
+        assert [(n, r.consecutive_agreements, r.flags_total) for n, r in touched] == [("gf1-n1", 4, 1)]
+    finally:
+        store.close()
+
+
+async def test_a_cooldown_lift_survives_a_restart_and_a_second_lift_replaces_it(opened) -> None:
+    from gpuflex.hub.storage.store import CooldownLift
+
+    kind, where, store = opened
+    await store.lift_cooldown(CooldownLift("203.0.113.7", 10.0, "root", "a university NAT"))
+    await store.lift_cooldown(CooldownLift("198.51.100.0/24", 11.0, "root"))
+    await store.lift_cooldown(CooldownLift("203.0.113.7", 12.0, "ops", "again"))
+    store = await _reopen(kind, where, store)
+    try:
+        assert (await store.load()).lifts == [CooldownLift("198.51.100.0/24", 11.0, "root", ""),
+                                             CooldownLift("203.0.113.7", 12.0, "ops", "again")]
+    finally:
+        store.close()
 
 
 async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened) -> None:

@@ -1,9 +1,9 @@
 """A proven mismatch stops the node (hub/policy/suspension.py), on a real hub over loopback.
 
-The forger is the only node online, so its lone updates find no replica holder: a first update
-without a commitment settles at once, unverified, and waits for the round's close; a second,
-crafted (x3.5) over an honest commitment, is re-executed by the referee at once, does not
-reproduce, and is flagged ``referee_mismatch``. From the moment that flag is written the node is
+The forger is the only node online, so its lone updates find no replica holder and the referee
+re-executes each at once: a first, honest update reproduces and waits for the round's close; a
+second, crafted (x3.5) over an honest commitment, does not reproduce and is flagged
+``referee_mismatch``. From the moment that flag is written the node is
 suspended: no work, its pending update held out of the round, its flag first in the audit queue,
 and it stays so across a restart until an auditor dismisses the flag (it works again) or
 confirms it (it is banned)."""
@@ -11,52 +11,29 @@ confirms it (it is banned)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import torch
 from gpuflex.hub.policy import suspension
 from gpuflex.hub.policy.reputation import Reputation
 from gpuflex.hub.policy.update_record import Flag
-from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
-from gpuflex.node.trainer import train_assignment
-from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.messages import (
-    Ack,
     Assignment,
     NoWork,
     StateRequest,
-    StateUpload,
     WorkRequest,
 )
-from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
 from tests.helpers import RunningHub, SimNode, open_store, start_hub, submit_job, write_digits
-from tests.test_hub_referee import _post_state
 
 #: shards of one chunk, then two: the round's 23 chunks keep it open across the forger's updates
 HUB = {"unproven_max_chunks": 1}
-
-
-async def _train(n: SimNode, a: Assignment, store: CheckpointStore) -> tuple[bytes, int, float, Any]:
-    """Train ``a`` honestly, recording its checkpoint commitment (as tests/test_hub_referee.py)."""
-    torch.set_num_threads(1)
-    g = decode_state(bytearray(await n.blob(a.model_hash)))
-    chunks = [decode_state(bytearray(await n.blob(c.sha256))) for c in a.chunks]
-    total = math.ceil(sum(c.samples for c in a.chunks) / a.train.batch_size) * a.train.local_epochs
-    rec = CheckpointRecorder(total_steps=total, every=auto_every(total, a.train.checkpoint_every), store=store,
-                             assignment_id=a.assignment_id)
-    res = train_assignment(ModelSpec.from_dict(a.model_spec), g, chunks, a.train, a.seed,
-                           device=torch.device("cpu"), on_step=rec)
-    return encode_state(res.delta), res.sample_count, res.loss, rec.commitment()
 
 
 async def _poll(n: SimNode, wait_s: float = 0.5) -> Assignment | NoWork | StateRequest:
@@ -82,28 +59,22 @@ async def _suspend_a_forger(s: aiohttp.ClientSession, hub: RunningHub, tmp_path:
     await submit_job(s, hub, spec_path, train, val)
     forger = SimNode(s, hub.url)
     await forger.register()
-    store = CheckpointStore(tmp_path / "states")
     a1 = await forger.work(2.0)
-    assert isinstance(a1, Assignment)
-    blob, samples, loss, _ = await _train(forger, a1, store)
-    assert (await forger.open_response(await forger.upload_raw(forger.update_header(a1, blob, samples, loss),
-                                                               blob), Ack)).ok
-    a2 = await forger.work(2.0)
+    assert isinstance(a1, Assignment) and a1.train.commit
+    assert (await forger.upload(a1, *await forger.train(a1))).ok  # honest, committed (SimNode records it)
+    a2 = await forger.work(2.0)  # hands a1's states over when the referee asks first
     assert isinstance(a2, Assignment) and a2.assignment_id != a1.assignment_id
-    blob, samples, loss, c = await _train(forger, a2, store)
+    blob, samples, loss = await forger.train(a2)
     blob = encode_state({k: v * 3.5 for k, v in decode_state(bytearray(blob)).items()})
-    assert (await forger.open_response(await forger.upload_raw(
-        forger.update_header(a2, blob, samples, loss, commitment=c), blob), Ack)).ok
+    assert (await forger.upload(a2, blob, samples, loss)).ok  # crafted, over its honest commitment
     deadline = time.monotonic() + 30
-    while not isinstance(asked := await _poll(forger), StateRequest):
-        assert time.monotonic() < deadline, "the referee never asked for states"
-    assert asked.assignment_id == a2.assignment_id
-    for step in asked.steps:
-        data = store.read(asked.assignment_id, step)
-        assert data is not None
-        hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
-                          state_size=len(data), timestamp=time.time(), nonce=new_nonce())
-        assert (await _post_state(forger, hdr, data)).status == 200
+    while True:
+        asked = await _poll(forger)
+        if isinstance(asked, StateRequest):
+            await forger.hand_over(asked)
+            if asked.assignment_id == a2.assignment_id:
+                break
+        assert time.monotonic() < deadline, "the referee never asked for the crafted update's states"
     while not (flags := await _flags(s, hub)):
         assert time.monotonic() < deadline, "no flag"
         await asyncio.sleep(0.05)

@@ -28,7 +28,9 @@ WIDE = 60_000
 
 
 def _large_spec(rounds: int = 1) -> str:
-    return spec_toml(rounds=rounds, epochs=1, hidden=WIDE, chunk_size=256)
+    """A job that never asks the referee (no spot check of trusted work either): the hand-made
+    updates here carry no checkpoint commitment, which a job that may ask refuses."""
+    return spec_toml(rounds=rounds, epochs=1, hidden=WIDE, chunk_size=256) + "spot_check_trusted = 0.0\n"
 
 
 async def test_a_node_resumes_an_update_upload_the_line_cut_in_the_middle(tmp_path) -> None:

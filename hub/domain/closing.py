@@ -106,8 +106,13 @@ class RoundClosing:
         stored, for memory to follow."""
         judgement = result.judgement
         touched = self.reputations.after([], judgement.flagged_nodes)
-        touched = self.reputations.withdraw(touched, judgement.withdrawn)
-        self.reputations.forget(u.id for s in job.shards.values() for u in s.accepted)
+        if judgement.withdrawn:  # the runs their flags reset, as the store kept them with the flags
+            try:
+                runs = await self.store.runs_before_flags(list(judgement.withdrawn))
+            except BaseException:
+                job.closing = False
+                raise
+            touched = self.reputations.withdraw(touched, runs)
         # what went down the wire for this round (its models and chunks; updates are in the store)
         metrics = {**result.metrics, "bytes_down": float(job.bytes_down)}
         outcome = RoundResult(

@@ -4,7 +4,7 @@ caused them, then applied to the nodes in memory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..model.job import JobState, UpdateState
 from ..policy import round_policy as policy
@@ -14,28 +14,15 @@ from .scheduler import Scheduler
 
 class Reputations:
     """Reads and moves the reputations of the scheduler's nodes. A flag resets a node's run of
-    agreements; the run is remembered here for the round, so that a flag the round withdraws gives
-    it back (a hub restarted between the flag and the round's close withdraws it without the run)."""
+    agreements; the store keeps the run with the flag (``runs_before_flags``), so that a flag the
+    round withdraws gives it back, across a restart too."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        #: update id -> (node id, its run of agreements before the update was flagged at settling)
-        self._run_before_flag: dict[str, tuple[str, int]] = {}
 
     def of(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
         """The reputations of the nodes that delivered ``ups``, by node id."""
         return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
-
-    def note_flags(self, flags: Iterable[vf.Flag]) -> None:
-        """Remember the run each flag resets, to restore it if the round withdraws the flag."""
-        for f in flags:
-            if (n := self.scheduler.nodes.get(f.node_id)) is not None:
-                self._run_before_flag[f.update_id] = (f.node_id, n.reputation.consecutive_agreements)
-
-    def forget(self, update_ids: Iterable[str]) -> None:
-        """The round's flags that stand keep the reset."""
-        for uid in update_ids:
-            self._run_before_flag.pop(uid, None)
 
     def after(self, agreed: Sequence[str], flagged: Sequence[str],
               missed: Sequence[str] = ()) -> list[tuple[str, vf.Reputation]]:
@@ -50,15 +37,15 @@ class Reputations:
         return list(after.items())
 
     def withdraw(self, touched: list[tuple[str, vf.Reputation]],
-                 withdrawn: Sequence[str]) -> list[tuple[str, vf.Reputation]]:
+                 runs: Mapping[str, tuple[str, int]]) -> list[tuple[str, vf.Reputation]]:
         """A withdrawn flag gives the node back the run of agreements it reset
-        (verification.record_withdrawn)."""
+        (verification.record_withdrawn). ``runs``: withdrawn update id -> (node id, the run its
+        flag reset), as the store kept them."""
         after = dict(touched)
-        for uid in withdrawn:
-            seen = self._run_before_flag.pop(uid, None)
-            node = self.scheduler.nodes.get(seen[0]) if seen is not None else None
-            if seen is not None and node is not None:
-                after[seen[0]] = vf.record_withdrawn(after.get(seen[0], node.reputation), seen[1])
+        for nid, run in runs.values():
+            node = self.scheduler.nodes.get(nid)
+            if node is not None:
+                after[nid] = vf.record_withdrawn(after.get(nid, node.reputation), run)
         return list(after.items())
 
     def apply(self, touched: Sequence[tuple[str, vf.Reputation]]) -> None:

@@ -98,7 +98,6 @@ class ShardSettling:
         agreed_nodes = decision.agreed_nodes if isinstance(decision, policy.Settle) else ()
         statuses = dict(decision.statuses)
         cancelled = list(shard.live.values())
-        self.reputations.note_flags(decision.flags)  # restored if the round withdraws a flag
         touched = self.reputations.after(agreed_nodes, decision.flagged_nodes, decision.missed_nodes)
         await self.store.settle_shard(
             shard, state="settled" if settled else "dropped", evidence=dict(decision.evidence),

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ..base.config import HubConfig
 
-PLUGIN_MODULES = ("gpuflex.hub.ops.cli_audit", "gpuflex.hub.ops.demo")
+PLUGIN_MODULES = ("gpuflex.hub.ops.cli_audit", "gpuflex.hub.ops.cli_cooldown", "gpuflex.hub.ops.demo")
 
 
 def _software_version() -> str:

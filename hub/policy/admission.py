@@ -16,11 +16,15 @@ new identities are admitted here, per block, per operator and in all:
 - at most ``probation_per_block`` identities of one block (or operator) younger than
   ``trust_min_age_s`` (429): a flood of keys cannot all be earning trust at once;
 - after a ban, no new identity from the banned node's block or operator for
-  ``ban_cooldown_s`` (403 ``cooldown``).
+  ``ban_cooldown_s`` (403 ``cooldown``). A NAT can put innocent contributors behind the banned
+  node's /24, so the operator sees each cooled-down block (``cooldowns``: what remains, and which
+  ban caused it) and may lift it for one address or the whole block (``lift``): new identities
+  from there are admitted again, until a later ban in that block.
 
 Re-registering a known identity (a node restarting) is never limited. Pure bookkeeping in
-memory, rebuilt from the nodes table at start (hub/domain/ledger/registry.py ``restore``); the
-clock is passed in.
+memory, rebuilt at start from the nodes table (hub/domain/ledger/registry.py ``restore``: each
+node's registered and last-seen blocks, its ban) and the operator's lifts
+(hub/domain/ledger/cooldowns.py); the clock is passed in.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import functools
 import ipaddress
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..base.config import HubConfig
 from ..base.errors import Forbidden, TooManyRequests
 
-__all__ = ["Admission", "address_block"]
+__all__ = ["Admission", "Cooldown", "address_block", "lift_target"]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # every node request asks (7 µs of ipaddress parsing each)
@@ -55,6 +60,46 @@ def address_block(address: str | None, *, ipv4_prefix: int = 24, ipv6_prefix: in
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
+def lift_target(address: str, *, ipv4_prefix: int = 24, ipv6_prefix: int = 48) -> tuple[str, str]:
+    """(the canonical address, its block) of what an operator lifts a cooldown for: an IP address
+    ("203.0.113.7": that address alone), or a block as ``address_block`` names it ("203.0.113.0/24":
+    the whole block). ValueError (one line) for anything else."""
+    text = address.strip()
+    if "/" in text:
+        try:
+            net = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            raise ValueError(f"{text[:64]!r} is neither an IP address nor an address block") from None
+        block = address_block(str(net.network_address), ipv4_prefix=ipv4_prefix, ipv6_prefix=ipv6_prefix)
+        if str(net) != block:
+            raise ValueError(f"{text[:64]!r} is not an address block as the hub counts them ({block} is)")
+        return block, block
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        raise ValueError(f"{text[:64]!r} is neither an IP address nor an address block") from None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), address_block(str(ip), ipv4_prefix=ipv4_prefix, ipv6_prefix=ipv6_prefix)
+
+
+@dataclass(frozen=True)
+class Cooldown:
+    """A block or operator cooling down after a ban: ``kind`` "block" | "operator", its ``name``,
+    the latest ban there (``banned_at``, of node ``node_id``), when it ends, and the addresses
+    the operator lifted it for since (the block's name itself: all of it)."""
+
+    kind: str
+    name: str
+    banned_at: float
+    until: float
+    node_id: str
+    lifted: tuple[str, ...]
+
+    def remaining_s(self, now: float) -> float:
+        return max(0.0, self.until - now)
+
+
 class Admission:
     """The admission rules of the module docstring over the identities registered so far."""
 
@@ -68,7 +113,8 @@ class Admission:
         self._keep_s = max(self.window_s, self.probation_s)
         self._recent: dict[str, deque[float]] = {}  # block or operator -> registration times, oldest first
         self._all: deque[float] = deque()
-        self._banned: dict[str, float] = {}  # block or operator -> latest ban time
+        self._banned: dict[str, tuple[float, str]] = {}  # block or operator -> latest ban (time, node id)
+        self._lifted: dict[str, float] = {}  # address or block -> when the operator lifted its cooldown
 
     @staticmethod
     def _keys(block: str, operator: str | None) -> list[str]:
@@ -78,11 +124,23 @@ class Admission:
         while q and now - q[0] > self._keep_s:
             q.popleft()
 
-    def check(self, block: str, operator: str | None, now: float) -> None:
-        """May a NEW identity register from ``block`` under ``operator`` now? Raises if not."""
+    def _cooling(self, key: str, now: float, address: str | None = None) -> float | None:
+        """When ``key``'s cooldown began, while it runs and is not lifted (for ``address``)."""
+        ban = self._banned.get(key)
+        if ban is None or now - ban[0] >= self.cooldown_s:
+            return None
+        kind, _, name = key.partition(" ")
+        lifted = [self._lifted.get(name, -1.0)] if kind == "block" else []
+        if kind == "block" and address:
+            lifted.append(self._lifted.get(address, -1.0))
+        return None if any(t >= ban[0] for t in lifted) else ban[0]
+
+    def check(self, block: str, operator: str | None, now: float, address: str | None = None) -> None:
+        """May a NEW identity register from ``block`` (from ``address`` in it) under ``operator``
+        now? Raises if not."""
         for key in self._keys(block, operator):
-            banned_at = self._banned.get(key)
-            if banned_at is not None and now - banned_at < self.cooldown_s:
+            banned_at = self._cooling(key, now, address)
+            if banned_at is not None:
                 days = (self.cooldown_s - (now - banned_at)) / 86400
                 raise Forbidden(f"a node of this {key.split()[0]} was banned; new identities from it are refused"
                                 f" for {days:.1f} more days", code="cooldown")
@@ -118,11 +176,35 @@ class Admission:
         if len(self._all) > 1 and self._all[-2] > at:
             self._all = deque(sorted(self._all))
 
-    def banned(self, blocks: Iterable[str], operator: str | None, at: float) -> None:
-        """A node was banned at ``at``: its blocks and operator cool down."""
-        for block in blocks:
-            key = f"block {block}"
-            self._banned[key] = max(at, self._banned.get(key, at))
-        if operator:
-            key = f"operator {operator}"
-            self._banned[key] = max(at, self._banned.get(key, at))
+    def banned(self, blocks: Iterable[str], operator: str | None, at: float, node_id: str = "") -> None:
+        """Node ``node_id`` was banned at ``at``: its blocks and operator cool down (the latest
+        ban of a block or operator is the one its cooldown runs from)."""
+        keys = [f"block {b}" for b in blocks] + ([f"operator {operator}"] if operator else [])
+        for key in keys:
+            if key not in self._banned or self._banned[key][0] < at:
+                self._banned[key] = (at, node_id)
+
+    def lift(self, address: str, at: float) -> None:
+        """The operator lifted the cooldown for ``address`` (an IP address, or a whole block as
+        ``address_block`` names it) at ``at``: a ban there after ``at`` cools it down again."""
+        self._lifted[address] = max(at, self._lifted.get(address, at))
+
+    def cooldowns(self, now: float) -> list[Cooldown]:
+        """Every block and operator cooling down now, the one ending last first (lifted or not)."""
+        out = []
+        for key, (at, node_id) in self._banned.items():
+            if now - at >= self.cooldown_s:
+                continue
+            kind, _, name = key.partition(" ")
+            lifted = tuple(sorted(a for a, t in self._lifted.items() if t >= at and kind == "block"
+                                  and (a == name or _in_block(a, name))))
+            out.append(Cooldown(kind, name, at, at + self.cooldown_s, node_id, lifted))
+        return sorted(out, key=lambda c: (-c.until, c.kind, c.name))
+
+
+def _in_block(address: str, block: str) -> bool:
+    """Is ``address`` (an IP address) inside ``block`` (a network as text)?"""
+    try:
+        return "/" not in address and ipaddress.ip_address(address) in ipaddress.ip_network(block)
+    except ValueError:
+        return False

@@ -75,6 +75,7 @@ __all__ = [
     "RESIDUAL_LOOKBACK",
     "STANDOUT",
     "SegmentVerdict",
+    "commitment_refusal",
     "fetch_steps",
     "judge_segment",
     "largest_segment",
@@ -155,6 +156,26 @@ def referee_grid_ok(c: Commitment, steps: int) -> bool:
     """The commitment covers exactly the assignment's ``steps`` (protocol/workload.py), one hash
     per checkpoint of its grid and one norm per segment."""
     return c.steps == steps and c.every >= 1 and len(c.hashes) == len(_grid(c)) == len(c.norms) + 1
+
+
+def commitment_refusal(c: Commitment | None, *, required: bool, steps: int) -> tuple[str, str] | None:
+    """Why an uploaded update's commitment cannot be taken, as (code, one line); None when it can.
+
+    Verification is not optional for the one verified: where the assignment asks for a commitment
+    (``TrainConfig.commit``: the job may ask the referee), an update without one, or with one that
+    does not cover the assignment's ``steps``, could never be re-executed, and a client that left it
+    out would meet nothing but the plain rules. Where none is asked for, whatever came is ignored."""
+    if not required:
+        return None
+    if c is None:
+        return ("commitment_required", "this assignment asks for a checkpoint commitment (its training settings"
+                " say commit = true) and the update header carries none; upload it with the commitment"
+                " its training recorded")
+    if not referee_grid_ok(c, steps):
+        return ("bad_commitment", f"the update's checkpoint commitment covers {c.steps} steps in {len(c.hashes)}"
+                f" checkpoints every {c.every} with {len(c.norms)} segment norms; this assignment trains"
+                f" {steps} steps: commit one hash per checkpoint of its grid and one norm per segment")
+    return None
 
 
 def largest_segment(c: Commitment) -> int:

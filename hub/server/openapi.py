@@ -229,7 +229,9 @@ def _upload_paths() -> dict[str, Any]:
             "schema": {"type": "string", "format": "binary"}}}},
         "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 411, 413, 422)},
         "description": "The body must carry a Content-Length equal to the header's update_size - offset (411 "
-                       "without one). The tensor names, dtypes and shapes are checked before the size: 422 "
+                       "without one). Where the assignment's train.commit asks for a checkpoint commitment, "
+                       "400 commitment_required without one and 400 bad_commitment for one that does not cover "
+                       "the assignment's steps, before the body is read (the assignment stays live). The tensor names, dtypes and shapes are checked before the size: 422 "
                        "bad_manifest names the first tensor that is not the job's encoding of the model's (its "
                        "[communication] update: fp32 = the model's own tensors; protocol/encoding.py); 422 "
                        "non_finite also for values no encoder makes; 413 too_large only for an "
@@ -350,6 +352,29 @@ def _audit_paths() -> dict[str, Any]:
     }
 
 
+def _cooldown_paths() -> dict[str, Any]:
+    """The paths of the operator's view of a ban's block cooldowns (admin)."""
+    return {
+    "/v1/cooldowns": {"get": {
+        "summary": "address blocks and operators cooling down after a ban (admin)", "tags": ["audit"],
+        "security": _BEARER,
+        "description": "Each: kind (block | operator), name, node_id and banned_at (the ban that caused it), until, "
+                       "remaining_s, lifted (the addresses the operator lifted it for; the block's own name: "
+                       "all of it). No new identity registers from a cooled-down block or operator (403 "
+                       "cooldown) unless it was lifted for that address.",
+        "responses": {"200": _json(_OBJ), **_errors(401, 403)}}},
+    "/v1/cooldowns/lift": {"post": {
+        "summary": "lift a ban's block cooldown for one IP address or the whole block (admin; in the audit log)",
+        "tags": ["audit"], "security": _BEARER,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["address"], "properties": {
+                "address": {"type": "string", "maxLength": 100}, "note": {"type": "string", "maxLength": 2000}}}}}},
+        "description": "400 bad_address: neither an IP address nor a block as the hub counts them; 409 "
+                       "not_cooling: no ban's cooldown covers it now. A later ban in the block cools it down again.",
+        "responses": {"200": _json(_OBJ), **_errors(400, 401, 403, 409)}}},
+    }
+
+
 def _schemas() -> dict[str, Any]:
     """The documents the paths refer to (#/components/schemas/...)."""
     return {
@@ -423,7 +448,7 @@ def _job_plan_schema() -> dict[str, Any]:
 def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {**_ops_paths(), **_node_paths(), **_secagg_paths(), **_silo_paths(),
                              **_blob_paths(), **_relay_paths(), **_upload_paths(), **_owner_paths(),
-                             **_audit_paths()}
+                             **_audit_paths(), **_cooldown_paths()}
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
         for method, op in ops.items():
             op["responses"].setdefault("400", _ERROR_400)

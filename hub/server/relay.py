@@ -68,7 +68,7 @@ async def relay_put(request: web.Request) -> web.Response:
     app = request.app
     sealed = b64_header(request, RELAY_HEADER)
     hdr, signer = open_node_message(request, sealed, RelayHeader)
-    node = app[LEDGER].registry.known_node(signer, request.remote)
+    node = await app[LEDGER].registry.known_node(signer, request.remote)
     plan = app[RELAY].registry.plan(hdr.job_id)
     crossing = _crossing(plan, hdr)
     plan.check_owner(node.id, hdr.stage, f"send as stage {hdr.stage}")
@@ -104,7 +104,7 @@ async def relay_take(request: web.Request) -> web.Response:
     """Take the tensor sent to the caller's stage: 200 with it, or 204 when none came in time."""
     app = request.app
     take, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), RelayTake)
-    node = app[LEDGER].registry.known_node(signer, request.remote)
+    node = await app[LEDGER].registry.known_node(signer, request.remote)
     plan = app[RELAY].registry.plan(take.job_id)
     _crossing(plan, take)
     plan.check_owner(node.id, take.to_stage, f"take what is sent to stage {take.to_stage}")

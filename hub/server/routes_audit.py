@@ -1,4 +1,5 @@
-"""Auditor routes: flags with their evidence, verdicts, the audit log, the node list."""
+"""Auditor routes: flags with their evidence, verdicts, the audit log, the node list; and the
+operator's (admin) view of a ban's block cooldowns, which it may lift per address."""
 
 from __future__ import annotations
 
@@ -63,3 +64,25 @@ async def audit_log(request: web.Request) -> web.StreamResponse:
 async def list_nodes(request: web.Request) -> web.Response:
     who = await principal(request)
     return json_response({"nodes": await nodes.nodes_overview(request.app, who)})
+
+
+@routes.get("/v1/cooldowns")
+async def list_cooldowns(request: web.Request) -> web.Response:
+    """The blocks and operators cooling down after a ban (admin): hub/domain/ledger/cooldowns.py."""
+    who = await principal(request)
+    return json_response({"cooldowns": request.app[LEDGER].cooldowns.cooldowns(who)})
+
+
+@routes.post("/v1/cooldowns/lift")
+async def lift_cooldown(request: web.Request) -> web.Response:
+    """Lift a ban's block cooldown for one address or the whole block (admin; in the audit log)."""
+    who = await principal(request)
+    who.require("admin")
+    body = await read_body(request, 64 << 10)
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest('body must be JSON {"address": "IP or block", "note": "..."}', code="bad_json") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("body must be a JSON object", code="bad_json")
+    return json_response(await request.app[LEDGER].cooldowns.lift(who, doc.get("address"), doc.get("note", "")))

@@ -106,7 +106,7 @@ async def work(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     body = await read_body(request, cfg.max_message_bytes)
     req, signer = open_node_message(request, body, WorkRequest)
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     rtt = tcp_rtt_s(request)
     if rtt is not None:
         ledger.scheduler.presence.observe_rtt(node, rtt)
@@ -191,7 +191,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     hb, signer = open_node_message(request, body, Heartbeat)
     ledger = app[LEDGER]
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     ok, detail, deadline = await ledger.assignments.heartbeat(node, hb.assignment_id, hb.steps, hb.digest)
     return sealed_response(request, Ack(ok=ok, detail=detail, deadline=deadline))
 
@@ -202,7 +202,8 @@ async def abandon(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     msg, signer = open_node_message(request, body, Abandon)
     ledger = app[LEDGER]
-    detail = await ledger.assignments.abandon(ledger.registry.known_node(signer, request.remote), msg.assignment_id)
+    node = await ledger.registry.known_node(signer, request.remote)
+    detail = await ledger.assignments.abandon(node, msg.assignment_id)
     return sealed_response(request, Ack(ok=True, detail=detail, deadline=0.0))
 
 
@@ -210,7 +211,7 @@ async def _signed(request: web.Request, cls: type[M]) -> tuple[M, NodeState]:
     """The body's signed message of type ``cls`` and the registered node that signed it."""
     app = request.app
     msg, signer = open_node_message(request, await read_body(request, app[CONFIG].max_message_bytes), cls)
-    return msg, app[LEDGER].registry.known_node(signer, request.remote)
+    return msg, await app[LEDGER].registry.known_node(signer, request.remote)
 
 
 @routes.post("/v1/silos/schema")
@@ -264,7 +265,7 @@ async def secagg_masked(request: web.Request) -> web.Response:
     app = request.app
     hdr, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Masked"), SecAggMasked)
     ledger = app[LEDGER]
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     ledger.secagg.may_mask(node, hdr)  # the size is the protocol's: checked before the body is read
     body = await read_body(request, hdr.size)
     if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
@@ -281,7 +282,7 @@ async def secagg_unmask(request: web.Request) -> web.Response:
     return sealed_response(request, request.app[LEDGER].secagg.unmask(node, msg))
 
 
-def _blob_reader(request: web.Request, sha: str) -> NodeState:
+async def _blob_reader(request: web.Request, sha: str) -> NodeState:
     """The node whose signed BlobRequest (X-GPUFlex-Auth) names ``sha``, a blob one of its live
     assignments names; 400/401/403 otherwise."""
     data = b64_header(request, "X-GPUFlex-Auth")
@@ -289,7 +290,7 @@ def _blob_reader(request: web.Request, sha: str) -> NodeState:
     if req.sha256 != sha:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
     ledger = request.app[LEDGER]
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     if not ledger.assignments.may_read_blob(node, sha):
         raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
     return node
@@ -299,7 +300,7 @@ def _blob_reader(request: web.Request, sha: str) -> NodeState:
 async def blob(request: web.Request) -> web.StreamResponse:
     app = request.app
     sha = check_blob_id(request.match_info["sha256"])  # before anything touches the disk
-    node = _blob_reader(request, sha)
+    node = await _blob_reader(request, sha)
     ledger = app[LEDGER]
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "private, max-age=31536000, immutable"}
     loop = asyncio.get_running_loop()
@@ -332,7 +333,7 @@ async def blob_delta(request: web.Request) -> web.Response:
     app = request.app
     sha = check_blob_id(request.match_info["sha256"])
     base = check_blob_id(request.match_info["base"])
-    node = _blob_reader(request, sha)
+    node = await _blob_reader(request, sha)
     ledger = app[LEDGER]
     if not ledger.assignments.delta_base_ok(node, sha, base):
         raise NotFound("no delta to that model from this base: download the whole model", code="no_delta")
@@ -430,7 +431,7 @@ async def _update(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-Update")
     hdr, signer = open_node_message(request, data, UpdateHeader)
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     a, job = await ledger.uploads.begin_upload(node, hdr, request.content_length)
     blobs = app[BLOBS]
     # A large update streams into a file kept per (assignment, hash): when the link drops mid-way,
@@ -480,7 +481,7 @@ async def update_offset(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-Update")
     hdr, signer = open_node_message(request, data, UpdateHeader)
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     a = ledger.uploads.upload_target(node, hdr)
     held = 0
     if hdr.update_size > SMALL_UPDATE:
@@ -599,7 +600,7 @@ async def state_upload(request: web.Request) -> web.Response:
     ledger = app[LEDGER]
     data = b64_header(request, "X-GPUFlex-State")
     hdr, signer = open_node_message(request, data, StateUpload)
-    node = ledger.registry.known_node(signer)
+    node = await ledger.registry.known_node(signer)
     r, expected, limit = ledger.states.begin_state(node, hdr)
     if request.content_length is None:
         raise LengthRequired("send the state with a Content-Length header", code="length_required")

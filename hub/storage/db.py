@@ -8,7 +8,7 @@ synchronous=FULL). Each write runs inside a SAVEPOINT: one failing write rolls
 back alone.
 
 Tables: jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
-nodes, flags, state_requests, tokens (the columns are documented in _SCHEMA below). Only the store
+nodes, flags, state_requests, cooldown_lifts, tokens (the columns are documented in _SCHEMA below). Only the store
 (hub/storage/store_sqlite.py), the read model (hub/server/readmodel/) and the
 token table's module (hub/storage/tokens.py) run SQL.
 
@@ -30,7 +30,7 @@ from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 9
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -176,6 +176,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     operator TEXT,
     banned_at REAL
 );
+-- a flag's run_before: the run of agreements of its node that it reset, given back if it is withdrawn
 CREATE TABLE IF NOT EXISTS flags (
     id TEXT PRIMARY KEY,
     job_id TEXT NOT NULL,
@@ -189,7 +190,8 @@ CREATE TABLE IF NOT EXISTS flags (
     auditor TEXT,
     created_at REAL NOT NULL,
     decided_at REAL,
-    suspends INTEGER NOT NULL DEFAULT 0  -- 1: open, it suspends its node (hub/policy/suspension.py)
+    suspends INTEGER NOT NULL DEFAULT 0,  -- 1 while open: it suspends its node (hub/policy/suspension.py)
+    run_before INTEGER
 );
 CREATE INDEX IF NOT EXISTS flags_job ON flags (job_id, status);
 -- the referee (hub/policy/referee.py): checkpoint states asked of a node, and the verdict on them
@@ -211,6 +213,14 @@ CREATE TABLE IF NOT EXISTS state_requests (
     verdict TEXT                        -- JSON evidence of the verdict
 );
 CREATE INDEX IF NOT EXISTS state_requests_open ON state_requests (status);
+-- a ban's cooldown of a whole address block, lifted for one address or the block by the operator
+-- (hub/policy/admission.py): new identities from it are admitted again, until a later ban there
+CREATE TABLE IF NOT EXISTS cooldown_lifts (
+    address TEXT PRIMARY KEY,           -- an IP address ("203.0.113.7") or a block ("203.0.113.0/24")
+    lifted_at REAL NOT NULL,
+    lifted_by TEXT NOT NULL,            -- the admin token's name
+    note TEXT NOT NULL DEFAULT ''
+);
 """
 
 
@@ -291,6 +301,13 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE chunks ADD COLUMN registered_at REAL"),
     # ---- 6 -> 7: a proven mismatch suspends its node while its flag is open (hub/policy/suspension.py)
     6: ("ALTER TABLE flags ADD COLUMN suspends INTEGER NOT NULL DEFAULT 0",),
+    # ---- 7 -> 8: the slot of another branch's migration; empty here, replaced when both merge
+    7: (),
+    # ---- 8 -> 9: the Sybil defences' state kept in the store: a flag's reset run (given back when
+    # the flag is withdrawn, across a restart) and the operator's lifts of a ban's block cooldown
+    8: ("ALTER TABLE flags ADD COLUMN run_before INTEGER",
+        "CREATE TABLE IF NOT EXISTS cooldown_lifts (address TEXT PRIMARY KEY, lifted_at REAL NOT NULL,"
+        " lifted_by TEXT NOT NULL, note TEXT NOT NULL DEFAULT '')"),
 }
 
 

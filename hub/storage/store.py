@@ -99,10 +99,21 @@ class RoundResult:
 
 
 @dataclass(frozen=True)
+class CooldownLift:
+    """The operator lifted a ban's block cooldown for ``address`` (an IP address or a block)."""
+
+    address: str
+    lifted_at: float
+    lifted_by: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class LoadedState:
     nodes: list[NodeState]
     jobs: list[JobState]
     broken: list[tuple[str, str]]  # (job id, why it cannot be resumed)
+    lifts: list[CooldownLift] = field(default_factory=list)
 
 
 class NodeStore(Protocol):
@@ -118,6 +129,16 @@ class NodeStore(Protocol):
     @abc.abstractmethod
     async def save_reputations(self, reputations: Sequence[tuple[str, Reputation]]) -> None:
         """(node id, its new reputation): counters and ban state."""
+
+    @abc.abstractmethod
+    async def note_block(self, node_id: str, last_block: str) -> None:
+        """The address block a known node was last seen in (replicas keep apart from it, and a
+        ban cools it down, after a restart too)."""
+
+    @abc.abstractmethod
+    async def lift_cooldown(self, lift: CooldownLift) -> None:
+        """The operator lifted a ban's block cooldown for ``lift.address`` (replacing an earlier
+        lift of the same address)."""
 
 
 class JobStore(Protocol):
@@ -251,6 +272,11 @@ class FlagStore(Protocol):
     @abc.abstractmethod
     async def suspension(self, node_id: str) -> str | None:
         """Why the node is suspended (an open flag that suspends it), or None."""
+
+    @abc.abstractmethod
+    async def runs_before_flags(self, update_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+        """update id -> (node id, the run of agreements its node had when the update's
+        replica_mismatch flag was written): what withdrawing that flag gives back."""
 
 
 class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, Protocol):

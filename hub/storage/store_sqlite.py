@@ -40,6 +40,7 @@ from .db import Database
 from .store import (
     AssignmentFate,
     AssignmentStore,
+    CooldownLift,
     FlagRecord,
     FlagStore,
     JobStore,
@@ -93,11 +94,14 @@ def _reputation_row(node_id: str, r: Reputation) -> tuple[int, int, int, int, in
 
 
 def insert_flags(conn: sqlite3.Connection, job_id: str, round_: int, flags: Sequence[Flag], now: float) -> None:
+    """The flags, each with its node's stored run of agreements (``run_before``): written before
+    the flag's reset reaches the node's row, so it is the run a withdrawal gives back."""
     conn.executemany(
-        "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at, suspends)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
+        "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status, created_at, suspends,"
+        " run_before) VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?,"
+        " (SELECT consecutive_agreements FROM nodes WHERE id = ?))",
         [(new_id("f"), job_id, round_, f.update_id, f.node_id, f.reason, _json(f.evidence), now,
-          int(flag_suspends(f))) for f in flags])
+          int(flag_suspends(f)), f.node_id) for f in flags])
 
 
 def _suspensions(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, str]:
@@ -178,6 +182,15 @@ class SqlNodes(_SqlRows, NodeStore):
         rows = [_reputation_row(n, r) for n, r in reputations]
         await self.db.write(lambda c: c.executemany(self._reputation_sql, rows))
 
+    async def note_block(self, node_id: str, last_block: str) -> None:
+        await self.db.write(lambda c: c.execute("UPDATE nodes SET last_block = ? WHERE id = ?", (last_block, node_id)))
+
+    async def lift_cooldown(self, lift: CooldownLift) -> None:
+        await self.db.write(lambda c: c.execute(
+            "INSERT INTO cooldown_lifts (address, lifted_at, lifted_by, note) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (address) DO UPDATE SET lifted_at = excluded.lifted_at, lifted_by = excluded.lifted_by,"
+            " note = excluded.note", (lift.address, lift.lifted_at, lift.lifted_by, lift.note)))
+
 
 class SqlJobs(_SqlRows, JobStore):
     """The jobs' rows and their rounds, chunks and models."""
@@ -225,10 +238,10 @@ class SqlJobs(_SqlRows, JobStore):
         next_round = job.round + 1
 
         def write(conn: sqlite3.Connection) -> None:
+            insert_flags(conn, job.id, job.round, flags, now)  # with the runs they reset, before the reset
             conn.executemany(self._reputation_sql, rows)
             conn.executemany("UPDATE updates SET status = ? WHERE id = ?",
                              [(s, u) for u, s in result.statuses.items()])
-            insert_flags(conn, job.id, job.round, flags, now)
             conn.executemany(
                 "UPDATE flags SET status = 'dismissed', auditor = 'hub', decided_at = ?, verdict_note ="
                 " 'withdrawn: the majority this update disagreed with was flagged at review'"
@@ -450,6 +463,19 @@ class SqlFlags(_SqlRows, FlagStore):
     async def suspension(self, node_id: str) -> str | None:
         return await self.db.read(lambda c: _suspensions(c, node_id).get(node_id))
 
+    async def runs_before_flags(self, update_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+        def read(conn: sqlite3.Connection) -> dict[str, tuple[str, int]]:
+            out: dict[str, tuple[str, int]] = {}
+            for uid in update_ids:
+                row = conn.execute("SELECT node_id, run_before FROM flags WHERE update_id = ?"
+                                   " AND reason = 'replica_mismatch' AND run_before IS NOT NULL"
+                                   " ORDER BY created_at DESC, id DESC", (uid,)).fetchone()
+                if row is not None:
+                    out[uid] = (str(row["node_id"]), int(row["run_before"]))
+            return out
+
+        return await self.db.read(read)
+
 
 class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
@@ -472,7 +498,9 @@ class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, Sq
             for n in nodes:
                 n.suspended = suspended.get(n.id)
             jobs, broken = _load_jobs(conn)
-            return LoadedState(nodes, jobs, broken)
+            lifts = [CooldownLift(r["address"], r["lifted_at"], r["lifted_by"], r["note"])
+                     for r in conn.execute("SELECT * FROM cooldown_lifts ORDER BY lifted_at").fetchall()]
+            return LoadedState(nodes, jobs, broken, lifts)
 
         return await self.db.read(read)
 

@@ -214,17 +214,19 @@ def contribute(
     seed: int,
     *,
     device: torch.device | None = None,
+    on_step: Any = None,
 ) -> Any:
     """One node's work on one assignment: real training, with ``attack`` (None =
-    honest) applied before and after. Returns a node TrainResult."""
+    honest) applied before and after. Returns a node TrainResult. ``on_step``: the trainer's
+    step hook (a checkpoint recorder: the commitment is to the training that ran)."""
     from gpuflex.node.trainer import train_assignment
 
     dev = device if device is not None else torch.device("cpu")
     claimed = sum(int(c["x"].shape[0]) for c in chunks)
     if attack is None:
-        return train_assignment(spec, global_state, chunks, cfg, seed, device=dev)
+        return train_assignment(spec, global_state, chunks, cfg, seed, device=dev, on_step=on_step)
     data = attack.prepare(chunks, int(spec.outputs))
-    result = train_assignment(spec, global_state, data, cfg, seed, device=dev)
+    result = train_assignment(spec, global_state, data, cfg, seed, device=dev, on_step=on_step)
     return attack.finish(result, claimed_samples=claimed, seed=seed)
 
 

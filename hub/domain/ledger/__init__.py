@@ -10,7 +10,8 @@ Each use case is one method of the room that owns it:
 - ``silos`` (silos.py): node-local data attached to a job;
 - ``secagg`` (secagg.py): secure aggregation's steps;
 - ``jobs`` (jobs.py): submitting and cancelling a job;
-- ``flags`` (flags.py): an auditor's verdict on a flag.
+- ``flags`` (flags.py): an auditor's verdict on a flag;
+- ``cooldowns`` (cooldowns.py): a ban's block cooldowns, listed and lifted by the operator.
 
 A use case checks what it is given, asks the pure policy for a decision (hub/domain/scheduler.py:
 which shard; hub/policy/settlement.py: does a lone update settle its shard; hub/policy/verification.py:
@@ -45,6 +46,7 @@ from ..rounds import RoundEngine
 from ..scheduler import Scheduler
 from ..worksignal import WorkSignal
 from .assignments import Assignments, Issued
+from .cooldowns import Cooldowns
 from .flags import MOOT, Flags, Verdict
 from .jobs import Jobs
 from .registry import BANNED, Registry
@@ -86,6 +88,7 @@ class Ledger:
                                         rounds=self.rounds, assignments=self.assignments, uploads=self.uploads)
         self.jobs = Jobs(store=store, blobs=blobs, scheduler=scheduler, signal=signal, rounds=self.rounds)
         self.flags = Flags(store=store, scheduler=scheduler, signal=signal, audit=audit, admission=self.admission)
+        self.cooldowns = Cooldowns(config=config, store=store, audit=audit, admission=self.admission)
 
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""
@@ -93,6 +96,7 @@ class Ledger:
         now = time.time()
         for node in loaded.nodes:
             self.registry.restore(node, now)
+        self.cooldowns.restore(loaded.lifts)
         for job in loaded.jobs:
             if job.secagg is not None and job.shards:
                 # what the protocol held was in memory: the round closes unchanged, the next one starts

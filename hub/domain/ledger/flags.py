@@ -80,7 +80,7 @@ class Flags:
                 node.reputation = after
                 if newly_banned:  # its block and operator cool down (hub/policy/admission.py)
                     node.banned_at = time.time()
-                    self.admission.banned(node.blocks, node.operator, node.banned_at)
+                    self.admission.banned(node.blocks, node.operator, node.banned_at, node.id)
             if node is not None and flag.suspends:  # lifted unless another open flag suspends it
                 node.suspended = await self.store.suspension(flag.node_id)
         if newly_banned:

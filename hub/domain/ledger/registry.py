@@ -12,7 +12,7 @@ from gpuflex.protocol.version import PROTOCOL_VERSION
 from ...base.config import HubConfig
 from ...base.errors import Conflict, Forbidden, Unauthorized
 from ...model.node import NodeState, clamp_sps, peak_flops
-from ...policy.admission import Admission, address_block
+from ...policy.admission import Admission, address_block, lift_target
 from ...storage.store import NodeProfile, Store
 from ..scheduler import Scheduler
 
@@ -41,7 +41,7 @@ class Registry:
         self.scheduler.presence.refresh_probation(node, now)
         self.admission.admitted(node.block, node.operator, node.registered_at)
         if node.banned:
-            self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen)
+            self.admission.banned(node.blocks, node.operator, node.banned_at or node.last_seen, node.id)
 
     async def register(self, signer: bytes, hello: Hello, *, address: str | None = None,
                        operator: str | None = None) -> NodeState:
@@ -61,7 +61,7 @@ class Registry:
             if self.config.require_enrollment and operator is None:
                 raise Forbidden("this hub admits nodes only with an enrollment token: ask the hub's operator"
                                 " for one and start the node with --enroll-token", code="enrollment_required")
-            self.admission.check(block, operator, now)
+            self.admission.check(block, operator, now, _ip(address))
             self.admission.admitted(block, operator, now)  # before the write: concurrent hellos count
         bench_sps = clamp_sps(hello.benchmark.samples_per_s)
         profile = _profile(hello)
@@ -87,9 +87,10 @@ class Registry:
         node.last_seen = now
         return node
 
-    def known_node(self, signer: bytes, address: str | None = None) -> NodeState:
+    async def known_node(self, signer: bytes, address: str | None = None) -> NodeState:
         """The registered, unbanned node that signed a request (``address``: where it came from;
-        its address block is noted, and replicas keep apart from it too)."""
+        its address block is noted, in the store when it changed, and replicas keep apart from it
+        too, and a ban cools it down, after a restart as well)."""
         node = self.scheduler.nodes.get(fingerprint(signer))
         if node is None:
             raise Unauthorized("this node is not registered with the hub; register again", code="unknown_node")
@@ -98,9 +99,18 @@ class Registry:
         if node.banned:
             raise Forbidden(BANNED, code="banned")
         node.last_seen = time.time()
-        if address is not None:
-            node.last_block = self.block_of(address)
+        if address is not None and (block := self.block_of(address)) != node.last_block:
+            await self.store.note_block(node.id, block)
+            node.last_block = block
         return node
+
+
+def _ip(address: str | None) -> str | None:
+    """A peer address as the operator names it when lifting a cooldown (None: not an IP address)."""
+    try:
+        return lift_target(address)[0] if address and "/" not in address else None
+    except ValueError:
+        return None
 
 
 def _profile(hello: Hello) -> NodeProfile:

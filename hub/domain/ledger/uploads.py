@@ -16,6 +16,7 @@ from ...base.config import HubConfig
 from ...base.errors import BadRequest, Conflict, Forbidden, LengthRequired, NotFound
 from ...model.job import AssignmentState, JobState, ShardState, UpdateState
 from ...model.node import NodeState
+from ...policy.referee import commitment_refusal
 from ...policy.settlement import Settlement, settle_at_upload
 from ...storage.store import Store
 from ..metrics import HubMetrics
@@ -54,6 +55,12 @@ class Uploads:
         if a.uploading:
             raise Conflict("an update for this assignment is already being uploaded", code="duplicate_update")
         job = self.scheduler.jobs[a.job_id]
+        shard = job.shards.get(a.shard_id)
+        if shard is not None:  # else the round moved on: accept_update says so
+            refused = commitment_refusal(hdr.commitment, required=job.spec.verification.asks_referee(),
+                                         steps=job.spec.train.steps(shard.samples))
+            if refused is not None:  # before any byte: the assignment stays live for a committed upload
+                raise BadRequest(refused[1], code=refused[0])
         if content_length is None:
             raise LengthRequired("send the update with a Content-Length header", code="length_required")
         if hdr.offset > hdr.update_size:
