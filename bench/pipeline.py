@@ -16,8 +16,16 @@ micro-batches (``figures.equivalence_max_rel_diff``, the largest relative differ
 parameter tensor, over both schedules). ``ratios.throughput_vs_torch_pipelining`` is the engine's
 samples/s over torch's, the worse of the two schedules.
 
+Then the planner against measured pipelines (bench/pipeline_planner.py): its configurations are
+planned by the product's planner from what the node processes measured of themselves and of the
+relay, run through a hub's relay, and ``ratios.step_time_predicted_vs_measured`` holds each one's
+predicted over measured step time (``figures.step_time_ratio_median`` / ``_worst``);
+``figures.peak_bytes_over_cap_max`` is the largest measured stage peak over its memory offer and
+``figures.model_bytes_over_largest_cap`` the model's state over the largest offer.
+
 Usage: python bench/pipeline.py [--stages 4] [--micro 8] [--batch 64] [--width 512] [--layers 8]
-    [--steps 10] [--out bench/results/pipeline.json]
+    [--steps 10] [--planner-steps 4] [--planner-configs 0,3] [--planner-only | --no-planner]
+    [--out bench/results/pipeline.json]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ would, and what the planner is tested on is its model of a pipeline, not the mac
 A stage's memory is measured as the bytes of the tensors it holds: its parameters, gradients and
 optimizer state, plus every tensor autograd saves for a backward pass and every activation it
 keeps until its gradient comes back (each storage once; ``Meter``), sampled at every save, every
-activation sent, every gradient accumulated and every step's end. docs/performance.md says why
+activation sent, every gradient accumulated and every step's end. docs/pipeline.md says why
 this and not the process's RSS.
 """
 
@@ -255,7 +255,7 @@ class MeteredTransport:
 # -- what a node measures of itself ----------------------------------------------------------------
 
 
-def probe_node(factor: float, repeats: int = 5) -> dict[str, float]:
+def probe_node(factor: float, repeats: int = 5) -> dict[str, Any]:
     """This process's speed on the model under a ``factor`` throttle: FLOP/s (the slope of
     forward + backward time over the micro-batch size), the fixed time per unit and micro-batch
     (the intercept over the units) and the optimizer's bytes of state per second."""
@@ -282,7 +282,7 @@ def probe_node(factor: float, repeats: int = 5) -> dict[str, float]:
         "flops_per_s": flops / per_sample,
         "unit_overhead_s": overhead / len(model),
         "update_bytes_per_s": state_bytes() / update,
-        "probe_s": dict(times.items()),  # type: ignore[dict-item]
+        "probe_s": times,
     }
 
 
@@ -331,7 +331,7 @@ def probe_link(node: int, url: str, seed: Callable[[int], bytes], repeats: int =
 
 
 def fit_link(times: Sequence[dict[str, list[float]]]) -> dict[str, Any]:
-    """The relay's cost of one message, fixed and per byte, from the pairs' medians by size."""
+    """The relay's cost of one message, fixed and per byte, from the medians of the probes by size."""
     costs = {
         int(size): statistics.median([t for pair in times for t in pair[size]]) for size in times[0]
     }
