@@ -16,8 +16,16 @@ micro-batches (``figures.equivalence_max_rel_diff``, the largest relative differ
 parameter tensor, over both schedules). ``ratios.throughput_vs_torch_pipelining`` is the engine's
 samples/s over torch's, the worse of the two schedules.
 
+Then the planner against measured pipelines (bench/pipeline_planner.py): its configurations are
+planned by the product's planner from what the node processes measured of themselves and of the
+relay, run through a hub's relay, and ``ratios.step_time_predicted_vs_measured`` holds each one's
+predicted over measured step time (``figures.step_time_ratio_median`` / ``_worst``);
+``figures.peak_bytes_over_cap_max`` is the largest measured stage peak over its memory offer and
+``figures.model_bytes_over_largest_cap`` the model's state over the largest offer.
+
 Usage: python bench/pipeline.py [--stages 4] [--micro 8] [--batch 64] [--width 512] [--layers 8]
-    [--steps 10] [--out bench/results/pipeline.json]
+    [--steps 10] [--planner-steps 4] [--planner-configs 0,3] [--planner-only | --no-planner]
+    [--out bench/results/pipeline.json]
 """
 
 from __future__ import annotations
@@ -192,14 +200,14 @@ def run_torch(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.Ten
 # -- gpuflex: a hub with the relay, and one process per stage ------------------------------------------
 
 
-async def _serve_hub(data_dir: Path, plan_file: Path, port_file: Path) -> None:
+async def _serve_hub(data_dir: Path, jobs: Path, port_file: Path) -> None:
+    """A hub on 127.0.0.1 whose relay serves every job written to ``jobs`` as ``<job>.json``
+    (its stages' node ids, micro-batch count and boundary shapes), before it starts or after."""
     from aiohttp import web
     from gpuflex.hub.base.config import HubConfig
-    from gpuflex.hub.model.relay import Crossing, RelayPlan
     from gpuflex.hub.server.app import create_app
     from gpuflex.hub.server.appkeys import RELAY
 
-    plan = json.loads(plan_file.read_text())
     app = create_app(
         HubConfig(
             data_dir=data_dir,
@@ -209,15 +217,7 @@ async def _serve_hub(data_dir: Path, plan_file: Path, port_file: Path) -> None:
             probation_per_block=1000,
         )
     )
-    for schedule in SCHEDULES:  # one job per schedule, the same stages
-        app[RELAY].registry.assign(
-            f"{JOB}-{schedule}",
-            RelayPlan(
-                stages=tuple(plan["stages"]),
-                micro_batches=plan["micro"],
-                boundaries=tuple(Crossing("float32", tuple(shape)) for shape in plan["boundaries"]),
-            ),
-        )
+    _assign_jobs(app[RELAY].registry, jobs, set())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -225,8 +225,48 @@ async def _serve_hub(data_dir: Path, plan_file: Path, port_file: Path) -> None:
     port_file.write_text(str(site._server.sockets[0].getsockname()[1]))  # type: ignore[union-attr]
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
+    seen: set[str] = set()
+    while not stop.is_set():
+        _assign_jobs(app[RELAY].registry, jobs, seen)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except TimeoutError:
+            pass
     await runner.cleanup()
+
+
+def _assign_jobs(registry: Any, jobs: Path, seen: set[str]) -> None:
+    from gpuflex.hub.model.relay import Crossing, RelayPlan
+
+    for path in sorted(jobs.glob("*.json")):
+        if path.stem in seen:
+            continue
+        plan = json.loads(path.read_text())
+        registry.assign(
+            path.stem,
+            RelayPlan(
+                stages=tuple(plan["stages"]),
+                micro_batches=plan["micro"],
+                boundaries=tuple(Crossing("float32", tuple(shape)) for shape in plan["boundaries"]),
+            ),
+        )
+        seen.add(path.stem)
+
+
+def write_job(
+    jobs: Path, job: str, seeds: list[bytes], micro: int, boundaries: list[list[int]]
+) -> None:
+    """The relay plan of ``job`` for the hub: stage i run by the node of ``seeds[i]``."""
+    from gpuflex.protocol.signing import SigningKey
+
+    doc = {
+        "stages": [SigningKey.from_seed(seed).fingerprint for seed in seeds],
+        "micro": micro,
+        "boundaries": boundaries,
+    }
+    tmp = jobs / f".{job}.tmp"
+    tmp.write_text(json.dumps(doc))
+    tmp.rename(jobs / f"{job}.json")  # whole, or not there: the hub reads it as it appears
 
 
 def _register(url: str, seed: bytes) -> None:
@@ -310,34 +350,34 @@ def _seed(stage: int) -> bytes:
     return bytes([stage + 1]) * 32
 
 
+def start_hub(work: Path, cfg: dict[str, Any]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A hub process, its URL and the folder its relay's jobs are written to."""
+    jobs, port_file = work / "jobs", work / "port"
+    jobs.mkdir(exist_ok=True)
+    hub = _child(
+        ["--hub", str(work / "hub"), "--jobs", str(jobs), "--port-file", str(port_file)], cfg
+    )
+    give_up = time.monotonic() + 90
+    while not port_file.exists() or not port_file.read_text():
+        if hub.poll() is not None or time.monotonic() > give_up:
+            hub.terminate()
+            raise SystemExit("the hub did not start")
+        time.sleep(0.1)
+    return hub, f"http://127.0.0.1:{port_file.read_text()}", jobs
+
+
 def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.Tensor], float]]:
     from gpuflex.node.pipeline.stage import boundary_specs, cut
-    from gpuflex.protocol.signing import SigningKey
 
     specs = boundary_specs(cut(units(cfg), starts(cfg)), torch.zeros(cfg["batch"], cfg["width"]))
-    plan_file, port_file = work / "plan.json", work / "port"
-    plan_file.write_text(
-        json.dumps(
-            {
-                "stages": [
-                    SigningKey.from_seed(_seed(s)).fingerprint for s in range(cfg["stages"])
-                ],
-                "micro": cfg["micro"],
-                "boundaries": [list(spec.shape) for spec in specs],
-            }
-        )
-    )
-    hub = _child(
-        ["--hub", str(work / "hub"), "--plan", str(plan_file), "--port-file", str(port_file)], cfg
-    )
+    hub, url, jobs = start_hub(work, cfg)
     result = str(work / "gpuflex-{schedule}-%d.json")
     try:
-        give_up = time.monotonic() + 90
-        while not port_file.exists() or not port_file.read_text():
-            if hub.poll() is not None or time.monotonic() > give_up:
-                raise SystemExit("the hub did not start")
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
+        for schedule in SCHEDULES:  # one job per schedule, the same stages
+            seeds = [_seed(s) for s in range(cfg["stages"])]
+            write_job(
+                jobs, f"{JOB}-{schedule}", seeds, cfg["micro"], [list(spec.shape) for spec in specs]
+            )
         for s in range(cfg["stages"]):
             _register(url, _seed(s))
         procs = [
@@ -352,6 +392,71 @@ def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.T
         s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
         for s in SCHEDULES
     }
+
+
+def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dict[str, Any]:
+    """bench/pipeline_planner.py's configurations: each node process probes its speed, the
+    relay's link is probed, the product's planner plans every configuration, and the nodes run
+    them one after another; the figures of the predictions against the measurements."""
+    import pipeline_planner as pp
+
+    nodes = len(pp.THROTTLES)
+    cfg = {"steps": steps}
+    hub, url, jobs = start_hub(work, cfg)
+    try:
+        for k in range(nodes):
+            _register(url, _seed(k))
+        for samples in pp.LINK_SIZES:
+            write_job(jobs, f"link-{samples}", [_seed(0), _seed(1)], 1, [[samples, pp.WIDTH]])
+        procs = [
+            _child(["--node", str(k), "--url", url, "--work", str(work)], cfg) for k in range(nodes)
+        ]
+        speeds = [
+            json.loads(_wait_file(work / f"speed-{k}.json", procs).read_text())
+            for k in range(nodes)
+        ]
+        link = pp.fit_link([json.loads(_wait_file(work / "link-0.json", procs).read_text())])
+        state = pp.state_bytes()
+        chosen = [pp.CONFIGS[i] for i in configs] if configs else pp.CONFIGS
+        plans = [pp.plan_doc(c, pp.plan(c, speeds, link), state) for c in chosen]
+        for n, doc in enumerate(plans):
+            b = pp.BATCH // doc["micro"]
+            write_job(
+                jobs,
+                f"plan-{n}",
+                [_seed(k) for k in doc["nodes"]],
+                doc["micro"],
+                [[b, pp.WIDTH]] * (len(doc["nodes"]) - 1),
+            )
+        time.sleep(0.2)
+        (work / "plans.tmp").write_text(json.dumps(plans))
+        (work / "plans.tmp").rename(work / "plans.json")
+        _wait_all(procs, "planner configurations")
+    finally:
+        hub.terminate()
+        hub.wait(30)
+    results = {
+        (n, k): json.loads((work / f"stage-{n}-{k}.json").read_text())
+        for n, doc in enumerate(plans)
+        for k in doc["nodes"]
+    }
+    out = pp.figures(plans, results, state)
+    out["link"] = link
+    out["speeds"] = speeds
+    return out
+
+
+def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]]) -> Path:
+    give_up = time.monotonic() + 240
+    while not path.exists():
+        if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > give_up:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            raise SystemExit(f"a node process ended, or {path.name} did not appear")
+        time.sleep(0.05)
+    return path
 
 
 # -- orchestration ------------------------------------------------------------------------------------
@@ -403,6 +508,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
+        "--planner-steps",
+        type=int,
+        default=4,
+        help="timed steps of each planner configuration (after 1 warm-up step)",
+    )
+    parser.add_argument(
+        "--planner-configs",
+        type=lambda text: [int(i) for i in text.split(",")],
+        help="only these of bench/pipeline_planner.py's CONFIGS (indices, comma-separated)",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--planner-only",
+        action="store_true",
+        help="only the planner's predictions (the throughput figures already in --out are kept)",
+    )
+    which.add_argument("--no-planner", action="store_true", help="only the throughput comparison")
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "pipeline.json"
     )
     for hidden in (
@@ -411,10 +534,12 @@ def main() -> None:
         "--port",
         "--result",
         "--hub",
-        "--plan",
+        "--jobs",
         "--port-file",
         "--stage",
         "--url",
+        "--node",
+        "--work",
     ):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -424,9 +549,19 @@ def main() -> None:
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} does not split into {args.stages} equal stages")
     base = {k: getattr(args, k) for k in ("stages", "micro", "batch", "width", "layers", "steps")}
-    started = time.monotonic()
-    rows = measure(base)
-    report(base, rows, args.out, time.monotonic() - started)
+    if args.planner_only:
+        result = json.loads(args.out.read_text()) if args.out.exists() else {"name": "pipeline"}
+    else:
+        started = time.monotonic()
+        result = report(base, measure(base), time.monotonic() - started)
+    if not args.no_planner:
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="gpuflex-bench-planner-") as tmp:
+            planner = run_planner(Path(tmp), args.planner_steps, args.planner_configs)
+        report_planner(result, planner, time.monotonic() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 
 def _run_child(args: argparse.Namespace) -> None:
@@ -434,12 +569,16 @@ def _run_child(args: argparse.Namespace) -> None:
     if args.torch_rank is not None:
         torch_rank(cfg, int(args.torch_rank), int(args.port), args.result)
     elif args.hub is not None:
-        asyncio.run(_serve_hub(Path(args.hub), Path(args.plan), Path(args.port_file)))
+        asyncio.run(_serve_hub(Path(args.hub), Path(args.jobs), Path(args.port_file)))
+    elif args.node is not None:
+        import pipeline_planner as pp
+
+        pp.run_node(int(args.node), args.url, Path(args.work), _seed, int(cfg["steps"]))
     else:
         gpuflex_stage(cfg, int(args.stage), args.url, args.result)
 
 
-def report(base: dict[str, Any], rows: dict[str, Any], out: Path, wall_s: float) -> None:
+def report(base: dict[str, Any], rows: dict[str, Any], wall_s: float) -> dict[str, Any]:
     print(
         f"{base['stages']} stages of an MLP ({base['layers']} Linear {base['width']}-wide), {base['micro']} "
         f"micro-batches of {base['batch']}, {base['steps']} timed steps, Adam; every stage its own process"
@@ -484,9 +623,56 @@ def report(base: dict[str, Any], rows: dict[str, Any], out: Path, wall_s: float)
         f"throughput vs torch.distributed.pipelining: {ratio:.2f}; equivalence max rel diff "
         f"{result['figures']['equivalence_max_rel_diff']:.2e}; {wall_s:.0f} s"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    return result
+
+
+def report_planner(result: dict[str, Any], planner: dict[str, Any], wall_s: float) -> None:
+    """Prints the planner's predictions against the measurements and adds them to ``result``."""
+    print(
+        f"{'configuration':<26} {'stages':>6} {'nodes':<14} {'predicted s':>11} {'measured s':>10}"
+        f" {'ratio':>6} {'peak/cap':>8}"
+    )
+    for row in planner["rows"]:
+        print(
+            f"{row['name']:<26} {row['stages']:>6} {','.join(map(str, row['nodes'])):<14}"
+            f" {row['predicted_step_s']:>11.3f} {row['measured_step_s']:>10.3f} {row['ratio']:>6.2f}"
+            f" {row['peak_over_cap']:>8.2f}"
+        )
+    figures = result.setdefault("figures", {})
+    ratios = result.setdefault("ratios", {})
+    for key in (
+        "step_time_ratio_median",
+        "step_time_ratio_worst",
+        "model_bytes_over_largest_cap",
+        "peak_bytes_over_cap_max",
+    ):
+        figures[key] = planner[key]
+    figures["planner_wall_s"] = round(wall_s, 1)
+    ratios["step_time_predicted_vs_measured"] = planner["ratios"]
+    result["planner"] = {
+        "configurations": planner["rows"],
+        "link": planner["link"],
+        "node_speeds": planner["speeds"],
+        "notes": PLANNER_NOTES,
+    }
+    print(
+        f"predicted / measured step time: median {planner['step_time_ratio_median']:.2f}, worst"
+        f" {planner['step_time_ratio_worst']:.2f}; model state / largest cap"
+        f" {planner['model_bytes_over_largest_cap']:.2f}; peak / cap at most"
+        f" {planner['peak_bytes_over_cap_max']:.2f}; {wall_s:.0f} s"
+    )
+
+
+PLANNER_NOTES = (
+    "bench/pipeline_planner.py: per configuration, hub/policy/pipeline_plan.plan_pipelines over"
+    " protocol/modelanalysis.analyse_units chooses the stages, nodes and units (the configuration's"
+    " micro-batch count and schedule, one pipeline); each node is a process slowed by a throttle"
+    " (every aten op stretched, the difference slept), whose speed (FLOP/s, time per unit and"
+    " micro-batch, optimizer bytes/s) it measured on the model's units under its throttle; the link"
+    " is one message through this hub's relay (POST + GET) at two sizes; measured step = median of"
+    " the last stage's timed steps; peak = the bytes of the tensors a stage holds (parameters,"
+    " gradients, optimizer state, saved activations and held outputs, each storage once)"
+)
 
 
 if __name__ == "__main__":

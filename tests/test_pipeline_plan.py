@@ -104,6 +104,15 @@ def random_case(rng: random.Random):
         )
         for k in range(rng.randint(1, 4))
     ]
+    if rng.random() < 0.5:  # measured per-unit overheads and optimizer rates
+        offers = [
+            dataclasses.replace(
+                o,
+                unit_overhead_s=rng.choice((0.0, rng.uniform(1e-4, 1e-2))),
+                update_bytes_per_s=rng.choice((0.0, rng.uniform(1e6, 1e9))),
+            )
+            for o in offers
+        ]
     if rng.random() < 0.4:  # identical nodes: the search groups them
         offers += [
             dataclasses.replace(offers[0], node_id=f"twin{k}") for k in range(rng.randint(1, 2))
@@ -227,6 +236,27 @@ def test_step_time_by_hand():
     assert math.isclose(p.stages[0].transfer_s, cut) and math.isclose(p.stages[1].compute_s, 2.0)
 
 
+def test_measured_unit_overhead_and_update_rate_by_hand():
+    """A node's fixed time per unit and micro-batch adds to its compute once per unit it holds;
+    a measured update rate replaces the FLOP-based optimizer step."""
+    units = [unit(0, state=4000, output=1000, flops=2e9)] + [unit(i, flops=1e9) for i in (1, 2)]
+    a = dataclasses.replace(node("a", speed=1e9), unit_overhead_s=0.01, update_bytes_per_s=1e3)
+    b = node("b", speed=1e9)
+    p = evaluate_pipeline(units, [a, b], [1, 3], micro_batches=4, schedule="1f1b", batch_size=8)
+    assert p is not None and p.micro_batch_size == 2
+    assert math.isclose(p.stages[0].compute_s, 2 * 2e9 / 1e9 + 1 * 0.01)
+    assert math.isclose(p.stages[0].update_s, 4000 / 1e3)  # the measured rate
+    assert math.isclose(p.stages[1].compute_s, 2 * 2e9 / 1e9)  # no overhead measured
+    assert math.isclose(p.stages[1].update_s, 2000 * 0.5 / 1e9)  # UPDATE_FLOPS_PER_BYTE
+    slowest = max(s.micro_batch_s for s in p.stages)
+    assert math.isclose(p.step_s, (4 + 2 - 1) * slowest + 4.0)
+    heavy = dataclasses.replace(b, node_id="heavy", unit_overhead_s=1.0)
+    plan = plan_pipelines(units, [a, heavy], batch_size=8, micro_batches=(4,), max_replicas=1)
+    assert isinstance(plan, Plan)  # the node whose every unit costs a second gets the fewest
+    counts = {s.node_id: s.end_unit - s.first_unit for s in plan.pipelines[0].stages}
+    assert counts.get("heavy", 0) <= 1
+
+
 def test_spare_nodes_become_data_parallel_replicas():
     units = [unit(i, state=10_000) for i in range(4)]
     offers = [node(f"n{k}", memory=25_000) for k in range(6)]
@@ -319,6 +349,9 @@ def test_calls_no_job_could_make_raise(kwargs, message):
         plan_pipelines([unit(0)], [node("a"), node("a")], batch_size=1)
     with pytest.raises(ValueError, match="speed and bandwidth"):
         plan_pipelines([unit(0)], [node("a", speed=0.0)], batch_size=1)
+    late = dataclasses.replace(node("a"), unit_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="unit overhead"):
+        plan_pipelines([unit(0)], [late], batch_size=1)
 
 
 def test_plans_a_measured_transformer_like_model():

@@ -43,13 +43,21 @@ UPDATE_FLOPS_PER_BYTE: Final = 0.5
 @dataclass(frozen=True)
 class NodeOffer:
     """What an online node offers a pipeline: its memory budget (``--max-memory``), its measured
-    training speed (effective FLOP/s) and its measured link to the hub."""
+    training speed (effective FLOP/s) and its measured link to the hub.
+
+    Two optional measurements refine its times: ``unit_overhead_s``, the fixed time a unit's
+    forward and backward take per micro-batch whatever its size (kernel launches, the framework's
+    per-op cost: it dominates small micro-batches), and ``update_bytes_per_s``, the bytes of
+    state its optimizer step updates per second (an elementwise pass is bound by memory, not
+    FLOPs). Without them (0), a unit costs only its FLOPs and the update `UPDATE_FLOPS_PER_BYTE`."""
 
     node_id: str
     memory_bytes: int
     flops_per_s: float
     bandwidth_bytes_per_s: float
     rtt_s: float
+    unit_overhead_s: float = 0.0
+    update_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,15 @@ class _Model:
         return int(self.state[j] - self.state[i] + in_flight * per_micro)
 
     def compute_s(self, i: int, j: int, node: NodeOffer, b: int) -> float:
-        return b * (self.flops[j] - self.flops[i]) / node.flops_per_s
+        return (
+            b * (self.flops[j] - self.flops[i]) / node.flops_per_s + (j - i) * node.unit_overhead_s
+        )
 
     def update_s(self, i: int, j: int, node: NodeOffer) -> float:
-        return (self.state[j] - self.state[i]) * UPDATE_FLOPS_PER_BYTE / node.flops_per_s
+        state = self.state[j] - self.state[i]
+        if node.update_bytes_per_s > 0:
+            return state / node.update_bytes_per_s
+        return state * UPDATE_FLOPS_PER_BYTE / node.flops_per_s
 
     def boundary_s(self, j: int, sender: NodeOffer, receiver: NodeOffer, b: int) -> float:
         """One micro-batch's tensor across the cut before unit ``j``, relayed by the hub: up the
@@ -302,9 +315,12 @@ def _check(
             and o.bandwidth_bytes_per_s > 0
             and o.rtt_s >= 0
             and o.memory_bytes >= 0
+            and o.unit_overhead_s >= 0
+            and o.update_bytes_per_s >= 0
         ):
             raise ValueError(
-                f"node {o.node_id}: speed and bandwidth must be > 0, round trip and memory >= 0"
+                f"node {o.node_id}: speed and bandwidth must be > 0; round trip, memory,"
+                " unit overhead and update rate >= 0"
             )
 
 
@@ -314,7 +330,7 @@ def _candidates(
     """The nodes one pipeline search considers: at most ``max_stages`` of each kind of offer and,
     when the groups of identical offers would make more than `MAX_STATES` combinations, the
     `MAX_EXACT_NODES` fastest nodes (``roomiest``: those offering the most memory)."""
-    groups: dict[tuple[int, float, float, float], list[NodeOffer]] = {}
+    groups: dict[tuple[int, float, float, float, float, float], list[NodeOffer]] = {}
     for o in sorted(offers, key=lambda o: o.node_id):
         groups.setdefault(_kind(o), []).append(o)
     kept = [o for members in groups.values() for o in members[:max_stages]]
@@ -335,8 +351,15 @@ def _candidates(
     return kept[:MAX_EXACT_NODES]
 
 
-def _kind(o: NodeOffer) -> tuple[int, float, float, float]:
-    return (o.memory_bytes, o.flops_per_s, o.bandwidth_bytes_per_s, o.rtt_s)
+def _kind(o: NodeOffer) -> tuple[int, float, float, float, float, float]:
+    return (
+        o.memory_bytes,
+        o.flops_per_s,
+        o.bandwidth_bytes_per_s,
+        o.rtt_s,
+        o.unit_overhead_s,
+        o.update_bytes_per_s,
+    )
 
 
 def _best_pipeline(
