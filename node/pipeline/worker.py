@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 import torch
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import StageAssignment, StageReport, UnitCheckpoint
 from gpuflex.protocol.modelspec import ModelSpec
@@ -299,6 +300,8 @@ class StageWorker:
             tied=cross_stage_ties(units.tied, starts),
             timeout_s=self.peer_timeout_s,
             seed=a.seed,
+            inbound_code=self._code(specs, a.stage - 1) if not self.first else None,
+            outbound_code=self._code(specs, a.stage) if not self.last else None,
         )
         if self.first or self.last:
             self._read_data(spec)
@@ -343,6 +346,17 @@ class StageWorker:
         micro = self.a.batch_size // self.a.micro_batches
         example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
         return boundary_specs(stages, example)
+
+    def _code(self, specs: Sequence[TensorSpec], cut: int) -> BoundaryCode | None:
+        """How the tensors of cut ``cut`` travel (None: as they are, for "fp32")."""
+        if self.a.boundary == "fp32":
+            return None
+        try:
+            return BoundaryCode(
+                self.a.boundary, self.a.boundary_rank, raw=specs[cut], seed=self.a.seed, cut=cut
+            )
+        except ProtocolError as exc:
+            raise PipelineError(f"cut {cut} of the pipeline cannot travel so: {exc}") from None
 
     @staticmethod
     def _decode(data: Buffer, what: str) -> dict[str, Tensor]:
