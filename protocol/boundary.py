@@ -11,7 +11,8 @@ The hub's relay checks that form, the receiving stage checks it again and then d
   values becomes ``w + 4`` bytes;
 - ``subspace``: each row projected onto a fixed orthonormal basis of ``rank`` directions
   (``subspace_basis``, keyed by the job's seed and the cut, so both sides build the same
-  one), then int8 as above: ``rank + 4`` bytes a row. The gradient goes back through the same
+  one), then rounded like int8 but to 4 bits (7 levels either side of zero, two values a byte)
+  with the row's scale: ``ceil(rank / 2) + 4`` bytes a row. The gradient goes back through the same
   basis, which is its exact chain rule: the model trained is the model with a fixed linear
   bottleneck at each cut (docs/pipeline.md says what that means for the assembled model).
 
@@ -28,6 +29,8 @@ from .errors import SpecError
 BOUNDARIES: Final = ("fp32", "fp16", "bf16", "int8", "subspace")
 #: the bytes of an int8 row's float32 scale, appended to the row
 SCALE_BYTES: Final = 4
+#: the bits of each of the subspace code's values (two a byte)
+SUBSPACE_BITS: Final = 4
 #: the dtype each cast encoding sends
 CASTS: Final = {"fp16": "float16", "bf16": "bfloat16"}
 _FLOATS: Final = ("float16", "bfloat16", "float32", "float64")
@@ -73,8 +76,15 @@ def encoded_crossing(
         )
     if boundary in CASTS:
         return CASTS[boundary], tuple(shape)
-    kept = width if boundary == "int8" else rank
+    kept = width if boundary == "int8" else (rank * SUBSPACE_BITS + 7) // 8
     return "int8", (*shape[:-1], kept + SCALE_BYTES)
 
 
-__all__ = ["BOUNDARIES", "CASTS", "SCALE_BYTES", "check_boundary", "encoded_crossing"]
+__all__ = [
+    "BOUNDARIES",
+    "CASTS",
+    "SCALE_BYTES",
+    "SUBSPACE_BITS",
+    "check_boundary",
+    "encoded_crossing",
+]

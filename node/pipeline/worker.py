@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from ..errors import NodeError, PipelineError, StaleGeneration
 from ..trainer import loss_for, make_optimizer, prepare_device, stack_chunks
 from .stage import StageRunner, boundary_specs
-from .transport import MessageKey, Transport
+from .transport import MessageKey, SendAhead, Transport
 from .unitstate import (
     UnitTensors,
     build_stage,
@@ -112,6 +112,15 @@ class _TimedTransport:
             return self.inner.receive(key, expected, timeout_s=timeout_s)
         finally:
             self.waited += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Wait for the sends still on their way (a ``SendAhead``'s), counted as waiting."""
+        if isinstance(self.inner, SendAhead):
+            t0 = time.perf_counter()
+            try:
+                self.inner.flush()
+            finally:
+                self.waited += time.perf_counter() - t0
 
 
 class StageWorker:
@@ -197,6 +206,7 @@ class StageWorker:
         self.transport.waited = 0.0
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
+        self.transport.flush()  # the step is done once what it sent has gone
         step_s = time.perf_counter() - t0
         if loss is not None and not math.isfinite(loss):
             raise PipelineError(f"the loss of step {step} is {loss}: training diverged")
