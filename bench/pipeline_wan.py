@@ -19,7 +19,7 @@ whose held-out loss through their cuts is within 2% of fp32's (target <= 1/16), 
 <= 1.02). When none is within 2%, the subspace code's figures are reported and the target shows
 as missed. ``throughput_shaped_vs_loopback`` is not measured here yet (it needs the netns links).
 
-Usage: nice -n 10 python bench/pipeline_wan.py [--steps 300] [--rank 8]
+Usage: python bench/pipeline_wan.py [--steps 300] [--rank 16] [--encodings fp32,int8,subspace]
     [--out bench/results/pipeline_wan.json]
 """
 
