@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Container, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
+from gpuflex.protocol.boundary import check_boundary
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import (
     Ack,
@@ -117,6 +118,10 @@ def check_stage_assignment(
             f"{what} asks for gradient clipping, which a pipeline stage cannot do alone (the norm "
             "spans every stage)"
         )
+    try:  # each cut's width is checked when the stage is built (its shapes come from a meta run)
+        check_boundary(a.boundary, a.boundary_rank)
+    except ProtocolError as exc:
+        raise AssignmentRejected(f"{what}: {exc}") from None
     return spec
 
 

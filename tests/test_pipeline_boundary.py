@@ -9,9 +9,10 @@ import re
 
 import pytest
 import torch
-from gpuflex.node.errors import PipelineError
+from gpuflex.node.errors import AssignmentRejected, PipelineError
 from gpuflex.node.pipeline.stage import StageRunner
 from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey
+from gpuflex.node.stagework import check_stage_assignment
 from gpuflex.node.trainer import make_optimizer
 from gpuflex.protocol.boundary import BOUNDARIES, check_boundary, encoded_crossing
 from gpuflex.protocol.boundarycodec import BoundaryCode, subspace_basis
@@ -204,3 +205,16 @@ def test_a_malformed_encoded_boundary_is_refused_in_one_line(
         runner.run_step(0, 1, targets=[torch.zeros(2, dtype=torch.long)])
     assert "\n" not in str(info.value)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.module.parameters(), strict=True))
+
+
+def test_a_stage_assignment_with_an_inconsistent_boundary_is_refused_in_one_line() -> None:
+    job = Job(STACK, ADAM)
+    good = job.assignment([0, 2], 1, boundary="subspace", boundary_rank=4)
+    assert check_stage_assignment(good, node_id="node-1") == STACK
+    for over, says in [
+        ({"boundary": "int8", "boundary_rank": 4}, "only the subspace boundary has a rank"),
+        ({"boundary": "subspace", "boundary_rank": 0}, "needs a rank of at least 1"),
+    ]:
+        with pytest.raises(AssignmentRejected, match=says) as info:
+            check_stage_assignment(job.assignment([0, 2], 1, **over), node_id="node-1")
+        assert "\n" not in str(info.value)
