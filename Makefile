@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
 	$(PY) bench/experts.py
+	$(PY) bench/pipeline_wan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

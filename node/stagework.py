@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Container, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
+from gpuflex.protocol.boundary import check_boundary
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import (
     Ack,
@@ -47,6 +48,7 @@ from .errors import (
 from .output import Output
 from .pause import PauseState
 from .pipeline.relay import RelayTransport
+from .pipeline.transport import SendAhead
 from .pipeline.unitstate import stage_starts_ok
 from .pipeline.worker import StageOutcome, StageWorker
 from .transfers import Transfers
@@ -116,6 +118,10 @@ def check_stage_assignment(
             f"{what} asks for gradient clipping, which a pipeline stage cannot do alone (the norm "
             "spans every stage)"
         )
+    try:  # each cut's width is checked when the stage is built (its shapes come from a meta run)
+        check_boundary(a.boundary, a.boundary_rank)
+    except ProtocolError as exc:
+        raise AssignmentRejected(f"{what}: {exc}") from None
     return spec
 
 
@@ -269,15 +275,20 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
         first_step=a.first_step,
         end_step=a.end_step,
     )
-    transport = RelayTransport(
-        client.base_url,
-        client.key,
-        a.job_id,
-        hub_public_key=client.hub_public_key,
-        peers=dict(enumerate(a.stage_keys)),
-        clock=client.now,
-        generation=a.generation,
-    )
+    # sends on a connection and a thread of their own: the next micro-batch starts at once
+    relays = [
+        RelayTransport(
+            client.base_url,
+            client.key,
+            a.job_id,
+            hub_public_key=client.hub_public_key,
+            peers=dict(enumerate(a.stage_keys)),
+            clock=client.now,
+            generation=a.generation,
+        )
+        for _ in range(2)
+    ]
+    transport = SendAhead(relays[0], relays[1])
     hub = HubStage(client, host.transfers, host.cache, asyncio.get_running_loop())
     worker = StageWorker(
         a,
@@ -290,7 +301,9 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
     try:
         outcome = await asyncio.to_thread(worker.run)
     finally:
-        transport.close()
+        await asyncio.to_thread(transport.close)  # a send on its way may take a while
+        for relay in relays:
+            relay.close()
     detail = (
         f"stage {a.stage} of job {a.job_id} generation {a.generation}: {outcome.ended} after "
         f"{outcome.steps_done} steps" + (f" ({outcome.detail})" if outcome.detail else "")

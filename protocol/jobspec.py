@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from .boundary import BOUNDARIES, check_boundary
 from .compute import JOB_PRECISIONS
 from .encoding import ENCODINGS, UpdateEncoding, default_tolerance
 from .errors import SpecError, TensorError
@@ -306,6 +307,10 @@ class PipelineSpec:
     #: every stage's state goes to the hub's blob store every this many steps (and at the end);
     #: a lost stage node sends every stage back to the last step all of them saved
     checkpoint_every: int = 10
+    #: how activations and their gradients cross a cut: fp32, fp16, bf16, int8 or subspace
+    #: (protocol/boundary.py); ``boundary_rank``: the subspace's rank (0 for the others)
+    boundary: str = "fp32"
+    boundary_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -666,7 +671,9 @@ SECTIONS: Final = ("job", "model", "train", "data", "aggregation", "verification
                    "pipeline")
 
 
-def _pipeline(s: _Section, train: TrainSpec, data: DataSpec, privacy: PrivacySpec) -> PipelineSpec:
+def _pipeline(
+    s: _Section, model: ModelSpec, train: TrainSpec, data: DataSpec, privacy: PrivacySpec
+) -> PipelineSpec:
     d = PipelineSpec()  # the defaults live in the dataclass only
     spec = PipelineSpec(
         stages=s.get_int("stages", d.stages, 0, 1024),
@@ -674,7 +681,12 @@ def _pipeline(s: _Section, train: TrainSpec, data: DataSpec, privacy: PrivacySpe
         schedule=s.get_choice("schedule", d.schedule, ("auto", "gpipe", "1f1b")),
         steps=s.get_int("steps", d.steps, 1, 1 << 40),
         checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 1, 1 << 30),
+        boundary=s.get_choice("boundary", d.boundary, BOUNDARIES),
+        boundary_rank=s.get_int("boundary_rank", d.boundary_rank, 0, 1 << 16),
     )
+    # a transformer's every cut is its width wide; other models' cuts are checked when planned
+    width = model.transformer.width if model.transformer is not None else None
+    check_boundary(spec.boundary, spec.boundary_rank, width)
     if spec.stages == 1:
         raise SpecError("pipeline.stages: 0 (the planner's choice) or at least 2, got 1")
     if spec.micro_batches > train.batch_size:
@@ -734,7 +746,7 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     pipeline = None
     if "pipeline" in doc:
         pipeline_section = _Section(doc["pipeline"], "pipeline")
-        pipeline = _pipeline(pipeline_section, train, data, privacy)
+        pipeline = _pipeline(pipeline_section, model, train, data, privacy)
         pipeline_section.finish()
         if model.transformer is not None and model.transformer.experts:
             # the routers' balancing loss rides on the logits of a whole model's forward

@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgpack
 
+from .boundary import BOUNDARIES
 from .encoding import ENCODINGS, UpdateEncoding
 from .errors import DecodeError, EncodeError, VersionError
 from .fields import (
@@ -543,6 +544,9 @@ class StageAssignment:
     issued_at: Timestamp
     #: each stage's direct address (its Hello.stage_address; "" = through the relay only)
     stage_addresses: Annotated[tuple[str, ...], Seq(Text(128), 1024)] = ()
+    #: how tensors cross each cut (the job's [pipeline] boundary, protocol/boundary.py)
+    boundary: Annotated[str, Text(16, choices=BOUNDARIES)] = "fp32"
+    boundary_rank: Annotated[int, Int(0, 1 << 16)] = 0
 
 
 @dataclass(frozen=True)

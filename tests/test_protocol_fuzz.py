@@ -142,7 +142,7 @@ SAMPLES: list[Any] = [
         "job-1", 3, "gf1-a", 1, 2, 4, ("gf1-a", "gf1-b", "gf1-c"), (b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
         (0, 2, 4), SPEC.to_dict(), "c" * 64, 9000, (UnitState(2, "d" * 64, 4096), UnitState(3, "e" * 64, 4096)),
         (), TrainConfig(1, 32, "adam", 1e-3, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 1.0), 7, 32, 4, "1f1b",
-        20, 100, 10, 1000.0,
+        20, 100, 10, 1000.0, ("", "", ""), "subspace", 8,
     ),
     UnitCheckpoint("job-1", 3, 1, 2, 30, "d" * 64, 4096, 1000.0, NONCE),
     StageReport("job-1", 3, 2, 31, 0.25, 0.2, 2.5, "", 1000.0, NONCE),

@@ -32,6 +32,7 @@ from gpuflex.protocol import (
     decode_message,
     encode_message,
 )
+from gpuflex.protocol.boundary import BOUNDARIES
 from gpuflex.protocol.messages import (
     MESSAGE_TYPES,
     PIPELINE_SCHEDULES,
@@ -272,7 +273,8 @@ MESSAGES = {
         chunks=st.lists(st.builds(ChunkRef, sha256=blob_ids, size=counts, samples=counts), max_size=3).map(tuple),
         train=train_configs, seed=counts, batch_size=st.integers(1, 1 << 24), micro_batches=st.integers(1, 1 << 16),
         schedule=st.sampled_from(PIPELINE_SCHEDULES), first_step=st.integers(0, 1 << 40),
-        end_step=st.integers(1, 1 << 40), checkpoint_every=st.integers(1, 1 << 30), issued_at=timestamps),
+        end_step=st.integers(1, 1 << 40), checkpoint_every=st.integers(1, 1 << 30), issued_at=timestamps,
+        boundary=st.sampled_from(BOUNDARIES), boundary_rank=st.integers(0, 1 << 16)),
     UnitCheckpoint: st.builds(
         UnitCheckpoint, job_id=ids, generation=st.integers(1, 1 << 31), stage=st.integers(0, 1 << 10),
         unit=st.integers(0, 1 << 16), step=st.integers(1, 1 << 40), sha256=blob_ids, size=counts,

@@ -11,6 +11,10 @@ its tied parameters with the other stages of their groups and applies its optimi
 optimizer node/trainer.py builds from the job's TrainConfig) to its own parameters. With
 deterministic units (no dropout), a step's result equals single-process training with gradient
 accumulation over the same micro-batches.
+
+What crosses a cut may travel encoded (the job's ``[pipeline] boundary``): a ``BoundaryCode``
+for each of the stage's cuts encodes what it sends and decodes what it receives, after the
+transport has checked the encoded form.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -81,6 +87,8 @@ class StageRunner:
 
     ``inbound``: the activation it receives per micro-batch (stage > 0); ``outbound``: the one it
     sends (stage < last), whose gradient comes back; ``loss_fn`` on the last stage only.
+    ``inbound_code``/``outbound_code``: how the tensors of those two cuts travel (None: as they
+    are); each must describe its cut's raw tensor.
     """
 
     module: nn.Module
@@ -97,6 +105,8 @@ class StageRunner:
     #: the training seed: dropout masks are keyed by (seed, step, micro-batch) (protocol/dropout.py),
     #: so every stage draws what one process training the whole model would
     seed: int = 0
+    inbound_code: BoundaryCode | None = None
+    outbound_code: BoundaryCode | None = None
     _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +120,11 @@ class StageRunner:
             )
         if last != (self.loss_fn is not None):
             raise PipelineError("the last stage, and only it, computes the loss")
+        for spec, code in ((self.inbound, self.inbound_code), (self.outbound, self.outbound_code)):
+            if code is not None and (spec is None or code.raw != spec):
+                raise PipelineError(
+                    f"stage {self.stage}'s boundary code is for {code.raw}, its cut carries {spec}"
+                )
 
     def run_step(
         self,
@@ -153,6 +168,22 @@ class StageRunner:
     def _key(self, step: int, micro_batch: int, carries: str, to_stage: int) -> MessageKey:
         return MessageKey(step, micro_batch, carries, self.stage, to_stage)
 
+    def _send(self, key: MessageKey, tensor: Tensor, code: BoundaryCode | None) -> None:
+        self.transport.send(key, tensor if code is None else code.encode(tensor))
+
+    def _receive(self, key: MessageKey, raw: TensorSpec, code: BoundaryCode | None) -> Tensor:
+        """The tensor sent under ``key``, checked in its encoded form, decoded, on this device."""
+        expected = raw if code is None else code.wire
+        received = self.transport.receive(key, expected, timeout_s=self.timeout_s)
+        # a transport hands over CPU tensors (they crossed a wire): onto this stage's device
+        received = received.to(self._device())
+        if code is None:
+            return received
+        try:
+            return code.decode(received)
+        except ProtocolError as exc:
+            raise PipelineError(f"{key.describe()} is refused: {exc}") from None
+
     def _forward(
         self, step: int, i: int, x: Tensor | None, y: Tensor | None, samples: int
     ) -> Tensor | None:
@@ -160,9 +191,8 @@ class StageRunner:
             if self.inbound is None:
                 raise PipelineError("stage 0 needs its inputs")
             key = MessageKey(step, i, "activation", self.stage - 1, self.stage)
-            received = self.transport.receive(key, self.inbound, timeout_s=self.timeout_s)
-            # a transport hands over CPU tensors (they crossed a wire): onto this stage's device
-            x_in: Tensor | None = received.to(self._device()).requires_grad_(True)
+            received = self._receive(key, self.inbound, self.inbound_code)
+            x_in: Tensor | None = received.requires_grad_(True)
             with dropout_step(self.seed, step, part=i):
                 out = self.module(x_in)
         else:
@@ -170,7 +200,7 @@ class StageRunner:
             with dropout_step(self.seed, step, part=i):
                 out = self.module(x)
         if y is None:
-            self.transport.send(self._key(step, i, "activation", self.stage + 1), out)
+            self._send(self._key(step, i, "activation", self.stage + 1), out, self.outbound_code)
             self._held[i] = (x_in, out)
             return None
         if self.loss_fn is None:
@@ -186,12 +216,12 @@ class StageRunner:
             out.backward()
         else:
             key = MessageKey(step, i, "gradient", self.stage + 1, self.stage)
-            grad = self.transport.receive(key, self.outbound, timeout_s=self.timeout_s)
+            grad = self._receive(key, self.outbound, self.outbound_code)
             torch.autograd.backward(out, grad.to(out.device))
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")
-            self.transport.send(self._key(step, i, "gradient", self.stage - 1), x_in.grad)
+            self._send(self._key(step, i, "gradient", self.stage - 1), x_in.grad, self.inbound_code)
 
     def _sum_tied(self, step: int) -> None:
         params = dict(self.module.named_parameters())

@@ -5,7 +5,8 @@ s+1, "gradient" from s to s-1, "tied": a tied parameter's gradient between two s
 group, its micro-batch the group's index) and the two stages. ``send`` never waits for the
 receiver; ``receive`` waits for the message, then checks it against what the receiver expects
 (shape, dtype, finite values) and refuses it in one line otherwise. The relay through the hub
-(node/pipeline/relay.py) is the other implementation.
+(node/pipeline/relay.py) is the other implementation. ``SendAhead`` puts a transport's sends on
+a thread of their own, so the next micro-batch's compute starts while a tensor is on its way.
 """
 
 from __future__ import annotations
@@ -80,6 +81,61 @@ def check_received(key: MessageKey, tensor: torch.Tensor, expected: TensorSpec) 
     return tensor
 
 
+class SendAhead:
+    """``Transport`` whose sends go out in order on a thread of their own (``sender``), while
+    ``receiver`` serves receives on the caller's thread: two transports, since a relay's holds one
+    connection. ``send`` keeps a CPU copy of the tensor and returns; at most ``depth`` tensors
+    wait. A send that fails is raised by the next ``send``, ``receive`` or ``flush``; ``flush``
+    returns once every tensor sent is delivered (a step's end). What travels, and in what order
+    each receiver sees it, does not change: the training is the same bit for bit."""
+
+    def __init__(self, sender: Transport, receiver: Transport, *, depth: int = 64) -> None:
+        self.sender = sender
+        self.receiver = receiver
+        self._queue: queue.Queue[tuple[MessageKey, torch.Tensor] | None] = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._dropping = False
+        self._thread = threading.Thread(target=self._drain, name="gpuflex-send-ahead", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self._error is None and not self._dropping:  # after a failure, none goes
+                    self.sender.send(*item)
+            except BaseException as exc:  # raised on the caller's thread (``_raise``)
+                self._error = exc
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        self._raise()
+        if not self._thread.is_alive():
+            raise PipelineError(f"{key.describe()} cannot be sent: the sender is closed")
+        self._queue.put((key, tensor.detach().to("cpu", copy=True)))
+
+    def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        self._raise()
+        return self.receiver.receive(key, expected, timeout_s=timeout_s)
+
+    def flush(self) -> None:
+        """Wait until every tensor sent has gone; the first failure, if any."""
+        self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Stop the sending thread, dropping what still waits (idempotent): the stage is over."""
+        self._dropping = True
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 class MemoryNetwork:
     """The stages of one process (threads), connected by one queue per message."""
 
@@ -124,6 +180,7 @@ __all__ = [
     "MemoryNetwork",
     "MemoryTransport",
     "MessageKey",
+    "SendAhead",
     "Transport",
     "check_received",
     "spec_of",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 import torch
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import StageAssignment, StageReport, UnitCheckpoint
 from gpuflex.protocol.modelspec import ModelSpec
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 from ..errors import NodeError, PipelineError, StaleGeneration
 from ..trainer import loss_for, make_optimizer, prepare_device, stack_chunks
 from .stage import StageRunner, boundary_specs
-from .transport import MessageKey, Transport
+from .transport import MessageKey, SendAhead, Transport
 from .unitstate import (
     UnitTensors,
     build_stage,
@@ -111,6 +112,15 @@ class _TimedTransport:
             return self.inner.receive(key, expected, timeout_s=timeout_s)
         finally:
             self.waited += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Wait for the sends still on their way (a ``SendAhead``'s), counted as waiting."""
+        if isinstance(self.inner, SendAhead):
+            t0 = time.perf_counter()
+            try:
+                self.inner.flush()
+            finally:
+                self.waited += time.perf_counter() - t0
 
 
 class StageWorker:
@@ -196,6 +206,7 @@ class StageWorker:
         self.transport.waited = 0.0
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
+        self.transport.flush()  # the step is done once what it sent has gone
         step_s = time.perf_counter() - t0
         if loss is not None and not math.isfinite(loss):
             raise PipelineError(f"the loss of step {step} is {loss}: training diverged")
@@ -299,6 +310,8 @@ class StageWorker:
             tied=cross_stage_ties(units.tied, starts),
             timeout_s=self.peer_timeout_s,
             seed=a.seed,
+            inbound_code=self._code(specs, a.stage - 1) if not self.first else None,
+            outbound_code=self._code(specs, a.stage) if not self.last else None,
         )
         if self.first or self.last:
             self._read_data(spec)
@@ -343,6 +356,17 @@ class StageWorker:
         micro = self.a.batch_size // self.a.micro_batches
         example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
         return boundary_specs(stages, example)
+
+    def _code(self, specs: Sequence[TensorSpec], cut: int) -> BoundaryCode | None:
+        """How the tensors of cut ``cut`` travel (None: as they are, for "fp32")."""
+        if self.a.boundary == "fp32":
+            return None
+        try:
+            return BoundaryCode(
+                self.a.boundary, self.a.boundary_rank, raw=specs[cut], seed=self.a.seed, cut=cut
+            )
+        except ProtocolError as exc:
+            raise PipelineError(f"cut {cut} of the pipeline cannot travel so: {exc}") from None
 
     @staticmethod
     def _decode(data: Buffer, what: str) -> dict[str, Tensor]:

@@ -1,0 +1,114 @@
+"""The torch codec of a pipeline cut's encoding (protocol/boundary.py says what each one is).
+
+``BoundaryCode.encode`` turns an activation or a gradient into its encoded form before it is
+sent; ``decode`` turns the received, checked form back into a tensor of the raw shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .boundary import CASTS, SCALE_BYTES, SUBSPACE_BITS, check_boundary, encoded_crossing
+from .errors import TensorError
+from .tensors import DTYPES, ITEMSIZE, TensorSpec
+
+
+def subspace_basis(seed: int, cut: int, width: int, rank: int) -> Tensor:
+    """A ``width`` x ``rank`` float32 matrix with orthonormal columns, the same on every machine
+    for (``seed``, ``cut``): numpy's PCG64 normals, orthonormalised in float64 by QR with the
+    signs fixed (each column's R diagonal positive)."""
+    check_boundary("subspace", rank, width)
+    rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, cut, width, rank])
+    q, r = np.linalg.qr(rng.standard_normal((width, rank)))
+    q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    return torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+
+
+def _int8_rows(x: Tensor, bits: int = 8) -> Tensor:
+    """(..., w) float -> (..., ceil(w * bits / 8) + 4) int8: each row rounded to the
+    2**(bits-1) - 1 levels either side of zero of its largest magnitude (two 4-bit values a byte,
+    offset by 8, the first in the high half), then its float32 scale's bytes."""
+    levels = float((1 << (bits - 1)) - 1)
+    width = x.shape[-1]
+    rows = x.detach().reshape(-1, width).to(torch.float32)
+    scale = rows.abs().amax(dim=1, keepdim=True) / levels  # (rows, 1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (rows / safe).round_().clamp_(-levels, levels).to(torch.int16)
+    if bits == 4:
+        q = torch.nn.functional.pad(q + 8, (0, width % 2))  # (rows, even): 1..15, padding 0
+        q = (q[:, 0::2] << 4) | q[:, 1::2]  # 0..255
+        q = torch.where(q > 127, q - 256, q)  # the same bytes, as int8
+    out = torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=1)
+    return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def _int8_values(wire: Tensor, width: int, bits: int = 8) -> Tensor:
+    """The inverse of ``_int8_rows`` (float32, rows ``width`` wide); TensorError for a scale
+    that is not a finite, non-negative number (bytes no encoder makes)."""
+    kept = wire.shape[-1] - SCALE_BYTES
+    rows = wire.reshape(-1, kept + SCALE_BYTES)
+    scale = rows[:, kept:].contiguous().view(torch.float32)  # (rows, 1)
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise TensorError("an int8 boundary row carries a scale that is negative, NaN or infinite")
+    q = rows[:, :kept].to(torch.int16)
+    if bits == 4:
+        q = q & 0xFF  # the byte, 0..255
+        q = torch.stack([(q >> 4) - 8, (q & 0xF) - 8], dim=2).reshape(q.shape[0], -1)[:, :width]
+    return (q.to(torch.float32) * scale).reshape(*wire.shape[:-1], width)
+
+
+class BoundaryCode:
+    """The encoding of one cut (``cut``: between stage ``cut`` and ``cut + 1``) for a raw tensor
+    like ``raw``: ``encode`` before a tensor is sent (either way), ``decode`` after it is received
+    and checked against ``wire``. "fp32" hands the very tensors through."""
+
+    def __init__(self, boundary: str, rank: int, *, raw: TensorSpec, seed: int, cut: int) -> None:
+        dtype, shape = encoded_crossing(raw.shape, raw.dtype, boundary, rank)
+        self.boundary = boundary
+        self.raw = raw
+        self.wire = TensorSpec(raw.name, dtype, shape)
+        self._basis: dict[torch.device, Tensor] = {}
+        if boundary == "subspace":
+            self._basis[torch.device("cpu")] = subspace_basis(seed, cut, raw.shape[-1], rank)
+
+    def _on(self, device: torch.device) -> Tensor:
+        basis = self._basis.get(device)
+        if basis is None:
+            basis = self._basis[device] = self._basis[torch.device("cpu")].to(device)
+        return basis
+
+    def encode(self, x: Tensor) -> Tensor:
+        if self.boundary == "fp32":
+            return x
+        x = x.detach()
+        if self.boundary in CASTS:
+            return x.to(DTYPES[CASTS[self.boundary]])
+        if self.boundary == "subspace":
+            x = x.to(torch.float32) @ self._on(x.device)  # (..., rank)
+            return _int8_rows(x, SUBSPACE_BITS)
+        return _int8_rows(x)
+
+    def decode(self, wire: Tensor) -> Tensor:
+        """The raw-shaped, raw-dtype tensor ``wire`` stands for (TensorError for a malformed one)."""
+        if self.boundary == "fp32":
+            return wire
+        raw_dtype = DTYPES[self.raw.dtype]
+        if self.boundary in CASTS:
+            return wire.to(raw_dtype)
+        if self.boundary == "subspace":
+            basis = self._on(wire.device)
+            values = _int8_values(wire, basis.shape[1], SUBSPACE_BITS)
+            return (values @ basis.T).to(raw_dtype)  # (..., width)
+        return _int8_values(wire, self.raw.shape[-1]).to(raw_dtype)
+
+    def ratio(self) -> float:
+        """The raw tensor's bytes over the encoded one's."""
+        raw = math.prod(self.raw.shape) * ITEMSIZE[self.raw.dtype]
+        return raw / (math.prod(self.wire.shape) * ITEMSIZE[self.wire.dtype])
+
+
+__all__ = ["BoundaryCode", "subspace_basis"]

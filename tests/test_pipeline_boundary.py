@@ -1,0 +1,220 @@
+"""Pipeline boundary encodings (protocol/boundary.py, protocol/boundarycodec.py): each round-trips
+within its error, the subspace code is at least 16x smaller than fp32, the job spec refuses what
+does not fit in one line, stages that train through each encoding lower the loss, and a receiving
+stage refuses an encoded tensor of the wrong form, or one no encoder makes, in one line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from gpuflex.node.errors import AssignmentRejected, PipelineError
+from gpuflex.node.pipeline.stage import StageRunner
+from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey
+from gpuflex.node.stagework import check_stage_assignment
+from gpuflex.node.trainer import make_optimizer
+from gpuflex.protocol.boundary import BOUNDARIES, check_boundary, encoded_crossing
+from gpuflex.protocol.boundarycodec import BoundaryCode, subspace_basis
+from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.tensors import TensorSpec, encode_state
+from torch import nn
+
+from tests.test_stage_worker import ADAM, SGD_LM, STACK, TRANSFORMER, Job, max_rel_diff
+
+torch.set_num_threads(1)
+
+RAW = TensorSpec("activation", "float32", (4, 16, 64))
+
+
+def _x(seed: int = 0) -> torch.Tensor:
+    return torch.randn(RAW.shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _code(boundary: str, rank: int = 0, raw: TensorSpec = RAW) -> BoundaryCode:
+    return BoundaryCode(boundary, rank, raw=raw, seed=11, cut=1)
+
+
+def test_fp32_hands_the_very_tensor_through() -> None:
+    x = _x()
+    code = _code("fp32")
+    assert code.encode(x) is x and code.decode(x) is x and code.wire == RAW
+
+
+@pytest.mark.parametrize(
+    ("boundary", "dtype", "width", "error"),
+    [
+        ("fp16", "float16", 64, 2**-11),
+        ("bf16", "bfloat16", 64, 2**-8),
+        ("int8", "int8", 68, 1 / 254),
+    ],
+)
+def test_each_encoding_round_trips_within_its_error(
+    boundary: str, dtype: str, width: int, error: float
+) -> None:
+    x = _x()
+    code = _code(boundary)
+    wire = code.encode(x)
+    assert (code.wire.dtype, code.wire.shape) == (dtype, (4, 16, width))
+    assert (str(wire.dtype).removeprefix("torch."), tuple(wire.shape)) == (dtype, (4, 16, width))
+    back = code.decode(wire)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    # the error of each row against the row's largest magnitude
+    row_max = x.abs().amax(dim=-1, keepdim=True)
+    assert float(((back - x).abs() / row_max).max()) <= error * 1.01
+    assert float(((back - x).abs() / row_max).max()) > 0  # it is lossy
+
+
+@pytest.mark.parametrize("rank", [7, 8])
+def test_the_subspace_code_keeps_its_subspace_and_is_16x_smaller(rank: int) -> None:
+    code = _code("subspace", rank=rank)
+    basis = subspace_basis(11, 1, 64, rank)
+    assert torch.allclose(basis.T @ basis, torch.eye(rank), atol=1e-6)
+    assert torch.equal(basis, subspace_basis(11, 1, 64, rank))  # every stage builds the same one
+    assert not torch.equal(basis, subspace_basis(11, 2, 64, rank))  # each cut its own
+    x = _x()
+    coefficients = x @ basis  # (..., rank): what the bottleneck lets through
+    back = code.decode(code.encode(x))
+    # each coefficient within half a 4-bit level (its row's largest / 7) of its value
+    half_level = coefficients.abs().amax(dim=-1, keepdim=True) / 14
+    assert bool(((back @ basis - coefficients).abs() <= half_level * 1.001).all())
+    assert torch.allclose(back, (back @ basis) @ basis.T, atol=1e-5)  # nothing outside it
+    # the gradient goes back through the same map: its chain rule, up to the rounding
+    assert code.wire == TensorSpec("activation", "int8", (4, 16, 8))  # 4 bytes + the scale's 4
+    fp32_bytes = len(encode_state({"activation": x}))
+    sub_bytes = len(encode_state({"activation": code.encode(x)}))
+    assert code.ratio() >= 16 and sub_bytes * 16 <= fp32_bytes, (fp32_bytes, sub_bytes)
+
+
+def test_encoded_crossing_refuses_what_does_not_fit_in_one_line() -> None:
+    assert encoded_crossing((2, 6, 8), "float32", "fp32", 0) == ("float32", (2, 6, 8))
+    assert encoded_crossing((2, 6, 8), "float32", "subspace", 3) == ("int8", (2, 6, 6))
+    assert encoded_crossing((2, 6, 8), "float32", "int8", 0) == ("int8", (2, 6, 12))
+    for shape, dtype, boundary, rank, says in [
+        ((2, 8), "float32", "subspace", 8, "does not compress a cut 8 wide"),
+        ((2, 8), "float32", "subspace", 0, "needs a rank of at least 1"),
+        ((2, 8), "float32", "fp16", 4, "only the subspace boundary has a rank"),
+        ((2, 8), "float32", "fp8", 0, "expected one of fp32, fp16, bf16, int8, subspace"),
+        ((2, 8), "int64", "int8", 0, "encodes a floating tensor"),
+    ]:
+        with pytest.raises(SpecError, match=says) as info:
+            encoded_crossing(shape, dtype, boundary, rank)
+        assert "\n" not in str(info.value)
+
+
+SPEC = """
+[job]
+name = "lm"
+[model]
+kind = "transformer"
+vocab = 32
+context = 8
+layers = 2
+width = 16
+heads = 2
+[pipeline]
+stages = 2
+"""
+
+
+def test_the_job_spec_chooses_the_boundary_and_refuses_an_inconsistent_one() -> None:
+    assert parse_job_spec(SPEC).pipeline.boundary == "fp32"  # type: ignore[union-attr]
+    spec = parse_job_spec(SPEC + 'boundary = "subspace"\nboundary_rank = 4\n').pipeline
+    assert spec is not None and (spec.boundary, spec.boundary_rank) == ("subspace", 4)
+    for extra, says in [
+        ('boundary = "fp64"', "pipeline.boundary: expected one of"),
+        ('boundary = "subspace"\nboundary_rank = 16', "does not compress a cut 16 wide"),
+        ('boundary = "subspace"', "needs a rank of at least 1"),
+        ('boundary = "int8"\nboundary_rank = 4', "only the subspace boundary has a rank"),
+    ]:
+        with pytest.raises(SpecError, match=says) as info:
+            parse_job_spec(SPEC + extra + "\n")
+        assert "\n" not in str(info.value)
+    check_boundary("subspace", 4)  # a stack's widths are checked when it is cut
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+def test_three_stages_train_through_each_encoding(boundary: str) -> None:
+    rank = 6 if boundary == "subspace" else 0
+    job = Job(TRANSFORMER, SGD_LM)
+    outcomes = job.run([0, 1, 3], boundary=boundary, boundary_rank=rank, end_step=30)
+    assert [o.ended for o in outcomes] == ["done"] * 3, outcomes
+    losses = [r.loss or 0.0 for r in job.hub.reports if r.stage == 2]
+    assert sum(losses[-5:]) < 0.95 * sum(losses[:5]), losses
+    drift = max_rel_diff(job.hub.model_at(TRANSFORMER, 30), job.reference(30))
+    if boundary == "fp32":
+        assert drift <= 1e-5
+    elif boundary != "subspace":  # a rounded boundary stays near the exact run
+        assert drift <= 0.1, drift
+
+
+def test_a_rank_not_below_the_cuts_width_fails_the_stage_in_one_line() -> None:
+    job = Job(STACK, ADAM)  # its cuts are 16 and 8 wide
+    outcomes = job.run([0, 2, 3], timeout_s=1.0, boundary="subspace", boundary_rank=8)
+    assert outcomes[1].ended == "failed"
+    assert "cut 1 of the pipeline cannot travel so" in outcomes[1].detail
+    assert "does not compress a cut 8 wide" in outcomes[1].detail
+    assert "\n" not in outcomes[1].detail
+
+
+def _receiver(boundary: str, rank: int = 0) -> tuple[StageRunner, MemoryNetwork]:
+    raw = TensorSpec("activation", "float32", (2, 8))
+    module = nn.Linear(8, 3)
+    network = MemoryNetwork()
+    runner = StageRunner(
+        module=module,
+        stage=1,
+        stages=2,
+        transport=network.transport(),
+        optimizer=make_optimizer(list(module.parameters()), ADAM),
+        inbound=raw,
+        loss_fn=nn.CrossEntropyLoss(),
+        timeout_s=5.0,
+        inbound_code=BoundaryCode(boundary, rank, raw=raw, seed=1, cut=0),
+    )
+    return runner, network
+
+
+def _bad_int8_scale() -> torch.Tensor:
+    wire = BoundaryCode("int8", 0, raw=TensorSpec("a", "float32", (2, 8)), seed=1, cut=0).encode(
+        torch.ones(2, 8)
+    )
+    wire[0, 8:] = torch.tensor([float("nan")]).view(torch.int8)
+    return wire
+
+
+@pytest.mark.parametrize(
+    ("boundary", "rank", "sent", "says"),
+    [
+        ("int8", 0, torch.zeros(2, 8), "has dtype float32, expected int8"),
+        ("int8", 0, torch.zeros(2, 40, dtype=torch.int8), "has shape [2, 40], expected [2, 12]"),
+        ("subspace", 2, torch.zeros(2, 12, dtype=torch.int8), "has shape [2, 12], expected [2, 5]"),
+        ("bf16", 0, torch.zeros(2, 8, dtype=torch.float16), "has dtype float16, expected bfloat16"),
+        ("fp16", 0, torch.full((2, 8), float("inf"), dtype=torch.float16), "NaN or infinite"),
+        ("int8", 0, _bad_int8_scale(), "carries a scale that is negative, NaN or infinite"),
+    ],
+)
+def test_a_malformed_encoded_boundary_is_refused_in_one_line(
+    boundary: str, rank: int, sent: torch.Tensor, says: str
+) -> None:
+    runner, network = _receiver(boundary, rank)
+    before = [p.detach().clone() for p in runner.module.parameters()]
+    network.transport().send(MessageKey(0, 0, "activation", 0, 1), sent)
+    with pytest.raises(PipelineError, match=re.escape(says)) as info:
+        runner.run_step(0, 1, targets=[torch.zeros(2, dtype=torch.long)])
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.module.parameters(), strict=True))
+
+
+def test_a_stage_assignment_with_an_inconsistent_boundary_is_refused_in_one_line() -> None:
+    job = Job(STACK, ADAM)
+    good = job.assignment([0, 2], 1, boundary="subspace", boundary_rank=4)
+    assert check_stage_assignment(good, node_id="node-1") == STACK
+    for over, says in [
+        ({"boundary": "int8", "boundary_rank": 4}, "only the subspace boundary has a rank"),
+        ({"boundary": "subspace", "boundary_rank": 0}, "needs a rank of at least 1"),
+    ]:
+        with pytest.raises(AssignmentRejected, match=says) as info:
+            check_stage_assignment(job.assignment([0, 2], 1, **over), node_id="node-1")
+        assert "\n" not in str(info.value)
