@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/scaling.py
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
+	$(PY) bench/node_devices.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

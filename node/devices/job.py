@@ -87,9 +87,11 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 
 def write_result(folder: Path, *, sample_count: int, loss: float, train_s: float, steps: int,
-                 commitment: Commitment | None) -> None:
+                 commitment: Commitment | None, held_bytes: int = 0) -> None:
+    """``held_bytes``: the most training state any worker held on its device (parameters or their
+    shards, gradients, optimizer state), measured after the first step."""
     body = {"sample_count": sample_count, "loss": loss, "train_s": train_s, "steps": steps,
-            "commitment": None if commitment is None else dataclasses.asdict(commitment)}
+            "held_bytes": held_bytes, "commitment": None if commitment is None else dataclasses.asdict(commitment)}
     _write_atomic(folder / RESULT, json.dumps(body).encode())
 
 

@@ -121,6 +121,18 @@ class WorkerOptimizer:
             for v, t in zip(self.views, self.targets, strict=True):
                 v.copy_(t)
 
+    def held_bytes(self) -> int:
+        """The training state this worker holds on its device, in bytes: its parameters (or their
+        shards), their gradients, and the optimizer state unless it lives on the host."""
+        def size(ts: Sequence[Tensor | None]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        bufs = [] if self.offload else [b for kind, v in optimizer_buffers(self.optimizer).items()
+                                        if kind != "t" and v for b in v]
+        grads = [None if p.grad is None else (p.grad.to_local() if self.sharded else p.grad)  # type: ignore[attr-defined]
+                 for p in self.params]
+        return size(self.views) + size(grads) + size(bufs)
+
     def full_buffers(self) -> dict[str, Sequence[Tensor] | None]:
         """``optimizer_buffers`` with every buffer whole (gathered from the shards: a collective)."""
         out = optimizer_buffers(self.optimizer)

@@ -86,6 +86,8 @@ class WorkerGroup:
     engine: str = "auto"  # auto (from the model's size), or ddp / fsdp
     on_event: Callable[..., None] | None = None
     timeout_s: float = 600.0
+    #: the most training state (bytes) a worker held on its device in the last assignment
+    held_bytes: int = 0
 
     def choose(self, global_state: Mapping[str, Tensor], cfg: TrainConfig) -> str:
         if self.engine != "auto":
@@ -172,6 +174,7 @@ class WorkerGroup:
                 _end(p)
             del store
         body, commitment = read_result(folder)
+        self.held_bytes = int(body.get("held_bytes", 0))
         delta = read_tensors(folder / DELTA)
         return TrainResult(delta=delta, sample_count=int(body["sample_count"]), loss=float(body["loss"]),
                            train_s=float(body["train_s"]), steps=int(body["steps"]), commitment=commitment)

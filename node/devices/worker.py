@@ -148,9 +148,13 @@ def train(folder: Path, rank: int) -> None:
     checkpoint(0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
     last_seen = step = 0
+    held = torch.zeros(1, dtype=torch.int64)
     for idx, last_epoch in _batches(n, bs, epochs, total, job.seed, w.device):
         summed = w.step(x, y, idx, step)
         step += 1
+        if step == 1:  # the state is whole now (gradients held, optimizer state made): its size
+            held = torch.tensor([w.optimizer.held_bytes()], dtype=torch.int64, device=w.device)
+            dist.all_reduce(held, op=dist.ReduceOp.MAX)
         if last_epoch:
             loss_sum += summed
             last_seen += int(idx.numel())
@@ -167,7 +171,8 @@ def train(folder: Path, rank: int) -> None:
                  else trained[k].detach().to("cpu").clone() for k, ref in global_state.items()}
         write_tensors(folder / DELTA, delta)
         write_result(folder, sample_count=n, loss=float(loss_sum) / max(last_seen, 1), train_s=train_s,
-                     steps=step, commitment=recorder.commitment() if recorder is not None else None)
+                     steps=step, commitment=recorder.commitment() if recorder is not None else None,
+                     held_bytes=int(held[0]))
     dist.barrier()
     dist.destroy_process_group()
 
