@@ -17,7 +17,7 @@ from gpuflex.node.checkpoints import CheckpointRecorder
 from gpuflex.node.devices import WorkerGroup, parse_devices
 from gpuflex.node.devices.job import CommitSettings
 from gpuflex.node.devices.plan import check_offload, choose_engine, training_bytes
-from gpuflex.node.errors import ConfigError, TrainError
+from gpuflex.node.errors import ConfigError, TrainError, TrainingStopped
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.messages import TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec, build_model
@@ -172,7 +172,7 @@ def test_fsdp_on_three_workers_with_offload_gives_one_process_update(tmp_path):
 
 
 @pytest.mark.e2e
-def test_kill_9_of_a_worker_trains_again_with_fresh_workers(tmp_path):
+def test_kill_9_of_a_worker_trains_again_with_fresh_workers(tmp_path):  # DDP, the optimizer on the host
     chunks, cfg = _chunks(64), _cfg(local_epochs=1, local_steps=400, grad_clip=0.0)
     ref = train_assignment(SPEC, GLOBAL, chunks, cfg, seed=5, device=CPU)
     events = EventLog()
@@ -183,8 +183,8 @@ def test_kill_9_of_a_worker_trains_again_with_fresh_workers(tmp_path):
             killed.set()
             os.kill(events.of("workers")[-1]["pids"][1], signal.SIGKILL)
 
-    group = WorkerGroup(parse_devices("cpu:2"), tmp_path / "work", engine="ddp", threads=2, restarts=1,
-                        on_event=events.event)
+    group = WorkerGroup(parse_devices("cpu:2", offload="optimizer"), tmp_path / "work", engine="ddp", threads=2,
+                        restarts=1, on_event=events.event)
     got = group.train(SPEC, GLOBAL, chunks, cfg, seed=5, progress=progress)
     lost = events.of("workers_lost")
     assert killed.is_set() and len(lost) == 1 and lost[0]["action"] == "retry", events.events
@@ -216,3 +216,22 @@ async def test_kill_9_of_a_worker_hands_the_assignment_back(tmp_path):
         node.request_exit("test")
         await asyncio.wait_for(task, 30)
         await hub.stop()
+
+
+@pytest.mark.e2e
+def test_a_pause_stops_the_workers_and_a_state_that_does_not_fit_is_refused(tmp_path):
+    chunks, cfg = _chunks(64), _cfg(local_epochs=1, local_steps=2000)
+    events = EventLog()
+    group = WorkerGroup(parse_devices("cpu:2"), tmp_path / "work", engine="ddp", threads=2, restarts=1,
+                        on_event=events.event)
+    seen = threading.Event()
+    with pytest.raises(TrainingStopped):
+        group.train(SPEC, GLOBAL, chunks, cfg, seed=5, progress=lambda _f: seen.set(), should_stop=seen.is_set)
+    for pid in events.of("workers")[0]["pids"]:  # stopped and reaped, not retried
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert len(events.of("workers")) == 1 and not list((tmp_path / "work").iterdir())
+    other = build_model(ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [5], "outputs": 3}), seed=0)
+    with pytest.raises(TrainError, match="global model does not fit the spec"):
+        group.train(SPEC, other.state_dict(), chunks, _cfg(), seed=5)
+    assert len(events.of("workers")) == 2 and not events.of("workers_lost")  # refused, not retried

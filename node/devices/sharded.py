@@ -67,55 +67,49 @@ class WorkerOptimizer:
         self.offload = offload
         local = [p.to_local() if sharded else p for p in self.params]  # type: ignore[attr-defined]
         self.views = [v.detach() for v in local]  # the device's storage, written in place
-        self.targets = [v.to("cpu", copy=True) for v in self.views] if offload else self.views
-        self.optimizer = make_optimizer(self.targets if (sharded or offload) else self.params, cfg)
-
-    @property
-    def stepped(self) -> list[Tensor]:
-        """The tensors the optimizer updates (their ``.grad`` set before a step)."""
-        return self.optimizer.params
+        #: the device tensors whose ``.grad`` the scaler and the clipping act on
+        self.graded = self.views if sharded else self.params
+        self.targets = [v.to("cpu", copy=True) for v in self.views] if offload else self.graded
+        self.optimizer = make_optimizer(self.targets, cfg)
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.optimizer.zero_grad()
+        for group in (self.params, self.views, self.targets):
+            for t in group:
+                t.grad = None
 
     def load_grads(self) -> None:
-        """The gradients the backward pass left (averaged over the workers) onto ``stepped``."""
-        if not (self.sharded or self.offload):
-            return
-        for t, p in zip(self.targets, self.params, strict=True):
-            g = p.grad
-            if g is not None and self.sharded:
-                g = g.to_local()  # type: ignore[attr-defined]
-            t.grad = None if g is None else g.detach().to(t.device)
+        """The gradients the backward pass left (averaged over the workers) onto ``graded``: a
+        sharded parameter's gradient is a DTensor, its shard is what this worker steps."""
+        if self.sharded:
+            for v, p in zip(self.views, self.params, strict=True):
+                v.grad = None if p.grad is None else p.grad.to_local()  # type: ignore[attr-defined]
 
     def unscale(self, scaler: LossScaler) -> bool:
         """fp16: divide the gradients by the scale; True when every worker's are finite."""
-        scaler.unscale(self.stepped)
+        scaler.unscale(self.graded)
         if self.sharded:
-            found = scaler.found_inf.to(self.params[0].device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            scaler.found_inf.copy_(found.to(scaler.found_inf.device))
+            dist.all_reduce(scaler.found_inf, op=dist.ReduceOp.MAX)
         return not bool(scaler.found_inf.item())
 
     def clip(self, max_norm: float) -> None:
         """clip_grad_norm over the whole gradient (the shards' squares summed across workers)."""
         if not self.sharded:
-            clip_grad_norm(self.stepped, max_norm)
+            clip_grad_norm(self.graded, max_norm)
             return
-        grads = [t.grad for t in self.stepped if t.grad is not None]
-        device = self.params[0].device
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        grads = [t.grad for t in self.graded if t.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         for g in grads:
-            squares += torch.linalg.vector_norm(g.float(), 2.0).to(device) ** 2
+            squares += torch.linalg.vector_norm(g.float(), 2.0) ** 2
         dist.all_reduce(squares)
         coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.device))
+            g.mul_(coef)
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.offload:  # the gradients to the host, the step there, the parameters back
+            for t, g in zip(self.targets, self.graded, strict=True):
+                t.grad = None if g.grad is None else g.grad.to(t.device)
         self.optimizer.step()
         if self.offload:
             for v, t in zip(self.views, self.targets, strict=True):

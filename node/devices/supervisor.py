@@ -206,16 +206,17 @@ class _Watch:
     def read(self, stream: IO[bytes] | None) -> None:
         if stream is None:
             return
-        for line in stream:
-            try:
-                d = json.loads(line)
-                step, loss = int(d["step"]), float(d["loss"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if self.progress is not None:
-                self.progress(step / max(self.total, 1))
-            if self.on_loss is not None:
-                self.on_loss(step, loss)
+        with contextlib.suppress(ValueError, OSError):  # the stream closed under us: the attempt ended
+            for line in stream:
+                try:
+                    d = json.loads(line)
+                    step, loss = int(d["step"]), float(d["loss"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if self.progress is not None:
+                    self.progress(step / max(self.total, 1))
+                if self.on_loss is not None:
+                    self.on_loss(step, loss)
 
 
 def _fields(cfg: TrainConfig) -> dict[str, Any]:
@@ -242,13 +243,16 @@ def _supervise(procs: Sequence[subprocess.Popen[bytes]], watch: _Watch, folder: 
         if watch.should_stop():
             raise TrainingStopped("training stopped between batches")
         codes = [p.poll() for p in procs]
-        for rank, rc in enumerate(codes):
-            if rc is not None and rc != 0:
-                tail = _log_tail(folder / f"worker-{rank}.log")
-                if rc == EXIT_TRAIN_ERROR:
-                    raise TrainError(tail or f"worker {rank} could not train the assignment")
-                how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-                raise _Lost(f"worker {rank} ({procs[rank].pid}) {how}" + (f": {tail}" if tail else ""))
+        failed = [(rank, rc) for rank, rc in enumerate(codes) if rc is not None and rc != 0]
+        if failed:
+            # a killed worker first: its peers then die of losing it, and may be seen in the same poll
+            rank, rc = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+            if rc < 0:  # a signal: its log says nothing of why
+                raise _Lost(f"worker {rank} ({procs[rank].pid}) killed by signal {-rc}")
+            tail = _log_tail(folder / f"worker-{rank}.log")
+            if rc == EXIT_TRAIN_ERROR:
+                raise TrainError(tail or f"worker {rank} could not train the assignment")
+            raise _Lost(f"worker {rank} ({procs[rank].pid}) exited with status {rc}" + (f": {tail}" if tail else ""))
         if all(rc == 0 for rc in codes):
             return
         time.sleep(0.05)

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(Path(args[0]), int(args[1]))
     except NodeError as exc:  # the assignment cannot train: the node refuses it, no retry
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(" ".join(str(exc).split()), file=sys.stderr, flush=True)
         return EXIT_TRAIN_ERROR
     return 0
 
