@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.lossscale import LossScaler
+from gpuflex.protocol.messages import TrainConfig
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
@@ -55,6 +56,7 @@ class _Worker:
     optimizer: WorkerOptimizer
     loss_fn: nn.Module
     scaler: LossScaler | None
+    cfg: TrainConfig
 
     def slice_of(self, idx: Tensor) -> tuple[Tensor, int]:
         """This worker's contiguous share of a step's sample indices, and its first row."""
@@ -64,7 +66,7 @@ class _Worker:
 
     def step(self, x: Tensor, y: Tensor, idx: Tensor, step: int) -> Tensor:
         """One optimizer step on this worker's slice of ``idx``; the slice's loss sum (float64)."""
-        cfg = self.job.train_config()
+        cfg = self.cfg
         mine, row = self.slice_of(idx)
         empty = mine.numel() == 0  # a last batch smaller than the workers: a weightless sample
         xb, yb = (x.index_select(0, idx[:1]), y.index_select(0, idx[:1])) if empty else (
@@ -110,7 +112,7 @@ def _setup(job: WorkerJob, rank: int, folder: Path) -> tuple[_Worker, Tensor, Te
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = WorkerOptimizer(params, cfg, sharded=job.engine == "fsdp", offload=job.offload)
     scaler = LossScaler(device) if cfg.precision == "fp16" else None
-    worker = _Worker(job, rank, device, model, run, optimizer, _loss_for(spec, cfg), scaler)
+    worker = _Worker(job, rank, device, model, run, optimizer, _loss_for(spec, cfg), scaler, cfg)
     return worker, data["x"].to(device), data["y"].to(device), global_state
 
 
