@@ -55,8 +55,10 @@ bench: $(STAMP)
 	$(PY) bench/scaling.py
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
+	$(PY) bench/pipeline.py
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py
+	$(PY) bench/node_devices.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -70,6 +70,7 @@ from .client import Backoff, HubClient, json_error_detail
 from .control import ControlServer
 from .datadir import DataDirLock
 from .device import apply_limits, compute_class, offered_memory, select_device, set_onednn
+from .devices import WorkerGroup, batch_statistics, worker_group
 from .errors import (
     AssignmentRejected,
     BadSignature,
@@ -85,6 +86,7 @@ from .errors import (
     TrainError,
     TrainingStopped,
     UnknownNode,
+    WorkersLost,
 )
 from .feedback import FeedbackStore
 from .gpuyield import yield_gpu_while_busy
@@ -138,6 +140,10 @@ class NodeConfig:
     #: checkpoint states kept for the hub's referee (node/checkpoints.py: every assignment of the
     #: job's two newest rounds, within this many bytes in all)
     max_checkpoint_bytes: int = 2 << 30
+    #: --devices: train on several local devices, one worker process each (node/devices); None: ``device``
+    devices: str | None = None
+    offload: str | None = None  # --offload optimizer: the optimizer state in host memory
+    worker_restarts: int = 1  # fresh workers for an assignment whose worker process died, then hand it back
 
 
 class NodeAgent:
@@ -159,9 +165,15 @@ class NodeAgent:
         # One node per data dir, taken before the key or the cache is touched; run() frees it.
         self.lock = DataDirLock(config.data_dir).acquire()
         try:
-            self.key = key or load_or_create_key(config.data_dir)
-            self.device = select_device(config.device)
+            self.device = select_device(config.device) if config.devices is None else torch.device("cpu")
             apply_limits(self.device, threads=config.threads, max_gpu_memory_gb=config.max_gpu_memory_gb)
+            self.workers: WorkerGroup | None = None  # the node's devices, when it trains on several
+            if config.devices is not None:
+                self.device, self.workers = worker_group(
+                    config.devices, offload=config.offload, work_dir=config.data_dir / "devices",
+                    max_memory_bytes=config.max_memory_bytes, threads=torch.get_num_threads(),
+                    restarts=config.worker_restarts, on_event=self.output.event)
+            self.key = key or load_or_create_key(config.data_dir)
             set_onednn(config.onednn)
             self.compute: ComputeClass = compute_class(self.device, precisions=config.precisions)
             if not self.compute.precisions:
@@ -222,6 +234,16 @@ class NodeAgent:
                 cur.digest = progress_digest(cur.digest, step, loss)
                 cur.steps = step
 
+        if self.workers is not None and not batch_statistics(global_state):
+            try:
+                return self.workers.train_assignment(
+                    assignment, spec, chunks, global_state, checkpoints=self.checkpoints,
+                    feedback=cur.residual if cur is not None else None, progress=progress,
+                    should_stop=self.stop_training.is_set, on_loss=on_loss)
+            except WorkersLost as exc:
+                if cur is not None:
+                    cur.stop_reason = str(exc)[:200]
+                raise
         if not assignment.train.commit:  # the job never asks the referee: no checkpoint to pay for
             return train_assignment(
                 spec, global_state, chunks, assignment.train, assignment.seed,

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from .errors import TrainError
 from .optim import SGD, Adam, LocalOptimizer
 
-__all__ = ["CheckpointRecorder", "CheckpointStore", "training_state"]
+__all__ = ["CheckpointRecorder", "CheckpointStore", "optimizer_buffers", "state_layout", "training_state"]
 
 _ID_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
@@ -54,26 +54,40 @@ _ID_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
 def training_state(model: nn.Module, optimizer: LocalOptimizer, step: int,
                    scaler: LossScaler | None = None) -> dict[str, Tensor]:
     """The full training state in the layout of protocol/checkpoint.py (CPU copies)."""
-    out: dict[str, Tensor] = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if len(names) != len(optimizer.params):
         raise TrainError("optimizer parameters do not match the model's")
+    return state_layout(model.state_dict(), names, optimizer_buffers(optimizer), step, scaler)
 
-    def put(kind: str, bufs: Sequence[Tensor] | None) -> None:
+
+def optimizer_buffers(optimizer: LocalOptimizer) -> dict[str, Sequence[Tensor] | None]:
+    """The optimizer's state by its checkpoint name (``momentum``; ``exp_avg``, ``exp_avg_sq``),
+    one tensor per parameter in the optimizer's order, None before the first step; and ``t``
+    (Adam's step count) as a one-element tensor."""
+    if isinstance(optimizer, SGD):
+        return {"momentum": optimizer.bufs}
+    if isinstance(optimizer, Adam):
+        t = [torch.tensor([optimizer.t], dtype=torch.int64)] if optimizer.t else None
+        return {"exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq, "t": t}
+    return {}
+
+
+def state_layout(model_state: Mapping[str, Tensor], names: Sequence[str],
+                 buffers: Mapping[str, Sequence[Tensor] | None], step: int,
+                 scaler: LossScaler | None = None) -> dict[str, Tensor]:
+    """protocol/checkpoint.py's layout from the module's full state, its trained parameters'
+    ``names`` and ``optimizer_buffers`` (full tensors, not shards): CPU copies."""
+    out: dict[str, Tensor] = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+    for kind, bufs in buffers.items():
         if bufs is None:
-            return
+            continue
+        if kind == "t":
+            out["opt.t"] = bufs[0].to("cpu", copy=True)
+            continue
         if len(bufs) != len(names):  # a parameter without a gradient: the layout cannot name the buffers
             raise TrainError("optimizer state does not cover every parameter; cannot checkpoint it")
         for n, b in zip(names, bufs, strict=True):
             out[f"opt.{kind}.{n}"] = b.detach().to("cpu", copy=True)
-
-    if isinstance(optimizer, SGD):
-        put("momentum", optimizer.bufs)
-    elif isinstance(optimizer, Adam):
-        put("exp_avg", optimizer.exp_avg)
-        put("exp_avg_sq", optimizer.exp_avg_sq)
-        if optimizer.t:
-            out["opt.t"] = torch.tensor([optimizer.t], dtype=torch.int64)
     if scaler is not None:  # fp16: the scale decides which steps are skipped
         out.update(scaler.state())
     out["step"] = torch.tensor([step], dtype=torch.int64)
@@ -133,13 +147,18 @@ class CheckpointStore:
                  feedback: Mapping[str, Tensor] | None = None) -> CheckpointRecorder:
         """The trainer's step hook for ``assignment`` (``samples`` in its chunks), writing here;
         what the hub can no longer ask about is dropped first."""
+        total, every = self.prepare(assignment, samples)
+        return CheckpointRecorder(total_steps=total, every=every, precision=assignment.train.precision,
+                                  store=self, assignment_id=assignment.assignment_id, feedback=feedback)
+
+    def prepare(self, assignment: Assignment, samples: int) -> tuple[int, int]:
+        """Make room for ``assignment``'s states (dropping what the hub can no longer ask about)
+        and name its round; its (total steps, checkpoint interval)."""
         t = assignment.train
         total = assignment_steps(samples, t.batch_size, t.local_epochs, t.local_steps)
         self.begin(assignment.assignment_id, assignment.job_id, assignment.round)
         self.prune(keep_id=assignment.assignment_id, job_id=assignment.job_id, round=assignment.round)
-        return CheckpointRecorder(total_steps=total, every=auto_every(total, t.checkpoint_every),
-                                  precision=t.precision, store=self, assignment_id=assignment.assignment_id,
-                                  feedback=feedback)
+        return total, auto_every(total, t.checkpoint_every)
 
     def _owner(self, folder: Path) -> tuple[str, int] | None:
         try:
@@ -206,9 +225,14 @@ class CheckpointRecorder:
 
     def __call__(self, step: int, model: nn.Module, optimizer: LocalOptimizer,
                  scaler: LossScaler | None = None) -> None:
-        if step not in self._wanted:
-            return
-        state = training_state(model, optimizer, step, scaler)  # a copy: training goes on at once
+        if step in self._wanted:
+            self.record(step, training_state(model, optimizer, step, scaler))  # a copy: training goes on
+
+    def wants(self, step: int) -> bool:
+        return step in self._wanted
+
+    def record(self, step: int, state: dict[str, Tensor]) -> None:
+        """Commit to ``state`` (protocol/checkpoint.py's layout, CPU), the state after ``step``."""
         if step == self.steps[-1] and self.feedback:
             state.update({f"{FEEDBACK_PREFIX}{k}": v.detach().to("cpu", copy=True) for k, v in self.feedback.items()})
         # Encoding, hashing, the norm and the write overlap the next steps (one writer, in order).

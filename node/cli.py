@@ -80,6 +80,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--hub-key", metavar="FINGERPRINT",
                      help="the hub key fingerprint to trust (gf1-...); default: trust on first use")
     run.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda:N, mps")
+    run.add_argument("--devices", metavar="LIST", help="train on several local devices, one worker process "
+                     "each: all (every CUDA device), 0,1 (those CUDA devices) or cpu:N (N CPU workers); "
+                     "instead of --device")
+    run.add_argument("--offload", choices=("optimizer",), help="with --devices: keep the optimizer state in "
+                     "host memory (refused when the host has no room for it)")
     _add_data_dir(run)
     run.add_argument("--max-cache-gb", type=float, default=20.0, metavar="N", help="cache size cap (default 20)")
     run.add_argument("--max-checkpoint-gb", type=float, default=2.0, metavar="N",
@@ -169,6 +174,10 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         raise NodeError("--max-checkpoint-gb must be > 0")
     if args.max_assignments is not None and args.max_assignments < 1:
         raise NodeError("--max-assignments must be >= 1")
+    if args.devices is not None and args.device != "auto":
+        raise NodeError("--device and --devices: give one of them")
+    if args.offload is not None and args.devices is None:
+        raise NodeError("--offload needs --devices (the offloaded state is the workers')")
     precisions = _precisions(args.precisions)
     max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
     config = NodeConfig(
@@ -180,7 +189,8 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
         onednn=args.onednn == "on", precisions=precisions,
         enroll_token=args.enroll_token or os.environ.get("GPUFLEX_ENROLL_TOKEN", ""),
-        source_address=args.source_address, max_memory_bytes=max_memory,
+        source_address=args.source_address, max_memory_bytes=max_memory, devices=args.devices,
+        offload=args.offload,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())

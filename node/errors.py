@@ -20,6 +20,7 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     ├── BlobError            download failed verification (size / hash)
     ├── TrainError           the data or model does not fit the spec
     ├── TrainingStopped      should_stop() returned True between batches
+    │   └── WorkersLost      a worker process of a multi-device node died (node/devices)
     ├── PipelineError        a pipeline stage cannot run its share of a step (node/pipeline)
     │   └── StaleGeneration  the hub re-planned the pipeline: this stage's generation is over
     └── ControlError         the local control endpoint is unreachable / refused
@@ -101,6 +102,11 @@ class TrainError(NodeError):
 
 class TrainingStopped(NodeError):
     """Training stopped between batches because the node is pausing or exiting."""
+
+
+class WorkersLost(TrainingStopped):
+    """A worker process of a node that trains on several devices died; the assignment is handed
+    back (its message is the reason the hub is told)."""
 
 
 class ControlError(NodeError):

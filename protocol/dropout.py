@@ -27,6 +27,7 @@ _C1 = 0x7FEB352D
 _C2 = 0x5BD1E995
 
 _STEP: ContextVar[tuple[int, int, int] | None] = ContextVar("gpuflex_dropout_step", default=None)
+_ROW: ContextVar[int] = ContextVar("gpuflex_dropout_row", default=0)
 
 
 def _mix(h: int) -> int:
@@ -47,12 +48,15 @@ def _mix_tensor(h: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def dropout_step(seed: int, step: int, part: int = 0) -> Iterator[None]:
-    """Dropout inside the block draws the masks of (``seed``, ``step``, ``part``)."""
+def dropout_step(seed: int, step: int, part: int = 0, row: int = 0) -> Iterator[None]:
+    """Dropout inside the block draws the masks of (``seed``, ``step``, ``part``); its inputs
+    are the batch's rows from ``row`` on."""
     token = _STEP.set((int(seed), int(step), int(part)))
+    row_token = _ROW.set(int(row))
     try:
         yield
     finally:
+        _ROW.reset(row_token)
         _STEP.reset(token)
 
 
@@ -62,22 +66,24 @@ def step_key() -> tuple[int, int, int] | None:
 
 
 def _keyed_bits(shape: torch.Size | tuple[int, ...], seed: int, step: int, part: int, slot: int,
-                device: torch.device) -> Tensor:
-    """One 32-bit hash per element (int64 values in [0, 2**32)): a pure function of the key."""
+                device: torch.device, start: int = 0) -> Tensor:
+    """One 32-bit hash per element (int64 values in [0, 2**32)): a pure function of the key;
+    ``start``: the flat index of the first element (a slice of a larger batch)."""
     k1 = _mix((seed & _M32) ^ _mix((step & _M32) ^ _mix(part & _M32)))
     k2 = _mix(k1 ^ _mix((slot & _M32) ^ _mix((seed >> 32) & _M32)))
     numel = 1
     for n in shape:
         numel *= int(n)
-    idx = torch.arange(numel, dtype=torch.int64, device=device) & _M32
+    idx = torch.arange(start, start + numel, dtype=torch.int64, device=device) & _M32
     return _mix_tensor(_mix_tensor(idx ^ k1) ^ k2).reshape(shape)
 
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, seed: int, step: int, part: int, slot: int,
-              device: torch.device) -> Tensor:
-    """The elements kept (True) by a layer at ``slot`` dropping a share ``p``."""
+              device: torch.device, start: int = 0) -> Tensor:
+    """The elements kept (True) by a layer at ``slot`` dropping a share ``p``; ``start``: the
+    flat index of the first element (a slice of a larger batch)."""
     threshold = min(round(p * (_M32 + 1)), _M32 + 1)
-    return _keyed_bits(shape, seed, step, part, slot, device) >= threshold
+    return _keyed_bits(shape, seed, step, part, slot, device, start) >= threshold
 
 
 def keyed_uniform(shape: torch.Size | tuple[int, ...], seed: int, step: int, part: int, slot: int,
@@ -103,7 +109,9 @@ class KeyedDropout(nn.Dropout):
             return super().forward(x)
         if self.p >= 1.0:
             return x * 0.0
-        mask = keep_mask(x.shape, self.p, *key, self.slot, x.device)
+        row = _ROW.get()
+        start = row * (x.numel() // x.shape[0]) if row and x.dim() and x.shape[0] else 0
+        mask = keep_mask(x.shape, self.p, *key, self.slot, x.device, start)
         return x * mask.to(x.dtype) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
