@@ -225,6 +225,9 @@ class VerificationSpec:
     #: A colluder that reads this rule keeps its layers just over it (the bench's adaptive one)
     trend_rounds: int = 10
     trend_cosine_min: float = 0.0
+    #: the models of this many latest rounds are kept, so the owner can roll the job back to any
+    #: of them (hub/policy/rollback.py); older ones leave the blob store. 0 keeps every round's
+    keep_rounds: int = 50
 
     def asks_referee(self) -> bool:
         """Can the referee ever re-execute this job's work? Not when nothing is replicated (no
@@ -559,7 +562,19 @@ def _verification(s: _Section) -> VerificationSpec:
         state_wait_s=s.get_float("state_wait_s", d.state_wait_s, 0.0, 86_400.0, lo_open=True),
         trend_rounds=s.get_int("trend_rounds", d.trend_rounds, 0, 1_000_000),
         trend_cosine_min=s.get_float("trend_cosine_min", d.trend_cosine_min, -1.0, 1.0),
+        keep_rounds=_keep_rounds(s.get_int("keep_rounds", d.keep_rounds, 0, 1_000_000),
+                                 s.get_int("trend_rounds", d.trend_rounds, 0, 1_000_000)),
     )
+
+
+def _keep_rounds(keep: int, trend_rounds: int) -> int:
+    """``keep_rounds``: 0 (every round's model) or more rounds than the trend audit looks back and
+    than a straggler carried into the next round trains from (its models must still be there)."""
+    least = max(trend_rounds + 1, 3)
+    if 0 < keep < least:
+        raise SpecError(f"verification.keep_rounds: must be 0 (keep every round) or at least {least}"
+                        f" (more than trend_rounds), got {keep}")
+    return keep
 
 
 def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:

@@ -20,9 +20,10 @@ gather their inputs and apply their decisions, the store first, then memory:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from ..model.job import JobState, StateRequestState
@@ -178,6 +179,12 @@ class RoundEngine:
 
     async def _close(self, job: JobState) -> None:
         await self.closing.close(job)
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """No shard settles and no round closes meanwhile (a rollback changes the round under it)."""
+        async with self._lock:
+            yield
 
     # -- failure / cancel ------------------------------------------------------------------
     async def fail_job(self, job: JobState, reason: str) -> None:

@@ -10,7 +10,8 @@ Each use case is one method of the room that owns it:
 - ``silos`` (silos.py): node-local data attached to a job;
 - ``secagg`` (secagg.py): secure aggregation's steps;
 - ``jobs`` (jobs.py): submitting and cancelling a job;
-- ``flags`` (flags.py): an auditor's verdict on a flag.
+- ``flags`` (flags.py): an auditor's verdict on a flag;
+- ``rollbacks`` (rollbacks.py): a job rolled back to a kept model.
 
 A use case checks what it is given, asks the pure policy for a decision (hub/domain/scheduler.py:
 which shard; hub/policy/settlement.py: does a lone update settle its shard; hub/policy/verification.py:
@@ -48,6 +49,7 @@ from .assignments import Assignments, Issued
 from .flags import MOOT, Flags, Verdict
 from .jobs import Jobs
 from .registry import BANNED, Registry
+from .rollbacks import Rollbacks
 from .secagg import SecureAggregation
 from .silos import Silos
 from .states import StateRequests
@@ -86,6 +88,7 @@ class Ledger:
                                         rounds=self.rounds, assignments=self.assignments, uploads=self.uploads)
         self.jobs = Jobs(store=store, blobs=blobs, scheduler=scheduler, signal=signal, rounds=self.rounds)
         self.flags = Flags(store=store, scheduler=scheduler, signal=signal, audit=audit, admission=self.admission)
+        self.rollbacks = Rollbacks(store=store, scheduler=scheduler, signal=signal, rounds=self.rounds, audit=audit)
 
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""
