@@ -142,6 +142,10 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
+            text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 1, 2:"
+                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 1's model") in text
             # the refusals, each one line, nothing changed
             for body, status, code in (({"before_node": "n-nobody"}, 404, "unknown_node"),
                                        ({"to_round": 3}, 400, "bad_round"),
@@ -216,6 +220,82 @@ async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode
     assert (entry["restored_round"], entry["before_node"], entry["by"]) == (1, forger.node_id, "alice")
 
 
+async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_path: Path) -> None:
+    """The job page lists the suspended forger's unverified rounds with a button; the owner's
+    post rolls the job back (as the API does); an auditor sees the list and no button."""
+    from tests.test_console_helpers import Browserish
+
+    hub = await start_hub(tmp_path / "hub", **HUB)
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id, forger, _ = await _forger_caught(s, hub, tmp_path)
+            auditor = Browserish(hub.url)
+            try:
+                await auditor.login(hub.auditor_token)
+                status, html, _ = await auditor.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Unverified work of stopped nodes" in html and "Roll back to" not in html
+                status, _, _ = await auditor.post(f"/console/jobs/{job_id}/rollback",
+                                                  {"csrf_token": auditor.csrf_in(html), "before_node": forger.node_id})
+                assert status == 403
+            finally:
+                await auditor.close()
+            owner = Browserish(hub.url)
+            try:
+                await owner.login(hub.owner_token)
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Roll back to round 1" in html
+                status, _, r = await owner.post(f"/console/jobs/{job_id}/rollback",
+                                                {"csrf_token": owner.csrf_in(html), "before_node": forger.node_id})
+                assert status == 303 and r.headers["Location"] == f"/console/jobs/{job_id}"
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert "rolled back" in html and "Roll back to" not in html
+            finally:
+                await owner.close()
+            doc = await _job(s, hub, job_id)
+            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 1))
+    finally:
+        await hub.stop()
+
+
+async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_restored(tmp_path: Path) -> None:
+    from gpuflex.hub.server.appkeys import BLOBS
+
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=5, chunk_size=2000, extra=EXTRA)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            node = SimNode(s, hub.url)
+            await node.register()
+            for rnd in range(5):
+                a = await node.work(2.0)
+                assert isinstance(a, Assignment) and a.round == rnd
+                await node.upload(a, *await node.train(a))
+                doc = await _round_closes(s, hub, job_id, rnd)
+            assert doc["state"] == "done"
+            made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
+            assert len(set(made)) == 5
+            conn = open_store(hub.data_dir)
+            try:
+                kept = sorted(r[0] for r in conn.execute("SELECT version FROM models WHERE job_id = ?", (job_id,)))
+            finally:
+                conn.close()
+            assert kept == [0, 3, 4, 5]
+            blobs = hub.app[BLOBS]
+            assert [blobs.has(sha) for sha in made] == [False, False, True, True, True]
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 2}, headers=hub.auth()) as r:
+                assert (r.status, (await r.json())["error"]) == (409, "round_not_kept")
+            # a done job rolls back and runs again, with the rounds it lost given back
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 3}, headers=hub.auth()) as r:
+                assert r.status == 200, await r.text()
+            doc = await _job(s, hub, job_id)
+            assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 5, 7, made[2])
+            a = await node.work(2.0)
+            assert isinstance(a, Assignment) and a.round == 5 and a.model_hash == made[2]
+    finally:
+        await hub.stop()
+
+
 def _serve(data_dir: Path, port: str = "0") -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(data_dir), "--port", port,
                              "--long-poll-max", "2", *RELAXED_SERVE_ARGS, *store_args(data_dir)],
@@ -231,13 +311,18 @@ def _serve(data_dir: Path, port: str = "0") -> tuple[subprocess.Popen[str], str]
 
 def _cli(argv: list[str]) -> Any:
     """`gpuflex-hub ARGV --json` through cli.main: its JSON output."""
+    return json.loads(_cli_text(argv))
+
+
+def _cli_text(argv: list[str]) -> str:
+    """`gpuflex-hub ARGV` through cli.main: what it printed."""
     import contextlib
     import io
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert cli.main(argv) == 0
-    return json.loads(buf.getvalue())
+    return buf.getvalue()
 
 
 # -- the policy -----------------------------------------------------------------------------------
