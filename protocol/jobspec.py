@@ -206,6 +206,9 @@ class VerificationSpec:
     #: replica, never every check. 1.0 re-executes every trusted update (bench/heterogeneity.py
     #: measures inclusion against cost at several rates)
     spot_check_trusted: float = 0.1
+    #: a trusted node whose work has gone unchecked this long is spot-checked at twice that rate
+    #: (and one with a short record too, up to 4x: hub/policy/spot_checks.py); 0 = no ageing
+    spot_check_stale_s: float = 3600.0
     #: relative distance (re-executed vs committed segment end, over the segment's update) under
     #: which a segment claimed in fp32 reproduces (bench/referee_calibration.py: honest classes
     #: <= 1.1e-6 on the digits MLP and CNN, a bf16 node claiming fp32 >= 9.2e-3)
@@ -556,6 +559,7 @@ def _verification(s: _Section) -> VerificationSpec:
         checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 0, 1 << 30),
         spot_check=s.get_float("spot_check", d.spot_check, 0.0, 1.0),
         spot_check_trusted=s.get_float("spot_check_trusted", d.spot_check_trusted, 0.0, 1.0),
+        spot_check_stale_s=s.get_float("spot_check_stale_s", d.spot_check_stale_s, 0.0, 1e9),
         segment_tolerance=s.get_float("segment_tolerance", d.segment_tolerance, 0.0, 10.0, lo_open=True),
         segment_tolerance_low=s.get_float("segment_tolerance_low", d.segment_tolerance_low, 0.0, 10.0,
                                           lo_open=True),
