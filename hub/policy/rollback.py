@@ -96,7 +96,7 @@ def unverified_rounds(history: JobHistory, node_id: str) -> list[int]:
 def decide(history: JobHistory, *, before_node: str | None = None, to_round: int | None = None) -> Rollback | Refused:
     """The rollback asked for, or why not (the module docstring says which model)."""
     h = history
-    which = Refused("bad_rollback", "say which model: before a node (before_node) or a round (to_round), not both")
+    which = Refused("bad_rollback", "say which model, one of: before a node (before_node) or a round (to_round)")
     if (before_node is None) == (to_round is None):
         return which
     if h.round == 0:
@@ -123,10 +123,9 @@ def decide(history: JobHistory, *, before_node: str | None = None, to_round: int
         return Refused("round_not_kept", f"the model of round {target} of job {h.job_id} is no longer kept"
                                          f" (keep_rounds = {h.keep_rounds}; the oldest kept after the"
                                          f" initial one is round {oldest})")
-    running = h.state == "running"
-    new_round = h.round + 1 if running else h.round
-    end = h.round + 1 if running else h.round  # a running job's open round is undone too
-    undone = tuple(r for r in range(target, end) if r not in h.rolled_back)
+    # a running job's open round is abandoned (undone too) and the next opens; a done job reopens
+    new_round = h.round + 1 if h.state == "running" else h.round
+    undone = tuple(r for r in range(target, new_round) if r not in h.rolled_back)
     return Rollback(to_round=target, new_round=new_round, rounds=h.rounds + new_round - target,
                     undone=undone, node_id=before_node)
 

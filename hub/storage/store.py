@@ -8,7 +8,8 @@ durable, so a 2xx built on it survives kill -9.
 `Store` composes one smaller interface per aggregate: `NodeStore`, `JobStore` (jobs and their
 rounds), `SiloStore` (a node-local job's silos), `AssignmentStore` (assignments, the updates they
 bring, their shards' verdicts), `StateRequestStore` (the referee), `FlagStore` (the audit of
-flags) and `RollbackStore` (kept models and rollback); a use case that needs one aggregate can ask for that one alone.
+flags) and `RollbackStore` (kept models and rollback); a use case that needs one aggregate can
+ask for that one alone.
 
 Two implementations run the same statements (`SqlStore`, hub/storage/store_sqlite.py) and the
 same contract tests (tests/test_store_contract.py): `SqliteStore`, the default, and
