@@ -231,6 +231,9 @@ class VerificationSpec:
     #: the models of this many latest rounds are kept, so the owner can roll the job back to any
     #: of them (hub/policy/rollback.py); older ones leave the blob store. 0 keeps every round's
     keep_rounds: int = 50
+    #: roll the job back by itself when a node is suspended or banned whose unverified updates are
+    #: in the model (to the round before its first one, as ``job rollback --before-node`` does)
+    auto_rollback: bool = False
 
     def asks_referee(self) -> bool:
         """Can the referee ever re-execute this job's work? Not when nothing is replicated (no
@@ -568,6 +571,7 @@ def _verification(s: _Section) -> VerificationSpec:
         trend_cosine_min=s.get_float("trend_cosine_min", d.trend_cosine_min, -1.0, 1.0),
         keep_rounds=_keep_rounds(s.get_int("keep_rounds", d.keep_rounds, 0, 1_000_000),
                                  s.get_int("trend_rounds", d.trend_rounds, 0, 1_000_000)),
+        auto_rollback=s.get_bool("auto_rollback", d.auto_rollback),
     )
 
 

@@ -88,9 +88,10 @@ async def _round_closes(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, 
     return doc
 
 
-async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path) -> tuple[str, SimNode, SimNode]:
+async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path,
+                         extra: str = "") -> tuple[str, SimNode, SimNode]:
     """The module docstring's rounds 0-3. Returns the job id, F and H."""
-    train, val, spec_path = write_digits(tmp_path / "d", **SPEC, extra=EXTRA)
+    train, val, spec_path = write_digits(tmp_path / "d", **SPEC, extra=EXTRA + extra)
     job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
     forger, helper = SimNode(s, hub.url), SimNode(s, hub.url)
     store = CheckpointStore(tmp_path / "states")
@@ -253,6 +254,25 @@ async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_
                 await owner.close()
             doc = await _job(s, hub, job_id)
             assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 1))
+    finally:
+        await hub.stop()
+
+
+async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended(tmp_path: Path) -> None:
+    hub = await start_hub(tmp_path / "hub", **HUB)
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id, forger, _ = await _forger_caught(s, hub, tmp_path, extra="auto_rollback = true\n")
+            deadline = time.monotonic() + 30
+            while (doc := await _job(s, hub, job_id))["round"] != 4:
+                assert time.monotonic() < deadline, doc["round"]
+                await asyncio.sleep(0.05)
+            assert (doc["rounds"], doc["model_hash"], doc["unverified_work"]) == (
+                9, _model_sha(hub.data_dir, job_id, 1), [])
+            assert [h["rolled_back"] for h in doc["history"]] == [False, True, True, True]
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["before_node"], entry["by"]) == (forger.node_id, "hub (auto_rollback)")
     finally:
         await hub.stop()
 

@@ -49,7 +49,7 @@ from .assignments import Assignments, Issued
 from .flags import MOOT, Flags, Verdict
 from .jobs import Jobs
 from .registry import BANNED, Registry
-from .rollbacks import Rollbacks
+from .rollbacks import AutoRollback, Rollbacks
 from .secagg import SecureAggregation
 from .silos import Silos
 from .states import StateRequests
@@ -89,6 +89,7 @@ class Ledger:
         self.jobs = Jobs(store=store, blobs=blobs, scheduler=scheduler, signal=signal, rounds=self.rounds)
         self.flags = Flags(store=store, scheduler=scheduler, signal=signal, audit=audit, admission=self.admission)
         self.rollbacks = Rollbacks(store=store, scheduler=scheduler, signal=signal, rounds=self.rounds, audit=audit)
+        self.rounds.after_advance = AutoRollback(self.rollbacks)
 
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""

@@ -7,10 +7,11 @@ restored model, under the round engine's lock, so no shard settles and no round 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
-from ...base.errors import BadRequest, Conflict, NotFound
+from ...base.errors import BadRequest, Conflict, HubError, NotFound
 from ...model.job import JobState
 from ...policy import rollback
 from ...storage.auditlog import AuditLog
@@ -19,6 +20,8 @@ from ...storage.tokens import Principal
 from ..rounds import RoundEngine
 from ..scheduler import Scheduler
 from ..worksignal import WorkSignal
+
+log = logging.getLogger("gpuflex.hub.ledger")
 
 #: refusals that are the request's fault (400); the others are the job's state (409)
 _BAD_REQUEST = ("bad_rollback", "bad_round")
@@ -74,6 +77,40 @@ class Rollbacks:
         self.rounds.poke(job_id)
         self.signal.notify()
         return done
+
+
+class AutoRollback:
+    """``[verification] auto_rollback``: after the engine advanced a job that opted in, a node
+    suspended or banned since it last looked whose unverified updates are in the model has the
+    job rolled back before its first one, by the hub (the audit entry says so). One look per
+    change of the set of stopped nodes; a refusal (nothing of theirs in the model, the model no
+    longer kept) is logged, never the job's failure."""
+
+    #: who an automatic rollback is recorded as
+    HUB = Principal(token_id=0, role="admin", name="hub (auto_rollback)")
+
+    def __init__(self, rollbacks: Rollbacks) -> None:
+        self.rollbacks = rollbacks
+        self._seen: dict[str, frozenset[str]] = {}  # job id -> the stopped nodes it was checked against
+
+    async def __call__(self, job: JobState) -> None:
+        if not job.spec.verification.auto_rollback or job.state not in ("running", "done"):
+            return
+        nodes = self.rollbacks.scheduler.nodes.values()
+        stopped = frozenset(n.id for n in nodes if n.suspended or n.reputation.banned)
+        if self._seen.get(job.id) == stopped:
+            return
+        self._seen[job.id] = stopped
+        history = await self.rollbacks.store.rollback_history(job.id)
+        if history is None:
+            return
+        first = sorted((rounds[0], node) for node in stopped if (rounds := rollback.unverified_rounds(history, node)))
+        if not first:
+            return
+        try:
+            await self.rollbacks.roll_back(self.HUB, job.id, before_node=first[0][1])
+        except HubError as exc:
+            log.warning("automatic rollback of job %s before node %s refused: %s", job.id, first[0][1], exc)
 
 
 def _reopen(job: JobState, plan: rollback.Rollback, model_hash: str, opt_state_sha: str | None) -> None:
