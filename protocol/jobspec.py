@@ -207,6 +207,9 @@ class VerificationSpec:
     #: replica, never every check. 1.0 re-executes every trusted update (bench/heterogeneity.py
     #: measures inclusion against cost at several rates)
     spot_check_trusted: float = 0.1
+    #: a trusted node whose work has gone unchecked this long is spot-checked at twice that rate
+    #: (and one with a short record too, up to 4x: hub/policy/spot_checks.py); 0 = no ageing
+    spot_check_stale_s: float = 3600.0
     #: relative distance (re-executed vs committed segment end, over the segment's update) under
     #: which a segment claimed in fp32 reproduces (bench/referee_calibration.py: honest classes
     #: <= 1.1e-6 on the digits MLP and CNN, a bf16 node claiming fp32 >= 9.2e-3)
@@ -226,6 +229,12 @@ class VerificationSpec:
     #: A colluder that reads this rule keeps its layers just over it (the bench's adaptive one)
     trend_rounds: int = 10
     trend_cosine_min: float = 0.0
+    #: the models of this many latest rounds are kept, so the owner can roll the job back to any
+    #: of them (hub/policy/rollback.py); older ones leave the blob store. 0 keeps every round's
+    keep_rounds: int = 50
+    #: roll the job back by itself when a node is suspended or banned whose unverified updates are
+    #: in the model (to the round before its first one, as ``job rollback --before-node`` does)
+    auto_rollback: bool = False
 
     def asks_referee(self) -> bool:
         """Can the referee ever re-execute this job's work? Not when nothing is replicated (no
@@ -558,13 +567,27 @@ def _verification(s: _Section) -> VerificationSpec:
         checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 0, 1 << 30),
         spot_check=s.get_float("spot_check", d.spot_check, 0.0, 1.0),
         spot_check_trusted=s.get_float("spot_check_trusted", d.spot_check_trusted, 0.0, 1.0),
+        spot_check_stale_s=s.get_float("spot_check_stale_s", d.spot_check_stale_s, 0.0, 1e9),
         segment_tolerance=s.get_float("segment_tolerance", d.segment_tolerance, 0.0, 10.0, lo_open=True),
         segment_tolerance_low=s.get_float("segment_tolerance_low", d.segment_tolerance_low, 0.0, 10.0,
                                           lo_open=True),
         state_wait_s=s.get_float("state_wait_s", d.state_wait_s, 0.0, 86_400.0, lo_open=True),
         trend_rounds=s.get_int("trend_rounds", d.trend_rounds, 0, 1_000_000),
         trend_cosine_min=s.get_float("trend_cosine_min", d.trend_cosine_min, -1.0, 1.0),
+        keep_rounds=_keep_rounds(s.get_int("keep_rounds", d.keep_rounds, 0, 1_000_000),
+                                 s.get_int("trend_rounds", d.trend_rounds, 0, 1_000_000)),
+        auto_rollback=s.get_bool("auto_rollback", d.auto_rollback),
     )
+
+
+def _keep_rounds(keep: int, trend_rounds: int) -> int:
+    """``keep_rounds``: 0 (every round's model) or more rounds than the trend audit looks back and
+    than a straggler carried into the next round trains from (its models must still be there)."""
+    least = max(trend_rounds + 1, 3)
+    if 0 < keep < least:
+        raise SpecError(f"verification.keep_rounds: must be 0 (keep every round) or at least {least}"
+                        f" (more than trend_rounds), got {keep}")
+    return keep
 
 
 def _communication(s: _Section, model: ModelSpec) -> CommunicationSpec:

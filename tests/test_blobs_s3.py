@@ -170,6 +170,20 @@ def test_a_fresh_store_sees_every_committed_blob(new_store: StoreFactory) -> Non
         assert fresh.has(sha) and fresh.read(sha) == data and fresh.path(sha).read_bytes() == data
 
 
+def test_discarded_blobs_are_gone_and_the_others_stay(new_store: StoreFactory) -> None:
+    """`discard` (blobs nothing refers to any more: old rounds' models) drops packed, hot and
+    file blobs alike, here and for a fresh store; a blob not stored is skipped."""
+    store = new_store()
+    gone = [store.put(_blob(n, n)) for n in (300, HOT_BLOB_MAX + 1)]
+    kept = store.put(_blob(400, 9))
+    store.read(gone[0])  # in memory too
+    store.discard([*gone, "0" * 64])
+    for probe in (store, new_store()):
+        assert not any(probe.has(sha) for sha in gone) and probe.read(kept) == _blob(400, 9)
+        with pytest.raises(NotFound):
+            probe.read(gone[0])
+
+
 # -- the bucket's own promises ---------------------------------------------------------------------
 
 

@@ -130,6 +130,9 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                                 auditor=WRONG_ROLE, admin=(200, None)),
     ("POST", "/v1/jobs/{job_id}/cancel"): _bearer(owner=(200, None), other=(404, "unknown_job"),
                                                   auditor=WRONG_ROLE, admin=(200, None)),
+    # an empty body names no model to go back to (tests/test_rollback.py rolls a job back)
+    ("POST", "/v1/jobs/{job_id}/rollback"): _bearer(owner=(400, "bad_rollback"), other=(404, "unknown_job"),
+                                                    auditor=WRONG_ROLE, admin=(400, "bad_rollback")),
     ("GET", "/v1/flags"): _bearer(owner=(200, "sees"), other=(200, "blind"), auditor=(200, "sees"),
                                   admin=(200, "sees")),
     ("GET", "/v1/flags/{flag_id}"): _bearer(owner=(200, None), other=(404, "unknown_flag"),

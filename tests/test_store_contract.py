@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from gpuflex.hub.domain.jobs import ingest_job
 from gpuflex.hub.model.job import AssignmentState, JobState, UpdateState
+from gpuflex.hub.policy import rollback
 from gpuflex.hub.policy.reputation import Reputation
 from gpuflex.hub.policy.update_record import Flag
 from gpuflex.hub.storage.blobs import BlobStore
@@ -433,14 +434,22 @@ def test_a_version_3_database_gets_the_sybil_columns_keeping_its_nodes(tmp_path:
     assert (row["address_block"], row["last_block"], row["operator"], row["banned_at"]) == ("", "", None, None)
 
 
+def _undo_rollback_columns(conn: sqlite3.Connection) -> None:
+    """Undo schema 10 (kept models' optimizer state, rounds rolled back and restored from)."""
+    conn.execute("ALTER TABLE models DROP COLUMN opt_state_sha")
+    conn.execute("ALTER TABLE rounds DROP COLUMN rolled_back_at")
+    conn.execute("ALTER TABLE rounds DROP COLUMN restored_from")
+
+
 def _undo_sybil_state(conn: sqlite3.Connection) -> None:
-    """Undo schema 9 (a flag's reset run, the operator's cooldown lifts)."""
+    """Undo schema 9 (a flag's reset run, the operator's cooldown lifts), and 10 after it."""
+    _undo_rollback_columns(conn)
     conn.execute("ALTER TABLE flags DROP COLUMN run_before")
     conn.execute("DROP TABLE cooldown_lifts")
 
 
 def _undo_suspension_column(conn: sqlite3.Connection) -> None:
-    """Undo schema 7 (a flag that suspends its node), and 9 after it."""
+    """Undo schema 7 (a flag that suspends its node), and 9 and 10 after it."""
     _undo_sybil_state(conn)
     conn.execute("ALTER TABLE flags DROP COLUMN suspends")
 
@@ -801,3 +810,63 @@ async def test_a_failing_write_in_a_group_commit_fails_alone(opened) -> None:
     assert len(failed) == 1 and isinstance(failed[0], store.integrity_errors), got  # type: ignore[attr-defined]
     keys = await db.read(lambda c: [r[0] for r in c.execute("SELECT k FROM contract_keys ORDER BY k")])
     assert keys == [*range(20), 100], (kind, keys)
+
+
+def test_a_version_9_database_gains_the_rollback_columns_keeping_its_models(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    _undo_rollback_columns(conn)
+    conn.executescript("INSERT INTO models (job_id, version, sha, created_at) VALUES ('j', 1, 'ab', 0);"
+                       "PRAGMA user_version = 9;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        row = db.write_sync(lambda c: dict(c.execute("SELECT * FROM models").fetchone()))
+    finally:
+        db.close()
+    assert (row["sha"], row["opt_state_sha"]) == ("ab", None)
+
+
+def _closed(model: str, opt: str | None) -> RoundResult:
+    return RoundResult(model_hash=model, opt_state_sha=opt, statuses={}, flags=[], evidence={}, metrics={},
+                       train_loss=None, flagged_nodes=[])
+
+
+async def test_a_rollback_survives_a_restart_and_old_models_are_let_go(opened) -> None:
+    """Each round's model is kept with its optimizer state; a rollback restores one and opens the
+    next round on it (the rounds undone marked); pruning names only blobs nothing refers to."""
+    kind, where, store = opened
+    job = await _job(where, store)
+    for rnd, (model, opt) in enumerate((("aa" * 32, "0a" * 32), ("bb" * 32, "0b" * 32))):
+        job.round = rnd
+        await store.close_round(job, _closed(model, opt), flags=[], withdrawn=[], cancelled=[], reputations=[],
+                                last=False, now=10.0 + rnd)
+    job.round = 2
+    history = await store.rollback_history(job.id)
+    assert history is not None and (history.state, history.round, history.kept) == ("running", 2, {0, 1, 2})
+    assert await store.rollback_history("j-nope") is None
+    plan = rollback.decide(history, to_round=1)
+    assert isinstance(plan, rollback.Rollback) and (plan.new_round, plan.rounds, plan.undone) == (3, 4, (1, 2))
+    assert await store.kept_model(job.id, 1) == ("aa" * 32, "0a" * 32)
+    assert await store.kept_model(job.id, 7) is None
+    await store.roll_back(job.id, plan, model_hash="aa" * 32, opt_state_sha="0a" * 32, cancelled=[], now=20.0)
+    store = await _reopen(kind, where, store)
+    try:
+        (loaded,) = (await store.load()).jobs
+        assert (loaded.round, loaded.rounds, loaded.model_hash, loaded.opt_state_sha) == (3, 4, "aa" * 32, "0a" * 32)
+        again = await store.rollback_history(job.id)
+        assert again is not None and again.rolled_back == {1, 2} and again.kept == {0, 1, 2, 3}
+        rows = await store.query(lambda c: c.execute(
+            "SELECT round, restored_from, rolled_back_at FROM rounds WHERE job_id = ? ORDER BY round",
+            (job.id,)).fetchall())
+        assert [tuple(r) for r in rows] == [(0, None, None), (1, None, 20.0), (2, None, 20.0), (3, 1, None)]
+        # versions 1 and 2 go: version 3 and the job still name version 1's blobs, not version 2's
+        assert await store.prune_models(job.id, 3) == sorted(["bb" * 32, "0b" * 32])
+        assert (await store.rollback_history(job.id)).kept == {0, 3}  # type: ignore[union-attr]
+        assert await store.prune_models(job.id, 3) == []
+        assert (await store.load_job(job.id)).round == 3  # type: ignore[union-attr]
+        assert await store.load_job("j-nope") is None
+    finally:
+        store.close()

@@ -22,7 +22,7 @@ from gpuflex.protocol.tensors import decode_state, encode_state
 from torch import Tensor
 
 from ..model.job import JobState, ShardState, UpdateState
-from ..policy import downlink
+from ..policy import downlink, rollback
 from ..policy import round_policy as policy
 from ..policy import verification as vf
 from ..policy.aggregation import AggregationError
@@ -78,6 +78,17 @@ def _all_finite(t: Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _verified(shard: ShardState, update_id: str) -> bool:
+    """Was this aggregated update verified: the referee reproduced it, or a replica agreed with it
+    (a redundant member of a group that did not settle unverified)?"""
+    if shard.unverified:
+        return False
+    verdict = shard.verdicts.get(update_id)
+    if verdict is not None:
+        return verdict.ok
+    return any(u.id != update_id and u.status == "redundant" for u in shard.accepted)
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -174,6 +185,9 @@ class RoundAggregation:
                       if shard_of[reps[i].id].unverified}
         if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
             evidence["unverified"] = unverified
+        # each aggregated update, verified or not: what a rollback undoes (hub/policy/rollback.py)
+        evidence["aggregated"] = {reps[i].id: rollback.VERIFIED if _verified(shard_of[reps[i].id], reps[i].id)
+                                  else rollback.UNVERIFIED for i in included}
         # the owner's probe set (Templar's Gauntlet); not under central DP, where a per-update
         # loss change would tell the owner what the noise is there to hide
         if job.node_local and job.val_sha and reps and not job.spec.privacy.central:
@@ -198,6 +212,8 @@ class RoundAggregation:
         included = [i for i, u in enumerate(reps) if u.id in keep]
         statuses = {u.id: "included" if u.id in keep else "excluded" for u in reps}
         evidence: dict[str, Any] = dict(plan.evidence)
+        # a blind sum: nobody verified what it holds (hub/policy/rollback.py)
+        evidence["aggregated"] = {reps[i].id: rollback.UNVERIFIED for i in included}
         opt, residual, new_state = self._step(job, strategy, plan, [], global_state, evidence)
         review = vf.RoundReview([reps[i].id for i in included], [], {})
         judgement = policy.RoundJudgement(review, statuses, (), (), ())

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
 from ..model.job import AssignmentState, JobState, ShardState, UpdateState
+from ..policy import rollback
 from ..policy import round_policy as policy
 from ..policy import verification as vf
 from ..policy.late import Straggler, carry_late
@@ -21,6 +23,8 @@ from .metrics import HubMetrics
 from .reputations import Reputations
 from .scheduler import Scheduler
 from .worksignal import WorkSignal
+
+log = logging.getLogger("gpuflex.hub.rounds")
 
 
 def _representatives(job: JobState) -> tuple[list[UpdateState], dict[str, ShardState],
@@ -98,6 +102,21 @@ class RoundClosing:
         self._open_next(job, result, carried, last)
         self.last_close_ms = (time.perf_counter() - t0) * 1000
         self.signal.notify()
+        await self._prune(job)
+
+    async def _prune(self, job: JobState) -> None:
+        """Let the models older than the job keeps go ([verification] keep_rounds,
+        hub/policy/rollback.py): their rows, then the blobs nothing else refers to. A failure
+        here costs disk, never the round: the next close prunes them."""
+        below = rollback.prune_below(job.round, int(job.spec.verification.keep_rounds))
+        if below is None:
+            return
+        try:
+            gone = await self.store.prune_models(job.id, below)
+            if gone:
+                await asyncio.to_thread(self.aggregation.blobs.discard, gone)
+        except Exception:
+            log.exception("letting the old models of job %s go failed", job.id)
 
     async def _commit(self, job: JobState, result: ClosedRound, leftovers: list[AssignmentState],
                       carried: list[tuple[AssignmentState, ShardState]], last: bool,

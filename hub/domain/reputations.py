@@ -4,6 +4,7 @@ caused them, then applied to the nodes in memory."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 from ..model.job import JobState, UpdateState
@@ -22,7 +23,8 @@ class Reputations:
 
     def of(self, ups: Sequence[UpdateState]) -> dict[str, vf.Reputation]:
         """The reputations of the nodes that delivered ``ups``, by node id."""
-        return {u.node_id: n.reputation for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
+        now = time.time()
+        return {u.node_id: n.reputation_at(now) for u in ups if (n := self.scheduler.nodes.get(u.node_id)) is not None}
 
     def after(self, agreed: Sequence[str], flagged: Sequence[str],
               missed: Sequence[str] = ()) -> list[tuple[str, vf.Reputation]]:
@@ -50,9 +52,12 @@ class Reputations:
 
     def apply(self, touched: Sequence[tuple[str, vf.Reputation]]) -> None:
         """Memory follows the store: set the reputations already stored."""
+        now = time.time()
         for nid, rep in touched:
             node = self.scheduler.nodes.get(nid)
             if node is not None:
+                if rep.agreements_total > node.reputation.agreements_total:
+                    node.checked_at = now  # its work was checked and agreed: the spot-check clock restarts
                 node.reputation = rep
 
     def vouched(self, job: JobState, reps: Sequence[UpdateState],

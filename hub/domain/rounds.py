@@ -20,9 +20,10 @@ gather their inputs and apply their decisions, the store first, then memory:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..model.job import JobState, StateRequestState
@@ -81,6 +82,9 @@ class RoundEngine:
                                     reputations=reputations,
                                     aggregation=RoundAggregation(blobs=blobs, scheduler=scheduler,
                                                                  reputations=reputations, audit=audit))
+        #: called (outside the engine's lock) after each job the loop advanced: the ledger's
+        #: automatic rollback looks there (hub/domain/ledger/rollbacks.py)
+        self.after_advance: Callable[[JobState], Awaitable[None]] | None = None
         #: fired whenever a round's secure aggregation may have moved on (a step's answers, a step's
         #: deadline, a round closed or opened): the members' long-polls look again
         self.secagg_moved = Pulse()
@@ -143,6 +147,8 @@ class RoundEngine:
                     log.exception("advancing job %s failed", job.id)
                     await self.fail_job(job, f"round {job.round} failed: {exc}")
                 self.current = None
+                if self.after_advance is not None:
+                    await self.after_advance(job)
 
     async def advance(self, job: JobState, now: float | None = None) -> None:
         async with self._lock:
@@ -178,6 +184,12 @@ class RoundEngine:
 
     async def _close(self, job: JobState) -> None:
         await self.closing.close(job)
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """No shard settles and no round closes meanwhile (a rollback changes the round under it)."""
+        async with self._lock:
+            yield
 
     # -- failure / cancel ------------------------------------------------------------------
     async def fail_job(self, job: JobState, reason: str) -> None:

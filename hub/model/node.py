@@ -4,7 +4,8 @@ on it, the ledger changes it, the store saves it), and the benchmark figures it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from gpuflex.protocol.compute import class_key, resolve_precision
 from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
@@ -47,6 +48,13 @@ class NodeState:
     #: why it is suspended (a proven mismatch, hub/policy/suspension.py), None when it is not;
     #: the store keeps it as the open flag that suspends it
     suspended: str | None = None
+    #: when an agreement last counted for it (memory only: a restarted hub counts from its start);
+    #: how long ago that was raises the rate its trusted work is spot-checked at (hub/policy/spot_checks.py)
+    checked_at: float = field(default_factory=time.time)
+
+    def reputation_at(self, now: float) -> Reputation:
+        """Its reputation as the spot-check policy reads it at ``now``: with ``unchecked_s``."""
+        return replace(self.reputation, unchecked_s=max(0.0, now - self.checked_at))
 
     @property
     def blocks(self) -> set[str]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import owner_client as oc
 from .cli_common import ENV_HUB, ENV_TOKEN, _hub_and_token, print_columns
 from .cli_plan import cmd_job_plan
+from .cli_rollback import add_rollback, rollback_notes
 from .owner_client import OwnerClientError
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ def cmd_job_list(args: argparse.Namespace) -> int:
 
 def _notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """The status's lines below its first: (key, value) pairs, the same in both layouts."""
-    return _round_notes(doc) + _job_notes(doc)
+    return _round_notes(doc) + rollback_notes(doc) + _job_notes(doc)
 
 
 def _round_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -582,6 +583,7 @@ def _add_job(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("id")
     _client_args(p)
     p.set_defaults(func=cmd_job_cancel)
+    add_rollback(job, _client_args)
 
 
 def _add_plugins(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -103,3 +103,10 @@ async def download_model(hub: str, token: str, job_id: str, output: Path | None 
 
 async def cancel_job(hub: str, token: str, job_id: str) -> dict[str, Any]:
     return dict(await request_json(hub, token, "POST", f"/v1/jobs/{job_id}/cancel"))
+
+
+async def rollback_job(hub: str, token: str, job_id: str, *, before_node: str | None = None,
+                       to_round: int | None = None) -> dict[str, Any]:
+    """POST /v1/jobs/{id}/rollback: what was restored and undone."""
+    body = {k: v for k, v in (("before_node", before_node), ("to_round", to_round)) if v is not None}
+    return dict(await request_json(hub, token, "POST", f"/v1/jobs/{job_id}/rollback", data=json.dumps(body)))

@@ -53,6 +53,9 @@ class Reputation:
     #: the node is younger than the hub's trust_min_age_s: it cannot be trusted yet, whatever its
     #: run (set and cleared by the hub from the node's age; not stored)
     probation: bool = False
+    #: seconds since an agreement last counted for it (hub/policy/spot_checks.py; set by the hub
+    #: from memory as it asks the policy, not stored: a restarted hub counts from its start)
+    unchecked_s: float = 0.0
 
     @property
     def trusted_run(self) -> int:

@@ -94,6 +94,7 @@ from .referee import SegmentVerdict
 from .replica_comparison import Distances, ReplicaOutcome, ReplicaPair, compare_replicas
 from .reputation import Reputation, is_trusted
 from .round_review import RoundReview, review_round
+from .spot_checks import trusted_rate
 from .update_record import Flag, UpdateRecord, jsonable
 
 __all__ = [
@@ -474,8 +475,9 @@ def _check_settlement(
     standin = stand_in(ups, state, committed)
     if standin is not None and standin.referee:
         return Referee((standin.update_id,), NO_REPLICA_HOLDER, dict(decision.evidence))
-    trusted = bool(_trusted_nodes(ups, reputations, spec))
-    if spot_draw < spot_rate(trusted, spec):
+    trusted = _trusted_nodes(ups, reputations, spec)
+    rate = max((spot_rate(True, spec, reputations[n]) for n in trusted), default=spot_rate(False, spec))
+    if spot_draw < rate:
         return Referee((rep,), "spot_check", dict(decision.evidence))
     return decision
 
@@ -501,11 +503,14 @@ def against_trend(alignment: tuple[float, str] | None, spec: VerificationSpec) -
             "rounds": int(spec.trend_rounds)}
 
 
-def spot_rate(trusted: bool, spec: VerificationSpec) -> float:
+def spot_rate(trusted: bool, spec: VerificationSpec, reputation: Reputation | None = None) -> float:
     """The share of settling shards the referee spot-checks: ``spot_check_trusted`` when a
-    trusted node did the work (its update usually stands alone), else ``spot_check``. The
+    trusted node did the work (its update usually stands alone), raised for that node's short
+    or stale record (``reputation``: spot_checks.trusted_rate), else ``spot_check``. The
     ledger asks it too, before it lets a lone update settle the shard at upload."""
-    return float(spec.spot_check_trusted if trusted else spec.spot_check)
+    if not trusted:
+        return float(spec.spot_check)
+    return float(spec.spot_check_trusted) if reputation is None else trusted_rate(reputation, spec)
 
 
 def _decide_shard(

@@ -55,7 +55,7 @@ def settle_at_upload(*, wanted: int, accepted: int, shard_state: str, trend_meas
         return Settlement(False, "not_open")
     if trend_measured:
         return Settlement(False, "trend")
-    rate = spot_rate(is_trusted(reputation, spec), spec)
+    rate = spot_rate(is_trusted(reputation, spec), spec, reputation)
     if rate > 0.0 and spot_draw < rate:
         return Settlement(False, "spot_check")
     return Settlement(True, "lone_update")

@@ -309,6 +309,15 @@ def _owner_paths() -> dict[str, Any]:
                                           "parameters": [_JOB_ID],
                                           "responses": {"200": _json(_OBJ), "401": _ERROR, "403": _ERROR,
                                                         "404": _ERROR}}},
+    "/v1/jobs/{job_id}/rollback": {"post": {
+        "summary": "restore a kept model and continue the job from it: the round before a node's first "
+                   "unverified update, or a round (owner of the job, admin)", "tags": ["owner"],
+        "security": _BEARER, "parameters": [_JOB_ID],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {
+                "before_node": {"type": "string", "maxLength": 128},
+                "to_round": {"type": "integer", "minimum": 0, "maximum": 999_999_999}}}}}},
+        "responses": {"200": _json(_OBJ), **_errors(400, 401, 403, 404, 409)}}},
     }
 
 

@@ -1,4 +1,5 @@
-"""Owner-facing JSON routes (bearer token): submit, list, status, pipeline plan, download, cancel.
+"""Owner-facing JSON routes (bearer token): submit, list, status, pipeline plan, download, cancel,
+roll back.
 
 Who reads what: a job, its status and its models are its owner's and an admin's. An
 auditor judges the evidence (flags with their evidence, the audit log, the nodes: see
@@ -8,6 +9,7 @@ routes_audit), never an owner's jobs, data or models: `readmodel.access.require_
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from aiohttp import BodyPartReader, web
@@ -20,7 +22,7 @@ from .httplog import one_line
 from .readmodel import jobs, plans
 from .readmodel.access import job_row
 from .readmodel.models import export_model, model_file_name
-from .wire import json_response, principal
+from .wire import json_response, principal, read_body
 
 routes = web.RouteTableDef()
 
@@ -141,3 +143,33 @@ async def cancel_job(request: web.Request) -> web.Response:
         return json_response({"id": job_id, "state": before, "detail": "job had already ended"})
     state = await request.app[LEDGER].jobs.cancel_job(job_id, who.name)
     return json_response({"id": job_id, "state": state})
+
+
+@routes.post("/v1/jobs/{job_id}/rollback")
+async def rollback_job(request: web.Request) -> web.Response:
+    """Restore a kept model and continue the job from it (hub/policy/rollback.py): JSON
+    {"before_node": NODE} (the round before the node's first unverified update) or {"to_round": R}."""
+    who = await principal(request)
+    who.require("owner")
+    job_id = request.match_info["job_id"]
+    await request.app[STORE].query(lambda c: job_row(c, who, job_id))  # visible to `who`, or 404
+    before_node, to_round = rollback_target(await read_body(request, 4096))
+    return json_response(await request.app[LEDGER].rollbacks.roll_back(who, job_id, before_node=before_node,
+                                                                       to_round=to_round))
+
+
+def rollback_target(body: bytes) -> tuple[str | None, int | None]:
+    """(before_node, to_round) of a rollback's JSON body (an empty body names neither)."""
+    usage = 'body must be JSON {"before_node": "NODE"} or {"to_round": R}'
+    try:
+        doc = json.loads(body) if body.strip() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(usage, code="bad_json") from None
+    if not isinstance(doc, dict) or set(doc) - {"before_node", "to_round"}:
+        raise BadRequest(usage, code="bad_json")
+    node, rnd = doc.get("before_node"), doc.get("to_round")
+    if node is not None and not (isinstance(node, str) and 0 < len(node) <= 128):
+        raise BadRequest("before_node must be a node id", code="bad_rollback")
+    if rnd is not None and (isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd <= 999_999_999):
+        raise BadRequest("to_round must be a round number (0 or more)", code="bad_round")
+    return node, rnd

@@ -72,6 +72,10 @@ class BlobPack:
         rows = [(sha, bytes(data)) for sha, data in blobs]
         await self._db.write(lambda c: c.executemany(_INSERT, rows))
 
+    def delete(self, shas: Sequence[str]) -> None:
+        """Drop these blobs from the pack (from a worker thread); returns once that is durable."""
+        self._db.write_sync(lambda c: c.executemany("DELETE FROM blobs WHERE sha = ?", [(s,) for s in shas]))
+
     def get(self, sha: str) -> bytes | None:
         with self._read_lock:
             row = self._reader.execute("SELECT data FROM blobs WHERE sha = ?", (sha,)).fetchone()

@@ -13,8 +13,8 @@ The contract both stores keep (tests/test_blobs_s3.py runs it on each): `put`, `
 `commit_temp` return only once the blob is durable where the store keeps it; `path` gives a local
 file holding a stored blob's bytes (a missing blob: a path where no file is; a packed one is
 written out to `unpacked/` first); `small`, the bytes of a blob held in memory or packed, with no
-file made; `has`, `read`, `read_private`; `temp_path` and `partial_path`, the local working area
-of uploads.
+file made; `has`, `read`, `read_private`; `discard`, which drops blobs nothing refers to any
+more; `temp_path` and `partial_path`, the local working area of uploads.
 """
 
 from __future__ import annotations
@@ -238,6 +238,19 @@ class BlobStore:
             while self._hot_bytes > HOT_TOTAL_MAX:
                 _, old = self._hot.popitem(last=False)
                 self._hot_bytes -= len(old)
+
+    def discard(self, shas: list[str]) -> None:
+        """Drop blobs nothing refers to any more (the store said so: an old round's model, see
+        hub/policy/rollback.py); from a worker thread. A blob not stored is skipped."""
+        with self._hot_lock:
+            for sha in shas:
+                old = self._hot.pop(sha, None)
+                self._hot_bytes -= 0 if old is None else len(old)
+        if self.packed_max:
+            self.pack().delete(shas)
+        for sha in shas:
+            self.file(sha).unlink(missing_ok=True)
+            (self.unpacked / sha).unlink(missing_ok=True)
 
     def temp_path(self) -> Path:
         # unique for this store's life (tmp/ is emptied at start); no urandom call per upload

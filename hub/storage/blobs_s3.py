@@ -321,6 +321,19 @@ class S3BlobStore(BlobStore):
         for sha in drop:
             self._cache_path(sha).unlink(missing_ok=True)
 
+    def discard(self, shas: list[str]) -> None:
+        """Drop the blobs from the bucket and the cache (see BlobStore.discard)."""
+        super().discard(shas)
+        for sha in shas:
+            with self._lru_lock:
+                size, _ = self._lru.pop(sha, (0, 0.0))
+                self._lru_bytes -= size
+            self._cache_path(sha).unlink(missing_ok=True)
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self.key(sha))
+            except (BotoCoreError, ClientError) as exc:
+                raise self._failure("delete a blob", exc) from None
+
     def cached_bytes(self) -> int:
         with self._lru_lock:
             return self._lru_bytes

@@ -30,7 +30,7 @@ from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -82,6 +82,7 @@ CREATE TABLE IF NOT EXISTS models (
     version INTEGER NOT NULL,           -- 0 = initial, N = after round N-1 closed
     sha TEXT NOT NULL,
     created_at REAL NOT NULL,
+    opt_state_sha TEXT,                 -- the server optimizer's state that goes with it (schema v10)
     PRIMARY KEY (job_id, version)
 );
 CREATE TABLE IF NOT EXISTS rounds (
@@ -96,6 +97,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     accuracy REAL,
     metrics TEXT,                       -- JSON
     evidence TEXT,                      -- JSON from verification
+    rolled_back_at REAL,                -- a rollback undid what this round made (hub/policy/rollback.py)
+    restored_from INTEGER,              -- this round opened on the model of that earlier round (a rollback)
     PRIMARY KEY (job_id, round)
 );
 CREATE TABLE IF NOT EXISTS shards (
@@ -308,6 +311,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     8: ("ALTER TABLE flags ADD COLUMN run_before INTEGER",
         "CREATE TABLE IF NOT EXISTS cooldown_lifts (address TEXT PRIMARY KEY, lifted_at REAL NOT NULL,"
         " lifted_by TEXT NOT NULL, note TEXT NOT NULL DEFAULT '')"),
+    # ---- 9 -> 10: rollback (hub/policy/rollback.py). Each kept model with its server optimizer
+    # state; a round a rollback undid, and the round that opened on an earlier round's model.
+    9: ("ALTER TABLE models ADD COLUMN opt_state_sha TEXT",
+        "ALTER TABLE rounds ADD COLUMN rolled_back_at REAL",
+        "ALTER TABLE rounds ADD COLUMN restored_from INTEGER"),
 }
 
 

@@ -7,8 +7,9 @@ durable, so a 2xx built on it survives kill -9.
 
 `Store` composes one smaller interface per aggregate: `NodeStore`, `JobStore` (jobs and their
 rounds), `SiloStore` (a node-local job's silos), `AssignmentStore` (assignments, the updates they
-bring, their shards' verdicts), `StateRequestStore` (the referee) and `FlagStore` (the audit of
-flags); a use case that needs one aggregate can ask for that one alone.
+bring, their shards' verdicts), `StateRequestStore` (the referee), `FlagStore` (the audit of
+flags) and `RollbackStore` (kept models and rollback); a use case that needs one aggregate can
+ask for that one alone.
 
 Two implementations run the same statements (`SqlStore`, hub/storage/store_sqlite.py) and the
 same contract tests (tests/test_store_contract.py): `SqliteStore`, the default, and
@@ -38,6 +39,7 @@ from ..model.job import (
     UpdateState,
 )
 from ..model.node import NodeState
+from ..policy.rollback import JobHistory, Rollback
 from ..policy.verification import Flag, Reputation
 
 T = TypeVar("T")
@@ -279,7 +281,38 @@ class FlagStore(Protocol):
         replica_mismatch flag was written): what withdrawing that flag gives back."""
 
 
-class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, Protocol):
+class RollbackStore(Protocol):
+    """Rollback (hub/policy/rollback.py): the kept models, a job's aggregated history, a job
+    rolled back, old models let go."""
+
+    @abc.abstractmethod
+    async def rollback_history(self, job_id: str) -> JobHistory | None:
+        """What a rollback of the job is decided from; None for an unknown job."""
+
+    @abc.abstractmethod
+    async def kept_model(self, job_id: str, version: int) -> tuple[str, str | None] | None:
+        """Model version ``version`` of the job and its server optimizer state, or None when it is
+        not kept (the state is None for a model stored without one)."""
+
+    @abc.abstractmethod
+    async def roll_back(self, job_id: str, plan: Rollback, *, model_hash: str, opt_state_sha: str | None,
+                        cancelled: Sequence[str], now: float) -> None:
+        """The job goes back to ``model_hash`` (with ``opt_state_sha``) and opens ``plan.new_round``
+        on it, running: the rounds ``plan.undone`` are marked rolled back, an open round among them
+        closes with its shards dropped and its pending updates excluded, the live assignments
+        ``cancelled`` end cancelled."""
+
+    @abc.abstractmethod
+    async def prune_models(self, job_id: str, below: int) -> list[str]:
+        """Let the job's models under version ``below`` go (version 0 stays); the blob ids (models
+        and optimizer states) no kept model and no job refers to any more, for the blob store to drop."""
+
+    @abc.abstractmethod
+    async def load_job(self, job_id: str) -> JobState | None:
+        """A running or queued job as ``load`` rebuilds it (None when it is neither)."""
+
+
+class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, RollbackStore, Protocol):
     """Durable hub state: the aggregates' stores above, and what starts, reads and stops it. Every
     method commits once; none is called from a worker thread except the `*_sync` ones."""
 

@@ -52,6 +52,7 @@ from .store import (
     StateRequestStore,
     Store,
 )
+from .store_rollback import SqlRollbacks
 from .tokens import insert_token
 
 T = TypeVar("T")
@@ -217,6 +218,14 @@ class SqlJobs(_SqlRows, JobStore):
         row = await self.db.read(lambda c: c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone())
         return None if row is None else str(row["state"])
 
+    async def load_job(self, job_id: str) -> JobState | None:
+        def read(conn: sqlite3.Connection) -> JobState | None:
+            row = conn.execute("SELECT * FROM jobs WHERE id = ? AND state IN ('queued', 'running')",
+                               (job_id,)).fetchone()
+            return None if row is None else _load_job(conn, row, parse_job_spec(row["spec_toml"]))
+
+        return await self.db.read(read)
+
     async def end_job(self, job_id: str, state: str, error: str | None, cancelled: Sequence[str]) -> None:
         now = time.time()
 
@@ -254,9 +263,10 @@ class SqlJobs(_SqlRows, JobStore):
                 (result.model_hash, now, result.train_loss, result.metrics.get("loss"),
                  result.metrics.get("accuracy"), _json(result.metrics), _json(result.evidence),
                  job.id, job.round))
-            conn.execute("INSERT INTO models (job_id, version, sha, created_at) VALUES (?, ?, ?, ?)"
+            conn.execute("INSERT INTO models (job_id, version, sha, created_at, opt_state_sha) VALUES (?, ?, ?, ?, ?)"
                          " ON CONFLICT (job_id, version) DO UPDATE SET sha = excluded.sha,"
-                         " created_at = excluded.created_at", (job.id, next_round, result.model_hash, now))
+                         " created_at = excluded.created_at, opt_state_sha = excluded.opt_state_sha",
+                         (job.id, next_round, result.model_hash, now, result.opt_state_sha))
             conn.execute(
                 "UPDATE jobs SET round = ?, model_hash = ?, opt_state_sha = ?, state = ?, updated_at = ?"
                 " WHERE id = ?",
@@ -266,7 +276,8 @@ class SqlJobs(_SqlRows, JobStore):
                 conn.execute("INSERT INTO rounds (job_id, round, model_hash, opened_at) VALUES (?, ?, ?, ?)"
                              " ON CONFLICT (job_id, round) DO UPDATE SET model_hash = excluded.model_hash,"
                              " opened_at = excluded.opened_at, new_model_hash = NULL, closed_at = NULL,"
-                             " train_loss = NULL, loss = NULL, accuracy = NULL, metrics = NULL, evidence = NULL",
+                             " train_loss = NULL, loss = NULL, accuracy = NULL, metrics = NULL, evidence = NULL,"
+                             " rolled_back_at = NULL, restored_from = NULL",
                              (job.id, next_round, result.model_hash, now))
                 for aid, s in carried:  # a straggler's assignment, and its shard, move to the next round
                     _insert_shard(conn, s, job.chunks_at(s.chunk_idxs))
@@ -477,7 +488,7 @@ class SqlFlags(_SqlRows, FlagStore):
         return await self.db.read(read)
 
 
-class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, Store):
+class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, SqlRollbacks, Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
     one class per aggregate above, and what starts, reads and stops the store."""
 

@@ -12,6 +12,7 @@ Each use case is one method of the room that owns it:
 - ``jobs`` (jobs.py): submitting and cancelling a job;
 - ``flags`` (flags.py): an auditor's verdict on a flag;
 - ``cooldowns`` (cooldowns.py): a ban's block cooldowns, listed and lifted by the operator.
+- ``rollbacks`` (rollbacks.py): a job rolled back to a kept model.
 
 A use case checks what it is given, asks the pure policy for a decision (hub/domain/scheduler.py:
 which shard; hub/policy/settlement.py: does a lone update settle its shard; hub/policy/verification.py:
@@ -50,6 +51,7 @@ from .cooldowns import Cooldowns
 from .flags import MOOT, Flags, Verdict
 from .jobs import Jobs
 from .registry import BANNED, Registry
+from .rollbacks import AutoRollback, Rollbacks
 from .secagg import SecureAggregation
 from .silos import Silos
 from .states import StateRequests
@@ -89,6 +91,8 @@ class Ledger:
         self.jobs = Jobs(store=store, blobs=blobs, scheduler=scheduler, signal=signal, rounds=self.rounds)
         self.flags = Flags(store=store, scheduler=scheduler, signal=signal, audit=audit, admission=self.admission)
         self.cooldowns = Cooldowns(config=config, store=store, audit=audit, admission=self.admission)
+        self.rollbacks = Rollbacks(store=store, scheduler=scheduler, signal=signal, rounds=self.rounds, audit=audit)
+        self.rounds.after_advance = AutoRollback(self.rollbacks)
 
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""

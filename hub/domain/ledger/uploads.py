@@ -136,5 +136,5 @@ class Uploads:
         """The policy's decision on ``shard`` as ``node``'s update of it arrives, from the shard as
         it stands before the update is added."""
         return settle_at_upload(wanted=shard.wanted, accepted=len(shard.accepted), shard_state=shard.state,
-                                trend_measured=job.trend_base() is not None, reputation=node.reputation,
+                                trend_measured=job.trend_base() is not None, reputation=node.reputation_at(time.time()),
                                 spec=job.spec.verification, spot_draw=self.rounds.spot_draw(job.id, shard.id))

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from gpuflex.hub.base.errors import HubError, Unauthorized
 from gpuflex.hub.server import appkeys
-from gpuflex.hub.server.readmodel.access import token_alive
+from gpuflex.hub.server.readmodel.access import job_row, token_alive
 from gpuflex.hub.storage import tokens
 
 from .sessions import Session
@@ -48,3 +48,10 @@ async def give_verdict(
     """Confirm or dismiss through the ledger, as POST /v1/flags/{id}/verdict does: flag status,
     node reputation (3 confirmed flags ban), audit-log entry."""
     await app[appkeys.LEDGER].flags.verdict(who, flag_id, verdict, note)
+
+
+async def roll_back(app: web.Application, who: tokens.Principal, job_id: str, before_node: str) -> dict[str, Any]:
+    """Roll the job back before the node's first unverified update, as POST /v1/jobs/{id}/rollback
+    does: the same visibility (404 for a job ``who`` may not see) and the same ledger call."""
+    await app[appkeys.STORE].query(lambda c: job_row(c, who, job_id))
+    return await app[appkeys.LEDGER].rollbacks.roll_back(who, job_id, before_node=before_node)

@@ -229,6 +229,8 @@ def _round_row(h: Mapping[str, Any]) -> dict[str, Any]:
         "efficiency": par.get("efficiency"),
         "shares": sorted((h.get("node_shares") or {}).items(), key=lambda kv: -kv[1]),
         "unverified": len(h.get("unverified") or {}),
+        "rolled_back": bool(h.get("rolled_back")),
+        "restored_from": h.get("restored_from"),
         "bytes_up": transfer.get("bytes_up"),
         "bytes_down": transfer.get("bytes_down"),
         "compression": transfer.get("compression_ratio"),
@@ -608,6 +610,19 @@ async def flag_verdict(request: web.Request) -> web.StreamResponse:
     raise web.HTTPSeeOther(f"{CONSOLE_PREFIX}/flags/{quote(flag_id)}?done={verdict}")
 
 
+async def job_rollback(request: web.Request) -> web.StreamResponse:
+    """The owner's button on the job page: roll back before a stopped node's unverified work."""
+    s = _session(request)
+    if s.role == "auditor":
+        raise web.HTTPForbidden(text="only the job's owner or an admin rolls a job back")
+    job_id = request.match_info["job_id"]
+    node = _field(await _form(request), "before_node")
+    if not node:
+        raise web.HTTPBadRequest(text="say which node to roll back before")
+    await bridge.roll_back(request.app, bridge.principal(s), job_id, node)
+    raise web.HTTPSeeOther(f"{CONSOLE_PREFIX}/jobs/{quote(job_id)}")
+
+
 # --------------------------------------------------------------------------- wiring
 
 
@@ -622,6 +637,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get(CONSOLE_PREFIX + "/jobs", jobs_page, name="console-jobs")
     r.add_get(CONSOLE_PREFIX + "/jobs/{job_id}", job_page, name="console-job")
     r.add_get(CONSOLE_PREFIX + "/jobs/{job_id}/model", job_model)
+    r.add_post(CONSOLE_PREFIX + "/jobs/{job_id}/rollback", job_rollback)
     r.add_get(CONSOLE_PREFIX + "/nodes", nodes_page, name="console-nodes")
     r.add_get(CONSOLE_PREFIX + "/flags", flags_page, name="console-flags")
     r.add_get(CONSOLE_PREFIX + "/flags/{flag_id}", flag_page, name="console-flag")

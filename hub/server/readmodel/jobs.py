@@ -17,7 +17,7 @@ from ...domain.waits import round_waits
 from ...policy.privacy import epsilon
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, STORE
-from . import flags, rounds
+from . import flags, rollbacks, rounds
 from .access import any_job_row, job_row, spec_of, visible
 from .redaction import owner_view
 
@@ -94,6 +94,8 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
         # node-local data: the silos attached (what the hub knows of each: never a row)
         **({"silos": silos} if silos or (spec is not None and spec.data.node_local) else {}),
         "parallel": rounds.job_parallelism(history),
+        # suspended or banned nodes whose unverified updates are in the model (a rollback undoes them)
+        "unverified_work": rollbacks.unverified_work(conn, job_id, history),
         **(
             {"privacy": dp}
             if spec is not None and (dp := _privacy(spec, len(history))) is not None
@@ -286,11 +288,14 @@ REVIEW_JOB_FIELDS = (
     "created_at",
     "updated_at",
     "history",
+    "unverified_work",
 )
 REVIEW_ROUND_FIELDS = (
     "round",
     "opened_at",
     "closed_at",
+    "rolled_back",
+    "restored_from",
     "updates",
     "flags",
     "unverified",
@@ -300,7 +305,7 @@ REVIEW_ROUND_FIELDS = (
     "node_shares",
     "parallel",
 )
-REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "replica_group", "chunks")
+REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "verified", "replica_group", "chunks")
 
 
 def review_doc(doc: dict[str, Any]) -> dict[str, Any]:

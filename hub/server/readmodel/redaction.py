@@ -64,6 +64,8 @@ def _pseudonymize(doc: dict[str, Any], extras: dict[str, Any] | None) -> None:
         silo.update(
             node_id=alias(silo["node_id"]), samples=None, blob=None, size=None, label_histogram=None
         )
+    for w in doc.get("unverified_work", []):
+        w["node_id"] = alias(w["node_id"])
     for h in doc["history"]:
         for u in h["updates"]:
             u.update(node_id=alias(u["node_id"]), samples=None, loss=None, chunks=None)

@@ -8,6 +8,8 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from ...policy.rollback import verification_of
+
 
 def history(conn: sqlite3.Connection, job: sqlite3.Row, chunk_samples: int) -> list[dict[str, Any]]:
     """The job's closed rounds, oldest first (round_entry each)."""
@@ -40,6 +42,8 @@ def round_entry(
     trained = sum(u["samples"] for u in ups)
     metrics = json.loads(r["metrics"] or "{}")
     ev = json.loads(r["evidence"] or "{}")
+    # each aggregated update: verified (a replica agreed, the referee reproduced it) or not
+    verified = verification_of(ev, [u["id"] for u in ups if u["status"] == "included"])
     return {
         "round": r["round"],
         "loss": r["loss"],
@@ -48,6 +52,9 @@ def round_entry(
         "model_hash": r["new_model_hash"],
         "closed_at": r["closed_at"],
         "opened_at": r["opened_at"],
+        # a rollback undid what this round made; this round opened on that round's kept model
+        "rolled_back": r["rolled_back_at"] is not None,
+        "restored_from": r["restored_from"],
         "metrics": {k: v for k, v in metrics.items() if k != "bytes_down"},
         "transfer": _transfer(ups, job["model_size"], metrics.get("bytes_down")),
         # aggregated without a replica's confirmation: update id -> why (verification.unverified)
@@ -66,6 +73,7 @@ def round_entry(
                 "samples": u["samples"],
                 "loss": u["loss"],
                 "status": u["status"],
+                "verified": verified.get(u["id"]),
                 "replica_group": u["replica_group"],
             }
             for u in ups

@@ -1,0 +1,388 @@
+"""Rollback (hub/policy/rollback.py) on a real hub over loopback, a real SQLite store and real
+training: a forger's updates are aggregated unverified, it is suspended and then banned, the job
+status lists the rounds its unverified work went into, and `gpuflex-hub job rollback` restores
+the kept model of the round before its first one and continues the job, across a kill -9.
+
+The forger F trains honestly with checkpoint commitments. Round 0: it is the only node, so the
+referee stands in for the replica and reproduces its segment (verified). Rounds 1 and 2: a
+second node H takes each replica and never delivers, so F's update settles unverified when the
+replica wait runs out. Round 3: H is offline, F uploads a crafted update (x3.5) over an honest
+commitment, the referee stands in again, it does not reproduce: F is suspended."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import safetensors.torch
+import torch
+from gpuflex.hub.ops import cli
+from gpuflex.hub.policy import rollback
+from gpuflex.node.checkpoints import CheckpointStore
+from gpuflex.protocol.messages import Ack, Assignment, StateRequest, StateUpload, WorkRequest
+from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import (
+    RELAXED_SERVE_ARGS,
+    RunningHub,
+    SimNode,
+    open_store,
+    start_hub,
+    store_args,
+    submit_job,
+    write_digits,
+)
+from tests.test_hub_referee import _post_state
+from tests.test_suspension import _flags, _poll, _train, _verdict
+
+#: one chunk a round (one shard), a short replica wait, no trend audit and no spot checks: F's
+#: updates are verified only where the referee stands in for a replica that cannot come
+SPEC = dict(rounds=6, chunk_size=2000, replication='"adaptive"', replica_wait_s=0.5)
+EXTRA = "trend_rounds = 0\nkeep_rounds = 3\n"
+HUB = {"online_window_s": 1.5}
+
+
+async def _hand_states(n: SimNode, store: CheckpointStore) -> None:
+    """Answer the referee's state request for ``n``'s last update."""
+    deadline = time.monotonic() + 30
+    while not isinstance(asked := await _poll(n), StateRequest):
+        assert time.monotonic() < deadline, "the referee never asked for states"
+    for step in asked.steps:
+        data = store.read(asked.assignment_id, step)
+        assert data is not None
+        hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=hashlib.sha256(data).hexdigest(),
+                          state_size=len(data), timestamp=time.time(), nonce=new_nonce())
+        assert (await _post_state(n, hdr, data)).status == 200
+
+
+async def _upload(n: SimNode, a: Assignment, store: CheckpointStore, scale: float = 1.0) -> None:
+    blob, samples, loss, c = await _train(n, a, store)
+    if scale != 1.0:
+        blob = encode_state({k: v * scale for k, v in decode_state(bytearray(blob)).items()})
+    ack = await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss, commitment=c), blob), Ack)
+    assert ack.ok
+
+
+async def _job(s: aiohttp.ClientSession, hub: RunningHub, job_id: str) -> dict[str, Any]:
+    async with s.get(f"{hub.url}/v1/jobs/{job_id}", headers=hub.auth()) as r:
+        assert r.status == 200, await r.text()
+        return dict(await r.json())
+
+
+async def _round_closes(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, round_: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while (doc := await _job(s, hub, job_id))["round"] <= round_:
+        assert time.monotonic() < deadline, f"round {round_} never closed: {doc.get('waiting')}"
+        await asyncio.sleep(0.05)
+    return doc
+
+
+async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path,
+                         extra: str = "") -> tuple[str, SimNode, SimNode]:
+    """The module docstring's rounds 0-3. Returns the job id, F and H."""
+    train, val, spec_path = write_digits(tmp_path / "d", **SPEC, extra=EXTRA + extra)
+    job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+    forger, helper = SimNode(s, hub.url), SimNode(s, hub.url)
+    store = CheckpointStore(tmp_path / "states")
+    await forger.register()
+    a0 = await forger.work(2.0)
+    assert isinstance(a0, Assignment) and a0.round == 0
+    await _upload(forger, a0, store)
+    await _hand_states(forger, store)  # the referee stands in: reproduced
+    await _round_closes(s, hub, job_id, 0)
+    await helper.register()
+    for rnd in (1, 2):
+        a = await forger.work(2.0)
+        replica = await helper.work(2.0)
+        assert isinstance(a, Assignment) and isinstance(replica, Assignment) and a.round == replica.round == rnd
+        await _upload(forger, a, store)  # the replica never comes: unverified once the wait runs out
+        await _round_closes(s, hub, job_id, rnd)
+    await asyncio.sleep(HUB["online_window_s"] + 0.2)  # H is offline now
+    a3 = await forger.work(2.0)
+    assert isinstance(a3, Assignment) and a3.round == 3
+    await _upload(forger, a3, store, scale=3.5)
+    await _hand_states(forger, store)
+    deadline = time.monotonic() + 30
+    while not await _flags(s, hub):
+        assert time.monotonic() < deadline, "no flag"
+        await asyncio.sleep(0.05)
+    return job_id, forger, helper
+
+
+def _model_sha(data_dir: Path, job_id: str, version: int) -> str | None:
+    conn = open_store(data_dir)
+    try:
+        row = conn.execute("SELECT sha FROM models WHERE job_id = ? AND version = ?", (job_id, version)).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else str(row[0])
+
+
+async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollback_restores_and_continues(
+        tmp_path: Path) -> None:
+    hub = await start_hub(tmp_path / "hub", **HUB)
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id, forger, helper = await _forger_caught(s, hub, tmp_path)
+            doc = await _job(s, hub, job_id)
+            verified = [[u["verified"] for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
+            assert verified == [[True], [False], [False]]
+            assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
+                                               "rollback_to": 1, "kept": True}]
+            (flag,) = await _flags(s, hub)
+            await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
+            assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
+            text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 1, 2:"
+                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 1's model") in text
+            # the refusals, each one line, nothing changed
+            for body, status, code in (({"before_node": "n-nobody"}, 404, "unknown_node"),
+                                       ({"to_round": 3}, 400, "bad_round"),
+                                       ({"to_round": 1, "before_node": forger.node_id}, 400, "bad_rollback"),
+                                       ({"to_round": "1"}, 400, "bad_round"),
+                                       ({}, 400, "bad_rollback")):
+                async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json=body, headers=hub.auth()) as r:
+                    assert (r.status, (await r.json())["error"]) == (status, code), body
+            async with s.post(f"{hub.url}/v1/jobs/j-nope/rollback", json={"to_round": 0}, headers=hub.auth()) as r:
+                assert (r.status, (await r.json())["error"]) == (404, "unknown_job")
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 1},
+                              headers=hub.auth(hub.auditor_token)) as r:
+                assert r.status == 403
+            assert (await _job(s, hub, job_id))["round"] == 3
+    finally:
+        await hub.stop()
+
+    # the same data on `gpuflex-hub serve`: the owner rolls back from the command line, the hub is
+    # killed with -9 right after the answer, and the rollback is there when it comes back
+    tokens = (hub.owner_token, hub.url)
+    kept = _model_sha(hub.data_dir, job_id, 1)
+    assert kept is not None
+    proc, url = _serve(hub.data_dir)
+    try:
+        out = await asyncio.to_thread(_cli, ["job", "rollback", job_id, "--before-node", forger.node_id, "--json",
+                                             "--hub", url, "--token", tokens[0]])
+        proc.kill()
+        proc.wait(timeout=30)
+        assert out == {"job_id": job_id, "restored_round": 1, "round": 4, "rounds": 9, "rolled_back": [1, 2, 3],
+                       "model_hash": kept, "before_node": forger.node_id, "by": "alice"}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    proc, url = _serve(hub.data_dir, url.rsplit(":", 1)[1])
+    try:
+        await _after_restart(url, tokens[0], job_id, (forger, helper), kept, hub.data_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode, SimNode], kept: str,
+                         data_dir: Path) -> None:
+    forger, node = nodes
+    auth = {"Authorization": f"Bearer {owner}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/v1/jobs/{job_id}", headers=auth) as r:
+            doc = await r.json()
+        assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 4, 9, kept)
+        assert [(h["round"], h["rolled_back"]) for h in doc["history"]] == [
+            (0, False), (1, True), (2, True), (3, True)]
+        assert doc["unverified_work"] == []  # nothing of F's is in the model any more
+        # the model, bit for bit: the current one is round 1's kept model
+        async with s.get(f"{url}/v1/jobs/{job_id}/model", headers=auth) as r:
+            now = await r.read()
+        async with s.get(f"{url}/v1/jobs/{job_id}/model?round=1", headers=auth) as r:
+            then = await r.read()
+        now_t, then_t = safetensors.torch.load(now), safetensors.torch.load(then)  # (their metadata name the round)
+        assert now_t.keys() == then_t.keys()
+        assert all(now_t[k].dtype == then_t[k].dtype and torch.equal(now_t[k], then_t[k]) for k in now_t)
+        # training continues from it (H: the banned forger's address block cools down, no new node joins)
+        node.session, node.url = s, url
+        a = await node.work(3.0)
+        assert isinstance(a, Assignment) and a.round == 4 and a.model_hash == kept
+        await _upload(node, a, CheckpointStore(data_dir.parent / "states-g"))
+        forger.session, forger.url = s, url
+        r = await forger.post("/v1/work", seal(forger.key, WorkRequest(timestamp=time.time(), nonce=new_nonce(),
+                                                                         wait_s=0.0, cached_chunks=())))
+        assert r.status == 403 and (await r.json())["error"] == "banned"
+    lines = [json.loads(x) for x in (data_dir / "audit.jsonl").read_text().splitlines() if x]
+    (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+    assert (entry["restored_round"], entry["before_node"], entry["by"]) == (1, forger.node_id, "alice")
+
+
+async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_path: Path) -> None:
+    """The job page lists the suspended forger's unverified rounds with a button; the owner's
+    post rolls the job back (as the API does); an auditor sees the list and no button."""
+    from tests.test_console_helpers import Browserish
+
+    hub = await start_hub(tmp_path / "hub", **HUB)
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id, forger, _ = await _forger_caught(s, hub, tmp_path)
+            auditor = Browserish(hub.url)
+            try:
+                await auditor.login(hub.auditor_token)
+                status, html, _ = await auditor.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Unverified work of stopped nodes" in html and "Roll back to" not in html
+                status, _, _ = await auditor.post(f"/console/jobs/{job_id}/rollback",
+                                                  {"csrf_token": auditor.csrf_in(html), "before_node": forger.node_id})
+                assert status == 403
+            finally:
+                await auditor.close()
+            owner = Browserish(hub.url)
+            try:
+                await owner.login(hub.owner_token)
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Roll back to round 1" in html
+                status, _, r = await owner.post(f"/console/jobs/{job_id}/rollback",
+                                                {"csrf_token": owner.csrf_in(html), "before_node": forger.node_id})
+                assert status == 303 and r.headers["Location"] == f"/console/jobs/{job_id}"
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert "rolled back" in html and "Roll back to" not in html
+            finally:
+                await owner.close()
+            doc = await _job(s, hub, job_id)
+            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 1))
+    finally:
+        await hub.stop()
+
+
+async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended(tmp_path: Path) -> None:
+    hub = await start_hub(tmp_path / "hub", **HUB)
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id, forger, _ = await _forger_caught(s, hub, tmp_path, extra="auto_rollback = true\n")
+            deadline = time.monotonic() + 30
+            while (doc := await _job(s, hub, job_id))["round"] != 4:
+                assert time.monotonic() < deadline, doc["round"]
+                await asyncio.sleep(0.05)
+            assert (doc["rounds"], doc["model_hash"], doc["unverified_work"]) == (
+                9, _model_sha(hub.data_dir, job_id, 1), [])
+            assert [h["rolled_back"] for h in doc["history"]] == [False, True, True, True]
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["before_node"], entry["by"]) == (forger.node_id, "hub (auto_rollback)")
+    finally:
+        await hub.stop()
+
+
+async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_restored(tmp_path: Path) -> None:
+    from gpuflex.hub.server.appkeys import BLOBS
+
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=5, chunk_size=2000, extra=EXTRA)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            node = SimNode(s, hub.url)
+            await node.register()
+            for rnd in range(5):
+                a = await node.work(2.0)
+                assert isinstance(a, Assignment) and a.round == rnd
+                await node.upload(a, *await node.train(a))
+                doc = await _round_closes(s, hub, job_id, rnd)
+            assert doc["state"] == "done"
+            made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
+            assert len(set(made)) == 5
+            conn = open_store(hub.data_dir)
+            try:
+                kept = sorted(r[0] for r in conn.execute("SELECT version FROM models WHERE job_id = ?", (job_id,)))
+            finally:
+                conn.close()
+            assert kept == [0, 3, 4, 5]
+            blobs = hub.app[BLOBS]
+            assert [blobs.has(sha) for sha in made] == [False, False, True, True, True]
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 2}, headers=hub.auth()) as r:
+                assert (r.status, (await r.json())["error"]) == (409, "round_not_kept")
+            # a done job rolls back and runs again, with the rounds it lost given back
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 3}, headers=hub.auth()) as r:
+                assert r.status == 200, await r.text()
+            doc = await _job(s, hub, job_id)
+            assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 5, 7, made[2])
+            a = await node.work(2.0)
+            assert isinstance(a, Assignment) and a.round == 5 and a.model_hash == made[2]
+    finally:
+        await hub.stop()
+
+
+def _serve(data_dir: Path, port: str = "0") -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "gpuflex.hub", "serve", "--data", str(data_dir), "--port", port,
+                             "--long-poll-max", "2", *RELAXED_SERVE_ARGS, *store_args(data_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("gpuflex-hub listening on "):
+            return proc, line.rsplit(" ", 1)[1].strip()
+    proc.kill()
+    raise AssertionError("the hub did not start")
+
+
+def _cli(argv: list[str]) -> Any:
+    """`gpuflex-hub ARGV --json` through cli.main: its JSON output."""
+    return json.loads(_cli_text(argv))
+
+
+def _cli_text(argv: list[str]) -> str:
+    """`gpuflex-hub ARGV` through cli.main: what it printed."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(argv) == 0
+    return buf.getvalue()
+
+
+# -- the policy -----------------------------------------------------------------------------------
+
+
+def _history(**over: Any) -> rollback.JobHistory:
+    base = dict(job_id="j", state="running", round=5, rounds=10, keep_rounds=3,
+                aggregated=(rollback.Aggregated(1, "u1", "a", True), rollback.Aggregated(2, "u2", "f", False),
+                            rollback.Aggregated(3, "u3", "f", False), rollback.Aggregated(4, "u4", "f", True)),
+                kept=frozenset({0, 2, 3, 4, 5}), rolled_back=frozenset())
+    return rollback.JobHistory(**(base | over))  # type: ignore[arg-type]
+
+
+def test_the_policy_picks_the_round_before_the_first_unverified_update_and_refuses_in_one_line() -> None:
+    assert rollback.decide(_history(), before_node="f") == rollback.Rollback(
+        to_round=2, new_round=6, rounds=14, undone=(2, 3, 4, 5), node_id="f")
+    done = rollback.decide(_history(state="done"), to_round=3)
+    assert done == rollback.Rollback(to_round=3, new_round=5, rounds=12, undone=(3, 4), node_id=None)
+    refusals = {
+        "nothing_to_roll_back": rollback.decide(_history(), before_node="a"),
+        "round_not_kept": rollback.decide(_history(), to_round=1),
+        "bad_round": rollback.decide(_history(), to_round=5),
+        "job_ended": rollback.decide(_history(state="cancelled"), to_round=3),
+        "no_closed_round": rollback.decide(_history(round=0), to_round=0),
+        "rolled_back": rollback.decide(_history(rolled_back=frozenset({3})), to_round=3),
+        "bad_rollback": rollback.decide(_history()),
+    }
+    for code, got in refusals.items():
+        assert isinstance(got, rollback.Refused) and got.code == code and "\n" not in got.detail, (code, got)
+    # rounds already rolled back hold nothing to undo
+    assert rollback.decide(_history(rolled_back=frozenset({2, 3})), before_node="f").code == "nothing_to_roll_back"
+    assert rollback.prune_below(10, 3) == 8 and rollback.prune_below(10, 0) is None and rollback.prune_below(2, 3) is None
+
+
+@pytest.mark.parametrize("keep", ["1", "10"])
+def test_keep_rounds_must_exceed_the_trend_span(keep: str) -> None:
+    from gpuflex.protocol.jobspec import SpecError, parse_job_spec
+
+    from tests.helpers import digits_spec
+
+    with pytest.raises(SpecError, match="keep_rounds"):
+        parse_job_spec(digits_spec(extra=f"keep_rounds = {keep}\n"))
+    assert parse_job_spec(digits_spec(extra="keep_rounds = 0\n")).verification.keep_rounds == 0
