@@ -2,7 +2,8 @@
 the `Store` on the hub's SQLite database (hub/storage/db.py: WAL, synchronous=FULL, one writer thread,
 group commit). Each method below is one transaction. The methods are grouped as the `Store`'s
 interfaces are, one class per aggregate (`SqlNodes`, `SqlJobs`, `SqlSilos`, `SqlAssignments`,
-`SqlStateRequests`, `SqlFlags`), and `SqlStore` composes them.
+`SqlStateRequests`, `SqlFlags`, and a pipelined job's `SqlPipelines` in store_pipelines.py), and
+`SqlStore` composes them.
 
 The statements are written once, in the dialect both databases share (`?` placeholders, which the
 PostgreSQL connection (hub/storage/store_postgres.py) turns into its own; `INSERT ... ON CONFLICT`); what
@@ -51,6 +52,7 @@ from .store import (
     StateRequestStore,
     Store,
 )
+from .store_pipelines import SqlPipelines
 from .tokens import insert_token
 
 T = TypeVar("T")
@@ -451,7 +453,8 @@ class SqlFlags(_SqlRows, FlagStore):
         return await self.db.read(lambda c: _suspensions(c, node_id).get(node_id))
 
 
-class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, Store):
+class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, SqlPipelines,
+               Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
     one class per aggregate above, and what starts, reads and stops the store."""
 

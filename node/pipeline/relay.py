@@ -40,7 +40,8 @@ class RelayTransport:
 
     ``hub_public_key``: the pinned hub key its answers must be sealed with (None: not checked);
     ``peers``: stage -> the public key of the node running it, when known (the sender of each
-    received tensor is then checked); ``wait_s``: one long-poll's wait.
+    received tensor is then checked); ``wait_s``: one long-poll's wait; ``generation``: the
+    pipeline plan's generation (StageAssignment.generation) every message names.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class RelayTransport:
         wait_s: float = 20.0,
         send_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        generation: int = 0,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -66,6 +68,7 @@ class RelayTransport:
         self.wait_s = wait_s
         self.send_timeout_s = send_timeout_s
         self.clock = clock
+        self.generation = generation
         self._conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
@@ -111,6 +114,7 @@ class RelayTransport:
             size=len(body),
             timestamp=self.clock(),
             nonce=new_nonce(),
+            generation=self.generation,
         )
         give_up = time.monotonic() + self.send_timeout_s
         delay = 0.02
@@ -159,6 +163,7 @@ class RelayTransport:
                 wait_s=min(self.wait_s, max(left, 0.0)),
                 timestamp=self.clock(),
                 nonce=new_nonce(),
+                generation=self.generation,
             )
             status, headers, body = self._request(
                 "GET",
@@ -189,13 +194,22 @@ class RelayTransport:
             raise PipelineError(
                 f"{key.describe()} came without a valid signed header: {exc}"
             ) from None
-        if (hdr.job_id, hdr.step, hdr.micro_batch, hdr.carries, hdr.stage, hdr.to_stage) != (
+        if (
+            hdr.job_id,
+            hdr.step,
+            hdr.micro_batch,
+            hdr.carries,
+            hdr.stage,
+            hdr.to_stage,
+            hdr.generation,
+        ) != (
             self.job_id,
             key.step,
             key.micro_batch,
             key.carries,
             key.stage,
             key.to_stage,
+            self.generation,
         ):
             raise PipelineError(f"{key.describe()} came with the header of another message")
         if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
