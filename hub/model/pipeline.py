@@ -99,6 +99,10 @@ class PipelineState:
     states: dict[int, dict[int, UnitRecord]] = field(default_factory=dict)
     generation: Generation | None = None
     generations: int = 0  # the highest generation number ever planned (durable)
+    #: the last generation planned, live or ended (a re-plan keeps its survivors' units)
+    previous: Generation | None = None
+    #: nodes of the live generation that were handed their stage (each is handed it once)
+    handed: set[str] = field(default_factory=set)
     refusal: str | None = None
     sealed: dict[str, bytes] = field(default_factory=dict)
     last_report: dict[int, float] = field(default_factory=dict)

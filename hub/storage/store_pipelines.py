@@ -66,8 +66,15 @@ class SqlPipelines(PipelineStore):
             conn.execute(
                 "INSERT INTO pipeline_generations (job_id, generation, first_step, end_step, plan,"
                 " reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (g.job_id, g.number, g.first_step, g.end_step, generation_json(g), g.reason,
-                 g.created_at),
+                (
+                    g.job_id,
+                    g.number,
+                    g.first_step,
+                    g.end_step,
+                    generation_json(g),
+                    g.reason,
+                    g.created_at,
+                ),
             )
             conn.execute(
                 "INSERT INTO pipelines (job_id, committed_step, generations, updated_at)"
@@ -79,12 +86,24 @@ class SqlPipelines(PipelineStore):
         await self.db.write(write)
 
     async def end_generation(self, job_id: str, number: int, *, now: float) -> None:
-        await self.db.write(lambda c: c.execute(
-            "UPDATE pipeline_generations SET ended_at = ? WHERE job_id = ? AND generation = ?"
-            " AND ended_at IS NULL", (now, job_id, number)))
+        await self.db.write(
+            lambda c: c.execute(
+                "UPDATE pipeline_generations SET ended_at = ? WHERE job_id = ? AND generation = ?"
+                " AND ended_at IS NULL",
+                (now, job_id, number),
+            )
+        )
 
-    async def save_unit_state(self, job_id: str, record: UnitRecord, *, generation: int,
-                              node_id: str, now: float, committed: int | None) -> None:
+    async def save_unit_state(
+        self,
+        job_id: str,
+        record: UnitRecord,
+        *,
+        generation: int,
+        node_id: str,
+        now: float,
+        committed: int | None,
+    ) -> None:
         r = record
 
         def write(conn: sqlite3.Connection) -> None:
@@ -99,34 +118,55 @@ class SqlPipelines(PipelineStore):
             if committed is not None:
                 conn.execute(
                     "UPDATE pipelines SET committed_step = ?, updated_at = ? WHERE job_id = ?"
-                    " AND committed_step < ?", (committed, now, job_id, committed))
+                    " AND committed_step < ?",
+                    (committed, now, job_id, committed),
+                )
 
         await self.db.write(write)
 
     async def save_stage_report(self, job_id: str, report: StepReport) -> None:
         r = report
-        await self.db.write(lambda c: c.execute(
-            "INSERT INTO stage_reports (job_id, generation, stage, steps_done, node_id, step_s,"
-            " compute_s, predicted_s, loss, reported_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (job_id, generation, stage, steps_done) DO UPDATE SET"
-            " step_s = excluded.step_s, compute_s = excluded.compute_s, loss = excluded.loss,"
-            " reported_at = excluded.reported_at",
-            (job_id, r.generation, r.stage, r.steps_done, r.node_id, r.step_s, r.compute_s,
-             r.predicted_s, r.loss, r.reported_at)))
+        await self.db.write(
+            lambda c: c.execute(
+                "INSERT INTO stage_reports (job_id, generation, stage, steps_done, node_id, step_s,"
+                " compute_s, predicted_s, loss, reported_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (job_id, generation, stage, steps_done) DO UPDATE SET"
+                " step_s = excluded.step_s, compute_s = excluded.compute_s, loss = excluded.loss,"
+                " reported_at = excluded.reported_at",
+                (
+                    job_id,
+                    r.generation,
+                    r.stage,
+                    r.steps_done,
+                    r.node_id,
+                    r.step_s,
+                    r.compute_s,
+                    r.predicted_s,
+                    r.loss,
+                    r.reported_at,
+                ),
+            )
+        )
 
-    async def finish_pipeline(self, job_id: str, model_hash: str, model_size: int, *,
-                              now: float) -> None:
+    async def finish_pipeline(
+        self, job_id: str, model_hash: str, model_size: int, *, now: float
+    ) -> None:
         def write(conn: sqlite3.Connection) -> None:
             conn.execute(
                 "INSERT INTO models (job_id, version, sha, created_at) VALUES (?, 1, ?, ?)"
                 " ON CONFLICT (job_id, version) DO UPDATE SET sha = excluded.sha,"
-                " created_at = excluded.created_at", (job_id, model_hash, now))
+                " created_at = excluded.created_at",
+                (job_id, model_hash, now),
+            )
             conn.execute(
                 "UPDATE jobs SET model_hash = ?, model_size = ?, state = 'done', updated_at = ?"
-                " WHERE id = ?", (model_hash, model_size, now, job_id))
+                " WHERE id = ?",
+                (model_hash, model_size, now, job_id),
+            )
             conn.execute(
                 "UPDATE pipeline_generations SET ended_at = ? WHERE job_id = ? AND ended_at IS NULL",
-                (now, job_id))
+                (now, job_id),
+            )
 
         await self.db.write(write)
 
@@ -149,11 +189,19 @@ def _load_pipelines(conn: sqlite3.Connection) -> list[LoadedPipeline]:
             UnitRecord(int(r["unit"]), int(r["step"]), r["sha"], int(r["size"]))
             for r in conn.execute(
                 "SELECT unit, step, sha, size FROM unit_states WHERE job_id = ? AND step >= ?"
-                " ORDER BY step, unit", (job_id, committed))
+                " ORDER BY step, unit",
+                (job_id, committed),
+            )
         ]
-        out.append(LoadedPipeline(
-            job_id=job_id, committed_step=committed, generations=int(p["generations"]),
-            last=None if last is None else generation_from_row(last), states=states))
+        out.append(
+            LoadedPipeline(
+                job_id=job_id,
+                committed_step=committed,
+                generations=int(p["generations"]),
+                last=None if last is None else generation_from_row(last),
+                states=states,
+            )
+        )
     return out
 
 

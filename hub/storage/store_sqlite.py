@@ -520,6 +520,13 @@ def _max_memory(device: str) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
+def _stage_address(device: str) -> str:
+    """Where a node accepts other stages' tensors, kept in its device JSON ("": relay only)."""
+    facts = json.loads(device)
+    value = facts.get("stage_address", "") if isinstance(facts, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
 def _node(r: sqlite3.Row) -> NodeState:
     bench = json.loads(r["benchmark"])
     sps = bench.get("precision_sps") if isinstance(bench, dict) else None
@@ -532,6 +539,7 @@ def _node(r: sqlite3.Row) -> NodeState:
         peak_flops=peak_flops(json.loads(r["benchmark"])),
         registered_at=r["registered_at"], block=r["address_block"], last_block=r["last_block"] or r["address_block"],
         operator=r["operator"], banned_at=r["banned_at"], max_memory_bytes=_max_memory(r["device"]),
+        stage_address=_stage_address(r["device"]),
         reputation=Reputation(
             consecutive_agreements=r["consecutive_agreements"], agreements_total=r["agreements_total"],
             flags_total=r["flags_total"], confirmed_flags=r["confirmed_flags"],
