@@ -224,8 +224,18 @@ def _stale_answers(hub: HubThread, key, sa) -> None:
     assert code == 409 and error_of(answer)[0] == "stale_generation", answer
 
 
+def cli_status(hub: HubThread, job_id: str, monkeypatch, capsys) -> str:
+    from gpuflex.hub.ops import cli
+
+    monkeypatch.setenv("GPUFLEX_HUB", hub.url)
+    monkeypatch.setenv("GPUFLEX_TOKEN", hub.tokens["owner"])
+    capsys.readouterr()
+    assert cli.main(["job", "status", job_id]) == 0
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("hub", [8.0], indirect=True)
-def test_a_lost_stage_node_is_replaced_from_the_committed_step(hub, tmp_path) -> None:
+def test_a_lost_stage_node_is_replaced_from_the_committed_step(hub, tmp_path, monkeypatch, capsys) -> None:
     keys = [register(hub.url) for _ in range(3)]
     code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=2))
     assert code == 201, job
@@ -389,7 +399,7 @@ def _bad_inputs(hub: HubThread, tmp_path) -> None:
     assert poll(hub, stranger, 0.2) is None
 
 
-def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(hub, tmp_path) -> None:
+def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(hub, tmp_path, monkeypatch, capsys) -> None:
     register(hub.url)
     code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=4, every=2))
     assert code == 201, job
@@ -399,6 +409,8 @@ def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(hub, tmp_path) -
         time.sleep(0.1)
     assert p["generation"] is None
     assert p["waiting"] == "the pipeline needs 2 nodes with a memory offer; 0 idle nodes are online"
+    out = cli_status(hub, job["id"], monkeypatch, capsys)
+    assert "step 0/4 committed" in out and f"waiting: {p['waiting']}" in out
 
 
 _ = threading

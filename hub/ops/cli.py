@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import owner_client as oc
 from .cli_common import ENV_HUB, ENV_TOKEN, _hub_and_token, print_columns
+from .cli_pipeline import print_pipeline_status
 from .cli_plan import cmd_job_plan
 from .owner_client import OwnerClientError
 
@@ -394,6 +395,8 @@ def cmd_job_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
         return 0
+    if "pipeline" in doc:  # a pipelined job has no rounds: its pipeline is its progress
+        return print_pipeline_status(doc, args, hub, token)
     from rich.console import Console
     from rich.live import Live
 
