@@ -471,6 +471,31 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
 
 
+def submit(hub: HubThread, tmp_path: Path, spec: str) -> tuple[int, dict[str, Any]]:
+    """Submit a pipelined job on the digits data as the hub's owner: (status, JSON answer)."""
+    import aiohttp
+
+    train = digits_npz(tmp_path / "data")
+
+    async def post() -> tuple[int, dict[str, Any]]:
+        form = aiohttp.FormData()
+        form.add_field("spec", spec.encode(), filename="spec.toml")
+        form.add_field("train", train.read_bytes(), filename="train.npz")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{hub.url}/v1/jobs",
+                data=form,
+                headers={"Authorization": f"Bearer {hub.tokens['owner']}"},
+            ) as r,
+        ):
+            return r.status, await r.json()
+
+    import asyncio
+
+    return asyncio.run(post())
+
+
 def digits_npz(directory: Path) -> Path:
     from tests.helpers import digits_arrays
 

@@ -28,7 +28,6 @@ from tests.pipeline_hub import (
     HubThread,
     ack_of,
     b64,
-    digits_npz,
     drive_all,
     error_of,
     fetch_blob,
@@ -41,6 +40,7 @@ from tests.pipeline_hub import (
     request,
     send_checkpoint,
     send_report,
+    submit,
 )
 
 torch.set_num_threads(1)
@@ -69,30 +69,6 @@ schedule = "1f1b"
 steps = {steps}
 checkpoint_every = {every}
 """
-
-
-def submit(hub: HubThread, tmp_path, spec: str) -> tuple[int, dict]:
-    import aiohttp
-
-    train = digits_npz(tmp_path / "data")
-
-    async def post() -> tuple[int, dict]:
-        form = aiohttp.FormData()
-        form.add_field("spec", spec.encode(), filename="spec.toml")
-        form.add_field("train", train.read_bytes(), filename="train.npz")
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(
-                f"{hub.url}/v1/jobs",
-                data=form,
-                headers={"Authorization": f"Bearer {hub.tokens['owner']}"},
-            ) as r,
-        ):
-            return r.status, await r.json()
-
-    import asyncio
-
-    return asyncio.run(post())
 
 
 def status(hub: HubThread, job_id: str) -> dict:
@@ -235,7 +211,9 @@ def cli_status(hub: HubThread, job_id: str, monkeypatch, capsys) -> str:
 
 
 @pytest.mark.parametrize("hub", [8.0], indirect=True)
-def test_a_lost_stage_node_is_replaced_from_the_committed_step(hub, tmp_path, monkeypatch, capsys) -> None:
+def test_a_lost_stage_node_is_replaced_from_the_committed_step(
+    hub, tmp_path, monkeypatch, capsys
+) -> None:
     keys = [register(hub.url) for _ in range(3)]
     code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=2))
     assert code == 201, job
@@ -399,7 +377,9 @@ def _bad_inputs(hub: HubThread, tmp_path) -> None:
     assert poll(hub, stranger, 0.2) is None
 
 
-def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(hub, tmp_path, monkeypatch, capsys) -> None:
+def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(
+    hub, tmp_path, monkeypatch, capsys
+) -> None:
     register(hub.url)
     code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=4, every=2))
     assert code == 201, job
