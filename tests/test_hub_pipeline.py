@@ -394,3 +394,15 @@ def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(
 
 
 _ = threading
+
+
+def test_serve_takes_a_stage_timeout_and_refuses_a_bad_one_in_one_line(tmp_path, capsys) -> None:
+    from gpuflex.hub.ops import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--data", str(tmp_path), "--stage-timeout", "12.5"])
+    assert cli._serve_config(args).stage_timeout_s == 12.5
+    args = parser.parse_args(["serve", "--data", str(tmp_path), "--stage-timeout", "0"])
+    assert cli._serve_config(args) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--stage-timeout must be a number of seconds above 0" in err
