@@ -49,7 +49,7 @@ from gpuflex.protocol.tensors import TensorSpec, decode_state, encode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 from torch import nn
 
-from tests.helpers import start_hub
+from tests.helpers import start_hub, store_for
 
 MSGPACK = {"Content-Type": "application/x-msgpack"}
 
@@ -61,16 +61,28 @@ class HubThread:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         config.setdefault("long_poll_max_s", 1.0)
+        # the run's PostgreSQL server (if any) starts from this thread: a server started from the
+        # hub's thread would stop with it (it dies with the thread that started it)
+        config.setdefault("store", store_for(data_dir))
+
+        failed: list[BaseException] = []
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.hub = self.loop.run_until_complete(start_hub(data_dir, tokens, **config))
+            try:
+                self.hub = self.loop.run_until_complete(start_hub(data_dir, tokens, **config))
+            except BaseException as exc:  # raised in the test's thread below
+                failed.append(exc)
+                ready.set()
+                return
             ready.set()
             self.loop.run_forever()
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        assert ready.wait(60)
+        assert ready.wait(60), "the hub did not start within 60 s"
+        if failed:
+            raise failed[0]
         self.url = self.hub.url
         self.hub_key = self.hub.app[HUB_KEY].public_bytes
         self.tokens = {

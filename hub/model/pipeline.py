@@ -107,6 +107,9 @@ class PipelineState:
     sealed: dict[str, bytes] = field(default_factory=dict)
     last_report: dict[int, float] = field(default_factory=dict)
     reports: dict[int, StepReport] = field(default_factory=dict)
+    #: the idle nodes' offers (node id, memory) the planner last refused: planned again only
+    #: once they change
+    refused_over: tuple[tuple[str, int], ...] | None = None
     #: why the next generation is planned (set when the live one ends)
     replan_reason: str = "the first plan"
 

@@ -209,6 +209,9 @@ class Pipelines:
         state.units = len(cut.costs)
         flops = await asyncio.to_thread(reference_flops_per_sample)
         offers = self.idle_offers(flops, now)
+        over = tuple((o.node_id, o.memory_bytes) for o in offers)
+        if state.refusal is not None and over == state.refused_over:
+            return  # the same nodes the planner refused a moment ago
         chosen = await asyncio.to_thread(
             choose_pipeline,
             cut.costs,
@@ -218,7 +221,7 @@ class Pipelines:
             previous=state.previous,
         )
         if isinstance(chosen, str):
-            state.refusal = chosen
+            state.refusal, state.refused_over = chosen, over
             return
         if state.generation is not None or not job.active:
             return
@@ -237,7 +240,7 @@ class Pipelines:
         }
         state.generation = state.previous = g
         state.generations = g.number
-        state.refusal = None
+        state.refusal, state.refused_over = None, None
         state.handed = set()
         state.reports = {}
         state.last_report = dict.fromkeys(range(len(g.stages)), now)
