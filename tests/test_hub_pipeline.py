@@ -6,15 +6,20 @@ with signed requests, each stage driven by the node's own engine (StageRunner ov
   micro-batches, checkpoints commit steps, and the final model is the job's;
 - a stage node that goes silent is lost: the next generation resumes from the committed step,
   the surviving node keeps its units, the old generation's calls get stale answers;
-- a hub restart resumes from the committed step in a new generation;
+- a hub restart (a graceful stop, and kill -9 of `gpuflex-hub serve`) resumes from the committed
+  step in a new generation;
 - bad checkpoints and reports are refused in one line and change nothing.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ from gpuflex.protocol.messages import RelayHeader
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
-from tests.helpers import open_store, stored_blobs
+from tests.helpers import RELAXED_SERVE_ARGS, open_store, store_args, stored_blobs
 from tests.pipeline_hub import (
     HubThread,
     ack_of,
@@ -393,9 +398,6 @@ def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(
     assert "step 0/4 committed" in out and f"waiting: {p['waiting']}" in out
 
 
-_ = threading
-
-
 def test_serve_takes_a_stage_timeout_and_refuses_a_bad_one_in_one_line(tmp_path, capsys) -> None:
     from gpuflex.hub.ops import cli
 
@@ -406,3 +408,94 @@ def test_serve_takes_a_stage_timeout_and_refuses_a_bad_one_in_one_line(tmp_path,
     assert cli._serve_config(args) is None
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--stage-timeout must be a number of seconds above 0" in err
+
+
+@dataclass
+class _ServedHub:
+    """A `gpuflex-hub serve` process as the stage driver reads a hub: its URL, key and tokens."""
+
+    url: str
+    hub_key: bytes
+    tokens: dict[str, str]
+
+
+def _serve(data_dir: Path, port: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpuflex.hub",
+            "serve",
+            "--data",
+            str(data_dir),
+            "--port",
+            port,
+            "--long-poll-max",
+            "1",
+            "--stage-timeout",
+            "60",
+            *RELAXED_SERVE_ARGS,
+            *store_args(data_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc
+    raise AssertionError("the hub did not start again")
+
+
+def test_a_hub_killed_with_sigkill_resumes_the_pipeline_from_its_committed_step(
+    hub_process, tmp_path
+) -> None:
+    hp = hub_process
+    _, _, body = request(hp.url, "GET", "/v1/hub")
+    hub = _ServedHub(
+        hp.url, bytes.fromhex(json.loads(body)["public_key"]), {"owner": hp.token("owner", "olga")}
+    )
+    keys = [register(hub.url) for _ in range(2)]
+    code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=2))
+    assert code == 201, job
+    first = poll_until(hub, keys)
+    s0 = next(i for i, sa in enumerate(first) if sa.stage == 0)
+    start = model_of(hub, keys[0], first[0])
+    x, y = job_data(hub.url, keys[s0], first[s0])
+    runs = drive_all(hub, keys, first, options={0: {"stop_at": 4}, 1: {"stop_at": 4}})
+    assert all(r.error is None for r in runs)
+    hp.proc.kill()  # kill -9, right after step 4 was committed
+    hp.proc.wait(timeout=30)
+    proc = _serve(hp.data_dir, hp.url.rsplit(":", 1)[1])
+    try:
+        second = poll_until(hub, keys)
+        assert {sa.generation for sa in second} == {2} and {sa.first_step for sa in second} == {4}
+        runs = drive_all(hub, keys, second)
+        assert all(r.error is None for r in runs), [r.error for r in runs]
+        doc = wait_state(hub, job["id"], "done")
+        want = reference(first[0].model_spec, start, first[0], x, y, 6)
+        assert max_rel_diff(final_model_of(hub, keys[0], doc), _state(want)) <= 1e-5
+        assert "the hub restarted" in doc["pipeline"]["generations"][1]["reason"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def final_model_of(hub: _ServedHub, key, doc: dict) -> dict[str, torch.Tensor]:
+    """The job's final model, downloaded as its owner would (safetensors, GET /v1/jobs/{id}/model)."""
+    from safetensors.torch import load
+
+    code, _, body = request(
+        hub.url,
+        "GET",
+        f"/v1/jobs/{doc['id']}/model",
+        None,
+        {"Authorization": f"Bearer {hub.tokens['owner']}"},
+    )
+    assert code == 200, body[:200]
+    return dict(load(body))
