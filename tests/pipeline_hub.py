@@ -124,7 +124,7 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode("ascii")
 
 
-def hello(memory: int = 1 << 30) -> Hello:
+def hello(memory: int = 1 << 30, stage_address: str = "") -> Hello:
     return Hello(
         software_version="0.1.0",
         protocol_version=PROTOCOL_VERSION,
@@ -142,12 +142,14 @@ def hello(memory: int = 1 << 30) -> Hello:
         timestamp=time.time(),
         nonce=new_nonce(),
         max_memory_bytes=memory,
+        stage_address=stage_address,
     )
 
 
-def register(url: str) -> SigningKey:
+def register(url: str, stage_address: str = "") -> SigningKey:
     key = SigningKey.generate()
-    status, _, body = request(url, "POST", "/v1/nodes/register", seal(key, hello()), MSGPACK)
+    msg = hello(stage_address=stage_address)
+    status, _, body = request(url, "POST", "/v1/nodes/register", seal(key, msg), MSGPACK)
     assert status == 200, body
     return key
 

@@ -139,11 +139,13 @@ def test_a_bad_pipeline_section_is_refused_at_submission_in_one_line(hub, tmp_pa
 
 
 def test_a_two_stage_pipeline_equals_one_process_and_its_model_is_the_jobs(hub, tmp_path) -> None:
-    keys = [register(hub.url) for _ in range(2)]
+    keys = [register(hub.url, "10.0.0.5:7070"), register(hub.url)]
     code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=3))
     assert code == 201, job
     got = poll_until(hub, keys)
     assert sorted(sa.stage for sa in got) == [0, 1] and {sa.generation for sa in got} == {1}
+    addresses = dict(zip(got[0].stage_nodes, got[0].stage_addresses, strict=True))
+    assert addresses == {keys[0].fingerprint: "10.0.0.5:7070", keys[1].fingerprint: ""}
     assert all(sa.first_step == 0 and sa.end_step == 6 and sa.micro_batches == 4 for sa in got)
     assert hub.call(lambda: hub.hub.app[LEDGER].scheduler.jobs[job["id"]].live_count()) == 0
     doc = status(hub, job["id"])
@@ -259,6 +261,30 @@ def test_a_lost_stage_node_is_replaced_from_the_committed_step(
         and "sent no report" in new["reason"]
         and keys[lost].fingerprint in new["reason"]
     )
+
+
+def test_a_cancelled_pipelined_job_ends_its_generation(hub, tmp_path) -> None:
+    keys = [register(hub.url) for _ in range(2)]
+    code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=4, every=2))
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    code, _, body = request(
+        hub.url,
+        "POST",
+        f"/v1/jobs/{job['id']}/cancel",
+        None,
+        {"Authorization": f"Bearer {hub.tokens['owner']}"},
+    )
+    assert code == 200 and json.loads(body)["state"] == "cancelled"
+    code, answer = send_report(hub.url, keys[0], got[0], 1)
+    assert code == 200 and not ack_of(hub, answer).ok
+    code, answer = send_checkpoint(hub.url, keys[0], got[0], got[0].unit_start, 2, b"x")
+    assert (code, error_of(answer)[0]) == (409, "stale_generation")
+    give_up = time.monotonic() + 10
+    while hub.call(lambda: job["id"] in hub.hub.app[LEDGER].pipelines.jobs):
+        assert time.monotonic() < give_up, "the cancelled job's pipeline is still held"
+        time.sleep(0.1)
+    assert poll(hub, keys[0], 0.2) is None
 
 
 def test_a_failed_report_replans_at_once(hub, tmp_path) -> None:
