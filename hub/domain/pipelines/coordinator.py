@@ -144,6 +144,11 @@ class Pipelines:
                     self.jobs[job.id].refusal = f"planning failed: {exc}".splitlines()[0]
 
     async def _tick_job(self, job: JobState, state: PipelineState, now: float) -> None:
+        if (
+            state.committed_step >= state.end_step
+        ):  # committed, but not finished (a restart between)
+            await self._finish(job, state)
+            return
         g = state.generation
         if g is not None:
             lost = lost_stage(
