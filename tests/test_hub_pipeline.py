@@ -246,6 +246,13 @@ def test_a_lost_stage_node_is_replaced_from_the_committed_step(
         range(second[1].unit_start, second[1].unit_end)
     )
     _stale_answers(hub, keys[kept], first[kept])
+    other = (
+        second[1].unit_states[0].sha256
+    )  # a unit state of the other stage: not the survivor's to read
+    assert _blob_status(hub, keys[kept], other) == 403 and _blob_status(hub, keys[2], other) == 200
+    assert _blob_status(hub, keys[lost], second[0].model_hash) == 403, (
+        "the lost node holds no stage"
+    )
     runs = drive_all(hub, [keys[kept], keys[2]], second)
     assert all(r.error is None for r in runs), [r.error for r in runs]
     doc = wait_state(hub, job["id"], "done")
@@ -285,6 +292,16 @@ def test_a_cancelled_pipelined_job_ends_its_generation(hub, tmp_path) -> None:
         assert time.monotonic() < give_up, "the cancelled job's pipeline is still held"
         time.sleep(0.1)
     assert poll(hub, keys[0], 0.2) is None
+
+
+def _blob_status(hub: HubThread, key, sha: str) -> int:
+    from gpuflex.protocol.messages import BlobRequest
+
+    auth = BlobRequest(sha256=sha, timestamp=time.time(), nonce=new_nonce())
+    code, _, _ = request(
+        hub.url, "GET", f"/v1/blobs/{sha}", None, {"X-GPUFlex-Auth": b64(seal(key, auth))}
+    )
+    return code
 
 
 def test_a_failed_report_replans_at_once(hub, tmp_path) -> None:

@@ -101,6 +101,8 @@ class PipelineState:
     generations: int = 0  # the highest generation number ever planned (durable)
     #: the last generation planned, live or ended (a re-plan keeps its survivors' units)
     previous: Generation | None = None
+    #: node id -> the unit states its StageAssignment names (the blobs it may read of them)
+    named: dict[str, frozenset[str]] = field(default_factory=dict)
     #: nodes of the live generation that were handed their stage (each is handed it once)
     handed: set[str] = field(default_factory=set)
     refusal: str | None = None

@@ -243,6 +243,13 @@ class Pipelines:
             slot.node_id: seal(self.key, stage_assignment(job, state, g, s, nodes, now=now))
             for s, slot in enumerate(g.stages)
         }
+        committed = state.committed_states()
+        state.named = {
+            slot.node_id: frozenset(
+                committed[u].sha for u in range(slot.unit_start, slot.unit_end) if u in committed
+            )
+            for slot in g.stages
+        }
         state.generation = state.previous = g
         state.generations = g.number
         state.refusal, state.refused_over = None, None
@@ -276,6 +283,7 @@ class Pipelines:
         await self.store.end_generation(job.id, g.number, now=now)
         state.generation = None
         state.sealed = {}
+        state.named = {}
         state.reports = {}
         state.last_report = {}
         state.replan_reason = reason
@@ -309,18 +317,13 @@ class Pipelines:
         return any(st.generation is not None and node.id in st.sealed for st in self.jobs.values())
 
     def may_read_blob(self, node: NodeState, sha: str) -> bool:
-        """A stage's node reads its job's model and chunks, and its units' states at the
-        generation's first step."""
+        """A stage's node reads its job's model and chunks, and the unit states its
+        StageAssignment names."""
         for state in self.jobs.values():
-            g = state.generation
-            stage = None if g is None else g.stage_of(node.id)
             job = self.scheduler.jobs.get(state.job_id)
-            if g is None or stage is None or job is None:
+            if state.generation is None or node.id not in state.sealed or job is None:
                 continue
-            if sha == job.model_hash or sha in job.by_sha:
-                return True
-            committed = state.committed_states()
-            if any(u in committed and committed[u].sha == sha for u in stage_units(g, stage)):
+            if sha == job.model_hash or sha in job.by_sha or sha in state.named.get(node.id, ()):
                 return True
         return False
 
