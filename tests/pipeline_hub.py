@@ -154,11 +154,17 @@ def register(url: str, stage_address: str = "") -> SigningKey:
     return key
 
 
-def poll(hub: HubThread, key: SigningKey, wait_s: float = 1.0) -> StageAssignment | None:
-    """One /v1/work poll: the StageAssignment handed to this node, or None."""
+def work(hub: HubThread, key: SigningKey, wait_s: float = 1.0) -> bytes:
+    """One /v1/work poll's sealed answer."""
     msg = WorkRequest(cached_chunks=(), wait_s=wait_s, timestamp=time.time(), nonce=new_nonce())
     status, _, body = request(hub.url, "POST", "/v1/work", seal(key, msg), MSGPACK)
     assert status == 200, body
+    return body
+
+
+def poll(hub: HubThread, key: SigningKey, wait_s: float = 1.0) -> StageAssignment | None:
+    """One /v1/work poll: the StageAssignment handed to this node, or None."""
+    body = work(hub, key, wait_s)
     try:
         sa, _ = open_sealed(body, StageAssignment, signer=hub.hub_key)
     except Exception:  # NoWork (or a data-parallel assignment)

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from gpuflex.hub.server.appkeys import LEDGER
-from gpuflex.protocol.messages import RelayHeader
-from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.messages import NoWork, RelayHeader
+from gpuflex.protocol.signing import new_nonce, open_sealed, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
 from tests.helpers import RELAXED_SERVE_ARGS, open_store, store_args, stored_blobs
@@ -46,6 +46,7 @@ from tests.pipeline_hub import (
     send_checkpoint,
     send_report,
     submit,
+    work,
 )
 
 torch.set_num_threads(1)
@@ -148,6 +149,12 @@ def test_a_two_stage_pipeline_equals_one_process_and_its_model_is_the_jobs(hub, 
     assert addresses == {keys[0].fingerprint: "10.0.0.5:7070", keys[1].fingerprint: ""}
     assert all(sa.first_step == 0 and sa.end_step == 6 and sa.micro_batches == 4 for sa in got)
     assert hub.call(lambda: hub.hub.app[LEDGER].scheduler.jobs[job["id"]].live_count()) == 0
+    again, _ = open_sealed(
+        work(hub, keys[0], 0.2), NoWork, signer=hub.hub_key
+    )  # a stage is handed once
+    assert (
+        again.reason == "this node runs a pipeline stage: it takes other work once the stage ends"
+    )
     doc = status(hub, job["id"])
     assert (
         doc["pipeline"]["generation"]["number"] == 1

@@ -151,6 +151,8 @@ async def work(request: web.Request) -> web.Response:
         reason, retry = node.suspended[:256], cfg.node_poll_s
     elif refusal is not None:
         reason, retry = refusal[:256], cfg.node_poll_s
+    elif ledger.pipelines.holds_stage(node):
+        reason, retry = "this node runs a pipeline stage: it takes other work once the stage ends", 1.0
     elif running:
         reason, retry = "every chunk of the current rounds is taken", 1.0
     else:
