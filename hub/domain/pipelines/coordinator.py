@@ -166,6 +166,7 @@ class Pipelines:
         return state
 
     def _drop(self, job_id: str) -> None:
+        self._cuts.pop(job_id, None)
         if self.jobs.pop(job_id, None) is not None:
             self.relay.drop(job_id)
 
@@ -194,6 +195,8 @@ class Pipelines:
             s.node_id for st in self.jobs.values() if st.generation for s in st.generation.stages
         }
         asking = self.config.long_poll_max_s + self.config.node_poll_s + ASK_GRACE_S
+        for node_id in [n for n, until in self._lost.items() if until <= now]:
+            del self._lost[node_id]
         return [
             offer_of(n, flops_per_sample)
             for n in sorted(self.scheduler.nodes.values(), key=lambda n: n.id)
