@@ -144,9 +144,8 @@ class Pipelines:
                     self.jobs[job.id].refusal = f"planning failed: {exc}".splitlines()[0]
 
     async def _tick_job(self, job: JobState, state: PipelineState, now: float) -> None:
-        if (
-            state.committed_step >= state.end_step
-        ):  # committed, but not finished (a restart between)
+        # every unit's last state is committed, but the job did not finish (a restart between)
+        if state.committed_step >= state.end_step:
             await self._finish(job, state)
             return
         g = state.generation
