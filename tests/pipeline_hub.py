@@ -282,14 +282,23 @@ def job_data(url: str, key: SigningKey, sa: StageAssignment) -> tuple[torch.Tens
     return torch.cat(xs), torch.cat(ys)
 
 
+#: the node's optimizers' state (node/optim.py): the attribute holding each slot's tensors, in
+#: the order of the stage's parameters
+SLOTS = {"momentum_buffer": "bufs", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
 def unit_state_blob(unit_module: nn.Module, optimizer: Any, params: list[torch.Tensor]) -> bytes:
-    """A unit's state as the contract says: its own entries, and its optimizer's (SGD momentum)."""
+    """A unit's state as the contract says: its own entries, and its optimizer's (SGD's momentum,
+    Adam's moments and step count)."""
     state = {k: v.detach().clone() for k, v in unit_module.state_dict().items()}
-    bufs = getattr(optimizer, "bufs", None)
-    if bufs is not None:
-        index = {id(p): i for i, p in enumerate(params)}
-        for name, p in unit_module.named_parameters():
-            state[f"optim.momentum_buffer.{name}"] = bufs[index[id(p)]].detach().clone()
+    index = {id(p): i for i, p in enumerate(params)}
+    for slot, attr in SLOTS.items():
+        held = getattr(optimizer, attr, None)
+        if held is not None:
+            for name, p in unit_module.named_parameters():
+                state[f"optim.{slot}.{name}"] = held[index[id(p)]].detach().clone()
+    if getattr(optimizer, "exp_avg", None) is not None:
+        state["optim.step"] = torch.tensor([optimizer.t], dtype=torch.int64)
     return encode_state(state)
 
 
@@ -322,13 +331,21 @@ def load_stage(
     stage = nn.Sequential(*modules)
     params = list(stage.parameters())
     optimizer = make_optimizer(params, sa.train)
-    if optim_state:  # SGD with momentum: its buffers, in the order of the parameters
-        bufs = [
-            optim_state[sa.unit_start + k][f"optim.momentum_buffer.{name}"]
-            for k, m in enumerate(modules)
-            for name, _ in m.named_parameters()
-        ]
-        optimizer.bufs = bufs
+    if optim_state:  # the optimizer's state, in the order of the parameters
+        first = optim_state[sa.unit_start]
+        for slot, attr in SLOTS.items():
+            if any(k.startswith(f"optim.{slot}.") for k in first):
+                setattr(
+                    optimizer,
+                    attr,
+                    [
+                        optim_state[sa.unit_start + k][f"optim.{slot}.{name}"]
+                        for k, m in enumerate(modules)
+                        for name, _ in m.named_parameters()
+                    ],
+                )
+        if "optim.step" in first:
+            optimizer.t = int(first["optim.step"][0])
     return stage, optimizer, params
 
 

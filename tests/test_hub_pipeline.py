@@ -326,20 +326,35 @@ def test_a_failed_report_replans_at_once(hub, tmp_path) -> None:
     assert "stopped: a peer's tensor did not come within 60 s" in reasons[1]
 
 
-def test_a_restarted_hub_resumes_from_the_committed_step_in_a_new_generation(tmp_path) -> None:
+SGD_LINES = 'optimizer = "sgd"\nlr = 0.05\nmomentum = 0.9'
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_restarted_hub_resumes_from_the_committed_step_in_a_new_generation(
+    tmp_path, stages
+) -> None:
+    """2 stages under SGD with momentum; 3 stages (one unit each) under Adam, its moments and step
+    count carried through the checkpoints."""
+    spec = SPEC.format(stages=stages, steps=6, every=2)
+    if stages == 3:
+        spec = spec.replace(SGD_LINES, 'optimizer = "adam"\nlr = 0.01')
     hub = HubThread(tmp_path / "hub", stage_timeout_s=30.0)
     try:
-        keys = [register(hub.url) for _ in range(2)]
-        code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=2))
+        keys = [register(hub.url) for _ in range(stages)]
+        code, job = submit(hub, tmp_path, spec)
         assert code == 201, job
         first = poll_until(hub, keys)
+        assert (
+            first[0].train.optimizer == ("adam" if stages == 3 else "sgd")
+            and len(first[0].stage_nodes) == stages
+        )
         start = model_of(hub, keys[0], first[0])
         x, y = job_data(
             hub.url,
             keys[next(i for i, s in enumerate(first) if s.stage == 0)],
             next(s for s in first if s.stage == 0),
         )
-        runs = drive_all(hub, keys, first, options={0: {"stop_at": 4}, 1: {"stop_at": 4}})
+        runs = drive_all(hub, keys, first, options={i: {"stop_at": 4} for i in range(stages)})
         assert all(r.error is None for r in runs)
     finally:
         hub.stop()
