@@ -189,3 +189,27 @@ def test_a_tied_embedding_crosses_between_the_stages_holding_it() -> None:
     plan = relay_plan(_generation((StageSlot("gf1-a", 0, 2), StageSlot("gf1-b", 2, 4))), cut)
     assert plan.boundaries == (Crossing("float32", (8, 8, 16)),)
     assert plan.tied == (TiedStages((0, 1), Crossing("float32", (50, 16))),)
+
+
+def test_a_relay_plan_refuses_another_generation_in_one_line() -> None:
+    from gpuflex.hub.base.errors import Conflict
+    from gpuflex.hub.model.relay import RelayPlan
+
+    plan = RelayPlan(
+        stages=("gf1-a", "gf1-b"),
+        boundaries=(Crossing("float32", (2, 3)),),
+        micro_batches=1,
+        generation=3,
+    )
+    plan.check_generation(3)
+    for other in (0, 2, 4):
+        with pytest.raises(Conflict) as caught:
+            plan.check_generation(other)
+        assert caught.value.code == "stale_generation" and caught.value.status == 409
+        assert f"generation {other}" in caught.value.detail and "\n" not in caught.value.detail
+    assert (
+        RelayPlan(
+            stages=("a", "b"), boundaries=(Crossing("float32", (1,)),), micro_batches=1
+        ).generation
+        == 0
+    )
