@@ -26,8 +26,10 @@ from gpuflex.protocol.messages import (
     SiloQuery,
     SiloRegistration,
     SiloWithdrawal,
+    StageReport,
     StateUnavailable,
     StateUpload,
+    UnitCheckpoint,
     UpdateHeader,
     WorkRequest,
 )
@@ -107,6 +109,13 @@ def _message(kind: str):
     if kind == "state_unavailable":
         return "/v1/states/unavailable", StateUnavailable(request_id="sr-1", steps=(0, 3), reason="pruned",
                                                           timestamp=now, nonce=new_nonce())
+    if kind == "stage_report":
+        return "/v1/pipeline/report", StageReport(job_id="j-1", generation=1, stage=0, steps_done=1, step_s=0.1,
+                                                  compute_s=0.1, loss=2.0, failed="", timestamp=now,
+                                                  nonce=new_nonce())
+    if kind == "unit_checkpoint":
+        return "/v1/pipeline/checkpoint", UnitCheckpoint(job_id="j-1", generation=1, stage=0, unit=0, step=2,
+                                                         sha256="c" * 64, size=4, timestamp=now, nonce=new_nonce())
     if kind == "state":
         return "/v1/states", StateUpload(request_id="sr-1", step=3, state_sha256="c" * 64, state_size=4,
                                          timestamp=now, nonce=new_nonce())
@@ -143,7 +152,8 @@ def _mutate(data: bytes, m) -> bytes:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
-                             "update_offset", "state", "state_unavailable", "silo_schema", "silo", "silo_withdrawal"]),
+                             "update_offset", "state", "state_unavailable", "silo_schema", "silo", "silo_withdrawal",
+                             "stage_report", "unit_checkpoint"]),
        m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread
@@ -164,6 +174,9 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
         elif kind == "state":
             status, body = _post(conn, path, b"\x00" * 4,
                                  {"X-GPUFlex-State": base64.urlsafe_b64encode(data).decode()})
+        elif kind == "unit_checkpoint":
+            status, body = _post(conn, path, b"\x00" * 4,
+                                 {"X-GPUFlex-Auth": base64.urlsafe_b64encode(data).decode()})
         else:
             status, body = _post(conn, path, data)
     finally:
@@ -338,3 +351,81 @@ def test_any_query_parameter_value_gets_an_answer_or_a_one_line_4xx(hub_thread, 
         assert set(doc) == {"error", "detail"} and doc["detail"] and "\n" not in doc["detail"], doc
     if template.endswith("/model") and value.isascii() and value.isdigit() and int(value) == 0:
         assert status == 200, raw[:300]
+
+
+# -- a pipelined job's stage endpoints, against a live generation ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_world(tmp_path_factory):
+    """A 2-stage generation of a pipelined job: the fuzzing node runs stage 0."""
+    from tests.pipeline_hub import HubThread, poll_until, register, submit
+    from tests.test_hub_pipeline import SPEC
+
+    where = tmp_path_factory.mktemp("fuzzpipeline")
+    hub = HubThread(where / "hub", stage_timeout_s=3600.0)
+    keys = [register(hub.url) for _ in range(2)]
+    code, job = submit(hub, where, SPEC.format(stages=2, steps=8, every=2))
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    first = next(i for i, sa in enumerate(got) if sa.stage == 0)
+    yield hub, keys[first], got[first]
+    hub.stop()
+
+
+def _pipeline_rows(hub) -> tuple[int, int]:
+    from tests.helpers import open_store
+
+    conn = open_store(hub.hub.data_dir)
+    try:
+        return (conn.execute("SELECT COUNT(*) FROM unit_states").fetchone()[0],
+                conn.execute("SELECT committed_step FROM pipelines").fetchone()[0])
+    finally:
+        conn.close()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(generation=st.sampled_from([1, 2, 1 << 31]), stage=st.integers(0, 3), unit=st.integers(0, 4),
+       step=st.integers(1, 12), sha=st.none() | st.text("0123456789abcdef", min_size=64, max_size=64),
+       size_delta=st.integers(-3, 3), body=st.binary(max_size=300))
+def test_validly_signed_hostile_checkpoints_get_clean_4xx_and_keep_nothing(pipeline_world, generation, stage, unit,
+                                                                            step, sha, size_delta, body):
+    """POST /v1/pipeline/checkpoint, signed by the stage's own node, naming anything with any body."""
+    from tests.pipeline_hub import send_checkpoint
+
+    hub, key, sa = pipeline_world
+    size = max(0, len(body) + size_delta)
+    status, raw = send_checkpoint(hub.url, key, sa, unit, step, body, sha=sha, size=size, generation=generation,
+                                  stage=stage)
+    assert 400 <= status < 500, (status, raw[:200])
+    doc = json.loads(raw)
+    assert set(doc) == {"error", "detail"} and doc["detail"] and "\n" not in doc["detail"]
+    event(doc["error"])
+    assert _pipeline_rows(hub) == (0, 0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job=st.sampled_from(["own", "j-1"]), generation=st.sampled_from([1, 2, 1 << 31]), stage=st.integers(0, 3),
+       steps_done=st.integers(0, 1 << 40), step_s=st.floats(0.0, 1e6), loss=st.none() | st.floats(0.0, 1e30))
+def test_validly_signed_hostile_reports_are_refused_in_one_line_or_acknowledged(pipeline_world, job, generation,
+                                                                                stage, steps_done, step_s, loss):
+    """POST /v1/pipeline/report, signed by the stage's own node, naming anything: a 4xx in one line, or
+    a sealed Ack for a report of its own stage (recorded only then); the generation stays."""
+    from gpuflex.hub.server.appkeys import LEDGER
+
+    from tests.pipeline_hub import ack_of, send_report
+
+    hub, key, sa = pipeline_world
+    status, raw = send_report(hub.url, key, sa, steps_done, loss=loss, generation=generation, stage=stage,
+                              job_id=sa.job_id if job == "own" else job)
+    if status == 200:
+        ack = ack_of(hub, raw)
+        assert ack.ok == (generation == sa.generation and job == "own"), ack
+        event(f"ack ok={ack.ok}")
+    else:
+        assert 400 <= status < 500, (status, raw[:200])
+        doc = json.loads(raw)
+        assert set(doc) == {"error", "detail"} and "\n" not in doc["detail"]
+        event(doc["error"])
+    live = hub.call(lambda: hub.hub.app[LEDGER].pipelines.jobs[sa.job_id].generation)
+    assert live is not None and live.number == sa.generation

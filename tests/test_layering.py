@@ -245,7 +245,8 @@ SQL_WRITE = re.compile(r"\b(INSERT (OR \w+ )?INTO|UPDATE \w+ SET|DELETE FROM|REP
 #: modules, the one-off move of a stopped hub's tables from SQLite to PostgreSQL (hub/storage/migrate.py),
 #: and the blob store's pack of small blobs, a file of its own (hub/storage/blobpack.py); the store's
 #: rollback aggregate is a module of its own (hub/storage/store_rollback.py)
-WRITERS = {"hub/storage/store_sqlite.py", "hub/storage/store_rollback.py", "hub/storage/store_postgres.py",
+WRITERS = {"hub/storage/store_sqlite.py", "hub/storage/store_rollback.py", "hub/storage/store_pipelines.py",
+           "hub/storage/store_postgres.py",
            "hub/storage/tokens.py",
            "hub/storage/token_admin.py", "hub/server/console/sessions.py", "hub/storage/migrate.py",
            "hub/storage/blobpack.py"}

@@ -640,6 +640,68 @@ async def test_a_silo_survives_a_restart_and_replacing_it_keeps_its_index(opened
     assert again.silo_of == {"gf1-a": 0} and again.free == {0} and again.free_total == 12
 
 
+def _generation(job_id: str, number: int, first_step: int, reason: str):
+    from gpuflex.hub.model.pipeline import Generation, StageSlot
+
+    return Generation(job_id=job_id, number=number, first_step=first_step, end_step=20,
+                      stages=(StageSlot("gf1-a", 0, 1, 0.25, 100), StageSlot("gf1-b", 1, 2, 0.5, 200)),
+                      micro_batches=4, micro_batch_size=8, schedule="1f1b", step_s=1.5,
+                      bubble_fraction=0.2, reason=reason, created_at=10.0 + number)
+
+
+async def test_a_pipelines_generations_unit_states_and_committed_step_survive_a_restart(opened) -> None:
+    """A pipelined job's durable state: the last generation planned, each unit's state at or after
+    the committed step (a state at an earlier step is history), the committed step itself."""
+    from gpuflex.hub.model.pipeline import StepReport, UnitRecord
+
+    kind, where, store = opened
+    job = await _job(where, store)
+    await store.save_generation(_generation(job.id, 1, 0, "the first plan"), now=11.0)
+    for unit, step in ((0, 5), (1, 5), (0, 10)):
+        await store.save_unit_state(job.id, UnitRecord(unit, step, f"{unit}{step}" * 16, 100 + unit),
+                                    generation=1, node_id="gf1-a", now=12.0,
+                                    committed=5 if (unit, step) == (1, 5) else None)
+    await store.save_stage_report(job.id, StepReport(1, 1, "gf1-b", 6, 1.7, 1.2, 1.5, 2.25, 13.0))
+    await store.save_stage_report(job.id, StepReport(1, 1, "gf1-b", 6, 1.8, 1.3, 1.5, 2.5, 14.0))
+    await store.save_generation(_generation(job.id, 2, 5, "node gf1-a was lost"), now=15.0)
+    store = await _reopen(kind, where, store)
+    try:
+        (loaded,) = await store.load_pipelines()
+        rows = await store.query(lambda c: [tuple(r) for r in c.execute(
+            "SELECT generation, ended_at FROM pipeline_generations ORDER BY generation").fetchall()])
+        reports = await store.query(lambda c: [tuple(r) for r in c.execute(
+            "SELECT steps_done, step_s, loss FROM stage_reports").fetchall()])
+        await store.finish_pipeline(job.id, "ff" * 32, 1234, now=16.0)
+        assert await store.load_pipelines() == [], "a done job has no pipeline to resume"
+        assert await store.job_state(job.id) == "done"
+        model = await store.query(lambda c: tuple(c.execute(
+            "SELECT version, sha FROM models WHERE job_id = ? ORDER BY version DESC", (job.id,)).fetchone()))
+    finally:
+        store.close()
+    assert (loaded.committed_step, loaded.generations) == (5, 2)
+    assert loaded.last == _generation(job.id, 2, 5, "node gf1-a was lost")
+    assert loaded.states == [UnitRecord(0, 5, "05" * 16, 100), UnitRecord(1, 5, "15" * 16, 101),
+                             UnitRecord(0, 10, "010" * 16, 100)]
+    assert rows == [(1, 15.0), (2, None)]
+    assert reports == [(6, 1.8, 2.5)], "a step reported again replaces its row"
+    assert model == (1, "ff" * 32)
+
+
+def test_a_version_7_database_gains_the_pipeline_tables(tmp_path: Path) -> None:
+    path = tmp_path / "hub.sqlite3"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    conn.executescript("DROP TABLE pipelines; DROP TABLE pipeline_generations; DROP TABLE unit_states;"
+                       " DROP TABLE stage_reports; PRAGMA user_version = 7;")
+    conn.close()
+    db = Database(path)
+    try:
+        assert db.write_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        assert db.write_sync(lambda c: c.execute("SELECT COUNT(*) FROM unit_states").fetchone()[0]) == 0
+    finally:
+        db.close()
+
+
 def test_a_database_from_a_newer_hub_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "hub.sqlite3"
     conn = sqlite3.connect(path)

@@ -61,6 +61,9 @@ class HubConfig:
     torch_threads: int | None = 1
     #: a background loop that died starts again after this delay (doubling up to 30 s)
     loop_restart_s: float = 1.0
+    #: a pipeline stage whose node sends no report for this long is lost: the hub re-plans the
+    #: job's pipeline (a new generation from its committed step) over the nodes online
+    stage_timeout_s: float = 30.0
 
     # -- Sybil and collusion defences (docs/verification.md: Sybils and collusion) -----
     #: an address block is the node's IPv4 /ipv4_block_prefix or IPv6 /ipv6_block_prefix network

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.modelspec import ModelSpec, build_model
+from gpuflex.protocol.pipeline import pipeline_units
 from gpuflex.protocol.tensors import (
     MAX_HEADER_BYTES,
     encode_state,
@@ -39,6 +40,7 @@ from ..policy.dataset import (
 )
 from ..policy.strategy import check_registered
 from ..storage.blobs import BlobStore
+from .pipelines.planning import check_pipeline_spec
 
 if TYPE_CHECKING:
 
@@ -73,6 +75,20 @@ def _split_and_size(spec: JobSpec, train_path: Path, val_path: Path | None,
     return train, val, [d for d in (held, sized) if d is not None]
 
 
+def _check_pipeline(spec: JobSpec) -> None:
+    """A ``[pipeline]`` job's model must cut into at least 2 units, into at most its fixed
+    ``stages``, and its fixed ``micro_batches`` must divide ``[train] batch_size``."""
+    if spec.pipeline is None:
+        return
+    try:
+        units = len(pipeline_units(spec.model))
+    except ProtocolError as exc:
+        raise Unprocessable(f"pipeline: the model cannot be cut into units: {exc}", code="bad_spec") from None
+    why = check_pipeline_spec(spec.pipeline, units, spec.train.batch_size)
+    if why is not None:
+        raise Unprocessable(f"pipeline: {why}", code="bad_spec")
+
+
 def ingest_job(
     store: Store,
     blobs: BlobStore,
@@ -93,6 +109,7 @@ def ingest_job(
         check_registered(spec)  # a strategy the spec names is one this hub's code has
     except (ProtocolError, AggregationError) as exc:
         raise Unprocessable(str(exc), code="bad_spec") from None
+    _check_pipeline(spec)
     mspec = spec.model
     dspec = spec.data
     stratified = dspec.split == "stratified" and mspec.task == "classification"

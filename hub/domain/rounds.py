@@ -138,8 +138,8 @@ class RoundEngine:
             self._wake.clear()
             while self._pending:
                 job = self.scheduler.jobs.get(self._pending.pop())
-                if job is None or job.state != "running":
-                    continue
+                if job is None or job.state != "running" or job.spec.pipeline is not None:
+                    continue  # a pipelined job has no rounds (hub/domain/pipelines/)
                 self.current = job
                 try:
                     await self.advance(job)

@@ -7,7 +7,8 @@ Each work request gets, in this order of preference:
    proportion to its throughput, among the nodes that want work now (hub/domain/sizing.py),
 3. nothing ("retry after").
 
-Jobs share nodes fairly: the job with the fewest live assignments goes first. A node never gets
+Jobs share nodes fairly: the job with the fewest live assignments goes first. A pipelined job
+(``[pipeline]``) gets no shard: its stages are hub/domain/pipelines/'s. A node never gets
 work of a job whose precision it cannot train (hub/domain/presence.py: who is online, who wants
 work, how fast a node trains a job).
 The scheduler holds the work queue (jobs, live assignments) and the collaborators it asks:
@@ -114,7 +115,8 @@ class Scheduler:
         jobs = [
             j
             for j in self.jobs.values()
-            if j.state == "running" and not j.closing and presence.can_run(j, node)
+            if j.state == "running" and not j.closing and j.spec.pipeline is None
+            and presence.can_run(j, node)
         ]
         jobs.sort(key=lambda j: (j.live_count(), j.created_at, j.id))
         for job in jobs:

@@ -45,6 +45,9 @@ class NodeState:
     #: the round trip of its connection to the hub, a moving average of the kernel's measure
     #: (hub/server/linkmeter.py) taken as it asks for work; 0 until measured. Memory only
     rtt_s: float = 0.0
+    #: "host:port" where it accepts other stages' tensors directly (Hello.stage_address; "":
+    #: through the hub's relay only); kept in its device facts
+    stage_address: str = ""
     #: why it is suspended (a proven mismatch, hub/policy/suspension.py), None when it is not;
     #: the store keeps it as the open flag that suspends it
     suspended: str | None = None

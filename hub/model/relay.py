@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..base.errors import BadRequest, Forbidden, NotFound
+from ..base.errors import BadRequest, Conflict, Forbidden, NotFound
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class RelayPlan:
     first_step: int = 0
     end_step: int | None = None
     tied: tuple[TiedStages, ...] = ()
+    #: the plan's generation (StageAssignment.generation); the relay refuses another one's messages
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if len(self.stages) < 2 or len(self.boundaries) != len(self.stages) - 1:
@@ -89,6 +91,15 @@ class RelayPlan:
         raise BadRequest(
             f"an {carries} does not go from stage {stage} to stage {to_stage}", code="not_in_plan"
         )
+
+    def check_generation(self, generation: int) -> None:
+        """Conflict (409 ``stale_generation``) for a message of another generation than this plan's."""
+        if generation != self.generation:
+            raise Conflict(
+                f"generation {generation} of this job's pipeline is over (it runs generation"
+                f" {self.generation}): stop the stage and ask for work",
+                code="stale_generation",
+            )
 
     def check_owner(self, node_id: str, stage: int, what: str) -> None:
         """Forbidden unless ``node_id`` runs ``stage``."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import owner_client as oc
 from .cli_common import ENV_HUB, ENV_TOKEN, _hub_and_token, print_columns
+from .cli_pipeline import print_pipeline_status
 from .cli_plan import cmd_job_plan
 from .cli_rollback import add_rollback, rollback_notes
 from .owner_client import OwnerClientError
@@ -70,6 +71,10 @@ def _serve_config(args: argparse.Namespace) -> HubConfig | None:
         print(f"error: --body-idle-timeout must be a number of seconds, 0 or more (got {args.body_idle_timeout})",
               file=sys.stderr)
         return None
+    if not 0 < args.stage_timeout < float("inf"):
+        print(f"error: --stage-timeout must be a number of seconds above 0 (got {args.stage_timeout})",
+              file=sys.stderr)
+        return None
     if args.store is not None:
         from ..storage.store_postgres import check_url
 
@@ -87,7 +92,7 @@ def _serve_config(args: argparse.Namespace) -> HubConfig | None:
         ipv4_block_prefix=args.ipv4_block_prefix, ipv6_block_prefix=args.ipv6_block_prefix,
         registrations_per_block=args.registrations_per_block, registrations_global=args.registrations_global,
         trust_min_age_s=args.trust_min_age, unproven_max_chunks=args.unproven_max_chunks,
-        body_idle_timeout_s=args.body_idle_timeout,
+        body_idle_timeout_s=args.body_idle_timeout, stage_timeout_s=args.stage_timeout,
     )
 
 
@@ -395,6 +400,8 @@ def cmd_job_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
         return 0
+    if "pipeline" in doc:  # a pipelined job has no rounds: its pipeline is its progress
+        return print_pipeline_status(doc, args, hub, token)
     from rich.console import Console
     from rich.live import Live
 
@@ -519,6 +526,9 @@ def _add_serve_defences(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-idle-timeout", type=float, default=d.body_idle_timeout_s, metavar="S",
                    help="a request whose body sends no bytes for this long gets 408 and its connection is"
                         " closed; 0 = wait for ever (default %(default)s)")
+    p.add_argument("--stage-timeout", type=float, default=d.stage_timeout_s, metavar="S",
+                   help="a pipeline stage that reports nothing for this long is lost and its job's"
+                        " pipeline re-planned (default %(default)s)")
 
 
 def _add_token(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

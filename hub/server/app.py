@@ -23,6 +23,7 @@ from ..domain.ledger import Ledger
 from ..domain.metrics import HubMetrics
 from ..domain.scheduler import Scheduler
 from ..domain.worksignal import WorkSignal
+from ..model.relay import RelayRegistry
 from ..storage import backend
 from ..storage.auditlog import AuditLog
 from ..storage.backend import open_blob_store
@@ -32,7 +33,7 @@ from ..storage.deltas import ModelDeltas
 from ..storage.hub_key import load_or_create_hub_key
 from ..storage.migrate import refuse_if_migrated
 from ..storage.store import Store
-from . import relay, routes_audit, routes_node, routes_owner
+from . import relay, routes_audit, routes_node, routes_owner, routes_pipeline
 from .appkeys import (
     AUDIT,
     AUDIT_STATUS_CACHE,
@@ -179,17 +180,19 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
     app[IO_POOL] = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="gpuflex-hub-io")
     app[DELTAS] = deltas = ModelDeltas(blobs, app[IO_POOL])
     app[FIRST_ADMIN_TOKEN] = admin_token
-    app[RELAY] = Relay()
+    plans = RelayRegistry()  # the relay's plans: the pipelines' coordinator keeps them
+    app[RELAY] = Relay(registry=plans)
     app[LAYER_CACHE] = {}
     app[AUDIT_STATUS_CACHE] = {}
     app[PLAN_CACHE] = {}
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
-                         signal=WorkSignal(), metrics=metrics, audit=audit)
+                         signal=WorkSignal(), metrics=metrics, audit=audit, relay=plans)
     app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas
     app.add_routes(routes_node.routes)
     app.add_routes(routes_owner.routes)
     app.add_routes(routes_audit.routes)
     app.add_routes(relay.routes)
+    app.add_routes(routes_pipeline.routes)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/openapi.json", openapi)
@@ -307,6 +310,8 @@ async def _loops(app: web.Application) -> None:
                                  first_delay_s=cfg.loop_restart_s), name="gpuflex-rounds")
         tg.create_task(supervise("sweep", lambda: _sweep(app), health, first_delay_s=cfg.loop_restart_s),
                        name="gpuflex-sweep")
+        tg.create_task(supervise("pipelines", ledger.pipelines.run, health, first_delay_s=cfg.loop_restart_s),
+                       name="gpuflex-pipelines")
 
 
 async def background(app: web.Application) -> AsyncIterator[None]:

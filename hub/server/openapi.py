@@ -217,6 +217,34 @@ def _relay_paths() -> dict[str, Any]:
     }
 
 
+def _pipeline_paths() -> dict[str, Any]:
+    """A pipelined job's stage nodes: unit checkpoints and step reports (hub/server/routes_pipeline.py)."""
+    return {
+        "/v1/pipeline/checkpoint": {"post": {
+            "summary": "a pipeline stage's unit state at a checkpoint step, stored durably before the 200",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-Auth", "in": "header", "required": True,
+                            "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed UnitCheckpoint"}],
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 413, 422)},
+            "description": "The body is the unit's GFT1 state: exactly its state-dict entries (names, shapes, "
+                           "dtypes) plus optim.* entries of its optimizer, all finite. 404 unknown_job; 409 "
+                           "stale_generation / replay; 403 not_your_stage / not_your_unit; 400 "
+                           "not_a_checkpoint_step / size_mismatch; 413 too_large; 422 hash_mismatch / "
+                           "bad_state / nonfinite"}},
+        "/v1/pipeline/report": {"post": {
+            "summary": "a pipeline stage's report of a step (its liveness); ok=false: the generation is over",
+            "tags": ["node"],
+            "requestBody": {"required": True, "content": {"application/x-msgpack": {
+                "schema": {"type": "string", "format": "binary"}, "description": "a sealed StageReport"}}},
+            "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 413)},
+            "description": "The answer's ok is false once the generation is over (a re-plan, the job's end): "
+                           "the stage stops and asks for work. 404 unknown_job; 403 not_your_stage; 400 "
+                           "bad_step; 409 replay"}},
+    }
+
+
 def _upload_paths() -> dict[str, Any]:
     """The paths what a node uploads: updates (resumable) and the states the referee asks for."""
     return {
@@ -456,7 +484,7 @@ def _job_plan_schema() -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {**_ops_paths(), **_node_paths(), **_secagg_paths(), **_silo_paths(),
-                             **_blob_paths(), **_relay_paths(), **_upload_paths(), **_owner_paths(),
+                             **_blob_paths(), **_relay_paths(), **_pipeline_paths(), **_upload_paths(), **_owner_paths(),
                              **_audit_paths(), **_cooldown_paths()}
     for ops in paths.values():  # any operation: a malformed request or an undocumented query parameter
         for method, op in ops.items():

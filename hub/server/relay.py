@@ -6,7 +6,8 @@ RelayTake) takes it, waiting up to the long-poll limit, and answers the bytes wi
 sealed header as it came (X-GPUFlex-Relay), so the receiving stage verifies the sender itself.
 
 Every refusal is one line and keeps nothing: a bad signature or a replayed nonce, an unknown
-node, a job with no pipeline, a step or stage the node does not own under the job's plan
+node, a job with no pipeline, a message of another generation than the job's current plan
+(409 ``stale_generation``), a step or stage the node does not own under the job's plan
 (hub/model/relay.py), a body larger than the plan's tensor can be or not matching its signed
 size and hash, a tensor of another shape or dtype, NaN or infinity. Messages live in memory
 only (hub/server/relaybox.py), never in the database.
@@ -48,7 +49,7 @@ def _crossing(plan: RelayPlan, msg: RelayHeader | RelayTake) -> Crossing:
 
 
 def _key(msg: RelayHeader | RelayTake) -> RelayKey:
-    return (msg.job_id, msg.step, msg.micro_batch, msg.carries, msg.stage, msg.to_stage)
+    return (msg.job_id, msg.step, msg.micro_batch, msg.carries, msg.stage, msg.to_stage, msg.generation)
 
 
 def _check_tensor(body: bytes, spec: TensorSpec) -> None:
@@ -70,6 +71,7 @@ async def relay_put(request: web.Request) -> web.Response:
     hdr, signer = open_node_message(request, sealed, RelayHeader)
     node = await app[LEDGER].registry.known_node(signer, request.remote)
     plan = app[RELAY].registry.plan(hdr.job_id)
+    plan.check_generation(hdr.generation)
     crossing = _crossing(plan, hdr)
     plan.check_owner(node.id, hdr.stage, f"send as stage {hdr.stage}")
     spec = TensorSpec(hdr.carries, crossing.dtype, crossing.shape)
@@ -106,6 +108,7 @@ async def relay_take(request: web.Request) -> web.Response:
     take, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), RelayTake)
     node = await app[LEDGER].registry.known_node(signer, request.remote)
     plan = app[RELAY].registry.plan(take.job_id)
+    plan.check_generation(take.generation)
     _crossing(plan, take)
     plan.check_owner(node.id, take.to_stage, f"take what is sent to stage {take.to_stage}")
     message = await app[RELAY].take(

@@ -1,8 +1,8 @@
 """The relay's memory: bounded mailboxes of pipeline tensors, never written to the database.
 
-One mailbox per message key (job, step, micro-batch, what it carries, from stage, to stage)
-holds at most one message: the sender's sealed header, as it came, and the tensor's bytes. A
-message is taken once; one not taken within ``ttl_s`` is dropped. The relay holds at most
+One mailbox per message key (job, step, micro-batch, what it carries, from stage, to stage,
+generation) holds at most one message: the sender's sealed header, as it came, and the tensor's
+bytes. A message is taken once; one not taken within ``ttl_s`` is dropped. The relay holds at most
 ``max_bytes`` in all and ``max_per_job`` messages per job; beyond, a sender is told to retry
 (429) and nothing is kept.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from ..base.errors import Conflict, TooManyRequests
 from ..model.relay import RelayRegistry
 
-#: (job, step, micro-batch, carries, from stage, to stage)
-RelayKey = tuple[str, int, int, str, int, int]
+#: (job, step, micro-batch, carries, from stage, to stage, generation)
+RelayKey = tuple[str, int, int, str, int, int, int]
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,16 @@ async def work(request: web.Request) -> web.Response:
                 _pass_on(wake, woken, got_work=False)
                 request.app[METRICS].bytes_out += len(asked)
                 return web.Response(body=asked, content_type="application/x-msgpack")
+            staged = ledger.pipelines.stage_for(node)  # a pipelined job's stage (hub/domain/pipelines/)
+            if staged is not None:
+                _pass_on(wake, woken, got_work=False)
+                request.app[METRICS].bytes_out += len(staged)
+                return web.Response(body=staged, content_type="application/x-msgpack")
             if node.suspended is not None:
                 break
-            issued = await ledger.assignments.next_assignment(node, cached)
+            # a node running a pipeline stage takes no data-parallel work meanwhile
+            issued = (None if ledger.pipelines.holds_stage(node)
+                      else await ledger.assignments.next_assignment(node, cached))
             _pass_on(wake, woken, got_work=issued is not None)
             if issued is not None:
                 return _assignment_response(request, issued.sealed, issued.model_hash, cached, node)
@@ -144,6 +151,8 @@ async def work(request: web.Request) -> web.Response:
         reason, retry = node.suspended[:256], cfg.node_poll_s
     elif refusal is not None:
         reason, retry = refusal[:256], cfg.node_poll_s
+    elif ledger.pipelines.holds_stage(node):
+        reason, retry = "this node runs a pipeline stage: it takes other work once the stage ends", 1.0
     elif running:
         reason, retry = "every chunk of the current rounds is taken", 1.0
     else:
@@ -291,8 +300,9 @@ async def _blob_reader(request: web.Request, sha: str) -> NodeState:
         raise BadRequest("the signed blob request names another blob", code="blob_mismatch")
     ledger = request.app[LEDGER]
     node = await ledger.registry.known_node(signer, request.remote)
-    if not ledger.assignments.may_read_blob(node, sha):
-        raise Forbidden("blobs are served only for a live assignment that names them", code="not_assigned")
+    if not (ledger.assignments.may_read_blob(node, sha) or ledger.pipelines.may_read_blob(node, sha)):
+        raise Forbidden("blobs are served only for a live assignment (or pipeline stage) that names them",
+                        code="not_assigned")
     return node
 
 

@@ -8,7 +8,8 @@ synchronous=FULL). Each write runs inside a SAVEPOINT: one failing write rolls
 back alone.
 
 Tables: jobs, chunks, models, rounds, shards, shard_chunks, assignments, updates,
-nodes, flags, state_requests, cooldown_lifts, tokens (the columns are documented in _SCHEMA below). Only the store
+nodes, flags, state_requests, cooldown_lifts, tokens, and a pipelined job's pipelines,
+pipeline_generations, unit_states, stage_reports (the columns are documented in _SCHEMA below). Only the store
 (hub/storage/store_sqlite.py), the read model (hub/server/readmodel/) and the
 token table's module (hub/storage/tokens.py) run SQL.
 
@@ -31,6 +32,54 @@ from typing import Any, TypeVar, cast
 T = TypeVar("T")
 
 SCHEMA_VERSION = 10
+
+
+#: the pipelined jobs' tables (schema v8), in the schema and in the migration that adds them
+_PIPELINE_TABLES = """
+-- pipelined jobs (hub/domain/pipelines): each plan of a job's stages (a generation), the unit states
+-- its stages checkpoint, its committed step, and each stage's report of each step
+CREATE TABLE IF NOT EXISTS pipelines (
+    job_id TEXT PRIMARY KEY,
+    committed_step INTEGER NOT NULL DEFAULT 0,  -- every unit has a state at this step
+    generations INTEGER NOT NULL DEFAULT 0,     -- the highest generation planned
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pipeline_generations (
+    job_id TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    first_step INTEGER NOT NULL,
+    end_step INTEGER NOT NULL,
+    plan TEXT NOT NULL,                 -- JSON: stages (node, units, predicted), micro-batches, schedule
+    reason TEXT NOT NULL,               -- why it was planned (the first plan, a lost node, a restart)
+    created_at REAL NOT NULL,
+    ended_at REAL,
+    PRIMARY KEY (job_id, generation)
+);
+CREATE TABLE IF NOT EXISTS unit_states (
+    job_id TEXT NOT NULL,
+    unit INTEGER NOT NULL,
+    step INTEGER NOT NULL,              -- steps 0 to step - 1 applied
+    sha TEXT NOT NULL,                  -- the GFT1 blob (parameters, buffers, optim.*)
+    size INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, unit, step)
+);
+CREATE TABLE IF NOT EXISTS stage_reports (
+    job_id TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    stage INTEGER NOT NULL,
+    steps_done INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    step_s REAL NOT NULL,               -- measured (wall clock, waits included)
+    compute_s REAL NOT NULL,
+    predicted_s REAL NOT NULL,          -- the planner's step time
+    loss REAL,                          -- the last stage's
+    reported_at REAL NOT NULL,
+    PRIMARY KEY (job_id, generation, stage, steps_done)
+);
+"""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -224,7 +273,7 @@ CREATE TABLE IF NOT EXISTS cooldown_lifts (
     lifted_by TEXT NOT NULL,            -- the admin token's name
     note TEXT NOT NULL DEFAULT ''
 );
-"""
+""" + _PIPELINE_TABLES
 
 
 def durable_connection(path: Path) -> sqlite3.Connection:
@@ -304,8 +353,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE chunks ADD COLUMN registered_at REAL"),
     # ---- 6 -> 7: a proven mismatch suspends its node while its flag is open (hub/policy/suspension.py)
     6: ("ALTER TABLE flags ADD COLUMN suspends INTEGER NOT NULL DEFAULT 0",),
-    # ---- 7 -> 8: the slot of another branch's migration; empty here, replaced when both merge
-    7: (),
+    # ---- 7 -> 8: pipelined jobs: generations, unit states, the committed step, stage reports
+    7: tuple(s.strip() for s in _PIPELINE_TABLES.split(";") if s.strip()),
     # ---- 8 -> 9: the Sybil defences' state kept in the store: a flag's reset run (given back when
     # the flag is withdrawn, across a restart) and the operator's lifts of a ban's block cooldown
     8: ("ALTER TABLE flags ADD COLUMN run_before INTEGER",

@@ -8,8 +8,8 @@ durable, so a 2xx built on it survives kill -9.
 `Store` composes one smaller interface per aggregate: `NodeStore`, `JobStore` (jobs and their
 rounds), `SiloStore` (a node-local job's silos), `AssignmentStore` (assignments, the updates they
 bring, their shards' verdicts), `StateRequestStore` (the referee), `FlagStore` (the audit of
-flags) and `RollbackStore` (kept models and rollback); a use case that needs one aggregate can
-ask for that one alone.
+flags), `RollbackStore` (kept models and rollback) and `PipelineStore` (a pipelined job's generations
+and unit states); a use case that needs one aggregate can ask for that one alone.
 
 Two implementations run the same statements (`SqlStore`, hub/storage/store_sqlite.py) and the
 same contract tests (tests/test_store_contract.py): `SqliteStore`, the default, and
@@ -39,6 +39,7 @@ from ..model.job import (
     UpdateState,
 )
 from ..model.node import NodeState
+from ..model.pipeline import Generation, StepReport, UnitRecord
 from ..policy.rollback import JobHistory, Rollback
 from ..policy.verification import Flag, Reputation
 
@@ -312,7 +313,54 @@ class RollbackStore(Protocol):
         """A running or queued job as ``load`` rebuilds it (None when it is neither)."""
 
 
-class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, RollbackStore, Protocol):
+
+@dataclass(frozen=True)
+class LoadedPipeline:
+    """A running pipelined job as a restarted hub finds it: its committed step, the highest
+    generation planned, the last one (to re-plan from) and the unit states at or after the
+    committed step."""
+
+    job_id: str
+    committed_step: int
+    generations: int
+    last: Generation | None
+    states: list[UnitRecord]
+
+
+class PipelineStore(Protocol):
+    """Pipelined jobs (hub/domain/pipelines): generations, unit states, the committed step, reports."""
+
+    @abc.abstractmethod
+    async def save_generation(self, generation: Generation, *, now: float) -> None:
+        """A new generation of a job's pipeline; the one before it ends (``ended_at``)."""
+
+    @abc.abstractmethod
+    async def end_generation(self, job_id: str, number: int, *, now: float) -> None:
+        """Generation ``number`` ends with no successor yet (the job waits for nodes)."""
+
+    @abc.abstractmethod
+    async def save_unit_state(self, job_id: str, record: UnitRecord, *, generation: int, node_id: str,
+                              now: float, committed: int | None) -> None:
+        """A unit's state at a step (its blob is stored already); ``committed``: the job's new
+        committed step, when this state completes one. A state already recorded for (unit, step)
+        is replaced."""
+
+    @abc.abstractmethod
+    async def save_stage_report(self, job_id: str, report: StepReport) -> None:
+        """One stage's report of one step (a repeated report of the same step replaces it)."""
+
+    @abc.abstractmethod
+    async def finish_pipeline(self, job_id: str, model_hash: str, model_size: int, *, now: float) -> None:
+        """The final model (assembled from the unit states at the last step) becomes the job's
+        model (version 1), and the job is done."""
+
+    @abc.abstractmethod
+    async def load_pipelines(self) -> list[LoadedPipeline]:
+        """Every running pipelined job's durable pipeline state (a job never planned has none)."""
+
+
+class Store(NodeStore, JobStore, SiloStore, AssignmentStore, StateRequestStore, FlagStore, RollbackStore,
+            PipelineStore, Protocol):
     """Durable hub state: the aggregates' stores above, and what starts, reads and stops it. Every
     method commits once; none is called from a worker thread except the `*_sync` ones."""
 

@@ -2,7 +2,8 @@
 the `Store` on the hub's SQLite database (hub/storage/db.py: WAL, synchronous=FULL, one writer thread,
 group commit). Each method below is one transaction. The methods are grouped as the `Store`'s
 interfaces are, one class per aggregate (`SqlNodes`, `SqlJobs`, `SqlSilos`, `SqlAssignments`,
-`SqlStateRequests`, `SqlFlags`), and `SqlStore` composes them.
+`SqlStateRequests`, `SqlFlags`, and a pipelined job's `SqlPipelines` in store_pipelines.py), and
+`SqlStore` composes them.
 
 The statements are written once, in the dialect both databases share (`?` placeholders, which the
 PostgreSQL connection (hub/storage/store_postgres.py) turns into its own; `INSERT ... ON CONFLICT`); what
@@ -52,6 +53,7 @@ from .store import (
     StateRequestStore,
     Store,
 )
+from .store_pipelines import SqlPipelines
 from .store_rollback import SqlRollbacks
 from .tokens import insert_token
 
@@ -485,10 +487,8 @@ class SqlFlags(_SqlRows, FlagStore):
                     out[uid] = (str(row["node_id"]), int(row["run_before"]))
             return out
 
-        return await self.db.read(read)
-
-
-class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, SqlRollbacks, Store):
+class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, SqlRollbacks,
+               SqlPipelines, Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
     one class per aggregate above, and what starts, reads and stops the store."""
 
@@ -556,6 +556,13 @@ def _max_memory(device: str) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
+def _stage_address(device: str) -> str:
+    """Where a node accepts other stages' tensors, kept in its device JSON ("": relay only)."""
+    facts = json.loads(device)
+    value = facts.get("stage_address", "") if isinstance(facts, dict) else ""
+    return value if isinstance(value, str) else ""
+
+
 def _node(r: sqlite3.Row) -> NodeState:
     bench = json.loads(r["benchmark"])
     sps = bench.get("precision_sps") if isinstance(bench, dict) else None
@@ -568,6 +575,7 @@ def _node(r: sqlite3.Row) -> NodeState:
         peak_flops=peak_flops(json.loads(r["benchmark"])),
         registered_at=r["registered_at"], block=r["address_block"], last_block=r["last_block"] or r["address_block"],
         operator=r["operator"], banned_at=r["banned_at"], max_memory_bytes=_max_memory(r["device"]),
+        stage_address=_stage_address(r["device"]),
         reputation=Reputation(
             consecutive_agreements=r["consecutive_agreements"], agreements_total=r["agreements_total"],
             flags_total=r["flags_total"], confirmed_flags=r["confirmed_flags"],

@@ -197,13 +197,22 @@ class RelayTransport:
             raise PipelineError(
                 f"{key.describe()} came without a valid signed header: {exc}"
             ) from None
-        if (hdr.job_id, hdr.step, hdr.micro_batch, hdr.carries, hdr.stage, hdr.to_stage) != (
+        if (
+            hdr.job_id,
+            hdr.step,
+            hdr.micro_batch,
+            hdr.carries,
+            hdr.stage,
+            hdr.to_stage,
+            hdr.generation,
+        ) != (
             self.job_id,
             key.step,
             key.micro_batch,
             key.carries,
             key.stage,
             key.to_stage,
+            self.generation,
         ):
             raise PipelineError(f"{key.describe()} came with the header of another message")
         if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:

@@ -13,6 +13,7 @@ Each use case is one method of the room that owns it:
 - ``flags`` (flags.py): an auditor's verdict on a flag;
 - ``cooldowns`` (cooldowns.py): a ban's block cooldowns, listed and lifted by the operator.
 - ``rollbacks`` (rollbacks.py): a job rolled back to a kept model.
+- ``pipelines`` (hub/domain/pipelines/): a pipelined job's generations, checkpoints and reports.
 
 A use case checks what it is given, asks the pure policy for a decision (hub/domain/scheduler.py:
 which shard; hub/policy/settlement.py: does a lone update settle its shard; hub/policy/verification.py:
@@ -37,12 +38,14 @@ import time
 from gpuflex.protocol.signing import SigningKey
 
 from ...base.config import HubConfig
+from ...model.relay import RelayRegistry
 from ...policy.admission import Admission
 from ...storage.auditlog import AuditLog
 from ...storage.blobs import BlobStore
 from ...storage.hub_key import audit_secret
 from ...storage.store import Store
 from ..metrics import HubMetrics
+from ..pipelines import Pipelines
 from ..rounds import RoundEngine
 from ..scheduler import Scheduler
 from ..worksignal import WorkSignal
@@ -66,7 +69,8 @@ class Ledger:
     """The hub's working state (scheduler, round engine, admission) and the rooms that change it."""
 
     def __init__(self, *, config: HubConfig, store: Store, blobs: BlobStore, key: SigningKey,
-                 scheduler: Scheduler, signal: WorkSignal, metrics: HubMetrics, audit: AuditLog) -> None:
+                 scheduler: Scheduler, signal: WorkSignal, metrics: HubMetrics, audit: AuditLog,
+                 relay: RelayRegistry | None = None) -> None:
         self.config = config
         self.store = store
         self.blobs = blobs
@@ -93,6 +97,8 @@ class Ledger:
         self.cooldowns = Cooldowns(config=config, store=store, audit=audit, admission=self.admission)
         self.rollbacks = Rollbacks(store=store, scheduler=scheduler, signal=signal, rounds=self.rounds, audit=audit)
         self.rounds.after_advance = AutoRollback(self.rollbacks)
+        self.pipelines = Pipelines(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
+                                   signal=signal, relay=relay if relay is not None else RelayRegistry())
 
     async def load(self) -> None:
         """Rebuild the working state from the store: nodes, then every active job's round."""
@@ -112,3 +118,4 @@ class Ledger:
             log.error("job %s cannot be resumed: %s", job_id, reason)
             await self.store.fail_job(job_id, f"cannot resume: {reason}")
         self.rounds.resume_referee(await self.store.referee_requests())
+        await self.pipelines.load()

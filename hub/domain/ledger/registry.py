@@ -84,6 +84,7 @@ class Registry:
         node.compute = hello.compute
         node.precision_sps = dict(hello.benchmark.precision_sps)
         node.max_memory_bytes = hello.max_memory_bytes
+        node.stage_address = hello.stage_address
         node.last_seen = now
         return node
 
@@ -121,7 +122,7 @@ def _profile(hello: Hello) -> NodeProfile:
         software_version=hello.software_version,
         device={"kind": hello.device.kind, "name": hello.device.name,
                 "memory_bytes": hello.device.memory_bytes, "threads": hello.device.threads,
-                "max_memory_bytes": hello.max_memory_bytes},
+                "max_memory_bytes": hello.max_memory_bytes, "stage_address": hello.stage_address},
         benchmark={"samples_per_s": b.samples_per_s, "matmul_tflops_fp32": b.matmul_tflops_fp32,
                    "matmul_tflops_bf16": b.matmul_tflops_bf16, "matmul_tflops_fp16": b.matmul_tflops_fp16,
                    "mem_bandwidth_gbs": b.mem_bandwidth_gbs, "h2d_gbs": b.h2d_gbs, "d2h_gbs": b.d2h_gbs,

@@ -17,7 +17,7 @@ from ...domain.waits import round_waits
 from ...policy.privacy import epsilon
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, STORE
-from . import flags, rollbacks, rounds
+from . import flags, pipelines, rollbacks, rounds
 from .access import any_job_row, job_row, spec_of, visible
 from .redaction import owner_view
 
@@ -99,6 +99,11 @@ def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None)
         **(
             {"privacy": dp}
             if spec is not None and (dp := _privacy(spec, len(history))) is not None
+            else {}
+        ),
+        **(
+            {"pipeline": pipelines.pipeline_doc(conn, job_id, spec)}
+            if spec is not None and spec.pipeline is not None
             else {}
         ),
     }
@@ -198,9 +203,13 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
     doc, spec = await app[STORE].query(lambda c: _status_and_spec(c, job_row(c, who, job_id)))
     doc = owner_view(doc, spec, who)
     live = app[LEDGER].scheduler.jobs.get(job_id)
+    if live is not None and live.error and not doc.get("error"):
+        doc["error"] = live.error
+    if "pipeline" in doc:  # a pipelined job has no rounds: its pipeline is its progress
+        cut = app[LEDGER].pipelines.known_cut(job_id)
+        pipelines.live(doc["pipeline"], app[LEDGER].pipelines, job_id, cut.names if cut else ())
+        return doc
     if live is not None:
-        if live.error and not doc.get("error"):
-            doc["error"] = live.error
         if live.active:
             online = 0 if live.node_local else app[LEDGER].scheduler.presence.online_nodes(time.time())
             doc["progress"] = {

@@ -4,16 +4,8 @@
 answer shows its owner the stages, their nodes and the predicted step time, or the planner's
 one-line refusal.
 
-A node's offer is built from what the hub already keeps of it:
-
-- memory: its ``--max-memory`` (``NodeState.max_memory_bytes``). A node that said 0 (an older
-  node, which does not say) is left out, and the answer counts it.
-- speed: its benchmark's training samples/s on the reference model (``NodeState.bench_sps``, what
-  ``gpuflex-node bench`` measures on ``REFERENCE_MODEL``) times that model's forward and backward
-  FLOPs per sample, measured by the same analysis as the job's units.
-- link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
-  kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
-  not measured yet, so every node gets ``ASSUMED_LINK``'s (a home line). The answer says which.
+A node's offer and the model's cut are hub/domain/pipelines/offers.py's (the pipeline's planning
+builds the same).
 
 The analysis and the planner run in a worker thread, off the event loop. A job's analysis
 depends only on its spec, so it is kept per job (``PLAN_CACHE``), with a refusal to cut.
@@ -22,109 +14,37 @@ depends only on its spec, so it is kept per job (``PLAN_CACHE``), with a refusal
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web
-from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import JobSpec
-from gpuflex.protocol.modelanalysis import UnitCost, analyse_units
-from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import pipeline_units
 
 from ...base.errors import Conflict
-from ...model.node import NodeState
+from ...domain.pipelines.offers import (
+    ASSUMED_LINK,
+    LINK_ASSUMED,
+    REFERENCE_MODEL,
+    REFERENCE_SPEC,
+    SPEED_DERIVATION,
+    ModelCut,
+    cut_model,
+    node_offers,
+    reference_flops_per_sample,
+)
 from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, plan_pipelines
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
 from .access import job_row, spec_of
 
-#: the model every node's benchmark trains (node/benchmark.py's REFERENCE_MODEL, batch 32)
-REFERENCE_MODEL: Final = "mlp-64-128-10"
-REFERENCE_SPEC: Final = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
-#: the link every node is assumed to have: a home line of 20 Mbit/s with a 30 ms round trip
-ASSUMED_LINK: Final = {"bandwidth_bytes_per_s": 2.5e6, "rtt_s": 0.03}
+# re-exported: the plan preview's names for the offers it shows
+__all__ = ["ASSUMED_LINK", "REFERENCE_MODEL", "REFERENCE_SPEC", "job_plan", "reference_flops_per_sample"]
+
 #: the micro-batch counts the planner weighs (those up to the job's batch size)
 MICRO_BATCHES: Final = (1, 2, 4, 8, 16, 32)
 #: the most jobs whose analysis is kept
 CACHE_JOBS: Final = 256
-
-SPEED_DERIVATION: Final = (
-    f"each node's benchmark samples/s on the reference model {REFERENCE_MODEL} (batch 32) times that"
-    " model's forward + backward FLOPs per sample, measured by the same analysis as the job's units"
-)
-LINK_ASSUMED: Final = ("the hub measures no node's bandwidth yet: every node is assumed to have this one; a node's"
-                       " round trip is the kernel's TCP measure of its connection where the hub has one"
-                       " (nodes[].rtt_measured), else this one")
-
-
-@dataclass(frozen=True)
-class ModelCut:
-    """A job's model as the planner reads it: its units' names and measured costs."""
-
-    names: tuple[str, ...]
-    costs: tuple[UnitCost, ...]
-
-
-def cut_model(spec: JobSpec) -> ModelCut | str:
-    """The job's units and their costs, or one line saying why its model does not pipeline.
-    Blocking (torch, on the meta device): called in a worker thread."""
-    try:
-        units = pipeline_units(spec.model)
-        if len(units) < 2:
-            return (
-                f"the model is one pipeline unit ({units[0].name}): there is nothing to cut into"
-                " stages, so it trains data-parallel (each node holds the whole model)"
-            )
-        costs = analyse_units(
-            [u.module for u in units.units],
-            spec.model.input_shape,
-            spec.model.input_dtype,
-            optimizer=spec.train.optimizer,
-            momentum=spec.train.momentum,
-        )
-    except SpecError as exc:
-        return f"the model cannot be cut into pipeline stages: {exc}"
-    return ModelCut(tuple(u.name for u in units.units), costs)
-
-
-@functools.cache
-def reference_flops_per_sample() -> float:
-    """Forward + backward FLOPs of one sample of the benchmark's reference model, as training
-    runs it (the first unit computes no gradient for its input)."""
-    import torch
-
-    spec = ModelSpec.from_dict(REFERENCE_SPEC)
-    units = pipeline_units(spec)
-    costs = analyse_units([u.module for u in units.units], spec.input_shape, torch.float32)
-    return float(sum(c.flops for c in costs))
-
-
-def node_offers(
-    nodes: Iterable[NodeState], now: float, online_window_s: float, flops_per_sample: float
-) -> tuple[list[NodeOffer], int, int]:
-    """The online nodes' offers (by node id), how many nodes are online, and how many of them
-    were left out for offering no memory."""
-    online = sorted(
-        (n for n in nodes if not n.banned and now - n.last_seen <= online_window_s),
-        key=lambda n: n.id,
-    )
-    offers = [
-        NodeOffer(
-            node_id=n.id,
-            memory_bytes=n.max_memory_bytes,
-            flops_per_s=n.bench_sps * flops_per_sample,
-            bandwidth_bytes_per_s=ASSUMED_LINK["bandwidth_bytes_per_s"],
-            rtt_s=n.rtt_s if n.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
-        )
-        for n in online
-        if n.max_memory_bytes > 0
-    ]
-    return offers, len(online), len(online) - len(offers)
 
 
 async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[str, Any]:

@@ -1,0 +1,208 @@
+"""What the pipeline planner reads: a job's model cut into units with their measured costs and
+boundary tensors, and each online node's offer (memory, speed, link).
+
+A node's offer is built from what the hub already keeps of it:
+
+- memory: its ``--max-memory`` (``NodeState.max_memory_bytes``). A node that said 0 (an older
+  node, which does not say) is left out, and the plan preview counts it.
+- speed: its benchmark's training samples/s on the reference model (``NodeState.bench_sps``, what
+  ``gpuflex-node bench`` measures on ``REFERENCE_MODEL``) times that model's forward and backward
+  FLOPs per sample, measured by the same analysis as the job's units.
+- link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
+  kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
+  not measured yet, so every node gets ``ASSUMED_LINK``'s (a home line).
+
+``cut_model`` and ``reference_flops_per_sample`` block (torch on the meta device): callers run
+them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.jobspec import JobSpec
+from gpuflex.protocol.modelanalysis import UnitCost, analyse_units
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.pipeline import Units, pipeline_units
+
+from ...model.node import NodeState
+from ...policy.pipeline_plan import NodeOffer
+
+if TYPE_CHECKING:
+    import torch
+
+#: the model every node's benchmark trains (node/benchmark.py's REFERENCE_MODEL, batch 32)
+REFERENCE_MODEL: Final = "mlp-64-128-10"
+REFERENCE_SPEC: Final = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
+#: the link every node is assumed to have: a home line of 20 Mbit/s with a 30 ms round trip
+ASSUMED_LINK: Final = {"bandwidth_bytes_per_s": 2.5e6, "rtt_s": 0.03}
+
+SPEED_DERIVATION: Final = (
+    f"each node's benchmark samples/s on the reference model {REFERENCE_MODEL} (batch 32) times that"
+    " model's forward + backward FLOPs per sample, measured by the same analysis as the job's units"
+)
+LINK_ASSUMED: Final = (
+    "the hub measures no node's bandwidth yet: every node is assumed to have this one; a node's"
+    " round trip is the kernel's TCP measure of its connection where the hub has one"
+    " (nodes[].rtt_measured), else this one"
+)
+
+
+@dataclass(frozen=True)
+class TiedCut:
+    """A tied tensor held by several units (``units``), its shape and dtype (GFT1's name)."""
+
+    units: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ModelCut:
+    """A job's model as the planner and the relay read it: its units' names and measured costs,
+    each unit's output per sample (shape and dtype: what crosses a cut after it), the tied
+    tensors, and each unit's state entries (name -> (shape, dtype)) a checkpoint must hold."""
+
+    names: tuple[str, ...]
+    costs: tuple[UnitCost, ...]
+    outputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    tied: tuple[TiedCut, ...] = ()
+    entries: tuple[dict[str, tuple[tuple[int, ...], str, bool]], ...] = ()
+
+
+def cut_model(spec: JobSpec) -> ModelCut | str:
+    """The job's units and their costs, or one line saying why its model does not pipeline.
+    Blocking (torch, on the meta device): called in a worker thread."""
+    try:
+        units = pipeline_units(spec.model)
+        if len(units) < 2:
+            return (
+                f"the model is one pipeline unit ({units[0].name}): there is nothing to cut into"
+                " stages, so it trains data-parallel (each node holds the whole model)"
+            )
+        costs = analyse_units(
+            [u.module for u in units.units],
+            spec.model.input_shape,
+            spec.model.input_dtype,
+            optimizer=spec.train.optimizer,
+            momentum=spec.train.momentum,
+        )
+        outputs = _outputs(units, spec.model.input_shape, spec.model.input_dtype)
+    except SpecError as exc:
+        return f"the model cannot be cut into pipeline stages: {exc}"
+    return ModelCut(
+        tuple(u.name for u in units.units), costs, outputs, _tied(units), _entries(units)
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _outputs(
+    units: Units, input_shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """Each unit's output for one sample (its shape without the batch, its dtype), run on the
+    meta device (nothing allocated); a unit torch cannot run there runs on a zero batch on the CPU."""
+    import torch
+
+    out = []
+    x = torch.zeros((1, *input_shape), dtype=dtype, device="meta")
+    with torch.no_grad():
+        for unit in units.units:
+            module = copy.deepcopy(unit.module).eval()
+            try:
+                y = module(x)
+            except NotImplementedError:
+                module = module.to_empty(device="cpu")
+                y = module(torch.zeros(x.shape, dtype=x.dtype)).to("meta")
+            if not isinstance(y, torch.Tensor):
+                raise SpecError(f"pipeline unit {unit.name} does not return one tensor")
+            out.append((tuple(int(d) for d in y.shape[1:]), _dtype_name(y.dtype)))
+            x = y
+    return tuple(out)
+
+
+def _tied(units: Units) -> tuple[TiedCut, ...]:
+    out = []
+    for group in units.tied:
+        index, name = group.members[0]
+        tensor = units[index].module.state_dict()[name]
+        out.append(
+            TiedCut(
+                tuple(sorted({i for i, _ in group.members})),
+                tuple(int(d) for d in tensor.shape),
+                _dtype_name(tensor.dtype),
+            )
+        )
+    return tuple(out)
+
+
+def _entries(units: Units) -> tuple[dict[str, tuple[tuple[int, ...], str, bool]], ...]:
+    """Each unit's state entries: name -> (shape, dtype, trainable parameter)."""
+    out = []
+    for unit in units.units:
+        params = {name for name, p in unit.module.named_parameters() if p.requires_grad}
+        out.append(
+            {
+                name: (tuple(int(d) for d in t.shape), _dtype_name(t.dtype), name in params)
+                for name, t in unit.module.state_dict(keep_vars=True).items()
+            }
+        )
+    return tuple(out)
+
+
+@functools.cache
+def reference_flops_per_sample() -> float:
+    """Forward + backward FLOPs of one sample of the benchmark's reference model, as training
+    runs it (the first unit computes no gradient for its input)."""
+    import torch
+
+    spec = ModelSpec.from_dict(REFERENCE_SPEC)
+    units = pipeline_units(spec)
+    costs = analyse_units([u.module for u in units.units], spec.input_shape, torch.float32)
+    return float(sum(c.flops for c in costs))
+
+
+def node_offers(
+    nodes: Iterable[NodeState], now: float, online_window_s: float, flops_per_sample: float
+) -> tuple[list[NodeOffer], int, int]:
+    """The online nodes' offers (by node id), how many nodes are online, and how many of them
+    were left out for offering no memory."""
+    online = sorted(
+        (n for n in nodes if not n.banned and now - n.last_seen <= online_window_s),
+        key=lambda n: n.id,
+    )
+    offers = [offer_of(n, flops_per_sample) for n in online if n.max_memory_bytes > 0]
+    return offers, len(online), len(online) - len(offers)
+
+
+def offer_of(node: NodeState, flops_per_sample: float) -> NodeOffer:
+    """One node's offer (see the module docstring)."""
+    return NodeOffer(
+        node_id=node.id,
+        memory_bytes=node.max_memory_bytes,
+        flops_per_s=max(node.bench_sps, 1e-3) * flops_per_sample,
+        bandwidth_bytes_per_s=ASSUMED_LINK["bandwidth_bytes_per_s"],
+        rtt_s=node.rtt_s if node.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
+    )
+
+
+__all__ = [
+    "ASSUMED_LINK",
+    "LINK_ASSUMED",
+    "REFERENCE_MODEL",
+    "REFERENCE_SPEC",
+    "SPEED_DERIVATION",
+    "ModelCut",
+    "TiedCut",
+    "cut_model",
+    "node_offers",
+    "offer_of",
+    "reference_flops_per_sample",
+]

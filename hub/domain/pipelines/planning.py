@@ -1,0 +1,198 @@
+"""Which stages a generation runs, on which nodes: the job's ``[pipeline]`` spec applied to the
+planner (hub/policy/pipeline_plan.py).
+
+Pure: measured unit costs and the idle nodes' offers in, a `Pipeline` or a one-line refusal out.
+
+- micro-batch counts: the spec's fixed ``micro_batches``, else those of 1, 2, 4, ... 32 that
+  divide ``[train] batch_size`` (every micro-batch has the same shape, which the relay checks);
+- schedules: the spec's, or both under "auto";
+- one pipeline (no data-parallel replicas of it);
+- stages: the spec's fixed count, or the planner's choice, at least 2 (a pipelined job runs on
+  several nodes; its model pipelines into at least 2 units);
+- a re-plan prefers keeping each surviving node on the units it held (the fewest bytes of unit
+  state moved), then the fastest predicted step.
+
+When the planner's own choice does not fit those rules (a fixed stage count it did not pick, a
+re-plan), candidates are evaluated with the planner's cost model (``evaluate_pipeline``): every
+contiguous cut (up to ``MAX_CUTS``) on the previous generation's survivors, in their order, with
+new nodes in the lost places, and on the nodes offering the most memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Final
+
+from gpuflex.protocol.jobspec import PipelineSpec
+from gpuflex.protocol.modelanalysis import UnitCost
+
+from ...model.pipeline import Generation
+from ...policy.pipeline_plan import (
+    DEFAULT_MICRO_BATCHES,
+    SCHEDULES,
+    NodeOffer,
+    Pipeline,
+    Plan,
+    evaluate_pipeline,
+    plan_pipelines,
+)
+
+#: the most contiguous cuts of the model one candidate node order is tried with
+MAX_CUTS: Final = 4096
+
+
+def micro_batch_counts(spec: PipelineSpec, batch_size: int) -> tuple[int, ...]:
+    if spec.micro_batches:
+        return (spec.micro_batches,)
+    return tuple(m for m in DEFAULT_MICRO_BATCHES if m <= batch_size and batch_size % m == 0)
+
+
+def schedules(spec: PipelineSpec) -> tuple[str, ...]:
+    return SCHEDULES if spec.schedule == "auto" else (spec.schedule,)
+
+
+def check_pipeline_spec(spec: PipelineSpec, units: int, batch_size: int) -> str | None:
+    """Why a job's ``[pipeline]`` cannot run on its model (one line), or None."""
+    if units < 2:
+        return (
+            "the model is one pipeline unit: there is nothing to cut into stages; remove [pipeline]"
+        )
+    if spec.stages > units:
+        return f"pipeline.stages = {spec.stages}, but the model has {units} pipeline units"
+    if spec.micro_batches and batch_size % spec.micro_batches:
+        return (
+            f"pipeline.micro_batches = {spec.micro_batches} does not divide train.batch_size ="
+            f" {batch_size}: every micro-batch must hold the same number of samples"
+        )
+    return None
+
+
+def choose_pipeline(
+    costs: Sequence[UnitCost],
+    offers: Sequence[NodeOffer],
+    spec: PipelineSpec,
+    *,
+    batch_size: int,
+    previous: Generation | None = None,
+) -> Pipeline | str:
+    """The generation's pipeline on ``offers`` (idle nodes), or why none fits (one line).
+    ``previous``: the generation before (its surviving nodes keep their units where they can)."""
+    counts = micro_batch_counts(spec, batch_size)
+    scheds = schedules(spec)
+    least = spec.stages or 2
+    if len(offers) < least:
+        return (
+            f"the pipeline needs {least} nodes with a memory offer; {len(offers)} idle"
+            f" node{'s are' if len(offers) != 1 else ' is'} online"
+        )
+    planned = plan_pipelines(
+        costs, offers, batch_size=batch_size, micro_batches=counts, schedules=scheds, max_replicas=1
+    )
+    fitting = (
+        planned.pipelines[0]
+        if isinstance(planned, Plan) and _stage_count_fits(len(planned.pipelines[0].stages), spec)
+        else None
+    )
+    survivors = _survivors(previous, offers)
+    if fitting is not None and not survivors:
+        return fitting
+    best = _best_candidate(costs, offers, spec, counts, scheds, batch_size, previous, fitting)
+    if best is not None:
+        return best
+    if isinstance(planned, Plan):
+        return f"no plan of {least} stages fits the idle nodes' memory"
+    return planned.reason
+
+
+def _stage_count_fits(stages: int, spec: PipelineSpec) -> bool:
+    return stages == spec.stages if spec.stages else stages >= 2
+
+
+def _survivors(previous: Generation | None, offers: Sequence[NodeOffer]) -> list[str]:
+    idle = {o.node_id for o in offers}
+    return [] if previous is None else [s.node_id for s in previous.stages if s.node_id in idle]
+
+
+def bytes_moved(pipeline: Pipeline, costs: Sequence[UnitCost], previous: Generation | None) -> int:
+    """The unit state that changes node from ``previous`` to ``pipeline`` (0 with no previous)."""
+    if previous is None:
+        return 0
+    moved = 0
+    for stage in pipeline.stages:
+        for unit in range(stage.first_unit, stage.end_unit):
+            if previous.holder(unit) != stage.node_id:
+                moved += costs[unit].state_bytes
+    return moved
+
+
+def _best_candidate(
+    costs: Sequence[UnitCost],
+    offers: Sequence[NodeOffer],
+    spec: PipelineSpec,
+    counts: tuple[int, ...],
+    scheds: tuple[str, ...],
+    batch_size: int,
+    previous: Generation | None,
+    planned: Pipeline | None,
+) -> Pipeline | None:
+    """The candidate moving the fewest bytes of unit state, then the fastest."""
+    found = [planned] if planned is not None else []
+    for nodes in _node_orders(offers, spec, previous):
+        for ends in _cuts(len(costs), len(nodes)):
+            for m, schedule in itertools.product(counts, scheds):
+                p = evaluate_pipeline(
+                    costs, nodes, ends, micro_batches=m, schedule=schedule, batch_size=batch_size
+                )
+                if p is not None:
+                    found.append(p)
+    if not found:
+        return None
+    return min(found, key=lambda p: (bytes_moved(p, costs, previous), p.step_s))
+
+
+def _node_orders(
+    offers: Sequence[NodeOffer], spec: PipelineSpec, previous: Generation | None
+) -> list[list[NodeOffer]]:
+    """Node sequences to try: the previous generation's survivors in their order with new nodes
+    (the roomiest first) in the lost places, and the roomiest nodes in id order."""
+    by_id = {o.node_id: o for o in offers}
+    roomiest = sorted(offers, key=lambda o: (-o.memory_bytes, -o.flops_per_s, o.node_id))
+    stages = spec.stages or 2
+    orders: list[list[NodeOffer]] = []
+    if previous is not None:
+        fresh = [o for o in roomiest if o.node_id not in {s.node_id for s in previous.stages}]
+        kept: list[NodeOffer] = []
+        for slot in previous.stages:
+            if slot.node_id in by_id:
+                kept.append(by_id[slot.node_id])
+            elif fresh:
+                kept.append(fresh.pop(0))
+        if not spec.stages or len(kept) == spec.stages:
+            if len(kept) >= 2:
+                orders.append(kept)
+    top = sorted(roomiest[:stages], key=lambda o: o.node_id)
+    if len(top) == stages:
+        orders.append(top)
+    return orders
+
+
+def _cuts(units: int, stages: int) -> list[tuple[int, ...]]:
+    """Contiguous cuts of ``units`` into ``stages`` (each stage's end), at most ``MAX_CUTS``,
+    the most even first."""
+    if stages > units:
+        return []
+    if math.comb(units - 1, stages - 1) > MAX_CUTS:
+        even = tuple(round(units * (s + 1) / stages) for s in range(stages))
+        return [even]
+    return [(*inner, units) for inner in itertools.combinations(range(1, units), stages - 1)]
+
+
+__all__ = [
+    "bytes_moved",
+    "check_pipeline_spec",
+    "choose_pipeline",
+    "micro_batch_counts",
+    "schedules",
+]

@@ -1,0 +1,215 @@
+"""The hub's pipeline decisions as plain functions (hub/domain/pipelines/): the job's [pipeline]
+applied to the planner, a re-plan keeping survivors on their units, which stage is lost, which
+steps are checkpoint steps, what a unit's state blob must hold, and the relay's plan of a
+generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpuflex.hub.base.errors import Unprocessable
+from gpuflex.hub.domain.pipelines.checkpoints import (
+    check_unit_state,
+    is_checkpoint_step,
+    max_state_bytes,
+)
+from gpuflex.hub.domain.pipelines.generations import relay_plan
+from gpuflex.hub.domain.pipelines.liveness import lost_stage
+from gpuflex.hub.domain.pipelines.offers import cut_model
+from gpuflex.hub.domain.pipelines.planning import (
+    bytes_moved,
+    check_pipeline_spec,
+    choose_pipeline,
+    micro_batch_counts,
+)
+from gpuflex.hub.model.pipeline import Generation, StageSlot, StepReport
+from gpuflex.hub.model.relay import Crossing
+from gpuflex.hub.policy.pipeline_plan import NodeOffer
+from gpuflex.protocol.jobspec import PipelineSpec, parse_job_spec
+from gpuflex.protocol.modelanalysis import UnitCost
+from gpuflex.protocol.tensors import encode_state
+
+GB = 1 << 30
+
+
+def _costs(n: int = 4) -> list[UnitCost]:
+    return [
+        UnitCost(i, "Linear", 4 << 20, 4 << 20, 4 << 20, 1024, 1024, 1e6, 2e6) for i in range(n)
+    ]
+
+
+def _offer(node: str, memory: int = GB, flops: float = 1e10) -> NodeOffer:
+    return NodeOffer(node, memory, flops, 2.5e6, 0.03)
+
+
+def _generation(stages: tuple[StageSlot, ...], first_step: int = 0) -> Generation:
+    return Generation(
+        job_id="j-1",
+        number=1,
+        first_step=first_step,
+        end_step=10,
+        stages=stages,
+        micro_batches=4,
+        micro_batch_size=8,
+        schedule="1f1b",
+        step_s=1.0,
+        bubble_fraction=0.2,
+        reason="the first plan",
+        created_at=0.0,
+    )
+
+
+def test_the_spec_fixes_the_stages_and_micro_batches_the_planner_weighs() -> None:
+    offers = [_offer(n) for n in ("gf1-a", "gf1-b", "gf1-c")]
+    got = choose_pipeline(_costs(), offers, PipelineSpec(stages=3, micro_batches=2), batch_size=32)
+    assert not isinstance(got, str) and len(got.stages) == 3 and got.micro_batches == 2
+    auto = choose_pipeline(_costs(), offers, PipelineSpec(), batch_size=32)
+    assert not isinstance(auto, str) and len(auto.stages) >= 2, (
+        "a pipelined job runs on several nodes"
+    )
+    assert micro_batch_counts(PipelineSpec(), 24) == (1, 2, 4, 8)
+    assert micro_batch_counts(PipelineSpec(micro_batches=3), 24) == (3,)
+
+
+def test_too_few_or_too_small_nodes_are_refused_in_one_line() -> None:
+    few = choose_pipeline(_costs(), [_offer("gf1-a")], PipelineSpec(stages=2), batch_size=32)
+    assert few == "the pipeline needs 2 nodes with a memory offer; 1 idle node is online"
+    tiny = choose_pipeline(
+        _costs(),
+        [_offer("gf1-a", 1000), _offer("gf1-b", 1000)],
+        PipelineSpec(stages=2),
+        batch_size=32,
+    )
+    assert isinstance(tiny, str) and "\n" not in tiny
+
+
+def test_a_replan_keeps_the_survivor_on_its_units() -> None:
+    before = _generation((StageSlot("gf1-a", 0, 1), StageSlot("gf1-b", 1, 4)))
+    # the survivor is slower than the newcomer: the fastest plan would give it other units
+    offers = [_offer("gf1-a", flops=1e9), _offer("gf1-c", flops=1e11)]
+    got = choose_pipeline(_costs(), offers, PipelineSpec(stages=2), batch_size=32, previous=before)
+    assert not isinstance(got, str)
+    assert [(s.node_id, s.first_unit, s.end_unit) for s in got.stages] == [
+        ("gf1-a", 0, 1),
+        ("gf1-c", 1, 4),
+    ]
+    assert bytes_moved(got, _costs(), before) == 3 * _costs()[0].state_bytes
+
+
+def test_a_pipeline_section_that_cannot_run_on_the_model_is_named() -> None:
+    assert check_pipeline_spec(PipelineSpec(stages=5), 4, 32) == (
+        "pipeline.stages = 5, but the model has 4 pipeline units"
+    )
+    assert "does not divide train.batch_size = 30" in check_pipeline_spec(
+        PipelineSpec(micro_batches=4), 4, 30
+    )
+    assert "one pipeline unit" in check_pipeline_spec(PipelineSpec(), 1, 32)
+    assert check_pipeline_spec(PipelineSpec(stages=4, micro_batches=4), 4, 32) is None
+
+
+def test_the_lost_stage_is_the_one_behind() -> None:
+    g = _generation((StageSlot("gf1-a", 0, 1), StageSlot("gf1-b", 1, 2), StageSlot("gf1-c", 2, 4)))
+    reports = {
+        0: StepReport(1, 0, "gf1-a", 5, 1, 1, 1, None, 10.0),
+        1: StepReport(1, 1, "gf1-b", 4, 1, 1, 1, None, 12.0),
+        2: StepReport(1, 2, "gf1-c", 5, 1, 1, 1, None, 9.0),
+    }
+    last = {s: r.reported_at for s, r in reports.items()}
+    assert lost_stage(g, last, reports, 20.0, 30.0, lambda n: False) is None
+    node, why = lost_stage(g, last, reports, 50.0, 30.0, lambda n: False)
+    assert node == "gf1-b" and why.startswith(
+        "stage 1's node gf1-b sent no report for 38 s after step 4"
+    )
+    node, why = lost_stage(g, last, reports, 20.0, 30.0, lambda n: n == "gf1-c")
+    assert node == "gf1-c" and "banned or suspended" in why
+
+
+def test_checkpoint_steps() -> None:
+    assert [s for s in range(12) if is_checkpoint_step(s, first_step=2, end_step=10, every=3)] == [
+        3,
+        6,
+        9,
+        10,
+    ]
+
+
+SPEC = parse_job_spec(
+    '[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 8\nhidden = [4]\noutputs = 3\n'
+    '[train]\nbatch_size = 8\noptimizer = "adam"\n[pipeline]\nstages = 2\n'
+)
+
+
+def test_a_unit_state_holds_its_entries_and_only_its_optimizers() -> None:
+    cut = cut_model(SPEC)
+    assert not isinstance(cut, str)
+    entries = cut.entries[0]
+    own = {"0.weight": torch.zeros(4, 8), "0.bias": torch.zeros(4)}
+    adam = {
+        f"optim.{slot}.{k}": torch.zeros_like(v)
+        for k, v in own.items()
+        for slot in ("exp_avg", "exp_avg_sq")
+    }
+    full = encode_state(own | adam | {"optim.step": torch.ones(1, dtype=torch.int64)})
+    check_unit_state(full, "layers_0_1", entries, SPEC.train)
+    check_unit_state(encode_state(own), "layers_0_1", entries, SPEC.train)  # no optimizer state yet
+    assert len(full) <= max_state_bytes(entries, SPEC.train)
+    for bad, code in (
+        (own | {"optim.momentum_buffer.0.weight": torch.zeros(4, 8)}, "bad_state"),  # not Adam's
+        (own | {"optim.exp_avg.0.weight": torch.zeros(2, 2)}, "bad_state"),
+        (own | {"optim.step": torch.ones(1)}, "bad_state"),  # float, not int64
+        ({"0.weight": own["0.weight"]}, "bad_state"),
+        (own | {"0.bias": torch.full((4,), float("inf"))}, "nonfinite"),
+    ):
+        with pytest.raises(Unprocessable) as caught:
+            check_unit_state(encode_state(bad), "layers_0_1", entries, SPEC.train)
+        assert caught.value.code == code and "\n" not in caught.value.detail
+    with pytest.raises(Unprocessable):
+        check_unit_state(b"not gft1", "layers_0_1", entries, SPEC.train)
+
+
+def test_the_relay_plan_of_a_generation() -> None:
+    cut = cut_model(SPEC)
+    assert not isinstance(cut, str)
+    g = _generation((StageSlot("gf1-a", 0, 1), StageSlot("gf1-b", 1, 2)), first_step=4)
+    plan = relay_plan(g, cut)
+    assert plan.stages == ("gf1-a", "gf1-b") and plan.generation == 1
+    assert plan.boundaries == (Crossing("float32", (8, 4)),) and plan.micro_batches == 4
+    assert (plan.first_step, plan.end_step, plan.tied) == (4, 10, ())
+
+
+def test_a_tied_embedding_crosses_between_the_stages_holding_it() -> None:
+    from gpuflex.hub.model.relay import TiedStages
+
+    spec = parse_job_spec(
+        '[job]\nname = "lm"\n[model]\nkind = "transformer"\nvocab = 50\ncontext = 8\n'
+        "layers = 2\nheads = 2\nwidth = 16\n[train]\nbatch_size = 8\n[pipeline]\nstages = 2\n"
+    )
+    cut = cut_model(spec)
+    assert not isinstance(cut, str) and cut.names == ("embed", "block_0", "block_1", "head")
+    plan = relay_plan(_generation((StageSlot("gf1-a", 0, 2), StageSlot("gf1-b", 2, 4))), cut)
+    assert plan.boundaries == (Crossing("float32", (8, 8, 16)),)
+    assert plan.tied == (TiedStages((0, 1), Crossing("float32", (50, 16))),)
+
+
+def test_a_relay_plan_refuses_another_generation_in_one_line() -> None:
+    from gpuflex.hub.base.errors import Conflict
+    from gpuflex.hub.model.relay import RelayPlan
+
+    plan = RelayPlan(
+        stages=("gf1-a", "gf1-b"),
+        boundaries=(Crossing("float32", (2, 3)),),
+        micro_batches=1,
+        generation=3,
+    )
+    plan.check_generation(3)
+    for other in (0, 2, 4):
+        with pytest.raises(Conflict) as caught:
+            plan.check_generation(other)
+        assert caught.value.code == "stale_generation" and caught.value.status == 409
+        assert f"generation {other}" in caught.value.detail and "\n" not in caught.value.detail
+    assert (
+        RelayPlan(
+            stages=("a", "b"), boundaries=(Crossing("float32", (1,)),), micro_batches=1
+        ).generation
+        == 0
+    )
