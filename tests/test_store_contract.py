@@ -691,6 +691,7 @@ def test_a_version_7_database_gains_the_pipeline_tables(tmp_path: Path) -> None:
     path = tmp_path / "hub.sqlite3"
     Database(path).close()
     conn = sqlite3.connect(path)
+    _undo_sybil_state(conn)  # schemas 9 and 10 came after 8
     conn.executescript("DROP TABLE pipelines; DROP TABLE pipeline_generations; DROP TABLE unit_states;"
                        " DROP TABLE stage_reports; PRAGMA user_version = 7;")
     conn.close()

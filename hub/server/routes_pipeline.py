@@ -47,7 +47,7 @@ async def checkpoint(request: web.Request) -> web.Response:
     app = request.app
     ledger = app[LEDGER]
     msg, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), UnitCheckpoint)
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     target = ledger.pipelines.checkpoint_target(node, msg)
     if request.content_length is not None and request.content_length != msg.size:
         raise BadRequest(
@@ -73,7 +73,7 @@ async def report(request: web.Request) -> web.Response:
     body = await read_body(request, app[CONFIG].max_message_bytes)
     msg, signer = open_node_message(request, body, StageReport)
     ledger = app[LEDGER]
-    node = ledger.registry.known_node(signer, request.remote)
+    node = await ledger.registry.known_node(signer, request.remote)
     return sealed_response(request, await ledger.pipelines.report(node, msg))
 
 

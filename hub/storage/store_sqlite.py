@@ -487,6 +487,9 @@ class SqlFlags(_SqlRows, FlagStore):
                     out[uid] = (str(row["node_id"]), int(row["run_before"]))
             return out
 
+        return await self.db.read(read)
+
+
 class SqlStore(SqlNodes, SqlJobs, SqlSilos, SqlAssignments, SqlStateRequests, SqlFlags, SqlRollbacks,
                SqlPipelines, Store):
     """Every `Store` method as SQL, over a `Database` (one thread, one connection, group commit):
