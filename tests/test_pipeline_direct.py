@@ -222,3 +222,21 @@ def test_addresses_are_host_and_port() -> None:
     for bad in ("10.0.0.2", ":7000", "host:0", "host:70000", "host:x"):
         with pytest.raises(PipelineError, match="is not HOST:PORT"):
             parse_address(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("10.0.0.2", "expected HOST:PORT"),
+        ("10.0.0.2:0", "expected HOST:PORT"),
+        ("0.0.0.0:7000", "not a wildcard"),
+        ("[::]:7000", "not a wildcard"),
+    ],
+)
+def test_a_bad_stage_listen_stops_the_node_before_it_starts(capsys, text: str, words: str) -> None:
+    from gpuflex.node.cli import main
+
+    code = main(["run", "--hub", "http://127.0.0.1:9", "--stage-listen", text])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.count("\n") == 0
+    assert err.startswith(f"gpuflex-node: error: --stage-listen {text[:60]!r}") and words in err
