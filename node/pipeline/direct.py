@@ -13,9 +13,12 @@ dtype and finiteness, as the relay's receiver does. A refused frame is answered 
 (``refused: ...``) and the connection is closed; what a known sender sent is refused to the
 stage waiting for it too.
 
-``send`` does not wait: the tensor is encoded on the caller's thread (the caller may reuse it),
-and one thread per receiving stage hashes, seals and writes it. The next ``send``, and
-``close``, raise what went wrong. Blocking sockets: a stage runs in its own thread anyway.
+``send`` waits for no answer: the sending stage's thread encodes, seals and writes the frame, and
+the receiving listener reads every frame as it comes (into the stage's inbox), so a write waits
+for the kernel's socket buffer, never for the receiving stage's compute. No thread hand-off on
+the sending side: the tensor's bytes are in the kernel when ``send`` returns. A failure, or the
+receiver's refusal line, is raised by that ``send`` or the next, and by ``close``. Blocking
+sockets: a stage runs in its own thread anyway.
 ``RoutedTransport`` sends directly to the stages that have an address and through the relay to
 the rest.
 """
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import socket
 import struct
 import threading
@@ -51,6 +53,8 @@ MAGIC: Final = b"GFP1"
 MAX_SEALED_HEADER: Final = 4096
 #: what one inbox holds at most, in all, before it refuses more
 MAX_HELD_BYTES: Final = 1 << 30
+#: what a refused connection still reads (and drops) before it closes
+DRAIN_BYTES: Final = 16 << 20
 
 
 def parse_address(text: str, what: str = "a stage address") -> tuple[str, int]:
@@ -315,13 +319,21 @@ class StageListener:
         with contextlib.suppress(OSError):
             conn.sendall(f"refused: {line}\n".encode()[:4096])
             conn.shutdown(socket.SHUT_WR)
+            # what the sender still writes is read and dropped for a moment, so that it reads the
+            # line (closing on unread bytes would reset the connection before it does)
+            conn.settimeout(1.0)
+            give_up, dropped = time.monotonic() + 1.0, 0
+            while dropped < DRAIN_BYTES and time.monotonic() < give_up:
+                if not (n := len(conn.recv(1 << 16))):
+                    break
+                dropped += n
 
 
 # -- the sending side -------------------------------------------------------------------------------
 
 
 class _Link:
-    """The kept connection to one receiving stage and the thread that writes to it."""
+    """The kept connection to one receiving stage, written by the sending stage's own thread."""
 
     def __init__(
         self,
@@ -335,27 +347,48 @@ class _Link:
         self.seal = seal
         self.timeout_s = timeout_s
         self.error: PipelineError | None = None
-        self._queue: queue.SimpleQueue[tuple[MessageKey, bytes] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._write, name=f"gpuflex-stage-link-{to_stage}", daemon=True
-        )
-        self._thread.start()
+        self._conn: socket.socket | None = None
 
     def put(self, key: MessageKey, body: bytes) -> None:
         if self.error is not None:
             raise self.error
-        self._queue.put((key, body))
+        self._write(key, body)
 
-    def close(self, timeout_s: float) -> None:
-        """Every queued message written (or the first error raised)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+    def _write(self, key: MessageKey, body: bytes) -> None:
+        try:
+            sealed = self.seal(key, body)
+            if self._conn is None:
+                self._conn = self._connect()
+            self._conn.sendall(FRAME.pack(MAGIC, len(sealed)) + sealed)
+            self._conn.sendall(body)
+        except OSError as exc:
+            self.error = self._failure(key, exc)
+            raise self.error from None
+        except PipelineError as exc:
+            self.error = exc
+            raise
+
+    def close(self) -> None:
+        """The end of the stream: the receiver closes its side once it has read every frame, or
+        answers a refusal (raised here, as any earlier failure is)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            if self.error is not None:
+                raise self.error
+            return
+        try:
+            if self.error is None:
+                conn.shutdown(socket.SHUT_WR)
+                answer = conn.recv(4096)
+                if answer:
+                    said = " ".join(answer.decode("utf-8", "replace").split())
+                    self.error = PipelineError(f"stage {self.to_stage} {said}")
+        except OSError as exc:
+            self.error = PipelineError(f"stage {self.to_stage} closed the connection: {exc}")
+        finally:
+            conn.close()
         if self.error is not None:
             raise self.error
-        if self._thread.is_alive():
-            raise PipelineError(
-                f"the tensors for stage {self.to_stage} were not written within {timeout_s:g} s"
-            )
 
     def _connect(self) -> socket.socket:
         give_up = time.monotonic() + self.timeout_s
@@ -373,50 +406,18 @@ class _Link:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _write(self) -> None:
-        conn: socket.socket | None = None
-        key: MessageKey | None = None
-        try:
-            while (item := self._queue.get()) is not None:
-                key, body = item
-                sealed = self.seal(key, body)
-                if conn is None:
-                    conn = self._connect()
-                conn.sendall(FRAME.pack(MAGIC, len(sealed)) + sealed)
-                conn.sendall(body)
-            if conn is not None:
-                self._finish(conn)
-        except (OSError, PipelineError) as exc:
-            self.error = self._failure(conn, key, exc)
-        finally:
-            if conn is not None:
-                conn.close()
-
-    def _finish(self, conn: socket.socket) -> None:
-        """The end of the stream: the receiver closes its side once it has read every frame, or
-        answers a refusal (raised here)."""
-        conn.shutdown(socket.SHUT_WR)
-        answer = conn.recv(4096)
-        if answer:
-            raise PipelineError(
-                f"stage {self.to_stage} {' '.join(answer.decode('utf-8', 'replace').split())}"
-            )
-
-    def _failure(
-        self, conn: socket.socket | None, key: MessageKey | None, exc: BaseException
-    ) -> PipelineError:
+    def _failure(self, key: MessageKey, exc: OSError) -> PipelineError:
         """What went wrong, in one line: the receiver's refusal when it sent one."""
-        if isinstance(exc, PipelineError):
-            return exc
         answer = b""
-        if conn is not None:
+        if self._conn is not None:
             with contextlib.suppress(OSError):
-                conn.settimeout(1.0)
-                answer = conn.recv(4096)
-        what = key.describe() if key is not None else "a tensor"
+                self._conn.settimeout(1.0)
+                answer = self._conn.recv(4096)
         said = " ".join(answer.decode("utf-8", "replace").split())
         return PipelineError(
-            f"stage {self.to_stage} {said}" if said else f"sending {what} failed: {exc}"
+            f"stage {self.to_stage} {said}"
+            if said
+            else f"sending {key.describe()} to stage {self.to_stage} failed: {exc}"
         )
 
 
@@ -492,7 +493,7 @@ class DirectTransport:
         errors = []
         for link in links:
             try:
-                link.close(self.send_timeout_s)
+                link.close()
             except PipelineError as exc:
                 errors.append(exc)
         if errors:
