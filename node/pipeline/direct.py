@@ -53,6 +53,9 @@ MAGIC: Final = b"GFP1"
 MAX_SEALED_HEADER: Final = 4096
 #: what one inbox holds at most, in all, before it refuses more
 MAX_HELD_BYTES: Final = 1 << 30
+#: the kernel's buffers on a stage connection (each side): a step's few messages fit in them, so
+#: a sender writes them at once whatever the receiving process is doing (the kernel may cap it)
+SOCKET_BUFFER: Final = 4 << 20
 #: what a refused connection still reads (and drops) before it closes
 DRAIN_BYTES: Final = 16 << 20
 
@@ -176,6 +179,7 @@ class StageListener:
             self._sock = socket.create_server((host, port), reuse_port=False)
         except OSError as exc:
             raise PipelineError(f"cannot listen for stages on {host}:{port}: {exc}") from None
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         self.open_wait_s = open_wait_s
@@ -397,6 +401,7 @@ class _Link:
             try:
                 conn = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
                 return conn
             except OSError as exc:
                 if time.monotonic() >= give_up:
