@@ -2,5 +2,7 @@
 
 ``schedule`` orders a stage's forwards and backwards (GPipe, 1F1B); ``stage`` runs one stage's
 share of a step and steps its parameters; ``transport`` is how stages' tensors meet (in memory
-here, through the hub's relay in ``relay``); ``local`` runs every stage of a pipeline in threads.
+here; through the hub's relay in ``relay``; straight from stage to stage in ``direct``, whose
+``RoutedTransport`` mixes the two), each message sealed and checked the same way (``sealed``);
+``local`` runs every stage of a pipeline in threads.
 """
