@@ -216,6 +216,20 @@ def test_a_sender_hears_the_refusal_in_one_line(receiver) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_connection_that_sends_no_frame_is_closed_and_their_number_is_bounded() -> None:
+    listener = StageListener("127.0.0.1", 0, first_frame_s=0.3, max_connections=2)
+    try:
+        idle = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+        second = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+        third = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+        assert third.recv(1) == b""  # over the bound: closed at once
+        assert idle.recv(1) == b"" and second.recv(1) == b""  # no frame within 0.3 s: closed
+        for conn in (idle, second, third):
+            conn.close()
+    finally:
+        listener.close()
+
+
 def test_addresses_are_host_and_port() -> None:
     assert parse_address("10.0.0.2:7000") == ("10.0.0.2", 7000)
     assert parse_address("[::1]:7000") == ("::1", 7000)

@@ -172,9 +172,19 @@ class Inbox:
 class StageListener:
     """Accepts other stages' tensors on ``host:port`` (port 0: any free one) for the inboxes
     opened on it: one thread accepts, one thread per connection reads. A frame for a stage
-    not (yet) opened here waits up to ``open_wait_s`` for it."""
+    not (yet) opened here waits up to ``open_wait_s`` for it. A connection must deliver its first
+    frame within ``first_frame_s`` (a stage's sender idles as long as it likes after that), and
+    at most ``max_connections`` are open at once: a stranger cannot hold the threads."""
 
-    def __init__(self, host: str, port: int, *, open_wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        open_wait_s: float = 30.0,
+        first_frame_s: float = 60.0,
+        max_connections: int = 256,
+    ) -> None:
         try:
             self._sock = socket.create_server((host, port), reuse_port=False)
         except OSError as exc:
@@ -183,6 +193,8 @@ class StageListener:
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         self.open_wait_s = open_wait_s
+        self.first_frame_s = first_frame_s
+        self.max_connections = max_connections
         self._cond = threading.Condition()
         self._inboxes: dict[tuple[str, int, int], Inbox] = {}
         self._conns: set[socket.socket] = set()
@@ -240,8 +252,18 @@ class StageListener:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= self.max_connections:
+                    log.warning(
+                        "stage listener: %d connections open; %s:%s refused",
+                        len(self._conns),
+                        peer[0],
+                        peer[1],
+                    )
+                    conn.close()
+                    continue
                 self._conns.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.first_frame_s)
             threading.Thread(
                 target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True
             ).start()
@@ -249,8 +271,10 @@ class StageListener:
     def _serve(self, conn: socket.socket, peer: str) -> None:
         """Read frames off one connection until it closes or one is refused."""
         try:
-            while self._read_frame(conn, peer):
-                pass
+            if self._read_frame(conn, peer):
+                conn.settimeout(None)  # a known stage's connection: it may idle between steps
+                while self._read_frame(conn, peer):
+                    pass
         except OSError:
             pass
         finally:
