@@ -1,20 +1,27 @@
-"""Pipeline execution on loopback: this engine over the hub's relay against torch.distributed.pipelining.
+"""Pipeline execution on loopback: this engine, directly between stages and over the hub's relay,
+against torch.distributed.pipelining.
 
-Both run the same model (an MLP of ``--layers`` Linear+GELU units of width ``--width``), cut into
+All run the same model (an MLP of ``--layers`` Linear+GELU units of width ``--width``), cut into
 the same ``--stages`` contiguous stages, over the same ``--micro`` micro-batches of ``--batch``
 samples a step, with the same schedule (GPipe and 1F1B), each stage in its own process:
 
 - torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` over gloo (process group on
   127.0.0.1);
-- gpuflex: ``node/pipeline`` stage runners whose tensors travel through the relay of a hub
-  (the app factory, in its own process on 127.0.0.1), every message signed, hashed and checked.
+- gpuflex direct: ``node/pipeline`` stage runners whose tensors go straight from stage to stage
+  (node/pipeline/direct.py: each stage listens on 127.0.0.1, every message signed, hashed and
+  checked by its receiver);
+- gpuflex relay: the same runners, their tensors through the relay of a hub (the app factory, in
+  its own process on 127.0.0.1), every message signed, hashed and checked by the hub and the
+  receiver.
 
 Each run trains 1 warm-up step and ``--steps`` timed steps with the node's optimizer (Adam);
-throughput is samples per second over the timed steps, measured on the last stage. The engine's
+throughput is samples per second over the timed steps, measured on the last stage; CPU is every
+process's user + system time over the timed steps (the relay's with the hub's). The engine's
 parameters after every step are compared with single-process gradient accumulation over the same
 micro-batches (``figures.equivalence_max_rel_diff``, the largest relative difference of any
-parameter tensor, over both schedules). ``ratios.throughput_vs_torch_pipelining`` is the engine's
-samples/s over torch's, the worse of the two schedules.
+parameter tensor, over both schedules and both paths). ``ratios.throughput_vs_torch_pipelining``
+is the direct path's samples/s over torch's, ``ratios.throughput_relay_vs_torch_pipelining`` the
+relay's, each the worse of the two schedules and the median over ``--repeat`` runs.
 
 Then the planner against measured pipelines (bench/pipeline_planner.py): its configurations are
 planned by the product's planner from what the node processes measured of themselves and of the
@@ -24,7 +31,7 @@ predicted over measured step time (``figures.step_time_ratio_median`` / ``_worst
 ``figures.model_bytes_over_largest_cap`` the model's state over the largest offer.
 
 Usage: python bench/pipeline.py [--stages 4] [--micro 8] [--batch 64] [--width 512] [--layers 8]
-    [--steps 10] [--planner-steps 4] [--planner-configs 0,3] [--planner-only | --no-planner]
+    [--steps 10] [--repeat 1] [--planner-steps 4] [--planner-configs 0,3] [--planner-only | --no-planner]
     [--out bench/results/pipeline.json]
 """
 
@@ -144,7 +151,7 @@ def torch_rank(cfg: dict[str, Any], rank: int, port: int, result: str) -> None:
         started = 0.0
         for n, (xs, ys) in enumerate(step_data(cfg)):
             if n == 1:
-                started = time.perf_counter()
+                started = _timed_from_here()
             opt.zero_grad()
             if rank == 0:
                 schedule.step(torch.cat(xs))
@@ -165,12 +172,23 @@ def make_optimizer_for(module: nn.Module) -> Any:
     return make_optimizer(list(module.parameters()), train_config())
 
 
+#: this process's CPU seconds when its timed steps began
+_CPU_FROM = [0.0]
+
+
+def _timed_from_here() -> float:
+    """Mark the start of the timed steps: the wall clock (returned) and this process's CPU time."""
+    _CPU_FROM[0] = time.process_time()
+    return time.perf_counter()
+
+
 def _write_stage(out: Path, module: nn.Module, elapsed: float) -> None:
     from gpuflex.protocol.tensors import encode_state
 
+    cpu_s = time.process_time() - _CPU_FROM[0]
     state = {f"p{i:03d}": p.detach() for i, p in enumerate(module.parameters())}
     (out.with_suffix(".gft")).write_bytes(encode_state(state))
-    out.write_text(json.dumps({"elapsed_s": elapsed}))
+    out.write_text(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu_s}))
 
 
 def _read_stages(outs: list[Path]) -> tuple[list[torch.Tensor], float]:
@@ -338,7 +356,7 @@ def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> Non
         started = 0.0
         for n, (xs, ys) in enumerate(step_data(cfg)):
             if n == 1:
-                started = time.perf_counter()
+                started = _timed_from_here()
             runner.run_step(
                 n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
             )
@@ -380,11 +398,13 @@ def run_gpuflex(cfg: dict[str, Any], work: Path) -> dict[str, tuple[list[torch.T
             )
         for s in range(cfg["stages"]):
             _register(url, _seed(s))
+        hub_cpu = _cpu_s(hub.pid)
         procs = [
             _child(["--stage", str(s), "--url", url, "--result", result % s], cfg)
             for s in range(cfg["stages"])
         ]
         _wait_all(procs, "gpuflex stages")
+        (work / "hub-cpu.json").write_text(json.dumps({"cpu_s": _cpu_s(hub.pid) - hub_cpu}))
     finally:
         hub.terminate()
         hub.wait(30)
@@ -459,6 +479,194 @@ def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]]) -> Path:
     return path
 
 
+# -- gpuflex, direct: each stage listens, the stages connect to each other (no hub) ------------------
+
+
+def gpuflex_direct_stage(cfg: dict[str, Any], stage: int, addresses: str, result: str) -> None:
+    """One stage over direct connections (node/pipeline/direct.py): its listener on its address,
+    each schedule in turn (its own job), on a fresh copy of its stage."""
+    from gpuflex.node.pipeline.direct import DirectTransport, StageListener, parse_address
+    from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut
+    from gpuflex.protocol.signing import SigningKey
+    from gpuflex.protocol.tensors import max_encoded_size
+
+    torch.set_num_threads(1)
+    where = {int(s): a for s, a in json.loads(addresses).items()}
+    listener = StageListener(*parse_address(where[stage]))
+    peers = {s: SigningKey.from_seed(_seed(s)).public_bytes for s in range(cfg["stages"])}
+    last = stage == cfg["stages"] - 1
+    for schedule in SCHEDULES:
+        stages = cut(units(cfg), starts(cfg))
+        specs = boundary_specs(stages, torch.zeros(cfg["batch"], cfg["width"]))
+        module = stages[stage]
+        transport = DirectTransport(
+            SigningKey.from_seed(_seed(stage)),
+            f"{JOB}-{schedule}",
+            stage,
+            addresses=where,
+            peers=peers,
+            listener=listener,
+            max_message_bytes=max(max_encoded_size((spec,)) for spec in specs),
+        )
+        runner = StageRunner(
+            module=module,
+            stage=stage,
+            stages=cfg["stages"],
+            transport=transport,
+            optimizer=make_optimizer_for(module),
+            inbound=specs[stage - 1] if stage else None,
+            outbound=None if last else specs[stage],
+            loss_fn=nn.CrossEntropyLoss() if last else None,
+            schedule=schedule,
+        )
+        started = 0.0
+        for n, (xs, ys) in enumerate(step_data(cfg)):
+            if n == 1:
+                started = _timed_from_here()
+            runner.run_step(
+                n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
+            )
+        elapsed = time.perf_counter() - started
+        transport.close()
+        _write_stage(Path(result.format(schedule=schedule)), module, elapsed)
+    listener.close()
+
+
+def run_gpuflex_direct(
+    cfg: dict[str, Any], work: Path
+) -> dict[str, tuple[list[torch.Tensor], float]]:
+    addresses = json.dumps({s: f"127.0.0.1:{free_port()}" for s in range(cfg["stages"])})
+    result = str(work / "direct-{schedule}-%d.json")
+    procs = [
+        _child(["--direct-stage", str(s), "--addresses", addresses, "--result", result % s], cfg)
+        for s in range(cfg["stages"])
+    ]
+    _wait_all(procs, "gpuflex direct stages")
+    return {
+        s: _read_stages([Path(result.format(schedule=s) % r) for r in range(cfg["stages"])])
+        for s in SCHEDULES
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, Linux's /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_figures(cfg: dict[str, Any], work: Path) -> dict[str, dict[str, float]]:
+    """CPU milliseconds per timed step, all stage processes together, per path and schedule; the
+    relay's includes the hub's (measured over both schedules' warm-up and timed steps)."""
+    hub = json.loads((work / "hub-cpu.json").read_text())["cpu_s"]
+    out: dict[str, dict[str, float]] = {}
+    for schedule in SCHEDULES:
+        row = {}
+        for path, prefix in (("torch", "torch"), ("relay", "gpuflex"), ("direct", "direct")):
+            files = [work / f"{prefix}-{schedule}-{r}.json" for r in range(cfg["stages"])]
+            cpu = sum(float(json.loads(f.read_text())["cpu_s"]) for f in files)
+            if path == "relay":
+                cpu += hub / len(SCHEDULES) * cfg["steps"] / (cfg["steps"] + 1)
+            row[f"{path}_cpu_ms_per_step"] = round(1000 * cpu / cfg["steps"], 1)
+        row["relay_hub_cpu_ms_per_step"] = round(
+            1000 * hub / len(SCHEDULES) / (cfg["steps"] + 1), 1
+        )
+        out[schedule] = row
+    return out
+
+
+def message_costs(cfg: dict[str, Any], repeat: int = 500) -> dict[str, float]:
+    """Microseconds of CPU each piece of one message takes in this process (one activation of
+    the bench's shape): what the stages pay per message beyond torch's copy onto the wire."""
+    import hashlib
+
+    from gpuflex.node.pipeline.sealed import encode_tensor, open_body, open_header, seal_header
+    from gpuflex.node.pipeline.transport import MessageKey
+    from gpuflex.protocol.signing import SigningKey
+    from gpuflex.protocol.tensors import TensorSpec
+
+    torch.set_num_threads(1)
+    signer = SigningKey.from_seed(_seed(0))
+    key = MessageKey(1, 0, "activation", 0, 1)
+    tensor = torch.randn(cfg["batch"], cfg["width"])
+    spec = TensorSpec("activation", "float32", tuple(tensor.shape))
+    body = encode_tensor(key, tensor)
+    sealed = seal_header(signer, JOB, key, body)
+    hdr, _ = open_header(sealed, job_id=JOB, peers={0: signer.public_bytes})
+    pieces = {
+        "encode": lambda: encode_tensor(key, tensor),
+        "sha256": lambda: hashlib.sha256(body).digest(),
+        "seal_header": lambda: seal_header(signer, JOB, key, body),
+        "open_header": lambda: open_header(sealed, job_id=JOB, peers={0: signer.public_bytes}),
+        "open_body": lambda: open_body(hdr, bytearray(body), key, spec),
+        "torch_copy": lambda: tensor.clone(),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        fn()
+        began = time.process_time()
+        for _ in range(repeat):
+            fn()
+        out[f"message_{name}_us"] = round(1e6 * (time.process_time() - began) / repeat, 1)
+    return out
+
+
+def direct_figures(rows: dict[str, Any]) -> dict[str, Any]:
+    """The ratios of the direct path (the product's best) and of the relay path, per schedule and
+    the worse schedule's."""
+    direct = {
+        s: r["gpuflex_direct_samples_per_s"] / r["torch_samples_per_s"] for s, r in rows.items()
+    }
+    relay = {s: r["gpuflex_samples_per_s"] / r["torch_samples_per_s"] for s, r in rows.items()}
+    return {
+        "throughput_vs_torch_pipelining": round(min(direct.values()), 3),
+        **{f"throughput_vs_torch_pipelining_{s}": round(v, 3) for s, v in direct.items()},
+        "throughput_relay_vs_torch_pipelining": round(min(relay.values()), 3),
+        **{f"throughput_relay_vs_torch_pipelining_{s}": round(v, 3) for s, v in relay.items()},
+    }
+
+
+def median_ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each ratio's median over the runs, each run's ratio taken between figures measured minutes
+    apart (the load of a shared machine moves less within a run than across runs)."""
+    import statistics
+
+    each = [direct_figures(run) for run in runs]
+    return {name: round(statistics.median(r[name] for r in each), 3) for name in each[0]}
+
+
+def cpu_bounds(rows: dict[str, Any]) -> dict[str, float]:
+    """Torch's CPU per step over ours, per path and schedule: the throughput ratio when every core
+    is busy (the stages and the hub share them) and the CPU a step takes decides."""
+    return {
+        f"{s}_{path}_cpu_bound_vs_torch": round(
+            r["torch_cpu_ms_per_step"] / r[f"{path}_cpu_ms_per_step"], 3
+        )
+        for s, r in rows.items()
+        for path in ("direct", "relay")
+    }
+
+
+def median_rows(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repeated runs (the largest difference for the equivalence)."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    for schedule in runs[0]:
+        row = {}
+        for name in runs[0][schedule]:
+            values = [run[schedule][name] for run in runs]
+            row[name] = (
+                max(values)
+                if name.endswith("max_rel_diff")
+                else round(statistics.median(values), 1)
+            )
+        out[schedule] = row
+    return out
+
+
 # -- orchestration ------------------------------------------------------------------------------------
 
 
@@ -488,11 +696,17 @@ def measure(base: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpuflex-bench-pipeline-") as tmp:
         theirs = run_torch(base, Path(tmp))
         ours = run_gpuflex(base, Path(tmp))
+        direct = run_gpuflex_direct(base, Path(tmp))
+        cpu = cpu_figures(base, Path(tmp))
     return {
         schedule: {
+            **cpu[schedule],
             "torch_samples_per_s": round(samples / theirs[schedule][1], 1),
             "gpuflex_samples_per_s": round(samples / ours[schedule][1], 1),
-            "gpuflex_max_rel_diff": max_rel_diff(ours[schedule][0], want),
+            "gpuflex_direct_samples_per_s": round(samples / direct[schedule][1], 1),
+            "gpuflex_max_rel_diff": max(
+                max_rel_diff(ours[schedule][0], want), max_rel_diff(direct[schedule][0], want)
+            ),
             "torch_max_rel_diff": max_rel_diff(theirs[schedule][0], want),
         }
         for schedule in SCHEDULES
@@ -507,6 +721,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=1, help="runs; each figure is their median")
     parser.add_argument(
         "--planner-steps",
         type=int,
@@ -540,6 +755,8 @@ def main() -> None:
         "--url",
         "--node",
         "--work",
+        "--direct-stage",
+        "--addresses",
     ):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -549,25 +766,27 @@ def main() -> None:
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} does not split into {args.stages} equal stages")
     base = {k: getattr(args, k) for k in ("stages", "micro", "batch", "width", "layers", "steps")}
-    if args.planner_only:
-        result = json.loads(args.out.read_text()) if args.out.exists() else {"name": "pipeline"}
-    else:
+    if not args.planner_only:
         started = time.monotonic()
-        result = report(base, measure(base), time.monotonic() - started)
+        runs = [measure(base) for _ in range(max(1, args.repeat))]
+        report(base, median_rows(runs), args.out, time.monotonic() - started, runs=runs)
     if not args.no_planner:
+        result = json.loads(args.out.read_text()) if args.out.exists() else {"name": "pipeline"}
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="gpuflex-bench-planner-") as tmp:
             planner = run_planner(Path(tmp), args.planner_steps, args.planner_configs)
         report_planner(result, planner, time.monotonic() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 
 def _run_child(args: argparse.Namespace) -> None:
     cfg = json.loads(args.cfg)
     if args.torch_rank is not None:
         torch_rank(cfg, int(args.torch_rank), int(args.port), args.result)
+    elif args.direct_stage is not None:
+        gpuflex_direct_stage(cfg, int(args.direct_stage), args.addresses, args.result)
     elif args.hub is not None:
         asyncio.run(_serve_hub(Path(args.hub), Path(args.jobs), Path(args.port_file)))
     elif args.node is not None:
@@ -578,52 +797,83 @@ def _run_child(args: argparse.Namespace) -> None:
         gpuflex_stage(cfg, int(args.stage), args.url, args.result)
 
 
-def report(base: dict[str, Any], rows: dict[str, Any], wall_s: float) -> dict[str, Any]:
+def report(
+    base: dict[str, Any],
+    rows: dict[str, Any],
+    out: Path,
+    wall_s: float,
+    *,
+    runs: list[dict[str, Any]] | None = None,
+) -> None:
     print(
         f"{base['stages']} stages of an MLP ({base['layers']} Linear {base['width']}-wide), {base['micro']} "
         f"micro-batches of {base['batch']}, {base['steps']} timed steps, Adam; every stage its own process"
     )
     print(
-        f"{'schedule':<9} {'torch samples/s':>16} {'gpuflex samples/s':>18} {'ratio':>6} {'max rel diff':>13}"
+        f"{'schedule':<9} {'torch samples/s':>16} {'direct samples/s':>17} {'ratio':>6} "
+        f"{'relay samples/s':>16} {'ratio':>6} {'max rel diff':>13}"
     )
     for schedule, row in rows.items():
-        ratio = row["gpuflex_samples_per_s"] / row["torch_samples_per_s"]
+        torch_sps = row["torch_samples_per_s"]
         print(
-            f"{schedule:<9} {row['torch_samples_per_s']:>16.1f} {row['gpuflex_samples_per_s']:>18.1f} "
-            f"{ratio:>6.2f} {row['gpuflex_max_rel_diff']:>13.2e}"
+            f"{schedule:<9} {torch_sps:>16.1f} {row['gpuflex_direct_samples_per_s']:>17.1f} "
+            f"{row['gpuflex_direct_samples_per_s'] / torch_sps:>6.2f} "
+            f"{row['gpuflex_samples_per_s']:>16.1f} {row['gpuflex_samples_per_s'] / torch_sps:>6.2f} "
+            f"{row['gpuflex_max_rel_diff']:>13.2e}"
         )
-    ratio = min(r["gpuflex_samples_per_s"] / r["torch_samples_per_s"] for r in rows.values())
-    result = {
-        "name": "pipeline",
-        "figures": {
-            "equivalence_max_rel_diff": max(r["gpuflex_max_rel_diff"] for r in rows.values()),
-            "torch_pipelining_max_rel_diff": max(r["torch_max_rel_diff"] for r in rows.values()),
-            **{f"{s}_{k}": v for s, r in rows.items() for k, v in r.items() if k.endswith("per_s")},
-            **base,
-            "wall_s": round(wall_s, 1),
+    for schedule, row in rows.items():
+        print(
+            f"{schedule:<9} CPU ms a step, every process: torch {row['torch_cpu_ms_per_step']:.0f}, "
+            f"direct {row['direct_cpu_ms_per_step']:.0f}, relay {row['relay_cpu_ms_per_step']:.0f} "
+            "(stages and hub)"
+        )
+    ratios = median_ratios(runs or [rows])
+    # figures other parts of this bench write stay as they are
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["name"] = "pipeline"
+    result["figures"] = {
+        **result.get("figures", {}),
+        "equivalence_max_rel_diff": max(r["gpuflex_max_rel_diff"] for r in rows.values()),
+        "torch_pipelining_max_rel_diff": max(r["torch_max_rel_diff"] for r in rows.values()),
+        **{
+            f"{s}_{k}": v
+            for s, r in rows.items()
+            for k, v in r.items()
+            if k.endswith(("per_s", "per_step"))
         },
-        "ratios": {
-            "throughput_vs_torch_pipelining": round(ratio, 3),
-            **{
-                f"throughput_vs_torch_pipelining_{s}": round(
-                    r["gpuflex_samples_per_s"] / r["torch_samples_per_s"], 3
-                )
-                for s, r in rows.items()
-            },
-        },
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}, "
-        f"python {platform.python_version()}, torch {torch.__version__}",
-        "notes": "loopback, CPU, one torch thread per stage process; gpuflex's tensors go through the hub's relay "
-        "(POST then long-poll GET, each message sealed by its node and checked by the hub and the receiver), "
-        "torch's over gloo point-to-point; throughput ratio = the worse schedule's; equivalence = the largest "
-        "relative difference of any parameter tensor after 1 + steps steps vs single-process gradient "
-        "accumulation over the same micro-batches",
+        **base,
+        "wall_s": round(wall_s, 1),
     }
+    result["figures"].update(cpu_bounds(rows))
+    each = [direct_figures(run) for run in runs or [rows]]
+    result["figures"].update(
+        {f"each_run_{name}": [r[name] for r in each] for name in ratios if name.endswith(SCHEDULES)}
+    )
+    result["figures"].update(message_costs(base))
+    result["ratios"] = {**result.get("ratios", {}), **ratios}
+    result["machine"] = (
+        f"{platform.machine()}, {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}, "
+        f"python {platform.python_version()}, torch {torch.__version__}"
+    )
+    result["notes"] = (
+        "loopback, CPU, one torch thread per stage process; gpuflex direct: each stage listens and the "
+        "stages send each other their tensors over kept TCP connections (node/pipeline/direct.py), every "
+        "message sealed by its node and checked by the receiver; gpuflex relay: through the hub's relay "
+        "(POST then long-poll GET, each message sealed by its node and checked by the hub and the "
+        "receiver); torch's over gloo point-to-point; throughput_vs_torch_pipelining = the direct path's "
+        "ratio, throughput_relay_vs_torch_pipelining = the relay's, each the worse schedule's; figures "
+        "are medians over --repeat runs; equivalence = the largest relative difference of any parameter "
+        "tensor after 1 + steps steps vs single-process gradient accumulation over the same "
+        "micro-batches, both paths"
+    )
     print(
-        f"throughput vs torch.distributed.pipelining: {ratio:.2f}; equivalence max rel diff "
+        f"throughput vs torch.distributed.pipelining: direct {ratios['throughput_vs_torch_pipelining']:.2f}, "
+        f"relay {ratios['throughput_relay_vs_torch_pipelining']:.2f}; equivalence max rel diff "
         f"{result['figures']['equivalence_max_rel_diff']:.2e}; {wall_s:.0f} s"
     )
-    return result
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 
 def report_planner(result: dict[str, Any], planner: dict[str, Any], wall_s: float) -> None:

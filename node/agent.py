@@ -122,6 +122,8 @@ class NodeConfig:
     max_gpu_memory_gb: float | None = None
     #: the memory offered to a pipeline stage (--max-memory); None: what the device has free
     max_memory_bytes: int | None = None
+    #: "host:port" where this node takes other stages' tensors directly (--stage-listen; "": none)
+    stage_address: str = ""
     once: bool = False
     max_assignments: int | None = None
     poll_wait_s: float = 30.0
@@ -522,6 +524,7 @@ class NodeAgent:
             expected_hub_key=self.config.hub_key, node_id=self.node_id, device=self.device,
             benchmark=benchmark, compute=self.compute, enroll_token=self.config.enroll_token,
             max_memory_bytes=offered_memory(self.device, self.config.max_memory_bytes),
+            stage_address=self.config.stage_address,
         )
         self.registered = True
         self._benchmark_msg = benchmark

@@ -95,6 +95,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--max-gpu-memory", type=float, metavar="GB", help="cap this process's GPU memory")
     run.add_argument("--max-memory", metavar="SIZE", help="the memory this node offers a pipeline stage, e.g. 2GB,"
                      " 512MiB or 1.5GiB (default: what the device has free when the node starts)")
+    run.add_argument("--stage-listen", metavar="HOST:PORT", help="accept other pipeline stages' tensors"
+                     " directly on this address, which the hub passes on to them (it must be reachable from"
+                     " the other nodes; default: none, every tensor goes through the hub's relay)")
     run.add_argument("--onednn", choices=("on", "off"), default="on",
                      help="torch's oneDNN (mkldnn) CPU kernels (default on); off is another compute class")
     run.add_argument("--precisions", metavar="LIST",
@@ -180,6 +183,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         raise NodeError("--offload needs --devices (the offloaded state is the workers')")
     precisions = _precisions(args.precisions)
     max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
+    stage_address = _stage_address(args.stage_listen)
     config = NodeConfig(
         hub_url=args.hub, data_dir=_data_dir(args), hub_key=args.hub_key, device=args.device,
         max_cache_bytes=int(args.max_cache_gb * 1e9), max_checkpoint_bytes=int(args.max_checkpoint_gb * 1e9),
@@ -189,8 +193,8 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         control=not args.no_control, bench_cache=Path(args.bench_cache) if args.bench_cache else None,
         onednn=args.onednn == "on", precisions=precisions,
         enroll_token=args.enroll_token or os.environ.get("GPUFLEX_ENROLL_TOKEN", ""),
-        source_address=args.source_address, max_memory_bytes=max_memory, devices=args.devices,
-        offload=args.offload,
+        source_address=args.source_address, max_memory_bytes=max_memory, stage_address=stage_address,
+        devices=args.devices, offload=args.offload,
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())
@@ -221,6 +225,24 @@ def parse_size(text: str, flag: str) -> int:
     if not 0 < size <= MAX_MEMORY_BYTES:
         raise NodeError(f"{flag} {text[:40]!r}: must be more than 0 bytes and at most 1 PiB")
     return size
+
+
+_WILDCARDS = {"0.0.0.0", "::", "*", ""}
+
+
+def _stage_address(text: str | None) -> str:
+    """--stage-listen as the "host:port" other stages connect to ("" when not given); NodeError
+    for anything else, or a wildcard host (other nodes cannot connect to it)."""
+    if text is None:
+        return ""
+    host, sep, port = text.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or len(text) > 128:
+        raise NodeError(f"--stage-listen {text[:60]!r}: expected HOST:PORT (a port from 1 to 65535)")
+    if bare in _WILDCARDS:
+        raise NodeError(f"--stage-listen {text!r}: give the address other nodes reach this one at, "
+                        "not a wildcard")
+    return text
 
 
 def _precisions(text: str | None) -> tuple[str, ...] | None:

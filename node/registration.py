@@ -34,9 +34,11 @@ async def register(
     compute: ComputeClass | None = None,
     enroll_token: str = "",
     max_memory_bytes: int = 0,
+    stage_address: str = "",
 ) -> HubPin:
     """Register with the hub at ``client``; the pinned hub key (the client now trusts it).
-    ``max_memory_bytes``: the memory this node offers a pipeline stage (--max-memory; 0: not said)."""
+    ``max_memory_bytes``: the memory this node offers a pipeline stage (--max-memory; 0: not said);
+    ``stage_address``: where it takes other stages' tensors directly (--stage-listen; "": none)."""
     public_key, claimed, proto = await client.hub_info()
     pin = check_hub_key(data_dir, hub_url, public_key, claimed, expected_hub_key)
     if proto != PROTOCOL_VERSION:
@@ -51,7 +53,7 @@ async def register(
         device=DeviceInfo(kind=d.kind, name=d.name[:256], memory_bytes=d.memory_bytes, threads=d.threads),
         benchmark=benchmark, timestamp=time.time(), nonce=new_nonce(),
         compute=compute if compute is not None else compute_class(device), enroll_token=enroll_token,
-        max_memory_bytes=max_memory_bytes,
+        max_memory_bytes=max_memory_bytes, stage_address=stage_address,
     )
     welcome = await client.register(hello)
     if welcome.node_id != node_id or welcome.hub_fingerprint != pin.fingerprint:

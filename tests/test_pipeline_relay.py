@@ -329,6 +329,33 @@ def test_an_oversize_or_mismatched_body_is_refused(hub, two) -> None:
     _refused(hub, 400, "size_mismatch", _put(hub, _header(two[0], body, size=len(body) - 64), body))
 
 
+def test_a_large_body_is_hashed_and_checked_beside_the_loop(hub) -> None:
+    """A body over CHECK_ON_LOOP (hub/server/relay.py) is checked in a thread: the same refusals."""
+    from gpuflex.hub.server.relay import CHECK_ON_LOOP
+
+    keys = [register(hub), register(hub)]
+    shape = (BATCH, CHECK_ON_LOOP // 4 // BATCH + 16)  # float32: just over the limit
+    plan = RelayPlan(
+        stages=tuple(k.fingerprint for k in keys),
+        boundaries=(Crossing("float32", shape),),
+        micro_batches=1,
+    )
+    hub.call(lambda: hub.relay.registry.assign("job-large", plan))
+    body = _good_body(shape=shape)
+    assert len(body) > CHECK_ON_LOOP
+    bad = body[:-4] + b"\0\0\0\x01"
+    _refused(hub, 400, "hash_mismatch", _put(hub, _header(keys[0], body, job_id="job-large"), bad))
+    nan = _good_body(shape=shape, fill=float("nan"))
+    _refused(hub, 422, "nonfinite", _put(hub, _header(keys[0], nan, job_id="job-large"), nan))
+    assert _put(hub, _header(keys[0], body, job_id="job-large"), body)[0] == 200
+    taken = RelayTransport(hub.url, keys[1], "job-large", wait_s=0.5).receive(
+        MessageKey(1, 0, "activation", 0, 1),
+        TensorSpec("activation", "float32", shape),
+        timeout_s=5,
+    )
+    assert torch.equal(taken, torch.full(shape, 0.5))
+
+
 def test_only_the_receiving_stage_takes(hub, two) -> None:
     take = RelayTake(
         job_id="job-bad",

@@ -26,10 +26,11 @@ import torch
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
 from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
-from gpuflex.protocol.tensors import TensorSpec, decode_state, encode_state, max_encoded_size
+from gpuflex.protocol.tensors import TensorSpec, encode_state
 
 from ..errors import PipelineError, StaleGeneration
-from .transport import MessageKey, check_received
+from .sealed import open_body, open_header
+from .transport import MessageKey
 
 RELAY_HEADER = "X-GPUFlex-Relay"
 _RETRY = (429, 502, 503, 504)
@@ -192,44 +193,12 @@ class RelayTransport:
         """The sender's sealed header checked, then the bytes against it, then the tensor."""
         try:
             sealed = base64.urlsafe_b64decode(sealed_b64 + "=" * (-len(sealed_b64) % 4))
-            hdr, _ = open_sealed(sealed, RelayHeader, signer=self.peers.get(key.stage))
-        except (ValueError, ProtocolError) as exc:
+        except ValueError as exc:
             raise PipelineError(
                 f"{key.describe()} came without a valid signed header: {exc}"
             ) from None
-        if (
-            hdr.job_id,
-            hdr.step,
-            hdr.micro_batch,
-            hdr.carries,
-            hdr.stage,
-            hdr.to_stage,
-            hdr.generation,
-        ) != (
-            self.job_id,
-            key.step,
-            key.micro_batch,
-            key.carries,
-            key.stage,
-            key.to_stage,
-            self.generation,
-        ):
-            raise PipelineError(f"{key.describe()} came with the header of another message")
-        if len(body) != hdr.size or hashlib.sha256(body).hexdigest() != hdr.sha256:
-            raise PipelineError(f"{key.describe()} does not match its signed size and SHA-256")
-        if len(body) > max_encoded_size((TensorSpec(key.carries, expected.dtype, expected.shape),)):
-            raise PipelineError(
-                f"{key.describe()} is larger than a {expected.dtype} {list(expected.shape)} tensor"
-            )
-        try:
-            state = decode_state(body)
-        except ProtocolError as exc:
-            raise PipelineError(f"{key.describe()} is not a valid tensor: {exc}") from None
-        if set(state) != {key.carries}:
-            raise PipelineError(
-                f"{key.describe()} holds tensors {sorted(state)[:4]}, expected one named {key.carries!r}"
-            )
-        return check_received(key, state[key.carries].clone(), expected)
+        hdr, _ = open_header(sealed, job_id=self.job_id, peers=self.peers, key=key, generation=self.generation)
+        return open_body(hdr, body, key, expected)
 
 
 def _b64(data: bytes) -> str:
