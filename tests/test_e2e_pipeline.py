@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from tests.tooling.text import stdlib_text
 
 pytestmark = pytest.mark.e2e
 
-STEPS, EVERY, BATCH, MICRO, SEED = 24, 4, 16, 4, 0
+STEPS, EVERY, BATCH, MICRO, SEED = 24, 4, 16, 8, 0
 SPEC = f"""[job]
 name = "stdlib-pipeline"
 
@@ -41,14 +42,14 @@ kind = "transformer"
 vocab = 256
 context = 32
 layers = 4
-width = 64
+width = 128
 heads = 4
 dropout = 0.0
 
 [train]
 batch_size = {BATCH}
 optimizer = "sgd"
-lr = 0.3
+lr = 0.05
 momentum = 0.9
 seed = {SEED}
 
@@ -63,9 +64,9 @@ schedule = "1f1b"
 steps = {STEPS}
 checkpoint_every = {EVERY}
 """
-#: each node's --max-memory: under the model's training state (parameters, gradients and
-#: momentum of ~220k float32 parameters: ~2.6 MB), enough for a quarter of it and its activations
-CAP = "1.3MB"
+#: each node's --max-memory: well under the model's training state (parameters, gradients and
+#: momentum of ~860k float32 parameters: 10.4 MB), enough for a stage of it and its activations
+CAP = "6MB"
 HUB_ARGS = ("--long-poll-max", "2", "--min-deadline", "4", "--stage-timeout", "8")
 
 
@@ -142,8 +143,11 @@ def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
     assert sorted(got) == sorted(want)
     worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want)
     moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
-    print(f"final model vs one process: max relative difference {worst:.2e} (the model moved {moved:.3f})")
+    print(file=sys.__stderr__)
+    print(f"final model vs one process: max relative difference {worst:.2e} (the model moved {moved:.3f})", file=sys.__stderr__)
     assert moved > 1e-3  # it trained
+    if worst > 1e-5:
+        print({k: round(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)), 6) for k in want})
     assert worst <= 1e-5
     blobs = stored_blobs(cluster.hub_dir)
     (spec_row,) = cluster.rows("SELECT spec_toml FROM jobs WHERE id = ?", job_id)
@@ -156,7 +160,7 @@ def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
     loss_fn = loss_for(job.model, job.train.train_config("fp32"))
     with torch.no_grad():
         last_loss = float(loss_fn(build_for_state(job.model, got).eval()(x), y))
-    print(f"loss on the job's text: {first_loss:.3f} at step 0, {last_loss:.3f} after {STEPS} steps")
+    print(f"loss on the job's text: {first_loss:.3f} at step 0, {last_loss:.3f} after {STEPS} steps", file=sys.__stderr__)
     assert last_loss < first_loss - 0.3
 
 
@@ -177,7 +181,7 @@ def test_four_capped_nodes_train_a_transformer_in_four_stages_like_one_process(
         p = _wait(cluster, job_id, owner, "a generation", lambda p: p.get("generation"), 120)
         g = p["generation"]
         assert len(g["stages"]) == 4 and len({s["node_id"] for s in g["stages"]}) == 4
-        assert all(0 < s["memory_bytes"] <= 1.3e6 for s in g["stages"]), g["stages"]
+        assert all(0 < s["memory_bytes"] <= 6e6 for s in g["stages"]), g["stages"]
         _check_final(cluster, job_id, owner)
         p = _pipeline(cluster, job_id, owner)
         assert p["committed_step"] == STEPS and len(p["generations"]) == 1, p
@@ -203,7 +207,7 @@ def test_kill_9_of_a_middle_stage_node_resumes_on_the_spare_from_the_committed_s
         proc.signal(signal.SIGKILL)
         p = _wait(cluster, job_id, owner, "a second generation", lambda p: len(p.get("generations", [])) >= 2
                   and p.get("generation") and p["generation"]["steps_done"] > p["generation"]["first_step"], 120)
-        print(f"a step done in the new generation {time.monotonic() - killed_at:.1f} s after the kill")
+        print(f"a step done in the new generation {time.monotonic() - killed_at:.1f} s after the kill", file=sys.__stderr__)
         g = p["generation"]
         assert victim not in {s["node_id"] for s in g["stages"]}
         assert g["first_step"] % EVERY == 0 and g["first_step"] >= EVERY
