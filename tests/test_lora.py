@@ -1,0 +1,232 @@
+"""LoRA with int8 frozen weights (protocol/finetune.py, protocol/lora.py): the settings refused in
+one line, the model built alike from plain data, and a job trained end to end on a real hub over
+loopback (real SQLite) by simulated nodes with the real trainer: the updates carry only the
+adapters, the hub aggregates them and keeps the base frozen, the referee replays a node's
+segment and reproduces it, the validation loss falls and the owner downloads the merged model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from gpuflex.node.trainer import train_assignment
+from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.lora import LoraLinear, dequantize, merged_model, quantize_rows
+from gpuflex.protocol.messages import Assignment
+from gpuflex.protocol.modelfile import load_safetensors_model
+from gpuflex.protocol.modelspec import (
+    ModelSpec,
+    build_for_state,
+    build_model,
+    manifest,
+    update_manifest,
+)
+from gpuflex.protocol.tensors import decode_state, encode_state
+
+from tests.helpers import (
+    SimNode,
+    digits_arrays,
+    digits_spec,
+    finish_job,
+    open_store,
+    start_hub,
+    submit_job,
+)
+
+LORA = '[train]\nfinetune = "lora"\nlora_rank = 4\nlora_alpha = 8\nfrozen_precision = "int8"\n'
+MLP = '[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 64\nhidden = [128]\noutputs = 10\n'
+TRANSFORMER = (
+    '[job]\nname = "lm"\n[model]\nkind = "transformer"\nvocab = 32\ncontext = 8\nlayers = 2\n'
+    "width = 32\nheads = 2\n"
+)
+
+
+def lora_digits_spec(**kw: object) -> str:
+    """The tests' digits job, its [train] a LoRA fine-tune."""
+    return digits_spec(**kw).replace("[train]\n", LORA, 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (
+            'lora_targets = ["attn"]',
+            "train.lora_targets: 'attn' names no Linear layer of this model",
+        ),
+        (
+            "lora_rank = 10",
+            "train.lora_rank: 10 is not below the smaller side of layer '2' (128 -> 10)",
+        ),
+        ("lora_rank = 0", "train.lora_rank: expected an integer 1..4096, got 0"),
+        (
+            'frozen_precision = "int4"',
+            "train.frozen_precision: expected one of int8, fp32, got 'int4'",
+        ),
+        ("lora_alpha = -1", "train.lora_alpha: expected a number > 0, got -1"),
+    ],
+)
+def test_bad_lora_settings_are_refused_in_one_line(extra: str, says: str) -> None:
+    text = MLP + '[train]\nfinetune = "lora"\n' + extra + "\n"
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(text)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (MLP + "[train]\nlora_rank = 4\n", 'train.lora_rank: only with finetune = "lora"'),
+        (MLP + '[train]\nfinetune = "qlora"\n', "train.finetune: expected one of full, lora"),
+        (
+            MLP.replace("outputs = 10\n", "outputs = 10\nlora = {rank = 4}\n") + LORA,
+            "model.lora: LoRA is set in [train]",
+        ),
+        (
+            MLP
+            + LORA
+            + '[data]\nsource = "node-local"\nquorum = 3\n[privacy]\nsecure_aggregation = true\n',
+            'train.finetune: "lora" with [privacy] secure_aggregation is not supported',
+        ),
+    ],
+)
+def test_lora_with_what_it_cannot_work_with_is_refused(text: str, says: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(text)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+def test_transformer_targets_name_layer_kinds_and_the_update_carries_only_adapters() -> None:
+    spec = parse_job_spec(TRANSFORMER + LORA + 'lora_targets = ["attn", "mlp"]\n').model
+    assert spec.lora is not None and ModelSpec.from_dict(spec.to_dict()) == spec
+    carried = [t.name for t in update_manifest(spec)]
+    assert carried == [
+        f"blocks.{i}.{part}.{ab}"
+        for i in range(2)
+        for part in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+        for ab in ("lora_a", "lora_b")
+    ]
+    dtypes = {t.name: t.dtype for t in manifest(spec)}
+    assert (
+        dtypes["blocks.0.attn.qkv.weight_q"] == "int8" and "blocks.0.attn.qkv.weight" not in dtypes
+    )
+    only_attn = parse_job_spec(TRANSFORMER + LORA + 'lora_targets = ["blocks.*.attn.qkv"]\n').model
+    assert [t.name for t in update_manifest(only_attn)] == [
+        f"blocks.{i}.attn.qkv.lora_{ab}" for i in range(2) for ab in "ab"
+    ]
+
+
+def test_int8_rows_round_trip_within_half_a_step_and_the_model_is_built_alike() -> None:
+    w = torch.randn(16, 40)
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (16,)
+    assert ((dequantize(q, scale) - w).abs() <= scale.unsqueeze(1) / 2 + 1e-7).all()
+    spec = parse_job_spec(MLP + LORA).model
+    a, b = build_model(spec, 7).state_dict(), build_model(spec, 7).state_dict()
+    assert list(a) == [t.name for t in manifest(spec)] and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(
+        a["0.lora_a"], build_model(spec, 8).state_dict()["0.lora_a"]
+    )  # keyed by the seed
+    assert not a["0.lora_b"].any()  # B = 0: the untrained LoRA model is the (quantized) base
+    model = build_for_state(spec, a)
+    assert isinstance(model[0], LoraLinear)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        "0.lora_a",
+        "0.lora_b",
+        "2.lora_a",
+        "2.lora_b",
+    ]
+
+
+def test_a_trained_update_is_the_adapters_and_merging_keeps_the_function() -> None:
+    spec = parse_job_spec(MLP + LORA).model
+    state = build_model(spec, 0).state_dict()
+    x, y, _, _ = digits_arrays()
+    chunk = {"x": torch.from_numpy(x[:256]), "y": torch.from_numpy(y[:256])}
+    cfg = parse_job_spec(
+        MLP + LORA + 'local_epochs = 2\noptimizer = "adam"\nlr = 0.01\n'
+    ).train.train_config()
+    res = train_assignment(spec, state, [chunk], cfg, 3, device=torch.device("cpu"))
+    assert (
+        list(res.delta) == [t.name for t in update_manifest(spec)]
+        and res.delta["0.lora_b"].abs().sum() > 0
+    )
+    trained = {k: v + res.delta[k] if k in res.delta else v for k, v in state.items()}
+    plain, merged = merged_model(spec, trained)
+    assert plain.lora is None and list(merged) == [t.name for t in manifest(plain)]
+    xs = chunk["x"][:64]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            build_for_state(plain, merged)(xs),
+            build_for_state(spec, trained)(xs),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+async def test_a_lora_job_trains_end_to_end_the_hub_aggregates_adapters_and_the_referee_reproduces(
+    tmp_path: Path,
+) -> None:
+    """Two simulated nodes, four rounds, every untrusted update spot-checked (spot_check = 1)."""
+    from tests.helpers import write_digits
+
+    train, val, _ = write_digits(tmp_path / "d")
+    spec_text = lora_digits_spec(rounds=4, chunk_size=256, spot_check=1.0)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            r = await submit_job(s, hub, spec_text, train, val)
+            assert r.status == 201, await r.text()
+            job_id = (await r.json())["id"]
+            nodes = [SimNode(s, hub.url) for _ in range(2)]
+            for n in nodes:
+                await n.register()
+            first = await nodes[0].work(2.0)
+            assert isinstance(first, Assignment)
+            trained = await nodes[0].train(first)
+            assert list(decode_state(bytearray(trained[0]))) == [
+                t.name for t in update_manifest(ModelSpec.from_dict(first.model_spec))
+            ]
+            # the hub knows a LoRA update's layout: a whole-model update is refused, nothing stored
+            whole = decode_state(bytearray(await nodes[0].blob(first.model_hash)))
+            blob = encode_state({k: torch.zeros_like(v) for k, v in whole.items()})
+            refused = await nodes[0].upload_raw(nodes[0].update_header(first, blob, 1, 1.0), blob)
+            assert refused.status in (413, 422), await refused.text()
+            await nodes[0].upload(first, *trained)
+            doc = await finish_job(s, hub, job_id, nodes, timeout=120.0)
+            assert doc["state"] == "done", doc
+            losses = [h["loss"] for h in doc["history"]]
+            async with s.get(
+                f"{hub.url}/v1/jobs/{job_id}/model", headers=hub.auth(hub.owner_token)
+            ) as got:
+                assert got.status == 200
+                model_file = await got.read()
+        assert len(losses) == 4 and losses[-1] < losses[0] * 0.8, losses
+        conn = open_store(hub.data_dir)
+        try:
+            verdicts = [
+                row[0] for row in conn.execute("SELECT status FROM state_requests").fetchall()
+            ]
+            hashes = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT sha FROM models WHERE job_id = ? ORDER BY version", (job_id,)
+                ).fetchall()
+            ]
+        finally:
+            conn.close()
+        assert verdicts and set(verdicts) == {"reproduced"}, verdicts
+        from tests.helpers import stored_blobs
+
+        blobs = stored_blobs(hub.data_dir)
+        initial, final = (decode_state(bytearray(blobs[h])) for h in (hashes[0], hashes[-1]))
+        for name, t in initial.items():  # the frozen base is the initial one, bit for bit
+            assert torch.equal(t, final[name]) == (not name.endswith((".lora_a", ".lora_b"))), name
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(model_file)
+        plain = load_safetensors_model(path)
+        assert not any(isinstance(m, LoraLinear) for m in plain.modules())
+    finally:
+        await hub.stop()
