@@ -48,6 +48,7 @@ __all__ = [
     "attach_adapters",
     "dequantize",
     "freeze_base",
+    "lora_state",
     "merged_model",
     "merged_state",
     "quantize_rows",
@@ -158,6 +159,28 @@ def freeze_base(module: nn.Module) -> None:
 def update_names(names: list[str]) -> list[str]:
     """The tensors of a LoRA model's state that an update carries: its adapters, in order."""
     return [n for n in names if n.endswith(ADAPTERS)]
+
+
+def lora_state(spec: ModelSpec, base: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The LoRA model's state over a plain model's state ``base`` (the spec without ``lora``:
+    names and shapes must match, TensorError otherwise): each targeted weight held as the job
+    says (int8 and scales, or fp32), the adapters as ``build_model(spec, 0)`` draws them (a job
+    seeds its own), every other tensor ``base``'s."""
+    from .modelspec import build_model, manifest
+    from .tensors import check_manifest
+
+    if spec.lora is None:
+        return {k: v.detach().clone() for k, v in base.items()}
+    check_manifest(base, manifest(replace(spec, lora=None)))
+    fresh = build_model(spec, seed=0).state_dict()
+    out: dict[str, Tensor] = {}
+    for name, t in fresh.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "weight_q":
+            out[name], out[f"{prefix}.weight_scale"] = quantize_rows(base[f"{prefix}.weight"])
+        elif leaf != "weight_scale":
+            out[name] = base[name].detach().clone() if name in base else t
+    return {k: out[k] for k in fresh}
 
 
 def merged_model(
