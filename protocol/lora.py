@@ -161,18 +161,18 @@ def update_names(names: list[str]) -> list[str]:
     return [n for n in names if n.endswith(ADAPTERS)]
 
 
-def lora_state(spec: ModelSpec, base: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The LoRA model's state over a plain model's state ``base`` (the spec without ``lora``:
-    names and shapes must match, TensorError otherwise): each targeted weight held as the job
-    says (int8 and scales, or fp32), the adapters as ``build_model(spec, 0)`` draws them (a job
-    seeds its own), every other tensor ``base``'s."""
+def lora_state(spec: ModelSpec, base: Mapping[str, Tensor], *, seed: int = 0) -> dict[str, Tensor]:
+    """The model's state over a plain model's state ``base`` (the spec without ``lora``: names,
+    dtypes and shapes must match, TensorError otherwise). For a LoRA spec each targeted weight is
+    held as the job says (int8 and scales, or fp32) and the adapters are drawn as
+    ``build_model(spec, seed)`` draws them; every other tensor is ``base``'s."""
     from .modelspec import build_model, manifest
     from .tensors import check_manifest
 
+    check_manifest(base, manifest(replace(spec, lora=None)))
     if spec.lora is None:
         return {k: v.detach().clone() for k, v in base.items()}
-    check_manifest(base, manifest(replace(spec, lora=None)))
-    fresh = build_model(spec, seed=0).state_dict()
+    fresh = build_model(spec, seed=seed).state_dict()
     out: dict[str, Tensor] = {}
     for name, t in fresh.items():
         prefix, _, leaf = name.rpartition(".")

@@ -25,7 +25,7 @@ from gpuflex.protocol.modelspec import (
     manifest,
     update_manifest,
 )
-from gpuflex.protocol.tensors import decode_state, encode_state
+from gpuflex.protocol.tensors import decode_state, encode_state, state_to_safetensors
 
 from tests.helpers import (
     SimNode,
@@ -34,7 +34,9 @@ from tests.helpers import (
     finish_job,
     open_store,
     start_hub,
+    stored_blobs,
     submit_job,
+    write_digits,
 )
 
 LORA = '[train]\nfinetune = "lora"\nlora_rank = 4\nlora_alpha = 8\nfrozen_precision = "int8"\n'
@@ -196,8 +198,6 @@ async def test_a_lora_job_trains_end_to_end_the_hub_aggregates_adapters_and_the_
     tmp_path: Path,
 ) -> None:
     """Two simulated nodes, four rounds, every untrusted update spot-checked (spot_check = 1)."""
-    from tests.helpers import write_digits
-
     train, val, _ = write_digits(tmp_path / "d")
     spec_text = lora_digits_spec(rounds=4, chunk_size=256, spot_check=1.0)
     hub = await start_hub(tmp_path / "hub")
@@ -244,8 +244,6 @@ async def test_a_lora_job_trains_end_to_end_the_hub_aggregates_adapters_and_the_
         finally:
             conn.close()
         assert verdicts and set(verdicts) == {"reproduced"}, verdicts
-        from tests.helpers import stored_blobs
-
         blobs = stored_blobs(hub.data_dir)
         initial, final = (decode_state(bytearray(blobs[h])) for h in (hashes[0], hashes[-1]))
         for name, t in initial.items():  # the frozen base is the initial one, bit for bit
@@ -254,5 +252,49 @@ async def test_a_lora_job_trains_end_to_end_the_hub_aggregates_adapters_and_the_
         path.write_bytes(model_file)
         plain = load_safetensors_model(path)
         assert not any(isinstance(m, LoraLinear) for m in plain.modules())
+    finally:
+        await hub.stop()
+
+
+async def test_an_owners_base_model_is_frozen_under_the_adapters_and_a_base_that_does_not_fit_is_refused(
+    tmp_path: Path,
+) -> None:
+    """POST /v1/jobs with a part ``base`` (a .safetensors file of the spec's plain model): the
+    job's round-0 model is that base, its targeted weights quantized; a base of another shape is
+    refused in one line and no job is made."""
+    train, val, _ = write_digits(tmp_path / "d")
+    spec_text = lora_digits_spec(rounds=1, chunk_size=256)
+    spec = parse_job_spec(spec_text).model
+    base = build_model(dataclasses.replace(spec, lora=None), 11).state_dict()
+    good, bad = tmp_path / "base.safetensors", tmp_path / "bad.safetensors"
+    good.write_bytes(state_to_safetensors(base))
+    bad.write_bytes(state_to_safetensors({**base, "0.weight": torch.zeros(128, 63)}))
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for path, status in ((bad, 422), (good, 201)):
+                form = aiohttp.FormData()
+                form.add_field("spec", spec_text.encode(), filename="spec.toml")
+                form.add_field("train", train.read_bytes(), filename="train.npz")
+                form.add_field("val", val.read_bytes(), filename="val.npz")
+                form.add_field("base", path.read_bytes(), filename=path.name)
+                async with s.post(f"{hub.url}/v1/jobs", data=form, headers=hub.auth()) as r:
+                    doc = await r.json()
+                    assert r.status == status, doc
+            assert doc["model_hash"]
+        initial = decode_state(bytearray(stored_blobs(hub.data_dir)[doc["model_hash"]]))
+        q, scale = quantize_rows(base["0.weight"])
+        assert torch.equal(initial["0.weight_q"], q) and torch.equal(
+            initial["0.weight_scale"], scale
+        )
+        assert torch.equal(initial["2.bias"], base["2.bias"])
+        assert torch.equal(
+            initial["0.lora_a"], build_model(spec, 0).state_dict()["0.lora_a"]
+        )  # the job's seed
+        conn = open_store(hub.data_dir)
+        try:
+            assert conn.execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 1
+        finally:
+            conn.close()
     finally:
         await hub.stop()
