@@ -7,14 +7,19 @@ segment and reproduces it, the validation loss falls and the owner downloads the
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import torch
+from gpuflex.hub.policy.referee import judge_segment
+from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
 from gpuflex.node.trainer import train_assignment
+from gpuflex.protocol.checkpoint import auto_every
 from gpuflex.protocol.errors import SpecError, TensorError
-from gpuflex.protocol.jobspec import parse_job_spec
+from gpuflex.protocol.jobspec import VerificationSpec, parse_job_spec
 from gpuflex.protocol.lora import LoraLinear, dequantize, lora_state, merged_model, quantize_rows
 from gpuflex.protocol.messages import Assignment
 from gpuflex.protocol.modelfile import load_safetensors_model
@@ -45,6 +50,10 @@ TRANSFORMER = (
     '[job]\nname = "lm"\n[model]\nkind = "transformer"\nvocab = 32\ncontext = 8\nlayers = 2\n'
     "width = 32\nheads = 2\n"
 )
+
+
+def spec_names(spec: ModelSpec) -> list[str]:
+    return [t.name for t in manifest(spec)]
 
 
 def lora_digits_spec(**kw: object) -> str:
@@ -143,8 +152,12 @@ def test_int8_rows_round_trip_within_half_a_step_and_the_model_is_built_alike() 
     ]
 
 
-def test_a_trained_update_is_the_adapters_and_merging_keeps_the_function() -> None:
-    spec = parse_job_spec(MLP + LORA).model
+@pytest.mark.parametrize("frozen", ["int8", "fp32"])
+def test_a_trained_update_is_the_adapters_and_merging_keeps_the_function(frozen: str) -> None:
+    spec = parse_job_spec(MLP + LORA.replace('"int8"', f'"{frozen}"')).model
+    assert ("0.weight_q" in spec_names(spec)) == (frozen == "int8") and (
+        "0.weight" in spec_names(spec)
+    ) == (frozen == "fp32")
     state = build_model(spec, 0).state_dict()
     x, y, _, _ = digits_arrays()
     chunk = {"x": torch.from_numpy(x[:256]), "y": torch.from_numpy(y[:256])}
@@ -298,3 +311,68 @@ async def test_an_owners_base_model_is_frozen_under_the_adapters_and_a_base_that
             conn.close()
     finally:
         await hub.stop()
+
+
+def _committed_lora_training(tmp: Path) -> tuple[Any, ...]:
+    """A LoRA job's assignment trained with checkpoint commitments (the node's recorder)."""
+    job = parse_job_spec(
+        MLP + LORA + 'local_epochs = 2\nbatch_size = 32\noptimizer = "adam"\nlr = 0.01\n'
+    )
+    xtr, ytr, _, _ = digits_arrays()
+    x, y = torch.from_numpy(xtr[:320].copy()), torch.from_numpy(ytr[:320].copy())
+    cfg = job.train.train_config()
+    state = build_model(job.model, seed=0).state_dict()
+    total = math.ceil(320 / cfg.batch_size) * cfg.local_epochs
+    store = CheckpointStore(tmp / "ckpt")
+    rec = CheckpointRecorder(
+        total_steps=total, every=auto_every(total), store=store, assignment_id="as-1"
+    )
+    res = train_assignment(
+        job.model, state, [{"x": x, "y": y}], cfg, 5, device=torch.device("cpu"), on_step=rec
+    )
+    commitment = rec.commitment()
+    states = {s: dict(decode_state(bytearray(store.read("as-1", s) or b""))) for s in rec.steps}
+    return job, cfg, x, y, state, res, commitment, states
+
+
+def _judge(t: tuple[Any, ...], segment: int, states: Any = None, delta: Any = None) -> Any:
+    job, cfg, x, y, state, res, c, own = t
+    return judge_segment(
+        update_id="u-1",
+        node_id="n-1",
+        round=0,
+        spec=job.model,
+        cfg=cfg,
+        seed=5,
+        commitment=c,
+        segment=segment,
+        states=states or own,
+        global_state=state,
+        delta=delta or res.delta,
+        x=x,
+        y=y,
+        tolerance=VerificationSpec().segment_tolerance,
+    )
+
+
+def test_the_referee_replays_every_lora_segment_and_catches_a_base_moved_in_the_committed_states(
+    tmp_path: Path,
+) -> None:
+    """The replay dequantizes as the node did (same module from the spec): a CPU replay of a CPU
+    node's segment lands on its committed end exactly. A start state whose frozen weights are not
+    the round's (a node that trained the base too and hid it from its adapter-only update) is a
+    mismatch, however well the replay from it reproduces."""
+    t = _committed_lora_training(tmp_path)
+    c, states = t[6], t[7]
+    for seg in range(len(c.norms)):
+        v = _judge(t, seg)
+        assert v.outcome == "reproduced" and v.evidence["distance"] == 0.0, (seg, v.evidence)
+    grid = sorted(states)
+    doctored = {s: dict(st) for s, st in states.items()}
+    doctored[grid[1]]["model.0.bias"] = doctored[grid[1]]["model.0.bias"] + 0.01
+    v = _judge(t, 1, states=doctored)
+    assert v.outcome == "mismatch" and "changed the frozen base weights" in v.evidence["why"], (
+        v.evidence
+    )
+    whole = {k: torch.zeros_like(s) for k, s in t[4].items()}  # an update that is not the adapters
+    assert _judge(t, 0, delta=whole).outcome == "mismatch"
