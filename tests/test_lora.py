@@ -376,3 +376,19 @@ def test_the_referee_replays_every_lora_segment_and_catches_a_base_moved_in_the_
     )
     whole = {k: torch.zeros_like(s) for k, s in t[4].items()}  # an update that is not the adapters
     assert _judge(t, 0, delta=whole).outcome == "mismatch"
+
+
+def test_an_adapter_update_is_judged_against_the_trend_of_the_adapters() -> None:
+    from gpuflex.hub.policy.distances import trend_alignment
+
+    spec = parse_job_spec(MLP + LORA).model
+    then = build_model(spec, 0).state_dict()
+    step = {
+        k: torch.full_like(then[k], 0.01) for k in ("0.lora_a", "0.lora_b", "2.lora_a", "2.lora_b")
+    }
+    now = {k: v + step[k] if k in step else v for k, v in then.items()}
+    assert trend_alignment(step, now, then)[0] == pytest.approx(
+        1.0
+    )  # the adapters move with their own trend
+    against = {k: v if k.startswith("0.") else -v for k, v in step.items()}  # layer 2 undone
+    assert trend_alignment(against, now, then) == pytest.approx((-1.0, "2"))
