@@ -392,3 +392,39 @@ def test_an_adapter_update_is_judged_against_the_trend_of_the_adapters() -> None
     )  # the adapters move with their own trend
     against = {k: v if k.startswith("0.") else -v for k, v in step.items()}  # layer 2 undone
     assert trend_alignment(against, now, then) == pytest.approx((-1.0, "2"))
+
+
+@pytest.mark.e2e
+def test_a_lora_assignment_on_two_ddp_workers_gives_one_process_adapter_update(
+    tmp_path: Path,
+) -> None:
+    """The node's worker group (node/devices, gloo on the CPU) sends the adapters only, as one
+    process does, and the same update to rounding."""
+    from gpuflex.node.devices import WorkerGroup, parse_devices
+
+    job = parse_job_spec(
+        MLP + LORA + 'local_epochs = 2\nbatch_size = 16\noptimizer = "adam"\nlr = 0.01\n'
+    )
+    spec, cfg = job.model, job.train.train_config()
+    xtr, ytr, _, _ = digits_arrays()
+    chunks = [
+        {
+            "x": torch.from_numpy(xtr[i : i + 32].copy()),
+            "y": torch.from_numpy(ytr[i : i + 32].copy()),
+        }
+        for i in range(0, 96, 32)
+    ]
+    state = build_model(spec, 1).state_dict()
+    ref = train_assignment(spec, state, chunks, cfg, 5, device=torch.device("cpu"))
+    group = WorkerGroup(
+        parse_devices("cpu:2"),
+        tmp_path / "work",
+        engine="ddp",
+        threads=1,
+        restarts=0,
+        on_event=lambda *_a, **_k: None,
+    )
+    got = group.train(spec, state, chunks, cfg, seed=5, commit=None)
+    assert list(got.delta) == list(ref.delta) == [t.name for t in update_manifest(spec)]
+    for k, v in ref.delta.items():
+        assert float((got.delta[k] - v).abs().max()) <= 1e-5 * float(v.abs().max()), k
