@@ -428,3 +428,18 @@ def test_a_lora_assignment_on_two_ddp_workers_gives_one_process_adapter_update(
     assert list(got.delta) == list(ref.delta) == [t.name for t in update_manifest(spec)]
     for k, v in ref.delta.items():
         assert float((got.delta[k] - v).abs().max()) <= 1e-5 * float(v.abs().max()), k
+
+
+def test_the_node_sizes_a_lora_assignment_by_its_int8_weights_and_the_adapters_it_trains() -> None:
+    from gpuflex.node.devices.plan import training_bytes
+
+    job = parse_job_spec(MLP + LORA + 'optimizer = "adam"\n')
+    state = build_model(job.model, 0).state_dict()
+    trained = {t.name for t in update_manifest(job.model)}
+    model, opt = training_bytes(state, job.train.train_config(), trained)
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    adapters = sum(state[k].numel() for k in trained) * 4
+    assert (model, opt) == (held + adapters, 2 * adapters)
+    full = parse_job_spec(MLP + '[train]\noptimizer = "adam"\n')
+    fm, fo = training_bytes(build_model(full.model, 0).state_dict(), full.train.train_config())
+    assert (model + opt) / (fm + fo) < 0.35
