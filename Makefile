@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py
 	$(PY) bench/node_devices.py
+	$(PY) bench/lora.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

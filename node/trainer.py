@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.lossscale import LossScaler
-from gpuflex.protocol.modelspec import build_for_state
+from gpuflex.protocol.modelspec import build_for_state, update_manifest
 from gpuflex.protocol.transformer import NextTokenLoss
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
@@ -46,6 +46,7 @@ from .optim import SGD, Adam, LocalOptimizer, clip_grad_norm
 if TYPE_CHECKING:
     from gpuflex.protocol.messages import Commitment, TrainConfig
     from gpuflex.protocol.modelspec import ModelSpec
+    from gpuflex.protocol.tensors import Manifest
 
 __all__ = ["AUTOCAST_DTYPES", "LossScaler", "TrainResult", "loss_for", "make_optimizer", "prepare_device", "stack_chunks",
            "train_assignment"]
@@ -221,7 +222,7 @@ def train_assignment(
     if progress is not None and step % report_every != 0:
         progress(1.0)
 
-    return TrainResult(delta=_delta(model, global_state), sample_count=n, loss=mean_loss, train_s=train_s,
+    return TrainResult(delta=_delta(model, global_state, update_manifest(spec)), sample_count=n, loss=mean_loss, train_s=train_s,
                        steps=step)
 
 
@@ -289,12 +290,14 @@ def loss_for(spec: ModelSpec, cfg: TrainConfig) -> nn.Module:
     return nn.MSELoss()
 
 
-def _delta(model: nn.Module, global_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The trained state minus the round's (CPU, in the global state's dtypes); a tensor that
-    is not floating (a counter) travels as its new value."""
+def _delta(model: nn.Module, global_state: Mapping[str, Tensor], carried: Manifest) -> dict[str, Tensor]:
+    """The trained state minus the round's (CPU, in the global state's dtypes) over the tensors
+    an update carries (a LoRA job's: its adapters); a tensor that is not floating (a counter)
+    travels as its new value."""
     delta: dict[str, Tensor] = {}
     trained = model.state_dict()
-    for name, ref in global_state.items():
+    for name in (t.name for t in carried):
+        ref = global_state[name]
         value = trained[name].detach().to("cpu")
         if ref.is_floating_point():
             delta[name] = value.to(ref.dtype) - ref

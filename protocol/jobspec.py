@@ -20,6 +20,7 @@ from typing import Any, Final
 from .compute import JOB_PRECISIONS
 from .encoding import ENCODINGS, UpdateEncoding, default_tolerance
 from .errors import SpecError, TensorError
+from .finetune import apply_finetune, check_finetune, without_lora
 from .messages import TrainConfig
 from .modelspec import ModelSpec, manifest
 from .pipelinespec import PipelineSpec, parse_pipeline
@@ -699,12 +700,13 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
     job = _Section(doc["job"], "job")
     name = job.get_text("name", None)
     job.finish()
-    model = ModelSpec.from_dict(_Section(doc["model"], "model").table, where="model")
+    model = ModelSpec.from_dict(without_lora(_Section(doc["model"], "model").table), where="model")
     sections: dict[str, _Section] = {
         key: _Section(doc.get(key, {}), key)
         for key in ("train", "data", "aggregation", "verification", "communication", "privacy")
     }
     train = _train(sections["train"], model.task)
+    model = apply_finetune(sections["train"].table, sections["train"].used, model)
     data = _data(sections["data"])
     if data.node_local and train.lr_scaling != "none":
         raise SpecError("train.lr_scaling: a node-local job's silos are not shards of one round's data;"
@@ -725,6 +727,7 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
             # the routers' balancing loss rides on the logits of a whole model's forward
             raise SpecError("pipeline: a mixture-of-experts model (model.experts > 0) trains on one "
                             "node; remove [pipeline]")
+    check_finetune(model, secure_aggregation=privacy.secure_aggregation, pipelined=pipeline is not None)
     for section in sections.values():
         section.finish()
     if communication.tolerance:

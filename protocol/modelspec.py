@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from .errors import SpecError
+from .finetune import LoraConfig
 from .layerspec import LAYERS, MAX_WIDTH, LayerSpec, Reader, layer_shape, parse_layer, short
 
 if TYPE_CHECKING:  # torch is imported where a module is built, not on import (CLI start-up)
@@ -109,6 +110,8 @@ class ModelSpec:
     pool: str = "max"
     layers: tuple[LayerSpec, ...] = ()
     transformer: TransformerConfig | None = None
+    #: a LoRA job's adapters and frozen weights (protocol/finetune.py); None: every tensor trains
+    lora: LoraConfig | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "model") -> ModelSpec:
@@ -120,9 +123,11 @@ class ModelSpec:
             raise SpecError(f"{where}.kind: expected one of {', '.join(KINDS)}, got {kind!r:.40}")
         if kind != "transformer" and d.get("task") == "language_model":
             raise SpecError(f'{where}.task: language_model needs kind = "transformer"')
-        r = Reader(d, where)
+        r = Reader({k: v for k, v in d.items() if k != "lora"}, where)
         spec = _READERS[kind](r)
         r.finish()
+        if "lora" in d:
+            spec = dataclasses.replace(spec, lora=LoraConfig.from_dict(d["lora"], f"{where}.lora"))
         if math.prod(spec.input_shape) > MAX_INPUT_ELEMS:
             raise SpecError(
                 f"{where}: input of {math.prod(spec.input_shape)} values exceeds {MAX_INPUT_ELEMS}"
@@ -132,6 +137,10 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical plain-data form (msgpack/TOML friendly); ``from_dict`` inverts it."""
+        plain = self._plain_dict()
+        return plain if self.lora is None else {**plain, "lora": self.lora.to_dict()}
+
+    def _plain_dict(self) -> dict[str, Any]:
         if self.transformer is not None:
             return {"kind": "transformer", **_transformer_dict(self.transformer), "task": self.task}
         if self.kind == "mlp":
@@ -383,7 +392,17 @@ def _make_layer(layer: LayerSpec, factory: dict[str, Any], slot: int) -> nn.Modu
 
 
 def _construct(spec: ModelSpec, device: torch.device) -> nn.Module:
-    """The module for ``spec``; parameters created on ``device`` as float32."""
+    """The module for ``spec``; parameters created on ``device`` as float32 (a LoRA job's
+    frozen weights in int8 when it says so: protocol/lora.py)."""
+    module = _construct_plain(spec, device)
+    if spec.lora is None:
+        return module
+    from .lora import attach_adapters
+
+    return attach_adapters(module, spec.lora)
+
+
+def _construct_plain(spec: ModelSpec, device: torch.device) -> nn.Module:
     import torch
     from torch import nn
 
@@ -462,6 +481,8 @@ def infer_shapes(spec: ModelSpec, module: nn.Module | None = None) -> list[tuple
 
     if spec.transformer is not None:
         return _transformer_shapes(spec.transformer)
+    if spec.lora is not None:  # adapters keep every layer's shape
+        spec, module = dataclasses.replace(spec, lora=None), None
     if module is None:
         with torch.device("meta"):
             module = _construct(spec, torch.device("meta"))
@@ -556,6 +577,18 @@ def _check_shapes(spec: ModelSpec, where: str) -> None:
         raise SpecError(f"{where}: {exc}") from None
 
 
+def update_manifest(spec: ModelSpec) -> Manifest:
+    """The tensors an update of ``spec`` carries (dense): the whole manifest, or a LoRA
+    job's adapters only (protocol/lora.py)."""
+    full = manifest(spec)
+    if spec.lora is None:
+        return full
+    from .lora import update_names
+
+    keep = set(update_names([t.name for t in full]))
+    return tuple(t for t in full if t.name in keep)
+
+
 def param_count(spec: ModelSpec) -> int:
     """Number of trainable parameters (computed on the meta device)."""
     return _meta_check(spec)[0]
@@ -626,6 +659,10 @@ def build_for_state(
         target = device or torch.device("cpu")
         state = {k: v.detach().to(target, copy=True) for k, v in state.items()}
     module.load_state_dict(dict(state), strict=True, assign=True)
+    if spec.lora is not None:
+        from .lora import freeze_base
+
+        freeze_base(module)  # assign=True may bring the state's own requires_grad flags
     leftover = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftover:  # a buffer outside the state dict: not expected for any whitelisted layer
         raise ValueError(f"state leaves {leftover[0]!r} without a value")
@@ -650,4 +687,5 @@ __all__ = [
     "manifest",
     "meta_forward_shape",
     "param_count",
+    "update_manifest",
 ]

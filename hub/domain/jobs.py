@@ -43,6 +43,7 @@ from ..storage.blobs import BlobStore
 from .pipelines.planning import check_pipeline_spec
 
 if TYPE_CHECKING:
+    from torch import Tensor
 
     from ..storage.store import Store
 
@@ -54,6 +55,27 @@ def silo_size_bounds(spec: ModelSpec, samples: int) -> tuple[int, int]:
 
 
 # -- submission -------------------------------------------------------------------------------
+
+
+def _initial_state(spec: JobSpec, base_path: Path | None) -> dict[str, Tensor]:
+    """The job's round-0 model: built from the spec and its seed, or the owner's ``base`` (a
+    .safetensors file of the spec's plain model), which a LoRA job freezes (protocol/lora.py:
+    its targeted weights quantized, its adapters drawn from the seed)."""
+    from gpuflex.protocol.lora import lora_state
+    from gpuflex.protocol.tensors import state_from_safetensors
+
+    if base_path is None:
+        try:
+            model = build_model(spec.model, seed=spec.train.seed)
+        except ProtocolError as exc:
+            raise Unprocessable(str(exc), code="bad_spec") from None
+        return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    try:
+        base = state_from_safetensors(base_path.read_bytes())
+        made = lora_state(spec.model, base, seed=spec.train.seed)
+    except ProtocolError as exc:
+        raise Unprocessable(f"base: not a .safetensors file of the spec's model: {exc}", code="bad_base") from None
+    return {k: v.contiguous() for k, v in made.items()}
 
 
 def _split_and_size(spec: JobSpec, train_path: Path, val_path: Path | None,
@@ -98,6 +120,7 @@ def ingest_job(
     train_path: Path | None,
     val_path: Path | None,
     nodes_online: int = 0,
+    base_path: Path | None = None,
 ) -> JobState:
     """Validate a submission and store it (blobs, then rows). Runs in a worker thread. A
     node-local job ([data] source = "node-local") comes with no training set: its chunks are the
@@ -136,11 +159,7 @@ def ingest_job(
             chunks.append(ChunkInfo(idx, sha, samples, len(data)))
         train_samples = len(train)
     val_sha = blobs.put(encode_arrays(val)) if val is not None else None
-    try:
-        model = build_model(mspec, seed=spec.train.seed)
-    except ProtocolError as exc:
-        raise Unprocessable(str(exc), code="bad_spec") from None
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = _initial_state(spec, base_path)
     model_blob = encode_state(state)
     model_hash = blobs.put(model_blob)
     now = time.time()

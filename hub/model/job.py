@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.jobspec import JobSpec
 from gpuflex.protocol.messages import Commitment, TrainConfig
-from gpuflex.protocol.modelspec import manifest
+from gpuflex.protocol.modelspec import update_manifest
 from gpuflex.protocol.tensors import ITEMSIZE, Manifest, max_encoded_size
 
 from ..policy.round_policy import trend_base_round
@@ -146,7 +146,8 @@ class ShardState:
 
 @dataclass(frozen=True)
 class UpdateLayout:
-    """A job's update encoding with the model's manifest and the encoded one."""
+    """A job's update encoding with the manifest of an update's dense tensors (the model's, or a
+    LoRA job's adapters) and the encoded one."""
 
     encoding: UpdateEncoding
     model: Manifest
@@ -155,7 +156,7 @@ class UpdateLayout:
     @classmethod
     def of(cls, spec: JobSpec) -> UpdateLayout:
         enc = spec.communication.encoding
-        model = manifest(spec.model)
+        model = update_manifest(spec.model)  # a LoRA job's updates carry only its adapters
         return cls(enc, model, enc.wire_manifest(model))
 
     @cached_property

@@ -246,7 +246,8 @@ def cmd_job_submit(args: argparse.Namespace) -> int:
         train = _dataset_file(train, spec, Path(tmp), "--train")
         val = _dataset_file(val, spec, Path(tmp), "--val")
         hub, token = _hub_and_token(args)
-        doc = asyncio.run(oc.submit_job(hub, token, spec, train, val))
+        base = Path(args.base) if args.base else None
+        doc = asyncio.run(oc.submit_job(hub, token, spec, train, val, base=base))
     print(json.dumps(doc) if args.json else doc["id"])
     return 0
 
@@ -568,6 +569,8 @@ def _add_job(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--train", help=".npz with x and y, or CSV, or UTF-8 text (.txt) for a transformer; left out "
                                    "for a [data] source = \"node-local\" job, whose data stays on the nodes")
     p.add_argument("--val", help="validation set (optional; like --train)")
+    p.add_argument("--base", help="the model to start from: a .safetensors file of the spec's model, such as "
+                                  "`job download` writes (optional; a LoRA job freezes it: docs/lora.md)")
     _client_args(p)
     p.set_defaults(func=cmd_job_submit)
     p = job.add_parser("list", help="list your jobs")

@@ -51,8 +51,10 @@ async def request_json(hub: str, token: str, method: str, path: str, *, data: An
     return json.loads(body)
 
 
-async def submit_job(hub: str, token: str, spec: Path, train: Path | None, val: Path | None = None) -> dict[str, Any]:
-    """POST /v1/jobs; returns {"id", "job_id", "name", "state", "rounds", "chunks", "model_hash"}."""
+async def submit_job(hub: str, token: str, spec: Path, train: Path | None, val: Path | None = None,
+                     *, base: Path | None = None) -> dict[str, Any]:
+    """POST /v1/jobs; returns {"id", "job_id", "name", "state", "rounds", "chunks", "model_hash"}.
+    ``base``: the model to start from (.safetensors)."""
     import aiohttp
 
     form = aiohttp.FormData()
@@ -60,7 +62,7 @@ async def submit_job(hub: str, token: str, spec: Path, train: Path | None, val: 
     form.add_field("spec", spec_bytes, filename=Path(spec).name, content_type="application/toml")
     handles = []
     try:
-        for name, path in (("train", train), ("val", val)):
+        for name, path in (("train", train), ("val", val), ("base", base)):
             if path is None:
                 continue
             fh = open(path, "rb")  # noqa: ASYNC230 - streamed by aiohttp, closed below

@@ -134,7 +134,10 @@ def trend_alignment(
     follow the trend in every layer (cosine > 0 in all but about 1 % of them on the digits
     CNN against a 10-round trend); an update crafted to undo or invert one layer points
     against it there. Layers where either side did not move are skipped; (1.0, "") when
-    none is left, or the layouts differ (nothing to say)."""
+    none is left, or the layouts differ (nothing to say). An update that carries part of the
+    model (a LoRA job's adapters) is judged against the trend of that part."""
+    now = {k: now[k] for k in delta if k in now}
+    then = {k: then[k] for k in delta if k in then}
     keys = same_layout(delta, now)
     if keys is None or same_layout(now, then) != keys:
         return 1.0, ""

@@ -63,7 +63,7 @@ from gpuflex.protocol.encoding import UpdateEncoding
 from gpuflex.protocol.errors import TensorError
 from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.messages import Commitment, ComputeClass, TrainConfig
-from gpuflex.protocol.modelspec import ModelSpec, build_for_state
+from gpuflex.protocol.modelspec import ModelSpec, build_for_state, update_manifest
 from gpuflex.protocol.tensors import Manifest, manifest_of
 from gpuflex.protocol.transformer import NextTokenLoss
 from torch import Tensor, nn
@@ -400,13 +400,15 @@ def judge_segment(
                             "steps": [s, e], "last_step": last, "precision": commitment.precision,
                             "threshold": tolerance, "segments": len(commitment.norms), "onednn": onednn,
                             "segment_norm": commitment.norms[segment] if commitment.norms else 0.0}
-    unfit = _unfit_states((s, e, last), states, global_state)
+    # what the update carries: the model, or a LoRA job's adapters (the rest stays the round's)
+    carried = {t.name: global_state[t.name] for t in update_manifest(spec) if t.name in global_state}
+    unfit = _unfit_states((s, e, last), states, global_state, carried)
     if unfit is not None:
         outcome, why = unfit
         return _verdict(update_id, node_id, outcome, base, why=why)
     start, final = states[s], states[last]
     start_m, end_m = model_part(start), model_part(states[e])
-    binding = _binding(final, global_state, delta, encoding, previous)
+    binding = _binding(final, carried, delta, encoding, previous)
     base.update(binding.evidence)
     if binding.failure is not None:
         return _verdict(update_id, node_id, "mismatch", base, **binding.failure)
@@ -421,10 +423,11 @@ def judge_segment(
 
 
 def _unfit_states(steps: tuple[int, int, int], states: Mapping[int, Mapping[str, Tensor]],
-                  global_state: Mapping[str, Tensor]) -> tuple[str, str] | None:
+                  global_state: Mapping[str, Tensor], carried: Mapping[str, Tensor]) -> tuple[str, str] | None:
     """(outcome, why) when the states of ``steps`` (start, end, last) cannot be judged further:
-    one not handed over ("unverifiable"), one that says another step, does not fit the model, or
-    a step 0 that is not the round's model with a fresh optimizer ("mismatch"). None: they fit."""
+    one not handed over ("unverifiable"), one that says another step, does not fit the model,
+    changed a tensor the update does not carry (a LoRA job's frozen base), or a step 0 that is
+    not the round's model with a fresh optimizer ("mismatch"). None: they fit."""
     for step in steps:
         st = states.get(step)
         if st is None:
@@ -440,6 +443,8 @@ def _unfit_states(steps: tuple[int, int, int], states: Mapping[int, Mapping[str,
         if set(m) != names or any(m[k].shape != global_state[k].shape or m[k].dtype != global_state[k].dtype
                                   for k in names):
             return "mismatch", f"the {label} state does not fit the model"
+        if any(not torch.equal(m[k], global_state[k]) for k in names if k not in carried):
+            return "mismatch", f"the {label} state changed the frozen base weights"
     if steps[0] == 0:
         start = states[0]
         start_m = model_part(start)

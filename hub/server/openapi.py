@@ -306,7 +306,9 @@ def _owner_paths() -> dict[str, Any]:
                      "type": "object", "required": ["spec", "train"], "properties": {
                          "spec": {"type": "string", "description": "job spec TOML"},
                          "train": {"type": "string", "format": "binary", "description": ".npz (x, y) or CSV"},
-                         "val": {"type": "string", "format": "binary", "description": "optional validation set"}}}}}},
+                         "val": {"type": "string", "format": "binary", "description": "optional validation set"},
+                         "base": {"type": "string", "format": "binary", "description": "optional: the model to "
+                                  "start from, a .safetensors file of the spec's model (docs/lora.md)"}}}}}},
                  "responses": {"201": _json({"$ref": "#/components/schemas/JobCreated"}),
                                **_errors(400, 401, 403, 413, 422)}},
         "get": {"summary": "list jobs (owner: their own; admin: all; an auditor token gets 403)",

@@ -52,7 +52,7 @@ async def submit_job(request: web.Request) -> web.Response:
     who.require("owner")
     app = request.app
     cfg = app[CONFIG]
-    total_limit = 2 * cfg.max_dataset_bytes + cfg.max_spec_bytes + (1 << 20)
+    total_limit = 3 * cfg.max_dataset_bytes + cfg.max_spec_bytes + (1 << 20)
     if request.content_length is not None and request.content_length > total_limit:
         raise PayloadTooLarge(f"submission of {request.content_length} bytes exceeds {total_limit}")
     if not request.content_type.startswith("multipart/"):
@@ -77,20 +77,21 @@ async def submit_job(request: web.Request) -> web.Response:
                     spec_text = await part.read()  # read() enforces no limit: check below
                     if len(spec_text) > cfg.max_spec_bytes:
                         raise PayloadTooLarge(f"spec exceeds {cfg.max_spec_bytes} bytes")
-                elif name in ("train", "val"):
+                elif name in ("train", "val", "base"):
                     if name in paths:
                         raise BadRequest(f"part {name!r} given twice", code="bad_form")
                     paths[name] = blobs.temp_path()
                     await _save_part(part, paths[name], cfg.max_dataset_bytes)
                 else:
-                    raise BadRequest(f"unknown part {name!r}; expected spec, train, val", code="bad_form")
+                    raise BadRequest(f"unknown part {name!r}; expected spec, train, val, base", code="bad_form")
         except (ValueError, HttpProcessingError) as exc:  # aiohttp's multipart parser on malformed bodies
             raise BadRequest(f"malformed multipart body: {one_line(str(exc))}", code="bad_form") from None
         if spec_text is None:  # 'train' too, unless the spec is node-local: jobs.ingest_job says which
             raise BadRequest("a job needs the part 'spec' (TOML), and 'train' (.npz or .csv) unless its "
                              "[data] source is \"node-local\"", code="bad_form")
         app[METRICS].bytes_in += len(spec_text) + sum(p.stat().st_size for p in paths.values())
-        job = await app[LEDGER].jobs.submit_job(who.name, spec_text, paths.get("train"), paths.get("val"))
+        job = await app[LEDGER].jobs.submit_job(who.name, spec_text, paths.get("train"), paths.get("val"),
+                                                base_path=paths.get("base"))
     except UnicodeDecodeError:
         raise Unprocessable("spec is not UTF-8 text", code="bad_spec") from None
     finally:

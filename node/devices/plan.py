@@ -17,7 +17,7 @@ Everything here is checked before any work starts, or before an assignment train
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,12 +91,16 @@ def _cuda_index(part: str, flag: str, cuda_count: int) -> int:
     return index
 
 
-def training_bytes(state: Mapping[str, Tensor], cfg: TrainConfig) -> tuple[int, int]:
-    """(parameters + gradients, optimizer state) in bytes for training ``state`` with ``cfg``:
-    float32 master weights and gradients, SGD's momentum buffer or Adam's two moments."""
-    floats = sum(t.numel() for t in state.values() if t.is_floating_point()) * 4
+def training_bytes(state: Mapping[str, Tensor], cfg: TrainConfig,
+                   trained: Container[str] | None = None) -> tuple[int, int]:
+    """(the model's state + gradients, optimizer state) in bytes for training ``state`` with
+    ``cfg``: every tensor as held (a LoRA job's frozen int8 weights at a byte each), float32
+    gradients and SGD's momentum buffer or Adam's two moments for the ``trained`` tensors (None:
+    every floating one)."""
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    floats = sum(t.numel() for k, t in state.items() if t.is_floating_point() and (trained is None or k in trained))
     copies = 2 if cfg.optimizer in ("adam", "adamw") else (1 if cfg.momentum else 0)
-    return 2 * floats, copies * floats
+    return held + 4 * floats, copies * 4 * floats
 
 
 def device_budget(plan: DevicePlan, max_memory_bytes: int | None) -> int:

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import torch
 from gpuflex.protocol.messages import Assignment, TrainConfig
-from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.modelspec import ModelSpec, update_manifest
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor
 
@@ -89,10 +89,11 @@ class WorkerGroup:
     #: the most training state (bytes) a worker held on its device in the last assignment
     held_bytes: int = 0
 
-    def choose(self, global_state: Mapping[str, Tensor], cfg: TrainConfig) -> str:
+    def choose(self, global_state: Mapping[str, Tensor], cfg: TrainConfig, spec: ModelSpec | None = None) -> str:
         if self.engine != "auto":
             return self.engine
-        model_bytes, optimizer_bytes = training_bytes(global_state, cfg)
+        trained = None if spec is None else {t.name for t in update_manifest(spec)}  # LoRA: the adapters
+        model_bytes, optimizer_bytes = training_bytes(global_state, cfg, trained)
         return choose_engine(model_bytes, optimizer_bytes, workers=self.plan.workers, offload=self.plan.offload,
                              budget=device_budget(self.plan, self.max_memory_bytes))
 
@@ -103,7 +104,7 @@ class WorkerGroup:
         """Train one assignment on every device; the same contract as node/trainer.train_assignment."""
         loss_for(spec, cfg)  # a loss that does not fit the model is refused here, not in N workers
         x, y = stack_chunks(spec, chunks)
-        engine = self.choose(global_state, cfg)
+        engine = self.choose(global_state, cfg, spec)
         self.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         folder = Path(tempfile.mkdtemp(prefix="train-", dir=self.work_dir))
         try:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.lossscale import LossScaler
 from gpuflex.protocol.messages import TrainConfig
-from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.modelspec import ModelSpec, update_manifest
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
@@ -169,8 +169,9 @@ def train(folder: Path, rank: int) -> None:
     trained = {k: full_tensor(v) for k, v in w.model.state_dict().items()}
     train_s = time.perf_counter() - started
     if rank == 0:
+        carried = [t.name for t in update_manifest(ModelSpec.from_dict(job.spec))]  # LoRA: the adapters
         delta = {k: (trained[k].detach().to("cpu").to(ref.dtype) - ref) if ref.is_floating_point()
-                 else trained[k].detach().to("cpu").clone() for k, ref in global_state.items()}
+                 else trained[k].detach().to("cpu").clone() for k in carried for ref in (global_state[k],)}
         write_tensors(folder / DELTA, delta)
         write_result(folder, sample_count=n, loss=float(loss_sum) / max(last_seen, 1), train_s=train_s,
                      steps=step, commitment=recorder.commitment() if recorder is not None else None,

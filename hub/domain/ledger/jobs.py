@@ -29,10 +29,10 @@ class Jobs:
         self.rounds = rounds
 
     async def submit_job(self, owner: str, spec_text: bytes, train_path: Path | None,
-                         val_path: Path | None) -> JobState:
+                         val_path: Path | None, *, base_path: Path | None = None) -> JobState:
         """Validate, chunk and store a job (in a worker thread), then open its first round."""
         job = await asyncio.to_thread(ingest_job, self.store, self.blobs, owner=owner, spec_text=spec_text,
-                                      train_path=train_path, val_path=val_path,
+                                      train_path=train_path, val_path=val_path, base_path=base_path,
                                       nodes_online=self.scheduler.presence.online_nodes(time.time()))
         self.scheduler.add_job(job)
         self.signal.notify()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import replace
 
 from aiohttp import web
 from gpuflex.protocol.modelfile import model_file_metadata
@@ -45,11 +46,13 @@ async def export_model(
         lambda c: (model_version(c, who, job_id, version), spec_of(job_row(c, who, job_id)))
     )
     blobs = app[BLOBS]
+    # a LoRA job's model is downloaded merged: the plain model, each adapted weight W + scale B A
+    model = None if spec is None else replace(spec.model, lora=None)
     meta = (
         None
-        if spec is None
+        if model is None
         else model_file_metadata(
-            spec.model,
+            model,
             job_id=job_id,
             round_=int(row["version"]),
             hub_fingerprint=app[HUB_KEY].fingerprint,
@@ -57,7 +60,12 @@ async def export_model(
     )
 
     def export() -> bytes:
-        return state_to_safetensors(decode_state(blobs.read(row["sha"])), meta)
+        from gpuflex.protocol.lora import merged_model  # torch: where a model is exported
+
+        state = decode_state(blobs.read(row["sha"]))
+        if spec is not None:
+            state = merged_model(spec.model, state)[1]
+        return state_to_safetensors(state, meta)
 
     return int(row["version"]), str(row["sha"]), await asyncio.to_thread(export)
 
