@@ -48,9 +48,9 @@ from .errors import (
 from .output import Output
 from .pause import PauseState
 from .pipeline.relay import RelayTransport
-from .pipeline.transport import SendAhead
 from .pipeline.unitstate import stage_starts_ok
 from .pipeline.worker import StageOutcome, StageWorker
+from .stagelinks import stage_links
 from .transfers import Transfers
 
 T = TypeVar("T")
@@ -275,9 +275,9 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
         first_step=a.first_step,
         end_step=a.end_step,
     )
-    # sends on a connection and a thread of their own: the next micro-batch starts at once
-    relays = [
-        RelayTransport(
+    links = stage_links(
+        a,
+        lambda: RelayTransport(
             client.base_url,
             client.key,
             a.job_id,
@@ -285,10 +285,10 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
             peers=dict(enumerate(a.stage_keys)),
             clock=client.now,
             generation=a.generation,
-        )
-        for _ in range(2)
-    ]
-    transport = SendAhead(relays[0], relays[1])
+        ),
+        key=client.key,
+    )
+    transport = links.transport
     hub = HubStage(client, host.transfers, host.cache, asyncio.get_running_loop())
     worker = StageWorker(
         a,
@@ -301,9 +301,7 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
     try:
         outcome = await asyncio.to_thread(worker.run)
     finally:
-        await asyncio.to_thread(transport.close)  # a send on its way may take a while
-        for relay in relays:
-            relay.close()
+        await asyncio.to_thread(links.close)  # a send on its way may take a while
     detail = (
         f"stage {a.stage} of job {a.job_id} generation {a.generation}: {outcome.ended} after "
         f"{outcome.steps_done} steps" + (f" ({outcome.detail})" if outcome.detail else "")

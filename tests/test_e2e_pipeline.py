@@ -10,8 +10,10 @@ every tensor, so no step was lost or applied twice. One run kills -9 the node of
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -164,27 +166,41 @@ def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
     assert last_loss < first_loss - 0.3
 
 
-def _start(cluster: LocalCluster, names: list[str]) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(cluster: LocalCluster, names: list[str], listening: tuple[str, ...] = ()) -> None:
     for name in names:
-        cluster.start_node(name, extra=("--max-memory", CAP))
+        listen = ("--stage-listen", f"127.0.0.1:{_free_port()}") if name in listening else ()
+        cluster.start_node(name, extra=("--max-memory", CAP, *listen))
     cluster.wait_registered()
 
 
+@pytest.mark.parametrize("listening", [(), ("a", "b", "c")], ids=["relay", "direct-and-relay"])
 def test_four_capped_nodes_train_a_transformer_in_four_stages_like_one_process(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], listening: tuple[str, ...]
 ) -> None:
+    """Through the hub's relay only, and with three of the four nodes taking their stage's
+    tensors directly (the fourth, behind NAT, through the relay)."""
     with LocalCluster(workdir=tmp_path, hub_args=HUB_ARGS) as cluster:
         cluster.start_hub()
-        _start(cluster, ["a", "b", "c", "d"])
+        _start(cluster, ["a", "b", "c", "d"], listening)
         owner = cluster.create_token("owner", "alice")
         job_id = _submit(cluster, tmp_path, owner, capsys)
         p = _wait(cluster, job_id, owner, "a generation", lambda p: p.get("generation"), 120)
         g = p["generation"]
         assert len(g["stages"]) == 4 and len({s["node_id"] for s in g["stages"]}) == 4
         assert all(0 < s["memory_bytes"] <= 6e6 for s in g["stages"]), g["stages"]
+        direct = [n.node_id for n in cluster.nodes() if n.data_dir.name in listening]
         _check_final(cluster, job_id, owner)
         p = _pipeline(cluster, job_id, owner)
         assert p["committed_step"] == STEPS and len(p["generations"]) == 1, p
+        stages = [s["node_id"] for s in g["stages"]]
+        if listening:  # two neighbouring stages on listening nodes: their tensors went directly
+            assert any(a in direct and b in direct for a, b in itertools.pairwise(stages))
         capsys.readouterr()
         assert cli.main(["job", "status", job_id, "--hub", cluster.url, "--token", owner]) == 0
         shown = capsys.readouterr().out

@@ -1,0 +1,96 @@
+"""How a node's stage reaches the other stages of its pipeline: through the hub's relay, or
+straight to the stages that advertise a direct address (``gpuflex-node run --stage-listen``,
+carried in ``StageAssignment.stage_addresses``), with the relay for the rest.
+
+The relay's sends go out on a thread of their own (``SendAhead``), so the next micro-batch starts
+at once. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
+both ends of every message agree; this node listens on its own address for its stage's tensors,
+refusing any larger than the largest tensor its pipeline can send (a boundary's activation for
+one micro-batch, or a tied parameter's gradient)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gpuflex.protocol.messages import StageAssignment
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.pipeline import pipeline_units
+from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec, max_encoded_size
+from torch import nn
+
+from .pipeline.direct import DirectTransport, RoutedTransport, StageListener, parse_address
+from .pipeline.relay import RelayTransport
+from .pipeline.stage import boundary_specs
+from .pipeline.transport import SendAhead, Transport
+
+
+def largest_message_bytes(a: StageAssignment) -> int:
+    """The encoded size of the largest tensor a stage of ``a``'s pipeline sends another: a cut's
+    activation (or its gradient) for one micro-batch, or a tied parameter's gradient."""
+    spec = ModelSpec.from_dict(a.model_spec)
+    units = pipeline_units(spec)
+    bounds = [*a.stage_starts, len(units)]
+    stages = [
+        copy.deepcopy(nn.Sequential(*(u.module for u in units.units[lo:hi]))).eval()
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+    micro = a.batch_size // a.micro_batches
+    example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
+    specs = list(boundary_specs(stages, example))
+    for group in units.tied:
+        index, name = group.members[0]
+        tensor = units.units[index].module.state_dict()[name]
+        specs.append(TensorSpec("tied", DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)))
+    return max((max_encoded_size((s,)) for s in specs), default=0)
+
+
+@dataclass
+class StageLinks:
+    """The transport of one stage of ``a`` and what it holds open; ``close`` lets all of it go."""
+
+    transport: Transport
+    _closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in self._closers:
+            close()
+
+
+def stage_links(
+    a: StageAssignment,
+    relay: Callable[[], RelayTransport],
+    *,
+    key: Any,
+) -> StageLinks:
+    """The links of stage ``a.stage``: ``relay`` makes a relay transport (with ``a``'s generation);
+    ``key`` signs the direct messages."""
+    addresses = {s: addr for s, addr in enumerate(a.stage_addresses) if addr}
+    if not addresses:
+        sender, receiver = relay(), relay()
+        ahead = SendAhead(sender, receiver)
+        return StageLinks(ahead, [ahead.close, sender.close, receiver.close])
+    own = addresses.get(a.stage)
+    listener = StageListener(*parse_address(own)) if own else None
+    direct = DirectTransport(
+        key,
+        a.job_id,
+        a.stage,
+        addresses=addresses,
+        peers=dict(enumerate(a.stage_keys)),
+        listener=listener,
+        max_message_bytes=largest_message_bytes(a),
+        generation=a.generation,
+    )
+    through = relay()
+    closers: list[Callable[[], Any]] = [direct.close, through.close]
+    if listener is not None:
+        closers.append(listener.close)
+    return StageLinks(RoutedTransport(direct, through), closers)
+
+
+__all__ = ["StageLinks", "largest_message_bytes", "stage_links"]
