@@ -18,7 +18,7 @@ COLUMNS = (
     "stage",
     "units",
     "node",
-    "memory",
+    "memory / offered",
     "predicted / micro-batch",
     "step (measured)",
     "steps done",
@@ -52,7 +52,9 @@ def pipeline_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"generation {past['generation']} (from step {past['first_step']}, {past['stages']} stages,"
             f" step predicted {seconds(past['predicted_step_s'])}, measured"
-            f" {'-' if measured is None else seconds(measured)}): {past['reason']}"
+            f" {'-' if measured is None else seconds(measured)}"
+            + ("" if past.get("loss") is None else f", loss {past['loss']:.4f}")
+            + f"): {past['reason']}"
         )
     return lines
 
@@ -64,11 +66,12 @@ def _stage_row(st: dict[str, Any]) -> tuple[str, ...]:
     if names and first != last:
         units += f" {names[0]}..{names[-1]}"
     step = st.get("step_s")
+    offered = st.get("offered_bytes")
     return (
         str(st["stage"]),
         units,
         st["node_id"],
-        size(st["memory_bytes"]),
+        size(st["memory_bytes"]) + ("" if offered is None else f" / {size(offered)}"),
         seconds(st["predicted_micro_batch_s"]),
         "-" if step is None else seconds(step),
         "-" if st.get("steps_done") is None else str(st["steps_done"]),

@@ -78,6 +78,25 @@ def f_bytes(v: Any) -> str:
     return "—"
 
 
+def f_size(v: Any) -> str:
+    """Bytes in the decimal units `--max-memory 6MB` is given in (and `job status` prints)."""
+    x = _finite(v)
+    if x is None:
+        return "—"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def f_secs(v: Any) -> str:
+    """A duration as `job status` prints it: milliseconds under a second."""
+    x = _finite(v)
+    if x is None:
+        return "—"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
 def f_ago(v: Any) -> str:
     x = _finite(v)
     if x is None:
@@ -144,6 +163,8 @@ def setup_console(app: web.Application) -> None:
             "num": f_num,
             "pct": f_pct,
             "bytes": f_bytes,
+            "size": f_size,
+            "secs": f_secs,
             "ago": f_ago,
             "dt": f_dt,
             "short": f_short,

@@ -290,6 +290,7 @@ def _job_context(d: Mapping[str, Any], *, review: bool) -> dict[str, Any]:
         "history": rounds,
         "overhead": overhead,
         "parallel": doc.get("parallel") or {},
+        "pipeline": doc.get("pipeline"),
         "shard_round": d["shard_round"],
         "shards": d["shards"],
         "flags": d["flags"],

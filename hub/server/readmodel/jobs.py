@@ -57,12 +57,28 @@ async def jobs_overview(
                 "rounds": r["rounds"],
                 "closed": rounds.closed_rounds(conn, r["id"]),
                 "updated_at": r["updated_at"],
+                **_pipeline_progress(conn, r),
             }
             | rounds.latest_metrics(conn, r["id"])
             for r in rows
         ]
 
     return await app[STORE].query(q)
+
+
+def _pipeline_progress(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+    """A pipelined job's committed step against its steps (the list's progress), {} for others."""
+    if "[pipeline]" not in row["spec_toml"]:  # most jobs: no spec to parse
+        return {}
+    spec = spec_of(row)
+    if spec is None or spec.pipeline is None:
+        return {}
+    return {
+        "pipeline": {
+            "committed_step": pipelines.committed_step(conn, row["id"]),
+            "steps": spec.pipeline.steps,
+        }
+    }
 
 
 def job_status(conn: sqlite3.Connection, row: sqlite3.Row, spec: JobSpec | None) -> dict[str, Any]:
@@ -206,8 +222,7 @@ async def job_document(app: web.Application, who: Principal, job_id: str) -> dic
     if live is not None and live.error and not doc.get("error"):
         doc["error"] = live.error
     if "pipeline" in doc:  # a pipelined job has no rounds: its pipeline is its progress
-        cut = app[LEDGER].pipelines.known_cut(job_id)
-        pipelines.live(doc["pipeline"], app[LEDGER].pipelines, job_id, cut.names if cut else ())
+        pipelines.live(doc["pipeline"], app[LEDGER].pipelines, job_id)
         return doc
     if live is not None:
         if live.active:
@@ -280,6 +295,8 @@ async def job_view(
         return {"doc": {k: v for k, v in seen.items() if k != "extras"}, **seen["extras"]}
 
     view = await app[STORE].query(q)
+    if "pipeline" in view["doc"]:  # the same live part as GET /v1/jobs/{id}'s
+        pipelines.live(view["doc"]["pipeline"], app[LEDGER].pipelines, job_id)
     waiting = live_waits(app, who, job_id)
     if waiting is not None:
         view["doc"]["waiting"] = waiting
@@ -320,6 +337,8 @@ REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "verified", "replica_g
 def review_doc(doc: dict[str, Any]) -> dict[str, Any]:
     """An auditor's part of a job's status document (job_status)."""
     out = {k: doc[k] for k in REVIEW_JOB_FIELDS if k in doc}
+    if "pipeline" in doc:  # its stages, nodes and timings; its losses are the owner's (job_review)
+        out["pipeline"] = doc["pipeline"]
     out["history"] = [
         {k: h[k] for k in REVIEW_ROUND_FIELDS if k in h}
         | {"updates": [{k: u.get(k) for k in REVIEW_UPDATE_FIELDS} for u in h.get("updates", [])]}
@@ -344,4 +363,8 @@ async def job_review(
             extras.pop(metric, None)
         return {"doc": review_doc(doc), **extras}
 
-    return await app[STORE].query(q)
+    view = await app[STORE].query(q)
+    if "pipeline" in view["doc"]:
+        pipelines.live(view["doc"]["pipeline"], app[LEDGER].pipelines, job_id)
+        pipelines.drop_losses(view["doc"]["pipeline"])
+    return view

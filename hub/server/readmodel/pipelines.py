@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from gpuflex.protocol.jobspec import JobSpec
@@ -76,8 +77,9 @@ def pipeline_doc(conn: sqlite3.Connection, job_id: str, spec: JobSpec) -> dict[s
     }
 
 
-def live(doc: dict[str, Any], pipelines: Pipelines, job_id: str, names: tuple[str, ...]) -> None:
-    """The live generation (memory: what its stages last reported), or the planner's refusal."""
+def live(doc: dict[str, Any], pipelines: Pipelines, job_id: str) -> None:
+    """The live generation (memory: what its stages last reported, and the memory each stage's
+    node offers), or the planner's refusal."""
     state = pipelines.jobs.get(job_id)
     if state is None:
         return
@@ -86,11 +88,18 @@ def live(doc: dict[str, Any], pipelines: Pipelines, job_id: str, names: tuple[st
     if g is None:
         doc["waiting"] = state.refusal or "the hub is planning the pipeline"
         return
-    doc["generation"] = generation_doc(g, state, names, time.time())
+    cut = pipelines.known_cut(job_id)
+    nodes = pipelines.scheduler.nodes
+    offered = {s.node_id: nodes[s.node_id].max_memory_bytes for s in g.stages if s.node_id in nodes}
+    doc["generation"] = generation_doc(g, state, cut.names if cut else (), time.time(), offered)
 
 
 def generation_doc(
-    g: Generation, state: PipelineState, names: tuple[str, ...], now: float
+    g: Generation,
+    state: PipelineState,
+    names: tuple[str, ...],
+    now: float,
+    offered: Mapping[str, int],
 ) -> dict[str, Any]:
     reports = state.reports
     measured = [r.step_s for r in reports.values()]
@@ -117,6 +126,7 @@ def generation_doc(
                 "unit_names": list(names[slot.unit_start : slot.unit_end]),
                 "predicted_micro_batch_s": slot.predicted_s,
                 "memory_bytes": slot.memory_bytes,
+                "offered_bytes": offered.get(slot.node_id),
                 "steps_done": reports[s].steps_done if s in reports else None,
                 "step_s": reports[s].step_s if s in reports else None,
                 "compute_s": reports[s].compute_s if s in reports else None,
@@ -127,4 +137,11 @@ def generation_doc(
     }
 
 
-__all__ = ["generation_doc", "generations", "live", "pipeline_doc"]
+def drop_losses(doc: dict[str, Any]) -> None:
+    """An auditor's pipeline: how its generations ran and on which nodes, not the model's loss."""
+    for g in (doc.get("generation"), *doc["generations"]):
+        if g is not None:
+            g.pop("loss", None)
+
+
+__all__ = ["committed_step", "drop_losses", "generation_doc", "generations", "live", "pipeline_doc"]

@@ -1,0 +1,154 @@
+"""The console shows a pipelined job's pipeline: a real hub on 127.0.0.1 and SQLite, nodes
+registered and polling with signed requests, stages reporting over the real wire, and each role's
+pages fetched through the login form like a browser.
+
+The page shows the document GET /v1/jobs/{id} answers (and `job status` prints): while the job
+waits, the planner's line; once planned, the live generation's stages (units, node, memory used
+and offered, predicted and measured time, steps done), its bubble, the committed step and the
+last stage's loss; every generation with why it was planned. Admins see it as the owner does, an
+auditor without the loss, another owner not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpuflex.hub.ops.cli_pipeline import pipeline_lines
+from gpuflex.hub.ops.cli_plan import seconds, size
+from markupsafe import escape
+
+from tests.pipeline_hub import HubThread, ack_of, poll_until, register, request, send_report, submit
+from tests.test_console_helpers import Browserish
+
+SPEC = """
+[job]
+name = "digits-pipeline"
+
+[model]
+kind = "mlp"
+input = 64
+hidden = [32, 16]
+outputs = 10
+
+[train]
+batch_size = 32
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+seed = 0
+
+[pipeline]
+stages = 2
+micro_batches = 4
+schedule = "1f1b"
+steps = 4
+checkpoint_every = 2
+"""
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[HubThread]:
+    h = HubThread(tmp_path / "hub", stage_timeout_s=30.0)
+    yield h
+    h.stop()
+
+
+def page(hub: HubThread, token: str, path: str) -> tuple[int, str]:
+    """One console page as a browser logged in with ``token`` gets it."""
+
+    async def fetch() -> tuple[int, str]:
+        b = Browserish(hub.url)
+        try:
+            await b.login(token)
+            status, text, _ = await b.get(path)
+            return status, text
+        finally:
+            await b.close()
+
+    return asyncio.run(fetch())
+
+
+def job_doc(hub: HubThread, job_id: str) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {hub.tokens['owner']}"}
+    code, _, body = request(hub.url, "GET", f"/v1/jobs/{job_id}", None, auth)
+    assert code == 200, body
+    return dict(json.loads(body))
+
+
+def pipeline_of(hub: HubThread, job_id: str) -> dict[str, Any]:
+    return dict(job_doc(hub, job_id)["pipeline"])
+
+
+def wait_for(hub: HubThread, job_id: str, test: Any, what: str) -> dict[str, Any]:
+    give_up = time.monotonic() + 20
+    while not test(p := pipeline_of(hub, job_id)):
+        assert time.monotonic() < give_up, f"waited for {what}: {p}"
+        time.sleep(0.1)
+    return p
+
+
+def test_the_job_page_shows_the_pipeline_each_role_may_see(hub: HubThread, tmp_path: Path) -> None:
+    first = register(hub.url)
+    code, job = submit(hub, tmp_path, SPEC)
+    assert code == 201, job
+    job_id, path = job["id"], f"/console/jobs/{job['id']}"
+    p = wait_for(hub, job_id, lambda p: "needs" in (p["waiting"] or ""), "the planner's refusal")
+    status, shown = page(hub, hub.tokens["owner"], path)
+    assert status == 200, shown[:500]
+    assert escape(p["waiting"]) in shown and "step 0 of 4 committed" in shown
+    assert "Shard map" not in shown and "No generation planned yet." in shown
+    status, listed = page(hub, hub.tokens["owner"], "/console/jobs")
+    assert status == 200 and "step 0 / 4" in listed
+
+    keys = [first, register(hub.url)]
+    got = poll_until(hub, keys)
+    for sa, key in zip(got, keys, strict=True):
+        last = sa.stage == len(got) - 1
+        code, answer = send_report(hub.url, key, sa, 1, loss=2.3125 if last else None)
+        assert code == 200 and ack_of(hub, answer).ok
+    p = wait_for(
+        hub, job_id, lambda p: p["generation"] and p["generation"]["loss"], "a reported loss"
+    )
+    g = p["generation"]
+    for role in ("owner", "admin"):
+        status, shown = page(hub, hub.tokens[role], path)
+        assert status == 200, shown[:500]
+        assert f"Generation {g['number']}" in shown and escape(g["reason"]) in shown
+        for st in g["stages"]:
+            row = shown.split(f'<tr data-stage="{st["stage"]}">')[1].split("</tr>")[0]
+            assert st["node_id"] in row and ", ".join(st["unit_names"]) in row, row
+            assert f"{size(st['memory_bytes'])} / {size(st['offered_bytes'])}" in row, row
+            assert seconds(st["predicted_micro_batch_s"]) in row and seconds(st["step_s"]) in row
+        assert f"{100 * g['bubble_fraction']:.1f}%" in shown
+        assert "2.312" in shown and "Loss" in shown  # the last stage's loss
+        assert f"predicted {seconds(g['predicted_step_s'])}" in shown
+        assert f"measured {seconds(g['measured_step_s'])}" in shown
+    printed = "\n".join(pipeline_lines(job_doc(hub, job_id)))  # `job status`: the same numbers
+    for st in g["stages"]:
+        assert f"{size(st['memory_bytes'])} / {size(st['offered_bytes'])}" in printed, printed
+    status, review = page(hub, hub.tokens["auditor"], path)
+    assert status == 200, review[:500]
+    assert all(st["node_id"] in review for st in g["stages"]) and escape(g["reason"]) in review
+    assert "2.312" not in review and "Loss" not in review and "/model" not in review
+    stranger = hub.hub.token("owner", "bob")
+    status, _ = page(hub, stranger, path)
+    assert status == 404
+
+    code, answer = send_report(
+        hub.url, keys[0], got[0], 1, failed="a peer's tensor did not come within 60 s"
+    )
+    assert code == 200 and not ack_of(hub, answer).ok
+    poll_until(hub, keys)
+    p = wait_for(
+        hub, job_id, lambda p: len(p["generations"]) == 2 and p["generation"], "a second generation"
+    )
+    status, shown = page(hub, hub.tokens["owner"], path)
+    assert status == 200
+    assert 'data-generation="2"' in shown and 'data-generation="1"' in shown
+    assert escape(p["generations"][1]["reason"]) in shown and "stopped: a peer" in shown
