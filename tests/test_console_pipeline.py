@@ -24,7 +24,8 @@ from gpuflex.hub.ops.cli_plan import seconds, size
 from markupsafe import escape
 
 from tests.pipeline_hub import HubThread, ack_of, poll_until, register, request, send_report, submit
-from tests.test_console_helpers import Browserish
+from tests.test_console_browser import HEIGHT, NODE_IDS_JS, WIDTH
+from tests.test_console_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Browserish
 
 SPEC = """
 [job]
@@ -152,3 +153,47 @@ def test_the_job_page_shows_the_pipeline_each_role_may_see(hub: HubThread, tmp_p
     assert status == 200
     assert 'data-generation="2"' in shown and 'data-generation="1"' in shown
     assert escape(p["generations"][1]["reason"]) in shown and "stopped: a peer" in shown
+
+
+@pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is absent (apt-get install -y chromium)"
+)
+def test_the_pipeline_fits_a_1280_window_in_chromium(hub: HubThread, tmp_path: Path) -> None:
+    """Three stages and a re-plan whose reason names a node: no wider than the window, no node id
+    broken across lines, no script or CSP error."""
+    keys = [register(hub.url) for _ in range(3)]
+    code, job = submit(hub, tmp_path, SPEC.replace("stages = 2", "stages = 3"))
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    send_report(hub.url, keys[0], got[0], 0, failed="a peer's tensor did not come within 60 s")
+    got = poll_until(hub, keys)
+    for sa, key in zip(got, keys, strict=True):
+        send_report(hub.url, key, sa, 1, loss=2.5 if sa.stage == 2 else None)
+    wait_for(
+        hub, job["id"], lambda p: p["generation"] and p["generation"]["loss"], "a reported loss"
+    )
+
+    async def look() -> tuple[dict[str, int], list[str]]:
+        from playwright.async_api import async_playwright
+
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = await browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
+                problems: list[str] = []
+                page.on("pageerror", lambda e: problems.append(str(e)))
+                page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+                await page.goto(f"{hub.url}/console/login")
+                await page.fill("#token", hub.tokens["owner"])
+                await page.click("button[type=submit]")
+                await page.wait_for_url(f"{hub.url}/console/jobs")
+                await page.goto(f"{hub.url}/console/jobs/{job['id']}")
+                ARTIFACTS.mkdir(exist_ok=True)
+                await page.screenshot(path=str(ARTIFACTS / "layout_pipeline.png"), full_page=True)
+                return await page.evaluate(NODE_IDS_JS), problems
+            finally:
+                await browser.close()
+
+    size, problems = asyncio.run(look())
+    assert size["width"] <= WIDTH and size["wrapped"] == 0 and size["nodeids"] >= 3, size
+    assert problems == []
