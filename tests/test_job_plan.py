@@ -217,3 +217,32 @@ def test_speed_is_derived_from_the_benchmarks_own_reference_model() -> None:
     # gradient (the model's input needs none)
     forward = 2 * (64 * 128 + 128 * 10)
     assert reference_flops_per_sample() == forward + 2 * 64 * 128 + 2 * 2 * 128 * 10
+
+
+async def test_a_pipelined_jobs_plan_is_the_one_the_hub_would_run_under_its_spec(
+    running_hub: RunningHub, tmp_path: Path
+) -> None:
+    """`[pipeline] stages`, `micro_batches` and `schedule` bind the preview as they bind the hub's
+    own planning: the plan shown is the plan a generation would get."""
+    hub = running_hub
+    async with aiohttp.ClientSession() as s:
+        data = text_windows(stdlib_text(4_000), CONTEXT, what="text")
+        train = tmp_path / "train.npz"
+        np.savez(train, x=data.x, y=data.y)
+        spec = LM_SPEC + '[pipeline]\nstages = 4\nmicro_batches = 2\nschedule = "gpipe"\nsteps = 10\n'
+        r = await submit_job(s, hub, spec, train)
+        assert r.status == 201, await r.text()
+        job = str((await r.json())["id"])
+        legacy = SimNode(s, hub.url)
+        await legacy.register()
+        nodes = [SimNode(s, hub.url, samples_per_s=sps) for sps in SPEEDS]
+        for n in nodes:
+            n.hub_public = legacy.hub_public
+            await _register(n, 1 << 30)  # room for the whole model on each: the spec asks for 4
+        status, doc = await _plan(s, hub, job)
+        assert status == 200 and "refused" not in doc, doc
+        (p,) = doc["plan"]["pipelines"]
+        assert (len(p["stages"]), p["micro_batches"], p["schedule"]) == (4, 2, "gpipe"), p
+        await _register(nodes[3], 0)  # three nodes offer memory: 4 stages cannot be planned
+        status, doc = await _plan(s, hub, job)
+        assert status == 200 and "plan" not in doc and "4" in doc["refused"], doc

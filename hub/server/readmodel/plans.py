@@ -33,7 +33,8 @@ from ...domain.pipelines.offers import (
     node_offers,
     reference_flops_per_sample,
 )
-from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, plan_pipelines
+from ...domain.pipelines.planning import choose_pipeline
+from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, Refusal, plan_pipelines
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
 from .access import job_row, spec_of
@@ -80,11 +81,21 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             " offers a pipeline stage (a gpuflex-node too old to send its --max-memory)"
         )
         return doc
-    counts = tuple(m for m in MICRO_BATCHES if m <= spec.train.batch_size)
-    result = await asyncio.to_thread(
-        plan_pipelines, cut.costs, offers, batch_size=spec.train.batch_size, micro_batches=counts
-    )
-    if isinstance(result, Plan):
+    result: Plan | Refusal | Pipeline | str
+    if spec.pipeline is not None:  # what the hub would run: the spec's stages, micro-batches, schedule
+        result = await asyncio.to_thread(
+            choose_pipeline, cut.costs, offers, spec.pipeline, batch_size=spec.train.batch_size
+        )
+        if isinstance(result, Pipeline):
+            result = Plan((result,), spec.train.batch_size, result.step_s)
+    else:
+        counts = tuple(m for m in MICRO_BATCHES if m <= spec.train.batch_size)
+        result = await asyncio.to_thread(
+            plan_pipelines, cut.costs, offers, batch_size=spec.train.batch_size, micro_batches=counts
+        )
+    if isinstance(result, str):
+        doc["refused"] = result
+    elif isinstance(result, Plan):
         memory = {o.node_id: o.memory_bytes for o in offers}
         doc["plan"] = _plan_doc(result, cut.names, memory)
     else:
