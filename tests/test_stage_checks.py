@@ -236,5 +236,14 @@ def test_each_injected_fault_is_caught_with_its_evidence(
     assert f"stage{stage}/step{ev['step']}/mb{ev['micro_batch']}" in f["update_id"]
     suspended = hub.call(lambda: hub.hub.app[LEDGER].scheduler.nodes[node].suspended)
     assert suspended is not None and "stage_mismatch" in suspended
+    # the auditor's view of the flag, as for any other flag
+    code, _, body = request(
+        hub.url,
+        "GET",
+        f"/v1/flags/{f['id']}",
+        None,
+        {"Authorization": f"Bearer {hub.tokens['auditor']}"},
+    )
+    assert code == 200 and json.loads(body)["evidence"]["stage"] == stage, body
     # honest stages are never flagged
     assert all(f["node_id"] == node for f in flags(hub))
