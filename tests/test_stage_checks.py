@@ -247,3 +247,15 @@ def test_each_injected_fault_is_caught_with_its_evidence(
     assert code == 200 and json.loads(body)["evidence"]["stage"] == stage, body
     # honest stages are never flagged
     assert all(f["node_id"] == node for f in flags(hub))
+
+
+def test_verify_rate_is_a_share_and_defaults_to_five_percent() -> None:
+    from gpuflex.protocol.errors import SpecError
+    from gpuflex.protocol.jobspec import parse_job_spec
+
+    assert parse_job_spec(SPEC.replace("verify_rate = 1.0\n", "")).pipeline.verify_rate == 0.05
+    for bad in ("1.5", "-0.1", '"all"'):
+        with pytest.raises(
+            SpecError, match=r"pipeline\.verify_rate: expected a number in \[0, 1\]"
+        ):
+            parse_job_spec(SPEC.replace("verify_rate = 1.0", f"verify_rate = {bad}"))

@@ -248,6 +248,7 @@ class StageChecks:
             "step": pick.step,
             "micro_batch": pick.micro_batch,
             "units": list(pick.units),
+            "precision": job.spec.train.train_config().precision,
             **verdict.evidence,
         }
         checked = f"{pick.job_id}/g{pick.generation}/stage{pick.stage}/step{pick.step}/mb{pick.micro_batch}"
