@@ -259,3 +259,51 @@ def test_verify_rate_is_a_share_and_defaults_to_five_percent() -> None:
             SpecError, match=r"pipeline\.verify_rate: expected a number in \[0, 1\]"
         ):
             parse_job_spec(SPEC.replace("verify_rate = 1.0", f"verify_rate = {bad}"))
+
+
+def _header(step: int, carries: str, stage: int, to_stage: int) -> Any:
+    from gpuflex.protocol.messages import RelayHeader
+    from gpuflex.protocol.signing import new_nonce
+
+    return RelayHeader(
+        job_id="j-1",
+        step=step,
+        micro_batch=0,
+        carries=carries,
+        stage=stage,
+        to_stage=to_stage,
+        sha256="0" * 64,
+        size=10,
+        timestamp=time.time(),
+        nonce=new_nonce(),
+        generation=1,
+    )
+
+
+def test_a_pick_runs_once_its_tensors_and_its_states_are_in_either_order_within_its_memory() -> (
+    None
+):
+    from gpuflex.hub.domain.pipelines.verify import Pick, StageChecks
+
+    checks = StageChecks(store=None, blobs=None, scheduler=None, on_flag=lambda: None, max_bytes=45)  # type: ignore[arg-type]
+    pick = Pick("j-1", 1, 1, 3, 2, 0, 4, "node", (1, 2))
+    checks.picks[("j-1", 1, 2, 0, 1)] = pick
+    # stage 1's input, output, the gradient back to it, and the one it sends back; and others'
+    for carries, a, b in (
+        ("activation", 0, 1),
+        ("activation", 1, 2),
+        ("gradient", 2, 1),
+        ("gradient", 1, 0),
+        ("tied", 0, 2),
+    ):
+        checks.observe(_header(2, carries, a, b), b"x" * 10)
+    checks.observe(_header(3, "activation", 0, 1), b"y" * 10)  # another step: not kept
+    assert set(pick.kept) == {"x", "out", "grad_out", "grad_in"} and checks.held_bytes == 40
+    assert checks._ready.empty()  # its states are not durable yet
+    checks.durable("j-1", 1, 2, {})
+    assert checks._ready.get_nowait() is pick and not checks.picks
+    # a pick that would take the checks past their memory is dropped, unchecked
+    late = Pick("j-1", 1, 0, 3, 4, 0, 4, "node", (0, 1))
+    checks.picks[("j-1", 1, 4, 0, 0)] = late
+    checks.observe(_header(4, "activation", 0, 1), b"z" * 10)
+    assert not checks.picks and checks.counts["dropped"] == 1 and checks.held_bytes == 40

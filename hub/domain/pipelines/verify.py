@@ -174,7 +174,7 @@ class StageChecks:
         self, job_id: str, generation: int, step: int, states: Mapping[int, UnitRecord]
     ) -> None:
         """Every unit's state after ``step`` steps is stored: the picks of that step may run."""
-        for pick in self.picks.values():
+        for pick in list(self.picks.values()):  # a pick whose tensors are all in leaves the dict
             if (pick.job_id, pick.generation, pick.step) == (job_id, generation, step):
                 pick.states, pick.durable = dict(states), True
                 self._maybe_ready(pick)
@@ -239,6 +239,7 @@ class StageChecks:
         self.counts["checked"] += 1
         self.verdicts = [*self.verdicts[-255:], (pick.what, verdict)]
         if verdict.ok:
+            log.info("stage check: %s reproduced: %s", pick.what, dict(verdict.evidence))
             return
         evidence = {
             "check": "stage_replay",
