@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/pipeline.py
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py
+	$(PY) bench/stage_checks.py
 	$(PY) bench/node_devices.py
 	$(PY) bench/lora.py
 

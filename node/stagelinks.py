@@ -6,7 +6,13 @@ The relay's sends go out on a thread of their own (``SendAhead``), so the next m
 at once. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
 both ends of every message agree; this node listens on its own address for its stage's tensors,
 refusing any larger than the largest tensor its pipeline can send (a boundary's activation for
-one micro-batch, or a tied parameter's gradient)."""
+one micro-batch, or a tied parameter's gradient).
+
+At the steps the hub may check (``checked_step``: the generation's first step and each checkpoint
+step before its end, run with parameters the hub holds), activations and gradients go through
+the relay even between stages with addresses: the hub re-executes a secret sample of those
+steps' micro-batches from what passed its relay (hub/domain/pipelines/verify.py), and the node
+cannot tell which."""
 
 from __future__ import annotations
 
@@ -47,6 +53,14 @@ def largest_message_bytes(a: StageAssignment) -> int:
         tensor = units.units[index].module.state_dict()[name]
         specs.append(TensorSpec("tied", DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)))
     return max((max_encoded_size((s,)) for s in specs), default=0)
+
+
+def checked_step(a: StageAssignment, step: int) -> bool:
+    """Is ``step`` one the hub may check (its parameters durable on the hub): ``a``'s first step,
+    or a checkpoint step before its end? The same rule as the hub's ``verifiable_steps``."""
+    return step == a.first_step or (
+        a.first_step < step < a.end_step and step % a.checkpoint_every == 0
+    )
 
 
 @dataclass
@@ -90,7 +104,8 @@ def stage_links(
     closers: list[Callable[[], Any]] = [direct.close, through.close]
     if listener is not None:
         closers.append(listener.close)
-    return StageLinks(RoutedTransport(direct, through), closers)
+    routed = RoutedTransport(direct, through, relayed=lambda step: checked_step(a, step))
+    return StageLinks(routed, closers)
 
 
-__all__ = ["StageLinks", "largest_message_bytes", "stage_links"]
+__all__ = ["StageLinks", "checked_step", "largest_message_bytes", "stage_links"]

@@ -36,6 +36,9 @@ class PipelineSpec:
     #: (protocol/boundary.py); ``boundary_rank``: the subspace's rank (0 for the others)
     boundary: str = "fp32"
     boundary_rank: int = 0
+    #: the share of (stage, checkpoint step) pairs whose work the hub re-executes: one micro-batch
+    #: of that step, drawn by the hub and unknown to the nodes (hub/policy/stage_check.py)
+    verify_rate: float = 0.05
 
 
 def parse_pipeline(
@@ -51,6 +54,7 @@ def parse_pipeline(
         checkpoint_every=s.get_int("checkpoint_every", d.checkpoint_every, 1, 1 << 30),
         boundary=s.get_choice("boundary", d.boundary, BOUNDARIES),
         boundary_rank=s.get_int("boundary_rank", d.boundary_rank, 0, 1 << 16),
+        verify_rate=s.get_float("verify_rate", d.verify_rate, 0.0, 1.0),
     )
     # a transformer's every cut is its width wide; other models' cuts are checked when planned
     width = model.transformer.width if model.transformer is not None else None

@@ -357,9 +357,12 @@ def drive(
     stop_at: int | None = None,
     report_last: bool = True,
     timeout_s: float = 30.0,
+    tamper: Any = None,
 ) -> StageRun:
     """Run ``sa``'s steps (up to ``stop_at`` steps done, then stop silently; the report of that
-    last step only when ``report_last``). Blocking: run it in a thread per stage."""
+    last step only when ``report_last``). ``tamper(runner)``: changes the stage's engine before
+    its first step (a faulty stage: its checkpoints still hold its own parameters and optimizer).
+    Blocking: run it in a thread per stage."""
     run = StageRun()
     url = hub.url
     stage_module, optimizer, params = load_stage(url, key, sa)
@@ -392,6 +395,8 @@ def drive(
         timeout_s=timeout_s,
         seed=sa.seed,
     )
+    if tamper is not None:
+        tamper(runner)
     try:
         for step in range(sa.first_step, sa.end_step):
             inputs, targets = _micro_batches(sa, step, x, y)
@@ -408,6 +413,8 @@ def drive(
                 for k, module in enumerate(stage_module):
                     blob = unit_state_blob(module, optimizer, params)
                     status, body = send_checkpoint(url, key, sa, sa.unit_start + k, done, blob)
+                    if status == 409 and b"stale_generation" in body:
+                        return run  # the generation is over: the stage ends quietly
                     assert status == 200, (status, body[:300])
             if stop_at is not None and done >= stop_at and not report_last:
                 return run

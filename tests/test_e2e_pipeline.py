@@ -6,7 +6,9 @@ checkpoint their units, and the job's final model is downloaded as its owner wou
 Each run checks the model against one process training the same steps over the same micro-batches
 (gradient accumulation, fp32, SGD with momentum: the node's own optimizer): within 1e-5 relative on
 every tensor, so no step was lost or applied twice. One run kills -9 the node of a middle stage
-(a spare node is online), one kills -9 the hub; both still end on that model."""
+(a spare node is online), one kills -9 the hub; both still end on that model. The hub checks
+every stage at every checkpoint step (``verify_rate = 1.0``, hub/domain/pipelines/verify.py):
+honest stages are never flagged, so each run keeps its one generation."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ micro_batches = {MICRO}
 schedule = "1f1b"
 steps = {STEPS}
 checkpoint_every = {EVERY}
+verify_rate = 1.0
 """
 #: each node's --max-memory: well under the model's training state (parameters, gradients and
 #: momentum of ~860k float32 parameters: 10.4 MB), enough for a stage of it and its activations

@@ -54,7 +54,13 @@ def _largest(spec_shapes: list[tuple[int, ...]]) -> int:
 
 @pytest.mark.parametrize(
     ("route", "schedule"),
-    [("direct", "1f1b"), ("direct", "gpipe"), ("relay", "1f1b"), ("mixed", "1f1b")],
+    [
+        ("direct", "1f1b"),
+        ("direct", "gpipe"),
+        ("relay", "1f1b"),
+        ("mixed", "1f1b"),
+        ("checked", "1f1b"),
+    ],
 )
 def test_direct_relay_and_mixed_pipelines_equal_the_in_memory_one_bit_for_bit(
     hub: HubThread, route: str, schedule: str
@@ -64,7 +70,8 @@ def test_direct_relay_and_mixed_pipelines_equal_the_in_memory_one_bit_for_bit(
     hub.call(lambda: hub.relay.registry.assign(job, plan_for(keys, CUT, 4)))
     peers = {s: k.public_bytes for s, k in enumerate(keys)}
     listeners = [StageListener("127.0.0.1", 0) for _ in range(3)]
-    direct_stages = {"direct": {0, 1, 2}, "relay": set(), "mixed": {1}}[route]
+    direct_stages = {"direct": {0, 1, 2}, "relay": set(), "mixed": {1}, "checked": {0, 1, 2}}[route]
+    relayed: list[MessageKey] = []
     addresses = {s: listeners[s].address for s in direct_stages}
     runners = runners_for(mlp_units(), CUT, ADAM, schedule, MemoryNetwork())
     transports = []
@@ -81,7 +88,12 @@ def test_direct_relay_and_mixed_pipelines_equal_the_in_memory_one_bit_for_bit(
         relay = RelayTransport(
             hub.url, keys[s], job, hub_public_key=hub.hub_key.public_bytes, peers=peers, wait_s=1.0
         )
-        runner.transport = RoutedTransport(direct, relay)
+        if route == "checked":  # steps 0 and 4 through the relay, as a node does at checked steps
+            runner.transport = RoutedTransport(
+                direct, Counted(relay, relayed), relayed=checked_steps
+            )
+        else:
+            runner.transport = RoutedTransport(direct, relay)
         transports.append(runner.transport)
     try:
         run_stages(runners, step_data())
@@ -95,6 +107,30 @@ def test_direct_relay_and_mixed_pipelines_equal_the_in_memory_one_bit_for_bit(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert all(len(t.direct.inbox or ()) == 0 for t in transports)  # every message was taken
     assert len(hub.relay) == 0
+    if route == "checked":  # every activation and gradient of steps 0 and 4, none of the others
+        assert {k.step for k in relayed} == {0, 4}
+        assert len(relayed) == 2 * 4 * 2 * 2  # steps x micro-batches x (2 activations, 2 gradients)
+
+
+def checked_steps(step: int) -> bool:
+    return step in (0, 4)
+
+
+class Counted:
+    """A transport that notes the keys it sends."""
+
+    def __init__(self, inner: RelayTransport, sent: list[MessageKey]) -> None:
+        self.inner, self.sent = inner, sent
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        self.sent.append(key)
+        self.inner.send(key, tensor)
+
+    def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        return self.inner.receive(key, expected, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # -- refusals --------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 A node whose own committed segment the referee re-executed and found not to reproduce within
 its class tolerance (``referee_mismatch``; a forged error-feedback residual chain is one too) is
-suspended the moment the flag is written: it gets no further assignment, its pending updates are
+suspended the moment the flag is written, and so is a pipeline stage whose forward or backward on
+a micro-batch the referee re-executed from its durable state and found not to reproduce
+(``stage_mismatch``, hub/policy/stage_check.py): it gets no further assignment, its pending updates are
 held out of aggregation, and its flags come first in the auditor's queue. An auditor lifts the
 suspension by dismissing the flag, or confirms it, which bans the node.
 
@@ -22,13 +24,14 @@ from . import reputation
 from .reputation import Reputation
 from .update_record import Flag
 
-#: the one flag reason that can suspend
+#: the flag reasons that can suspend: a re-executed segment, a re-executed pipeline stage
 PROVEN_MISMATCH = "referee_mismatch"
+STAGE_MISMATCH = "stage_mismatch"
 
 
 def suspends(reason: str, evidence: Mapping[str, Any]) -> bool:
     """Does a flag with this reason and evidence suspend its node?"""
-    return reason == PROVEN_MISMATCH and "vouched_for" not in evidence
+    return reason in (PROVEN_MISMATCH, STAGE_MISMATCH) and "vouched_for" not in evidence
 
 
 def flag_suspends(flag: Flag) -> bool:
@@ -37,8 +40,15 @@ def flag_suspends(flag: Flag) -> bool:
 
 def why(reason: str, update_id: str) -> str:
     """What a suspended node and its readers are told."""
-    return f"suspended: {reason} on update {update_id} (its committed segment did not reproduce);" \
-           " an auditor lifts or confirms it"
+    if reason == STAGE_MISMATCH:
+        return (
+            f"suspended: {reason} on {update_id} (its stage's work did not reproduce); an auditor"
+            " lifts or confirms it"
+        )
+    return (
+        f"suspended: {reason} on update {update_id} (its committed segment did not reproduce);"
+        " an auditor lifts or confirms it"
+    )
 
 
 def record_verdict(rep: Reputation, verdict: str, suspending: bool) -> Reputation:

@@ -441,7 +441,7 @@ def _schemas() -> dict[str, Any]:
             "id": {"type": "string"}, "job_id": {"type": "string"}, "round": {"type": "integer"},
             "update_id": {"type": "string"}, "node_id": {"type": "string"},
             "reason": {"enum": ["replica_mismatch", "outlier", "free_rider", "implausible",
-                                "referee_mismatch", "unverifiable"]},
+                                "referee_mismatch", "unverifiable", "stage_mismatch"]},
             "evidence": {"type": "object"}, "status": {"enum": ["open", "confirmed", "dismissed", "moot"]},
             "suspends": {"type": "boolean", "description": "a proven mismatch: while open, its node is "
                          "suspended (no work, pending updates held out); listed first in the queue"},

@@ -346,6 +346,11 @@ class PipelineStore(Protocol):
         is replaced."""
 
     @abc.abstractmethod
+    async def flag_stage(self, job_id: str, step: int, flag: Flag, *, now: float) -> None:
+        """A pipeline stage's work did not reproduce (hub/policy/stage_check.py): its flag (round:
+        the step checked; update: what was checked), which suspends its node while open."""
+
+    @abc.abstractmethod
     async def save_stage_report(self, job_id: str, report: StepReport) -> None:
         """One stage's report of one step (a repeated report of the same step replaces it)."""
 

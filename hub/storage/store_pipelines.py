@@ -10,7 +10,10 @@ import sqlite3
 from dataclasses import asdict
 from typing import Any
 
+from ..model.job import new_id
 from ..model.pipeline import Generation, StageSlot, StepReport, UnitRecord
+from ..policy.suspension import flag_suspends
+from ..policy.verification import Flag
 from .db import Database
 from .store import LoadedPipeline, PipelineStore
 
@@ -123,6 +126,28 @@ class SqlPipelines(PipelineStore):
                 )
 
         await self.db.write(write)
+
+    async def flag_stage(self, job_id: str, step: int, flag: Flag, *, now: float) -> None:
+        f = flag
+        await self.db.write(
+            lambda c: c.execute(
+                "INSERT INTO flags (id, job_id, round, update_id, node_id, reason, evidence, status,"
+                " created_at, suspends, run_before) VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?,"
+                " (SELECT consecutive_agreements FROM nodes WHERE id = ?))",
+                (
+                    new_id("f"),
+                    job_id,
+                    step,
+                    f.update_id,
+                    f.node_id,
+                    f.reason,
+                    json.dumps(f.evidence, sort_keys=True, separators=(",", ":"), default=str),
+                    now,
+                    int(flag_suspends(f)),
+                    f.node_id,
+                ),
+            )
+        )
 
     async def save_stage_report(self, job_id: str, report: StepReport) -> None:
         r = report

@@ -531,20 +531,34 @@ class DirectTransport:
 
 class RoutedTransport:
     """Direct to the stages ``direct`` has an address for, through ``relay`` to the rest: a
-    message travels the way its receiving stage takes tensors, so both ends agree."""
+    message travels the way its receiving stage takes tensors, so both ends agree. ``relayed``:
+    the steps whose activations and gradients go through the relay whatever the addresses (the
+    steps the hub may check, node/stagelinks.checked_step: both ends know them from the plan)."""
 
-    def __init__(self, direct: DirectTransport, relay: Transport) -> None:
+    def __init__(
+        self,
+        direct: DirectTransport,
+        relay: Transport,
+        relayed: Callable[[int], bool] | None = None,
+    ) -> None:
         self.direct = direct
         self.relay = relay
+        self.relayed = relayed
 
-    def _via(self, to_stage: int) -> Transport:
-        return self.direct if to_stage in self.direct.addresses else self.relay
+    def _via(self, key: MessageKey) -> Transport:
+        if (
+            self.relayed is not None
+            and key.carries in ("activation", "gradient")
+            and self.relayed(key.step)
+        ):
+            return self.relay
+        return self.direct if key.to_stage in self.direct.addresses else self.relay
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        self._via(key.to_stage).send(key, tensor)
+        self._via(key).send(key, tensor)
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
-        return self._via(key.to_stage).receive(key, expected, timeout_s=timeout_s)
+        return self._via(key).receive(key, expected, timeout_s=timeout_s)
 
     def close(self) -> None:
         try:

@@ -42,6 +42,7 @@ from .generations import new_generation, relay_plan, stage_assignment, stage_uni
 from .liveness import lost_stage
 from .offers import ModelCut, cut_model, offer_of, reference_flops_per_sample
 from .planning import choose_pipeline
+from .verify import StageChecks
 
 log = logging.getLogger("gpuflex.hub.pipelines")
 #: the finished jobs whose last generation's reports are still recorded
@@ -91,6 +92,8 @@ class Pipelines:
         self._finished: dict[str, Generation] = {}
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
+        #: the sampled stages' work re-executed by the referee (verify.py)
+        self.checks = StageChecks(store=store, blobs=blobs, scheduler=scheduler, on_flag=self.poke)
 
     # -- start and the loop ------------------------------------------------------------------
     async def load(self) -> None:
@@ -168,6 +171,7 @@ class Pipelines:
         self._cuts.pop(job_id, None)
         if self.jobs.pop(job_id, None) is not None:
             self.relay.drop(job_id)
+            self.checks.drop(job_id)
 
     def _barred(self, node_id: str) -> bool:
         node = self.scheduler.nodes.get(node_id)
@@ -259,6 +263,7 @@ class Pipelines:
         state.reports = {}
         state.last_report = dict.fromkeys(range(len(g.stages)), now)
         self.relay.assign(job.id, relay_plan(g, cut))
+        self.checks.start(job, g, committed if g.first_step > 0 else {})
         self.signal.notify()  # the planned nodes' long-polls take their stages now
         log.info(
             "job %s: pipeline generation %d from step %d (%s)",
@@ -290,6 +295,7 @@ class Pipelines:
         state.last_report = {}
         state.replan_reason = reason
         self.relay.drop(job.id)
+        self.checks.drop(job.id)
         if lost_node is not None:
             self._lost[lost_node] = now + self.config.stage_timeout_s
         self.poke()
@@ -414,6 +420,7 @@ class Pipelines:
         if committed is None:
             return f"unit {msg.unit}'s state at step {msg.step} is stored"
         state.committed_step = committed
+        self.checks.durable(job.id, g.number, committed, state.states[committed])
         for step in [s for s in state.states if s < committed]:
             del state.states[step]
         if committed >= state.end_step:

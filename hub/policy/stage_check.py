@@ -1,0 +1,143 @@
+"""The referee's check of one pipeline stage's work on one micro-batch (docs/pipeline.md).
+
+At a step whose parameters are durable on the hub (a checkpoint step: every unit's state after
+that many steps is stored, or a generation's first step), a stage runs its forward and its
+backward with exactly those parameters. For one micro-batch of such a step the relay kept what
+the stage received (its input activation; on stage 0 the job's samples) and what it sent (its
+output activation; its input's gradient), and the gradient of its output that came back. The
+referee rebuilds the stage's units from their states, runs the forward under the same keyed
+dropout (protocol/dropout.py) and the vector-Jacobian product with the gradient it received, and
+compares:
+
+- ``forward``: ||sent output - recomputed output|| / ||recomputed output|| (every stage but the
+  last);
+- ``backward``: ||sent input gradient - recomputed|| / ||recomputed|| (every stage but the first;
+  the last stage's is the gradient of its weighted loss on the step's targets).
+
+A distance over ``tolerance`` (or a tensor of another shape, or a non-finite one) is a mismatch.
+Pure: tensors in, a verdict out; blocking (the hub runs it in a worker thread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.pipeline import Unit, load_unit
+from gpuflex.protocol.transformer import NextTokenLoss
+from torch import Tensor, nn
+
+from .suspension import STAGE_MISMATCH
+
+__all__ = [
+    "STAGE_MISMATCH",
+    "StageEvidence",
+    "StageVerdict",
+    "judge_stage",
+    "stage_loss",
+    "stage_tolerance",
+]
+
+
+@dataclass(frozen=True)
+class StageEvidence:
+    """What the relay kept of one micro-batch of one stage. ``x``: its input (the activation it
+    received, or stage 0's samples); ``out``: the activation it sent on (None on the last stage);
+    ``grad_out``: the gradient of its output it received (None on the last stage); ``grad_in``:
+    its input's gradient it sent back (None on stage 0); ``y``: the targets (last stage)."""
+
+    x: Tensor
+    out: Tensor | None = None
+    grad_out: Tensor | None = None
+    grad_in: Tensor | None = None
+    y: Tensor | None = None
+    #: the last stage's loss weight: the micro-batch's share of the step's samples
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class StageVerdict:
+    """``ok``: every check reproduced; ``evidence``: the distances, the threshold and what was checked."""
+
+    ok: bool
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+def stage_tolerance(precision: str, tolerance: float, low_tolerance: float) -> float:
+    """The threshold for a stage training in ``precision``: the job's strict ``tolerance`` for
+    fp32 (one micro-batch's forward and backward differ by about 1e-7 between CPU compute
+    classes), ``low_tolerance`` for tf32 (a 10-bit mantissa in every matmul)."""
+    return tolerance if precision == "fp32" else low_tolerance
+
+
+def stage_loss(spec: ModelSpec, loss: str) -> nn.Module:
+    """The job's loss, as the node's trainer picks it (node/trainer.loss_for)."""
+    if spec.task == "language_model":
+        return NextTokenLoss()
+    return nn.CrossEntropyLoss() if loss == "cross_entropy" else nn.MSELoss()
+
+
+def _distance(sent: Tensor, recomputed: Tensor) -> float:
+    if sent.shape != recomputed.shape or not bool(torch.isfinite(sent).all()):
+        return math.inf
+    diff = float(torch.linalg.vector_norm((sent.double() - recomputed.double()).flatten()))
+    scale = float(torch.linalg.vector_norm(recomputed.double().flatten()))
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / scale
+
+
+def judge_stage(
+    units: Sequence[Unit],
+    states: Sequence[Mapping[str, Tensor]],
+    evidence: StageEvidence,
+    *,
+    seed: int,
+    step: int,
+    micro_batch: int,
+    tolerance: float,
+    loss_fn: nn.Module | None = None,
+) -> StageVerdict:
+    """Re-execute one stage (``units`` holding ``states``, their own names) on one micro-batch of
+    ``step`` and compare with what it sent (see the module docstring). ``loss_fn``: the last
+    stage's (None elsewhere)."""
+    try:
+        module = nn.Sequential(*(load_unit(u, s) for u, s in zip(units, states, strict=True)))
+    except (RuntimeError, ValueError) as exc:
+        return StageVerdict(False, {"why": f"the stage's states do not load: {exc}"[:200]})
+    module.train()
+    first = evidence.grad_in is None
+    x = evidence.x.clone()
+    if not first:
+        x.requires_grad_(True)
+    with torch.random.fork_rng(devices=[]), dropout_step(seed, step, part=micro_batch):
+        out = module(x)
+    found: dict[str, Any] = {"threshold": tolerance}
+    if loss_fn is not None:
+        if evidence.y is None:
+            return StageVerdict(False, {**found, "why": "the last stage's targets are missing"})
+        root = loss_fn(out, evidence.y) * evidence.weight
+        grad: Tensor | None = None
+    else:
+        if evidence.out is None or evidence.grad_out is None:
+            return StageVerdict(
+                False, {**found, "why": "the stage's output or its gradient is missing"}
+            )
+        found["forward_distance"] = _distance(evidence.out, out.detach())
+        root, grad = out, evidence.grad_out
+    if not first and evidence.grad_in is not None:
+        if grad is not None and grad.shape != out.shape:
+            found["backward_distance"] = math.inf
+        else:
+            torch.autograd.backward(root, grad)
+            recomputed = x.grad if x.grad is not None else torch.zeros_like(x)
+            found["backward_distance"] = _distance(evidence.grad_in, recomputed)
+    distances = [v for k, v in found.items() if k.endswith("_distance")]
+    ok = all(d <= tolerance for d in distances)
+    shown = {k: (v if math.isfinite(v) else 1e300) for k, v in found.items()}
+    return StageVerdict(ok, shown)

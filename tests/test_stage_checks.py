@@ -1,0 +1,309 @@
+"""The hub verifies pipeline stages' work (hub/domain/pipelines/verify.py, hub/policy/stage_check.py):
+a real hub on 127.0.0.1 and SQLite, three real StageRunners over the relay, ``verify_rate = 1.0``
+(every stage at every step run with durable parameters: steps 0 and 2 of 4).
+
+- an honest run is never flagged, and every drawn check runs;
+- each injected fault is caught, and its flag (``stage_mismatch``) names the stage, the step and
+  the micro-batch, and suspends the node: weights perturbed by 1e-3 relative while the
+  checkpoints hold the honest ones, a skipped layer, stale parameters, a bf16 forward, crafted
+  gradients sent back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from gpuflex.hub.server.appkeys import LEDGER
+from torch import Tensor, nn
+
+from tests.pipeline_hub import HubThread, drive_all, poll_until, register, request, submit
+
+torch.set_num_threads(1)
+
+SPEC = """
+[job]
+name = "digits-verified-pipeline"
+
+[model]
+kind = "mlp"
+input = 64
+hidden = [32, 16]
+outputs = 10
+
+[train]
+batch_size = 32
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+seed = 0
+
+[pipeline]
+stages = 3
+micro_batches = 4
+schedule = "1f1b"
+steps = 4
+checkpoint_every = 2
+verify_rate = 1.0
+"""
+
+
+@pytest.fixture
+def hub(tmp_path):
+    h = HubThread(tmp_path / "hub", stage_timeout_s=10.0)
+    yield h
+    h.stop()
+
+
+def checks(hub: HubThread) -> dict[str, int]:
+    return hub.call(lambda: dict(hub.hub.app[LEDGER].pipelines.checks.counts))
+
+
+def flags(hub: HubThread) -> list[dict[str, Any]]:
+    code, _, body = request(
+        hub.url, "GET", "/v1/flags", None, {"Authorization": f"Bearer {hub.tokens['auditor']}"}
+    )
+    assert code == 200, body
+    return json.loads(body)["flags"]
+
+
+def wait_for(what: Any, timeout_s: float = 30.0) -> Any:
+    give_up = time.monotonic() + timeout_s
+    while not (got := what()):
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.1)
+    return got
+
+
+def run_pipeline(hub: HubThread, tmp_path, tamper: dict[int, Any]) -> tuple[list, list]:
+    keys = [register(hub.url) for _ in range(3)]
+    code, job = submit(hub, tmp_path, SPEC)
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    options = {
+        i: {"tamper": tamper[sa.stage], "timeout_s": 15.0}
+        for i, sa in enumerate(got)
+        if sa.stage in tamper
+    }
+    drive_all(hub, keys, got, options=options)
+    return keys, got
+
+
+def test_an_honest_three_stage_pipeline_is_checked_and_never_flagged(hub, tmp_path) -> None:
+    run_pipeline(hub, tmp_path, {})
+    done = wait_for(lambda: (c := checks(hub))["checked"] == c["drawn"] and c)
+    assert done["drawn"] == 6 and done["flagged"] == 0, done  # 3 stages x steps 0 and 2
+    assert flags(hub) == []
+    verdicts = hub.call(lambda: list(hub.hub.app[LEDGER].pipelines.checks.verdicts))
+    assert all(v.ok for _, v in verdicts) and len(verdicts) == 6
+    # the checks are tight: honest work reproduces far below the threshold
+    for _, v in verdicts:
+        for k, d in v.evidence.items():
+            if k.endswith("_distance"):
+                assert d < 1e-6, v.evidence
+
+
+# -- the faults: each changes what the stage computes, never what it checkpoints ----------------
+
+
+class Perturbed(nn.Module):
+    """Runs its stage with every weight perturbed by 1e-3 relative; trains (and checkpoints) the
+    honest ones."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        g = torch.Generator().manual_seed(1)
+        self.signs = {
+            n: torch.randint(0, 2, p.shape, generator=g).float() * 2 - 1
+            for n, p in inner.named_parameters()
+        }
+
+    def forward(self, x: Tensor) -> Tensor:
+        params = {n: p * (1 + 1e-3 * self.signs[n]) for n, p in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, params, (x,))
+
+
+class Bf16(nn.Module):
+    """Runs its stage's forward in bf16 autocast (a precision swap)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
+def perturbed(runner: Any) -> None:
+    runner.module = Perturbed(runner.module)
+
+
+def bf16(runner: Any) -> None:
+    runner.module = Bf16(runner.module)
+
+
+def skipped_layer(runner: Any) -> None:
+    unit = runner.module[0]
+    assert isinstance(unit[1], nn.ReLU)
+    unit[1] = nn.Identity()
+
+
+class Stale:
+    """The stage computes each step with the parameters of the step before (one version
+    behind), and applies its gradients to the current ones."""
+
+    def __init__(self, runner: Any) -> None:
+        self.inner = runner.optimizer
+        self.params = list(runner.module.parameters())
+        self.previous = [p.detach().clone() for p in self.params]
+        self.current = self.previous
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self.current = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, old in zip(self.params, self.previous, strict=True):
+                p.copy_(old)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p, now in zip(self.params, self.current, strict=True):
+                p.copy_(now)
+        self.inner.step()
+        self.previous = self.current
+
+
+def stale(runner: Any) -> None:
+    runner.optimizer = Stale(runner)
+
+
+class Crafted:
+    """Sends back the negated gradient of its input."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def send(self, key: Any, tensor: Tensor) -> None:
+        self.inner.send(key, -tensor if key.carries == "gradient" else tensor)
+
+    def receive(self, key: Any, expected: Any, *, timeout_s: float) -> Tensor:
+        return self.inner.receive(key, expected, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def crafted(runner: Any) -> None:
+    runner.transport = Crafted(runner.transport)
+
+
+@pytest.mark.parametrize(
+    ("fault", "stage", "first_step"),
+    [
+        (perturbed, 1, 0),
+        (skipped_layer, 0, 0),
+        (stale, 1, 2),  # at step 0 the step before is the same model
+        (bf16, 2, 0),
+        (crafted, 2, 0),
+    ],
+    ids=[
+        "perturbed_1e-3",
+        "skipped_layer",
+        "stale_parameters",
+        "bf16_forward",
+        "crafted_gradients",
+    ],
+)
+def test_each_injected_fault_is_caught_with_its_evidence(
+    hub, tmp_path, fault, stage, first_step
+) -> None:
+    _, got = run_pipeline(hub, tmp_path, {stage: fault})
+    found = wait_for(lambda: [f for f in flags(hub) if f["reason"] == "stage_mismatch"])
+    node = got[[sa.stage for sa in got].index(stage)].node_id
+    assert {f["node_id"] for f in found} == {node}, found
+    f = found[0]
+    ev = f["evidence"]
+    assert ev["stage"] == stage and ev["step"] >= first_step and 0 <= ev["micro_batch"] < 4, ev
+    assert ev["check"] == "stage_replay" and ev["threshold"] == 1e-4
+    distances = [v for k, v in ev.items() if k.endswith("_distance")]
+    assert max(distances) > ev["threshold"], ev
+    assert f["suspends"] is True
+    assert f"stage{stage}/step{ev['step']}/mb{ev['micro_batch']}" in f["update_id"]
+    suspended = hub.call(lambda: hub.hub.app[LEDGER].scheduler.nodes[node].suspended)
+    assert suspended is not None and "stage_mismatch" in suspended
+    # the auditor's view of the flag, as for any other flag
+    code, _, body = request(
+        hub.url,
+        "GET",
+        f"/v1/flags/{f['id']}",
+        None,
+        {"Authorization": f"Bearer {hub.tokens['auditor']}"},
+    )
+    assert code == 200 and json.loads(body)["evidence"]["stage"] == stage, body
+    # honest stages are never flagged
+    assert all(f["node_id"] == node for f in flags(hub))
+
+
+def test_verify_rate_is_a_share_and_defaults_to_five_percent() -> None:
+    from gpuflex.protocol.errors import SpecError
+    from gpuflex.protocol.jobspec import parse_job_spec
+
+    assert parse_job_spec(SPEC.replace("verify_rate = 1.0\n", "")).pipeline.verify_rate == 0.05
+    for bad in ("1.5", "-0.1", '"all"'):
+        with pytest.raises(
+            SpecError, match=r"pipeline\.verify_rate: expected a number in \[0, 1\]"
+        ):
+            parse_job_spec(SPEC.replace("verify_rate = 1.0", f"verify_rate = {bad}"))
+
+
+def _header(step: int, carries: str, stage: int, to_stage: int) -> Any:
+    from gpuflex.protocol.messages import RelayHeader
+    from gpuflex.protocol.signing import new_nonce
+
+    return RelayHeader(
+        job_id="j-1",
+        step=step,
+        micro_batch=0,
+        carries=carries,
+        stage=stage,
+        to_stage=to_stage,
+        sha256="0" * 64,
+        size=10,
+        timestamp=time.time(),
+        nonce=new_nonce(),
+        generation=1,
+    )
+
+
+def test_a_pick_runs_once_its_tensors_and_its_states_are_in_either_order_within_its_memory() -> (
+    None
+):
+    from gpuflex.hub.domain.pipelines.verify import Pick, StageChecks
+
+    checks = StageChecks(store=None, blobs=None, scheduler=None, on_flag=lambda: None, max_bytes=45)  # type: ignore[arg-type]
+    pick = Pick("j-1", 1, 1, 3, 2, 0, 4, "node", (1, 2))
+    checks.picks[("j-1", 1, 2, 0, 1)] = pick
+    # stage 1's input, output, the gradient back to it, and the one it sends back; and others'
+    for carries, a, b in (
+        ("activation", 0, 1),
+        ("activation", 1, 2),
+        ("gradient", 2, 1),
+        ("gradient", 1, 0),
+        ("tied", 0, 2),
+    ):
+        checks.observe(_header(2, carries, a, b), b"x" * 10)
+    checks.observe(_header(3, "activation", 0, 1), b"y" * 10)  # another step: not kept
+    assert set(pick.kept) == {"x", "out", "grad_out", "grad_in"} and checks.held_bytes == 40
+    assert checks._ready.empty()  # its states are not durable yet
+    checks.durable("j-1", 1, 2, {})
+    assert checks._ready.get_nowait() is pick and not checks.picks
+    # a pick that would take the checks past their memory is dropped, unchecked
+    late = Pick("j-1", 1, 0, 3, 4, 0, 4, "node", (0, 1))
+    checks.picks[("j-1", 1, 4, 0, 0)] = late
+    checks.observe(_header(4, "activation", 0, 1), b"z" * 10)
+    assert not checks.picks and checks.counts["dropped"] == 1 and checks.held_bytes == 40
