@@ -1,0 +1,123 @@
+"""The referee's heavy work on a real hub over loopback: a segment replay runs without the round
+engine's lock (the hub answers, and other jobs' rounds close, while it re-trains), and a large
+state streams to disk as it arrives instead of being held in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from gpuflex.hub.server.appkeys import LEDGER
+from gpuflex.protocol.messages import Assignment, NoWork, StateRequest, StateUpload, WorkRequest
+from gpuflex.protocol.signing import new_nonce, seal
+
+from tests.helpers import (
+    SimNode,
+    open_store,
+    start_hub,
+    submit_job,
+    wait_job,
+    write_digits,
+)
+
+#: a trusted node's lone update is re-executed before it counts (hub/policy/referee.py)
+AUDITED = {"rounds": 1, "replication": "0.0", "spot_check": 0.0, "spot_check_trusted": 1.0,
+           "extra": "trust_after = 0\n"}
+
+
+async def _state_request(n: SimNode, timeout: float = 30.0) -> StateRequest:
+    """Poll for work until the hub asks ``n`` for its committed states (not handed over)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        req = WorkRequest(timestamp=time.time(), nonce=new_nonce(), wait_s=0.5, cached_chunks=())
+        got = await n.open_response(await n.post("/v1/work", seal(n.key, req)), StateRequest, Assignment, NoWork)
+        if isinstance(got, StateRequest):
+            return got
+    raise AssertionError("the hub never asked for the committed states")
+
+
+async def _paced(body: bytes) -> AsyncIterator[bytes]:
+    """The body in 256 KiB pieces, a link's pace: the hub reads each as it comes (sent at once
+    over loopback, the whole body would sit in aiohttp's buffers before the route reads it)."""
+    for i in range(0, len(body), 1 << 18):
+        yield body[i:i + (1 << 18)]
+        await asyncio.sleep(0.002)
+
+
+async def _post_state(n: SimNode, asked: StateRequest, step: int, body: bytes, sha: str) -> aiohttp.ClientResponse:
+    hdr = StateUpload(request_id=asked.request_id, step=step, state_sha256=sha, state_size=len(body),
+                      timestamp=time.time(), nonce=new_nonce())
+    return await n.session.post(n.url + "/v1/states", data=_paced(body), headers={
+        "X-GPUFlex-State": base64.urlsafe_b64encode(seal(n.key, hdr)).decode(),
+        "Content-Type": "application/octet-stream", "Content-Length": str(len(body))})
+
+
+async def test_a_replay_runs_outside_the_engines_lock_and_its_verdict_still_lands(tmp_path: Path) -> None:
+    """While the referee re-executes a segment (held here in its worker thread), another node's
+    heartbeat and upload are answered at once, the engine's lock is free and another job's round
+    closes; once the replay ends, its verdict is recorded and the audited job completes."""
+    train, val, audited = write_digits(tmp_path / "a", **AUDITED)
+    _, _, plain = write_digits(tmp_path / "b", rounds=1)
+    hub = await start_hub(tmp_path / "hub")
+    rounds = hub.app[LEDGER].rounds
+    started, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(60)
+
+    rounds.referee.before_replay = hold
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_a = (await (await submit_job(s, hub, audited, train, val)).json())["id"]
+            n1 = SimNode(s, hub.url)
+            await n1.register()
+            a1 = await n1.work(2.0)
+            assert isinstance(a1, Assignment)
+            assert (await n1.upload(a1, *await n1.train(a1))).ok
+            assert isinstance(await n1.work(0.5), NoWork)  # the state request is answered (SimNode.hand_over)
+            assert await asyncio.to_thread(started.wait, 30), "the replay never started"
+            held_at = time.monotonic()
+
+            job_b = (await (await submit_job(s, hub, plain, train, val)).json())["id"]
+            n2 = SimNode(s, hub.url)
+            await n2.register()
+            answered: list[float] = []  # seconds each heartbeat and upload of n2 took
+            while isinstance(a2 := await n2.work(1.0), Assignment):
+                assert a2.job_id == job_b
+                t0 = time.monotonic()
+                assert (await n2.heartbeat(a2.assignment_id)).status == 200
+                answered.append(time.monotonic() - t0)
+                blob, samples, loss = await n2.train(a2)
+                t0 = time.monotonic()
+                assert (await n2.upload(a2, blob, samples, loss)).ok
+                answered.append(time.monotonic() - t0)
+            assert answered
+            async with asyncio.timeout(5):  # no settling nor closing waits on the replay
+                async with rounds.held():
+                    pass
+            assert (await wait_job(s, hub, job_b, timeout=30))["state"] == "done"
+            assert not gate.is_set() and rounds.state_requests  # the replay is still held
+            assert (await wait_job(s, hub, job_a, states=("running",)))["history"] == []
+            held_s = time.monotonic() - held_at
+            assert max(answered) < min(2.0, held_s / 4), (answered, held_s)
+            gate.set()
+
+            doc = await wait_job(s, hub, job_a, timeout=60)
+            assert doc["history"][0]["flags"] == []
+            async with s.get(hub.url + "/metrics") as r:
+                assert 'gpuflex_referee_verdicts_total{outcome="reproduced"} 1' in await r.text()
+        conn = open_store(hub.data_dir)
+        try:
+            assert conn.execute("SELECT status FROM state_requests").fetchall() == [("reproduced",)]
+        finally:
+            conn.close()
+        assert not rounds.referee.replaying
+    finally:
+        gate.set()
+        await hub.stop()
