@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import json
 import threading
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-from gpuflex.hub.server.appkeys import LEDGER
+from gpuflex.hub.server.appkeys import BLOBS, LEDGER
 from gpuflex.protocol.messages import Assignment, NoWork, StateRequest, StateUpload, WorkRequest
 from gpuflex.protocol.signing import new_nonce, seal
 
 from tests.helpers import (
     SimNode,
+    digits_spec,
     open_store,
     start_hub,
     submit_job,
@@ -120,4 +124,60 @@ async def test_a_replay_runs_outside_the_engines_lock_and_its_verdict_still_land
         assert not rounds.referee.replaying
     finally:
         gate.set()
+        await hub.stop()
+
+
+async def test_a_large_state_streams_to_disk_and_a_forged_one_leaves_nothing(tmp_path: Path) -> None:
+    """A state of several MiB (a wide MLP's weights and momentum) is received a MiB at a time:
+    the process's Python allocations while the hub takes one, sent at a link's pace, stay well
+    under the state's size (held in memory, it was the state's size twice over). Bytes that
+    do not hash to the committed state are refused in one line, and nothing of them stays."""
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = tmp_path / "wide.toml"
+    spec.write_text(digits_spec(**AUDITED).replace("hidden = [128]", "hidden = [16384]"))
+    hub = await start_hub(tmp_path / "hub")
+    blobs = hub.app[BLOBS]
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec, train, val)).json())["id"]
+            n = SimNode(s, hub.url)
+            await n.register()
+            a = await n.work(2.0)
+            assert isinstance(a, Assignment)
+            assert (await n.upload(a, *await n.train(a))).ok
+            asked = await _state_request(n)
+            states = {step: n.checkpoints.read(asked.assignment_id, step) for step in asked.steps}
+            assert all(data is not None and len(data) > 4 << 20 for data in states.values())
+
+            first = asked.steps[0]
+            sha = hashlib.sha256(states[first]).hexdigest()
+            forged = bytes(len(states[first]))
+            async with await _post_state(n, asked, first, forged, sha) as r:
+                body = await r.json()
+                assert (r.status, body["error"]) == (422, "hash_mismatch")
+                assert "\n" not in body["detail"]
+            assert list(blobs.tmp.iterdir()) == [] and not blobs.has(sha)
+
+            for step, data in states.items():
+                assert data is not None
+                step_sha = hashlib.sha256(data).hexdigest()
+                tracemalloc.start()
+                try:
+                    async with await _post_state(n, asked, step, data, step_sha) as r:
+                        assert r.status == 200, await r.text()
+                    _, peak = tracemalloc.get_traced_memory()
+                finally:
+                    tracemalloc.stop()
+                assert peak < len(data) // 2, (peak, len(data))
+                assert blobs.has(step_sha)
+            assert list(blobs.tmp.iterdir()) == []
+            doc = await wait_job(s, hub, job_id, timeout=60)
+            assert doc["history"][0]["flags"] == []
+        conn = open_store(hub.data_dir)
+        try:
+            (status, verdict), = conn.execute("SELECT status, verdict FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert status == "reproduced", json.loads(verdict)
+    finally:
         await hub.stop()
