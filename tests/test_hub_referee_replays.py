@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import threading
@@ -16,8 +17,16 @@ from pathlib import Path
 
 import aiohttp
 from gpuflex.hub.server.appkeys import BLOBS, LEDGER
-from gpuflex.protocol.messages import Assignment, NoWork, StateRequest, StateUpload, WorkRequest
+from gpuflex.protocol.messages import (
+    Ack,
+    Assignment,
+    NoWork,
+    StateRequest,
+    StateUpload,
+    WorkRequest,
+)
 from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.tensors import decode_state, encode_state
 
 from tests.helpers import (
     SimNode,
@@ -179,5 +188,43 @@ async def test_a_large_state_streams_to_disk_and_a_forged_one_leaves_nothing(tmp
         finally:
             conn.close()
         assert status == "reproduced", json.loads(verdict)
+    finally:
+        await hub.stop()
+
+
+async def test_a_large_state_holding_nan_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """A streamed state that hashes to what the node committed but holds a NaN is refused
+    (422 bad_state, one line), and neither its temp file nor a blob stays."""
+    train, val, _ = write_digits(tmp_path / "d")
+    spec = tmp_path / "wide.toml"
+    spec.write_text(digits_spec(**AUDITED).replace("hidden = [128]", "hidden = [20000]"))
+    hub = await start_hub(tmp_path / "hub")
+    blobs = hub.app[BLOBS]
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert (await submit_job(s, hub, spec, train, val)).status == 201
+            n = SimNode(s, hub.url)
+            await n.register()
+            a = await n.work(2.0)
+            assert isinstance(a, Assignment)
+            blob, samples, loss = await n.train(a)
+            first = n.checkpoints.read(a.assignment_id, 0)
+            assert first is not None and len(first) > 4 << 20
+            state = {k: v.clone() for k, v in decode_state(bytearray(first)).items()}
+            name = next(k for k, v in state.items() if v.is_floating_point() and v.numel() > 1 << 20)
+            state[name].view(-1)[(1 << 20) + 5] = float("nan")  # in the second block _check_state looks at
+            poisoned = encode_state(state)
+            sha = hashlib.sha256(poisoned).hexdigest()
+            c = n.commitments[a.assignment_id]
+            committed = dataclasses.replace(c, hashes=(sha, *c.hashes[1:]))
+            assert (await n.open_response(await n.upload_raw(
+                n.update_header(a, blob, samples, loss, commitment=committed), blob), Ack)).ok
+            asked = await _state_request(n)
+            assert asked.steps[0] == 0
+            async with await _post_state(n, asked, 0, poisoned, sha) as r:
+                body = await r.json()
+                assert (r.status, body["error"]) == (422, "bad_state"), body
+                assert name in body["detail"] and "\n" not in body["detail"]
+            assert list(blobs.tmp.iterdir()) == [] and not blobs.has(sha)
     finally:
         await hub.stop()

@@ -693,19 +693,27 @@ FINITE_BLOCK = 1 << 20
 
 
 def _check_state(buf: bytes | mmap.mmap) -> None:
-    """A state is GFT1 tensors (viewed in place, no copy), all finite."""
+    """A state is GFT1 tensors, all finite (the caller closes a map once this returns: no view
+    of it outlives this call, not even in a traceback)."""
     try:
-        state = decode_state(buf)
-        for name, t in state.items():
-            if t.is_floating_point():
-                flat = t.reshape(-1)
-                for i in range(0, flat.numel(), FINITE_BLOCK):
-                    if not bool(flat[i:i + FINITE_BLOCK].isfinite().all()):
-                        raise TensorError(f"tensor {name!r} contains NaN or infinite values")
+        nonfinite = _nonfinite(buf)
     except ProtocolError as exc:
         raise Unprocessable(f"state is not a valid tensor state: {exc}", code="bad_state") from None
-    finally:
-        state = {}  # the views go before the caller closes the map
+    if nonfinite is not None:
+        raise Unprocessable(f"state is not a valid tensor state: tensor {nonfinite!r} contains NaN or infinite "
+                            "values", code="bad_state")
+
+
+def _nonfinite(buf: bytes | mmap.mmap) -> str | None:
+    """The first floating tensor of a GFT1 state (viewed in place, no copy) holding NaN or
+    infinity, tested FINITE_BLOCK elements at a time; None when all are finite."""
+    for name, t in decode_state(buf).items():
+        if t.is_floating_point():
+            flat = t.reshape(-1)
+            for i in range(0, flat.numel(), FINITE_BLOCK):
+                if not bool(flat[i:i + FINITE_BLOCK].isfinite().all()):
+                    return name
+    return None
 
 
 __all__ = ["protocol_to_hub", "routes"]
