@@ -75,6 +75,9 @@ class RoundEngine:
         self._wake = asyncio.Event()
         self._pending: set[str] = set()
         self._replays: asyncio.TaskGroup | None = None  # open while ``run`` is
+        #: one replay computes at a time (they take turns on torch's process-wide oneDNN switch in
+        #: any case): the others wait here, not in worker threads the settling and closing need
+        self._replay_turn = asyncio.Semaphore(1)
         #: the job the loop is advancing right now (None between jobs)
         self.current: JobState | None = None
         reputations = Reputations(scheduler)
@@ -213,7 +216,8 @@ class RoundEngine:
         job, shard = replay.job, replay.shard
         try:
             try:
-                verdicts = await asyncio.to_thread(self.referee.replay, replay)
+                async with self._replay_turn:
+                    verdicts = await asyncio.to_thread(self.referee.replay, replay)
             except Exception as exc:
                 if self.referee.current(replay):
                     raise
