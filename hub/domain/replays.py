@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuflex.protocol.messages import TrainConfig
 from gpuflex.protocol.modelspec import param_count
 from gpuflex.protocol.tensors import decode_state
 
@@ -62,6 +63,36 @@ class RefereeInputs:
     spot_draw: float
 
 
+@dataclass(frozen=True)
+class ReplayItem:
+    """One update's segment replay: its request, the states handed over (a copy: a late upload
+    changes nothing), and what the replay reads besides the job's model and chunks."""
+
+    request: StateRequestState
+    update: UpdateState
+    states: Mapping[int, str]
+    asked: bool
+    onednn: bool
+    previous: tuple[str, ...] | None  # the node's earlier uploads, for error feedback's residual chain
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What judging one shard's state requests reads, taken under the round engine's lock
+    (``RefereeReplays.prepare``) so that the re-execution runs without it. ``declined``: the
+    verdicts given without a replay; ``items``: the segments to re-execute (none: apply at once)."""
+
+    job: JobState
+    shard: ShardState
+    requests: tuple[StateRequestState, ...]
+    declined: Mapping[str, SegmentVerdict]
+    items: tuple[ReplayItem, ...]
+    model_hash: str
+    chunk_shas: tuple[str, ...]
+    cfg: TrainConfig
+    seed: int
+
+
 class RefereeReplays:
     """Opens the referee's state requests, resumes them after a restart and judges them once the
     states are in (or their deadline passed). ``state_requests``: the open ones, by id (the ledger
@@ -78,6 +109,10 @@ class RefereeReplays:
         self.signal = signal
         self.poke = poke
         self.state_requests: dict[str, StateRequestState] = {}
+        #: (job id, shard id) of the shards whose segments are being re-executed now
+        self.replaying: set[tuple[str, str]] = set()
+        #: called in the worker thread before each re-execution starts (tests hold a replay with it)
+        self.before_replay: Callable[[], None] | None = None
 
     def spot_draw(self, job_id: str, shard_id: str) -> float:
         """The shard's spot-check draw (``spot_draw`` under this hub's audit secret)."""
@@ -149,23 +184,50 @@ class RefereeReplays:
         for r in self.state_requests.values():  # judged once every state is in, or at the deadline
             loop.call_later(max(0.0, r.deadline - time.time()) + 0.05, self.poke, r.job_id)
 
-    async def judge(self, job: JobState, shard: ShardState) -> None:
-        """Every requested state is in (or its time ran out): re-execute the segments (worker
-        thread), record the verdicts (store, then memory)."""
-        reqs = list(shard.requests.values())
+    async def prepare(self, job: JobState, shard: ShardState) -> Replay:
+        """Every requested state is in (or its time ran out): what judging the shard reads, taken
+        under the engine's lock (the store's earlier uploads, the blob ids, the settings). A request
+        the node declined is decided here, without a replay: no model, chunks or states read."""
+        reqs = tuple(shard.requests.values())
         by_id = {u.id: u for u in shard.accepted}
-        # a request the node declined is decided without a replay: no model, chunks or states read
-        verdicts = {r.update_id: _declined(r, by_id[r.update_id]) for r in reqs if r.declined}
-        if replay := [r for r in reqs if not r.declined]:
-            earlier = await self._earlier_uploads(job, [by_id[r.update_id] for r in replay])
-            verdicts |= await asyncio.to_thread(self._judge_blocking, job, shard, replay, by_id, earlier)
+        declined = {r.update_id: _declined(r, by_id[r.update_id]) for r in reqs if r.declined}
+        replay = [r for r in reqs if not r.declined]
+        earlier = await self._earlier_uploads(job, [by_id[r.update_id] for r in replay]) if replay else {}
+        items = []
+        for r in replay:
+            u = by_id[r.update_id]
+            node = self.scheduler.nodes.get(u.node_id)
+            items.append(ReplayItem(request=r, update=u, states=dict(r.states), asked=r.asked,
+                                    onednn=replay_onednn(None if node is None else node.compute),
+                                    previous=tuple(earlier[u.id]) if u.id in earlier else None))
+        return Replay(job=job, shard=shard, requests=reqs, declined=declined, items=tuple(items),
+                      model_hash=job.model_hash, chunk_shas=tuple(c.sha for c in job.chunks_at(shard.chunk_idxs)),
+                      cfg=job.train_config(shard.samples), seed=shard.seed)
+
+    def current(self, replay: Replay) -> bool:
+        """Is the shard still where the replay found it: its job running, the shard open and waiting
+        on the very requests the replay judged (a rollback or the job's end forgets them)?"""
+        job, shard = replay.job, replay.shard
+        return (job.state == "running" and job.shards.get(shard.id) is shard and shard.state == "open"
+                and all(self.state_requests.get(r.id) is r and shard.requests.get(r.update_id) is r
+                        for r in replay.requests))
+
+    async def apply(self, replay: Replay, verdicts: Mapping[str, SegmentVerdict]) -> bool:
+        """Record the verdicts (store, then memory), under the engine's lock. A replay whose shard
+        moved on meanwhile (``current`` is False: the job ended or was rolled back, which forgot the
+        requests) is dropped: nothing is written, the requests stay as the store has them. False then."""
+        if not self.current(replay):
+            return False
+        verdicts = dict(verdicts) | replay.declined
+        shard = replay.shard
         await self.store.close_state_requests([(r.id, verdicts[r.update_id].outcome,
-                                                dict(verdicts[r.update_id].evidence)) for r in reqs])
-        for r in reqs:
+                                                dict(verdicts[r.update_id].evidence)) for r in replay.requests])
+        for r in replay.requests:
             shard.requests.pop(r.update_id, None)
             self.state_requests.pop(r.id, None)
             shard.verdicts[r.update_id] = verdicts[r.update_id]
-        self.metrics.referee_verdicts.update(v.outcome for v in verdicts.values())
+        self.metrics.referee_verdicts.update(verdicts[r.update_id].outcome for r in replay.requests)
+        return True
 
     async def _earlier_uploads(self, job: JobState, ups: Sequence[UpdateState]) -> dict[str, list[str]]:
         """For a job with error feedback: each update's node's latest earlier uploads in the job
@@ -176,35 +238,32 @@ class RefereeReplays:
         return {u.id: await self.store.uploads_before(job.id, u.node_id, u.received_at, but=u.id,
                                                       limit=RESIDUAL_LOOKBACK) for u in ups}
 
-    def _judge_blocking(self, job: JobState, shard: ShardState, reqs: Sequence[StateRequestState],
-                        by_id: Mapping[str, UpdateState],
-                        earlier: Mapping[str, Sequence[str]] | None = None) -> dict[str, SegmentVerdict]:
-        spec = job.spec
+    def replay(self, replay: Replay) -> dict[str, SegmentVerdict]:
+        """Re-execute the segments (worker thread, no lock held): reads only ``replay`` and blobs."""
+        if self.before_replay is not None and replay.items:
+            self.before_replay()
+        spec = replay.job.spec
         vspec = spec.verification
-        global_state = decode_state(self.blobs.read_private(job.model_hash))
-        x, y = stack_data([decode_state(self.blobs.read_private(c.sha)) for c in job.chunks_at(shard.chunk_idxs)])
-        cfg = job.train_config(shard.samples)  # what the assignment carried (precision: the commitment's)
+        encoding = replay.job.layout.encoding
+        global_state = decode_state(self.blobs.read_private(replay.model_hash))
+        x, y = stack_data([decode_state(self.blobs.read_private(sha)) for sha in replay.chunk_shas])
         out: dict[str, SegmentVerdict] = {}
-        for r in reqs:
-            u = by_id[r.update_id]
+        for item in replay.items:
+            r, u = item.request, item.update
             c = u.commitment
             if c is None:  # not reached: requests are opened only for committed updates
                 continue
-            states = {step: decode_state(self.blobs.read_private(sha)) for step, sha in r.states.items()}
+            states = {step: decode_state(self.blobs.read_private(sha)) for step, sha in item.states.items()}
             tol = float(vspec.segment_tolerance if c.precision == "fp32" else vspec.segment_tolerance_low)
             delta = decode_state(self.blobs.read_private(u.sha))
-            node = self.scheduler.nodes.get(u.node_id)
-            previous = None
-            if earlier is not None and u.id in earlier:
-                previous = [decode_state(self.blobs.read_private(sha)) for sha in earlier[u.id]]
-            v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model,
-                              cfg=cfg,
-                              seed=shard.seed, commitment=c, segment=r.segment, states=states,
+            previous = None if item.previous is None else [
+                decode_state(self.blobs.read_private(sha)) for sha in item.previous]
+            v = judge_segment(update_id=u.id, node_id=u.node_id, round=r.round, spec=spec.model, cfg=replay.cfg,
+                              seed=replay.seed, commitment=c, segment=r.segment, states=states,
                               global_state=global_state, delta=delta, x=x, y=y, tolerance=tol,
-                              onednn=replay_onednn(None if node is None else node.compute),
-                              encoding=job.layout.encoding, previous=previous)
+                              onednn=item.onednn, encoding=encoding, previous=previous)
             outcome, evidence = v.outcome, dict(v.evidence) | {"reason": r.reason, "request": r.id}
-            if outcome == "unverifiable" and not r.asked:
+            if outcome == "unverifiable" and not item.asked:
                 # it never polled for work again before the deadline: offline (a volunteer's laptop
                 # closed after the upload), not a refusal. Left out and no longer trusted, no flag.
                 outcome = "unreachable"

@@ -2,7 +2,10 @@
 
 One `RoundEngine` per hub. Its `advance(job)` is serialized by a lock (aggregation
 never runs twice at once) and does the heavy work (opening update blobs with
-mmap, comparing replicas, aggregating, evaluating) in a worker thread.
+mmap, comparing replicas, aggregating, evaluating) in a worker thread. The referee's
+segment replays, the heaviest, run without the lock: their inputs are taken under it,
+the re-execution runs in a task of the loop's own, and the verdicts are recorded under
+the lock again, or dropped when the shard moved on meanwhile (replays.py ``apply``).
 
 The round policy (hub/policy/round_policy.py: decide_shard for each shard, judge_round when the
 round closes; both pure, built on hub/policy/verification.py) decides what is aggregated, and the
@@ -26,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from ..model.job import JobState, StateRequestState
+from ..model.job import JobState, ShardState, StateRequestState
 from ..policy import round_policy as policy
 from ..storage.auditlog import AuditLog
 from ..storage.blobs import BlobStore
@@ -34,7 +37,7 @@ from ..storage.store import Store
 from .aggregating import RoundAggregation
 from .closing import RoundClosing
 from .metrics import HubMetrics
-from .replays import RefereeReplays, segment_draw, spot_draw
+from .replays import RefereeReplays, Replay, segment_draw, spot_draw
 from .reputations import Reputations
 from .scheduler import Scheduler
 from .settling import ShardSettling
@@ -71,6 +74,10 @@ class RoundEngine:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._pending: set[str] = set()
+        self._replays: asyncio.TaskGroup | None = None  # open while ``run`` is
+        #: one replay computes at a time (they take turns on torch's process-wide oneDNN switch in
+        #: any case): the others wait here, not in worker threads the settling and closing need
+        self._replay_turn = asyncio.Semaphore(1)
         #: the job the loop is advancing right now (None between jobs)
         self.current: JobState | None = None
         reputations = Reputations(scheduler)
@@ -133,6 +140,16 @@ class RoundEngine:
         """
         self._pending.update(j.id for j in self.scheduler.jobs.values() if j.state == "running")
         self._wake.set()
+        try:
+            async with asyncio.TaskGroup() as replays:  # the referee's replays live as long as the loop
+                self._replays = replays
+                await self._loop()
+        except ExceptionGroup as group:  # the supervisor reports the one error, not its group
+            raise group.exceptions[0] if len(group.exceptions) == 1 else group from None
+        finally:
+            self._replays = None
+
+    async def _loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -153,7 +170,6 @@ class RoundEngine:
     async def advance(self, job: JobState, now: float | None = None) -> None:
         async with self._lock:
             now = time.time() if now is None else now
-            vspec = job.spec.verification
             before = _secagg_phases(job)
             if job.secagg is not None and not job.secagg.settled:
                 job.secagg.advance(now, self._secagg_expected(job))
@@ -161,22 +177,64 @@ class RoundEngine:
             for shard in sorted(job.shards.values(), key=lambda s: s.seq):
                 if shard.state != "open" or not shard.accepted:
                     continue
-                if shard.requests:  # the referee waits for states
-                    if not all(r.complete or now >= r.deadline for r in shard.requests.values()):
+                if shard.requests:  # the referee waits for states, or replays them
+                    if (job.id, shard.id) in self.referee.replaying or not all(
+                            r.complete or now >= r.deadline for r in shard.requests.values()):
                         continue
-                    await self.referee.judge(job, shard)
-                for _ in range(3):  # a referee verdict given at once (no commitment) decides again
-                    state = self.settling.replica_state(job, shard, now)
-                    if shard.state != "open" or shard.requests or not policy.shard_due(
-                            len(shard.accepted), vspec, state):
-                        break
-                    if not await self.settling.settle(job, shard, state):
-                        break
+                    replay = await self.referee.prepare(job, shard)
+                    if replay.items:  # re-executed without the lock; the verdicts come back under it
+                        self._start_replay(replay)
+                        continue
+                    await self.referee.apply(replay, {})
+                await self._settle(job, shard, now)
             await self.settling.hold_out_suspended(job)
             if job.state == "running" and job.round_complete(now, self.scheduler.presence.is_online):
                 await self._close(job)
             if _secagg_phases(job) != before:  # only a move: a waiting poll pokes the engine when it looks
                 self.secagg_moved.fire()
+
+    async def _settle(self, job: JobState, shard: ShardState, now: float) -> None:
+        """Decide an open shard whose updates are in (under the lock)."""
+        vspec = job.spec.verification
+        for _ in range(3):  # a referee verdict given at once (no commitment) decides again
+            state = self.settling.replica_state(job, shard, now)
+            if shard.state != "open" or shard.requests or not policy.shard_due(len(shard.accepted), vspec, state):
+                break
+            if not await self.settling.settle(job, shard, state):
+                break
+
+    def _start_replay(self, replay: Replay) -> None:
+        if self._replays is None:
+            raise RuntimeError("a segment replay starts only from the engine's loop (run)")
+        self.referee.replaying.add((replay.job.id, replay.shard.id))
+        self._replays.create_task(self._replay(replay), name=f"gpuflex-replay-{replay.shard.id}")
+
+    async def _replay(self, replay: Replay) -> None:
+        """Re-execute a shard's segments in a worker thread, the lock free meanwhile (uploads,
+        other shards and other jobs' rounds go on), then record the verdicts under it, if the shard
+        is still where the replay found it (``RefereeReplays.apply``; dropped otherwise)."""
+        job, shard = replay.job, replay.shard
+        try:
+            try:
+                async with self._replay_turn:
+                    verdicts = await asyncio.to_thread(self.referee.replay, replay)
+            except Exception as exc:
+                if self.referee.current(replay):
+                    raise
+                log.info("the replay of shard %s of job %s failed after the shard moved on: %s", shard.id, job.id, exc)
+                return
+            async with self._lock:  # recorded and decided in one hold, as the loop would
+                if not await self.referee.apply(replay, verdicts):
+                    log.info("the replay of shard %s of job %s is dropped: the shard moved on meanwhile",
+                             shard.id, job.id)
+                    return
+                await self._settle(job, shard, time.time())
+        except Exception as exc:  # as the loop does: one job's failure fails that job
+            log.exception("replaying shard %s of job %s failed", shard.id, job.id)
+            await self.fail_job(job, f"round {job.round} failed: {exc}")
+        finally:
+            self.referee.replaying.discard((job.id, replay.shard.id))
+            self.poke(job.id)
 
     def _secagg_expected(self, job: JobState) -> set[str]:
         """Who the round's secure aggregation waits for at its keys: every silo whose node is online."""

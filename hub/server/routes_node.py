@@ -13,6 +13,7 @@ import hashlib
 import mmap
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -42,7 +43,7 @@ from gpuflex.protocol.messages import (
     Welcome,
     WorkRequest,
 )
-from gpuflex.protocol.tensors import Manifest, check_blob, check_finite, decode_state
+from gpuflex.protocol.tensors import Manifest, check_blob, decode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 
 from ..base.errors import (
@@ -389,13 +390,18 @@ def _check_update_bytes(body: bytes, sha: str, layout: UpdateLayout) -> None:
 
 def _ingest_update_file(path: Path, layout: UpdateLayout, blobs: BlobStore, sha: str) -> None:
     """Manifest, finiteness (read-only mmap), fsync, rename into the blob store. Worker thread."""
+    _ingest_file(path, blobs, sha, partial(_check_update, layout=layout))
+
+
+def _ingest_file(path: Path, blobs: BlobStore, sha: str, check: Callable[[bytes | mmap.mmap], None]) -> None:
+    """A received file whose hash its caller checked: ``check`` its bytes (a read-only mmap, so
+    nothing of it is copied into memory), fsync it, rename it into the blob store. Worker thread."""
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            raise Unprocessable("update is empty", code="bad_manifest")
+        if os.fstat(fh.fileno()).st_size == 0:
+            check(b"")  # an empty body: the check says what is wrong with it (nothing maps it)
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            _check_update(mm, layout)
+            check(mm)
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
@@ -535,34 +541,10 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
     blobs = app[BLOBS]
     size, sha = hdr.update_size, hdr.update_sha256
     small = size <= SMALL_UPDATE
-    pieces: list[bytes] = []
-    fh: BinaryIO | None = None
     digest = hashlib.sha256()
-    if not small:
-        fh = await loop.run_in_executor(pool, _open_for_append, tmp, hdr.offset, digest)
-    received = buffered = 0
+    fh = None if small else await loop.run_in_executor(pool, _open_for_append, tmp, hdr.offset, digest)
     want = size - hdr.offset
-    try:
-        while True:
-            piece = await request.content.read(UPLOAD_READ)
-            received += len(piece)
-            if received > want:
-                raise BadRequest("body is longer than update_size", code="body_too_long")
-            if piece:
-                pieces.append(piece)
-                buffered += len(piece)
-            if fh is not None and pieces and (buffered >= UPLOAD_READ or not piece):
-                # a large update: hash and write about a MiB at a time, off the loop
-                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
-                pieces, buffered = [], 0
-            if not piece:
-                break
-    finally:
-        if fh is not None:
-            if pieces and received <= want:  # a body that stopped short: keep what came
-                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
-            await loop.run_in_executor(pool, fh.close)
-        app[METRICS].bytes_in += received
+    pieces, received = await _read_body(request, want, digest, fh, field="update_size", long_code="body_too_long")
     if received != want:
         raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
     if small:
@@ -578,6 +560,41 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
         if digest.hexdigest() != sha:
             raise Unprocessable("update bytes do not hash to update_sha256", code="hash_mismatch")
         await loop.run_in_executor(pool, _ingest_update_file, tmp, layout, blobs, sha)
+
+
+async def _read_body(request: web.Request, want: int, digest: hashlib._Hash, fh: BinaryIO | None, *,
+                     field: str, long_code: str) -> tuple[list[bytes], int]:
+    """Read a body of at most ``want`` bytes: into ``fh`` (then closed), hashed into ``digest``
+    and written about a MiB at a time in the I/O pool, so that only that much is held in memory;
+    with no file, into memory (the pieces returned, for the caller to hash). Returns the pieces
+    held and the bytes received. A body that stops short has what came written before the error
+    goes up (a resumed upload starts after it)."""
+    app = request.app
+    pool = app[IO_POOL]
+    loop = asyncio.get_running_loop()
+    pieces: list[bytes] = []
+    received = buffered = 0
+    try:
+        while True:
+            piece = await request.content.read(UPLOAD_READ)
+            received += len(piece)
+            if received > want:
+                raise BadRequest(f"body is longer than {field}", code=long_code)
+            if piece:
+                pieces.append(piece)
+                buffered += len(piece)
+            if fh is not None and pieces and (buffered >= UPLOAD_READ or not piece):
+                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
+                pieces, buffered = [], 0
+            if not piece:
+                break
+    finally:
+        if fh is not None:
+            if pieces and received <= want:  # a body that stopped short: keep what came
+                await loop.run_in_executor(pool, _hash_and_write, digest, fh, pieces)
+            await loop.run_in_executor(pool, fh.close)
+        app[METRICS].bytes_in += received
+    return pieces, received
 
 
 def _open_for_append(path: Path, offset: int, digest: hashlib._Hash) -> BinaryIO:
@@ -620,20 +637,39 @@ async def state_upload(request: web.Request) -> web.Response:
     if hdr.state_size > limit:
         raise PayloadTooLarge(f"a state of {hdr.state_size} bytes is larger than this model's can be ({limit})",
                               code="too_large")
-    pieces: list[bytes] = []
-    received = 0
-    while piece := await request.content.read(UPLOAD_READ):
-        received += len(piece)
-        if received > hdr.state_size:
-            raise BadRequest("body is longer than state_size", code="size_mismatch")
-        pieces.append(piece)
-    if received != hdr.state_size:
-        raise BadRequest(f"body has {received} bytes, state_size says {hdr.state_size}", code="size_mismatch")
-    body = b"".join(pieces)
-    app[METRICS].bytes_in += len(body)
-    await asyncio.get_running_loop().run_in_executor(app[IO_POOL], _ingest_state, body, expected, app[BLOBS])
+    await _receive_state(request, hdr, expected)
     await ledger.states.accept_state(r, hdr.step, expected)
     return sealed_response(request, Ack(ok=True, detail=f"state of step {hdr.step} accepted", deadline=r.deadline))
+
+
+async def _receive_state(request: web.Request, hdr: StateUpload, sha: str) -> None:
+    """Read a state's body, check it and store it durably. A state up to SMALL_UPDATE bytes is
+    held in memory; a larger one (a model's weights and optimizer state) streams into a temp file
+    in the blob store's folder as updates do, hashed piece by piece, then is checked on a
+    read-only map and moved into place: about a MiB of it is in memory at any time. A refused
+    state leaves nothing behind."""
+    app = request.app
+    pool = app[IO_POOL]
+    loop = asyncio.get_running_loop()
+    blobs = app[BLOBS]
+    size = hdr.state_size
+    digest = hashlib.sha256()
+    tmp = None if size <= SMALL_UPDATE else blobs.temp_path()
+    try:
+        fh = None if tmp is None else await loop.run_in_executor(pool, open, tmp, "wb")
+        pieces, received = await _read_body(request, size, digest, fh, field="state_size", long_code="size_mismatch")
+        if received != size:
+            raise BadRequest(f"body has {received} bytes, state_size says {size}", code="size_mismatch")
+        if tmp is None:
+            await loop.run_in_executor(pool, _ingest_state, b"".join(pieces), sha, blobs)
+            return
+        if digest.hexdigest() != sha:
+            raise Unprocessable("state bytes do not hash to state_sha256", code="hash_mismatch")
+        await loop.run_in_executor(pool, _ingest_file, tmp, blobs, sha, _check_state)
+    except BaseException:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 @routes.post("/v1/states/unavailable")
@@ -645,16 +681,39 @@ async def state_unavailable(request: web.Request) -> web.Response:
 
 
 def _ingest_state(body: bytes, sha: str, blobs: BlobStore) -> None:
-    """Hash, decode-check and store one state (worker thread)."""
+    """Hash, decode-check and store one state held in memory (worker thread)."""
     if hashlib.sha256(body).hexdigest() != sha:
         raise Unprocessable("state bytes do not hash to state_sha256", code="hash_mismatch")
+    _check_state(body)
+    blobs.put(body, sha=sha)
+
+
+#: elements of a tensor checked for NaN and infinity at a time: the check's own memory is bounded
+FINITE_BLOCK = 1 << 20
+
+
+def _check_state(buf: bytes | mmap.mmap) -> None:
+    """A state is GFT1 tensors, all finite (the caller closes a map once this returns: no view
+    of it outlives this call, not even in a traceback)."""
     try:
-        state = decode_state(body)
-        check_finite(state)
+        nonfinite = _nonfinite(buf)
     except ProtocolError as exc:
         raise Unprocessable(f"state is not a valid tensor state: {exc}", code="bad_state") from None
-    del state
-    blobs.put(body, sha=sha)
+    if nonfinite is not None:
+        raise Unprocessable(f"state is not a valid tensor state: tensor {nonfinite!r} contains NaN or infinite "
+                            "values", code="bad_state")
+
+
+def _nonfinite(buf: bytes | mmap.mmap) -> str | None:
+    """The first floating tensor of a GFT1 state (viewed in place, no copy) holding NaN or
+    infinity, tested FINITE_BLOCK elements at a time; None when all are finite."""
+    for name, t in decode_state(buf).items():
+        if t.is_floating_point():
+            flat = t.reshape(-1)
+            for i in range(0, flat.numel(), FINITE_BLOCK):
+                if not bool(flat[i:i + FINITE_BLOCK].isfinite().all()):
+                    return name
+    return None
 
 
 __all__ = ["protocol_to_hub", "routes"]
