@@ -75,9 +75,11 @@ CAP = "6MB"
 HUB_ARGS = ("--long-poll-max", "2", "--min-deadline", "4", "--stage-timeout", "8")
 
 
-def _submit(cluster: LocalCluster, tmp_path: Path, owner: str, capsys: pytest.CaptureFixture[str]) -> str:
+def _submit(
+    cluster: LocalCluster, tmp_path: Path, owner: str, capsys: pytest.CaptureFixture[str], extra: str = ""
+) -> str:
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC)
+    spec.write_text(SPEC + extra)
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(stdlib_text(24_000))
     capsys.readouterr()
@@ -138,7 +140,14 @@ def _reference(cluster: LocalCluster, job_id: str) -> tuple[dict[str, torch.Tens
     return initial, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_loss
 
 
-def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
+def _say(line: str) -> None:
+    """A figure of the run, on the terminal even when pytest captures the test's output."""
+    print(line, file=sys.__stderr__)
+
+
+def _check_final(cluster: LocalCluster, job_id: str, owner: str, tolerance: float = 1e-5) -> None:
+    """The job ends on one process's model (``tolerance``: the largest relative difference of any
+    tensor), and its loss on the job's text fell."""
     from safetensors.torch import load
 
     status = cluster.wait_job(job_id, owner, timeout_s=240)
@@ -148,12 +157,9 @@ def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
     assert sorted(got) == sorted(want)
     worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want)
     moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
-    print(file=sys.__stderr__)
-    print(f"final model vs one process: max relative difference {worst:.2e} (the model moved {moved:.3f})", file=sys.__stderr__)
+    _say(f"\nfinal model vs one process: max relative difference {worst:.2e} (the model moved {moved:.3f})")
     assert moved > 1e-3  # it trained
-    if worst > 1e-5:
-        print({k: round(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)), 6) for k in want})
-    assert worst <= 1e-5
+    assert worst <= tolerance
     blobs = stored_blobs(cluster.hub_dir)
     (spec_row,) = cluster.rows("SELECT spec_toml FROM jobs WHERE id = ?", job_id)
     from gpuflex.protocol.jobspec import parse_job_spec
@@ -165,7 +171,7 @@ def _check_final(cluster: LocalCluster, job_id: str, owner: str) -> None:
     loss_fn = loss_for(job.model, job.train.train_config("fp32"))
     with torch.no_grad():
         last_loss = float(loss_fn(build_for_state(job.model, got).eval()(x), y))
-    print(f"loss on the job's text: {first_loss:.3f} at step 0, {last_loss:.3f} after {STEPS} steps", file=sys.__stderr__)
+    _say(f"loss on the job's text: {first_loss:.3f} at step 0, {last_loss:.3f} after {STEPS} steps")
     assert last_loss < first_loss - 0.3
 
 
@@ -182,23 +188,28 @@ def _start(cluster: LocalCluster, names: list[str], listening: tuple[str, ...] =
     cluster.wait_registered()
 
 
-@pytest.mark.parametrize("listening", [(), ("a", "b", "c")], ids=["relay", "direct-and-relay"])
+@pytest.mark.parametrize(
+    ("listening", "boundary"),
+    [((), ""), (("a", "b", "c"), ""), ((), 'boundary = "int8"\n')],
+    ids=["relay", "direct-and-relay", "int8-boundary"],
+)
 def test_four_capped_nodes_train_a_transformer_in_four_stages_like_one_process(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], listening: tuple[str, ...]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], listening: tuple[str, ...], boundary: str
 ) -> None:
-    """Through the hub's relay only, and with three of the four nodes taking their stage's
-    tensors directly (the fourth, behind NAT, through the relay)."""
+    """Through the hub's relay only; with three of the four nodes taking their stage's tensors
+    directly (the fourth, behind NAT, through the relay); and with every cut's activations and
+    gradients crossing in int8 (per row: close to one process's model, not equal to it)."""
     with LocalCluster(workdir=tmp_path, hub_args=HUB_ARGS) as cluster:
         cluster.start_hub()
         _start(cluster, ["a", "b", "c", "d"], listening)
         owner = cluster.create_token("owner", "alice")
-        job_id = _submit(cluster, tmp_path, owner, capsys)
+        job_id = _submit(cluster, tmp_path, owner, capsys, boundary)
         p = _wait(cluster, job_id, owner, "a generation", lambda p: p.get("generation"), 120)
         g = p["generation"]
         assert len(g["stages"]) == 4 and len({s["node_id"] for s in g["stages"]}) == 4
         assert all(0 < s["memory_bytes"] <= 6e6 for s in g["stages"]), g["stages"]
         direct = [n.node_id for n in cluster.nodes() if n.data_dir.name in listening]
-        _check_final(cluster, job_id, owner)
+        _check_final(cluster, job_id, owner, tolerance=5e-2 if boundary else 1e-5)
         p = _pipeline(cluster, job_id, owner)
         assert p["committed_step"] == STEPS and len(p["generations"]) == 1, p
         stages = [s["node_id"] for s in g["stages"]]
@@ -226,7 +237,7 @@ def test_kill_9_of_a_middle_stage_node_resumes_on_the_spare_from_the_committed_s
         proc.signal(signal.SIGKILL)
         p = _wait(cluster, job_id, owner, "a second generation", lambda p: len(p.get("generations", [])) >= 2
                   and p.get("generation") and p["generation"]["steps_done"] > p["generation"]["first_step"], 120)
-        print(f"a step done in the new generation {time.monotonic() - killed_at:.1f} s after the kill", file=sys.__stderr__)
+        _say(f"a step done in the new generation {time.monotonic() - killed_at:.1f} s after the kill")
         g = p["generation"]
         assert victim not in {s["node_id"] for s in g["stages"]}
         assert g["first_step"] % EVERY == 0 and g["first_step"] >= EVERY

@@ -109,6 +109,29 @@ def _check_pipeline(spec: JobSpec) -> None:
     why = check_pipeline_spec(spec.pipeline, units, spec.train.batch_size)
     if why is not None:
         raise Unprocessable(f"pipeline: {why}", code="bad_spec")
+    if spec.pipeline.boundary != "fp32":
+        _check_boundary(spec)
+
+
+def _check_boundary(spec: JobSpec) -> None:
+    """Every cut's tensor can travel in the job's ``[pipeline] boundary`` (a subspace rank below
+    its width, a floating tensor): the units run on the meta device, nothing is computed."""
+    import torch
+    from gpuflex.protocol.boundary import encoded_crossing
+    from gpuflex.protocol.tensors import DTYPE_NAMES
+
+    assert spec.pipeline is not None
+    units = pipeline_units(spec.model).units
+    x = torch.zeros((1, *spec.model.input_shape), dtype=spec.model.input_dtype, device="meta")
+    with torch.no_grad():
+        for i, unit in enumerate(units[:-1]):
+            x = unit.module(x)
+            try:
+                encoded_crossing(tuple(x.shape), DTYPE_NAMES.get(x.dtype, str(x.dtype)),
+                                 spec.pipeline.boundary, spec.pipeline.boundary_rank)
+            except ProtocolError as exc:
+                raise Unprocessable(f"pipeline: the cut after unit {i} ({unit.name}): {exc}",
+                                    code="bad_spec") from None
 
 
 def ingest_job(

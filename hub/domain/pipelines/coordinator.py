@@ -262,7 +262,9 @@ class Pipelines:
         state.handed = set()
         state.reports = {}
         state.last_report = dict.fromkeys(range(len(g.stages)), now)
-        self.relay.assign(job.id, relay_plan(g, cut))
+        spec = job.spec.pipeline
+        boundary = (spec.boundary, spec.boundary_rank) if spec is not None else ("fp32", 0)
+        self.relay.assign(job.id, relay_plan(g, cut, *boundary))
         self.checks.start(job, g, committed if g.first_step > 0 else {})
         self.signal.notify()  # the planned nodes' long-polls take their stages now
         log.info(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpuflex.protocol.boundary import encoded_crossing
 from gpuflex.protocol.messages import ChunkRef, StageAssignment, UnitState
 
 from ...model.job import JobState
@@ -45,15 +46,17 @@ def new_generation(
     )
 
 
-def relay_plan(g: Generation, cut: ModelCut) -> RelayPlan:
-    """What the relay lets generation ``g``'s stages send each other."""
+def relay_plan(g: Generation, cut: ModelCut, boundary: str = "fp32", rank: int = 0) -> RelayPlan:
+    """What the relay lets generation ``g``'s stages send each other: each cut's tensor in the
+    job's boundary encoding (``[pipeline] boundary``, protocol/boundary.py)."""
     stage_of_unit = {
         u: s for s, slot in enumerate(g.stages) for u in range(slot.unit_start, slot.unit_end)
     }
     boundaries = []
     for slot in g.stages[:-1]:
         shape, dtype = cut.outputs[slot.unit_end - 1]
-        boundaries.append(Crossing(dtype, (g.micro_batch_size, *shape)))
+        encoded = encoded_crossing((g.micro_batch_size, *shape), dtype, boundary, rank)
+        boundaries.append(Crossing(*encoded))
     tied = tuple(
         TiedStages(tuple(sorted({stage_of_unit[u] for u in t.units})), Crossing(t.dtype, t.shape))
         for t in cut.tied
@@ -114,6 +117,8 @@ def stage_assignment(
         checkpoint_every=pipeline.checkpoint_every,
         issued_at=now,
         stage_addresses=tuple(nodes[s.node_id].stage_address for s in g.stages),
+        boundary=pipeline.boundary,
+        boundary_rank=pipeline.boundary_rank,
     )
 
 
