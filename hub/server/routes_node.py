@@ -56,6 +56,7 @@ from ..base.errors import (
     Unprocessable,
 )
 from ..base.numbers import parse_count
+from ..domain.pipelines.resharding import count_served
 from ..domain.worksignal import Wake, WorkSignal, pass_on
 from ..model.job import UpdateLayout
 from ..model.node import NodeState
@@ -318,7 +319,9 @@ async def blob(request: web.Request) -> web.StreamResponse:
     small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
     if small is not None:  # no file to open
         resp = _bytes_response(request, small, headers)
-        ledger.assignments.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
+        sent = len(resp.body) if isinstance(resp.body, bytes) else 0
+        ledger.assignments.count_served(node, sha, sent)
+        count_served(ledger.pipelines.jobs, node.id, sha, sent)
         return resp
     # off the loop: a bucket-backed store (hub/storage/blobs_s3.py) fetches a blob missing from its cache
     path = await loop.run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
@@ -332,6 +335,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     served = max(0, size - start) if start >= 0 else min(size, -start)
     app[METRICS].bytes_out += served
     ledger.assignments.count_served(node, sha, served)
+    count_served(ledger.pipelines.jobs, node.id, sha, served)
     return web.FileResponse(path, headers=headers)
 
 
