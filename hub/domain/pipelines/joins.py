@@ -6,9 +6,10 @@ at least ``HubConfig.replan_gain`` faster than the live one's (or that has the s
 asks, when the live one has fewer), moving the fewest bytes of unit state. The hub acts on it
 right after a step commits: the live generation ends and the next one resumes from that step,
 so the steps a stage ran past it (the part of one checkpoint interval that had started) are
-rolled back and redone, like after a lost stage. A generation that has run no step past its
-committed step is re-planned at once (nothing to redo). A re-plan never waits on the stages:
-they stop on the stale answers their next call gets, so no step is applied twice.
+rolled back and redone, like after a lost stage. While no stage has reported a step past the
+committed step (the generation just started, or its stages are between checkpointing a step and
+reporting it) the re-plan goes ahead at once: there is nothing to redo. A re-plan never waits on
+the stages: they stop on the stale answers their next call gets, so no step is applied twice.
 
 Pure bookkeeping over the coordinator's state; the planner runs off the event loop.
 """
