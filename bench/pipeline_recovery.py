@@ -21,7 +21,7 @@ generation's nodes downloaded from the hub (``state_bytes_served``: the hub coun
 GET of a unit state a StageAssignment names) over the bytes of the unit states whose node
 changed (``state_bytes_moved``), read once the new generation completed a step.
 
-    python bench/pipeline_recovery.py [--stage-timeout 6] [--out bench/results/pipeline_recovery.json]
+    python bench/pipeline_recovery.py [--stage-timeout 8] [--out bench/results/pipeline_recovery.json]
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def report(result: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage-timeout", type=float, default=6.0, metavar="S")
+    parser.add_argument("--stage-timeout", type=float, default=8.0, metavar="S")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline_recovery.json"))
     args = parser.parse_args()
     started = time.monotonic()

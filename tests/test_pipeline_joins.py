@@ -162,7 +162,9 @@ STEPS = 60
 
 @pytest.fixture
 def hub(tmp_path):
-    h = HubThread(tmp_path / "hub", stage_timeout_s=10.0)
+    # the old generation's drivers may wait out their relay timeout (30 s) before they stop: a
+    # stage handed meanwhile must not count as lost
+    h = HubThread(tmp_path / "hub", stage_timeout_s=60.0)
     yield h
     h.stop()
 
@@ -208,8 +210,7 @@ def _run_first_generation_while_a_node_joins(
     _wait(hub, job["id"], lambda d: d["pipeline"]["committed_step"] >= 2)
     # the poll wakes the hub, which may re-plan before it answers
     early = poll(hub, newcomer, 0.2)
-    driver.join(120)
-    return job, keys, first, newcomer, (start, data, runs, early)
+    return job, keys, first, newcomer, (start, data, runs, early, driver)
 
 
 def _check_model(hub: HubThread, job: dict, first, start, data) -> dict:
@@ -223,10 +224,10 @@ def _check_model(hub: HubThread, job: dict, first, start, data) -> dict:
 def test_a_faster_node_joining_mid_job_is_planned_in_right_after_a_committed_step(
     hub, tmp_path
 ) -> None:
-    job, keys, first, newcomer, (start, data, _, early) = _run_first_generation_while_a_node_joins(
-        hub, tmp_path, 1000.0
+    job, keys, first, newcomer, (start, data, _, early, driver) = (
+        _run_first_generation_while_a_node_joins(hub, tmp_path, 1000.0)
     )
-    fast, slow = (0, 1) if first[0].stage == 0 else (1, 0)
+    fast, slow = 0, 1  # the order they registered in
     if early is None:
         second = poll_until(hub, [keys[fast], newcomer])
     else:
@@ -248,6 +249,7 @@ def test_a_faster_node_joining_mid_job_is_planned_in_right_after_a_committed_ste
     assert g2["generation"]["state_bytes_moved"] == moved, "only the slow node's units change node"
     runs = drive_all(hub, [keys[fast], newcomer], second)
     assert all(r.error is None for r in runs), [r.error for r in runs]
+    driver.join(120)
     doc = _check_model(hub, job, first, start, data)
     old, new = doc["pipeline"]["generations"]
     assert old["ended_at"] is not None and new["first_step"] == resumed
@@ -267,10 +269,11 @@ def test_a_faster_node_joining_mid_job_is_planned_in_right_after_a_committed_ste
 
 
 def test_a_node_joining_that_would_not_speed_the_step_up_changes_nothing(hub, tmp_path) -> None:
-    job, _, first, _, (start, data, runs, early) = _run_first_generation_while_a_node_joins(
+    job, _, first, _, (start, data, runs, early, driver) = _run_first_generation_while_a_node_joins(
         hub, tmp_path, 50.0
     )
     assert early is None, "an idle node gets no stage of the live generation"
+    driver.join(120)
     assert all(r.error is None for r in runs), [r.error for r in runs]
     doc = _check_model(hub, job, first, start, data)
     assert [g["generation"] for g in doc["pipeline"]["generations"]] == [1]

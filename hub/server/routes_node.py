@@ -319,7 +319,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
     if small is not None:  # no file to open
         resp = _bytes_response(request, small, headers)
-        sent = len(resp.body) if isinstance(resp.body, bytes) else 0
+        sent = _body_size(resp, small)
         ledger.assignments.count_served(node, sha, sent)
         count_served(ledger.pipelines.jobs, node.id, sha, sent)
         return resp
@@ -357,6 +357,16 @@ async def blob_delta(request: web.Request) -> web.Response:
     app[METRICS].bytes_out += len(delta)
     ledger.assignments.count_served(node, sha, len(delta))
     return web.Response(body=delta, headers={"Content-Type": "application/octet-stream", "X-GPUFlex-Delta-From": base})
+
+
+def _body_size(resp: web.Response, data: bytes) -> int:
+    """The bytes ``resp`` sends of ``data`` (a slice of it for a Range; a packed blob's memoryview
+    becomes a payload whose size is its length)."""
+    body = resp.body
+    if isinstance(body, (bytes, bytearray)):
+        return len(body)
+    size = getattr(body, "size", None)
+    return int(size) if size is not None else len(data)
 
 
 def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:
