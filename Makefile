@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
 	$(PY) bench/pipeline.py
+	$(PY) bench/pipeline_recovery.py
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py
 	$(PY) bench/stage_checks.py

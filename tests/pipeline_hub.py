@@ -124,13 +124,13 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode("ascii")
 
 
-def hello(memory: int = 1 << 30, stage_address: str = "") -> Hello:
+def hello(memory: int = 1 << 30, stage_address: str = "", samples_per_s: float = 1000.0) -> Hello:
     return Hello(
         software_version="0.1.0",
         protocol_version=PROTOCOL_VERSION,
         device=DeviceInfo(kind="cpu", name="pipeline-test", memory_bytes=memory, threads=1),
         benchmark=Benchmark(
-            samples_per_s=1000.0,
+            samples_per_s=samples_per_s,
             matmul_tflops_fp32=0.1,
             matmul_tflops_bf16=None,
             matmul_tflops_fp16=None,
@@ -146,9 +146,9 @@ def hello(memory: int = 1 << 30, stage_address: str = "") -> Hello:
     )
 
 
-def register(url: str, stage_address: str = "") -> SigningKey:
+def register(url: str, stage_address: str = "", samples_per_s: float = 1000.0) -> SigningKey:
     key = SigningKey.generate()
-    msg = hello(stage_address=stage_address)
+    msg = hello(stage_address=stage_address, samples_per_s=samples_per_s)
     status, _, body = request(url, "POST", "/v1/nodes/register", seal(key, msg), MSGPACK)
     assert status == 200, body
     return key

@@ -241,6 +241,9 @@ def test_kill_9_of_a_middle_stage_node_resumes_on_the_spare_from_the_committed_s
         g = p["generation"]
         assert victim not in {s["node_id"] for s in g["stages"]}
         assert g["first_step"] % EVERY == 0 and g["first_step"] >= EVERY
+        # the survivors keep their units and load them from their own caches: the only unit
+        # states the hub serves are the victim's, which the spare takes
+        assert g["state_bytes_served"] == g["state_bytes_moved"] > 0, g
         _check_final(cluster, job_id, owner)
 
 

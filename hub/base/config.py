@@ -64,6 +64,9 @@ class HubConfig:
     #: a pipeline stage whose node sends no report for this long is lost: the hub re-plans the
     #: job's pipeline (a new generation from its committed step) over the nodes online
     stage_timeout_s: float = 30.0
+    #: a node that joins while a pipelined job runs is planned in (right after a committed step)
+    #: only when the planner predicts a step at least this much faster with it
+    replan_gain: float = 0.2
 
     # -- Sybil and collusion defences (docs/verification.md: Sybils and collusion) -----
     #: an address block is the node's IPv4 /ipv4_block_prefix or IPv6 /ipv6_block_prefix network

@@ -114,6 +114,9 @@ class PipelineState:
     refused_over: tuple[tuple[str, int], ...] | None = None
     #: why the next generation is planned (set when the live one ends)
     replan_reason: str = "the first plan"
+    #: the live generation's unit-state bytes that changed node, and those its nodes downloaded
+    state_bytes_moved: int = 0
+    state_bytes_served: int = 0
 
     def committed_states(self) -> dict[int, UnitRecord]:
         """Each unit's record at the committed step ({} at step 0: the job's model)."""

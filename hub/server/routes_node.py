@@ -57,6 +57,7 @@ from ..base.errors import (
     Unprocessable,
 )
 from ..base.numbers import parse_count
+from ..domain.pipelines.resharding import count_served
 from ..domain.worksignal import Wake, WorkSignal, pass_on
 from ..model.job import UpdateLayout
 from ..model.node import NodeState
@@ -319,7 +320,9 @@ async def blob(request: web.Request) -> web.StreamResponse:
     small = app[BLOBS].hot(sha) or await loop.run_in_executor(app[IO_POOL], app[BLOBS].small, sha)
     if small is not None:  # no file to open
         resp = _bytes_response(request, small, headers)
-        ledger.assignments.count_served(node, sha, len(resp.body) if isinstance(resp.body, bytes) else 0)
+        sent = _body_size(resp, small)
+        ledger.assignments.count_served(node, sha, sent)
+        count_served(ledger.pipelines.jobs, node.id, sha, sent)
         return resp
     # off the loop: a bucket-backed store (hub/storage/blobs_s3.py) fetches a blob missing from its cache
     path = await loop.run_in_executor(app[IO_POOL], app[BLOBS].path, sha)
@@ -333,6 +336,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     served = max(0, size - start) if start >= 0 else min(size, -start)
     app[METRICS].bytes_out += served
     ledger.assignments.count_served(node, sha, served)
+    count_served(ledger.pipelines.jobs, node.id, sha, served)
     return web.FileResponse(path, headers=headers)
 
 
@@ -354,6 +358,16 @@ async def blob_delta(request: web.Request) -> web.Response:
     app[METRICS].bytes_out += len(delta)
     ledger.assignments.count_served(node, sha, len(delta))
     return web.Response(body=delta, headers={"Content-Type": "application/octet-stream", "X-GPUFlex-Delta-From": base})
+
+
+def _body_size(resp: web.Response, data: bytes) -> int:
+    """The bytes ``resp`` sends of ``data`` (a slice of it for a Range; a packed blob's memoryview
+    becomes a payload whose size is its length)."""
+    body = resp.body
+    if isinstance(body, (bytes, bytearray)):
+        return len(body)
+    size = getattr(body, "size", None)
+    return int(size) if size is not None else len(data)
 
 
 def _bytes_response(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:

@@ -6,6 +6,8 @@
 - ``generations``: a generation's relay plan and its stages' StageAssignments;
 - ``checkpoints``: checkpoint steps, what a unit's state blob holds, the committed step;
 - ``liveness``: when a stage is lost;
+- ``joins``: when a node joining a running pipeline is worth a re-plan, and when to make it;
+- ``resharding``: the unit state a re-plan moves, against what its nodes download;
 - ``assembly``: the final model from the units' states;
 - ``coordinator``: the ledger's ``pipelines`` room that runs them.
 """

@@ -39,9 +39,11 @@ from ..worksignal import WorkSignal
 from .assembly import assemble_model
 from .checkpoints import Entries, committed_after, is_checkpoint_step, max_state_bytes
 from .generations import new_generation, relay_plan, stage_assignment, stage_units
+from .joins import JoinWatch
 from .liveness import lost_stage
 from .offers import ModelCut, cut_model, offer_of, reference_flops_per_sample
 from .planning import choose_pipeline
+from .resharding import state_bytes_moved
 from .verify import StageChecks
 
 log = logging.getLogger("gpuflex.hub.pipelines")
@@ -90,6 +92,7 @@ class Pipelines:
         self._asked: dict[str, float] = {}
         #: job id -> the generation that finished it: its stages' last reports still count
         self._finished: dict[str, Generation] = {}
+        self.joins = JoinWatch(gain=config.replan_gain)
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         #: the sampled stages' work re-executed by the referee (verify.py)
@@ -156,9 +159,29 @@ class Pipelines:
             lost = lost_stage(
                 g, state.last_report, state.reports, now, self.config.stage_timeout_s, self._barred
             )
-            if lost is None:
+            if lost is not None:
+                await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
+            elif (
+                joined := await self.joins.due(
+                    job,
+                    state,
+                    g,
+                    self.known_cut(job.id),
+                    self.idle_offers,
+                    self.scheduler.nodes,
+                    now,
+                )
+            ) is not None:
+                # the joining node and the live generation's nodes: planned at once
+                await self._end_generation(job, state, joined.reason, now)
+                g = new_generation(job, state, joined.pipeline, reason=joined.reason, now=now)
+                await self.store.save_generation(g, now=now)
+                cut = await self.cut(job)
+                if isinstance(cut, ModelCut):
+                    self._start(job, state, g, cut, now)
                 return
-            await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
+            else:
+                return
         await self._plan(job, state, now)
 
     def _track(self, job: JobState) -> PipelineState:
@@ -169,6 +192,7 @@ class Pipelines:
 
     def _drop(self, job_id: str) -> None:
         self._cuts.pop(job_id, None)
+        self.joins.forget(job_id)
         if self.jobs.pop(job_id, None) is not None:
             self.relay.drop(job_id)
             self.checks.drop(job_id)
@@ -256,6 +280,8 @@ class Pipelines:
             )
             for slot in g.stages
         }
+        state.state_bytes_moved = state_bytes_moved(state.previous, g, committed)
+        state.state_bytes_served = 0
         state.generation = state.previous = g
         state.generations = g.number
         state.refusal, state.refused_over = None, None
@@ -311,8 +337,9 @@ class Pipelines:
         self._asked[node.id] = now
         for state in self.jobs.values():
             g = state.generation
+            if g is None or node.id not in state.sealed:
+                self.poke()  # a job waits for nodes, or may run faster with this one
             if g is None:
-                self.poke()  # a job waits for nodes: this one may be idle now
                 continue
             if node.id in state.sealed and node.id not in state.handed:
                 state.handed.add(node.id)
@@ -423,6 +450,8 @@ class Pipelines:
             return f"unit {msg.unit}'s state at step {msg.step} is stored"
         state.committed_step = committed
         self.checks.durable(job.id, g.number, committed, state.states[committed])
+        if self.joins.waiting(job.id):
+            self.poke()  # a joining node's re-plan goes ahead now, redoing the least
         for step in [s for s in state.states if s < committed]:
             del state.states[step]
         if committed >= state.end_step:

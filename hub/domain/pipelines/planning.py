@@ -16,6 +16,12 @@ When the planner's own choice does not fit those rules (a fixed stage count it d
 re-plan), candidates are evaluated with the planner's cost model (``evaluate_pipeline``): every
 contiguous cut (up to ``MAX_CUTS``) on the previous generation's survivors, in their order, with
 new nodes in the lost places, and on the nodes offering the most memory.
+
+A node that joins while a generation runs (``faster_with``) is worth a re-plan only when some
+candidate is at least ``gain`` faster than the live generation's predicted step (or the live one
+has fewer stages than the spec asks); among those, the one moving the fewest bytes of unit state
+wins: the live generation's nodes in their order with a joining node in one stage's place, or
+(without a fixed stage count) inserted between two stages, over every contiguous cut.
 """
 
 from __future__ import annotations
@@ -178,6 +184,51 @@ def _node_orders(
     return orders
 
 
+def faster_with(
+    costs: Sequence[UnitCost],
+    offers: Sequence[NodeOffer],
+    spec: PipelineSpec,
+    *,
+    batch_size: int,
+    live: Generation,
+    joining: Sequence[str],
+    gain: float,
+) -> Pipeline | None:
+    """The pipeline a re-plan with the ``joining`` nodes would run (``offers``: the live
+    generation's nodes and the idle ones), or None when none is worth ending ``live`` for."""
+    counts = micro_batch_counts(spec, batch_size)
+    scheds = schedules(spec)
+    short = bool(spec.stages) and len(live.stages) < spec.stages
+    by_id = {o.node_id: o for o in offers}
+    if any(s.node_id not in by_id for s in live.stages):
+        return None
+    kept = [by_id[s.node_id] for s in live.stages]
+    orders = [_roomiest(offers, spec)]
+    for new in (by_id[n] for n in joining if n in by_id):
+        orders += [[*kept[:i], new, *kept[i + 1 :]] for i in range(len(kept))]
+        if not spec.stages or short:
+            orders += [[*kept[:i], new, *kept[i:]] for i in range(len(kept) + 1)]
+    found = []
+    for nodes in orders:
+        if len(nodes) < 2 or (spec.stages and len(nodes) != spec.stages):
+            continue
+        for ends in _cuts(len(costs), len(nodes)):
+            for m, schedule in itertools.product(counts, scheds):
+                p = evaluate_pipeline(
+                    costs, nodes, ends, micro_batches=m, schedule=schedule, batch_size=batch_size
+                )
+                if p is not None and (short or p.step_s <= live.step_s * (1.0 - gain)):
+                    found.append(p)
+    if not found:
+        return None
+    return min(found, key=lambda p: (bytes_moved(p, costs, live), p.step_s))
+
+
+def _roomiest(offers: Sequence[NodeOffer], spec: PipelineSpec) -> list[NodeOffer]:
+    roomiest = sorted(offers, key=lambda o: (-o.memory_bytes, -o.flops_per_s, o.node_id))
+    return sorted(roomiest[: spec.stages or 2], key=lambda o: o.node_id)
+
+
 def _cuts(units: int, stages: int) -> list[tuple[int, ...]]:
     """Contiguous cuts of ``units`` into ``stages`` (each stage's end), at most ``MAX_CUTS``,
     the most even first."""
@@ -193,6 +244,7 @@ __all__ = [
     "bytes_moved",
     "check_pipeline_spec",
     "choose_pipeline",
+    "faster_with",
     "micro_batch_counts",
     "schedules",
 ]

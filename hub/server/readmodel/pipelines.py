@@ -115,6 +115,8 @@ def generation_doc(
         "predicted_step_s": g.step_s,
         "measured_step_s": max(measured) if measured else None,
         "bubble_fraction": g.bubble_fraction,
+        "state_bytes_moved": state.state_bytes_moved,
+        "state_bytes_served": state.state_bytes_served,
         "steps_done": min((r.steps_done for r in reports.values()), default=g.first_step),
         "loss": loss,
         "stages": [
