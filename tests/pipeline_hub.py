@@ -51,6 +51,32 @@ from torch import nn
 
 from tests.helpers import start_hub, store_for
 
+#: a pipelined job on the digits: a small MLP cut into ``stages``, ``steps`` steps, a checkpoint
+#: every ``every`` (format it; lines added at the end join its [pipeline] section)
+DIGITS_SPEC = """
+[job]
+name = "digits-pipeline"
+
+[model]
+kind = "mlp"
+input = 64
+hidden = [32, 16]
+outputs = 10
+
+[train]
+batch_size = 32
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+seed = 0
+
+[pipeline]
+stages = {stages}
+micro_batches = 4
+schedule = "1f1b"
+steps = {steps}
+checkpoint_every = {every}
+"""
 MSGPACK = {"Content-Type": "application/x-msgpack"}
 
 

@@ -23,34 +23,20 @@ from gpuflex.hub.ops.cli_pipeline import pipeline_lines
 from gpuflex.hub.ops.cli_plan import seconds, size
 from markupsafe import escape
 
-from tests.pipeline_hub import HubThread, ack_of, poll_until, register, request, send_report, submit
+from tests.pipeline_hub import (
+    DIGITS_SPEC,
+    HubThread,
+    ack_of,
+    poll_until,
+    register,
+    request,
+    send_report,
+    submit,
+)
 from tests.test_console_browser import HEIGHT, NODE_IDS_JS, WIDTH
 from tests.test_console_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Browserish
 
-SPEC = """
-[job]
-name = "digits-pipeline"
-
-[model]
-kind = "mlp"
-input = 64
-hidden = [32, 16]
-outputs = 10
-
-[train]
-batch_size = 32
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[pipeline]
-stages = 2
-micro_batches = 4
-schedule = "1f1b"
-steps = 4
-checkpoint_every = 2
-"""
+SPEC = DIGITS_SPEC.format(stages=2, steps=4, every=2)
 
 
 @pytest.fixture

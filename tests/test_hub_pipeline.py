@@ -29,6 +29,7 @@ from gpuflex.protocol.signing import new_nonce, open_sealed, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
 from tests.helpers import RELAXED_SERVE_ARGS, open_store, store_args, stored_blobs
+from tests.pipeline_hub import DIGITS_SPEC as SPEC
 from tests.pipeline_hub import (
     HubThread,
     ack_of,
@@ -51,30 +52,6 @@ from tests.pipeline_hub import (
 
 torch.set_num_threads(1)
 
-SPEC = """
-[job]
-name = "digits-pipeline"
-
-[model]
-kind = "mlp"
-input = 64
-hidden = [32, 16]
-outputs = 10
-
-[train]
-batch_size = 32
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[pipeline]
-stages = {stages}
-micro_batches = 4
-schedule = "1f1b"
-steps = {steps}
-checkpoint_every = {every}
-"""
 
 
 def status(hub: HubThread, job_id: str) -> dict:

@@ -19,6 +19,7 @@ from gpuflex.protocol.tensors import decode_state
 
 from tests.helpers import open_store, stored_blobs
 from tests.pipeline_hub import (
+    DIGITS_SPEC,
     HubThread,
     drive_all,
     fetch_blob,
@@ -133,30 +134,6 @@ def test_a_middle_stage_that_leaves_moves_only_its_own_units() -> None:
 
 # -- on a real hub: the nodes drive their stages with the node's engine over the relay ----------
 
-JOB = """
-[job]
-name = "digits-pipeline-join"
-
-[model]
-kind = "mlp"
-input = 64
-hidden = [32, 16]
-outputs = 10
-
-[train]
-batch_size = 32
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[pipeline]
-stages = 2
-micro_batches = 4
-schedule = "1f1b"
-steps = {steps}
-checkpoint_every = 2
-"""
 STEPS = 60
 
 
@@ -194,7 +171,7 @@ def _run_first_generation_while_a_node_joins(
 ) -> tuple[dict, list, list, SigningKey, tuple]:
     """Two nodes (the second slow) run generation 1; once step 2 is committed, a node joins."""
     keys = [register(hub.url), register(hub.url, samples_per_s=50.0)]
-    code, job = submit(hub, tmp_path, JOB.format(steps=STEPS))
+    code, job = submit(hub, tmp_path, DIGITS_SPEC.format(stages=2, steps=STEPS, every=2))
     assert code == 201, job
     first = poll_until(hub, keys)
     s0 = next(i for i, sa in enumerate(first) if sa.stage == 0)

@@ -20,35 +20,19 @@ import torch
 from gpuflex.hub.server.appkeys import LEDGER
 from torch import Tensor, nn
 
-from tests.pipeline_hub import HubThread, drive_all, poll_until, register, request, submit
+from tests.pipeline_hub import (
+    DIGITS_SPEC,
+    HubThread,
+    drive_all,
+    poll_until,
+    register,
+    request,
+    submit,
+)
 
 torch.set_num_threads(1)
 
-SPEC = """
-[job]
-name = "digits-verified-pipeline"
-
-[model]
-kind = "mlp"
-input = 64
-hidden = [32, 16]
-outputs = 10
-
-[train]
-batch_size = 32
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[pipeline]
-stages = 3
-micro_batches = 4
-schedule = "1f1b"
-steps = 4
-checkpoint_every = 2
-verify_rate = 1.0
-"""
+SPEC = DIGITS_SPEC.format(stages=3, steps=4, every=2) + "verify_rate = 1.0\n"
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import JobSpec, parse_job_spec
 from gpuflex.protocol.modelspec import ModelSpec, build_model
 from gpuflex.protocol.pipeline import pipeline_units
+from gpuflex.protocol.pipelinespec import PipelineSpec
 from gpuflex.protocol.tensors import (
     MAX_HEADER_BYTES,
     encode_state,
@@ -110,17 +111,16 @@ def _check_pipeline(spec: JobSpec) -> None:
     if why is not None:
         raise Unprocessable(f"pipeline: {why}", code="bad_spec")
     if spec.pipeline.boundary != "fp32":
-        _check_boundary(spec)
+        _check_boundary(spec, spec.pipeline)
 
 
-def _check_boundary(spec: JobSpec) -> None:
+def _check_boundary(spec: JobSpec, pipeline: PipelineSpec) -> None:
     """Every cut's tensor can travel in the job's ``[pipeline] boundary`` (a subspace rank below
     its width, a floating tensor): the units run on the meta device, nothing is computed."""
     import torch
     from gpuflex.protocol.boundary import encoded_crossing
     from gpuflex.protocol.tensors import DTYPE_NAMES
 
-    assert spec.pipeline is not None
     units = pipeline_units(spec.model).units
     x = torch.zeros((1, *spec.model.input_shape), dtype=spec.model.input_dtype, device="meta")
     with torch.no_grad():
@@ -128,7 +128,7 @@ def _check_boundary(spec: JobSpec) -> None:
             x = unit.module(x)
             try:
                 encoded_crossing(tuple(x.shape), DTYPE_NAMES.get(x.dtype, str(x.dtype)),
-                                 spec.pipeline.boundary, spec.pipeline.boundary_rank)
+                                 pipeline.boundary, pipeline.boundary_rank)
             except ProtocolError as exc:
                 raise Unprocessable(f"pipeline: the cut after unit {i} ({unit.name}): {exc}",
                                     code="bad_spec") from None
