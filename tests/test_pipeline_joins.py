@@ -4,7 +4,6 @@ leave) moves only the units whose node must change (hub/domain/pipelines/plannin
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -29,9 +28,9 @@ from tests.pipeline_hub import (
     poll_until,
     reference,
     register,
-    request,
     submit,
 )
+from tests.test_hub_pipeline import status as _pipeline
 
 GB = 1 << 30
 SPEC = PipelineSpec(stages=4, micro_batches=4, schedule="1f1b")
@@ -145,17 +144,6 @@ def hub(tmp_path):
     yield h
     h.stop()
 
-
-def _pipeline(hub: HubThread, job_id: str) -> dict:
-    code, _, body = request(
-        hub.url,
-        "GET",
-        f"/v1/jobs/{job_id}",
-        None,
-        {"Authorization": f"Bearer {hub.tokens['owner']}"},
-    )
-    assert code == 200, body
-    return json.loads(body)
 
 
 def _wait(hub: HubThread, job_id: str, test, timeout_s: float = 60.0) -> dict:

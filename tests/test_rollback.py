@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -29,11 +28,8 @@ import safetensors.torch
 import torch
 from gpuflex.hub.ops import cli
 from gpuflex.hub.policy import rollback
-from gpuflex.node.checkpoints import CheckpointRecorder, CheckpointStore
-from gpuflex.node.trainer import train_assignment
-from gpuflex.protocol.checkpoint import auto_every
+from gpuflex.node.checkpoints import CheckpointStore
 from gpuflex.protocol.messages import Ack, Assignment, StateRequest, StateUpload, WorkRequest
-from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.tensors import decode_state, encode_state
 
@@ -48,21 +44,8 @@ from tests.helpers import (
     write_digits,
 )
 from tests.test_hub_referee import _post_state
+from tests.test_hub_referee import _train_committed as _train
 from tests.test_suspension import _flags, _poll, _verdict
-
-
-async def _train(n: SimNode, a: Assignment, store: CheckpointStore) -> tuple[bytes, int, float, Any]:
-    """Train ``a`` honestly, recording its checkpoint commitment (as tests/test_hub_referee.py)."""
-    torch.set_num_threads(1)
-    g = decode_state(bytearray(await n.blob(a.model_hash)))
-    chunks = [decode_state(bytearray(await n.blob(c.sha256))) for c in a.chunks]
-    total = math.ceil(sum(c.samples for c in a.chunks) / a.train.batch_size) * a.train.local_epochs
-    rec = CheckpointRecorder(total_steps=total, every=auto_every(total, a.train.checkpoint_every), store=store,
-                             assignment_id=a.assignment_id)
-    res = train_assignment(ModelSpec.from_dict(a.model_spec), g, chunks, a.train, a.seed,
-                           device=torch.device("cpu"), on_step=rec)
-    return encode_state(res.delta), res.sample_count, res.loss, rec.commitment()
-
 
 #: one chunk a round (one shard), a short replica wait, no trend audit and no spot checks: F's
 #: updates are verified only where the referee stands in for a replica that cannot come
