@@ -139,10 +139,13 @@ def _check_equivalent(tmp_path: Path, *, devices: str, engine: str, cfg: TrainCo
     commit = CommitSettings(root=str(root), assignment_id="a1", total_steps=rec.total_steps, every=rec.every,
                             precision="fp32")
     events = EventLog()
-    group = WorkerGroup(parse_devices(devices), tmp_path / "work", engine=engine, threads=2, restarts=0,
+    # one restart, as a node runs: gloo's TCP transport can, rarely, abort a worker (SIGABRT from a
+    # race in its pair code); the group then trains again from the start and must still be exact
+    group = WorkerGroup(parse_devices(devices), tmp_path / "work", engine=engine, threads=2, restarts=1,
                         on_event=events.event)
     got = group.train(SPEC, GLOBAL, chunks, cfg, seed=5, commit=commit)
     assert events.of("workers")[0]["engine"] == engine
+    assert len(events.of("workers_lost")) <= 1 and len(events.of("workers")) == 1 + len(events.of("workers_lost"))
     assert got.steps == ref.steps and got.sample_count == ref.sample_count
     assert _max_rel(got.delta, ref.delta) <= 1e-5
     assert abs(got.loss - ref.loss) <= 1e-5 * abs(ref.loss)

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -248,9 +249,10 @@ def _supervise(procs: Sequence[subprocess.Popen[bytes]], watch: _Watch, folder: 
         if failed:
             # a killed worker first: its peers then die of losing it, and may be seen in the same poll
             rank, rc = min(failed, key=lambda f: (f[1] >= 0, f[0]))
-            if rc < 0:  # a signal: its log says nothing of why
-                raise _Lost(f"worker {rank} ({procs[rank].pid}) killed by signal {-rc}")
             tail = _log_tail(folder / f"worker-{rank}.log")
+            if rc < 0:  # a signal; an abort (a C++ library's terminate) says why in its log first
+                raise _Lost(f"worker {rank} ({procs[rank].pid}) killed by signal {-rc}"
+                            + (f": {tail}" if tail and -rc != signal.SIGKILL else ""))
             if rc == EXIT_TRAIN_ERROR:
                 raise TrainError(tail or f"worker {rank} could not train the assignment")
             raise _Lost(f"worker {rank} ({procs[rank].pid}) exited with status {rc}" + (f": {tail}" if tail else ""))
