@@ -57,7 +57,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The PostgreSQL pass (GPUFLEX_TEST_STORE=postgresql, `make test`'s second run) keeps the tests
     of modules that start a hub (through the helpers, or the end-to-end cluster of
     tests/tooling/cluster.py): the rest (protocol, node, pure units, the SQLite file's own tests)
-    never see a store, and ran in the first pass. Reported, not silent."""
+    never see a store, and ran in the first pass. A test marked ``one_store`` runs in the first
+    pass only: a long real-process run whose subject is not the store (an encoding, a model kind,
+    a policy at scale), whose store traffic the pass's other tests already make. Reported, not
+    silent."""
     if TEST_STORE != "postgresql":
         return
     kept, dropped = [], []
@@ -66,7 +69,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(item.path)
         if path not in sources:
             sources[path] = path.read_text()
-        (kept if _STARTS_A_HUB.search(sources[path]) else dropped).append(item)
+        starts_a_hub = _STARTS_A_HUB.search(sources[path]) is not None
+        (kept if starts_a_hub and item.get_closest_marker("one_store") is None else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -80,7 +84,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if TEST_STORE == "postgresql" and _PASS_KEY in config.stash:
         kept, dropped = config.stash[_PASS_KEY]
         terminalreporter.write_line(f"PostgreSQL pass: {kept} tests of modules that start a hub ran with their hub on"
-                                    f" PostgreSQL; {dropped} that start none ran in the SQLite pass only")
+                                    f" PostgreSQL; {dropped} (of modules that start none, or marked one_store) ran in the SQLite pass only")
 
 
 @pytest.fixture

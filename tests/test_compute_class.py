@@ -476,6 +476,7 @@ def test_unknown_class_is_fp32_only_and_never_a_class_of_its_own() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.one_store  # numeric classes on real nodes; the store calls are the in-process tests'
 def test_real_nodes_in_two_classes_train_bf16_and_fp32_side_by_side_and_nobody_is_flagged(tmp_path) -> None:
     """A hub and two `gpuflex-node run` processes: one offers only bf16 (--precisions bf16), the
     other runs with oneDNN off. An "auto" job: the first trains bf16, the second fp32, so every

@@ -156,6 +156,7 @@ def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path:
         assert "referee re-execution" in text and "not handed over" in text and "unverifiable" in text
 
 
+@pytest.mark.one_store  # the referee's policy at scale; its store traffic is the other tests'
 def test_many_tiny_assignments_a_round_with_spot_checks_flag_no_honest_node_and_stall_no_round(
         tmp_path: Path, bench_cache: Path) -> None:
     """Small chunks: each of 3 honest `gpuflex-node` processes trains dozens of assignments a

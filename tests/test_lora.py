@@ -395,6 +395,7 @@ def test_an_adapter_update_is_judged_against_the_trend_of_the_adapters() -> None
 
 
 @pytest.mark.e2e
+@pytest.mark.one_store  # no hub at all: the node's workers alone
 def test_a_lora_assignment_on_two_ddp_workers_gives_one_process_adapter_update(
     tmp_path: Path,
 ) -> None:
