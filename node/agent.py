@@ -405,7 +405,7 @@ class NodeAgent:
         with contextlib.suppress(OSError, SiloError):  # replaced silos no assignment is in flight for
             await asyncio.to_thread(self.silos.prune)
         benchmark = self.config.benchmark or await asyncio.to_thread(
-            _registration_benchmark, self.config, self.device, self.output)
+            _registration_benchmark, self.config, self.device, self.output, self.workers)
         local = (self.config.source_address, 0) if self.config.source_address else None
         connector = aiohttp.TCPConnector(limit=8, local_addr=local)
 
@@ -651,17 +651,18 @@ def _stage_status(a: StageAssignment | None) -> dict[str, Any] | None:
             "units": [a.unit_start, a.unit_end - 1], "steps": [a.first_step, a.end_step - 1]}
 
 
-def _registration_benchmark(config: NodeConfig, device: torch.device, output: Output) -> Benchmark:
-    """The benchmark the hello carries: cached per machine, measured once (worker thread)."""
+def _registration_benchmark(config: NodeConfig, device: torch.device, output: Output,
+                            workers: WorkerGroup | None) -> Benchmark:
+    """The benchmark the hello carries: cached per machine, measured once (worker thread); a node
+    on several devices is measured whole, through its workers."""
     from .benchcache import cache_path
     from .benchmark import benchmark_for_registration
 
     path = cache_path(config.data_dir, config.bench_cache)
+    how = "a second or two" if workers is None else f"a few seconds: {workers.plan.workers} worker processes"
     return benchmark_for_registration(
-        device, path,
-        on_measure=lambda: output.event(
-            "benchmark", detail=f"measuring this machine once (a second or two); cached in {path}"
-        ),
+        device, path, group=workers,
+        on_measure=lambda: output.event("benchmark", detail=f"measuring this machine once ({how}); cached in {path}"),
     )
 
 

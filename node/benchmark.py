@@ -10,8 +10,16 @@ run hundreds of times slower than fp32 (no native kernels), so there they are me
 a small matrix: the hub takes the fastest matmul figure as the node's peak, which on a CPU
 is fp32 anyway. ``on_step(label, done, total)`` reports progress as each figure starts.
 
+A node that trains on several devices (``--devices``, a ``WorkerGroup``) is measured whole:
+its training figures are the worker group's, all devices together through the path its
+assignments take (one process per device, DDP or FSDP), so the hub sizes its shards by what the
+node delivers; the matmul and memory figures stay its first device's. Each group run starts
+fresh processes, so there is no warm-up run to drop: the median of the runs is taken, and each
+run's clock starts after its workers are set up (``TrainResult.train_s``).
+
 Results are cached in DIR/bench.json keyed by the hardware fingerprint (CPU model, core
-count, torch version, device, threads) and measured again when any part changes.
+count, torch version, device, threads, and the worker group's devices) and measured again when
+any part changes.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gpuflex.protocol.messages import Benchmark, TrainConfig
@@ -31,6 +39,9 @@ from .benchcache import cached_entry, to_message
 from .device import describe, hardware_fingerprint, supported_precisions
 from .identity import write_private_file
 from .trainer import train_assignment
+
+if TYPE_CHECKING:
+    from .devices import WorkerGroup
 
 REFERENCE_MODEL = "mlp-64-128-10/b32"
 BIG_MODEL = "mlp-784-1024-1024-10/b128"
@@ -83,8 +94,9 @@ def host_device_gbs(device: torch.device, mbytes: int, repeats: int) -> tuple[fl
 
 def training_samples_per_s(
     device: torch.device, spec_dict: dict[str, Any], samples: int, batch: int, repeats: int,
-    precision: str = "fp32",
+    precision: str = "fp32", group: WorkerGroup | None = None,
 ) -> float:
+    """Training samples/s on ``device`` (after a warm-up run), or through ``group``'s workers."""
     spec = ModelSpec.from_dict(spec_dict)
     state = build_model(spec, seed=0).state_dict()
     gen = torch.Generator().manual_seed(0)
@@ -96,6 +108,10 @@ def training_samples_per_s(
     )
     chunks = [{"x": x, "y": y}]
     times = []
+    if group is not None:  # fresh worker processes every run: no warm-up to drop
+        for i in range(repeats):
+            times.append(group.train(spec, state, chunks, cfg, seed=i).train_s)
+        return samples / statistics.median(times)
     for i in range(repeats + 1):
         result = train_assignment(spec, state, chunks, cfg, seed=i, device=device)
         if i:  # the first run is the warm-up
@@ -103,11 +119,21 @@ def training_samples_per_s(
     return samples / statistics.median(times)
 
 
+def bench_fingerprint(device: torch.device, group: WorkerGroup | None = None) -> str:
+    """What the cache keys a result by: the hardware, and the worker group's devices if any."""
+    base = hardware_fingerprint(device)
+    if group is None:
+        return base
+    return f"{base}+{','.join(group.plan.names())}{'+offload' if group.plan.offload else ''}"
+
+
 Step = Callable[[str, int, int], None]
 
 
-def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | None = None) -> dict[str, Any]:
-    """Measure; ``quick`` (~1 s) is what a first ``run`` uses before a full ``bench``.
+def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | None = None,
+                  group: WorkerGroup | None = None) -> dict[str, Any]:
+    """Measure; ``quick`` (~1 s; a few seconds more per worker group run) is what a first ``run``
+    uses before a full ``bench``. ``group``: the node's devices, whose training figures these are.
 
     ``precision_sps``: the reference model's training samples/s in every precision this device
     supports (device.supported_precisions); the hub sizes a job's shards by its precision's figure.
@@ -120,8 +146,9 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     n_half = n if gpu else 256  # bf16/fp16 on a CPU: slow emulation, a small matrix tells enough
     reps = 5 if not quick else 3
     out: dict[str, Any] = {
-        "fingerprint": hardware_fingerprint(device),
+        "fingerprint": bench_fingerprint(device, group),
         "quick": quick,
+        "workers": None if group is None else list(group.plan.names()),
         "device": {"kind": desc.kind, "name": desc.name, "memory_bytes": desc.memory_bytes,
                    "threads": desc.threads, "torch": torch.__version__},
         "matmul_tflops_bf16": None, "matmul_tflops_fp16": None, "h2d_gbs": None, "d2h_gbs": None,
@@ -129,6 +156,7 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     digits = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
     big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
     training: dict[str, float] = {}
+    runs = (1 if quick else 3) if group is not None else None  # a group run: fresh processes each
 
     def fp32() -> None:
         out["matmul_tflops_fp32"] = matmul_tflops(device, torch.float32, n, reps) or 0.0
@@ -146,7 +174,8 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
         out["h2d_gbs"], out["d2h_gbs"] = host_device_gbs(device, 64 if not quick else 16, reps)
 
     def reference() -> None:
-        training[REFERENCE_MODEL] = training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, 3)
+        training[REFERENCE_MODEL] = training_samples_per_s(device, digits, 4096 if gpu else 2048, 32, runs or 3,
+                                                           group=group)
 
     by_precision: dict[str, float] = {}
 
@@ -154,11 +183,12 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
         def run() -> None:
             # fewer samples on a CPU: the bench stays short (bf16 autocast is ~2x slower there)
             by_precision[precision] = training_samples_per_s(
-                device, digits, 4096 if gpu else 1024, 32, 2 if quick else 3, precision=precision)
+                device, digits, 4096 if gpu else 1024, 32, runs or (2 if quick else 3), precision=precision,
+                group=group)
         return run
 
     def large() -> None:
-        training[BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 256, 128, 2)
+        training[BIG_MODEL] = training_samples_per_s(device, big, 16384 if gpu else 256, 128, runs or 2, group=group)
 
     steps: list[tuple[str, Callable[[], None]]] = [("matmul fp32", fp32)]
     if not quick:
@@ -185,15 +215,17 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     return out
 
 
-def load_cached(device: torch.device, path: Path) -> dict[str, Any] | None:
-    """The cached results for this hardware, or None. The file may hold several fingerprints."""
-    return cached_entry(path, hardware_fingerprint(device))
+def load_cached(device: torch.device, path: Path, group: WorkerGroup | None = None) -> dict[str, Any] | None:
+    """The cached results for this hardware (and worker group), or None. The file may hold
+    several fingerprints."""
+    return cached_entry(path, bench_fingerprint(device, group))
 
 
 def measure_and_cache(
-    device: torch.device, path: Path, *, quick: bool = False, on_step: Step | None = None
+    device: torch.device, path: Path, *, quick: bool = False, on_step: Step | None = None,
+    group: WorkerGroup | None = None,
 ) -> dict[str, Any]:
-    results = run_benchmark(device, quick=quick, on_step=on_step)
+    results = run_benchmark(device, quick=quick, on_step=on_step, group=group)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -208,15 +240,17 @@ def measure_and_cache(
 
 
 def benchmark_for_registration(
-    device: torch.device, path: Path, *, on_measure: Callable[[], None] | None = None
+    device: torch.device, path: Path, *, on_measure: Callable[[], None] | None = None,
+    group: WorkerGroup | None = None,
 ) -> Benchmark:
-    """The cached figures for this hardware, or a quick measurement (cached too).
+    """The cached figures for this hardware (the whole node with ``group``), or a quick
+    measurement (cached too).
 
     ``on_measure`` is called before a measurement starts (to say so on screen).
     """
-    cached = load_cached(device, path)
+    cached = load_cached(device, path, group)
     if cached is None or "precision_sps" not in cached:  # measured before per-precision figures
         if on_measure is not None:
             on_measure()
-        cached = measure_and_cache(device, path, quick=True)
+        cached = measure_and_cache(device, path, quick=True, group=group)
     return to_message(cached)

@@ -127,6 +127,9 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--force", action="store_true", help="measure again even if cached")
     bench.add_argument("--threads", type=int, metavar="N", help="CPU threads (as `run --threads N` will use)")
     bench.add_argument("--onednn", choices=("on", "off"), default="on", help="as `run --onednn` will use")
+    bench.add_argument("--devices", metavar="LIST", help="measure the whole node on these devices, one worker "
+                       "process each, as `run --devices LIST` trains (the figures the hub sizes its shards by)")
+    bench.add_argument("--offload", choices=("optimizer",), help="with --devices: as `run --offload` will use")
     bench.add_argument("--bench-cache", metavar="PATH", help="cache file (default $GPUFLEX_BENCH_CACHE, "
                        "else DIR/bench.json)")
 
@@ -177,10 +180,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         raise NodeError("--max-checkpoint-gb must be > 0")
     if args.max_assignments is not None and args.max_assignments < 1:
         raise NodeError("--max-assignments must be >= 1")
-    if args.devices is not None and args.device != "auto":
-        raise NodeError("--device and --devices: give one of them")
-    if args.offload is not None and args.devices is None:
-        raise NodeError("--offload needs --devices (the offloaded state is the workers')")
+    _check_devices(args)
     precisions = _precisions(args.precisions)
     max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
     stage_address = _stage_address(args.stage_listen)
@@ -296,23 +296,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise NodeError("--threads must be >= 1")
+    _check_devices(args)
     path = cache_path(_data_dir(args), args.bench_cache)
     # a CPU's cached result is found without torch (node/hostinfo.py); anything else loads it
-    results = None if args.force else cached_on_cpu(args.device, path, threads=args.threads,
-                                                    onednn=args.onednn == "on")
+    results = None if args.force or args.devices else cached_on_cpu(args.device, path, threads=args.threads,
+                                                                    onednn=args.onednn == "on")
     if results is None:
         console = Console(stderr=True)
         with console.status("loading torch…") if console.is_terminal else contextlib.nullcontext():
             from .benchmark import load_cached, measure_and_cache
-            from .device import apply_limits, select_device, set_onednn
+            from .device import set_onednn
 
-        device = select_device(args.device)
-        apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+        device, group = _bench_devices(args)
         set_onednn(args.onednn == "on")
-        results = None if args.force else full_result(load_cached(device, path))
+        results = None if args.force else full_result(load_cached(device, path, group))
         if results is None:
             with _bench_progress(path) as on_step:
-                results = measure_and_cache(device, path, on_step=on_step)
+                results = measure_and_cache(device, path, on_step=on_step, group=group)
             results["cached"] = False
     if args.json:
         print(json.dumps(results, indent=1))
@@ -320,6 +320,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     d = results["device"]
     lines = [
         f"device            {d['kind']}: {d['name']}  ({d['memory_bytes'] / 2**30:.1f} GiB, {d['threads']} threads, torch {d['torch']})",
+        *([f"trained on        {len(results['workers'])} worker processes ({', '.join(results['workers'])}),"
+           " the whole node: the training figures below are all of them together"] if results.get("workers") else []),
         f"matmul fp32       {_fmt_num(results['matmul_tflops_fp32'], 'TFLOP/s')}",
         f"matmul bf16       {_fmt_num(results['matmul_tflops_bf16'], 'TFLOP/s')}",
         f"matmul fp16       {_fmt_num(results['matmul_tflops_fp16'], 'TFLOP/s')}",
@@ -336,6 +338,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     lines.append(f"({how}; fingerprint {results['fingerprint']})")
     print("\n".join(lines))
     return 0
+
+
+def _check_devices(args: argparse.Namespace) -> None:
+    """``--device`` / ``--devices`` / ``--offload`` as `run` and `bench` take them: one line each."""
+    if args.devices is not None and args.device != "auto":
+        raise NodeError("--device and --devices: give one of them")
+    if args.offload is not None and args.devices is None:
+        raise NodeError("--offload needs --devices (the offloaded state is the workers')")
+
+
+def _bench_devices(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The device the bench measures and, with ``--devices``, the node's worker group."""
+    import torch
+
+    from .device import apply_limits, select_device
+    from .devices import worker_group
+
+    if args.devices is None:
+        device = select_device(args.device)
+        apply_limits(device, threads=args.threads, max_gpu_memory_gb=None)
+        return device, None
+    apply_limits(torch.device("cpu"), threads=args.threads, max_gpu_memory_gb=None)
+    return worker_group(args.devices, offload=args.offload, work_dir=_data_dir(args) / "devices",
+                        max_memory_bytes=None, threads=torch.get_num_threads())
 
 
 def _pause_line(result: dict[str, Any]) -> str:

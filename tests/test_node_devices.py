@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from gpuflex.node import cli
+from gpuflex.node.benchmark import (
+    bench_fingerprint,
+    benchmark_for_registration,
+    load_cached,
+    measure_and_cache,
+)
 from gpuflex.node.checkpoints import CheckpointRecorder
 from gpuflex.node.devices import WorkerGroup, parse_devices
 from gpuflex.node.devices.job import CommitSettings
@@ -102,6 +108,40 @@ def test_cli_refuses_bad_devices_in_one_line_before_any_work(tmp_path, capsys, e
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and why in err[0], err
     assert not (data / "node.key").exists() and not (data / "devices").exists()
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    (["--devices", "cpu:2", "--device", "cpu"], "give one of them"),
+    (["--offload", "optimizer"], "--offload needs --devices"),
+    (["--devices", "3"], "no CUDA device 3"),
+])
+def test_bench_refuses_bad_devices_in_one_line(tmp_path, capsys, extra, why):
+    if extra[1] == "3" and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a CUDA device 3")
+    code = cli.main(["bench", "--data-dir", str(tmp_path / "node"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and why in err[0], err
+    assert not (tmp_path / "node" / "bench.json").exists()
+
+
+def test_the_benchmark_measures_the_whole_node_through_its_workers(tmp_path):
+    """A node on several devices registers with what its workers train together, cached apart
+    from the one-device figures, and read back without measuring again."""
+    events = EventLog()
+    group = WorkerGroup(parse_devices("cpu:2"), tmp_path / "work", threads=2, on_event=events.event)
+    path = tmp_path / "bench.json"
+    results = measure_and_cache(CPU, path, quick=True, group=group)
+    trained = len(results["precision_sps"])  # one worker group run per training figure (quick)
+    assert results["workers"] == ["cpu", "cpu"] and len(events.of("workers")) == trained >= 1
+    assert results["samples_per_s"] == results["precision_sps"]["fp32"] > 0
+    assert results["fingerprint"] == bench_fingerprint(CPU, group) != bench_fingerprint(CPU)
+    assert load_cached(CPU, path) is None and load_cached(CPU, path, group) == results
+
+    def measured_again() -> None:
+        raise AssertionError("measured again")
+
+    message = benchmark_for_registration(CPU, path, group=group, on_measure=measured_again)
+    assert message.samples_per_s == results["samples_per_s"] and len(events.of("workers")) == trained
 
 
 # -- one process's update, on 2 and 3 worker processes ----------------------------------------------
