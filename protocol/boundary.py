@@ -17,7 +17,9 @@ The hub's relay checks that form, the receiving stage checks it again and then d
   bottleneck at each cut (docs/pipeline.md says what that means for the assembled model);
 - ``subspace_log``: the subspace code with its row scale in one byte instead of four, a power of
   2**(1/4) rounded up so no value is clipped (2**-47.75 to 2**15.75; a larger row saturates):
-  ``ceil(rank / 2) + 1`` bytes a row, so three more bytes of each row go to six more directions.
+  ``ceil(rank / 2) + 1`` bytes a row, so three more bytes of each row go to six more directions;
+  and one basis for every cut of the same width (``shared_basis``, keyed by the job's seed), so
+  the residual stream keeps the same directions from cut to cut.
 
 This module is pure (no torch): the job spec and the hub's relay plan use it; the torch codec,
 encoder beside decoder, is protocol/boundarycodec.py's ``BoundaryCode``.

@@ -17,7 +17,6 @@ from .boundary import (
     LOG_SCALE_BYTES,
     LOG_SCALE_STEPS,
     LOG_SCALE_ZERO,
-    RANKED,
     SCALE_BYTES,
     SUBSPACE_BITS,
     check_boundary,
@@ -32,7 +31,18 @@ def subspace_basis(seed: int, cut: int, width: int, rank: int) -> Tensor:
     for (``seed``, ``cut``): numpy's PCG64 normals, orthonormalised in float64 by QR with the
     signs fixed (each column's R diagonal positive)."""
     check_boundary("subspace", rank, width)
-    rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, cut, width, rank])
+    return _orthonormal([seed & 0xFFFFFFFFFFFFFFFF, cut, width, rank], width, rank)
+
+
+def shared_basis(seed: int, width: int, rank: int) -> Tensor:
+    """The subspace_log code's basis: ``subspace_basis`` of cut 0, at every cut of the same
+    width, so what the residual stream carries through one cut's directions passes the next."""
+    check_boundary("subspace_log", rank, width)
+    return _orthonormal([seed & 0xFFFFFFFFFFFFFFFF, 0, width, rank], width, rank)
+
+
+def _orthonormal(key: list[int], width: int, rank: int) -> Tensor:
+    rng = np.random.default_rng(key)
     q, r = np.linalg.qr(rng.standard_normal((width, rank)))
     q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
     return torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
@@ -122,8 +132,10 @@ class BoundaryCode:
         self.raw = raw
         self.wire = TensorSpec(raw.name, dtype, shape)
         self._basis: dict[torch.device, Tensor] = {}
-        if boundary in RANKED:
+        if boundary == "subspace":
             self._basis[torch.device("cpu")] = subspace_basis(seed, cut, raw.shape[-1], rank)
+        elif boundary == "subspace_log":
+            self._basis[torch.device("cpu")] = shared_basis(seed, raw.shape[-1], rank)
 
     def _on(self, device: torch.device) -> Tensor:
         basis = self._basis.get(device)
@@ -167,4 +179,4 @@ class BoundaryCode:
         return raw / (math.prod(self.wire.shape) * ITEMSIZE[self.wire.dtype])
 
 
-__all__ = ["BoundaryCode", "subspace_basis"]
+__all__ = ["BoundaryCode", "shared_basis", "subspace_basis"]

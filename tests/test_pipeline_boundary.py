@@ -15,7 +15,7 @@ from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey
 from gpuflex.node.stagework import check_stage_assignment
 from gpuflex.node.trainer import make_optimizer
 from gpuflex.protocol.boundary import BOUNDARIES, RANKED, check_boundary, encoded_crossing
-from gpuflex.protocol.boundarycodec import BoundaryCode, subspace_basis
+from gpuflex.protocol.boundarycodec import BoundaryCode, shared_basis, subspace_basis
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import TensorSpec, encode_state
@@ -89,7 +89,11 @@ def test_the_subspace_code_keeps_its_subspace_and_is_16x_smaller(rank: int) -> N
 
 def test_the_subspace_log_code_spends_its_scale_bytes_on_directions() -> None:
     code, other_side = _code("subspace_log", rank=28), _code("subspace_log", rank=28)
-    basis = subspace_basis(11, 1, 64, 28)  # the subspace code's basis for the same rank
+    basis = shared_basis(11, 64, 28)
+    assert torch.allclose(basis.T @ basis, torch.eye(28), atol=1e-6)
+    assert torch.equal(basis, subspace_basis(11, 0, 64, 28))  # cut 0's, at every cut
+    cut_2 = BoundaryCode("subspace_log", 28, raw=RAW, seed=11, cut=2)
+    assert torch.equal(cut_2.decode(code.encode(_x(3))), code.decode(code.encode(_x(3))))
     x = _x()
     coefficients = x @ basis
     wire = code.encode(x)
@@ -112,7 +116,7 @@ def test_the_subspace_log_code_spends_its_scale_bytes_on_directions() -> None:
 @pytest.mark.parametrize("magnitude", [0.0, 1e-12, 1e-6, 1.0, 1e3])
 def test_the_subspace_log_scale_spans_gradients_and_activations(magnitude: float) -> None:
     code = _code("subspace_log", rank=8)
-    basis = subspace_basis(11, 1, 64, 8)
+    basis = shared_basis(11, 64, 8)
     x = _x() * magnitude
     coefficients = x @ basis
     back = code.decode(code.encode(x)) @ basis
