@@ -14,13 +14,16 @@ assemble, run two ways: through the encoded cuts (the function the pipeline trai
 assembled (the model the job hands its owner, with no encoding anywhere).
 
 ``ratios.boundary_bytes_vs_fp32``: the smallest boundary bytes over fp32's among the encodings
-whose held-out loss through their cuts is within 2% of fp32's (target <= 1/16), and
-``ratios.final_loss_vs_fp32_boundaries``: that encoding's held-out loss over fp32's (target
-<= 1.02). When none is within 2%, the subspace code's figures are reported and the target shows
-as missed. ``throughput_shaped_vs_loopback`` is not measured here yet (it needs the netns links).
+at most 1/16 of fp32's bytes whose held-out loss through their cuts is within 2% of fp32's, and
+``ratios.final_loss_vs_fp32_boundaries``: that encoding's held-out loss over fp32's (targets
+<= 1/16 and <= 1.02). When none is within both, the encoding of at most 1/16 of the bytes with
+the lowest held-out loss is reported and the target shows as missed.
+``figures.other_seeds``: that encoding against fp32 again from ``--check-seeds`` (another initial
+model, samples and basis), since a margin of a fraction of a percent is within what one seed
+decides. ``throughput_shaped_vs_loopback`` is not measured here yet (it needs the netns links).
 
-Usage: python bench/pipeline_wan.py [--steps 300] [--rank 16] [--encodings fp32,int8,subspace]
-    [--out bench/results/pipeline_wan.json]
+Usage: python bench/pipeline_wan.py [--steps 300] [--rank 16] [--log-rank 28]
+    [--encodings fp32,int8,subspace,subspace_log] [--out bench/results/pipeline_wan.json]
 """
 
 from __future__ import annotations
@@ -128,11 +131,12 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def train(
-    spec: ModelSpec, cfg: TrainConfig, data: Any, boundary: str, rank: int, steps: int
-) -> dict[str, Any]:
+    spec: ModelSpec, cfg: TrainConfig, data: Any, boundary: str, rank: int, steps: int,
+    seed: int = SEED,
+) -> dict[str, Any]:  # fmt: skip
     """Train ``steps`` steps over 3 stage workers; the bytes, losses and the assembled model."""
     hub = BenchHub()
-    model_hash, model_size = hub.put(encode_state(build_model(spec, SEED).state_dict()))
+    model_hash, model_size = hub.put(encode_state(build_model(spec, seed).state_dict()))
     x, y = data
     chunk = ChunkRef(*hub.put(encode_state({"x": x, "y": y})), int(x.shape[0]))
     units = len(pipeline_units(spec))
@@ -146,7 +150,7 @@ def train(
             tuple(f"node-{s}" for s in range(len(STARTS))),
             tuple(bytes([s + 1]) * 32 for s in range(len(STARTS))), tuple(STARTS),
             spec.to_dict(), model_hash, model_size, (),
-            (chunk,) if stage in (0, len(STARTS) - 1) else (), cfg, SEED, BATCH, MICRO, "1f1b",
+            (chunk,) if stage in (0, len(STARTS) - 1) else (), cfg, seed, BATCH, MICRO, "1f1b",
             0, steps, steps, time.time(), boundary=boundary, boundary_rank=rank,
         )  # fmt: skip
         worker = StageWorker(a, hub=hub, transport=CountingTransport(network, counts, lock))
@@ -177,7 +181,7 @@ def train(
 
 def held_out_loss(
     spec: ModelSpec, cfg: TrainConfig, state: dict[str, torch.Tensor], data: Any,
-    boundary: str, rank: int, *, through_cuts: bool,
+    boundary: str, rank: int, *, through_cuts: bool, seed: int = SEED,
 ) -> float:  # fmt: skip
     """The mean loss on ``data`` of the assembled model, the cuts' encoding applied when
     ``through_cuts`` (each cut's code as the stages built it)."""
@@ -191,7 +195,7 @@ def held_out_loss(
             if through_cuts and boundary != "fp32" and i + 1 in STARTS[1:]:
                 cut = STARTS.index(i + 1) - 1
                 raw = TensorSpec("activation", "float32", tuple(h.shape))
-                code = BoundaryCode(boundary, rank, raw=raw, seed=SEED, cut=cut)
+                code = BoundaryCode(boundary, rank, raw=raw, seed=seed, cut=cut)
                 h = code.decode(code.encode(h))
         return float(loss_for(spec, cfg)(h, y))
 
@@ -206,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train_data, val_data = (x[held:], y[held:]), (x[:held], y[:held])
     rows: dict[str, dict[str, Any]] = {}
     for boundary in ("fp32", *(b for b in args.encodings.split(",") if b != "fp32")):
-        rank = args.rank if boundary == "subspace" else 0
+        rank = {"subspace": args.rank, "subspace_log": args.log_rank}.get(boundary, 0)
         r = train(spec, cfg, train_data, boundary, rank, args.steps)
         state = r.pop("state")
         r["held_out_loss"] = held_out_loss(
@@ -216,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             spec, cfg, state, val_data, boundary, rank, through_cuts=False
         )
         rows[boundary] = r
-        print(f"{boundary:9s} {r['boundary_bytes']:>12,d} B  held-out {r['held_out_loss']:.4f}  "
+        print(f"{boundary:12s} {r['boundary_bytes']:>12,d} B  held-out {r['held_out_loss']:.4f}  "
               f"assembled {r['assembled_loss']:.4f}  train {r['train_loss_tail']:.4f}  {r['wall_s']} s",
               flush=True)  # fmt: skip
     base = rows["fp32"]
@@ -224,10 +228,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["bytes_vs_fp32"] = round(r["boundary_bytes"] / base["boundary_bytes"], 5)
         r["held_out_loss_vs_fp32"] = round(r["held_out_loss"] / base["held_out_loss"], 4)
         r["assembled_loss_vs_fp32"] = round(r["assembled_loss"] / base["assembled_loss"], 4)
-    within = [b for b in rows if rows[b]["held_out_loss_vs_fp32"] <= 1.02]
-    best = min(within, key=lambda b: rows[b]["boundary_bytes"])
-    if rows[best]["bytes_vs_fp32"] > 1 / 16:
-        best = "subspace" if "subspace" in rows else best
+    small = [b for b in rows if rows[b]["bytes_vs_fp32"] <= 1 / 16] or list(rows)
+    within = [b for b in small if rows[b]["held_out_loss_vs_fp32"] <= 1.02]
+    if within:
+        best = min(within, key=lambda b: rows[b]["boundary_bytes"])
+    else:
+        best = min(small, key=lambda b: rows[b]["held_out_loss"])
+    ranks = {"subspace": args.rank, "subspace_log": args.log_rank}
+    seeds = other_seeds(args, spec, cfg, (train_data, val_data), best, ranks.get(best, 0), rows)
     return {
         "name": "pipeline_wan",
         "ratios": {
@@ -243,9 +251,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {
                 "model": spec.to_dict(), "stages": len(STARTS), "stage_starts": STARTS,
                 "steps": args.steps, "batch": BATCH, "micro_batches": MICRO, "optimizer": "adam",
-                "lr": args.lr, "subspace_rank": args.rank, "train_windows": int(x.shape[0]) - held,
+                "lr": args.lr, "subspace_rank": args.rank,
+                "subspace_log_rank": args.log_rank, "train_windows": int(x.shape[0]) - held,
                 "held_out_windows": held, "transport": "in-process (MemoryNetwork)",
             },
+            "other_seeds": seeds,
             "throughput_shaped_vs_loopback": "not measured yet (needs the netns links)",
         },
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
@@ -253,12 +263,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def other_seeds(
+    args: argparse.Namespace, spec: ModelSpec, cfg: TrainConfig, data: Any, best: str, rank: int,
+    rows: dict[str, dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The best encoding against fp32 again from other seeds (``--check-seeds``: another initial
+    model, other samples per step, another basis): how much of its margin one seed decides."""
+    (train_data, val_data), out = data, dict[str, Any]()
+    ratios = {str(SEED): rows[best]["held_out_loss_vs_fp32"]}
+    for seed in [int(s) for s in args.check_seeds.split(",") if s]:
+        held, assembled = {}, {}
+        for boundary in dict.fromkeys(("fp32", best)):
+            r = 0 if boundary == "fp32" else rank
+            state = train(spec, cfg, train_data, boundary, r, args.steps, seed)["state"]
+            held[boundary] = held_out_loss(
+                spec, cfg, state, val_data, boundary, r, through_cuts=True, seed=seed
+            )
+            assembled[boundary] = held_out_loss(
+                spec, cfg, state, val_data, boundary, r, through_cuts=False, seed=seed
+            )
+        ratios[str(seed)] = round(held[best] / held["fp32"], 4)
+        out[str(seed)] = {
+            "held_out_loss": held,
+            "held_out_loss_vs_fp32": ratios[str(seed)],
+            "assembled_loss_vs_fp32": round(assembled[best] / assembled["fp32"], 4),
+        }
+        print(f"seed {seed}: {best} held-out {ratios[str(seed)]:.4f} of fp32's", flush=True)
+    return {
+        "encoding": best,
+        "by_seed": out,
+        "held_out_loss_vs_fp32": ratios,
+        "mean": round(sum(ratios.values()) / len(ratios), 4),
+        "max": max(ratios.values()),
+    }
+
+
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'encoding':9s} {'boundary bytes':>15s} {'vs fp32':>8s} {'held-out':>9s} "
+    lines = [f"{'encoding':12s} {'boundary bytes':>15s} {'vs fp32':>8s} {'held-out':>9s} "
              f"{'vs fp32':>8s} {'assembled':>9s} {'vs fp32':>8s}"]  # fmt: skip
     for name, r in result["figures"]["by_encoding"].items():
         lines.append(
-            f"{name:9s} {r['boundary_bytes']:>15,d} {r['bytes_vs_fp32']:>8.4f} "
+            f"{name:12s} {r['boundary_bytes']:>15,d} {r['bytes_vs_fp32']:>8.4f} "
             f"{r['held_out_loss']:>9.4f} {r['held_out_loss_vs_fp32']:>8.4f} "
             f"{r['assembled_loss']:>9.4f} {r['assembled_loss_vs_fp32']:>8.4f}"
         )
@@ -270,11 +315,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16, help="the subspace code's rank")
+    p.add_argument("--log-rank", type=int, default=28, help="the subspace_log code's rank")
     p.add_argument(
         "--encodings", default=",".join(BOUNDARIES), help="fp32 always runs (the baseline)"
     )
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--check-seeds", default="8,9", help="seeds the best encoding is trained again from"
+    )
     p.add_argument("--text-bytes", type=int, default=200_000)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pipeline_wan.json")
     args = p.parse_args()

@@ -12,7 +12,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .boundary import CASTS, SCALE_BYTES, SUBSPACE_BITS, check_boundary, encoded_crossing
+from .boundary import (
+    CASTS,
+    LOG_SCALE_BYTES,
+    LOG_SCALE_STEPS,
+    LOG_SCALE_ZERO,
+    SCALE_BYTES,
+    SUBSPACE_BITS,
+    check_boundary,
+    encoded_crossing,
+)
 from .errors import TensorError
 from .tensors import DTYPES, ITEMSIZE, TensorSpec
 
@@ -22,7 +31,18 @@ def subspace_basis(seed: int, cut: int, width: int, rank: int) -> Tensor:
     for (``seed``, ``cut``): numpy's PCG64 normals, orthonormalised in float64 by QR with the
     signs fixed (each column's R diagonal positive)."""
     check_boundary("subspace", rank, width)
-    rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, cut, width, rank])
+    return _orthonormal([seed & 0xFFFFFFFFFFFFFFFF, cut, width, rank], width, rank)
+
+
+def shared_basis(seed: int, width: int, rank: int) -> Tensor:
+    """The subspace_log code's basis: ``subspace_basis`` of cut 0, at every cut of the same
+    width, so what the residual stream carries through one cut's directions passes the next."""
+    check_boundary("subspace_log", rank, width)
+    return _orthonormal([seed & 0xFFFFFFFFFFFFFFFF, 0, width, rank], width, rank)
+
+
+def _orthonormal(key: list[int], width: int, rank: int) -> Tensor:
+    rng = np.random.default_rng(key)
     q, r = np.linalg.qr(rng.standard_normal((width, rank)))
     q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
     return torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
@@ -36,13 +56,35 @@ def _int8_rows(x: Tensor, bits: int = 8) -> Tensor:
     width = x.shape[-1]
     rows = x.detach().reshape(-1, width).to(torch.float32)
     scale = rows.abs().amax(dim=1, keepdim=True) / levels  # (rows, 1)
+    out = torch.cat([_levels(rows, scale, bits), scale.contiguous().view(torch.int8)], dim=1)
+    return out.reshape(*x.shape[:-1], out.shape[1])
+
+
+def _levels(rows: Tensor, scale: Tensor, bits: int) -> Tensor:
+    """(rows, w) float32 over (rows, 1) scales -> the rounded values' bytes, int8 (two 4-bit
+    values a byte, offset by 8, the first in the high half)."""
+    levels = float((1 << (bits - 1)) - 1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (rows / safe).round_().clamp_(-levels, levels).to(torch.int16)
     if bits == 4:
-        q = torch.nn.functional.pad(q + 8, (0, width % 2))  # (rows, even): 1..15, padding 0
+        q = torch.nn.functional.pad(q + 8, (0, rows.shape[1] % 2))  # (rows, even): 1..15, pad 0
         q = (q[:, 0::2] << 4) | q[:, 1::2]  # 0..255
         q = torch.where(q > 127, q - 256, q)  # the same bytes, as int8
-    out = torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=1)
+    return q.to(torch.int8)
+
+
+def _log_scaled_rows(x: Tensor) -> Tensor:
+    """(..., r) float -> (..., ceil(r / 2) + 1) int8: 4-bit values like ``_int8_rows``, over the
+    row's scale rounded up to a power of 2**(1/4), sent as one byte (255 for a non-finite row)."""
+    width = x.shape[-1]
+    rows = x.detach().reshape(-1, width).to(torch.float32)
+    need = rows.abs().amax(dim=1, keepdim=True) / float((1 << (SUBSPACE_BITS - 1)) - 1)
+    exponent = (need.log2() * LOG_SCALE_STEPS).ceil_().clamp_(-LOG_SCALE_ZERO, 254 - LOG_SCALE_ZERO)
+    byte = torch.where(torch.isfinite(need), exponent + LOG_SCALE_ZERO, torch.full_like(need, 255))
+    scale = torch.exp2((byte - LOG_SCALE_ZERO) / LOG_SCALE_STEPS)  # (rows, 1)
+    byte = byte.to(torch.int16)
+    byte = torch.where(byte > 127, byte - 256, byte).to(torch.int8)  # the byte, as int8
+    out = torch.cat([_levels(rows, scale, SUBSPACE_BITS), byte], dim=1)
     return out.reshape(*x.shape[:-1], out.shape[1])
 
 
@@ -54,11 +96,29 @@ def _int8_values(wire: Tensor, width: int, bits: int = 8) -> Tensor:
     scale = rows[:, kept:].contiguous().view(torch.float32)  # (rows, 1)
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise TensorError("an int8 boundary row carries a scale that is negative, NaN or infinite")
-    q = rows[:, :kept].to(torch.int16)
+    return _values(rows[:, :kept], scale, width, bits).reshape(*wire.shape[:-1], width)
+
+
+def _log_scaled_values(wire: Tensor, width: int) -> Tensor:
+    """The inverse of ``_log_scaled_rows`` (float32, rows ``width`` wide); TensorError for the
+    scale byte 255 (a row the sender could not scale)."""
+    kept = wire.shape[-1] - LOG_SCALE_BYTES
+    rows = wire.reshape(-1, kept + LOG_SCALE_BYTES)
+    byte = rows[:, kept:].to(torch.int16) & 0xFF  # (rows, 1): 0..255
+    if bool((byte == 255).any()):
+        raise TensorError("a subspace_log row carries the scale byte 255 (NaN or infinite)")
+    scale = torch.exp2((byte.to(torch.float32) - LOG_SCALE_ZERO) / LOG_SCALE_STEPS)
+    values = _values(rows[:, :kept], scale, width, SUBSPACE_BITS)
+    return values.reshape(*wire.shape[:-1], width)
+
+
+def _values(packed: Tensor, scale: Tensor, width: int, bits: int) -> Tensor:
+    """(rows, bytes) int8 of ``_levels`` over (rows, 1) scales -> (rows, ``width``) float32."""
+    q = packed.to(torch.int16)
     if bits == 4:
         q = q & 0xFF  # the byte, 0..255
         q = torch.stack([(q >> 4) - 8, (q & 0xF) - 8], dim=2).reshape(q.shape[0], -1)[:, :width]
-    return (q.to(torch.float32) * scale).reshape(*wire.shape[:-1], width)
+    return q.to(torch.float32) * scale
 
 
 class BoundaryCode:
@@ -74,6 +134,8 @@ class BoundaryCode:
         self._basis: dict[torch.device, Tensor] = {}
         if boundary == "subspace":
             self._basis[torch.device("cpu")] = subspace_basis(seed, cut, raw.shape[-1], rank)
+        elif boundary == "subspace_log":
+            self._basis[torch.device("cpu")] = shared_basis(seed, raw.shape[-1], rank)
 
     def _on(self, device: torch.device) -> Tensor:
         basis = self._basis.get(device)
@@ -90,6 +152,8 @@ class BoundaryCode:
         if self.boundary == "subspace":
             x = x.to(torch.float32) @ self._on(x.device)  # (..., rank)
             return _int8_rows(x, SUBSPACE_BITS)
+        if self.boundary == "subspace_log":
+            return _log_scaled_rows(x.to(torch.float32) @ self._on(x.device))
         return _int8_rows(x)
 
     def decode(self, wire: Tensor) -> Tensor:
@@ -103,6 +167,10 @@ class BoundaryCode:
             basis = self._on(wire.device)
             values = _int8_values(wire, basis.shape[1], SUBSPACE_BITS)
             return (values @ basis.T).to(raw_dtype)  # (..., width)
+        if self.boundary == "subspace_log":
+            basis = self._on(wire.device)
+            values = _log_scaled_values(wire, basis.shape[1])
+            return (values @ basis.T).to(raw_dtype)  # (..., width)
         return _int8_values(wire, self.raw.shape[-1]).to(raw_dtype)
 
     def ratio(self) -> float:
@@ -111,4 +179,4 @@ class BoundaryCode:
         return raw / (math.prod(self.wire.shape) * ITEMSIZE[self.wire.dtype])
 
 
-__all__ = ["BoundaryCode", "subspace_basis"]
+__all__ = ["BoundaryCode", "shared_basis", "subspace_basis"]

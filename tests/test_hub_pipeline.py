@@ -110,6 +110,10 @@ def test_a_bad_pipeline_section_is_refused_at_submission_in_one_line(hub, tmp_pa
             SPEC.format(stages=2, steps=4, every=2).replace("hidden = [32, 16]", "hidden = []"),
             "nothing to cut into stages",
         ),
+        (
+            SPEC.format(stages=2, steps=4, every=2) + 'boundary = "subspace_log"\n',
+            "the subspace_log boundary needs a rank of at least 1",
+        ),
     ):
         code, doc = submit(hub, tmp_path, spec)
         assert code == 422 and doc["error"] == "bad_spec" and words in doc["detail"], doc
