@@ -232,7 +232,8 @@ def test_step_time_by_hand():
     first = 2 * 2e9 / 1e9 + cut  # computes, sends activations
     second = 2 * 2e9 / 2e9 + cut  # computes, sends gradients back
     update = max(4000 * 0.5 / 1e9, 4000 * 0.5 / 2e9)
-    assert math.isclose(p.step_s, (2 + 2 - 1) * max(first, second) + update)
+    # the first micro-batch crosses both stages, the second follows at the slower one's pace
+    assert math.isclose(p.step_s, first + second + (2 - 1) * max(first, second) + update)
     assert math.isclose(p.stages[0].transfer_s, cut) and math.isclose(p.stages[1].compute_s, 2.0)
 
 
@@ -248,8 +249,8 @@ def test_measured_unit_overhead_and_update_rate_by_hand():
     assert math.isclose(p.stages[0].update_s, 4000 / 1e3)  # the measured rate
     assert math.isclose(p.stages[1].compute_s, 2 * 2e9 / 1e9)  # no overhead measured
     assert math.isclose(p.stages[1].update_s, 2000 * 0.5 / 1e9)  # UPDATE_FLOPS_PER_BYTE
-    slowest = max(s.micro_batch_s for s in p.stages)
-    assert math.isclose(p.step_s, (4 + 2 - 1) * slowest + 4.0)
+    times = [s.micro_batch_s for s in p.stages]
+    assert math.isclose(p.step_s, sum(times) + (4 - 1) * max(times) + 4.0)
     heavy = dataclasses.replace(b, node_id="heavy", unit_overhead_s=1.0)
     plan = plan_pipelines(units, [a, heavy], batch_size=8, micro_batches=(4,), max_replicas=1)
     assert isinstance(plan, Plan)  # the node whose every unit costs a second gets the fewest

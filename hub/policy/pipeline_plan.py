@@ -203,10 +203,17 @@ def evaluate_pipeline(
     return _pipeline(tuple(stages), micro_batches, b, schedule)
 
 
+def step_s(times: Sequence[float], m: int, update_s: float) -> float:
+    """A step of ``m`` micro-batches through stages of micro-batch ``times``: the first
+    micro-batch crosses every stage once (their sum), the other m - 1 follow at the slowest
+    stage's pace, then the slowest optimizer step. (A flow shop of identical jobs; with equal
+    stages it is (m + S - 1) slots of one stage.)"""
+    return sum(times) + (m - 1) * max(times) + update_s
+
+
 def _pipeline(stages: tuple[Stage, ...], m: int, b: int, schedule: str) -> Pipeline:
-    """(m + S - 1) micro-batch slots of the slowest stage, then the slowest optimizer step."""
-    slowest = max(s.micro_batch_s for s in stages)
-    step = (m + len(stages) - 1) * slowest + max(s.update_s for s in stages)
+    """The step of `step_s` over the stages' micro-batch times."""
+    step = step_s([s.micro_batch_s for s in stages], m, max(s.update_s for s in stages))
     return Pipeline(
         stages=stages,
         micro_batches=m,
@@ -466,8 +473,9 @@ class _Search:
 
 #: a partial pipeline, built from the last stage forwards: (the slowest closed stage's
 #: micro-batch time, the front stage's time so far (its backward send is not known yet), the
-#: slowest optimizer step, the stages chosen as (first unit, end unit, kind) from front to back)
-_Entry = tuple[float, float, float, tuple[tuple[int, int, int], ...]]
+#: slowest optimizer step, the closed stages' times summed, the stages chosen as (first unit,
+#: end unit, kind) from front to back)
+_Entry = tuple[float, float, float, float, tuple[tuple[int, int, int], ...]]
 
 
 def _search(ctx: _Search, bound: float) -> Pipeline | None:
@@ -489,6 +497,7 @@ def _search(ctx: _Search, bound: float) -> Pipeline | None:
                     0.0,
                     model.compute_s(i, n_units, node, b),
                     model.update_s(i, n_units, node),
+                    0.0,
                     ((i, n_units, k),),
                 )
                 _add(layers[i], (_bump(start, k), k), entry)
@@ -496,8 +505,9 @@ def _search(ctx: _Search, bound: float) -> Pipeline | None:
         for (used, k), entries in layers[i].items():
             stages = sum(used)
             for entry in entries:
-                slowest, front, update, chosen = entry
-                lower = (m + stages - 1) * max(slowest, front) + update
+                slowest, front, update, total, chosen = entry
+                # exact once the front stage is the first (i == 0); stages in front only add
+                lower = total + front + (m - 1) * max(slowest, front) + update
                 if lower >= bound or (best is not None and lower >= best[0]):
                     continue
                 if i == 0:
@@ -541,7 +551,7 @@ def _extend(
     """Every stage that can go in front of ``entry``'s front stage (which starts at unit ``i``)
     and keeps the step under ``bound``."""
     model, members, m, schedule, b = ctx.model, ctx.members, ctx.m, ctx.schedule, ctx.b
-    slowest, front, update, chosen = entry
+    slowest, front, update, total, chosen = entry
     after = sum(used)
     receiver = members[k][0]
     for v, group in enumerate(members):
@@ -549,18 +559,18 @@ def _extend(
             continue
         sender, bumped = group[0], _bump(used, v)
         cut = model.boundary_s(i, sender, receiver, b)
-        closed = max(slowest, front + cut)
+        closed, closed_total = max(slowest, front + cut), total + front + cut
         flight = in_flight(schedule, m, after + 1)
         for h in range(i - 1, -1, -1):
             if model.memory(h, i, flight, b) > sender.memory_bytes:
                 break  # a longer stage holds at least as much
             new_front = model.compute_s(h, i, sender, b) + cut
             new_update = max(update, model.update_s(h, i, sender))
-            if (m + after) * max(closed, new_front) + new_update >= bound:
+            if closed_total + new_front + (m - 1) * max(closed, new_front) + new_update >= bound:
                 break  # a longer stage is no faster
-            if h > 0 and not _may_finish(ctx, bumped, h, v, closed, new_front, new_update, bound):
+            if h > 0 and not _may_finish(ctx, bumped, h, v, (closed, new_front, new_update, closed_total), bound):
                 continue
-            _add(layers[h], (bumped, v), (closed, new_front, new_update, ((h, i, v), *chosen)))
+            _add(layers[h], (bumped, v), (closed, new_front, new_update, closed_total, ((h, i, v), *chosen)))
 
 
 def _may_finish(
@@ -568,15 +578,15 @@ def _may_finish(
     used: tuple[int, ...],
     h: int,
     front_kind: int,
-    slowest: float,
-    front: float,
-    update: float,
+    times: tuple[float, float, float, float],
     bound: float,
 ) -> bool:
     """Whether units [0, h) could still go on the nodes ``used`` leaves, in a pipeline whose step
     beats ``bound``: their state must fit in the memory left, the front stage still sends a
     gradient back across the cut at ``h``, and no split runs their FLOPs faster than all the
-    speed left together."""
+    speed left together (so the stages in front take at least that time in sum, and the slowest
+    of them at least that long). ``times``: the entry's (slowest, front, update, closed total)."""
+    slowest, front, update, total = times
     stages = sum(used)
     if stages >= ctx.max_stages:
         return False
@@ -585,7 +595,7 @@ def _may_finish(
         return False
     spread = ctx.b * ctx.model.flops[h] / speed
     cut = ctx.cheapest_cut(h, front_kind, used)
-    return (ctx.m + stages) * max(slowest, front + cut, spread) + update < bound
+    return total + front + cut + spread + (ctx.m - 1) * max(slowest, front + cut, spread) + update < bound
 
 
 def _bump(used: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -597,14 +607,14 @@ def _add(
     key: tuple[tuple[int, ...], int],
     entry: _Entry,
 ) -> None:
-    """Keep ``entry`` in its state's Pareto set unless one there is at least as good in all three
+    """Keep ``entry`` in its state's Pareto set unless one there is at least as good in all four
     times; drop those it beats."""
     entries = layer.setdefault(key, [])
-    a, b, c = entry[0], entry[1], entry[2]
+    a, b, c, d = entry[0], entry[1], entry[2], entry[3]
     for e in entries:
-        if e[0] <= a and e[1] <= b and e[2] <= c:
+        if e[0] <= a and e[1] <= b and e[2] <= c and e[3] <= d:
             return
-    entries[:] = [e for e in entries if not (a <= e[0] and b <= e[1] and c <= e[2])]
+    entries[:] = [e for e in entries if not (a <= e[0] and b <= e[1] and c <= e[2] and d <= e[3])]
     entries.append(entry)
 
 
