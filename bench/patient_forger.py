@@ -29,7 +29,8 @@ one shard a round) and drives the hub's own policy code for every decision, neve
   does until it settles or drops; spot-check rates are ``round_policy.spot_rate`` /
   ``spot_checks.trusted_rate`` (decaying trust) inside it;
 - which segment a re-execution replays: ``referee.pick_segment`` on the update's ``Commitment``
-  (beside the disagreeing replica's for a disagreement, a uniform secret draw otherwise); the
+  (for a disagreement, beside the replica's: one class here, so the first checkpoint whose hash
+  differs, which is the forged segment; a uniform secret draw otherwise); the
   verdict is "mismatch" when that segment is a forged one, else "reproduced" (an honest segment
   re-executed reproduces: referee_calibration.py);
 - the node's record: ``reputation.record_agreement`` / ``record_flag`` for the nodes a decision
@@ -50,7 +51,9 @@ own), ``forgers_stopped_fraction`` (suspended by the end, of the forgers that be
 ``honest_flagged`` (flags on honest nodes), ``verification_cost_fraction`` (re-executed steps over
 trained steps: one segment of ``--segments`` per re-execution, every training including replicas
 and the three-replica groups that earn trust; not CPU time); the same with every segment forged
-(``*_every_segment_forged``) and at ``spot_check_trusted = 1`` (``*_full_audit``). Each run
+(``*_every_segment_forged``), at ``spot_check_trusted = 1`` (``*_full_audit``), and with a
+disagreement's segment found from the committed norms alone, as for replicas of different
+classes (``*_norms_pointer``, ``--no-hash-pointer``: what the hashes add). Each run
 (``runs``) also has ``replication_overhead`` (replica trainings / shards, the trust-earning
 rounds included), ``forged_aggregated_verified`` (crafted updates aggregated and marked verified:
 a fellow member's replica agreed, or a replay drew one of its honest segments; a rollback before
@@ -68,9 +71,9 @@ gives back. Beside it: the clean run (all 10 honest), the clean run of the 7 hon
 (fewer, larger shards a round: what the job after a rollback trains like), and the forged run
 continued without a rollback.
 
-Run (2 cores, 4-6 min): .venv/bin/python bench/patient_forger.py [--identities 700]
+Run (2 cores, 4-7 min): .venv/bin/python bench/patient_forger.py [--identities 700]
     [--rounds 160] [--round-s 300] [--segments 8] [--forged-segments 1|all] [--rates 0.1,0.3,1]
-    [--no-rollback] [--seed 1] [--out PATH]
+    [--no-hash-pointer] [--no-rollback] [--seed 1] [--out PATH]
 -> bench/results/patient_forger.json, and a table on stdout.
 """
 
@@ -187,9 +190,11 @@ class World:
 
     def commitment(self, shard: str, crafted: bool) -> Commitment:
         """The honest trajectory's hashes and norms; a crafted one's hashes differ from its first
-        forged checkpoint on, its norms are the honest ones (matched within NORM_SPLIT)."""
+        forged checkpoint on, its norms are the honest ones (matched within NORM_SPLIT). The norms
+        fall slowly over the segments, the largest about 1.4 x the median of the others (honest
+        trajectories measured 1.08-1.66: referee.STANDOUT), so no segment stands out."""
         rng = random.Random(_h(self.seed, shard, "norms"))
-        norms = tuple(1.0 / (1 + 0.2 * i) * rng.uniform(0.9, 1.1) for i in range(self.segments))
+        norms = tuple(1.0 / (1 + 0.1 * i) * rng.uniform(0.9, 1.1) for i in range(self.segments))
         first = self.segments - self.forged if crafted else self.segments + 1
         hashes = tuple(
             _h(shard, i, "forged" if i > first else "") for i in range(self.segments + 1)
@@ -346,11 +351,18 @@ class Simulation:
         """The referee replays the segment pick_segment chooses, as the round engine asks it."""
         self.tally.reexecutions += 1
         self.tally.reexec_by_reason[reason] = self.tally.reexec_by_reason.get(reason, 0) + 1
+        # as RefereeReplays.ask: beside a disagreeing replica whose trajectory differs, of one class here
         others = [o.commitment for o in works if o.update_id != w.update_id]
+        other = (
+            next((o for o in others if o.hashes != w.commitment.hashes), others[0])
+            if others
+            else None
+        )
         seg = pick_segment(
             w.commitment,
-            others[0] if reason == "disagreement" and others else None,
+            other if reason == "disagreement" else None,
             draw=self.rng.random(),
+            same_class=self.args.hash_pointer,
         )
         bad = w.crafted and seg in self.world.forged_segments()
         return SegmentVerdict(
@@ -628,6 +640,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
+        "--hash-pointer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas of one class: a disagreement replays the first segment whose hash differs",
+    )
+    ap.add_argument(
         "--rollback",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -648,9 +666,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ).run()
             print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
     default = f"trusted{float(VSPEC.spot_check_trusted):g}"
+    # the same at the defaults with a disagreement's segment found from the norms alone (the rule
+    # for replicas of different classes): what the checkpoint hashes add
+    norms_only = f"{default}_forged_{args.forged_segments}_norms_pointer"
+    runs[norms_only] = Simulation(
+        VSPEC, argparse.Namespace(**{**vars(args), "hash_pointer": False})
+    ).run()
+    print(f"{norms_only}: {time.perf_counter() - t0:.0f} s", flush=True)
     main_run = runs[f"{default}_forged_{args.forged_segments}"]
     fig = {k: main_run[k] for k in TARGETS}
     fig |= {f"{k}_every_segment_forged": runs[f"{default}_forged_all"][k] for k in TARGETS}
+    fig |= {f"{k}_norms_pointer": runs[norms_only][k] for k in TARGETS}
     if 1.0 in rates:
         fig |= {
             f"{k}_full_audit": runs[f"trusted1_forged_{args.forged_segments}"][k] for k in TARGETS
