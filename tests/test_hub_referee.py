@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import math
@@ -145,6 +146,42 @@ async def test_a_spot_check_asks_for_committed_states_and_checks_each_upload(tmp
         assert ev["distance"] <= ev["threshold"] == 1e-3 and ev["node"] == owner.node_id
         assert ev["onednn"] is False  # replayed in the node's class, as its hello said
         assert ev["norms_tested"] == len(commitments[owner.node_id].norms)
+    finally:
+        await hub.stop()
+
+
+async def test_same_class_replicas_that_disagree_replay_the_segment_where_their_hashes_part(tmp_path: Path) -> None:
+    """Two nodes of one compute class train a replicated shard; the second uploads another update
+    with a commitment whose norms are the honest ones and whose hashes leave the honest ones at
+    checkpoint 3 (what a forger rewriting segment 2 commits to). The disagreement asks both for
+    segment 2, found from the hashes, not from the draw."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=1, replication="1.0", replica_wait_s=30.0)
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            await submit_job(s, hub, spec_path, train, val)
+            cpu = compute_class(torch.device("cpu"))
+            nodes = [SimNode(s, hub.url, compute=cpu), SimNode(s, hub.url, compute=cpu)]
+            for n in nodes:
+                await n.register()
+            work = [await n.work(0.5) for n in nodes]
+            assert all(isinstance(a, Assignment) for a in work)
+            for i, (n, a) in enumerate(zip(nodes, work, strict=True)):
+                blob, samples, loss, c = await _train_committed(n, a, CheckpointStore(tmp_path / f"s{i}"))
+                assert len(c.hashes) > 4
+                if i == 1:
+                    blob = encode_state({k: v * 1.5 for k, v in decode_state(bytearray(blob)).items()})
+                    c = dataclasses.replace(c, hashes=(*c.hashes[:3], *(f"{j:064x}" for j in range(len(c.hashes) - 3))))
+                assert (await n.open_response(await n.upload_raw(n.update_header(a, blob, samples, loss,
+                                                                                commitment=c), blob), Ack)).ok
+            for n in nodes:
+                await _state_request(n)
+        conn = open_store(hub.data_dir)
+        try:
+            rows = conn.execute("SELECT reason, segment FROM state_requests").fetchall()
+        finally:
+            conn.close()
+        assert sorted(rows) == [("disagreement", 2), ("disagreement", 2)]
     finally:
         await hub.stop()
 

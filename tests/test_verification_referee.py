@@ -409,6 +409,24 @@ def test_the_referee_asks_for_every_state_while_they_are_small() -> None:
     assert len(asked.steps) == 40 and decode_message(encode_message(asked), StateRequest) == asked  # the wire takes all 40
 
 
+def test_beside_a_same_class_replica_the_first_diverging_checkpoint_is_replayed() -> None:
+    """A forger that rewrites one segment and claims its honest norm is not found by the norms;
+    beside a replica of its own class (bit-identical training) the hashes point at that segment,
+    whatever the draw. Across classes every state differs: the norms and the draw decide."""
+    honest = Commitment(every=2, steps=10, precision="fp32", hashes=tuple(c * 64 for c in "abcdef"),
+                        norms=(1.0, 0.9, 0.8, 0.7, 0.6))
+    forged = dataclasses.replace(honest, hashes=(*honest.hashes[:3], "x" * 64, "y" * 64, "z" * 64))  # segment 2 on
+    for draw in (0.0, 0.5, 0.99):
+        assert pick_segment(forged, honest, draw=draw, same_class=True) == 2
+        assert pick_segment(honest, forged, draw=draw, same_class=True) == 2
+    assert pick_segment(forged, honest, draw=0.0) == 0  # not told it is one class: the norms agree, the draw
+    other_class = dataclasses.replace(honest, hashes=(honest.hashes[0], *("q" * 64 for _ in range(5))),
+                                      norms=(1.0, 0.9, 0.85, 0.7, 0.6))
+    assert pick_segment(forged, other_class, draw=0.0) == 2  # the first diverging norm
+    assert pick_segment(forged, dataclasses.replace(honest, every=5, steps=10, norms=(1.0, 1.0),
+                                                    hashes=honest.hashes[:3]), draw=0.0, same_class=True) == 0
+
+
 def test_the_segment_replayed_is_drawn_under_the_hubs_secret_not_the_largest_claimed() -> None:
     """A spot-check's segment is uniform over the segments and secret to the node: a node that
     claims a small norm for the segment it crafted in is no longer sure never to be replayed."""

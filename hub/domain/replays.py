@@ -127,9 +127,12 @@ class RefereeReplays:
         for rid in [rid for rid, r in self.state_requests.items() if r.job_id == job_id]:
             del self.state_requests[rid]
 
-    async def ask(self, job: JobState, shard: ShardState, decision: policy.Referee) -> bool:
+    async def ask(self, job: JobState, shard: ShardState, decision: policy.Referee, *,
+                  same_class: bool = False) -> bool:
         """Open a state request for each update the policy wants re-executed (persisted first);
-        an update with no usable commitment gets its unverifiable verdict at once (True)."""
+        an update with no usable commitment gets its unverifiable verdict at once (True).
+        ``same_class``: the shard's replicas are of one compute class (ReplicaState.comparison),
+        so a disagreement's segment is found from the checkpoint hashes (referee.pick_segment)."""
         now = time.time()
         vspec = job.spec.verification
         by_id = {u.id: u for u in shard.accepted}
@@ -145,9 +148,11 @@ class RefereeReplays:
                 at_once[uid] = SegmentVerdict(uid, u.node_id, "unverifiable", base | {
                     "why": "the update carries no usable checkpoint commitment"})
                 continue
+            # beside a disagreeing replica: one whose trajectory differs from this one, when any does
             others = [o.commitment for o in shard.accepted if o.id != uid and o.commitment is not None]
-            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
-                               draw=segment_draw(self.audit_secret, job.id, uid))
+            other = next((o for o in others if o.hashes != c.hashes), others[0]) if others else None
+            seg = pick_segment(c, other if decision.reason == "disagreement" else None,
+                               draw=segment_draw(self.audit_secret, job.id, uid), same_class=same_class)
             steps = request_steps(c, seg, state_bytes)
             requests.append(StateRequestState(
                 id=new_id("sr"), job_id=job.id, round=job.round, shard_id=shard.id, update_id=uid,

@@ -60,7 +60,9 @@ class ShardSettling:
         else:
             decision = await asyncio.to_thread(self._decide, job, shard, ups, state)
         if isinstance(decision, policy.Referee):
-            return await self.referee.ask(job, shard, decision)
+            # one class, every member's key known: their replicas train bit for bit alike
+            same_class = state.comparison == "same_class" and len(state.class_keys) == len(shard.accepted)
+            return await self.referee.ask(job, shard, decision, same_class=same_class)
         await self._apply(job, shard, decision, state)
         return False
 

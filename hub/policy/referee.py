@@ -12,9 +12,16 @@ one the node committed to.
 Pure functions (tensors in, a verdict out); the round engine (hub/domain/rounds.py) gathers the
 inputs and the policy (hub/policy/round_policy.py) applies the verdicts.
 
-- ``pick_segment``: which segment to re-execute. Beside a disagreeing replica with the same
-  checkpoint grid: the first segment whose committed norms differ by more than ``NORM_SPLIT``
-  (Verde's first diverging step, found from the commitments without a download). Else the
+- ``pick_segment``: which segment to re-execute. Beside a disagreeing replica of the same compute
+  class with the same checkpoint grid (``same_class``, every member's class key known and equal):
+  the first segment whose committed end hash differs from the replica's. One class key means the
+  same device, kernels, versions and threads, and the node's trainer runs deterministically, so
+  the two trajectories agree bit for bit up to the step where one of them left honest training:
+  that segment is the one replayed, wherever the change sits and whatever norm it claims. An
+  honest node loses nothing by it (any of its segments reproduces). Beside a replica of another class (its
+  states differ from the first step on) or one of another grid: the first segment whose
+  committed norms differ by more than ``NORM_SPLIT`` (Verde's first diverging step, found from
+  the commitments without a download). Else the
   segment whose committed norm stands out (over ``STANDOUT`` x the median of the others: a
   change injected into one segment and claimed truthfully; PoL replays the largest updates).
   Else a segment drawn uniformly under the hub's secret (``draw``, rounds.segment_draw). Not
@@ -183,14 +190,20 @@ def largest_segment(c: Commitment) -> int:
     return max(range(len(c.norms)), key=lambda i: (c.norms[i], -i)) if c.norms else 0
 
 
-def pick_segment(c: Commitment, other: Commitment | None = None, *, draw: float | None = None) -> int:
+def pick_segment(c: Commitment, other: Commitment | None = None, *, draw: float | None = None,
+                 same_class: bool = False) -> int:
     """Index i of the segment [grid[i], grid[i+1]] to re-execute (see the module docstring):
-    the first where ``other``'s committed norms diverge from ``c``'s, else one whose norm stands
-    out (``STANDOUT``), else the one ``draw`` (in [0, 1), secret to the node) lands on. Without a
-    draw (tests, tools): the largest norm."""
+    the first whose end hash differs from ``other``'s when the two are of one compute class
+    (``same_class``), else the first where ``other``'s committed norms diverge from ``c``'s, else
+    one whose norm stands out (``STANDOUT``), else the one ``draw`` (in [0, 1), secret to the
+    node) lands on. Without a draw (tests, tools): the largest norm."""
     if not c.norms:
         return 0
     if other is not None and other.every == c.every and other.steps == c.steps and len(other.norms) == len(c.norms):
+        if same_class and len(other.hashes) == len(c.hashes):
+            for i, (a, b) in enumerate(zip(c.hashes[1:], other.hashes[1:], strict=True)):
+                if a != b:
+                    return i
         for i, (a, b) in enumerate(zip(c.norms, other.norms, strict=True)):
             if abs(a - b) > NORM_SPLIT * max(a, b, 1e-30):
                 return i
