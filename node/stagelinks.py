@@ -2,8 +2,9 @@
 straight to the stages that advertise a direct address (``gpuflex-node run --stage-listen``,
 carried in ``StageAssignment.stage_addresses``), with the relay for the rest.
 
-The relay's sends go out on a thread of their own (``SendAhead``), so the next micro-batch starts
-at once. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
+The relay's sends go out on threads of their own (``SendAhead``, ``SEND_POOL`` of them in flight),
+so the next micro-batch starts at once, and its receives are asked for ahead of need
+(``Prefetch``, ``RECEIVE_AHEAD`` at a time) from the stage's schedule. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
 both ends of every message agree; this node listens on its own address for its stage's tensors,
 refusing any larger than the largest tensor its pipeline can send (a boundary's activation for
 one micro-batch, or a tied parameter's gradient).
@@ -30,9 +31,15 @@ from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec, max_encoded_size
 from torch import nn
 
 from .pipeline.direct import DirectTransport, RoutedTransport, StageListener, parse_address
+from .pipeline.prefetch import Prefetch
 from .pipeline.relay import RelayTransport
 from .pipeline.stage import boundary_specs
 from .pipeline.transport import SendAhead, Transport
+
+#: relay sends in flight at once, each on its own connection (a relay send waits for the hub's
+#: answer), and relay receives asked for ahead of need (node/pipeline/prefetch.py)
+SEND_POOL = 4
+RECEIVE_AHEAD = 8
 
 
 def largest_message_bytes(a: StageAssignment) -> int:
@@ -85,9 +92,10 @@ def stage_links(
     ``key`` signs the direct messages."""
     addresses = {s: addr for s, addr in enumerate(a.stage_addresses) if addr}
     if not addresses:
-        sender, receiver = relay(), relay()
-        ahead = SendAhead(sender, receiver)
-        return StageLinks(ahead, [ahead.close, sender.close, receiver.close])
+        senders = [relay() for _ in range(SEND_POOL)]
+        receiver = Prefetch(relay, depth=RECEIVE_AHEAD)
+        ahead = SendAhead(senders, receiver)
+        return StageLinks(ahead, [ahead.close, *(s.close for s in senders), receiver.close])
     own = addresses.get(a.stage)
     listener = StageListener(*parse_address(own)) if own else None
     direct = DirectTransport(

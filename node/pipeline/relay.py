@@ -18,6 +18,8 @@ import hashlib
 import http.client
 import json
 import random
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
@@ -72,17 +74,31 @@ class RelayTransport:
         self.clock = clock
         self.generation = generation
         self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+        self._aborted = False
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
-    def _request(
-        self, method: str, headers: dict[str, str], body: bytes | None, timeout_s: float
-    ) -> tuple[int, Mapping[str, str], bytes]:
-        """One request on the kept connection (reopened once if the hub closed it)."""
-        for attempt in (0, 1):
+    def abort(self) -> None:
+        """From another thread: end the request under way at once (its socket shut down) and
+        refuse every later one; ``close`` still lets the connection go."""
+        with self._lock:
+            self._aborted = True
+            sock = self._conn.sock if self._conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        """The kept connection, connected; PipelineError once ``abort`` was called."""
+        with self._lock:
+            if self._aborted:
+                raise PipelineError("the relay transport is closed")
             if self._conn is None:
                 cls = (
                     http.client.HTTPSConnection
@@ -90,14 +106,28 @@ class RelayTransport:
                     else http.client.HTTPConnection
                 )
                 self._conn = cls(self._parts.hostname or "", self._parts.port, timeout=timeout_s)
-            self._conn.timeout = timeout_s
+            conn = self._conn
+        conn.timeout = timeout_s
+        if conn.sock is None:
+            conn.connect()
+        with self._lock:  # an abort during the connect has not seen this socket
+            if self._aborted:
+                raise PipelineError("the relay transport is closed")
+        return conn
+
+    def _request(
+        self, method: str, headers: dict[str, str], body: bytes | None, timeout_s: float
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        """One request on the kept connection (reopened once if the hub closed it)."""
+        for attempt in (0, 1):
             try:
-                self._conn.request(method, "/v1/relay", body=body, headers=headers)
-                resp = self._conn.getresponse()
+                conn = self._connection(timeout_s)
+                conn.request(method, "/v1/relay", body=body, headers=headers)
+                resp = conn.getresponse()
                 return resp.status, {k: v for k, v in resp.getheaders()}, resp.read()
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                if attempt:
+                if attempt or self._aborted:
                     raise PipelineError(
                         f"the hub's relay cannot be reached: {type(exc).__name__}: {exc}"
                     ) from None
@@ -151,6 +181,12 @@ class RelayTransport:
             ) from None
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
+        sealed_b64, body = self.fetch(key, timeout_s=timeout_s)
+        return self.open(key, expected, sealed_b64, body)
+
+    def fetch(self, key: MessageKey, *, timeout_s: float) -> tuple[str, bytes]:
+        """The message under ``key`` as the hub hands it over, not yet checked: the sender's
+        sealed header (base64) and the tensor's bytes. ``open`` checks them."""
         give_up = time.monotonic() + timeout_s
         while True:
             left = give_up - time.monotonic()
@@ -185,9 +221,9 @@ class RelayTransport:
                     f"the hub's relay refused to hand over {key.describe()}: "
                     f"{_refusal(status, body)}"
                 )
-            return self._open(key, expected, headers.get(RELAY_HEADER, ""), body)
+            return headers.get(RELAY_HEADER, ""), body
 
-    def _open(
+    def open(
         self, key: MessageKey, expected: TensorSpec, sealed_b64: str, body: bytes
     ) -> torch.Tensor:
         """The sender's sealed header checked, then the bytes against it, then the tensor."""
@@ -197,7 +233,9 @@ class RelayTransport:
             raise PipelineError(
                 f"{key.describe()} came without a valid signed header: {exc}"
             ) from None
-        hdr, _ = open_header(sealed, job_id=self.job_id, peers=self.peers, key=key, generation=self.generation)
+        hdr, _ = open_header(
+            sealed, job_id=self.job_id, peers=self.peers, key=key, generation=self.generation
+        )
         return open_body(hdr, body, key, expected)
 
 

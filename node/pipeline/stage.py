@@ -144,6 +144,9 @@ class StageRunner:
         samples = sum(int(t.shape[0]) for t in targets)
         self.optimizer.zero_grad()
         self._held.clear()
+        ahead = getattr(self.transport, "expect", None)
+        if ahead is not None:  # a transport that asks for the step's tensors before they are due
+            ahead(self.receives(step, micro_batches))
         loss_sum = 0.0
         for action in stage_actions(
             self.schedule, stage=self.stage, stages=self.stages, micro_batches=micro_batches
@@ -160,6 +163,28 @@ class StageRunner:
         self._sum_tied(step)
         self.optimizer.step()
         return loss_sum if last else None
+
+    def receives(self, step: int, micro_batches: int) -> list[MessageKey]:
+        """What this stage receives in step ``step``, in the order ``run_step`` receives it: per
+        forward the activation from the stage before, per backward the gradient from the stage
+        after (the schedule's order), then each tied group's gradients from the other stages."""
+        keys: list[MessageKey] = []
+        for action in stage_actions(
+            self.schedule, stage=self.stage, stages=self.stages, micro_batches=micro_batches
+        ):
+            i = action.micro_batch
+            if action.op == "F" and self.stage > 0:
+                keys.append(MessageKey(step, i, "activation", self.stage - 1, self.stage))
+            elif action.op == "B" and self.stage < self.stages - 1:
+                keys.append(MessageKey(step, i, "gradient", self.stage + 1, self.stage))
+        for g, group in enumerate(self.tied):
+            if any(stage == self.stage for stage, _ in group.members):
+                keys += [
+                    MessageKey(step, g, "tied", s, self.stage)
+                    for s in group.stages()
+                    if s != self.stage
+                ]
+        return keys
 
     def _device(self) -> torch.device:
         first = next(self.module.parameters(), None)

@@ -6,13 +6,14 @@ group, its micro-batch the group's index) and the two stages. ``send`` never wai
 receiver; ``receive`` waits for the message, then checks it against what the receiver expects
 (shape, dtype, finite values) and refuses it in one line otherwise. The relay through the hub
 (node/pipeline/relay.py) is the other implementation. ``SendAhead`` puts a transport's sends on
-a thread of their own, so the next micro-batch's compute starts while a tensor is on its way.
+threads of their own, so the next micro-batch's compute starts while a tensor is on its way.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,29 +96,46 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 
 class SendAhead:
-    """``Transport`` whose sends go out in order on a thread of their own (``sender``), while
-    ``receiver`` serves receives on the caller's thread: two transports, since a relay's holds one
-    connection. ``send`` keeps a CPU copy of the tensor and returns; at most ``depth`` tensors
-    wait. A send that fails is raised by the next ``send``, ``receive`` or ``flush``; ``flush``
-    returns once every tensor sent is delivered (a step's end). What travels, and in what order
-    each receiver sees it, does not change: the training is the same bit for bit."""
+    """``Transport`` whose sends go out on threads of their own, one per ``sender`` (a relay's
+    holds one connection and waits for each answer: several keep several sends in flight), while
+    ``receiver`` serves receives on the caller's thread. ``send`` keeps a CPU copy of the tensor
+    and returns; at most ``depth`` tensors wait. A send that fails is raised by the next
+    ``send``, ``receive`` or ``flush``, and nothing more goes out; ``flush`` returns once every
+    tensor sent is delivered (a step's end). ``expect`` passes a stage's coming receives on to
+    a ``receiver`` that asks for them ahead. What travels does not change, and each receiver
+    takes each tensor by its key, whatever order they arrive in: the training is the same bit
+    for bit."""
 
-    def __init__(self, sender: Transport, receiver: Transport, *, depth: int = 64) -> None:
-        self.sender = sender
+    def __init__(
+        self,
+        sender: Transport | Sequence[Transport],
+        receiver: Transport,
+        *,
+        depth: int = 64,
+    ) -> None:
+        self.senders = list(sender) if isinstance(sender, Sequence) else [sender]
+        if not self.senders:
+            raise PipelineError("sending ahead needs at least one sender")
         self.receiver = receiver
         self._queue: queue.Queue[tuple[MessageKey, torch.Tensor] | None] = queue.Queue(depth)
         self._error: BaseException | None = None
         self._dropping = False
-        self._thread = threading.Thread(target=self._drain, name="gpuflex-send-ahead", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._drain, args=(s,), name=f"gpuflex-send-ahead-{i}")
+            for i, s in enumerate(self.senders)
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
 
-    def _drain(self) -> None:
+    def _drain(self, sender: Transport) -> None:
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None and not self._dropping:  # after a failure, none goes
-                    self.sender.send(*item)
+                    sender.send(*item)
             except BaseException as exc:  # raised on the caller's thread (``_raise``)
-                self._error = exc
+                if self._error is None:
+                    self._error = exc
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -128,7 +146,7 @@ class SendAhead:
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         self._raise()
-        if not self._thread.is_alive():
+        if self._dropping or not all(t.is_alive() for t in self._threads):
             raise PipelineError(f"{key.describe()} cannot be sent: the sender is closed")
         self._queue.put((key, tensor.detach().to("cpu", copy=True)))
 
@@ -136,17 +154,25 @@ class SendAhead:
         self._raise()
         return self.receiver.receive(key, expected, timeout_s=timeout_s)
 
+    def expect(self, keys: Sequence[MessageKey]) -> None:
+        """The receives the stage will make next, for a receiver that asks for them ahead."""
+        ahead = getattr(self.receiver, "expect", None)
+        if ahead is not None:
+            ahead(keys)
+
     def flush(self) -> None:
         """Wait until every tensor sent has gone; the first failure, if any."""
         self._queue.join()
         self._raise()
 
     def close(self) -> None:
-        """Stop the sending thread, dropping what still waits (idempotent): the stage is over."""
+        """Stop the sending threads, dropping what still waits (idempotent): the stage is over."""
         self._dropping = True
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
 
 
 class MemoryNetwork:

@@ -113,6 +113,12 @@ class _TimedTransport:
         finally:
             self.waited += time.perf_counter() - t0
 
+    def expect(self, keys: Sequence[MessageKey]) -> None:
+        """The receives the stage will make next, for a transport that asks for them ahead."""
+        ahead = getattr(self.inner, "expect", None)
+        if ahead is not None:
+            ahead(keys)
+
     def flush(self) -> None:
         """Wait for the sends still on their way (a ``SendAhead``'s), counted as waiting."""
         if isinstance(self.inner, SendAhead):
