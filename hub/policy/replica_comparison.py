@@ -3,10 +3,18 @@
 ``compare_replicas`` clusters a replica group by relative distance and decides whether a
 majority stands (and which update represents the shard), another replica is needed, or the
 group ends without agreement. hub/policy/round_policy.py decides what the round does with it.
+
+A pair is read from the members' fingerprints first (hub/policy/fingerprints.py): equal bytes
+agree (distance exactly 0), and a pair whose lower bound clears the tolerance disagrees; any
+other pair is measured in full. The decision is the full distance's in every case (the bounds
+are inequalities); what changes is the evidence of a pair the fingerprints settled apart, which
+holds the lower bound (``measured`` "fingerprint") until a flag needs it: every pair a flag's
+evidence names is measured in full first (``measured_in_full``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +23,17 @@ from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS, PageReleaser
 from .distances import cosine_and_norms, relative_distance
+from .fingerprints import Fingerprint, distance_bounds, fingerprint_of
 from .update_record import EPS, Flag, UpdateRecord, VerificationError, jsonable
 
-__all__ = ["TOP_TENSORS", "ReplicaOutcome", "ReplicaPair", "compare_replicas"]
+__all__ = [
+    "TOP_TENSORS",
+    "ReplicaOutcome",
+    "ReplicaPair",
+    "compare_replicas",
+    "fingerprinted",
+    "measured_in_full",
+]
 
 TOP_TENSORS = 5  # per-tensor evidence kept for a replica pair
 
@@ -27,13 +43,15 @@ class ReplicaPair:
     """Two members of a replica group and how far apart their updates are.
 
     ``tensors``: the ``TOP_TENSORS`` tensors that differ most, (name, relative distance),
-    farthest first (ties by name)."""
+    farthest first (ties by name). ``measured``: "full", or "fingerprint" when the pair was
+    settled apart by the fingerprints: ``distance`` is then a lower bound, and no tensors."""
 
     a: str
     b: str
     distance: float
     agree: bool
     tensors: tuple[tuple[str, float], ...] = ()
+    measured: str = "full"
 
     def involves(self, update_id: str) -> bool:
         return update_id in (self.a, self.b)
@@ -46,7 +64,7 @@ class ReplicaPair:
             "relative_distance": jsonable(self.distance),
             "agree": self.agree,
             "tensors": {k: jsonable(v) for k, v in self.tensors},
-        }
+        } | ({"measured": "fingerprint_lower_bound"} if self.measured == "fingerprint" else {})
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,8 @@ class ReplicaOutcome:
 
 #: a memo of pairwise distances by update-id pair: (whole-update distance, per tensor)
 Distances = dict[tuple[str, str], tuple[float, dict[str, float]]]
+#: a memo of fingerprints by update id (a record that carries its own is read first)
+Fingerprints = dict[str, Fingerprint]
 
 
 def compare_replicas(
@@ -79,12 +99,16 @@ def compare_replicas(
     trusted: Collection[str] | None = None,
     slice_elems: int = DEFAULT_SLICE_ELEMS,
     distances: Distances | None = None,
+    fingerprints: Fingerprints | None = None,
+    use_fingerprints: bool = True,
 ) -> ReplicaOutcome:
     """Decide one replica group (updates of the same shard, seed and chunks).
 
     ``distances``: a memo of pairwise distances by update-id pair, shared by calls that
     judge one group more than once (hub/policy/round_policy.py asks with the strict tolerance, then
-    with the cross-class one): each pair is measured once.
+    with the cross-class one): each pair is measured once. ``fingerprints``: the same for the
+    members' fingerprints; ``use_fingerprints`` False measures every pair in full (the same
+    decision, at the full price; a bench compares the two).
 
     ``trusted``: ids of the nodes that are trusted now (``is_trusted``); pass it
     (the hub should). When NO member of the group is trusted, agreement proves
@@ -116,7 +140,8 @@ def compare_replicas(
     if n == 0:
         return ReplicaOutcome(False, [], [], True, {**base, "why": "no replicas yet"})
     _check_group(records)
-    dist, pairs = _measure(records, tolerance, slice_elems, distances)
+    prints = (fingerprints if fingerprints is not None else {}) if use_fingerprints else None
+    dist, pairs = _measure(records, tolerance, slice_elems, distances, prints)
     clusters = [[j for j in range(n) if dist[i][j] <= tolerance] for i in range(n)]
     best_size = max(len(c) for c in clusters)
     # Distinct largest clusters (as sets): more than one means a tie, no majority.
@@ -132,10 +157,17 @@ def compare_replicas(
         if early is not None:
             return early
     if best_size >= quorum and 2 * best_size > n and len(largest) == 1:
-        return _majority(records, dist, next(iter(largest)), tolerance, evidence, pairs)
+        members = next(iter(largest))
+        dist, pairs = _flagged_in_full(
+            records, dist, pairs, set(range(n)) - set(members), slice_elems, distances
+        )
+        evidence["pairs"] = [p.evidence() for p in pairs]
+        return _majority(records, dist, members, tolerance, evidence, pairs)
     if n < max_replicas:
         why = "fewer than quorum replicas" if n < quorum else "no majority yet"
         return ReplicaOutcome(False, [], [], True, {**evidence, "why": why}, pairs=pairs)
+    dist, pairs = _flagged_in_full(records, dist, pairs, set(range(n)), slice_elems, distances)
+    evidence["pairs"] = [p.evidence() for p in pairs]
     return _no_majority(records, quorum, tolerance, evidence, pairs)
 
 
@@ -159,9 +191,12 @@ def _measure(
     tolerance: float,
     slice_elems: int,
     distances: Distances | None,
+    fingerprints: Fingerprints | None,
 ) -> tuple[list[list[float]], tuple[ReplicaPair, ...]]:
     """The (n, n) matrix of relative distances and every pair (i < j), each measured once
-    (``distances``, when given, is read first and filled)."""
+    (``distances``, when given, is read first and filled). With ``fingerprints`` (a memo, filled
+    here), a pair they settle is not measured in full (a pair settled apart holds the lower bound,
+    which is over ``tolerance``, so the clusters are the full distance's)."""
     n = len(records)
     ids = [r.update_id for r in records]
     dist = [[0.0] * n for _ in range(n)]
@@ -171,17 +206,103 @@ def _measure(
         for j in range(i + 1, n):
             key = (ids[i], ids[j])
             known = distances.get(key) if distances is not None else None
+            bounds = None
+            if known is None and fingerprints is not None:
+                fa, fb = (
+                    _fingerprint(records[i], fingerprints, slice_elems),
+                    _fingerprint(records[j], fingerprints, slice_elems),
+                )
+                bounds = distance_bounds(fa, fb)
+                # the same bytes: what relative_distance says of them
+                if bounds is not None and bounds[1]:
+                    known = (0.0, {name: 0.0 for name, _ in fa.layout})
+            if known is None and bounds is not None and bounds[0] > tolerance:
+                dist[i][j] = dist[j][i] = bounds[0]
+                pairs.append(ReplicaPair(ids[i], ids[j], bounds[0], False, measured="fingerprint"))
+                continue
             if known is None:
                 known = relative_distance(
                     records[i].delta, records[j].delta, slice_elems=slice_elems, pages=pages
                 )
-                if distances is not None:
-                    distances[key] = known
+            if distances is not None:
+                distances[key] = known
             d, per = known
             dist[i][j] = dist[j][i] = d
-            worst = sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS]
-            pairs.append(ReplicaPair(ids[i], ids[j], d, d <= tolerance, tuple(worst)))
+            pairs.append(ReplicaPair(ids[i], ids[j], d, d <= tolerance, _worst(per)))
     return dist, tuple(pairs)
+
+
+def _worst(per: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS])
+
+
+def _fingerprint(r: UpdateRecord, memo: Fingerprints, slice_elems: int) -> Fingerprint:
+    """The record's own fingerprint, else the memo's, else one taken now (and kept in the memo)."""
+    if r.fingerprint is not None:
+        return r.fingerprint
+    fp = memo.get(r.update_id)
+    if fp is None:
+        fp = memo[r.update_id] = fingerprint_of(r.delta, slice_elems=slice_elems)
+    return fp
+
+
+def fingerprinted(
+    records: Sequence[UpdateRecord], slice_elems: int = DEFAULT_SLICE_ELEMS
+) -> list[UpdateRecord]:
+    """``records``, each carrying its fingerprint (taken now where it has none): for a caller
+    that compares one group more than once."""
+    return [
+        r
+        if r.fingerprint is not None
+        else dataclasses.replace(r, fingerprint=fingerprint_of(r.delta, slice_elems=slice_elems))
+        for r in records
+    ]
+
+
+def measured_in_full(
+    records: Sequence[UpdateRecord],
+    pairs: Sequence[ReplicaPair],
+    involving: Collection[str],
+    *,
+    slice_elems: int = DEFAULT_SLICE_ELEMS,
+    distances: Distances | None = None,
+) -> tuple[ReplicaPair, ...]:
+    """``pairs`` with every pair that involves an update of ``involving`` and was settled by the
+    fingerprints measured in full (a flag's evidence holds the full distance). The decision stays:
+    the full distance is at least the lower bound that settled the pair apart."""
+    by_id = {r.update_id: r for r in records}
+    out = []
+    for p in pairs:
+        if p.measured == "fingerprint" and (p.a in involving or p.b in involving):
+            known = distances.get((p.a, p.b)) if distances is not None else None
+            if known is None:
+                known = relative_distance(
+                    by_id[p.a].delta, by_id[p.b].delta, slice_elems=slice_elems
+                )
+                if distances is not None:
+                    distances[(p.a, p.b)] = known
+            p = dataclasses.replace(p, distance=known[0], tensors=_worst(known[1]), measured="full")
+        out.append(p)
+    return tuple(out)
+
+
+def _flagged_in_full(
+    records: Sequence[UpdateRecord],
+    dist: list[list[float]],
+    pairs: tuple[ReplicaPair, ...],
+    flagged: set[int],
+    slice_elems: int,
+    distances: Distances | None,
+) -> tuple[list[list[float]], tuple[ReplicaPair, ...]]:
+    """``measured_in_full`` for the members about to be flagged (indices), ``dist`` updated."""
+    ids = [r.update_id for r in records]
+    pairs = measured_in_full(
+        records, pairs, {ids[i] for i in flagged}, slice_elems=slice_elems, distances=distances
+    )
+    at = {u: i for i, u in enumerate(ids)}
+    for p in pairs:
+        dist[at[p.a]][at[p.b]] = dist[at[p.b]][at[p.a]] = p.distance
+    return dist, pairs
 
 
 def _untrusted_wait(

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from ..base.errors import HubError
+from .fingerprints import Fingerprint
 
 __all__ = ["EPS", "REASONS", "Flag", "UpdateRecord", "VerificationError", "jsonable"]
 
@@ -68,6 +69,9 @@ class UpdateRecord:
     path_length: float | None = None
     #: the factor on the job's lr this update's shard trained with ([train] lr_scaling)
     lr_scale: float = 1.0
+    #: ``delta``'s fingerprint (hub/policy/fingerprints.py) when it was taken as the update
+    #: arrived; None: replica comparison takes it when it first needs it
+    fingerprint: Fingerprint | None = None
 
     @property
     def work(self) -> float:
