@@ -171,3 +171,18 @@ def test_a_referee_flag_holds_the_full_distance_of_its_pairs() -> None:
         "measured" not in pair
         and pair["relative_distance"] == relative_distance(honest, flipped)[0]
     )
+
+
+def test_a_replayed_segment_equal_to_the_committed_end_is_at_distance_zero() -> None:
+    from gpuflex.hub.policy.referee import segment_distance
+    from gpuflex.protocol.checkpoint import segment_norm
+
+    start = _update(6)
+    end = _noisy(start, 0.1, 9)
+    assert segment_distance(start, end, {k: v.clone() for k, v in end.items()}) == 0.0
+    other = _noisy(end, 1e-4, 10)
+    names = sorted(k for k, v in other.items() if v.is_floating_point())
+    want = segment_norm(other, end, names) / segment_norm(start, other, names)
+    assert segment_distance(start, end, other) == want > 0.0
+    nan = {**end, "1.bias": torch.full((10,), math.nan)}
+    assert math.isnan(segment_distance(start, nan, dict(nan)))  # NaN != NaN: the norms decide
