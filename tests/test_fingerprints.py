@@ -3,12 +3,13 @@ comparison through them decides exactly as the full distance does."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from gpuflex.hub.policy import round_policy as policy
 from gpuflex.hub.policy.distances import relative_distance
-from gpuflex.hub.policy.fingerprints import distance_bounds, fingerprint_of
+from gpuflex.hub.policy.fingerprints import BLOCKS, Fingerprint, distance_bounds, fingerprint_of
 from gpuflex.hub.policy.referee import SegmentVerdict
 from gpuflex.hub.policy.replica_comparison import compare_replicas
 from gpuflex.hub.policy.update_record import UpdateRecord
@@ -29,8 +30,11 @@ def _update(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _rec(uid: str, node: str, delta: dict[str, torch.Tensor]) -> UpdateRecord:
+def _rec(
+    uid: str, node: str, delta: dict[str, torch.Tensor], sha: str | None = None
+) -> UpdateRecord:
     return UpdateRecord(
+        sha=sha,
         update_id=uid,
         node_id=node,
         shard_id="s",
@@ -57,7 +61,7 @@ def _noisy(d: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, tor
 def _same_decision(
     records: list[UpdateRecord], spec: VerificationSpec, trusted: set[str] | None
 ) -> None:
-    fast = compare_replicas(records, spec, trusted=trusted)
+    fast = compare_replicas(records, spec, trusted=trusted, fingerprints={})
     full = compare_replicas(records, spec, trusted=trusted, use_fingerprints=False)
     assert (fast.agreed, fast.majority, fast.needs_more, fast.canonical) == (
         full.agreed,
@@ -74,7 +78,7 @@ def test_a_fingerprint_is_deterministic_and_reads_every_bit() -> None:
     a, b = fingerprint_of(d), fingerprint_of({k: v.clone() for k, v in d.items()}, slice_elems=257)
     assert a.digest == b.digest and a.layout == b.layout and a.norm == b.norm
     assert torch.equal(a.sums, b.sums) and torch.equal(a.squares, b.squares)
-    assert len(a.layout) == 4 and a.sums.numel() == 64 + 64 + 64 + 10  # the int tensor is not in it
+    assert len(a.layout) == 4 and a.sums.numel() == BLOCKS  # the int tensor is not in it
     flipped = {k: v.clone() for k, v in d.items()}
     flipped["0.weight"].view(-1)[1234] = torch.nextafter(
         flipped["0.weight"].view(-1)[1234], torch.tensor(9.0)
@@ -123,6 +127,9 @@ def test_fingerprints_and_full_distances_decide_the_same() -> None:
             ]
             for trusted in (None, {"n0"}, set()):
                 _same_decision(group, spec, trusted)
+            # as the hub's records come: the sha of each blob (equal bytes, equal shas)
+            shas = [dataclasses.replace(r, sha=fingerprint_of(r.delta).digest) for r in group]
+            _same_decision(shas, spec, {"n0"})
 
 
 def test_a_pair_near_the_threshold_is_measured_in_full_and_a_flag_holds_full_distances() -> None:
@@ -132,17 +139,24 @@ def test_a_pair_near_the_threshold_is_measured_in_full_and_a_flag_holds_full_dis
     # apart, but the sketch cannot tell
     spec = VerificationSpec(quorum=2, max_replicas=3, tolerance=d / 1.5)
     memo: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
-    out = compare_replicas([_rec("a", "n1", honest), _rec("b", "n2", near)], spec, distances=memo)
+    prints: dict[str, Fingerprint] = {}
+    out = compare_replicas(
+        [_rec("a", "n1", honest), _rec("b", "n2", near)], spec, distances=memo, fingerprints=prints
+    )
     assert out.needs_more and out.pairs[0].measured == "full" and memo[("a", "b")][0] == d
     assert out.evidence["pairs"][0]["tensors"] and "measured" not in out.evidence["pairs"][0]
     flipped = {k: -v if k.startswith("1.") else v.clone() for k, v in honest.items()}
     far = compare_replicas(
-        [_rec("a", "n1", honest), _rec("c", "n3", flipped)], spec, distances=memo
+        [_rec("a", "n1", honest), _rec("c", "n3", flipped)],
+        spec,
+        distances=memo,
+        fingerprints=prints,
     )
     assert far.needs_more and far.pairs[0].measured == "fingerprint" and ("a", "c") not in memo
     assert far.evidence["pairs"][0]["measured"] == "fingerprint_lower_bound"
     three = [_rec("a", "n1", honest), _rec("b", "n2", dict(honest)), _rec("c", "n3", flipped)]
-    flagged = compare_replicas(three, spec)
+    assert set(prints) == {"a", "b", "c"}
+    flagged = compare_replicas(three, spec, fingerprints=prints)
     assert flagged.agreed and [f.update_id for f in flagged.flags] == ["c"]
     ev = flagged.flags[0].evidence
     assert all("measured" not in p and p["tensors"] for p in ev["pairs"])
@@ -186,3 +200,15 @@ def test_a_replayed_segment_equal_to_the_committed_end_is_at_distance_zero() -> 
     assert segment_distance(start, end, other) == want > 0.0
     nan = {**end, "1.bias": torch.full((10,), math.nan)}
     assert math.isnan(segment_distance(start, nan, dict(nan)))  # NaN != NaN: the norms decide
+
+
+def test_replicas_uploaded_as_the_same_bytes_agree_without_a_fingerprint() -> None:
+    honest = _update(7)
+    group = [_rec("a", "n1", honest, sha="ab" * 32), _rec("b", "n2", dict(honest), sha="ab" * 32)]
+    prints: dict[str, Fingerprint] = {}
+    out = compare_replicas(group, SPEC, trusted={"n1"}, fingerprints=prints)
+    assert out.agreed and out.pairs[0].measured == "bytes" and not prints  # no tensor was read
+    assert (
+        out.pairs[0].evidence()
+        == compare_replicas(group, SPEC, use_fingerprints=False).pairs[0].evidence()
+    )

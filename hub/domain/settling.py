@@ -5,9 +5,10 @@ memory. A decision may be to ask the referee (replays.py) or to wait for more re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import Tensor
 
 from ..model.job import JobState, ShardState, UpdateState
 from ..policy import round_policy as policy
@@ -39,8 +40,9 @@ class ShardSettling:
         self.reputations = reputations
         self.referee = referee
         self.poke = poke  # the round engine looks at a job again
-        #: update id -> its fingerprint, taken the first time its shard is compared and kept
-        #: while the shard is open (a shard is decided again as replicas and verdicts come in)
+        #: update id -> its fingerprint, taken the first time its shard's members are compared
+        #: (committed, and not all the same bytes), kept while the shard is open (a shard is
+        #: decided again as replicas and verdicts come in)
         self.fingerprints: dict[str, Fingerprint] = {}
 
     def replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
@@ -80,22 +82,23 @@ class ShardSettling:
         base = job.trend_base()
         with (open_deltas(self.blobs, [u.sha for u in ups], job.layout) as deltas,
               open_deltas(self.blobs, [job.model_hash, base] if base else []) as models):
-            records = update_records(job, self.scheduler.nodes, {u.id: shard for u in ups}, ups, deltas)
-            if len(records) >= 2:
-                records = [dataclasses.replace(r, fingerprint=self._fingerprint(r)) for r in records]
+            ref = self.referee.inputs(job, shard, ups)
+            # where the referee may settle a disagreement, the fingerprints spare the full distances
+            prints = ({u.id: self._fingerprint(u, d) for u, d in zip(ups, deltas, strict=True)}
+                      if ref.committed and len({u.sha for u in ups}) > 1 else None)
+            records = update_records(job, self.scheduler.nodes, {u.id: shard for u in ups}, ups, deltas, prints)
             trend = {u.id: vf.trend_alignment(d, models[0], models[1]) for u, d in zip(ups, deltas, strict=True)
                      } if models else {}
-            ref = self.referee.inputs(job, shard, ups)
             decision = policy.decide_shard(records, job.spec.verification, state, self.reputations.of(ups),
                                            committed=ref.committed, verdicts=ref.verdicts, spot_draw=ref.spot_draw,
                                            trend=trend)
             del records
         return decision
 
-    def _fingerprint(self, r: vf.UpdateRecord) -> Fingerprint:
-        fp = self.fingerprints.get(r.update_id)
+    def _fingerprint(self, u: UpdateState, delta: Mapping[str, Tensor]) -> Fingerprint:
+        fp = self.fingerprints.get(u.id)
         if fp is None:
-            fp = self.fingerprints[r.update_id] = fingerprint_of(r.delta)
+            fp = self.fingerprints[u.id] = fingerprint_of(delta, sha=u.sha)
             # list() and pop() are single steps for another thread (the loop pops in _apply)
             for old in list(self.fingerprints)[: len(self.fingerprints) - FINGERPRINTS_KEPT]:
                 self.fingerprints.pop(old, None)

@@ -1,9 +1,10 @@
 """Fingerprints of updates: a small sketch that settles most replica pairs without the full distance.
 
 An update's fingerprint is computed once (``fingerprint_of``) and compared with another's in a
-few vector operations (``distance_bounds``). Each floating tensor is cut into at most ``BLOCKS``
-contiguous blocks; for each block B the fingerprint keeps its squared norm ||x_B||^2 and its sum
-over a seeded pattern of signs, <s_B, x_B> / sqrt|B| (a projection onto a unit vector). With the
+few vector operations (``distance_bounds``). The update's floating tensors, laid end to end, are
+cut into ``BLOCKS`` contiguous blocks; for each block B the fingerprint keeps its squared norm
+||x_B||^2 and its sum over a seeded pattern of signs, <s_B, x_B> / sqrt|B| (a projection onto a
+unit vector). With the
 sha256 digest of the tensors' bytes and the update's norm, that bounds the relative distance
 (``distances.relative_distance``) of two updates for EVERY pair, with no probability in it:
 
@@ -11,7 +12,7 @@ sha256 digest of the tensors' bytes and the update's norm, that bounds the relat
 - a lower bound: per block, ||a_B - b_B|| >= | ||a_B|| - ||b_B|| | (the triangle inequality) and
   ||a_B - b_B|| >= |<s_B, a_B - b_B>| / sqrt|B| (Cauchy-Schwarz against the unit vector
   s_B / sqrt|B|); the larger of the two, summed in squares over the blocks, is at most
-  ||a - b||^2. A tensor of at most ``BLOCKS`` elements has blocks of one element, where both
+  ||a - b||^2. An update of at most ``BLOCKS`` elements has blocks of one element, where both
   terms ARE the distance.
 
 So a pair with equal digests agrees at any tolerance, and a pair whose lower bound exceeds the
@@ -29,6 +30,7 @@ trusted only beyond ``SLACK`` (relative and absolute) of the tolerance.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -41,8 +43,10 @@ from .aggregation import DEFAULT_SLICE_ELEMS, floating_keys
 
 __all__ = ["BLOCKS", "SEED", "SLACK", "Fingerprint", "distance_bounds", "fingerprint_of"]
 
-#: blocks per tensor: a fingerprint holds 2 x BLOCKS floats per floating tensor
-BLOCKS = 64
+#: blocks of an update: a fingerprint holds 2 x BLOCKS floats
+BLOCKS = 256
+#: the sign pattern is drawn in chunks of this many signs (chunk c seeded SEED + c)
+PATTERN_CHUNK = 1 << 16
 #: the sign patterns' seed (public: the bound holds whatever the pattern)
 SEED = 0x6F1D
 #: margin for float rounding, relative and absolute, in units of the relative distance
@@ -54,8 +58,7 @@ class Fingerprint:
     """A sketch of one update's floating tensors (see the module docstring).
 
     ``layout``: (name, shape) of each floating tensor in the update's order; ``digest``: sha256
-    of their names, dtypes, shapes and bytes; ``sums`` / ``squares``: per block, float64, the
-    blocks of every tensor end to end; ``norm``: the update's L2 norm."""
+    of their names, dtypes, shapes and bytes; ``sums`` / ``squares``: per block, float64; ``norm``: the update's L2 norm."""
 
     layout: tuple[tuple[str, tuple[int, ...]], ...]
     digest: str
@@ -64,65 +67,76 @@ class Fingerprint:
     norm: float
 
 
-def _signs(name: str, n: int) -> Tensor:
-    """The tensor's seeded pattern of +-1 (float64), the same in every process."""
-    seed = SEED ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "big")
-    bits = torch.randint(
-        0, 2, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int8
-    )
+@functools.lru_cache(maxsize=64)
+def _pattern(chunk: int) -> Tensor:
+    """Chunk ``chunk`` of the seeded sign pattern (``PATTERN_CHUNK`` signs, +-1 in float64), the
+    same in every process; read only."""
+    g = torch.Generator().manual_seed(SEED + chunk)
+    bits = torch.randint(0, 2, (PATTERN_CHUNK,), generator=g, dtype=torch.int8)
     return bits.to(torch.float64) * 2.0 - 1.0
 
 
-def _blocks(t: Tensor, name: str, slice_elems: int) -> tuple[Tensor, Tensor]:
-    """(sums, squares) of one tensor's blocks: <s_B, x_B> / sqrt|B| and ||x_B||^2, float64,
-    over slices of whole blocks so a large tensor never has a float64 copy in memory."""
-    flat = t.reshape(-1)
-    n = flat.numel()
-    signs = _signs(name, n)
-    if n <= BLOCKS:  # blocks of one element: the tensor itself, signed
-        x = flat.to(torch.float64)
-        return x * signs, x * x
-    m = math.ceil(n / BLOCKS)  # elements per block (the last blocks may hold fewer, or none)
-    sums = torch.zeros(BLOCKS, dtype=torch.float64)
-    squares = torch.zeros(BLOCKS, dtype=torch.float64)
-    rows = max(slice_elems // m, 1)
-    for r0 in range(0, BLOCKS, rows):
-        lo, hi = r0 * m, min((r0 + rows) * m, n)
-        if lo >= hi:
-            break
-        x = flat[lo:hi].to(torch.float64)
-        pad = (-(hi - lo)) % m
-        got = (hi - lo + pad) // m
-        squares[r0 : r0 + got] = torch.nn.functional.pad(x * x, (0, pad)).view(got, m).sum(1)
-        sums[r0 : r0 + got] = (
-            torch.nn.functional.pad(x * signs[lo:hi], (0, pad)).view(got, m).sum(1)
-        )
-    counts = (n - torch.arange(BLOCKS, dtype=torch.float64) * m).clamp(1, m)
-    return sums / counts.sqrt(), squares
+def _signs(lo: int, hi: int) -> Tensor:
+    """Signs ``lo``..``hi`` of the pattern."""
+    first, last = lo // PATTERN_CHUNK, (hi - 1) // PATTERN_CHUNK
+    parts = [_pattern(c) for c in range(first, last + 1)]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return whole[lo - first * PATTERN_CHUNK : hi - first * PATTERN_CHUNK]
+
+
+def _span(flats: list[Tensor], starts: list[int], lo: int, hi: int) -> Tensor:
+    """Elements ``lo``..``hi`` of the update's floating tensors laid end to end, as float64."""
+    parts = [
+        f if lo <= at and at + f.numel() <= hi else f[max(lo - at, 0) : min(hi - at, f.numel())]
+        for f, at in zip(flats, starts, strict=True)
+        if at < hi and at + f.numel() > lo
+    ]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.float64)
 
 
 def fingerprint_of(
-    delta: Mapping[str, Tensor], *, slice_elems: int = DEFAULT_SLICE_ELEMS
+    delta: Mapping[str, Tensor], *, sha: str | None = None, slice_elems: int = DEFAULT_SLICE_ELEMS
 ) -> Fingerprint:
-    """The fingerprint of an update (a state dict of tensor name -> tensor; only read)."""
-    h = hashlib.sha256()
+    """The fingerprint of an update (a state dict of tensor name -> tensor; only read).
+
+    Its floating tensors are laid end to end (the update's order) and cut into ``BLOCKS``
+    contiguous blocks (one element each when there are fewer); read in slices of whole blocks,
+    so a large update never has a float64 copy in memory. ``sha``: the sha256 of the update's
+    bytes as uploaded (its blob), when known: the digest, instead of hashing the tensors again."""
+    h = hashlib.sha256() if sha is None else None
     layout = []
-    sums: list[Tensor] = []
-    squares: list[Tensor] = []
+    flats: list[Tensor] = []
+    starts: list[int] = []
+    n = 0
     for k in floating_keys(delta):
         t = delta[k].detach().contiguous()
         shape = tuple(int(s) for s in t.shape)
         layout.append((k, shape))
-        h.update(f"{k}\0{t.dtype}\0{shape}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-        s, q = _blocks(t, k, slice_elems)
-        sums.append(s)
-        squares.append(q)
-    sums_all = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
-    squares_all = torch.cat(squares) if squares else torch.zeros(0, dtype=torch.float64)
-    return Fingerprint(
-        tuple(layout), h.hexdigest(), sums_all, squares_all, math.sqrt(float(squares_all.sum()))
-    )
+        flat = t.reshape(-1)
+        if h is not None:
+            h.update(f"{k}\0{t.dtype}\0{shape}\0".encode())
+            h.update(flat.view(torch.uint8).numpy().data if flat.numel() else b"")
+        if flat.numel():
+            flats.append(flat)
+            starts.append(n)
+            n += flat.numel()
+    blocks = max(min(n, BLOCKS), 1)
+    # elements per block (the last blocks may hold fewer, or none)
+    m = max(math.ceil(n / blocks), 1)
+    rows = max(slice_elems // m, 1)
+    sums: list[Tensor] = []
+    squares: list[Tensor] = []
+    for lo in range(0, blocks * m, rows * m):  # whole blocks; past the update's end, zeros
+        hi = min(lo + rows * m, blocks * m)
+        x = _span(flats, starts, lo, min(hi, n)) if lo < n else torch.zeros(0, dtype=torch.float64)
+        x = torch.nn.functional.pad(x, (0, hi - lo - x.numel())).view(-1, m)
+        squares.append((x * x).sum(1))
+        sums.append((x * _signs(lo, hi).view(-1, m)).sum(1))
+    sq = squares[0] if len(squares) == 1 else torch.cat(squares)
+    su = sums[0] if len(sums) == 1 else torch.cat(sums)
+    counts = (n - torch.arange(blocks, dtype=torch.float64) * m).clamp(1, m)
+    digest = h.hexdigest() if h is not None else f"blob:{sha}"
+    return Fingerprint(tuple(layout), digest, su / counts.sqrt(), sq, math.sqrt(float(sq.sum())))
 
 
 def distance_bounds(a: Fingerprint, b: Fingerprint) -> tuple[float, bool] | None:

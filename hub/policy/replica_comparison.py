@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuflex.protocol.jobspec import VerificationSpec
 
-from .aggregation import DEFAULT_SLICE_ELEMS, PageReleaser
+from .aggregation import DEFAULT_SLICE_ELEMS, PageReleaser, floating_keys
 from .distances import cosine_and_norms, relative_distance
 from .fingerprints import Fingerprint, distance_bounds, fingerprint_of
 from .update_record import EPS, Flag, UpdateRecord, VerificationError, jsonable
@@ -33,6 +33,7 @@ __all__ = [
     "compare_replicas",
     "fingerprinted",
     "measured_in_full",
+    "needs_no_fingerprint",
 ]
 
 TOP_TENSORS = 5  # per-tensor evidence kept for a replica pair
@@ -43,8 +44,10 @@ class ReplicaPair:
     """Two members of a replica group and how far apart their updates are.
 
     ``tensors``: the ``TOP_TENSORS`` tensors that differ most, (name, relative distance),
-    farthest first (ties by name). ``measured``: "full", or "fingerprint" when the pair was
-    settled apart by the fingerprints: ``distance`` is then a lower bound, and no tensors."""
+    farthest first (ties by name). ``measured``: "full"; "memo" (a full measure read from the
+    caller's memo); "bytes" when the shas or fingerprints found the same bytes (the distance and
+    tensors are then exactly the full measure's, 0.0); "fingerprint" when the fingerprints
+    settled the pair apart: ``distance`` is then a lower bound, and no tensors."""
 
     a: str
     b: str
@@ -106,9 +109,11 @@ def compare_replicas(
 
     ``distances``: a memo of pairwise distances by update-id pair, shared by calls that
     judge one group more than once (hub/policy/round_policy.py asks with the strict tolerance, then
-    with the cross-class one): each pair is measured once. ``fingerprints``: the same for the
-    members' fingerprints; ``use_fingerprints`` False measures every pair in full (the same
-    decision, at the full price; a bench compares the two).
+    with the cross-class one): each pair is measured once. Members uploaded as the same bytes
+    (equal ``sha``) are at distance 0 at once; other pairs are read from the fingerprints the
+    records carry, and, with ``fingerprints`` (a memo by update id), from ones taken now for
+    the members that carry none. ``use_fingerprints`` False measures every pair in full (the
+    same decision, at the full price; a bench compares the two).
 
     ``trusted``: ids of the nodes that are trusted now (``is_trusted``); pass it
     (the hub should). When NO member of the group is trusted, agreement proves
@@ -140,8 +145,9 @@ def compare_replicas(
     if n == 0:
         return ReplicaOutcome(False, [], [], True, {**base, "why": "no replicas yet"})
     _check_group(records)
-    prints = (fingerprints if fingerprints is not None else {}) if use_fingerprints else None
-    dist, pairs = _measure(records, tolerance, slice_elems, distances, prints)
+    dist, pairs = _measure(
+        records, tolerance, slice_elems, distances, fingerprints, use_fingerprints
+    )
     clusters = [[j for j in range(n) if dist[i][j] <= tolerance] for i in range(n)]
     best_size = max(len(c) for c in clusters)
     # Distinct largest clusters (as sets): more than one means a tie, no majority.
@@ -192,11 +198,12 @@ def _measure(
     slice_elems: int,
     distances: Distances | None,
     fingerprints: Fingerprints | None,
+    use_fingerprints: bool,
 ) -> tuple[list[list[float]], tuple[ReplicaPair, ...]]:
     """The (n, n) matrix of relative distances and every pair (i < j), each measured once
-    (``distances``, when given, is read first and filled). With ``fingerprints`` (a memo, filled
-    here), a pair they settle is not measured in full (a pair settled apart holds the lower bound,
-    which is over ``tolerance``, so the clusters are the full distance's)."""
+    (``distances``, when given, is read first and filled), each read from the shas and the
+    fingerprints first (``_read``) unless ``use_fingerprints`` is False. A pair settled apart
+    holds the lower bound, which is over ``tolerance``: the clusters are the full distance's."""
     n = len(records)
     ids = [r.update_id for r in records]
     dist = [[0.0] * n for _ in range(n)]
@@ -206,57 +213,88 @@ def _measure(
         for j in range(i + 1, n):
             key = (ids[i], ids[j])
             known = distances.get(key) if distances is not None else None
-            bounds = None
-            if known is None and fingerprints is not None:
-                fa, fb = (
-                    _fingerprint(records[i], fingerprints, slice_elems),
-                    _fingerprint(records[j], fingerprints, slice_elems),
-                )
-                bounds = distance_bounds(fa, fb)
-                # the same bytes: what relative_distance says of them
-                if bounds is not None and bounds[1]:
-                    known = (0.0, {name: 0.0 for name, _ in fa.layout})
-            if known is None and bounds is not None and bounds[0] > tolerance:
-                dist[i][j] = dist[j][i] = bounds[0]
-                pairs.append(ReplicaPair(ids[i], ids[j], bounds[0], False, measured="fingerprint"))
-                continue
+            measured = "memo"
+            if known is None and use_fingerprints:
+                read = _read(records[i], records[j], fingerprints, slice_elems)
+                if read is not None and read[2] != "bytes" and read[0] > tolerance:
+                    dist[i][j] = dist[j][i] = read[0]
+                    pairs.append(ReplicaPair(*key, read[0], False, measured="fingerprint"))
+                    continue
+                if read is not None and read[2] == "bytes":
+                    known, measured = (read[0], read[1]), "bytes"
             if known is None:
                 known = relative_distance(
                     records[i].delta, records[j].delta, slice_elems=slice_elems, pages=pages
                 )
+                measured = "full"
             if distances is not None:
                 distances[key] = known
             d, per = known
             dist[i][j] = dist[j][i] = d
-            pairs.append(ReplicaPair(ids[i], ids[j], d, d <= tolerance, _worst(per)))
+            pairs.append(ReplicaPair(*key, d, d <= tolerance, _worst(per), measured))
     return dist, tuple(pairs)
+
+
+def _read(
+    a: UpdateRecord, b: UpdateRecord, memo: Fingerprints | None, slice_elems: int
+) -> tuple[float, dict[str, float], str] | None:
+    """A pair as the shas and fingerprints tell it: (0.0, per tensor 0.0, "bytes") for the same
+    bytes (what relative_distance returns for them); (lower bound, {}, "bound"); None when they
+    tell nothing (no fingerprint to read, or they bound nothing)."""
+    if _same_blob(a, b):
+        return 0.0, dict.fromkeys(floating_keys(a.delta), 0.0), "bytes"
+    fa, fb = _fingerprint(a, memo, slice_elems), _fingerprint(b, memo, slice_elems)
+    bounds = None if fa is None or fb is None else distance_bounds(fa, fb)
+    if bounds is None:
+        return None
+    if bounds[1]:
+        return 0.0, {name: 0.0 for name, _ in fa.layout}, "bytes"  # type: ignore[union-attr]
+    return bounds[0], {}, "bound"
 
 
 def _worst(per: dict[str, float]) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS])
 
 
-def _fingerprint(r: UpdateRecord, memo: Fingerprints, slice_elems: int) -> Fingerprint:
-    """The record's own fingerprint, else the memo's, else one taken now (and kept in the memo)."""
-    if r.fingerprint is not None:
+def _same_blob(a: UpdateRecord, b: UpdateRecord) -> bool:
+    """Both uploaded as the same bytes (equal shas of their blobs)."""
+    return a.sha is not None and a.sha == b.sha
+
+
+def _fingerprint(
+    r: UpdateRecord, memo: Fingerprints | None, slice_elems: int
+) -> Fingerprint | None:
+    """The record's own fingerprint, else the memo's, else one taken now and kept in the memo;
+    None without a memo (only the fingerprints the records carry are read)."""
+    if r.fingerprint is not None or memo is None:
         return r.fingerprint
     fp = memo.get(r.update_id)
     if fp is None:
-        fp = memo[r.update_id] = fingerprint_of(r.delta, slice_elems=slice_elems)
+        fp = memo[r.update_id] = fingerprint_of(r.delta, sha=r.sha, slice_elems=slice_elems)
     return fp
 
 
 def fingerprinted(
     records: Sequence[UpdateRecord], slice_elems: int = DEFAULT_SLICE_ELEMS
 ) -> list[UpdateRecord]:
-    """``records``, each carrying its fingerprint (taken now where it has none): for a caller
-    that compares one group more than once."""
+    """``records``, each carrying its fingerprint (taken now where it has none), for a caller
+    that compares one group more than once; as they are when every one was uploaded as the same
+    bytes (no pair needs a fingerprint then)."""
+    if len(records) < 2 or needs_no_fingerprint(records):
+        return list(records)
     return [
         r
         if r.fingerprint is not None
-        else dataclasses.replace(r, fingerprint=fingerprint_of(r.delta, slice_elems=slice_elems))
+        else dataclasses.replace(
+            r, fingerprint=fingerprint_of(r.delta, sha=r.sha, slice_elems=slice_elems)
+        )
         for r in records
     ]
+
+
+def needs_no_fingerprint(records: Sequence[UpdateRecord]) -> bool:
+    """Every record was uploaded as the same bytes: each pair is read from the shas alone."""
+    return all(_same_blob(records[0], r) for r in records[1:])
 
 
 def measured_in_full(

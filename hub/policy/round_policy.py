@@ -338,8 +338,9 @@ def _with_referee(
 ) -> ShardDecision:
     """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
     none of which carries a commitment is judged by the plain rules (nothing to re-execute)."""
-    # the pairs measured once, the fingerprints taken once: the plain rules below judge the group again
-    ups = fingerprinted(updates, slice_elems) if len(updates) >= 2 else list(updates)
+    # the pairs measured once, the fingerprints taken once (a disagreement among committed members
+    # goes to the referee, no full distance needed): the plain rules below judge the group again
+    ups = fingerprinted(updates, slice_elems) if committed & {u.update_id for u in updates} else list(updates)
     distances: Distances = {}
     pairs: tuple[ReplicaPair, ...] = ()
     if len(ups) >= 2:
