@@ -164,16 +164,13 @@ def compare_replicas(
             return early
     if best_size >= quorum and 2 * best_size > n and len(largest) == 1:
         members = next(iter(largest))
-        dist, pairs = _flagged_in_full(
-            records, dist, pairs, set(range(n)) - set(members), slice_elems, distances
-        )
-        evidence["pairs"] = [p.evidence() for p in pairs]
+        flagged = set(range(n)) - set(members)
+        pairs = _flagged_in_full(records, dist, pairs, flagged, slice_elems, distances, evidence)
         return _majority(records, dist, members, tolerance, evidence, pairs)
     if n < max_replicas:
         why = "fewer than quorum replicas" if n < quorum else "no majority yet"
         return ReplicaOutcome(False, [], [], True, {**evidence, "why": why}, pairs=pairs)
-    dist, pairs = _flagged_in_full(records, dist, pairs, set(range(n)), slice_elems, distances)
-    evidence["pairs"] = [p.evidence() for p in pairs]
+    pairs = _flagged_in_full(records, dist, pairs, set(range(n)), slice_elems, distances, evidence)
     return _no_majority(records, quorum, tolerance, evidence, pairs)
 
 
@@ -331,8 +328,10 @@ def _flagged_in_full(
     flagged: set[int],
     slice_elems: int,
     distances: Distances | None,
-) -> tuple[list[list[float]], tuple[ReplicaPair, ...]]:
-    """``measured_in_full`` for the members about to be flagged (indices), ``dist`` updated."""
+    evidence: dict[str, Any],
+) -> tuple[ReplicaPair, ...]:
+    """``measured_in_full`` for the members about to be flagged (indices); ``dist`` and the
+    outcome's ``evidence["pairs"]`` follow."""
     ids = [r.update_id for r in records]
     pairs = measured_in_full(
         records, pairs, {ids[i] for i in flagged}, slice_elems=slice_elems, distances=distances
@@ -340,7 +339,8 @@ def _flagged_in_full(
     at = {u: i for i, u in enumerate(ids)}
     for p in pairs:
         dist[at[p.a]][at[p.b]] = dist[at[p.b]][at[p.a]] = p.distance
-    return dist, pairs
+    evidence["pairs"] = [p.evidence() for p in pairs]
+    return pairs
 
 
 def _untrusted_wait(
