@@ -47,6 +47,18 @@ Figures (``figures``):
   referee's segment re-execution, ``judge_segment``; ``time.thread_time`` of those calls) over the
   CPU of all trainings (every node's, replicas included: ``time.process_time`` per step of the
   trainings run here, checkpoint commitments included, times the steps every node trained);
+  decide_shard's CPU includes the members' fingerprints (hub/policy/fingerprints.py), taken the
+  first time a group of two or more committed members that are not all the same bytes is decided,
+  and kept while the shard is open, as the hub's ShardSettling keeps them; each record carries
+  the sha of its blob, as the hub's do. ``verification_cost_fraction_full_distances`` (and the ``_full_audit``
+  figures' ``_full_distances`` twins): the same with decide_shard measuring every replica pair in
+  full, as the hub did before fingerprints: every decide_shard call is made a second time, on the
+  same inputs, with ``compare_replicas(use_fingerprints=False)`` and no fingerprints taken, timed
+  apart; ``fingerprint_decisions_differ`` counts the calls whose two decisions differ (the
+  decision, its statuses and its flags with their evidence; 0 is the contract), and
+  ``replica_pairs_by_measure`` how compare_replicas read the pairs it was asked about ("bytes":
+  equal shas or digests, "fingerprint": settled apart by the bound, "full": measured, "memo": a
+  full measure read again within one decide_shard call);
   ``verification_cost_fraction_steps``: the referee's re-executed steps / trained steps;
   ``referee_checks_by_reason``: the referee's re-executions by why (disagreement, spot_check,
   against_trend: an update with a layer against the model's trend, hub/policy/round_policy.py rule 4) and
@@ -81,6 +93,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -110,7 +123,9 @@ sys.path.insert(0, str(ROOT / "bench"))  # robustness
 import robustness as rb  # noqa: E402
 from gpuflex.hub.policy import round_policy as policy  # noqa: E402
 from gpuflex.hub.policy import verification as vf  # noqa: E402
+from gpuflex.hub.policy.fingerprints import fingerprint_of  # noqa: E402
 from gpuflex.hub.policy.referee import STANDOUT  # noqa: E402
+from gpuflex.hub.policy.replica_comparison import needs_no_fingerprint  # noqa: E402
 from gpuflex.node.device import compute_class  # noqa: E402
 from gpuflex.protocol.checkpoint import checkpoint_steps, model_part, segment_norm, state_hash  # noqa: E402
 from gpuflex.protocol.compute import class_key  # noqa: E402
@@ -362,6 +377,8 @@ class Meter:
 
     cpu: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    #: decide_shard's CPU on the path that measures every replica pair in full (not in ``cpu``)
+    full_cpu: float = 0.0
     #: the calling thread's CPU: the wrapped calls run on it (1 intra-op thread outside a node's
     #: class), and process_time would also count the checkpoint writer threads of the trainings
     clock: Callable[[], float] = time.thread_time
@@ -394,6 +411,45 @@ class Meter:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def _full_distances() -> Iterator[None]:
+    """The round policy as it ran before fingerprints: every replica pair measured in full
+    (compare_replicas' own switch) and no fingerprint taken (``fingerprinted`` passes the records
+    through)."""
+    compare, fingerprinted = policy.compare_replicas, policy.fingerprinted
+    policy.compare_replicas = functools.partial(compare, use_fingerprints=False)  # type: ignore[assignment]
+    policy.fingerprinted = lambda records, *_: list(records)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        policy.compare_replicas, policy.fingerprinted = compare, fingerprinted
+
+
+@contextlib.contextmanager
+def _counting_pairs(counts: dict[str, int]) -> Iterator[None]:
+    """Count how compare_replicas read each pair (``ReplicaPair.measured``) while the body runs."""
+    compare = policy.compare_replicas
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = compare(*args, **kwargs)
+        for p in out.pairs:
+            counts[p.measured] = counts.get(p.measured, 0) + 1
+        return out
+
+    policy.compare_replicas = counted  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        policy.compare_replicas = compare
+
+
+def _decided(d: Any) -> tuple[Any, ...]:
+    """What a shard decision decides (its evidence aside: a pair read from fingerprints says so
+    there): its kind, the updates and statuses it names, and its flags with their evidence."""
+    fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "evidence"}
+    return type(d).__name__, json.dumps(fields, sort_keys=True, default=repr)
+
+
 class HeteroSimulation(rb.Simulation):
     """robustness.Simulation with a compute class per node and the class keys in the policy's input.
 
@@ -423,8 +479,11 @@ class HeteroSimulation(rb.Simulation):
         self.h: dict[str, Any] = {
             "cross_class_pairs": 0, "cross_class_beyond_strict": 0, "cross_class_bitwise_equal": 0,
             "cross_class_flagged": 0, "max_distance": {}, "train_cpu_s": 0.0, "fresh_steps": 0,
-            "steps": 0, "malicious": {}, "honest_flags": {},
+            "steps": 0, "malicious": {}, "honest_flags": {}, "differ": 0, "pairs": {},
         }
+        #: update id -> (its record, the record with its fingerprint), kept as the hub's ShardSettling
+        #: keeps the fingerprints
+        self.fingerprints: dict[str, tuple[Any, Any]] = {}
 
     def _observe(self, decision: Any) -> None:
         """Flags on honest nodes' updates, by reason (what honest_flagged counts, explained);
@@ -473,7 +532,8 @@ class HeteroSimulation(rb.Simulation):
             self.h["malicious"][uid] = (node.attack.name if node.attack else "?", klass)
             if node.attack is not None and node.attack.name == FORGER and w.commitment is not None:
                 w = forge(w, state)
-        return w
+        # the sha of its blob, as the hub's update records carry it (hub/domain/updates.py)
+        return dataclasses.replace(w, rec=dataclasses.replace(w.rec, sha=w.sha))
 
     def settle_shard(self, group: list, wanted: int, active: list, issue: Any) -> Any:
         decision, group = super().settle_shard(group, wanted, active, issue)
@@ -492,11 +552,45 @@ class HeteroSimulation(rb.Simulation):
             self.h["max_distance"][pair] = max(self.h["max_distance"].get(pair, 0.0), dist)
         return decision, group
 
+    def _decide_twice(self, decide: Callable[..., Any]) -> Callable[..., Any]:
+        """decide_shard as the hub calls it (the members' fingerprints taken once per update and
+        kept, ShardSettling), timed as "decide_shard"; then again on the same inputs with every
+        pair measured in full and no fingerprint taken (the path before fingerprints), timed as
+        "decide_shard_full_distances" and kept out of the verification CPU; the two decisions
+        are compared."""
+        m, prints, h = self.meter, self.fingerprints, self.h
+
+        def fast(records: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+            t0 = m.clock()
+            if kwargs.get("committed") and len(records) >= 2 and not needs_no_fingerprint(records):
+                # the record with its fingerprint, made once per update (ShardSettling makes the hub's
+                # records with theirs); keyed by the record it was made from
+                for r in records:
+                    if prints.get(r.update_id, (None,))[0] is not r:
+                        prints[r.update_id] = (r, dataclasses.replace(r, fingerprint=fingerprint_of(r.delta, sha=r.sha)))
+                records = [prints[r.update_id][1] for r in records]
+            with _counting_pairs(h["pairs"]):
+                decision = decide(records, *args, **kwargs)
+            m.cpu["decide_shard"] = m.cpu.get("decide_shard", 0.0) + m.clock() - t0
+            self._observe(decision)
+            t0 = m.clock()
+            with _full_distances():
+                full = decide([dataclasses.replace(r, fingerprint=None, sha=None) for r in records], *args, **kwargs)
+            m.full_cpu += m.clock() - t0
+            h["differ"] += _decided(decision) != _decided(full)
+            return decision
+
+        return fast
+
     def run(self) -> dict[str, Any]:
         m = self.meter
-        with (m.wrap(policy, "decide_shard", self._observe), m.wrap(policy, "judge_round", self._observe),
-              m.wrap(rb, "judge_segment")):
-            out = super().run()
+        original = policy.decide_shard
+        policy.decide_shard = self._decide_twice(original)
+        try:
+            with m.wrap(policy, "judge_round", self._observe), m.wrap(rb, "judge_segment"):
+                out = super().run()
+        finally:
+            policy.decide_shard = original
         h = self.h
         escaped = set(out.get("escaped", ()))
         by: dict[str, dict[str, int]] = {}
@@ -520,6 +614,10 @@ class HeteroSimulation(rb.Simulation):
                                    for c in sorted(set(self.klass.values()))},
             "steps": h["steps"], "train_cpu_s": train_cpu, "verify_cpu_s": verify_cpu,
             "verify_cpu_by_call": {k: round(v, 4) for k, v in m.cpu.items()},
+            # the same with every replica pair measured in full (the path before fingerprints)
+            "verify_cpu_s_full_distances": verify_cpu - m.cpu.get("decide_shard", 0.0) + m.full_cpu,
+            "decide_shard_cpu_s_full_distances": round(m.full_cpu, 4),
+            "fingerprint_decisions_differ": h["differ"], "replica_pairs_by_measure": dict(h["pairs"]),
             "referee_steps": s.get("steps_replayed"), "referee_checks": s.get("referee_checks"),
             "referee_by_reason": dict(s.get("referee_by_reason", {})),
             "shards": s["shards"], "trainings": s["trainings"], "shards_trusted": s["shards_trusted"],
@@ -673,8 +771,11 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def counts(rs: list[dict[str, Any]]) -> dict[str, int]:
         return {"aggregated": included(rs), "submitted": sum(r["malicious_updates"] for r in rs)}
 
-    def cost(rs: list[dict[str, Any]]) -> float | None:  # verification CPU over training CPU
-        return sum(r["verify_cpu_s"] for r in rs) / max(sum(r["train_cpu_s"] for r in rs), 1e-12) if rs else None
+    def cost(rs: list[dict[str, Any]], key: str = "verify_cpu_s") -> float | None:  # verification over training CPU
+        return sum(r[key] for r in rs) / max(sum(r["train_cpu_s"] for r in rs), 1e-12) if rs else None
+
+    full = "verify_cpu_s_full_distances"  # the same runs with every replica pair measured in full
+    every = [r for d in jobs.values() for r in d["runs"].values()]
 
     def cpu_of(run: str) -> float:  # training + verification CPU of one run, over every job
         return sum(d["runs"][run]["train_cpu_s"] + d["runs"][run]["verify_cpu_s"] for d in jobs.values())
@@ -695,6 +796,16 @@ def figures(jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             (r["replication_overhead_trusted"] for _, _, r in verified if r["replication_overhead_trusted"] is not None),
             default=None),
         "verification_cost_fraction": verify_cpu / train_cpu if train_cpu else None,
+        "verification_cost_fraction_full_distances": cost([r for _, _, r in mixed], full),
+        "verification_cost_fraction_full_audit_full_distances": cost(audited, full),
+        "verification_cost_fraction_full_audit_every1_full_distances": cost(fine, full),
+        "verification_cost_fraction_forger_full_audit_full_distances": cost(forger, full),
+        # decide_shard alone, every run: with fingerprints over measuring every pair in full
+        "decide_shard_cpu_vs_full_distances": sum(r["verify_cpu_by_call"].get("decide_shard", 0.0) for r in every)
+        / max(sum(r["decide_shard_cpu_s_full_distances"] for r in every), 1e-12),
+        "fingerprint_decisions_differ": sum(r["fingerprint_decisions_differ"] for r in every),
+        "replica_pairs_by_measure": {k: sum(r["replica_pairs_by_measure"].get(k, 0) for r in every)
+                                     for k in sorted({k for r in every for k in r["replica_pairs_by_measure"]})},
         "verification_cost_fraction_by_job": {
             j: round(sum(r["verify_cpu_s"] for jj, _, r in mixed if jj == j)
                      / max(sum(r["train_cpu_s"] for jj, _, r in mixed if jj == j), 1e-12), 4) for j in jobs},

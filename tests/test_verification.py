@@ -646,14 +646,15 @@ def test_a_distance_memo_measures_each_pair_once_and_is_what_the_verdict_uses():
                             delta={"w": torch.full((16,), value)})
 
     spec = VerificationSpec(quorum=2, max_replicas=3)
-    group = [rec("a", "n1", 1.0), rec("b", "n2", 2.0)]  # far apart: a split
+    # close, within tolerance: no fingerprint settles that pair, it is measured in full
+    group = [rec("a", "n1", 1.0), rec("b", "n2", 1.00005)]
     memo: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
     first = compare_replicas(group, spec, trusted={"n1", "n2"}, distances=memo)
-    assert set(memo) == {("a", "b")} and memo[("a", "b")][0] > 0.3
-    assert not first.agreed
-    memo[("a", "b")] = (0.0, {})  # a memo that says they agree is believed: no second measurement
+    assert set(memo) == {("a", "b")} and 0.0 < memo[("a", "b")][0] <= spec.tolerance
+    assert first.agreed
+    memo[("a", "b")] = (0.5, {})  # a memo that says they differ is believed: no second measurement
     second = compare_replicas(group, spec, trusted={"n1", "n2"}, distances=memo)
-    assert second.agreed and second.evidence["pairs"][0]["relative_distance"] == 0.0
+    assert not second.agreed and second.evidence["pairs"][0]["relative_distance"] == 0.5
 
 
 def test_norm_bound_widens_for_shards_far_from_the_rounds_median_size(world):

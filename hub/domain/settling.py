@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import Tensor
 
 from ..model.job import JobState, ShardState, UpdateState
 from ..policy import round_policy as policy
 from ..policy import suspension
 from ..policy import verification as vf
+from ..policy.fingerprints import Fingerprint, fingerprint_of
 from ..storage.blobs import BlobStore
 from ..storage.store import Store
 from .replays import RefereeReplays
@@ -19,6 +22,10 @@ from .reputations import Reputations
 from .scheduler import Scheduler
 from .updates import open_deltas, update_records
 from .worksignal import WorkSignal
+
+#: fingerprints kept at most (the oldest go first): a shard that never reaches a decision here (its job
+#: cancelled, say) leaves its members' behind
+FINGERPRINTS_KEPT = 4096
 
 
 class ShardSettling:
@@ -33,6 +40,10 @@ class ShardSettling:
         self.reputations = reputations
         self.referee = referee
         self.poke = poke  # the round engine looks at a job again
+        #: update id -> its fingerprint, taken the first time its shard's members are compared
+        #: (committed, and not all the same bytes), kept while the shard is open (a shard is
+        #: decided again as replicas and verdicts come in)
+        self.fingerprints: dict[str, Fingerprint] = {}
 
     def replica_state(self, job: JobState, shard: ShardState, now: float) -> policy.ReplicaState:
         """The policy's view of a shard's replicas (hub/policy/round_policy.py ``ReplicaState``)."""
@@ -73,15 +84,27 @@ class ShardSettling:
         base = job.trend_base()
         with (open_deltas(self.blobs, [u.sha for u in ups], job.layout) as deltas,
               open_deltas(self.blobs, [job.model_hash, base] if base else []) as models):
-            records = update_records(job, self.scheduler.nodes, {u.id: shard for u in ups}, ups, deltas)
+            ref = self.referee.inputs(job, shard, ups)
+            # where the referee may settle a disagreement, the fingerprints spare the full distances
+            prints = ({u.id: self._fingerprint(u, d) for u, d in zip(ups, deltas, strict=True)}
+                      if ref.committed and len({u.sha for u in ups}) > 1 else None)
+            records = update_records(job, self.scheduler.nodes, {u.id: shard for u in ups}, ups, deltas, prints)
             trend = {u.id: vf.trend_alignment(d, models[0], models[1]) for u, d in zip(ups, deltas, strict=True)
                      } if models else {}
-            ref = self.referee.inputs(job, shard, ups)
             decision = policy.decide_shard(records, job.spec.verification, state, self.reputations.of(ups),
                                            committed=ref.committed, verdicts=ref.verdicts, spot_draw=ref.spot_draw,
                                            trend=trend)
             del records
         return decision
+
+    def _fingerprint(self, u: UpdateState, delta: Mapping[str, Tensor]) -> Fingerprint:
+        fp = self.fingerprints.get(u.id)
+        if fp is None:
+            fp = self.fingerprints[u.id] = fingerprint_of(delta, sha=u.sha)
+            # list() and pop() are single steps for another thread (the loop pops in _apply)
+            for old in list(self.fingerprints)[: len(self.fingerprints) - FINGERPRINTS_KEPT]:
+                self.fingerprints.pop(old, None)
+        return fp
 
     # -- applying a shard decision: the store, then memory ------------------------------------
     async def _apply(self, job: JobState, shard: ShardState, decision: policy.ShardDecision,
@@ -113,6 +136,7 @@ class ShardSettling:
         if state is not None and len(shard.accepted) > 1:
             shard.comparison = state.comparison
         for u in shard.accepted:
+            self.fingerprints.pop(u.id, None)  # the shard is decided: never compared again
             if u.id in statuses:
                 u.status = statuses[u.id]
         self.reputations.apply(touched)

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..model.job import JobState, ShardState, UpdateLayout, UpdateState
 from ..model.node import NodeState
 from ..policy import verification as vf
+from ..policy.fingerprints import Fingerprint
 from ..policy.pages import readonly_mapping
 from ..policy.referee import referee_grid_ok
 from ..storage.blobs import HOT_BLOB_MAX, BlobStore
@@ -91,9 +92,11 @@ def _dense(wire: dict[str, Tensor], layout: UpdateLayout | None) -> dict[str, Te
 
 
 def update_records(job: JobState, nodes: Mapping[str, NodeState], shard_of: Mapping[str, ShardState], ups: Sequence[UpdateState],
-             deltas: Sequence[Mapping[str, Tensor]]) -> list[vf.UpdateRecord]:
+             deltas: Sequence[Mapping[str, Tensor]],
+             fingerprints: Mapping[str, Fingerprint] | None = None) -> list[vf.UpdateRecord]:
     """Verification's view of updates. Speed: max(benchmark, delivered EMA) is an upper bound of
-    the node's training speed; peak FLOP/s and the model size give the physical minimum time."""
+    the node's training speed; peak FLOP/s and the model size give the physical minimum time.
+    ``fingerprints``: update id -> its fingerprint, where one was taken."""
     params = param_count(job.spec.model)
     out = []
     for u, d in zip(ups, deltas, strict=True):
@@ -109,6 +112,7 @@ def update_records(job: JobState, nodes: Mapping[str, NodeState], shard_of: Mapp
             elapsed_s=u.elapsed_s, peak_flops=node.peak_flops if node else 0.0,
             param_count=params,
             local_epochs=job.spec.train.processed(shard_of[u.id].samples) / max(shard_of[u.id].samples, 1),
-            path_length=path, lr_scale=job.lr_scale(shard_of[u.id].samples),
+            path_length=path, lr_scale=job.lr_scale(shard_of[u.id].samples), sha=u.sha,
+            fingerprint=fingerprints.get(u.id) if fingerprints else None,
         ))
     return out

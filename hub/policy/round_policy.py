@@ -91,7 +91,14 @@ from gpuflex.protocol.jobspec import VerificationSpec
 
 from .aggregation import DEFAULT_SLICE_ELEMS
 from .referee import SegmentVerdict
-from .replica_comparison import Distances, ReplicaOutcome, ReplicaPair, compare_replicas
+from .replica_comparison import (
+    Distances,
+    ReplicaOutcome,
+    ReplicaPair,
+    compare_replicas,
+    fingerprinted,
+    measured_in_full,
+)
 from .reputation import Reputation, is_trusted
 from .round_review import RoundReview, review_round
 from .spot_checks import trusted_rate
@@ -331,8 +338,9 @@ def _with_referee(
 ) -> ShardDecision:
     """Rule 4: the referee's verdicts first, then the plain rules. A disagreement among replicas
     none of which carries a commitment is judged by the plain rules (nothing to re-execute)."""
-    ups = list(updates)
-    # the pairs measured once: the plain rules below judge the same group again
+    # the pairs measured once, the fingerprints taken once (a disagreement among committed members
+    # goes to the referee, no full distance needed): the plain rules below judge the group again
+    ups = fingerprinted(updates, slice_elems) if committed & {u.update_id for u in updates} else list(updates)
     distances: Distances = {}
     pairs: tuple[ReplicaPair, ...] = ()
     if len(ups) >= 2:
@@ -340,11 +348,12 @@ def _with_referee(
                                  slice_elems=slice_elems, distances=distances).pairs
     case = _RefereeCase(tuple(u.update_id for u in ups), {u.update_id: u.node_id for u in ups}, pairs, verdicts)
     failed = frozenset(u for u in case.ids if u in verdicts and not verdicts[u].ok)
-    if failed:
-        return _after_failure(case, failed, spec)
+    if failed:  # a flag's evidence holds full distances
+        pairs = measured_in_full(ups, pairs, failed, slice_elems=slice_elems, distances=distances)
+        return _after_failure(dataclasses.replace(case, pairs=pairs), failed, spec)
     if any(not p.agree for p in pairs) and committed & set(case.ids):
         return _divergence(case, state)
-    decision = _decide_plain(updates, spec, state, reputations, slice_elems=slice_elems, distances=distances)
+    decision = _decide_plain(ups, spec, state, reputations, slice_elems=slice_elems, distances=distances)
     if not isinstance(decision, Settle):
         return decision
     return _check_settlement(decision, ups, spec, state, reputations, committed, verdicts, spot_draw, trend)

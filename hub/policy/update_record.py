@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor
 
 from ..base.errors import HubError
+from .fingerprints import Fingerprint
 
 __all__ = ["EPS", "REASONS", "Flag", "UpdateRecord", "VerificationError", "jsonable"]
 
@@ -68,6 +69,13 @@ class UpdateRecord:
     path_length: float | None = None
     #: the factor on the job's lr this update's shard trained with ([train] lr_scaling)
     lr_scale: float = 1.0
+    #: the sha256 of the update as uploaded (its blob), when known: replicas with equal shas hold
+    #: the same bytes, at distance 0 without a look at their tensors. Set only for an update
+    #: whose every value is finite (the hub's uploads: check_blob refuses any other)
+    sha: str | None = None
+    #: ``delta``'s fingerprint (hub/policy/fingerprints.py) when one was taken before; None:
+    #: replica comparison takes it when it first needs it
+    fingerprint: Fingerprint | None = None
 
     @property
     def work(self) -> float:
