@@ -130,6 +130,19 @@ def bench_fingerprint(device: torch.device, group: WorkerGroup | None = None) ->
 Step = Callable[[str, int, int], None]
 
 
+def _header(device: torch.device, quick: bool, group: WorkerGroup | None) -> dict[str, Any]:
+    """What a result says of the machine it measured, before any figure."""
+    desc = describe(device)
+    return {
+        "fingerprint": bench_fingerprint(device, group),
+        "quick": quick,
+        "workers": None if group is None else list(group.plan.names()),
+        "device": {"kind": desc.kind, "name": desc.name, "memory_bytes": desc.memory_bytes,
+                   "threads": desc.threads, "torch": torch.__version__},
+        "matmul_tflops_bf16": None, "matmul_tflops_fp16": None, "h2d_gbs": None, "d2h_gbs": None,
+    }
+
+
 def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | None = None,
                   group: WorkerGroup | None = None) -> dict[str, Any]:
     """Measure; ``quick`` (~1 s; a few seconds more per worker group run) is what a first ``run``
@@ -139,20 +152,12 @@ def run_benchmark(device: torch.device, *, quick: bool = False, on_step: Step | 
     supports (device.supported_precisions); the hub sizes a job's shards by its precision's figure.
     """
     started = time.perf_counter()
-    desc = describe(device)
     precisions = supported_precisions(device)
     gpu = device.type in ("cuda", "mps")
     n = (4096 if gpu else 1024) if not quick else (2048 if gpu else 768)
     n_half = n if gpu else 256  # bf16/fp16 on a CPU: slow emulation, a small matrix tells enough
     reps = 5 if not quick else 3
-    out: dict[str, Any] = {
-        "fingerprint": bench_fingerprint(device, group),
-        "quick": quick,
-        "workers": None if group is None else list(group.plan.names()),
-        "device": {"kind": desc.kind, "name": desc.name, "memory_bytes": desc.memory_bytes,
-                   "threads": desc.threads, "torch": torch.__version__},
-        "matmul_tflops_bf16": None, "matmul_tflops_fp16": None, "h2d_gbs": None, "d2h_gbs": None,
-    }
+    out = _header(device, quick, group)
     digits = {"kind": "mlp", "input": 64, "hidden": [128], "outputs": 10}
     big = {"kind": "mlp", "input": 784, "hidden": [1024, 1024], "outputs": 10}
     training: dict[str, float] = {}
