@@ -259,9 +259,13 @@ class Simulation:
             if c is None or not referee_grid_ok(c, n_steps):
                 verdicts[uid] = SegmentVerdict(uid, g.rec.node_id, "unverifiable", {"why": "no usable commitment"})
                 continue
+            # beside a disagreeing replica whose trajectory differs, as RefereeReplays.ask picks it; this
+            # bench's nodes carry no class keys (compute_of), so the hub never reads them as same_class
             others = [o.commitment for o in group if o is not g and o.commitment is not None]
-            seg = pick_segment(c, others[0] if decision.reason == "disagreement" and others else None,
-                               draw=seed_of(self.seed, "segment", uid) / float(1 << 63))  # replays.segment_draw
+            other = next((o for o in others if o.hashes != c.hashes), others[0]) if others else None
+            seg = pick_segment(c, other if decision.reason == "disagreement" else None,
+                               draw=seed_of(self.seed, "segment", uid) / float(1 << 63),  # replays.segment_draw
+                               same_class=False)
             steps = fetch_steps(c, seg)
             wanted = request_steps(c, seg, 12 * param_count(self.w["spec"]))  # RefereeReplays.ask's
             x, y = stack_data(g.chunks)
