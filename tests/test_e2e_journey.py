@@ -268,6 +268,7 @@ def test_restarted_node_keeps_identity_and_cache(tmp_path: Path, bench_cache: Pa
         assert not (refetched & held), "chunks already in the cache were downloaded again"
 
 
+@pytest.mark.one_store  # the flagging policy on real nodes; the store calls are the journey's others'
 def test_misbehaving_node_flagged_and_excluded_from_aggregate(tmp_path: Path, bench_cache: Path) -> None:
     """5. A misbehaving node is flagged, and its updates are absent from every aggregate
     that the audit log records."""

@@ -124,6 +124,7 @@ def test_a_crafted_update_with_a_colluding_replica_is_caught_by_the_spot_check(
         assert "referee re-execution" in text and "spot_check" in text and "mismatch" in text
 
 
+@pytest.mark.one_store  # the referee's verdict on real nodes; the state requests' store calls are in-process tests'
 def test_a_node_that_withholds_its_states_is_unverifiable_and_left_out(tmp_path: Path, bench_cache: Path) -> None:
     files = digits_job(tmp_path / "job", rounds=1, local_epochs=1, replication="adaptive",
                        extra_toml="spot_check = 1.0\nreplica_wait_s = 1.0\nstate_wait_s = 3.0\n")
