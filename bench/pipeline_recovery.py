@@ -33,7 +33,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -52,58 +51,17 @@ from gpuflex.protocol.jobspec import parse_job_spec  # noqa: E402
 from gpuflex.protocol.modelspec import build_for_state  # noqa: E402
 from gpuflex.protocol.tensors import decode_state  # noqa: E402
 
+from tests.tooling.text import stdlib_text, transformer_pipeline_spec  # noqa: E402
+
 STEPS, EVERY, BATCH, MICRO = 24, 4, 16, 8
-SPEC = f"""[job]
-name = "stdlib-pipeline-recovery"
-
-[model]
-kind = "transformer"
-vocab = 256
-context = 32
-layers = 4
-width = 128
-heads = 4
-dropout = 0.0
-
-[train]
-batch_size = {BATCH}
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[data]
-chunk_size = 256
-validation_fraction = 0.0
-
-[pipeline]
-stages = 4
-micro_batches = {MICRO}
-schedule = "1f1b"
-steps = {STEPS}
-checkpoint_every = {EVERY}
-"""
+SPEC = transformer_pipeline_spec("stdlib-pipeline-recovery", batch=BATCH, micro=MICRO, steps=STEPS, every=EVERY)
 CAP = "6MB"
-#: the standard library modules the text comes from (prose-heavy docstrings)
-TEXT_FILES = ("textwrap.py", "difflib.py", "argparse.py", "inspect.py", "typing.py")
 TEXT_BYTES = 24_000
 #: how long the hub counts a node as asking for work after its last poll (--long-poll-max 2, the
 #: nodes' poll interval 5 s, 5 s of grace), and a second
 ASK_WINDOW_S = 13.0
 #: the node the planner sees as slower: its benchmark's samples/s times this
 SLOW_FACTOR = 0.1
-
-
-def stdlib_text(n_bytes: int) -> bytes:
-    """The first ``n_bytes`` of the standard library's sources in TEXT_FILES, in order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = bytearray()
-    for name in TEXT_FILES:
-        if (root / name).is_file():
-            out += (root / name).read_bytes()
-    if len(out) < n_bytes:
-        raise SystemExit(f"the standard library at {root} holds {len(out)} bytes, not {n_bytes}")
-    return out[:n_bytes].decode("utf-8", errors="ignore").encode("utf-8")
 
 
 # -- the hub, as its owner sees it --------------------------------------------------------------
@@ -460,7 +418,7 @@ def main() -> None:
     result["setup"] = {
         "spec": SPEC,
         "nodes": "one thread each, --max-memory " + CAP,
-        "text": f"{TEXT_BYTES} bytes of the standard library's {', '.join(TEXT_FILES)}",
+        "text": f"the first {TEXT_BYTES} bytes of the standard library's sources (tests/tooling/text.py)",
         "slow_node": f"its benchmark cache says {SLOW_FACTOR}x this machine's samples/s",
         "python": platform.python_version(),
         "torch": torch.__version__,

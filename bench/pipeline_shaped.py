@@ -66,40 +66,9 @@ from gpuflex.node.pipeline.schedule import stage_actions  # noqa: E402
 from gpuflex.protocol.boundary import encoded_crossing  # noqa: E402
 
 from tests.tooling import netshape  # noqa: E402
-from tests.tooling.text import stdlib_text  # noqa: E402
+from tests.tooling.text import stdlib_text, transformer_pipeline_spec  # noqa: E402
 
 STAGES, BATCH, MICRO, CONTEXT, WIDTH = 4, 16, 8, 32, 128
-SPEC = """[job]
-name = "pipeline-shaped-{label}"
-
-[model]
-kind = "transformer"
-vocab = 256
-context = {context}
-layers = 4
-width = {width}
-heads = 4
-dropout = 0.0
-
-[train]
-batch_size = {batch}
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = 0
-
-[data]
-chunk_size = 256
-validation_fraction = 0.0
-
-[pipeline]
-stages = {stages}
-micro_batches = {micro}
-schedule = "{schedule}"
-steps = {steps}
-checkpoint_every = {steps}
-verify_rate = 0.0
-{boundary}"""
 #: label -> (boundary encoding, its rank, schedule): the three encodings under the job's 1F1B,
 #: and the smallest encoding under GPipe (every forward before any backward)
 CONFIGS = {
@@ -199,9 +168,10 @@ class Owner:
     def submit(self, label: str, steps: int) -> str:
         spec = self.work / f"spec-{label}.toml"
         spec.write_text(
-            SPEC.format(
-                label=label, context=CONTEXT, width=WIDTH, batch=BATCH, stages=STAGES, micro=MICRO,
-                steps=steps, schedule=CONFIGS[label][2], boundary=_boundary_lines(label),
+            transformer_pipeline_spec(
+                f"pipeline-shaped-{label}", batch=BATCH, micro=MICRO, steps=steps, every=steps, stages=STAGES,
+                schedule=CONFIGS[label][2], context=CONTEXT, width=WIDTH,
+                tail="verify_rate = 0.0\n" + _boundary_lines(label),
             )
         )  # fmt: skip
         argv = [

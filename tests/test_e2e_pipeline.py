@@ -33,42 +33,13 @@ from gpuflex.protocol.tensors import decode_state
 
 from tests.helpers import stored_blobs
 from tests.tooling.cluster import LocalCluster
-from tests.tooling.text import stdlib_text
+from tests.tooling.text import stdlib_text, transformer_pipeline_spec
 
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY, BATCH, MICRO, SEED = 24, 4, 16, 8, 0
-SPEC = f"""[job]
-name = "stdlib-pipeline"
-
-[model]
-kind = "transformer"
-vocab = 256
-context = 32
-layers = 4
-width = 128
-heads = 4
-dropout = 0.0
-
-[train]
-batch_size = {BATCH}
-optimizer = "sgd"
-lr = 0.05
-momentum = 0.9
-seed = {SEED}
-
-[data]
-chunk_size = 256
-validation_fraction = 0.0
-
-[pipeline]
-stages = 4
-micro_batches = {MICRO}
-schedule = "1f1b"
-steps = {STEPS}
-checkpoint_every = {EVERY}
-verify_rate = 1.0
-"""
+SPEC = transformer_pipeline_spec("stdlib-pipeline", batch=BATCH, micro=MICRO, steps=STEPS, every=EVERY, seed=SEED,
+                                 tail="verify_rate = 1.0\n")
 #: each node's --max-memory: well under the model's training state (parameters, gradients and
 #: momentum of ~860k float32 parameters: 10.4 MB), enough for a stage of it and its activations
 CAP = "6MB"
