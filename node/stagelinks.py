@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from gpuflex.protocol.messages import StageAssignment
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import pipeline_units
+from gpuflex.protocol.pipeline import lane_place, pipeline_units
 from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec, max_encoded_size
 from torch import nn
 
 from .pipeline.direct import DirectTransport, RoutedTransport, StageListener, parse_address
 from .pipeline.prefetch import Prefetch
 from .pipeline.relay import RelayTransport
-from .pipeline.stage import boundary_specs
+from .pipeline.stage import boundary_specs, replica_length
 from .pipeline.transport import SendAhead, Transport
 
 #: relay sends in flight at once, each on its own connection (a relay send waits for the hub's
@@ -44,21 +44,26 @@ RECEIVE_AHEAD = 8
 
 def largest_message_bytes(a: StageAssignment) -> int:
     """The encoded size of the largest tensor a stage of ``a``'s pipeline sends another: a cut's
-    activation (or its gradient) for one micro-batch, or a tied parameter's gradient."""
+    activation (or its gradient) for one micro-batch, a tied parameter's gradient, or (pipelines
+    sharing the steps) one unit's flattened parameter gradients."""
     spec = ModelSpec.from_dict(a.model_spec)
     units = pipeline_units(spec)
-    bounds = [*a.stage_starts, len(units)]
+    bounds = [*lane_place(a.stage_starts, a.lanes, a.stage).starts, len(units)]
     stages = [
         copy.deepcopy(nn.Sequential(*(u.module for u in units.units[lo:hi]))).eval()
         for lo, hi in itertools.pairwise(bounds)
     ]
-    micro = a.batch_size // a.micro_batches
+    micro = a.batch_size // (a.micro_batches * a.lanes)
     example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
     specs = list(boundary_specs(stages, example))
     for group in units.tied:
         index, name = group.members[0]
         tensor = units.units[index].module.state_dict()[name]
         specs.append(TensorSpec("tied", DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)))
+    if a.lanes > 1:
+        specs += [
+            TensorSpec("replica", "float32", (replica_length(u.module),)) for u in units.units
+        ]
     return max((max_encoded_size((s,)) for s in specs), default=0)
 
 

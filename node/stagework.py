@@ -31,7 +31,7 @@ from gpuflex.protocol.messages import (
     UnitCheckpoint,
 )
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import pipeline_units
+from gpuflex.protocol.pipeline import lane_place, pipeline_units
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import Buffer
 
@@ -62,10 +62,16 @@ HUB_PATIENCE_S = 60.0
 
 
 def stage_line(a: StageAssignment) -> str:
-    """``stage 1 of 4 (units 2-3) of job J, steps 20-99``: what the node says it runs."""
+    """``stage 1 of 4 (units 2-3) of job J, steps 20-99``: what the node says it runs (with
+    ``of pipeline 1 of 2`` when pipelines share the steps)."""
+    try:
+        place = lane_place(a.stage_starts, a.lanes, a.stage)
+    except ValueError:
+        return f"stage {a.stage} of job {a.job_id} (a plan this node refuses)"
+    lanes = f" of pipeline {place.lane} of {a.lanes}" if a.lanes > 1 else ""
     return (
-        f"stage {a.stage} of {len(a.stage_starts)} (units {a.unit_start}-{a.unit_end - 1}) of job "
-        f"{a.job_id}, steps {a.first_step}-{a.end_step - 1}"
+        f"stage {place.stage} of {place.stages}{lanes} (units {a.unit_start}-{a.unit_end - 1})"
+        f" of job {a.job_id}, steps {a.first_step}-{a.end_step - 1}"
     )
 
 
@@ -98,16 +104,20 @@ def check_stage_assignment(
         units = len(pipeline_units(spec))
     except ProtocolError as exc:
         raise AssignmentRejected(f"{what}: model spec refused: {exc}") from exc
-    bounds = [*a.stage_starts, units]
-    if not stage_starts_ok(a.stage_starts, units) or (a.unit_start, a.unit_end) != (
-        bounds[a.stage],
-        bounds[a.stage + 1],
+    try:
+        place = lane_place(a.stage_starts, a.lanes, a.stage)
+    except ValueError as exc:
+        raise AssignmentRejected(f"{what}: {exc}") from None
+    bounds = [*place.starts, units]
+    if not stage_starts_ok(place.starts, units) or (a.unit_start, a.unit_end) != (
+        bounds[place.stage],
+        bounds[place.stage + 1],
     ):
         raise AssignmentRejected(
             f"{what}: units {a.unit_start}-{a.unit_end - 1} are not stage {a.stage} of a "
             f"{units}-unit model cut at {list(a.stage_starts)}"
         )
-    _check_steps(a, what)
+    _check_steps(a, what, reads_data=place.stage in (0, place.stages - 1))
     if a.train.precision not in STAGE_PRECISIONS or a.train.precision not in precisions:
         raise AssignmentRejected(
             f"{what} asks for precision {a.train.precision}; a pipeline stage on this node trains "
@@ -125,10 +135,11 @@ def check_stage_assignment(
     return spec
 
 
-def _check_steps(a: StageAssignment, what: str) -> None:
-    if a.batch_size % a.micro_batches:
+def _check_steps(a: StageAssignment, what: str, *, reads_data: bool) -> None:
+    if a.batch_size % (a.micro_batches * a.lanes):
         raise AssignmentRejected(
-            f"{what}: {a.micro_batches} micro-batches do not divide the batch of {a.batch_size}"
+            f"{what}: {a.lanes} pipeline(s) of {a.micro_batches} micro-batches do not divide the"
+            f" batch of {a.batch_size}"
         )
     if a.end_step <= a.first_step:
         raise AssignmentRejected(f"{what}: steps {a.first_step} up to {a.end_step} run backwards")
@@ -140,7 +151,6 @@ def _check_steps(a: StageAssignment, what: str) -> None:
             f"{what}: resuming at step {a.first_step} needs the states of units "
             f"{a.unit_start}-{a.unit_end - 1}, it names {held}"
         )
-    reads_data = a.stage in (0, len(a.stage_starts) - 1)
     if reads_data != bool(a.chunks):
         raise AssignmentRejected(
             f"{what}: stage {a.stage} {'needs' if reads_data else 'reads no'} chunks, it names "

@@ -125,7 +125,8 @@ class Benchmark:
     reference_model: ShortText
     #: training samples/s of the reference model per precision the device supports (fp32, bf16, ...)
     precision_sps: Annotated[dict[str, float], FloatMap(len(PRECISIONS))] = dataclasses.field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
@@ -440,11 +441,22 @@ class SiloWithdrawal:
 #: experts gets ("expert_route", int64 counts), the tokens ("expert_in"), the experts' outputs
 #: ("expert_out"), and their gradients ("expert_grad", either way); between a layer split by width
 #: and one of its slices: the input's shape ("slice_shape"), the input ("slice_in"), the slice's
-#: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py)
+#: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py);
+#: between the same stage of two pipelines of one step (hybrid parallelism): one unit's summed
+#: parameter gradients, flattened ("replica", its micro-batch the unit's place in the stage)
 RELAY_KINDS: Final = (
-    "activation", "gradient", "tied",
-    "expert_route", "expert_in", "expert_out", "expert_grad",
-    "slice_shape", "slice_in", "slice_out", "slice_grad",
+    "activation",
+    "gradient",
+    "tied",
+    "expert_route",
+    "expert_in",
+    "expert_out",
+    "expert_grad",
+    "slice_shape",
+    "slice_in",
+    "slice_out",
+    "slice_grad",
+    "replica",
 )
 
 
@@ -547,6 +559,12 @@ class StageAssignment:
     #: how tensors cross each cut (the job's [pipeline] boundary, protocol/boundary.py)
     boundary: Annotated[str, Text(16, choices=BOUNDARIES)] = "fp32"
     boundary_rank: Annotated[int, Int(0, 1 << 16)] = 0
+    #: pipelines sharing each step (hybrid parallelism): ``stage_nodes``, ``stage_keys``,
+    #: ``stage_starts`` and ``stage_addresses`` list every pipeline's stages, pipeline after
+    #: pipeline (each cut the same), ``stage`` indexes that list, and pipeline ``p`` trains
+    #: micro-batches ``p * micro_batches`` up to ``(p + 1) * micro_batches`` of the step's
+    #: ``lanes * micro_batches`` (protocol/pipeline.py's ``lane_slices``)
+    lanes: Annotated[int, Int(1, 256)] = 1
 
 
 @dataclass(frozen=True)
@@ -590,11 +608,37 @@ class StageReport:
     nonce: Nonce
 
 
-Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
-           | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
-           | SiloWithdrawal
-           | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask
-           | RelayHeader | RelayTake | StageAssignment | UnitCheckpoint | StageReport)
+Message = (
+    Hello
+    | Welcome
+    | WorkRequest
+    | Assignment
+    | NoWork
+    | Heartbeat
+    | Abandon
+    | BlobRequest
+    | UpdateHeader
+    | Ack
+    | StateRequest
+    | StateUpload
+    | StateUnavailable
+    | UploadOffset
+    | SiloQuery
+    | SiloSchema
+    | SiloRegistration
+    | SiloWithdrawal
+    | SecAggKeys
+    | SecAggPoll
+    | SecAggState
+    | SecAggShares
+    | SecAggMasked
+    | SecAggUnmask
+    | RelayHeader
+    | RelayTake
+    | StageAssignment
+    | UnitCheckpoint
+    | StageReport
+)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -628,6 +672,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
+
 def encode_message(msg: object) -> bytes:
     """Validate ``msg`` against its schema and return its msgpack bytes."""
     cls = type(msg)
@@ -643,7 +688,9 @@ def encode_message(msg: object) -> bytes:
     try:
         packed: bytes = msgpack.packb(wire, use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone surrogate in a str
-        raise EncodeError(f"{kind}: cannot encode ({type(exc).__name__}: {str(exc)[:80]})") from None
+        raise EncodeError(
+            f"{kind}: cannot encode ({type(exc).__name__}: {str(exc)[:80]})"
+        ) from None
     return packed
 
 

@@ -22,7 +22,7 @@ materialises one with its state. Torch is imported where a module is built, not 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -33,10 +33,13 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
+    "LanePlace",
     "TiedGroup",
     "Unit",
     "Units",
     "cut_state",
+    "lane_place",
+    "lane_slices",
     "load_unit",
     "micro_batch_slices",
     "pipeline_units",
@@ -187,8 +190,10 @@ def step_samples(seed: int, step: int, batch_size: int, total: int) -> list[int]
     import torch
 
     if total < 1 or batch_size < 1 or step < 0:
-        raise ValueError(f"step_samples needs total >= 1, batch_size >= 1, step >= 0; got "
-                         f"{total}, {batch_size}, {step}")
+        raise ValueError(
+            f"step_samples needs total >= 1, batch_size >= 1, step >= 0; got "
+            f"{total}, {batch_size}, {step}"
+        )
     out: list[int] = []
     position = step * batch_size
     while len(out) < batch_size:
@@ -217,3 +222,50 @@ def micro_batch_slices(batch_size: int, micro_batches: int) -> list[tuple[int, i
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def lane_slices(
+    batch_size: int, micro_batches: int, lanes: int, lane: int
+) -> list[tuple[int, int]]:
+    """The micro-batches pipeline ``lane`` of ``lanes`` trains in a step (hybrid parallelism):
+    the step's ``batch_size`` samples cut into ``lanes * micro_batches`` micro-batches, and this
+    lane's ``micro_batches`` consecutive ones of them. One pipeline (``lanes`` 1) trains them all.
+    ValueError for a lane outside ``lanes`` or a micro-batch that would be empty."""
+    if not 0 <= lane < lanes:
+        raise ValueError(f"pipeline {lane} is not one of {lanes}")
+    every = micro_batch_slices(batch_size, lanes * micro_batches)
+    return every[lane * micro_batches : (lane + 1) * micro_batches]
+
+
+@dataclass(frozen=True)
+class LanePlace:
+    """Where a stage sits among a step's pipelines: ``starts`` is one pipeline's stage starts
+    (every pipeline cuts the model the same), and the stage is stage ``stage`` of pipeline
+    ``lane``."""
+
+    starts: tuple[int, ...]
+    lane: int
+    stage: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.starts)
+
+
+def lane_place(stage_starts: Sequence[int], lanes: int, stage: int) -> LanePlace:
+    """Stage ``stage`` of ``stage_starts``, every pipeline's stages one pipeline after another
+    (a StageAssignment's), as a `LanePlace`; ValueError when the list does not make ``lanes``
+    pipelines cut the same, or ``stage`` is not in it."""
+    if lanes < 1 or not stage_starts or len(stage_starts) % lanes:
+        raise ValueError(f"{len(stage_starts)} stages do not make {lanes} equal pipelines")
+    per = len(stage_starts) // lanes
+    starts = tuple(stage_starts[:per])
+    for lane in range(1, lanes):
+        if tuple(stage_starts[lane * per : (lane + 1) * per]) != starts:
+            raise ValueError(
+                f"pipeline {lane} is cut at {list(stage_starts[lane * per : (lane + 1) * per])},"
+                f" pipeline 0 at {list(starts)}: every pipeline must cut the model the same"
+            )
+    if not 0 <= stage < len(stage_starts):
+        raise ValueError(f"stage {stage} is not one of the {len(stage_starts)}")
+    return LanePlace(starts, stage // per, stage % per)

@@ -39,6 +39,11 @@ class PipelineSpec:
     #: the share of (stage, checkpoint step) pairs whose work the hub re-executes: one micro-batch
     #: of that step, drawn by the hub and unknown to the nodes (hub/policy/stage_check.py)
     verify_rate: float = 0.05
+    #: the most pipelines a step is shared by (hybrid data + pipeline parallelism): each runs
+    #: the same stages on nodes of its own, over its share of the step's micro-batches, and the
+    #: stages' gradients are summed across pipelines before the optimizer steps; 0: as many as
+    #: the planner predicts faster, 1: one pipeline
+    pipelines: int = 0
 
 
 def parse_pipeline(
@@ -55,6 +60,7 @@ def parse_pipeline(
         boundary=s.get_choice("boundary", d.boundary, BOUNDARIES),
         boundary_rank=s.get_int("boundary_rank", d.boundary_rank, 0, 1 << 16),
         verify_rate=s.get_float("verify_rate", d.verify_rate, 0.0, 1.0),
+        pipelines=s.get_int("pipelines", d.pipelines, 0, 256),
     )
     # a transformer's every cut is its width wide; other models' cuts are checked when planned
     width = model.transformer.width if model.transformer is not None else None
@@ -62,10 +68,19 @@ def parse_pipeline(
     if spec.stages == 1:
         raise SpecError("pipeline.stages: 0 (the planner's choice) or at least 2, got 1")
     if spec.micro_batches > train.batch_size:
-        raise SpecError(f"pipeline.micro_batches: {spec.micro_batches} micro-batches cannot split "
-                        f"train.batch_size = {train.batch_size} samples")
+        raise SpecError(
+            f"pipeline.micro_batches: {spec.micro_batches} micro-batches cannot split "
+            f"train.batch_size = {train.batch_size} samples"
+        )
+    if spec.pipelines > 1 and spec.micro_batches and spec.micro_batches % spec.pipelines:
+        raise SpecError(
+            f"pipeline.pipelines: {spec.pipelines} pipelines cannot share "
+            f"pipeline.micro_batches = {spec.micro_batches} micro-batches evenly"
+        )
     if data.node_local:
-        raise SpecError("pipeline: a pipelined job trains on the hub's data; node-local silos are not supported")
+        raise SpecError(
+            "pipeline: a pipelined job trains on the hub's data; node-local silos are not supported"
+        )
     if privacy.dp != "off" or privacy.secure_aggregation:
         raise SpecError("pipeline: a pipelined job has no updates to privatise; remove [privacy]")
     return spec

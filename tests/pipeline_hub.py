@@ -39,8 +39,9 @@ from gpuflex.protocol.messages import (
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.pipeline import (
     cut_state,
+    lane_place,
+    lane_slices,
     load_unit,
-    micro_batch_slices,
     pipeline_units,
     step_samples,
 )
@@ -392,13 +393,14 @@ def drive(
     run = StageRun()
     url = hub.url
     stage_module, optimizer, params = load_stage(url, key, sa)
-    stages = len(sa.stage_nodes)
-    last = sa.stage == stages - 1
+    place = lane_place(sa.stage_starts, sa.lanes, sa.stage)  # pipelines sharing the steps
+    stages, local = place.stages, place.stage
+    last = local == stages - 1
     x, y = job_data(url, key, sa) if sa.chunks else (None, None)
-    mb = sa.batch_size // sa.micro_batches
+    mb = sa.batch_size // (sa.micro_batches * sa.lanes)
     widths = boundary_shapes(sa, mb)
-    inbound = TensorSpec("activation", "float32", widths[sa.stage - 1]) if sa.stage else None
-    outbound = None if last else TensorSpec("activation", "float32", widths[sa.stage])
+    inbound = TensorSpec("activation", "float32", widths[local - 1]) if local else None
+    outbound = None if last else TensorSpec("activation", "float32", widths[local])
     transport = RelayTransport(
         url,
         key,
@@ -410,7 +412,7 @@ def drive(
     )
     runner = StageRunner(
         module=stage_module,
-        stage=sa.stage,
+        stage=local,
         stages=stages,
         transport=transport,
         optimizer=optimizer,
@@ -420,22 +422,26 @@ def drive(
         schedule=sa.schedule,
         timeout_s=timeout_s,
         seed=sa.seed,
+        lane=place.lane,
+        lanes=sa.lanes,
+        batch_samples=sa.batch_size,
     )
     if tamper is not None:
         tamper(runner)
     try:
         for step in range(sa.first_step, sa.end_step):
-            inputs, targets = _micro_batches(sa, step, x, y)
+            inputs, targets = _micro_batches(sa, step, x, y, lane=place.lane)
             loss = runner.run_step(
                 step,
                 sa.micro_batches,
-                inputs=inputs if sa.stage == 0 else (),
+                inputs=inputs if local == 0 else (),
                 targets=targets if last else (),
             )
             done = step + 1
             if loss is not None:
                 run.losses.append(loss)
-            if done % sa.checkpoint_every == 0 or done == sa.end_step:
+            due = done % sa.checkpoint_every == 0 or done == sa.end_step
+            if due and place.lane == 0:  # every pipeline holds the same state: the first saves it
                 for k, module in enumerate(stage_module):
                     blob = unit_state_blob(module, optimizer, params)
                     status, body = send_checkpoint(url, key, sa, sa.unit_start + k, done, blob)
@@ -463,25 +469,35 @@ def boundary_shapes(sa: StageAssignment, mb: int) -> list[tuple[int, ...]]:
 
     spec = ModelSpec.from_dict(sa.model_spec)
     units = pipeline_units(spec)
+    starts = lane_place(sa.stage_starts, sa.lanes, sa.stage).starts
     h = torch.zeros((mb, *spec.input_shape), device="meta")
     shapes = []
     with torch.no_grad():
-        for s in range(len(sa.stage_nodes)):
-            end = sa.stage_starts[s + 1] if s + 1 < len(sa.stage_nodes) else len(units)
-            for u in range(sa.stage_starts[s], end):
+        for s in range(len(starts)):
+            end = starts[s + 1] if s + 1 < len(starts) else len(units)
+            for u in range(starts[s], end):
                 h = copy.deepcopy(units[u].module)(h)
             shapes.append(tuple(h.shape))
     return shapes
 
 
 def _micro_batches(
-    sa: StageAssignment, step: int, x: torch.Tensor | None, y: torch.Tensor | None
+    sa: StageAssignment,
+    step: int,
+    x: torch.Tensor | None,
+    y: torch.Tensor | None,
+    *,
+    lane: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Pipeline ``lane``'s micro-batches of step ``step`` (None: every pipeline's)."""
     if x is None or y is None:
         return [], []
     idx = torch.tensor(step_samples(sa.seed, step, sa.batch_size, len(x)))
     bx, by = x[idx], y[idx]
-    slices = micro_batch_slices(sa.batch_size, sa.micro_batches)
+    if lane is None:
+        slices = lane_slices(sa.batch_size, sa.micro_batches * sa.lanes, 1, 0)
+    else:
+        slices = lane_slices(sa.batch_size, sa.micro_batches, sa.lanes, lane)
     return [bx[a:b] for a, b in slices], [by[a:b] for a, b in slices]
 
 

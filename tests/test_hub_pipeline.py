@@ -167,6 +167,50 @@ def test_a_two_stage_pipeline_equals_one_process_and_its_model_is_the_jobs(hub, 
     assert reports == (12, 6), "each stage reports each step; the last stage its loss"
 
 
+def test_two_pipelines_share_each_step_and_train_what_one_process_does(
+    hub, tmp_path, monkeypatch, capsys
+) -> None:
+    """Hybrid data + pipeline parallelism: 4 nodes and ``pipelines = 2`` make two pipelines of
+    2 stages, cut the same, each training 2 of the step's 4 micro-batches and summing its
+    stages' gradients with the other's through the relay. The job's final model equals one
+    process accumulating all 4; only pipeline 0 checkpoints; status shows both pipelines."""
+    keys = [register(hub.url) for _ in range(4)]
+    for key in keys:  # every node asks for work before the job comes: all four are idle
+        work(hub, key, 0.1)
+    code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=6, every=3) + "pipelines = 2\n")
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    assert {sa.lanes for sa in got} == {2} and sorted(sa.stage for sa in got) == [0, 1, 2, 3]
+    assert {sa.micro_batches for sa in got} == {2}
+    assert got[0].stage_starts[:2] == got[0].stage_starts[2:]
+    assert {len(sa.chunks) > 0 for sa in got} == {True}  # every stage is a first or a last one
+    second = next(i for i, sa in enumerate(got) if sa.stage == 2)
+    status_code, body = send_checkpoint(
+        hub.url, keys[second], got[second], got[second].unit_start, 3, b"x"
+    )
+    assert status_code == 403 and error_of(body) == (
+        "not_your_unit",
+        "stage 2 is in pipeline 1 of 2: every pipeline holds the same state, and pipeline 0"
+        " checkpoints it",
+    )
+    start = model_of(hub, keys[0], got[0])
+    first = next(i for i, sa in enumerate(got) if sa.stage == 0)
+    x, y = job_data(hub.url, keys[first], got[first])
+    runs = drive_all(hub, keys, got)
+    assert all(r.error is None for r in runs), [r.error for r in runs]
+    doc = wait_state(hub, job["id"], "done")
+    want = reference(got[0].model_spec, start, got[0], x, y, 6)
+    assert (
+        max_rel_diff(final_model(hub, doc), {k: v.detach() for k, v in want.state_dict().items()})
+        <= 1e-5
+    )
+    (past,) = doc["pipeline"]["generations"]
+    assert (past["pipelines"], past["stages"]) == (2, 2) and past["loss"] > 0
+    out = cli_status(hub, job["id"], monkeypatch, capsys)
+    assert "2 pipelines of 2 stages" not in out  # the generation is over: its line says so below
+    assert "generation 1 (from step 0, 2 stages" in out
+
+
 def _stale_answers(hub: HubThread, key, sa) -> None:
     """Generation ``sa.generation`` is over: the relay, the reports and the checkpoints say so."""
     body = encode_state({"activation": torch.zeros(8, 32)})

@@ -69,7 +69,9 @@ def accumulate(model: nn.Module, data, cfg: TrainConfig) -> list[float]:
     return losses
 
 
-def runners_for(units, starts, cfg, schedule, network, tied=(), timeout_s=30.0, seed=0):
+def runners_for(
+    units, starts, cfg, schedule, network, tied=(), timeout_s=30.0, seed=0, lane=0, lanes=1
+):
     stages = cut(units, starts)
     specs = boundary_specs(stages, torch.zeros(BATCH, 12))
     out = []
@@ -89,6 +91,9 @@ def runners_for(units, starts, cfg, schedule, network, tied=(), timeout_s=30.0, 
                 tied=tied,
                 timeout_s=timeout_s,
                 seed=seed,
+                lane=lane,
+                lanes=lanes,
+                batch_samples=BATCH * MICRO if lanes > 1 else 0,
             )
         )
     return out
@@ -148,6 +153,49 @@ def test_dropout_in_a_pipeline_draws_what_one_process_draws(schedule: str) -> No
     other = runners_for(units, [0, 3, 6], ADAM, schedule, MemoryNetwork(), seed=8)
     run_stages(other, data)
     assert max_rel_diff([r.module for r in other], reference) > 1e-3, "other seed, other masks"
+
+
+@pytest.mark.parametrize(
+    ("lanes", "starts", "schedule"), [(2, [0, 3], "1f1b"), (4, [0, 2, 4, 6], "gpipe")]
+)
+def test_pipelines_sharing_a_step_equal_gradient_accumulation(
+    lanes: int, starts: list[int], schedule: str
+) -> None:
+    """Hybrid parallelism: ``lanes`` pipelines each train their share of a step's micro-batches
+    and sum their stages' gradients before the optimizer steps: one process accumulating every
+    micro-batch of the step gets the same parameters, dropout included (keyed by the micro-batch's
+    place in the whole step), and every pipeline holds the same parameters, bit for bit."""
+    from gpuflex.protocol.dropout import KeyedDropout, dropout_step
+
+    units = mlp_units()
+    units[2:2] = [KeyedDropout(0.2, slot=2)]
+    reference = nn.Sequential(*copy.deepcopy(units))
+    data = step_data(steps=6)
+    opt = make_optimizer(list(reference.parameters()), ADAM)
+    want = []
+    for step, (xs, ys) in enumerate(data):
+        opt.zero_grad()
+        want.append(0.0)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            with dropout_step(3, step, part=i):
+                loss = nn.CrossEntropyLoss()(reference(x), y) * (y.shape[0] / (BATCH * MICRO))
+            loss.backward()
+            want[-1] += float(loss.detach())
+        opt.step()
+    network = MemoryNetwork()
+    runners = [
+        r
+        for lane in range(lanes)
+        for r in runners_for(units, starts, ADAM, schedule, network, seed=3, lane=lane, lanes=lanes)
+    ]
+    assert run_stages(runners, data) == pytest.approx(want, rel=1e-5)
+    per = len(starts)
+    assert max_rel_diff([r.module for r in runners[:per]], reference) <= 1e-5
+    for lane in range(1, lanes):
+        for a, b in zip(runners[:per], runners[lane * per : (lane + 1) * per], strict=True):
+            assert all(
+                torch.equal(x, y) for x, y in zip(a.module.parameters(), b.module.parameters())
+            )
 
 
 class Tied(nn.Module):
@@ -214,6 +262,8 @@ def test_a_bad_cut_is_refused_in_one_line() -> None:
         cut(mlp_units(), [0, 3, 3])
     with pytest.raises(PipelineError, match=r"do not cut 7 units"):
         cut(mlp_units(), [1, 3])
+    with pytest.raises(PipelineError, match=r"^pipeline 2 is not one of 2$"):
+        runners_for(mlp_units(), [0, 3], SGD, "1f1b", MemoryNetwork(), lane=2, lanes=2)
 
 
 @pytest.mark.parametrize(
@@ -246,4 +296,3 @@ def test_a_neighbour_that_never_sends_is_named() -> None:
         r"not arrive within 0\.2 s",
     ):
         runners[1].run_step(0, MICRO, targets=ys)
-

@@ -191,6 +191,103 @@ def test_a_tied_embedding_crosses_between_the_stages_holding_it() -> None:
     assert plan.tied == (TiedStages((0, 1), Crossing("float32", (50, 16))),)
 
 
+def test_pipelines_sharing_a_step_have_a_relay_plan_that_keeps_them_apart() -> None:
+    """Two pipelines of 2 stages (slots 0-1 and 2-3): activations, gradients and tied
+    gradients stay within a pipeline and its micro-batches; a unit's "replica" gradient (its
+    trainable elements, float32) goes only between the same stage of the two pipelines."""
+    import dataclasses
+
+    from gpuflex.hub.base.errors import BadRequest
+    from gpuflex.protocol.pipeline import pipeline_units
+
+    spec = parse_job_spec(
+        '[job]\nname = "lm"\n[model]\nkind = "transformer"\nvocab = 50\ncontext = 8\n'
+        "layers = 2\nheads = 2\nwidth = 16\n[train]\nbatch_size = 8\n[pipeline]\nstages = 2\n"
+    )
+    cut = cut_model(spec)
+    assert not isinstance(cut, str)
+    lane = (StageSlot("gf1-a", 0, 2), StageSlot("gf1-b", 2, 4))
+    other = (StageSlot("gf1-c", 0, 2), StageSlot("gf1-d", 2, 4))
+    g = dataclasses.replace(_generation((*lane, *other)), micro_batches=2, lanes=2)
+    plan = relay_plan(g, cut)
+    units = pipeline_units(spec.model)
+    sizes = [
+        sum(p.numel() for _, p in u.module.named_parameters(remove_duplicate=False))
+        for u in units.units
+    ]
+    assert [[c.shape[0] for c in stage] for stage in plan.replicas] == [sizes[:2], sizes[2:]]
+    assert (
+        plan.crossing(step=0, micro_batch=3, carries="activation", stage=2, to_stage=3)
+        == (plan.boundaries[0])
+    )
+    assert (
+        plan.crossing(step=0, micro_batch=1, carries="replica", stage=3, to_stage=1)
+        == (plan.replicas[1][1])
+    )
+    assert plan.crossing(step=0, micro_batch=0, carries="tied", stage=3, to_stage=2) == (
+        plan.tied[0].crossing
+    )
+    refused = [
+        (
+            dict(micro_batch=1, carries="activation", stage=2, to_stage=3),
+            "not one of the plan's 2 to 3 (pipeline 1's)",
+        ),
+        (dict(micro_batch=0, carries="activation", stage=1, to_stage=2), "in different pipelines"),
+        (dict(micro_batch=0, carries="tied", stage=0, to_stage=3), "in different pipelines"),
+        (
+            dict(micro_batch=0, carries="replica", stage=0, to_stage=3),
+            "the same stage of two pipelines",
+        ),
+        (
+            dict(micro_batch=0, carries="replica", stage=0, to_stage=1),
+            "the same stage of two pipelines",
+        ),
+        (dict(micro_batch=2, carries="replica", stage=0, to_stage=2), "holds 2 units, not unit 2"),
+    ]
+    for message, words in refused:
+        with pytest.raises(BadRequest) as caught:
+            plan.crossing(step=0, **message)
+        assert words in caught.value.detail and "\n" not in caught.value.detail
+
+
+def test_the_planner_shares_the_steps_between_pipelines_when_asked_or_faster() -> None:
+    """``pipelines = 2`` on 4 nodes: two pipelines cut the same on nodes of their own, each
+    running half the micro-batches, the step priced with the gradient exchange. Under "auto" the
+    planner takes them only when that is faster: not over a home line with 4 MB units (the
+    exchange outweighs the compute), yes with slow compute on a fast link."""
+    from gpuflex.hub.domain.pipelines.planning import Lanes, exchange_s
+
+    offers = [_offer(n) for n in ("gf1-a", "gf1-b", "gf1-c", "gf1-d")]
+    asked = choose_pipeline(
+        _costs(), offers, PipelineSpec(stages=2, micro_batches=4, pipelines=2), batch_size=32
+    )
+    assert isinstance(asked, Lanes) and len(asked.pipelines) == 2
+    one, two = asked.pipelines
+    assert [s.end_unit for s in one.stages] == [s.end_unit for s in two.stages]
+    assert one.micro_batches == two.micro_batches == 2 and one.micro_batch_size == 8
+    assert len({s.node_id for p in asked.pipelines for s in p.stages}) == 4
+    assert asked.step_s == pytest.approx(
+        max(one.step_s, two.step_s) + exchange_s(_costs(), one, asked.pipelines, offers)
+    )
+    single = choose_pipeline(_costs(), offers, PipelineSpec(stages=2, pipelines=1), batch_size=32)
+    assert not isinstance(single, (str, Lanes))
+    home = choose_pipeline(_costs(), offers, PipelineSpec(stages=2), batch_size=32)
+    assert not isinstance(home, (str, Lanes)), "over a home line one pipeline is faster"
+    fast = [NodeOffer(o.node_id, GB, 1e7, 1e9, 0.001) for o in offers]
+    lanes = choose_pipeline(_costs(), fast, PipelineSpec(stages=2), batch_size=32)
+    assert isinstance(lanes, Lanes) and len(lanes.pipelines) == 2
+    solo = choose_pipeline(_costs(), fast, PipelineSpec(stages=2, pipelines=1), batch_size=32)
+    assert not isinstance(solo, (str, Lanes)) and lanes.step_s < solo.step_s
+    # a micro-batch count the pipelines cannot share is refused with the spec
+    from gpuflex.protocol.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"2 pipelines cannot share pipeline\.micro_batches = 3"):
+        parse_job_spec(
+            '[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 4\nhidden = [4]\noutputs = 2\n'
+            "[train]\nbatch_size = 6\n[pipeline]\nmicro_batches = 3\npipelines = 2\n"
+        )
+
+
 def test_a_relay_plan_refuses_another_generation_in_one_line() -> None:
     from gpuflex.hub.base.errors import Conflict
     from gpuflex.hub.model.relay import RelayPlan

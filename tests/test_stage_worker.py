@@ -269,6 +269,51 @@ def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, s
     assert losses[-1] < losses[0]  # it trains
 
 
+@pytest.mark.parametrize(
+    ("spec", "cfg"), [(TRANSFORMER, SGD_LM), (STACK, ADAM)], ids=["lm", "stack"]
+)
+def test_two_pipelines_sharing_the_steps_equal_gradient_accumulation(
+    spec: ModelSpec, cfg: TrainConfig
+) -> None:
+    """Hybrid parallelism on the node's own worker: 2 pipelines of 2 stages (the transformer's
+    tied embedding on both ends), each running 2 of a step's 4 micro-batches and summing its
+    stages' gradients with the other's. The model pipeline 0 checkpoints equals one process
+    accumulating all 4 micro-batches; pipeline 1 checkpoints nothing and holds the same model."""
+    job = Job(spec, cfg)
+    starts = [0, 2]
+    flat = [*starts, *starts]
+    network = MemoryNetwork()
+    outcomes: dict[int, StageOutcome] = {}
+    workers: dict[int, StageWorker] = {}
+
+    def work(slot: int) -> None:
+        a = dataclasses.replace(
+            job.assignment(starts, slot % 2),
+            node_id=f"node-{slot}",
+            stage=slot,
+            stage_nodes=tuple(f"node-{s}" for s in range(4)),
+            stage_keys=tuple(bytes([s]) * 32 for s in range(4)),
+            stage_starts=tuple(flat),
+            micro_batches=MICRO // 2,
+            lanes=2,
+        )
+        check_stage_assignment(a, node_id=f"node-{slot}")
+        workers[slot] = StageWorker(a, hub=NodeSide(job.hub), transport=network.transport())
+        outcomes[slot] = workers[slot].run()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [outcomes[s].ended for s in range(4)] == ["done"] * 4, outcomes
+    assert max_rel_diff(job.hub.model_at(spec, STEPS), job.reference()) <= 1e-5
+    assert {r.stage for r in job.hub.reports} == {0, 1, 2, 3}
+    for a, b in ((0, 2), (1, 3)):
+        for x, y in zip(workers[a].unit_states(), workers[b].unit_states(), strict=True):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+
+
 def test_a_resumed_generation_cut_elsewhere_equals_the_uninterrupted_run() -> None:
     job = Job(TRANSFORMER, ADAM)
     job.run([0, 2])
@@ -385,7 +430,15 @@ def _refusals(job: Job) -> list[tuple[StageAssignment, str]]:
         (_bad(job, stage_nodes=("node-1", "node-0")), "its plan gives stage 1 to node-0"),
         (_bad(job, unit_start=1), "units 1-3 are not stage 1 of a 4-unit model cut at [0, 2]"),
         (_bad(job, stage_starts=(0, 5)), "are not stage 1 of a 4-unit model cut at [0, 5]"),
-        (_bad(job, micro_batches=3), "3 micro-batches do not divide the batch of 8"),
+        (
+            _bad(job, micro_batches=3),
+            "1 pipeline(s) of 3 micro-batches do not divide the batch of 8",
+        ),
+        (
+            _bad(job, lanes=2),
+            "pipeline 1 is cut at [2], pipeline 0 at [0]: every pipeline must cut",
+        ),
+        (_bad(job, lanes=3), "2 stages do not make 3 equal pipelines"),
         (_bad(job, first_step=10), "steps 10 up to 10 run backwards"),
         (_bad(job, first_step=5), "resuming at step 5 needs the states of units 2-3, it names []"),
         (_bad(job, unit_states=(UnitState(2, "a" * 64, 9),)), "step 0 starts from the model"),

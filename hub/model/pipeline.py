@@ -42,6 +42,19 @@ class Generation:
     bubble_fraction: float
     reason: str
     created_at: float
+    #: pipelines sharing each step (hybrid parallelism): ``stages`` lists every pipeline's,
+    #: pipeline after pipeline, each cut the same; pipeline ``p`` runs ``micro_batches`` of the
+    #: step's ``lanes * micro_batches`` micro-batches, and only pipeline 0 checkpoints
+    lanes: int = 1
+
+    @property
+    def per_lane(self) -> int:
+        """Stages in each pipeline."""
+        return len(self.stages) // self.lanes
+
+    def lane_of(self, stage: int) -> tuple[int, int]:
+        """(pipeline, stage within it) of slot ``stage``."""
+        return divmod(stage, self.per_lane)
 
     def stage_of(self, node_id: str) -> int | None:
         for s, slot in enumerate(self.stages):
@@ -50,7 +63,7 @@ class Generation:
         return None
 
     def holder(self, unit: int) -> str:
-        """The node whose stage holds ``unit``."""
+        """The node whose stage holds ``unit`` (pipeline 0's)."""
         for slot in self.stages:
             if slot.unit_start <= unit < slot.unit_end:
                 return slot.node_id

@@ -33,7 +33,14 @@ class TiedStages:
 @dataclass(frozen=True)
 class RelayPlan:
     """``stages[i]``: the node id running stage i; ``boundaries[i]``: what crosses between stage
-    i and i + 1 per micro-batch; steps ``first_step`` up to ``end_step`` (None: no end)."""
+    i and i + 1 per micro-batch; steps ``first_step`` up to ``end_step`` (None: no end).
+
+    With ``lanes`` pipelines sharing each step (hybrid parallelism), ``stages`` lists every
+    pipeline's stages, pipeline after pipeline (stage ``s`` of pipeline ``p`` is
+    ``p * per_lane + s``), each cut the same: activations and gradients stay within a pipeline,
+    pipeline ``p`` carries micro-batches ``p * micro_batches`` up to ``(p + 1) * micro_batches``,
+    and stage ``s`` of one pipeline sends stage ``s`` of every other its units' summed gradients
+    ("replica", the micro-batch the unit's place in the stage, ``replicas[s][unit]``)."""
 
     stages: tuple[str, ...]
     boundaries: tuple[Crossing, ...]
@@ -43,14 +50,24 @@ class RelayPlan:
     tied: tuple[TiedStages, ...] = ()
     #: the plan's generation (StageAssignment.generation); the relay refuses another one's messages
     generation: int = 0
+    lanes: int = 1
+    replicas: tuple[tuple[Crossing, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.stages) < 2 or len(self.boundaries) != len(self.stages) - 1:
+        if len(self.stages) < 2 * self.lanes or len(self.stages) != self.lanes * (
+            len(self.boundaries) + 1
+        ):
             raise ValueError(
-                "a pipeline plan has at least 2 stages and one boundary between each two"
+                "a pipeline plan has at least 2 stages per pipeline and one boundary between each two"
             )
         if self.micro_batches < 1:
             raise ValueError("a pipeline plan has at least one micro-batch")
+        if self.lanes > 1 and len(self.replicas) != self.per_lane:
+            raise ValueError("pipelines sharing a step need each stage's replica crossings")
+
+    @property
+    def per_lane(self) -> int:
+        return len(self.boundaries) + 1
 
     def crossing(
         self, *, step: int, micro_batch: int, carries: str, stage: int, to_stage: int
@@ -68,10 +85,20 @@ class RelayPlan:
                 f"the pipeline has stages 0 to {len(self.stages) - 1}, not {max(stage, to_stage)}",
                 code="not_in_plan",
             )
+        lane, local = divmod(stage, self.per_lane)
+        to_lane, to_local = divmod(to_stage, self.per_lane)
+        if carries == "replica":
+            return self._replica(micro_batch, lane, local, to_lane, to_local)
+        if lane != to_lane:
+            raise BadRequest(
+                f"stages {stage} and {to_stage} are in different pipelines: only their replica"
+                " gradients cross between them",
+                code="not_in_plan",
+            )
         if carries == "tied":
             if (
                 micro_batch < len(self.tied)
-                and {stage, to_stage} <= set(self.tied[micro_batch].stages)
+                and {local, to_local} <= set(self.tied[micro_batch].stages)
                 and stage != to_stage
             ):
                 return self.tied[micro_batch].crossing
@@ -79,18 +106,34 @@ class RelayPlan:
                 f"stages {stage} and {to_stage} share no tied group {micro_batch}",
                 code="not_in_plan",
             )
-        if micro_batch >= self.micro_batches:
+        first = lane * self.micro_batches
+        if not first <= micro_batch < first + self.micro_batches:
             raise BadRequest(
-                f"micro-batch {micro_batch} is beyond the plan's {self.micro_batches}",
+                f"micro-batch {micro_batch} is not one of the plan's"
+                f" {first} to {first + self.micro_batches - 1}"
+                + (f" (pipeline {lane}'s)" if self.lanes > 1 else ""),
                 code="not_in_plan",
             )
-        if carries == "activation" and to_stage == stage + 1:
-            return self.boundaries[stage]
-        if carries == "gradient" and to_stage == stage - 1:
-            return self.boundaries[to_stage]
+        if carries == "activation" and to_local == local + 1:
+            return self.boundaries[local]
+        if carries == "gradient" and to_local == local - 1:
+            return self.boundaries[to_local]
         raise BadRequest(
             f"an {carries} does not go from stage {stage} to stage {to_stage}", code="not_in_plan"
         )
+
+    def _replica(self, unit: int, lane: int, local: int, to_lane: int, to_local: int) -> Crossing:
+        if self.lanes == 1 or lane == to_lane or local != to_local:
+            raise BadRequest(
+                "a replica gradient goes between the same stage of two pipelines sharing a step",
+                code="not_in_plan",
+            )
+        if unit >= len(self.replicas[local]):
+            raise BadRequest(
+                f"stage {local} holds {len(self.replicas[local])} units, not unit {unit}",
+                code="not_in_plan",
+            )
+        return self.replicas[local][unit]
 
     def check_generation(self, generation: int) -> None:
         """Conflict (409 ``stale_generation``) for a message of another generation than this plan's."""

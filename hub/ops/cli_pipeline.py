@@ -38,13 +38,16 @@ def pipeline_lines(doc: dict[str, Any]) -> list[str]:
     if g is not None:
         measured = g.get("measured_step_s")
         lines.append(
-            f"generation {g['number']} from step {g['first_step']}: {len(g['stages'])} stages,"
+            f"generation {g['number']} from step {g['first_step']}: {_shape(g)},"
             f" {g['micro_batches']} micro-batches of {g['micro_batch_size']}, {g['schedule']}, step"
             f" predicted {seconds(g['predicted_step_s'])}, measured"
             f" {'-' if measured is None else seconds(measured)}, bubble {g['bubble_fraction']:.0%}"
             + ("" if g.get("loss") is None else f", loss {g['loss']:.4f}")
         )
-        lines += column_lines(COLUMNS, [_stage_row(st) for st in g["stages"]])
+        lanes = g.get("lanes") or [None] * len(g["stages"])
+        lines += column_lines(
+            COLUMNS, [_stage_row(st, lane) for st, lane in zip(g["stages"], lanes, strict=True)]
+        )
     elif p.get("waiting"):
         lines.append(f"waiting: {p['waiting']}")
     for past in p["generations"]:
@@ -59,7 +62,16 @@ def pipeline_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stage_row(st: dict[str, Any]) -> tuple[str, ...]:
+def _shape(g: dict[str, Any]) -> str:
+    """``4 stages``, or ``2 pipelines of 2 stages`` when pipelines share the steps (each runs
+    its micro-batches)."""
+    lanes = g.get("pipelines", 1)
+    if lanes == 1:
+        return f"{len(g['stages'])} stages"
+    return f"{lanes} pipelines of {len(g['stages']) // lanes} stages"
+
+
+def _stage_row(st: dict[str, Any], lane: dict[str, int] | None) -> tuple[str, ...]:
     names = st["unit_names"]
     first, last = st["first_unit"], st["end_unit"] - 1
     units = f"{first} {names[0]}" if first == last else f"{first}-{last}"
@@ -68,7 +80,7 @@ def _stage_row(st: dict[str, Any]) -> tuple[str, ...]:
     step = st.get("step_s")
     offered = st.get("offered_bytes")
     return (
-        str(st["stage"]),
+        str(st["stage"]) if lane is None else f"{lane['pipeline']}.{lane['stage']}",
         units,
         st["node_id"],
         size(st["memory_bytes"]) + ("" if offered is None else f" / {size(offered)}"),

@@ -28,6 +28,7 @@ def generation_json(g: Generation) -> str:
             "schedule": g.schedule,
             "step_s": g.step_s,
             "bubble_fraction": g.bubble_fraction,
+            "lanes": g.lanes,
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -50,6 +51,7 @@ def generation_from_row(row: Any) -> Generation:
         bubble_fraction=float(plan["bubble_fraction"]),
         reason=row["reason"],
         created_at=float(row["created_at"]),
+        lanes=int(plan.get("lanes", 1)),
     )
 
 

@@ -18,27 +18,37 @@ StepData = tuple[Sequence[Tensor], Sequence[Tensor]]
 def run_stages(
     runners: Sequence[StageRunner], steps: Sequence[StepData], *, first_step: int = 0
 ) -> list[float]:
-    """Train ``steps`` on ``runners`` (stage 0 first), each in its own thread; the last stage's
-    loss of each step. The first stage's error, if any, is raised once every thread has ended."""
-    losses: list[float] = []
+    """Train ``steps`` on ``runners`` (every pipeline's stages; each step's micro-batches shared
+    by the pipelines as ``StageRunner.lane`` says), each in its own thread; each step's loss
+    (summed over the pipelines' last stages). The first error, if any, is raised once every
+    thread has ended."""
+    losses: dict[int, float] = {}
+    reached: dict[int, int] = {}
     errors: list[BaseException] = []
+    lock = threading.Lock()
 
     def work(runner: StageRunner) -> None:
         try:
             for n, (inputs, targets) in enumerate(steps):
+                m = len(targets) // runner.lanes
+                mine = slice(runner.lane * m, (runner.lane + 1) * m)
                 loss = runner.run_step(
                     first_step + n,
-                    len(targets),
-                    inputs=inputs if runner.stage == 0 else (),
-                    targets=targets if runner.stage == runner.stages - 1 else (),
+                    m,
+                    inputs=inputs[mine] if runner.stage == 0 else (),
+                    targets=targets[mine] if runner.stage == runner.stages - 1 else (),
                 )
                 if loss is not None:
-                    losses.append(loss)
+                    with lock:
+                        losses[n] = losses.get(n, 0.0) + loss
+                        reached[n] = reached.get(n, 0) + 1
         except BaseException as exc:  # handed to the caller below
             errors.append(exc)
 
     threads = [
-        threading.Thread(target=work, args=(r,), name=f"gpuflex-stage-{r.stage}", daemon=True)
+        threading.Thread(
+            target=work, args=(r,), name=f"gpuflex-stage-{r.lane}.{r.stage}", daemon=True
+        )
         for r in runners
     ]
     for t in threads:
@@ -47,9 +57,10 @@ def run_stages(
         t.join()
     if errors:
         raise errors[0]
-    if len(losses) != len(steps):
-        raise PipelineError(f"{len(losses)} of {len(steps)} steps reached the last stage")
-    return losses
-
+    lanes = max((r.lanes for r in runners), default=1)
+    if any(reached.get(n, 0) != lanes for n in range(len(steps))):
+        done = sum(1 for n in range(len(steps)) if reached.get(n, 0) == lanes)
+        raise PipelineError(f"{done} of {len(steps)} steps reached the last stage")
+    return [losses[n] for n in range(len(steps))]
 
 __all__ = ["StepData", "run_stages"]

@@ -107,6 +107,16 @@ class StageRunner:
     seed: int = 0
     inbound_code: BoundaryCode | None = None
     outbound_code: BoundaryCode | None = None
+    #: hybrid parallelism: this stage is stage ``stage`` of pipeline ``lane`` of ``lanes``, which
+    #: share each step's micro-batches (``lane``'s are ``lane * micro_batches`` onwards) and sum
+    #: their stage's gradients before the optimizer steps; messages name stages across every
+    #: pipeline (stage ``s`` of pipeline ``p`` is ``p * stages + s``)
+    lane: int = 0
+    lanes: int = 1
+    #: the samples of the whole step (every pipeline's), which weigh each micro-batch's loss;
+    #: 0: the last stage's own targets (one pipeline)
+    batch_samples: int = 0
+    _first: int = field(default=0, repr=False)  # this lane's first micro-batch of the step
     _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +128,8 @@ class StageRunner:
                 f"stage {self.stage} of {self.stages} needs an inbound spec exactly when it is not "
                 "the first and an outbound spec exactly when it is not the last"
             )
+        if not 0 <= self.lane < self.lanes:
+            raise PipelineError(f"pipeline {self.lane} is not one of {self.lanes}")
         if last != (self.loss_fn is not None):
             raise PipelineError("the last stage, and only it, computes the loss")
         for spec, code in ((self.inbound, self.inbound_code), (self.outbound, self.outbound_code)):
@@ -141,7 +153,8 @@ class StageRunner:
             raise PipelineError(
                 f"stage {self.stage} needs {micro_batches} micro-batches of its data"
             )
-        samples = sum(int(t.shape[0]) for t in targets)
+        samples = self.batch_samples or sum(int(t.shape[0]) for t in targets)
+        self._first = self.lane * micro_batches
         self.optimizer.zero_grad()
         self._held.clear()
         ahead = getattr(self.transport, "expect", None)
@@ -161,28 +174,33 @@ class StageRunner:
             else:
                 self._backward(step, i)
         self._sum_tied(step)
+        self._sum_lanes(step)
         self.optimizer.step()
         return loss_sum if last else None
 
     def receives(self, step: int, micro_batches: int) -> list[MessageKey]:
         """What this stage receives in step ``step``, in the order ``run_step`` receives it: per
         forward the activation from the stage before, per backward the gradient from the stage
-        after (the schedule's order), then each tied group's gradients from the other stages."""
+        after (the schedule's order), then each tied group's gradients from the other stages, then
+        the other pipelines' gradients of this stage's units."""
         keys: list[MessageKey] = []
+        first = self.lane * micro_batches
         for action in stage_actions(
             self.schedule, stage=self.stage, stages=self.stages, micro_batches=micro_batches
         ):
-            i = action.micro_batch
+            i = first + action.micro_batch
             if action.op == "F" and self.stage > 0:
-                keys.append(MessageKey(step, i, "activation", self.stage - 1, self.stage))
+                keys.append(self._from(step, i, "activation", self.stage - 1))
             elif action.op == "B" and self.stage < self.stages - 1:
-                keys.append(MessageKey(step, i, "gradient", self.stage + 1, self.stage))
+                keys.append(self._from(step, i, "gradient", self.stage + 1))
         for g, group in enumerate(self.tied):
             if any(stage == self.stage for stage, _ in group.members):
+                keys += [self._from(step, g, "tied", s) for s in group.stages() if s != self.stage]
+        for lane in range(self.lanes):
+            if lane != self.lane:
                 keys += [
-                    MessageKey(step, g, "tied", s, self.stage)
-                    for s in group.stages()
-                    if s != self.stage
+                    self._replica_key(step, u, lane, self.lane)
+                    for u in range(len(self._lane_units()))
                 ]
         return keys
 
@@ -190,8 +208,22 @@ class StageRunner:
         first = next(self.module.parameters(), None)
         return first.device if first is not None else torch.device("cpu")
 
+    def _at(self, stage: int, lane: int | None = None) -> int:
+        """Stage ``stage`` of pipeline ``lane`` (this one's by default) as messages name it."""
+        return (self.lane if lane is None else lane) * self.stages + stage
+
     def _key(self, step: int, micro_batch: int, carries: str, to_stage: int) -> MessageKey:
-        return MessageKey(step, micro_batch, carries, self.stage, to_stage)
+        """A message from this stage to stage ``to_stage`` of this pipeline."""
+        return MessageKey(step, micro_batch, carries, self._at(self.stage), self._at(to_stage))
+
+    def _from(self, step: int, micro_batch: int, carries: str, stage: int) -> MessageKey:
+        """A message to this stage from stage ``stage`` of this pipeline."""
+        return MessageKey(step, micro_batch, carries, self._at(stage), self._at(self.stage))
+
+    def _replica_key(self, step: int, unit: int, lane: int, to_lane: int) -> MessageKey:
+        return MessageKey(
+            step, unit, "replica", self._at(self.stage, lane), self._at(self.stage, to_lane)
+        )
 
     def _send(self, key: MessageKey, tensor: Tensor, code: BoundaryCode | None) -> None:
         self.transport.send(key, tensor if code is None else code.encode(tensor))
@@ -215,17 +247,18 @@ class StageRunner:
         if x is None:
             if self.inbound is None:
                 raise PipelineError("stage 0 needs its inputs")
-            key = MessageKey(step, i, "activation", self.stage - 1, self.stage)
+            key = self._from(step, self._first + i, "activation", self.stage - 1)
             received = self._receive(key, self.inbound, self.inbound_code)
             x_in: Tensor | None = received.requires_grad_(True)
-            with dropout_step(self.seed, step, part=i):
+            with dropout_step(self.seed, step, part=self._first + i):
                 out = self.module(x_in)
         else:
             x_in = None  # stage 0's inputs need no gradient
-            with dropout_step(self.seed, step, part=i):
+            with dropout_step(self.seed, step, part=self._first + i):
                 out = self.module(x)
         if y is None:
-            self._send(self._key(step, i, "activation", self.stage + 1), out, self.outbound_code)
+            key = self._key(step, self._first + i, "activation", self.stage + 1)
+            self._send(key, out, self.outbound_code)
             self._held[i] = (x_in, out)
             return None
         if self.loss_fn is None:
@@ -240,13 +273,14 @@ class StageRunner:
         if self.outbound is None:  # the last stage: ``out`` is the weighted loss
             out.backward()
         else:
-            key = MessageKey(step, i, "gradient", self.stage + 1, self.stage)
+            key = self._from(step, self._first + i, "gradient", self.stage + 1)
             grad = self._receive(key, self.outbound, self.outbound_code)
             torch.autograd.backward(out, grad.to(out.device))
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")
-            self._send(self._key(step, i, "gradient", self.stage - 1), x_in.grad, self.inbound_code)
+            key = self._key(step, self._first + i, "gradient", self.stage - 1)
+            self._send(key, x_in.grad, self.inbound_code)
 
     def _sum_tied(self, step: int) -> None:
         params = dict(self.module.named_parameters())
@@ -270,7 +304,7 @@ class StageRunner:
                     own
                     if s == self.stage
                     else self.transport.receive(
-                        MessageKey(step, g, "tied", s, self.stage),
+                        self._from(step, g, "tied", s),
                         expected,
                         timeout_s=self.timeout_s,
                     ).to(own.device)
@@ -278,5 +312,71 @@ class StageRunner:
                 total = part.clone() if total is None else total.add_(part)
             param.grad = total
 
+    def _lane_units(self) -> list[list[nn.Parameter]]:
+        """Each of the stage's units' trainable parameters, in the unit's order: what the
+        pipelines of a step sum, one message per unit."""
+        return [unit_parameters(unit) for unit in self.module.children()]
 
-__all__ = ["LossFn", "StageRunner", "TiedGroup", "boundary_specs", "cut"]
+    def _sum_lanes(self, step: int) -> None:
+        """Every pipeline's gradients of this stage's units, summed in pipeline order (the same
+        sum, bit for bit, on every pipeline), in place of this pipeline's own. Each unit's own
+        gradients are read before any is replaced (a parameter tied across two units of the
+        stage appears in both)."""
+        if self.lanes == 1:
+            return
+        units = self._lane_units()
+        owns = [
+            torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                    for p in params
+                ]
+            ).float()
+            if params
+            else None
+            for params in units
+        ]
+        for u, own in enumerate(owns):
+            for lane in range(self.lanes):
+                if own is not None and lane != self.lane:
+                    self.transport.send(self._replica_key(step, u, self.lane, lane), own)
+        for u, (params, own) in enumerate(zip(units, owns, strict=True)):
+            if own is None:
+                continue
+            total = torch.zeros_like(own)
+            for lane in range(self.lanes):  # the same order on every pipeline: identical sums
+                total.add_(
+                    own
+                    if lane == self.lane
+                    else self.transport.receive(
+                        self._replica_key(step, u, lane, self.lane),
+                        spec_of(own, "replica"),
+                        timeout_s=self.timeout_s,
+                    ).to(own.device)
+                )
+            offset = 0
+            for p in params:
+                p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+                offset += p.numel()
+
+
+def unit_parameters(unit: nn.Module) -> list[nn.Parameter]:
+    """A unit's trainable parameters in its state's order (a parameter registered twice, twice):
+    what pipelines sharing a step sum for it, flattened into one "replica" message."""
+    return [p for _, p in unit.named_parameters(remove_duplicate=False) if p.requires_grad]
+
+
+def replica_length(unit: nn.Module) -> int:
+    """The length of a unit's "replica" message: its trainable parameters' elements."""
+    return sum(p.numel() for p in unit_parameters(unit))
+
+
+__all__ = [
+    "LossFn",
+    "StageRunner",
+    "TiedGroup",
+    "boundary_specs",
+    "cut",
+    "replica_length",
+    "unit_parameters",
+]

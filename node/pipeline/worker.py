@@ -6,7 +6,10 @@ step 0, cut from the job's model blob) with their optimizer state (node/pipeline
 the tied groups that span stages and the tensors that cross each cut (one micro-batch's, found
 on the meta device), and the job's loss on the last stage. The first and the last stage read
 the job's chunks; step ``s`` trains ``step_samples(seed, s, batch_size, samples)`` of them split
-by ``micro_batch_slices``, so every stage and a single process replaying the job agree.
+by ``micro_batch_slices``, so every stage and a single process replaying the job agree. When
+several pipelines share the steps (``lanes``), each trains its own micro-batches of them
+(``lane_slices``), the stages sum their gradients across pipelines, and only the first pipeline
+uploads checkpoints (every pipeline holds the same state after each step).
 
 Then it runs steps ``first_step`` up to ``end_step`` through its ``Transport``. After each step:
 every ``checkpoint_every`` steps and at ``end_step`` each unit's state goes to the node's blob
@@ -35,7 +38,14 @@ from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import StageAssignment, StageReport, UnitCheckpoint
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import Units, micro_batch_slices, pipeline_units, step_samples
+from gpuflex.protocol.pipeline import (
+    LanePlace,
+    Units,
+    lane_place,
+    lane_slices,
+    pipeline_units,
+    step_samples,
+)
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import Buffer, TensorSpec, decode_state, encode_state, sha256_hex
 from torch import Tensor, nn
@@ -165,14 +175,20 @@ class StageWorker:
         self._x: Tensor | None = None
         self._y: Tensor | None = None
         self._states: list[UnitTensors] = []
+        try:
+            self.place: LanePlace = lane_place(
+                assignment.stage_starts, assignment.lanes, assignment.stage
+            )
+        except ValueError:  # prepare() refuses it
+            self.place = LanePlace(tuple(assignment.stage_starts), 0, assignment.stage)
 
     @property
     def first(self) -> bool:
-        return self.a.stage == 0
+        return self.place.stage == 0
 
     @property
     def last(self) -> bool:
-        return self.a.stage == len(self.a.stage_starts) - 1
+        return self.place.stage == self.place.stages - 1
 
     # ------------------------------------------------------------------ the run
 
@@ -217,7 +233,9 @@ class StageWorker:
         if loss is not None and not math.isfinite(loss):
             raise PipelineError(f"the loss of step {step} is {loss}: training diverged")
         self.steps_done = done = step + 1
-        if done % self.a.checkpoint_every == 0 or done == self.a.end_step:
+        # every pipeline holds the same state after a step: the first pipeline's is stored
+        due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
+        if due and self.place.lane == 0:
             self.checkpoint(done)
         if self.on_step is not None:
             self.on_step(done, loss)
@@ -290,12 +308,16 @@ class StageWorker:
         except ProtocolError as exc:
             raise PipelineError(f"the stage's model spec is refused: {exc}") from None
         units = pipeline_units(spec)
-        starts = list(a.stage_starts)
+        try:
+            self.place = lane_place(a.stage_starts, a.lanes, a.stage)
+        except ValueError as exc:
+            raise PipelineError(f"the stage's plan is refused: {exc}") from None
+        starts = list(self.place.starts)
         if not stage_starts_ok(starts, len(units)) or (a.unit_start, a.unit_end) != self._range(
             len(units)
         ):
             raise PipelineError(
-                f"units {a.unit_start}-{a.unit_end - 1} are not stage {a.stage} of a "
+                f"units {a.unit_start}-{a.unit_end - 1} are not stage {self.place.stage} of a "
                 f"{len(units)}-unit model cut at {starts}"
             )
         prepare_device(self.device, a.train.precision)
@@ -303,28 +325,32 @@ class StageWorker:
         optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], a.train)
         load_optimizer_state(optimizer, module, self._states, first_unit=a.unit_start)
         specs = self._crossings(units, spec)
+        stage = self.place.stage
         self.runner = StageRunner(
             module=module,
-            stage=a.stage,
+            stage=stage,
             stages=len(starts),
             transport=self.transport,
             optimizer=optimizer,
-            inbound=specs[a.stage - 1] if not self.first else None,
-            outbound=specs[a.stage] if not self.last else None,
+            inbound=specs[stage - 1] if not self.first else None,
+            outbound=specs[stage] if not self.last else None,
             loss_fn=loss_for(spec, a.train) if self.last else None,
             schedule=a.schedule,
             tied=cross_stage_ties(units.tied, starts),
             timeout_s=self.peer_timeout_s,
             seed=a.seed,
-            inbound_code=self._code(specs, a.stage - 1) if not self.first else None,
-            outbound_code=self._code(specs, a.stage) if not self.last else None,
+            inbound_code=self._code(specs, stage - 1) if not self.first else None,
+            outbound_code=self._code(specs, stage) if not self.last else None,
+            lane=self.place.lane,
+            lanes=a.lanes,
+            batch_samples=a.batch_size,
         )
         if self.first or self.last:
             self._read_data(spec)
 
     def _range(self, units: int) -> tuple[int, int]:
-        bounds = [*self.a.stage_starts, units]
-        return bounds[self.a.stage], bounds[self.a.stage + 1]
+        bounds = [*self.place.starts, units]
+        return bounds[self.place.stage], bounds[self.place.stage + 1]
 
     def _build(self, units: Units) -> nn.Sequential:
         a = self.a
@@ -354,12 +380,12 @@ class StageWorker:
 
     def _crossings(self, units: Units, spec: ModelSpec) -> list[TensorSpec]:
         """What crosses each cut for one micro-batch: the stages run on the meta device."""
-        bounds = [*self.a.stage_starts, len(units)]
+        bounds = [*self.place.starts, len(units)]
         stages = [
             copy.deepcopy(nn.Sequential(*(u.module for u in units.units[lo:hi]))).eval()
             for lo, hi in itertools.pairwise(bounds)
         ]
-        micro = self.a.batch_size // self.a.micro_batches
+        micro = self.a.batch_size // (self.a.micro_batches * self.a.lanes)
         example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
         return boundary_specs(stages, example)
 
@@ -404,8 +430,10 @@ class StageWorker:
             raise PipelineError(f"stage {self.a.stage} has no data")
         total = int(self._x.shape[0])
         index = torch.tensor(step_samples(self.a.seed, step, self.a.batch_size, total))
+        a = self.a
         parts = [
-            index[lo:hi] for lo, hi in micro_batch_slices(self.a.batch_size, self.a.micro_batches)
+            index[lo:hi]
+            for lo, hi in lane_slices(a.batch_size, a.micro_batches, a.lanes, self.place.lane)
         ]
         inputs = [self._x[p].to(self.device) for p in parts] if self.first else []
         targets = [self._y[p].to(self.device) for p in parts] if self.last else []

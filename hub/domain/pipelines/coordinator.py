@@ -394,6 +394,12 @@ class Pipelines:
                 f"this node does not run stage {msg.stage} of generation {g.number}",
                 code="not_your_stage",
             )
+        if g.lane_of(msg.stage)[0] > 0:
+            raise Forbidden(
+                f"stage {msg.stage} is in pipeline {g.lane_of(msg.stage)[0]} of {g.lanes}: every"
+                " pipeline holds the same state, and pipeline 0 checkpoints it",
+                code="not_your_unit",
+            )
         if msg.unit not in stage_units(g, msg.stage):
             raise Forbidden(
                 f"unit {msg.unit} is not in stage {msg.stage} (units"

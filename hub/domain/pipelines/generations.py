@@ -10,6 +10,7 @@ its stages those holding a member unit).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from gpuflex.protocol.boundary import encoded_crossing
@@ -20,13 +21,18 @@ from ...model.node import NodeState
 from ...model.pipeline import Generation, PipelineState, StageSlot
 from ...model.relay import Crossing, RelayPlan, TiedStages
 from ...policy.pipeline_plan import Pipeline
+from .checkpoints import Entries
 from .offers import ModelCut
+from .planning import Lanes
 
 
 def new_generation(
-    job: JobState, state: PipelineState, pipeline: Pipeline, *, reason: str, now: float
+    job: JobState, state: PipelineState, plan: Pipeline | Lanes, *, reason: str, now: float
 ) -> Generation:
-    """Generation ``state.generations + 1`` of ``pipeline``, from the committed step."""
+    """Generation ``state.generations + 1`` of ``plan`` (one pipeline, or several sharing each
+    step), from the committed step."""
+    lanes = plan.pipelines if isinstance(plan, Lanes) else (plan,)
+    first = lanes[0]
     return Generation(
         job_id=job.id,
         number=state.generations + 1,
@@ -34,32 +40,42 @@ def new_generation(
         end_step=state.end_step,
         stages=tuple(
             StageSlot(s.node_id, s.first_unit, s.end_unit, s.micro_batch_s, s.memory_bytes)
+            for pipeline in lanes
             for s in pipeline.stages
         ),
-        micro_batches=pipeline.micro_batches,
-        micro_batch_size=pipeline.micro_batch_size,
-        schedule=pipeline.schedule,
-        step_s=pipeline.step_s,
-        bubble_fraction=pipeline.bubble_fraction,
+        micro_batches=first.micro_batches,
+        micro_batch_size=first.micro_batch_size,
+        schedule=first.schedule,
+        step_s=plan.step_s,
+        bubble_fraction=first.bubble_fraction,
         reason=reason,
         created_at=now,
+        lanes=len(lanes),
     )
 
 
 def relay_plan(g: Generation, cut: ModelCut, boundary: str = "fp32", rank: int = 0) -> RelayPlan:
     """What the relay lets generation ``g``'s stages send each other: each cut's tensor in the
     job's boundary encoding (``[pipeline] boundary``, protocol/boundary.py)."""
+    one = g.stages[: g.per_lane]
     stage_of_unit = {
-        u: s for s, slot in enumerate(g.stages) for u in range(slot.unit_start, slot.unit_end)
+        u: s for s, slot in enumerate(one) for u in range(slot.unit_start, slot.unit_end)
     }
     boundaries = []
-    for slot in g.stages[:-1]:
+    for slot in one[:-1]:
         shape, dtype = cut.outputs[slot.unit_end - 1]
         encoded = encoded_crossing((g.micro_batch_size, *shape), dtype, boundary, rank)
         boundaries.append(Crossing(*encoded))
     tied = tuple(
         TiedStages(tuple(sorted({stage_of_unit[u] for u in t.units})), Crossing(t.dtype, t.shape))
         for t in cut.tied
+    )
+    replicas = tuple(
+        tuple(
+            Crossing("float32", (replica_length(cut.entries[u]),))
+            for u in range(slot.unit_start, slot.unit_end)
+        )
+        for slot in one
     )
     return RelayPlan(
         stages=tuple(s.node_id for s in g.stages),
@@ -69,7 +85,14 @@ def relay_plan(g: Generation, cut: ModelCut, boundary: str = "fp32", rank: int =
         end_step=g.end_step,
         tied=tied,
         generation=g.number,
+        lanes=g.lanes,
+        replicas=replicas if g.lanes > 1 else (),
     )
+
+
+def replica_length(entries: Entries) -> int:
+    """The elements of a unit's trainable parameters: its "replica" gradient's length."""
+    return sum(math.prod(shape) for shape, _, trainable in entries.values() if trainable)
 
 
 def stage_assignment(
@@ -87,7 +110,7 @@ def stage_assignment(
     if pipeline is None:
         raise ValueError(f"job {job.id} is not pipelined")
     committed = state.committed_states()
-    ends = stage in (0, len(g.stages) - 1)
+    ends = g.lane_of(stage)[1] in (0, g.per_lane - 1)
     return StageAssignment(
         job_id=job.id,
         generation=g.number,
@@ -119,6 +142,7 @@ def stage_assignment(
         stage_addresses=tuple(nodes[s.node_id].stage_address for s in g.stages),
         boundary=pipeline.boundary,
         boundary_rank=pipeline.boundary_rank,
+        lanes=g.lanes,
     )
 
 

@@ -67,7 +67,8 @@ class JoinWatch:
         """The join re-plan to make now, or None (none helps, or it waits for a commit).
         ``idle_offers(flops_per_sample, now)``: the idle nodes' offers."""
         spec = job.spec.pipeline
-        if spec is None or cut is None:
+        if spec is None or cut is None or g.lanes > 1:
+            # pipelines sharing the steps take a joining node at their next re-plan
             return None
         flops = await asyncio.to_thread(reference_flops_per_sample)
         idle = idle_offers(flops, now)

@@ -6,7 +6,14 @@ Pure: measured unit costs and the idle nodes' offers in, a `Pipeline` or a one-l
 - micro-batch counts: the spec's fixed ``micro_batches``, else those of 1, 2, 4, ... 32 that
   divide ``[train] batch_size`` (every micro-batch has the same shape, which the relay checks);
 - schedules: the spec's, or both under "auto";
-- one pipeline (no data-parallel replicas of it);
+- pipelines (hybrid data + pipeline parallelism): up to ``[pipeline] pipelines`` of them (0: as
+  many as the idle nodes make, 1: one) may share each step. Each runs the same cut, schedule and
+  micro-batch count on nodes of its own over its share of the step's micro-batches (``Lanes``),
+  and its stages send every other pipeline's same stage their gradients before the optimizer
+  steps; the predicted step is the slowest pipeline's plus that exchange through the relay
+  (each stage sends and receives its units' parameter bytes once per other pipeline). Several
+  pipelines are chosen only when that step is predicted shorter than one pipeline's, and never
+  on a re-plan that keeps a previous generation's survivors (they keep their units first);
 - stages: the spec's fixed count, or the planner's choice, at least 2 (a pipelined job runs on
   several nodes; its model pipelines into at least 2 units);
 - a re-plan prefers keeping each surviving node on the units it held (the fewest bytes of unit
@@ -26,9 +33,11 @@ wins: the live generation's nodes in their order with a joining node in one stag
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from gpuflex.protocol.jobspec import PipelineSpec
@@ -47,6 +56,15 @@ from ...policy.pipeline_plan import (
 
 #: the most contiguous cuts of the model one candidate node order is tried with
 MAX_CUTS: Final = 4096
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Several pipelines sharing each step: the same cut, micro-batch count and schedule, each on
+    nodes of its own; ``step_s``: the slowest one's step and the exchange of their gradients."""
+
+    pipelines: tuple[Pipeline, ...]
+    step_s: float
 
 
 def micro_batch_counts(spec: PipelineSpec, batch_size: int) -> tuple[int, ...]:
@@ -82,9 +100,107 @@ def choose_pipeline(
     *,
     batch_size: int,
     previous: Generation | None = None,
+) -> Pipeline | Lanes | str:
+    """The generation's pipeline (or pipelines sharing each step) on ``offers`` (idle nodes), or
+    why none fits (one line). ``previous``: the generation before (its surviving nodes keep their
+    units where they can)."""
+    one = _choose_one(costs, offers, spec, batch_size=batch_size, previous=previous)
+    if spec.pipelines == 1 or (previous is not None and _survivors(previous, offers)):
+        return one
+    lanes = _choose_lanes(costs, offers, spec, batch_size)
+    if lanes is None:
+        return one
+    asked = spec.pipelines > 1  # the owner's count, or the most of it the nodes make
+    if asked or isinstance(one, str) or lanes.step_s < one.step_s:
+        return lanes
+    return one
+
+
+def _choose_lanes(
+    costs: Sequence[UnitCost], offers: Sequence[NodeOffer], spec: PipelineSpec, batch_size: int
+) -> Lanes | None:
+    """The plan of 2 or more pipelines sharing each step (at most ``spec.pipelines``): with a
+    count asked for, the most pipelines up to it that fit, else the fastest; None when none
+    fits."""
+    best: Lanes | None = None
+    most = len(offers) // max(spec.stages, 2)
+    for count in range(2, min(most, spec.pipelines or most) + 1):
+        if batch_size % count or (spec.micro_batches and spec.micro_batches % count):
+            continue
+        lane_spec = dataclasses.replace(
+            spec, micro_batches=spec.micro_batches // count, pipelines=1
+        )
+        first = _choose_one(costs, offers, lane_spec, batch_size=batch_size // count)
+        if isinstance(first, str):
+            continue
+        lanes = [first]
+        left = [o for o in offers if o.node_id not in {s.node_id for s in first.stages}]
+        while len(lanes) < count:
+            more = _same_cut(costs, left, first, batch_size // count)
+            if more is None:
+                break
+            lanes.append(more)
+            left = [o for o in left if o.node_id not in {s.node_id for s in more.stages}]
+        if len(lanes) < count:
+            continue
+        step = max(p.step_s for p in lanes) + exchange_s(costs, first, lanes, offers)
+        if best is None or spec.pipelines > 1 or step < best.step_s:
+            best = Lanes(tuple(lanes), step)
+    return best
+
+
+def _same_cut(
+    costs: Sequence[UnitCost], offers: Sequence[NodeOffer], like: Pipeline, batch_size: int
+) -> Pipeline | None:
+    """A pipeline cut as ``like`` on some of ``offers``: the stage needing the most memory on
+    the roomiest node, and so on (the fastest first among equals); None when it does not fit."""
+    if len(offers) < len(like.stages):
+        return None
+    roomiest = sorted(offers, key=lambda o: (-o.memory_bytes, -o.flops_per_s, o.node_id))
+    needs = sorted(range(len(like.stages)), key=lambda s: -like.stages[s].memory_bytes)
+    nodes: list[NodeOffer | None] = [None] * len(like.stages)
+    for stage, node in zip(needs, roomiest, strict=False):
+        nodes[stage] = node
+    chosen = [n for n in nodes if n is not None]
+    return evaluate_pipeline(
+        costs,
+        chosen,
+        [s.end_unit for s in like.stages],
+        micro_batches=like.micro_batches,
+        schedule=like.schedule,
+        batch_size=batch_size,
+    )
+
+
+def exchange_s(
+    costs: Sequence[UnitCost],
+    like: Pipeline,
+    lanes: Sequence[Pipeline],
+    offers: Sequence[NodeOffer],
+) -> float:
+    """The predicted time the pipelines' stages take to swap their gradients through the relay:
+    the slowest stage's, each sending and receiving its units' parameter bytes once per other
+    pipeline over its node's link, plus a round trip."""
+    by_id = {o.node_id: o for o in offers}
+    worst = 0.0
+    for s, stage in enumerate(like.stages):
+        size = sum(costs[u].param_bytes for u in range(stage.first_unit, stage.end_unit))
+        for pipeline in lanes:
+            node = by_id[pipeline.stages[s].node_id]
+            moved = 2 * (len(lanes) - 1) * size
+            worst = max(worst, moved / node.bandwidth_bytes_per_s + node.rtt_s)
+    return worst
+
+
+def _choose_one(
+    costs: Sequence[UnitCost],
+    offers: Sequence[NodeOffer],
+    spec: PipelineSpec,
+    *,
+    batch_size: int,
+    previous: Generation | None = None,
 ) -> Pipeline | str:
-    """The generation's pipeline on ``offers`` (idle nodes), or why none fits (one line).
-    ``previous``: the generation before (its surviving nodes keep their units where they can)."""
+    """One pipeline on ``offers``, or why none fits (one line)."""
     counts = micro_batch_counts(spec, batch_size)
     scheds = schedules(spec)
     least = spec.stages or 2
@@ -241,9 +357,11 @@ def _cuts(units: int, stages: int) -> list[tuple[int, ...]]:
 
 
 __all__ = [
+    "Lanes",
     "bytes_moved",
     "check_pipeline_spec",
     "choose_pipeline",
+    "exchange_s",
     "faster_with",
     "micro_batch_counts",
     "schedules",

@@ -73,7 +73,10 @@ PickKey = tuple[str, int, int, int, int]
 
 @dataclass
 class Pick:
-    """One drawn (stage, step, micro-batch) of a generation, and what the hub holds of it."""
+    """One drawn (stage, step, micro-batch) of a generation, and what the hub holds of it.
+    ``stage`` is the generation's slot (pipelines sharing the steps: every pipeline's stages in
+    turn), ``stages`` the stages of one pipeline, ``micro_batch`` its place among the step's
+    ``micro_batches`` (every pipeline's)."""
 
     job_id: str
     generation: int
@@ -89,11 +92,16 @@ class Pick:
     states: Mapping[int, UnitRecord] | None = None
     durable: bool = False
 
+    @property
+    def local(self) -> int:
+        """The stage within its pipeline."""
+        return self.stage % self.stages
+
     def needs(self) -> set[str]:
         want = set()
-        if self.stage > 0:
+        if self.local > 0:
             want |= {"x", "grad_in"}
-        if self.stage < self.stages - 1:
+        if self.local < self.stages - 1:
             want |= {"out", "grad_out"}
         return want
 
@@ -153,15 +161,18 @@ class StageChecks:
             for s, slot in enumerate(g.stages):
                 if self._draw(job.id, g.number, s, step) >= spec.verify_rate:
                     continue
-                mb = int(self._draw(job.id, g.number, s, step, "mb") * g.micro_batches)
+                lane = g.lane_of(s)[0]
+                mb = lane * g.micro_batches + int(
+                    self._draw(job.id, g.number, s, step, "mb") * g.micro_batches
+                )
                 pick = Pick(
                     job.id,
                     g.number,
                     s,
-                    len(g.stages),
+                    g.per_lane,
                     step,
                     mb,
-                    g.micro_batches,
+                    g.micro_batches * g.lanes,
                     slot.node_id,
                     (slot.unit_start, slot.unit_end),
                 )
@@ -294,7 +305,7 @@ class StageChecks:
             job.spec.verification.tolerance,
             job.spec.verification.segment_tolerance_low,
         )
-        last = pick.stage == pick.stages - 1
+        last = pick.local == pick.stages - 1
         return judge_stage(
             units,
             states,
@@ -309,8 +320,8 @@ class StageChecks:
     def _data(self, job: JobState, pick: Pick) -> tuple[Tensor, Tensor | None, float]:
         """Stage 0's samples and the last stage's targets of the pick's micro-batch, from the
         job's chunks (step_samples, micro_batch_slices), and the micro-batch's loss weight."""
-        last = pick.stage == pick.stages - 1
-        if pick.stage > 0 and not last:
+        last = pick.local == pick.stages - 1
+        if pick.local > 0 and not last:
             return torch.empty(0), None, 1.0
         chunks = [decode_state(self.blobs.read(c.sha)) for c in job.chunks]
         x = torch.cat([c["x"] for c in chunks])

@@ -13,7 +13,7 @@ from typing import Any
 from gpuflex.protocol.jobspec import JobSpec
 
 from ...domain.pipelines import Pipelines
-from ...model.pipeline import Generation, PipelineState
+from ...model.pipeline import Generation, PipelineState, StepReport
 from ...storage.store_pipelines import generation_from_row
 
 
@@ -29,10 +29,11 @@ def generations(conn: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
             "SELECT AVG(step_s), MAX(steps_done) FROM stage_reports WHERE job_id = ? AND generation = ?",
             (job_id, g.number),
         ).fetchone()
+        # the last step every pipeline's last stage reported: their shares of its loss, summed
         loss = conn.execute(
-            "SELECT loss FROM stage_reports WHERE job_id = ? AND generation = ? AND loss IS NOT NULL"
-            " ORDER BY steps_done DESC LIMIT 1",
-            (job_id, g.number),
+            "SELECT SUM(loss) FROM stage_reports WHERE job_id = ? AND generation = ? AND loss IS"
+            " NOT NULL GROUP BY steps_done HAVING COUNT(*) = ? ORDER BY steps_done DESC LIMIT 1",
+            (job_id, g.number, g.lanes),
         ).fetchone()
         out.append(
             {
@@ -42,7 +43,8 @@ def generations(conn: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
                 "reason": g.reason,
                 "created_at": g.created_at,
                 "ended_at": row["ended_at"],
-                "stages": len(g.stages),
+                "stages": g.per_lane,
+                "pipelines": g.lanes,
                 "predicted_step_s": g.step_s,
                 "measured_step_s": None if measured is None else float(measured),
                 "steps_done": steps,
@@ -103,7 +105,6 @@ def generation_doc(
 ) -> dict[str, Any]:
     reports = state.reports
     measured = [r.step_s for r in reports.values()]
-    loss = reports[len(g.stages) - 1].loss if len(g.stages) - 1 in reports else None
     return {
         "number": g.number,
         "first_step": g.first_step,
@@ -118,7 +119,8 @@ def generation_doc(
         "state_bytes_moved": state.state_bytes_moved,
         "state_bytes_served": state.state_bytes_served,
         "steps_done": min((r.steps_done for r in reports.values()), default=g.first_step),
-        "loss": loss,
+        "loss": _step_loss(g, reports),
+        "pipelines": g.lanes,
         "stages": [
             {
                 "stage": s,
@@ -136,7 +138,30 @@ def generation_doc(
             }
             for s, slot in enumerate(g.stages)
         ],
+    } | _lanes_doc(g)
+
+
+def _lanes_doc(g: Generation) -> dict[str, Any]:
+    """Pipelines sharing the steps: each slot's pipeline and its stage in it (``job status``
+    shows stage ``p.s``); nothing for one pipeline."""
+    if g.lanes == 1:
+        return {}
+    return {
+        "lanes": [
+            dict(zip(("pipeline", "stage"), g.lane_of(s), strict=True))
+            for s in range(len(g.stages))
+        ]
     }
+
+
+def _step_loss(g: Generation, reports: Mapping[int, StepReport]) -> float | None:
+    """The last reported step's loss: its pipelines' last stages' shares of it, summed (None
+    until each has reported the same step)."""
+    last = [lane * g.per_lane + g.per_lane - 1 for lane in range(g.lanes)]
+    got = [reports[s] for s in last if s in reports and reports[s].loss is not None]
+    if len(got) != len(last) or len({r.steps_done for r in got}) != 1:
+        return got[0].loss if g.lanes == 1 and got else None
+    return sum(r.loss for r in got if r.loss is not None)
 
 
 def drop_losses(doc: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from ...domain.pipelines.offers import (
     node_offers,
     reference_flops_per_sample,
 )
-from ...domain.pipelines.planning import choose_pipeline
+from ...domain.pipelines.planning import Lanes, choose_pipeline
 from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, Refusal, plan_pipelines
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
@@ -81,13 +81,16 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             " offers a pipeline stage (a gpuflex-node too old to send its --max-memory)"
         )
         return doc
-    result: Plan | Refusal | Pipeline | str
+    result: Plan | Refusal | Pipeline | Lanes | str
     if spec.pipeline is not None:  # what the hub would run: the spec's stages, micro-batches, schedule
         result = await asyncio.to_thread(
             choose_pipeline, cut.costs, offers, spec.pipeline, batch_size=spec.train.batch_size
         )
         if isinstance(result, Pipeline):
             result = Plan((result,), spec.train.batch_size, result.step_s)
+        elif isinstance(result, Lanes):  # pipelines sharing each step: each trains its share
+            share = spec.train.batch_size // len(result.pipelines)
+            result = Plan(result.pipelines, share, result.step_s)
     else:
         counts = tuple(m for m in MICRO_BATCHES if m <= spec.train.batch_size)
         result = await asyncio.to_thread(
