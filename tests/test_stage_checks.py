@@ -28,6 +28,7 @@ from tests.pipeline_hub import (
     register,
     request,
     submit,
+    work,
 )
 
 torch.set_num_threads(1)
@@ -291,3 +292,26 @@ def test_a_pick_runs_once_its_tensors_and_its_states_are_in_either_order_within_
     checks.picks[("j-1", 1, 4, 0, 0)] = late
     checks.observe(_header(4, "activation", 0, 1), b"z" * 10)
     assert not checks.picks and checks.counts["dropped"] == 1 and checks.held_bytes == 40
+
+
+def test_a_faulty_stage_of_the_second_of_two_pipelines_is_caught_and_the_rest_are_not(
+    hub, tmp_path
+) -> None:
+    """Pipelines sharing the steps are checked slot by slot: stage 0 of pipeline 1 (slot 2) runs
+    perturbed weights; its flag names its micro-batches (2 and 3 of the step's 4) and no other
+    node is flagged."""
+    keys = [register(hub.url) for _ in range(4)]
+    for key in keys:  # all four idle before the job comes
+        work(hub, key, 0.1)
+    spec = DIGITS_SPEC.format(stages=2, steps=4, every=2) + "verify_rate = 1.0\npipelines = 2\n"
+    code, job = submit(hub, tmp_path, spec)
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    assert {sa.lanes for sa in got} == {2}
+    slot = [sa.stage for sa in got].index(2)
+    drive_all(hub, keys, got, options={slot: {"tamper": perturbed, "timeout_s": 15.0}})
+    found = wait_for(lambda: [f for f in flags(hub) if f["reason"] == "stage_mismatch"])
+    assert {f["node_id"] for f in found} == {got[slot].node_id}, found
+    ev = found[0]["evidence"]
+    assert ev["stage"] == 2 and 2 <= ev["micro_batch"] < 4, ev
+    assert all(f["node_id"] == got[slot].node_id for f in flags(hub))
