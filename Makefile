@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/vs_flower.py
 	$(PY) bench/pipeline.py
 	$(PY) bench/pipeline_recovery.py
+	$(PY) bench/pipeline_hybrid.py
 	-$(PY) bench/pipeline_shaped.py  # needs root for ip netns: says so and exits 2 without
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py
