@@ -484,3 +484,31 @@ def test_a_node_that_stops_ends_its_stage_between_steps_and_says_so() -> None:
     assert [done for done, _ in steps] == [1, 2, 3] and all(loss is not None for _, loss in steps)
     assert [r.failed[:8] for r in job.hub.reports] == ["", "", "", "stopped:"]
     assert job.hub.reports[-1].steps_done == 3
+
+
+def test_a_direct_listener_takes_the_largest_replica_gradient_of_pipelines_sharing_the_steps() -> (
+    None
+):
+    """A stage's direct listener refuses anything larger than the largest tensor its pipeline can
+    send: with two pipelines sharing the steps that is a unit's whole parameter gradient."""
+    from gpuflex.node.pipeline.stage import replica_length
+    from gpuflex.node.stagelinks import largest_message_bytes
+    from gpuflex.protocol.tensors import TensorSpec, max_encoded_size
+
+    job = Job(TRANSFORMER, SGD_LM)
+    one = job.assignment([0, 2], 0)
+    two = dataclasses.replace(
+        one,
+        stage_nodes=tuple(f"node-{s}" for s in range(4)),
+        stage_keys=tuple(bytes([s]) * 32 for s in range(4)),
+        stage_starts=(0, 2, 0, 2),
+        micro_batches=MICRO // 2,
+        lanes=2,
+    )
+    biggest = max(replica_length(u.module) for u in pipeline_units(TRANSFORMER).units)
+    assert largest_message_bytes(one) < max_encoded_size(
+        (TensorSpec("replica", "float32", (biggest,)),)
+    )
+    assert largest_message_bytes(two) == max_encoded_size(
+        (TensorSpec("replica", "float32", (biggest,)),)
+    )
