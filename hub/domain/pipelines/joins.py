@@ -25,14 +25,14 @@ from ...model.node import NodeState
 from ...model.pipeline import Generation, PipelineState
 from ...policy.pipeline_plan import NodeOffer, Pipeline
 from .offers import ModelCut, offer_of, reference_flops_per_sample
-from .planning import faster_with
+from .planning import Lanes, faster_with
 
 
 @dataclass(frozen=True)
 class JoinPlan:
     """The pipeline a join re-plan would run, why, and the committed step when it was found."""
 
-    pipeline: Pipeline
+    pipeline: Pipeline | Lanes
     joining: frozenset[str]
     reason: str
     committed: int
@@ -67,8 +67,7 @@ class JoinWatch:
         """The join re-plan to make now, or None (none helps, or it waits for a commit).
         ``idle_offers(flops_per_sample, now)``: the idle nodes' offers."""
         spec = job.spec.pipeline
-        if spec is None or cut is None or g.lanes > 1:
-            # pipelines sharing the steps take a joining node at their next re-plan
+        if spec is None or cut is None:
             return None
         flops = await asyncio.to_thread(reference_flops_per_sample)
         idle = idle_offers(flops, now)
@@ -107,14 +106,22 @@ class JoinWatch:
         return None
 
 
-def _joining(p: Pipeline, g: Generation) -> frozenset[str]:
+def _stages(p: Pipeline | Lanes) -> list[str]:
+    """The nodes of every stage ``p`` plans (every pipeline's)."""
+    lanes = p.pipelines if isinstance(p, Lanes) else (p,)
+    return [s.node_id for pipeline in lanes for s in pipeline.stages]
+
+
+def _joining(p: Pipeline | Lanes, g: Generation) -> frozenset[str]:
     held = {s.node_id for s in g.stages}
-    return frozenset(s.node_id for s in p.stages if s.node_id not in held)
+    return frozenset(n for n in _stages(p) if n not in held)
 
 
-def _reason(p: Pipeline, g: Generation) -> str:
+def _reason(p: Pipeline | Lanes, g: Generation) -> str:
     names = ", ".join(sorted(_joining(p, g)))
-    return f"node {names} joined: predicted step {g.step_s:.3g}s -> {p.step_s:.3g}s"
+    lanes = len(p.pipelines) if isinstance(p, Lanes) else 1
+    shape = f", {g.lanes} -> {lanes} pipelines" if lanes != g.lanes else ""
+    return f"node {names} joined: predicted step {g.step_s:.3g}s -> {p.step_s:.3g}s{shape}"
 
 
 __all__ = ["JoinPlan", "JoinWatch"]

@@ -104,10 +104,11 @@ def choose_pipeline(
     """The generation's pipeline (or pipelines sharing each step) on ``offers`` (idle nodes), or
     why none fits (one line). ``previous``: the generation before (its surviving nodes keep their
     units where they can)."""
-    one = _choose_one(costs, offers, spec, batch_size=batch_size, previous=previous)
-    if spec.pipelines == 1 or (previous is not None and _survivors(previous, offers)):
+    first = lane_zero(previous)
+    one = _choose_one(costs, offers, spec, batch_size=batch_size, previous=first)
+    if spec.pipelines == 1:
         return one
-    lanes = _choose_lanes(costs, offers, spec, batch_size)
+    lanes = _choose_lanes(costs, offers, spec, batch_size, previous=first)
     if lanes is None:
         return one
     asked = spec.pipelines > 1  # the owner's count, or the most of it the nodes make
@@ -116,8 +117,21 @@ def choose_pipeline(
     return one
 
 
+def lane_zero(g: Generation | None) -> Generation | None:
+    """``g``'s first pipeline as a generation of its own (the one a re-plan keeps the units of,
+    where it can: every pipeline holds the same state)."""
+    if g is None or g.lanes == 1:
+        return g
+    return dataclasses.replace(g, stages=g.stages[: g.per_lane], lanes=1)
+
+
 def _choose_lanes(
-    costs: Sequence[UnitCost], offers: Sequence[NodeOffer], spec: PipelineSpec, batch_size: int
+    costs: Sequence[UnitCost],
+    offers: Sequence[NodeOffer],
+    spec: PipelineSpec,
+    batch_size: int,
+    *,
+    previous: Generation | None = None,
 ) -> Lanes | None:
     """The plan of 2 or more pipelines sharing each step (at most ``spec.pipelines``): with a
     count asked for, the most pipelines up to it that fit, else the fastest; None when none
@@ -130,7 +144,9 @@ def _choose_lanes(
         lane_spec = dataclasses.replace(
             spec, micro_batches=spec.micro_batches // count, pipelines=1
         )
-        first = _choose_one(costs, offers, lane_spec, batch_size=batch_size // count)
+        first = _choose_one(
+            costs, offers, lane_spec, batch_size=batch_size // count, previous=previous
+        )
         if isinstance(first, str):
             continue
         lanes = [first]
@@ -309,9 +325,20 @@ def faster_with(
     live: Generation,
     joining: Sequence[str],
     gain: float,
-) -> Pipeline | None:
-    """The pipeline a re-plan with the ``joining`` nodes would run (``offers``: the live
-    generation's nodes and the idle ones), or None when none is worth ending ``live`` for."""
+) -> Pipeline | Lanes | None:
+    """The pipeline (or pipelines sharing the steps) a re-plan with the ``joining`` nodes would
+    run (``offers``: the live generation's nodes and the idle ones), or None when none is worth
+    ending ``live`` for. More pipelines than the live generation's are worth it when the spec
+    asks for them (``pipelines`` above the live count) or when they are ``gain`` faster."""
+    more = None
+    if spec.pipelines != 1:
+        lanes = _choose_lanes(costs, offers, spec, batch_size, previous=lane_zero(live))
+        if lanes is not None and len(lanes.pipelines) > live.lanes:
+            asked = spec.pipelines > 1
+            if asked or lanes.step_s <= live.step_s * (1.0 - gain):
+                more = lanes
+    if more is not None or live.lanes > 1:
+        return more
     counts = micro_batch_counts(spec, batch_size)
     scheds = schedules(spec)
     short = bool(spec.stages) and len(live.stages) < spec.stages
