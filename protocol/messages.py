@@ -440,10 +440,14 @@ class SiloWithdrawal:
 #: experts gets ("expert_route", int64 counts), the tokens ("expert_in"), the experts' outputs
 #: ("expert_out"), and their gradients ("expert_grad", either way); between a layer split by width
 #: and one of its slices: the input's shape ("slice_shape"), the input ("slice_in"), the slice's
-#: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py)
+#: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py);
+#: after a router found an expert host lost, the second round of the same call to each live host:
+#: the counts of the tokens re-routed to its experts ("expert_reroute", zeros when none), those
+#: tokens ("reroute_in") and the experts' outputs ("reroute_out") (node/pipeline/experts.py)
 RELAY_KINDS: Final = (
     "activation", "gradient", "tied",
     "expert_route", "expert_in", "expert_out", "expert_grad",
+    "expert_reroute", "reroute_in", "reroute_out",
     "slice_shape", "slice_in", "slice_out", "slice_grad",
 )
 
