@@ -25,7 +25,7 @@ from tests.test_pipeline_experts import _moe, in_threads, rel
 
 torch.set_num_threads(1)
 TOL = 1e-5
-DEADLINE_S = 1.0
+DEADLINE_S = 1.5  # a healthy host thread answers well within it, even on a loaded machine
 WIDTH = 32
 
 

@@ -205,7 +205,8 @@ class DistributedMoE(nn.Module):
     """The router's side of a mixture-of-experts layer placed by ``placement``: ``router`` (as
     in the one-process layer), ``local`` (the experts this ``party`` holds itself), dropout on
     the combined output (keyed ``slot``, as the one-process layer's). ``deadline_s``: how long
-    it waits for a host's answers, counted from its last send of a round (module docstring)."""
+    it waits for a host's answers, counted from its last send of a round (module docstring);
+    ``lost``: the set of lost parties, shared with the model's other such layers."""
 
     def __init__(
         self,
@@ -218,6 +219,7 @@ class DistributedMoE(nn.Module):
         dropout: float = 0.0,
         slot: int = 0,
         deadline_s: float = DEADLINE_S,
+        lost: set[int] | None = None,
     ) -> None:
         super().__init__()
         if len(placement.hosts) != router.experts:
@@ -238,8 +240,10 @@ class DistributedMoE(nn.Module):
         self.transport = transport
         self.drop = KeyedDropout(dropout, slot=slot)
         self.deadline_s = deadline_s
-        #: the parties this layer does without (found lost, or told so), until ``restore``
-        self.lost: set[int] = set()
+        #: the parties this layer does without (found lost, or told so), until ``restore``; the
+        #: layers of one model share one set (``lost``), so a host one found lost costs the
+        #: others no wait
+        self.lost: set[int] = set() if lost is None else lost
         #: the last call's re-routing, and every call's counts added up
         self.last: Rerouting | None = None
         self.total = CallCounts()
