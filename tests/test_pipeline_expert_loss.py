@@ -16,6 +16,7 @@ from gpuflex.node.errors import PipelineError
 from gpuflex.node.pipeline.expertrounds import CallCounts
 from gpuflex.node.pipeline.experts import DistributedMoE, ExpertShard, Placement, expert_server
 from gpuflex.node.pipeline.remote import EXPERTS, Call
+from gpuflex.node.pipeline.reroute import expert_of, substitute
 from gpuflex.node.pipeline.transport import MemoryNetwork
 from gpuflex.protocol.moe import MoE, combine, route
 from gpuflex.protocol.tensors import TensorSpec
@@ -187,3 +188,19 @@ def test_bad_answers_and_routes_are_refused_and_change_nothing() -> None:
         Placement((1, 2), replicas=((1,), ()))
     with pytest.raises(PipelineError, match="not one of this layer's expert hosts"):
         layer.mark_lost(7)
+
+
+def test_with_top_1_a_lost_experts_tokens_take_their_best_live_expert_at_its_probability() -> None:
+    logits = torch.randn(12, 4, generator=torch.Generator().manual_seed(5))
+    routing = route(logits, top_k=1, capacity=12)
+    live = torch.tensor([True, False, True, True])
+    moved, count = substitute(routing, 1, live)
+    assert count == routing.counts[1] > 0 and moved.counts[1] == 0
+    probs = logits.softmax(dim=-1)
+    best = probs.masked_fill(~live, -1.0).argmax(dim=-1)
+    owner = expert_of(moved)
+    assert sorted(moved.tokens.tolist()) == list(range(12))
+    assert torch.equal(owner, best[moved.tokens])
+    assert torch.allclose(moved.gates, probs[moved.tokens, owner])
+    same, none = substitute(routing, 1, torch.ones(4, dtype=torch.bool))
+    assert same is routing and none == 0  # nothing lost: the router's own routing
