@@ -19,7 +19,16 @@ In one run:
   against the dense transformer whose MLP is ``top_k x mlp_ratio`` x width wide (the same
   parameters active per token), the same batches, the best of ``--repeats`` alternating runs.
 
-Usage: python bench/experts.py [--steps 600] [--speed-steps 20] [--repeats 3] [--out bench/results/experts.json]
+- ``figures.stalled_steps_after_expert_host_kill`` and ``figures.final_loss_vs_uninterrupted``:
+  that MoE transformer with each MoE layer's experts on three host threads
+  (node/pipeline/experts.py over one MemoryNetwork per layer), trained twice on the same batches:
+  uninterrupted, and with one host stopping for good at the middle step. The routers route
+  around it (one wait of ``--deadline`` finds it lost, later steps skip it): the steps after the
+  kill that still waited out a deadline, the final loss against the uninterrupted run's, and the
+  assignments re-routed.
+
+Usage: python bench/experts.py [--steps 600] [--speed-steps 20] [--repeats 3] [--kill-steps 400]
+[--deadline 2] [--only-host-kill] [--out bench/results/experts.json]
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ sys.path.insert(0, str(ROOT))  # tests.tooling
 
 from gpuflex.node.pipeline.experts import (  # noqa: E402
     DistributedMoE,
+    ExpertServer,
     ExpertShard,
     Placement,
     expert_server,
@@ -316,20 +326,211 @@ def throughput(steps: int, repeats: int) -> dict[str, float]:
     }
 
 
+# -- an expert host killed mid-run ------------------------------------------------------------------
+
+#: each MoE layer's 8 experts on hosts 1-3 (the router's party 0 holds none); host 3 is killed
+KILL_PLACEMENT = Placement((1, 2, 3, 1, 2, 3, 1, 2))
+KILLED = 3
+
+
+class _AtStep(nn.Module):
+    """A block's MoE replaced by its distributed layer, called at the trainer's current step."""
+
+    def __init__(self, layer: DistributedMoE) -> None:
+        super().__init__()
+        self.layer = layer
+        self.step = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x, self.step, 0)
+        return out
+
+
+def _host(
+    servers: list[ExpertServer], params: list[nn.Parameter], steps: int, stop_at: int | None
+) -> None:
+    """One expert host: each step, every layer's forward, the backwards in reverse, AdamW."""
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    for step in range(steps):
+        if step == stop_at:
+            return  # killed: it never answers again
+        for server in servers:
+            server.forward(step, 0, 0)
+        for server in reversed(servers):
+            server.backward(step, 0, 0)
+        opt.step()
+        opt.zero_grad()
+
+
+def kill_run(steps: int, kill_at: int | None, deadline_s: float) -> dict[str, Any]:
+    """Train the bench's MoE transformer with its experts on three host threads (one
+    MemoryNetwork per layer), host KILLED stopping for good before step ``kill_at``."""
+    spec = ModelSpec.from_dict({**MODEL, **MOE})
+    model = build_model(spec, seed=0)
+    lost: set[int] = set()
+    layers: list[_AtStep] = []
+    hosted: dict[int, list[ExpertServer]] = {p: [] for p in KILL_PLACEMENT.parties()}
+    for block in model.blocks:
+        moe = block.mlp
+        if not isinstance(moe, MoE):
+            continue
+        net = MemoryNetwork()
+        for p in hosted:
+            shard = ExpertShard({e: moe.experts[e] for e in KILL_PLACEMENT.held_by(p)}, 64)
+            hosted[p].append(expert_server(net.transport(), p, shard, timeout_s=120.0))
+        layer = DistributedMoE(
+            moe.router, {}, KILL_PLACEMENT, 0, net.transport(), deadline_s=deadline_s, lost=lost
+        )
+        layer.drop = moe.drop
+        block.mlp = _AtStep(layer)
+        layers.append(block.mlp)
+    threads = [
+        threading.Thread(
+            target=_host,
+            args=(
+                servers,
+                [q for s in servers for q in s.shard.parameters()],
+                steps,
+                kill_at if p == KILLED else None,
+            ),
+            daemon=True,
+        )
+        for p, servers in hosted.items()
+    ]
+    for t in threads:
+        t.start()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss_fn = NextTokenLoss()
+    x, y = _text(16 * steps, MODEL["context"])
+    losses, waits, seconds = [], [], []
+    for step in range(steps):
+        started = time.perf_counter()
+        for m in layers:
+            m.step = step
+        xb, yb = x[16 * step : 16 * (step + 1)], y[16 * step : 16 * (step + 1)]
+        opt.zero_grad()
+        logits = model(xb)
+        loss_fn(logits, yb).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - started)
+        losses.append(
+            float(nn.functional.cross_entropy(logits.detach().flatten(0, 1), yb.flatten()))
+        )
+        waits.append(sum(m.layer.last.counts.deadline_waits for m in layers if m.layer.last))
+    for t in threads:
+        t.join(timeout=60)
+    totals = [m.layer.total for m in layers]
+    tail = max(1, steps // 10)
+    return {
+        "final_loss": sum(losses[-tail:]) / tail,
+        "waits": waits,
+        "seconds": seconds,
+        "to_next_best": sum(c.to_next_best for c in totals),
+        "to_replica": sum(c.to_replica for c in totals),
+        "dropped": sum(c.dropped for c in totals),
+        "lost_gradients": sum(c.lost_gradients for c in totals),
+        "lost": sorted(lost),
+    }
+
+
+def host_kill(steps: int, deadline_s: float) -> dict[str, Any]:
+    """The same training uninterrupted and with host KILLED stopping halfway; the stalls after
+    the kill (a step that waited out the deadline, other than the single wait that found the
+    host lost) and the final losses."""
+    kill_at = steps // 2
+    whole = kill_run(steps, None, deadline_s)
+    killed = kill_run(steps, kill_at, deadline_s)
+    after = killed["waits"][kill_at:]
+    stalled = sum(1 for i, w in enumerate(after) if w > (1 if i == 0 else 0))
+    slow = sum(1 for t in killed["seconds"][kill_at + 1 :] if t > deadline_s)
+    return {
+        "stalled_steps": stalled,
+        "slow_steps_after_discovery": slow,
+        "discovery_step_s": killed["seconds"][kill_at],
+        "median_step_s": sorted(killed["seconds"])[steps // 2],
+        "final_loss_ratio": killed["final_loss"] / whole["final_loss"],
+        "final_loss_killed": killed["final_loss"],
+        "final_loss_uninterrupted": whole["final_loss"],
+        "waits_uninterrupted": sum(whole["waits"]),
+        "rerouted_to_next_best": killed["to_next_best"],
+        "rerouted_to_replica": killed["to_replica"],
+        "dropped": killed["dropped"],
+        "lost_gradients": killed["lost_gradients"],
+        "lost": killed["lost"],
+        "steps": steps,
+        "kill_at": kill_at,
+        "deadline_s": deadline_s,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600, help="training steps of each balance run")
     parser.add_argument("--speed-steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kill-steps", type=int, default=400, help="steps of each host-kill run")
+    parser.add_argument("--deadline", type=float, default=2.0, help="the routers' deadline_s")
+    parser.add_argument(
+        "--only-host-kill",
+        action="store_true",
+        help="run the host-kill part alone and update its figures in --out (the rest kept)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "experts.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.monotonic()
+    if args.only_host_kill:
+        kill = host_kill(args.kill_steps, args.deadline)
+        result = json.loads(args.out.read_text())
+        merge_kill(result, kill, time.monotonic() - started)
+        write(args, result)
+        return
     moe_diff = moe_equivalence()
     splits = split_equivalence()
     runs = {w: balance(args.steps, w) for w in WEIGHTS}
     speed = throughput(args.speed_steps, args.repeats)
-    report(args, moe_diff, splits, runs, speed, time.monotonic() - started)
+    kill = host_kill(args.kill_steps, args.deadline)
+    report(args, moe_diff, splits, runs, speed, kill, time.monotonic() - started)
+
+
+def merge_kill(result: dict[str, Any], kill: dict[str, Any], wall_s: float | None) -> None:
+    """Print the host-kill part and put its figures, target and note into ``result``."""
+    rows = [
+        ("steps stalled after the host kill", f"{kill['stalled_steps']}"),
+        ("final loss killed / uninterrupted", f"{kill['final_loss_ratio']:.4f}"),
+        ("assignments re-routed to next-best expert", f"{kill['rerouted_to_next_best']}"),
+        ("discovery step (s)", f"{kill['discovery_step_s']:.2f}"),
+        ("median step (s)", f"{kill['median_step_s']:.3f}"),
+    ]
+    for name, value in rows:
+        print(f"{name:<44} {value:>10}")
+    figures = result["figures"]
+    figures["stalled_steps_after_expert_host_kill"] = kill["stalled_steps"]
+    figures["final_loss_vs_uninterrupted"] = round(kill["final_loss_ratio"], 4)
+    figures["expert_host_kill"] = {
+        k: round(v, 4) if isinstance(v, float) else v
+        for k, v in kill.items()
+        if k not in ("stalled_steps", "final_loss_ratio")
+    }
+    if wall_s is not None:
+        figures["expert_host_kill"]["wall_s"] = round(wall_s, 1)
+    result["target"]["stalled_steps_after_expert_host_kill"] = "= 0"
+    result["target"]["final_loss_vs_uninterrupted"] = "<= 1.02"
+    result["notes_host_kill"] = (
+        "the bench's MoE transformer (every MoE layer's 8 experts on 3 host threads, 3 each on "
+        "hosts 1-2 and 2 on host 3, one MemoryNetwork per layer, the routers sharing their lost "
+        "set) trained twice on the same batches (AdamW 3e-3, batch 16): uninterrupted, and with "
+        "host 3 stopping for good at the middle step; stalled = steps after the kill that waited "
+        "out a router's deadline, other than the one wait that found host 3 lost; final loss = "
+        "the language-model loss over the last tenth of the steps, killed over uninterrupted; "
+        "re-routed counts are assignments (token, expert) summed over both layers"
+    )
+
+
+def write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 
 def report(
@@ -338,6 +539,7 @@ def report(
     splits: dict[str, float],
     runs: dict[float, dict[str, Any]],
     speed: dict[str, float],
+    kill: dict[str, Any],
     wall_s: float,
 ) -> None:
     balanced = runs[MOE["aux_loss_weight"]]
@@ -391,10 +593,9 @@ def report(
         "library's sources (batch 16, AdamW 3e-3), the worst layer's max over mean; throughput = "
         "training tokens/s (forward, backward, AdamW), the best of the alternating repeats",
     }
+    merge_kill(result, kill, None)
     print(f"{wall_s:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    write(args, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ the agent loop maps them to events (``rejected``, ``error``) and a retry policy.
     ├── TrainingStopped      should_stop() returned True between batches
     │   └── WorkersLost      a worker process of a multi-device node died (node/devices)
     ├── PipelineError        a pipeline stage cannot run its share of a step (node/pipeline)
-    │   └── StaleGeneration  the hub re-planned the pipeline: this stage's generation is over
+    │   ├── StaleGeneration  the hub re-planned the pipeline: this stage's generation is over
+    │   └── MessageLate      a message did not arrive within the time its receiver waits
     └── ControlError         the local control endpoint is unreachable / refused
 """
 
@@ -121,3 +122,9 @@ class PipelineError(NodeError):
 class StaleGeneration(PipelineError):
     """The hub answered 409 ``stale_generation``: the job's pipeline was re-planned (or ended), so
     this stage's generation is over. Not a failure: the stage stops and the node asks for work."""
+
+
+class MessageLate(PipelineError):
+    """A message did not arrive within the time its receiver waits: the sender is slow, stalled or
+    gone. Distinct from a message that came and was refused, so a caller that can do without the
+    sender (a mixture-of-experts router routing around a lost host) tells the two apart."""

@@ -125,8 +125,7 @@ class Benchmark:
     reference_model: ShortText
     #: training samples/s of the reference model per precision the device supports (fp32, bf16, ...)
     precision_sps: Annotated[dict[str, float], FloatMap(len(PRECISIONS))] = dataclasses.field(
-        default_factory=dict
-    )
+        default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -442,20 +441,16 @@ class SiloWithdrawal:
 #: ("expert_out"), and their gradients ("expert_grad", either way); between a layer split by width
 #: and one of its slices: the input's shape ("slice_shape"), the input ("slice_in"), the slice's
 #: output ("slice_out") and the gradients ("slice_grad", either way) (node/pipeline/remote.py);
+#: after a router found an expert host lost, the second round of the same call to each live host:
+#: the counts of the tokens re-routed to its experts ("expert_reroute", zeros when none), those
+#: tokens ("reroute_in") and the experts' outputs ("reroute_out") (node/pipeline/experts.py);
 #: between the same stage of two pipelines of one step (hybrid parallelism): one unit's summed
 #: parameter gradients, flattened ("replica", its micro-batch the unit's place in the stage)
 RELAY_KINDS: Final = (
-    "activation",
-    "gradient",
-    "tied",
-    "expert_route",
-    "expert_in",
-    "expert_out",
-    "expert_grad",
-    "slice_shape",
-    "slice_in",
-    "slice_out",
-    "slice_grad",
+    "activation", "gradient", "tied",
+    "expert_route", "expert_in", "expert_out", "expert_grad",
+    "expert_reroute", "reroute_in", "reroute_out",
+    "slice_shape", "slice_in", "slice_out", "slice_grad",
     "replica",
 )
 
@@ -608,37 +603,11 @@ class StageReport:
     nonce: Nonce
 
 
-Message = (
-    Hello
-    | Welcome
-    | WorkRequest
-    | Assignment
-    | NoWork
-    | Heartbeat
-    | Abandon
-    | BlobRequest
-    | UpdateHeader
-    | Ack
-    | StateRequest
-    | StateUpload
-    | StateUnavailable
-    | UploadOffset
-    | SiloQuery
-    | SiloSchema
-    | SiloRegistration
-    | SiloWithdrawal
-    | SecAggKeys
-    | SecAggPoll
-    | SecAggState
-    | SecAggShares
-    | SecAggMasked
-    | SecAggUnmask
-    | RelayHeader
-    | RelayTake
-    | StageAssignment
-    | UnitCheckpoint
-    | StageReport
-)
+Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack
+           | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
+           | SiloWithdrawal
+           | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask
+           | RelayHeader | RelayTake | StageAssignment | UnitCheckpoint | StageReport)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -672,7 +641,6 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
-
 def encode_message(msg: object) -> bytes:
     """Validate ``msg`` against its schema and return its msgpack bytes."""
     cls = type(msg)
@@ -688,9 +656,7 @@ def encode_message(msg: object) -> bytes:
     try:
         packed: bytes = msgpack.packb(wire, use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone surrogate in a str
-        raise EncodeError(
-            f"{kind}: cannot encode ({type(exc).__name__}: {str(exc)[:80]})"
-        ) from None
+        raise EncodeError(f"{kind}: cannot encode ({type(exc).__name__}: {str(exc)[:80]})") from None
     return packed
 
 

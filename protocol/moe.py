@@ -67,13 +67,16 @@ class Routing:
     """Where one batch's tokens go. The kept assignments are grouped by expert (expert 0's
     first): ``tokens[i]`` is the token (row of the flattened batch) of assignment i and
     ``gates[i]`` its weight; ``counts[e]`` of them are expert e's. ``routed`` (experts,) counts
-    each expert's assignments before capacity; ``aux`` is the unweighted balancing loss."""
+    each expert's assignments before capacity; ``aux`` is the unweighted balancing loss; ``probs``
+    (tokens, experts) the router's probabilities the gates come from (a router that routes around
+    a lost expert picks each token's next-best expert from them)."""
 
     tokens: Tensor  # (kept,) int64
     gates: Tensor  # (kept,) float32
     counts: tuple[int, ...]
     routed: Tensor  # (experts,) int64
     aux: Tensor  # () float32
+    probs: Tensor  # (tokens, experts) float32
 
     @property
     def kept(self) -> int:
@@ -105,6 +108,7 @@ def route(logits: Tensor, top_k: int, capacity: int) -> Routing:
         counts=tuple(int(c) for c in counts.tolist()),
         routed=routed,
         aux=aux,
+        probs=probs,
     )
 
 

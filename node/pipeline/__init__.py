@@ -7,5 +7,6 @@ here; through the hub's relay in ``relay``; straight from stage to stage in ``di
 ``local`` runs every stage of a pipeline in threads.
 ``remote`` computes a piece of one layer on another party through a transport, which ``experts``
 (a mixture of experts whose experts live on other parties) and ``tensorsplit`` (Linear and
-attention split by width) build on.
+attention split by width) build on; ``expertrounds`` and ``reroute`` are how the experts' router
+routes around a lost host.
 """

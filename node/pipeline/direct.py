@@ -41,7 +41,7 @@ from gpuflex.protocol.messages import RelayHeader, decode_message
 from gpuflex.protocol.signing import SigningKey, open_envelope
 from gpuflex.protocol.tensors import TensorSpec, max_encoded_size
 
-from ..errors import PipelineError
+from ..errors import MessageLate, PipelineError
 from .sealed import encode_tensor, open_body, open_header, seal_header
 from .transport import MessageKey, Transport
 
@@ -149,9 +149,7 @@ class Inbox:
                 while key not in self._held and key not in self._refused:
                     left = give_up - time.monotonic()
                     if left <= 0:
-                        raise PipelineError(
-                            f"{key.describe()} did not arrive within {timeout_s:g} s"
-                        )
+                        raise MessageLate(f"{key.describe()} did not arrive within {timeout_s:g} s")
                     self._cond.wait(left)
             finally:
                 del self._waiting[key]

@@ -4,12 +4,18 @@ The router's party routes the batch as the one-process layer does (protocol/moe.
 ``Router``, the same :class:`~gpuflex.protocol.moe.Routing`), batches the tokens of each host's
 experts into one message (expert after expert, with the token counts as its header), and
 combines what comes back with the gate weights; its own experts, if it holds any, run where it
-is. Backward goes the same way in reverse (node/pipeline/remote.py): each host gets the gradient
-of its outputs, keeps its experts' parameter gradients and answers with its tokens' gradients.
+is. Backward goes the same way in reverse: each host gets the gradient of its outputs, keeps its
+experts' parameter gradients and answers with its tokens' gradients.
 
-A host runs an :class:`ExpertShard` (its experts) under a ``remote.Server``: it refuses a header
-that names more tokens than it allows, and the transport refuses tokens or outputs of any other
-shape than the counts say, so an answer for tokens that were not sent cannot be applied.
+A host that does not answer within ``deadline_s`` is lost (node/pipeline/expertrounds.py): in the
+same call its experts' tokens go to a live replica (a :class:`Placement` may give an expert
+several parties) or to each token's next-best live expert (node/pipeline/reroute.py), and later
+calls skip it without waiting until :meth:`DistributedMoE.restore`. Each call's
+:class:`~.expertrounds.Rerouting` (``last``) and the running ``total`` count what was re-routed.
+
+A host runs an :class:`ExpertShard` (its experts) under an :class:`ExpertServer`: it refuses a
+header that names more tokens than it allows, and the transport refuses tokens or outputs of any
+other shape than the counts say, so an answer for tokens that were not sent cannot be applied.
 """
 
 from __future__ import annotations
@@ -19,31 +25,56 @@ from dataclasses import dataclass
 
 import torch
 from gpuflex.protocol.dropout import KeyedDropout
-from gpuflex.protocol.moe import Router, combine
+from gpuflex.protocol.moe import Router, Routing
+from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
 from ..errors import PipelineError
-from .remote import EXPERTS, TIMEOUT_S, Call, Server, exchange
-from .transport import Transport
+from .expertrounds import REROUTE, CallCounts, Piece, Rerouting, Rounds, remote_experts
+from .remote import EXPERTS, TIMEOUT_S, Call, Kinds
+from .reroute import expert_of
+from .transport import Transport, spec_of
 
-__all__ = ["DistributedMoE", "ExpertShard", "Placement", "expert_server"]
+__all__ = ["DistributedMoE", "ExpertServer", "ExpertShard", "Placement", "expert_server"]
 
 #: the most tokens a host takes in one call by default
 MAX_TOKENS = 1 << 20
+#: how long a router waits for a host's answer by default before it routes around the host
+DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Which party holds each expert of one layer: ``hosts[e]`` is expert e's."""
+    """Which parties hold each expert of one layer: ``hosts[e]`` is expert e's (its tokens go
+    there while it is live), ``replicas[e]`` (none when empty) the parties holding a copy, in the
+    order they take over."""
 
     hosts: tuple[int, ...]
+    replicas: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas and len(self.replicas) != len(self.hosts):
+            raise PipelineError(
+                f"the placement names replicas of {len(self.replicas)} experts; it has "
+                f"{len(self.hosts)}"
+            )
+        for e, holders in enumerate(self.holders()):
+            if min(holders) < 0 or len(set(holders)) != len(holders):
+                raise PipelineError(
+                    f"expert {e}'s parties {list(holders)} must be distinct and >= 0"
+                )
+
+    def holders(self) -> tuple[tuple[int, ...], ...]:
+        """Each expert's parties, its host first."""
+        extra = self.replicas or ((),) * len(self.hosts)
+        return tuple((h, *r) for h, r in zip(self.hosts, extra, strict=True))
 
     def held_by(self, party: int) -> tuple[int, ...]:
-        """The experts ``party`` holds, in expert order."""
-        return tuple(e for e, host in enumerate(self.hosts) if host == party)
+        """The experts ``party`` holds (as host or replica), in expert order."""
+        return tuple(e for e, holders in enumerate(self.holders()) if party in holders)
 
     def parties(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.hosts)))
+        return tuple(sorted({p for holders in self.holders() for p in holders}))
 
 
 class ExpertShard(nn.Module):
@@ -77,17 +108,105 @@ class ExpertShard(nn.Module):
         return torch.cat([expert(part) for expert, part in zip(self.experts, parts, strict=True)])
 
 
+@dataclass
+class _Round:
+    x: Tensor
+    out: Tensor
+
+
+class ExpertServer:
+    """A host's side of each call of one router (node/pipeline/expertrounds.py): ``forward``
+    answers round one, then takes the second round's counts (zeros: nothing more) and answers
+    that too; ``backward`` takes the gradient of everything it computed, accumulates its
+    experts' parameter gradients and sends the tokens' gradients back."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        party: int,
+        shard: ExpertShard,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        device: torch.device | None = None,
+    ) -> None:
+        self.transport = transport
+        self.party = party
+        self.shard = shard
+        self.timeout_s = timeout_s
+        self.device = device or torch.device("cpu")
+        self._open: dict[tuple[int, int, int], list[_Round]] = {}
+
+    def _call(self, kinds: Kinds, step: int, micro_batch: int, caller: int) -> Call:
+        return Call(self.transport, kinds, step, micro_batch, caller, self.party, self.timeout_s)
+
+    def _round(self, call: Call, always: bool) -> _Round | None:
+        kinds = call.kinds
+        header = self.transport.receive(
+            call.out(kinds.header),
+            TensorSpec(kinds.header, "int64", (self.shard.header_len,)),
+            timeout_s=self.timeout_s,
+        )
+        shape = self.shard.input_shape(header)
+        if not shape[0] and not always:
+            return None
+        x = self.transport.receive(
+            call.out(kinds.tensor_in),
+            TensorSpec(kinds.tensor_in, "float32", shape),
+            timeout_s=self.timeout_s,
+        )
+        x = x.to(self.device).requires_grad_(True)
+        out = self.shard(header, x)
+        self.transport.send(call.back(kinds.tensor_out), out.detach())
+        return _Round(x, out)
+
+    def forward(self, step: int, micro_batch: int, caller: int) -> None:
+        first = self._round(self._call(EXPERTS, step, micro_batch, caller), always=True)
+        more = self._round(self._call(REROUTE, step, micro_batch, caller), always=False)
+        self._open[(step, micro_batch, caller)] = [r for r in (first, more) if r is not None]
+
+    def backward(self, step: int, micro_batch: int, caller: int) -> None:
+        rounds = self._open.pop((step, micro_batch, caller), None)
+        if rounds is None:
+            raise PipelineError(
+                f"party {self.party} has no forward of step {step} micro-batch {micro_batch} "
+                f"from party {caller} to take a gradient for"
+            )
+        call = self._call(EXPERTS, step, micro_batch, caller)
+        outs = [r.out for r in rounds]
+        whole = torch.cat([o.detach() for o in outs])
+        grad = self.transport.receive(
+            call.out(EXPERTS.grad), spec_of(whole, EXPERTS.grad), timeout_s=self.timeout_s
+        ).to(whole.device)
+        torch.autograd.backward(outs, list(torch.split(grad, [len(o) for o in outs])))
+        x_grads = [r.x.grad if r.x.grad is not None else torch.zeros_like(r.x) for r in rounds]
+        self.transport.send(call.back(EXPERTS.grad), torch.cat(x_grads))
+
+
 def expert_server(
-    transport: Transport, party: int, shard: ExpertShard, *, timeout_s: float = TIMEOUT_S
-) -> Server:
-    """A host's side of the expert exchange for ``shard``."""
-    return Server(transport, EXPERTS, party, shard, timeout_s=timeout_s)
+    transport: Transport,
+    party: int,
+    shard: ExpertShard,
+    *,
+    timeout_s: float = TIMEOUT_S,
+    placement: Placement | None = None,
+) -> ExpertServer:
+    """A host's side of the expert exchange for ``shard``; with ``placement``, refused unless
+    the shard holds exactly the experts the placement gives ``party`` (a host's answers are
+    taken as its experts' outputs)."""
+    if placement is not None and shard.index != placement.held_by(party):
+        raise PipelineError(
+            f"party {party} holds experts {list(shard.index)}; the placement gives it "
+            f"{list(placement.held_by(party))}; refused"
+        )
+    return ExpertServer(transport, party, shard, timeout_s=timeout_s)
 
 
 class DistributedMoE(nn.Module):
     """The router's side of a mixture-of-experts layer placed by ``placement``: ``router`` (as
     in the one-process layer), ``local`` (the experts this ``party`` holds itself), dropout on
-    the combined output (keyed ``slot``, as the one-process layer's)."""
+    the combined output (keyed ``slot``, as the one-process layer's). ``deadline_s``: how long
+    it waits for a host's answers, counted from its last send of a round (module docstring);
+    ``lost``: the set of lost parties, shared with the model's other such layers."""
 
     def __init__(
         self,
@@ -99,7 +218,8 @@ class DistributedMoE(nn.Module):
         *,
         dropout: float = 0.0,
         slot: int = 0,
-        timeout_s: float = TIMEOUT_S,
+        deadline_s: float = DEADLINE_S,
+        lost: set[int] | None = None,
     ) -> None:
         super().__init__()
         if len(placement.hosts) != router.experts:
@@ -111,41 +231,91 @@ class DistributedMoE(nn.Module):
                 f"party {party} holds experts {sorted(local)}; the placement gives it "
                 f"{list(placement.held_by(party))}"
             )
+        if not deadline_s > 0:
+            raise PipelineError(f"a deadline of {deadline_s} s cannot be met; it must be > 0")
         self.router = router
         self.local = nn.ModuleDict({str(e): m for e, m in local.items()})
         self.placement = placement
         self.party = party
         self.transport = transport
         self.drop = KeyedDropout(dropout, slot=slot)
-        self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
+        #: the parties this layer does without (found lost, or told so), until ``restore``; the
+        #: layers of one model share one set (``lost``), so a host one found lost costs the
+        #: others no wait
+        self.lost: set[int] = set() if lost is None else lost
+        #: the last call's re-routing, and every call's counts added up
+        self.last: Rerouting | None = None
+        self.total = CallCounts()
 
     def remote_parties(self) -> tuple[int, ...]:
         return tuple(p for p in self.placement.parties() if p != self.party)
+
+    def mark_lost(self, party: int) -> None:
+        """Do without ``party`` from the next call on (it is known to be gone)."""
+        if party == self.party or party not in self.placement.parties():
+            raise PipelineError(f"party {party} is not one of this layer's expert hosts")
+        self.lost.add(party)
+
+    def restore(self, party: int) -> None:
+        """Send ``party`` its experts' tokens again from the next call on."""
+        self.lost.discard(party)
+
+    def _check(self, routing: Routing, tokens: int) -> None:
+        experts = len(self.placement.hosts)
+        kept = int(routing.tokens.numel())
+        if (
+            len(routing.counts) != experts
+            or sum(routing.counts) != kept
+            or (kept and not 0 <= int(routing.tokens.min()) <= int(routing.tokens.max()) < tokens)
+        ):
+            raise PipelineError(
+                f"the gate routed {kept} assignments of {tokens} tokens to {len(routing.counts)} "
+                f"experts (counts {list(routing.counts)[:8]}); the layer has {experts}; refused"
+            )
 
     def forward(self, x: Tensor, step: int, micro_batch: int) -> Tensor:
         b, t, c = x.shape  # (batch, time, width)
         flat = x.reshape(b * t, c)
         routing = self.router(flat)
-        inputs = torch.split(flat.index_select(0, routing.tokens), list(routing.counts))
-        calls, headers, sent, shapes = [], [], [], []
-        for party in self.remote_parties():
-            held = self.placement.held_by(party)
-            calls.append(
-                Call(self.transport, EXPERTS, step, micro_batch, self.party, party, self.timeout_s)
-            )
-            headers.append(torch.tensor([routing.counts[e] for e in held], dtype=torch.int64))
-            sent.append(torch.cat([inputs[e] for e in held]))
-            shapes.append((sum(routing.counts[e] for e in held), c))
-        remote = exchange(calls, headers, sent, shapes)  # every host computes at once
-        outputs: list[Tensor | None] = [None] * self.router.experts
-        for e in self.placement.held_by(self.party):
-            outputs[e] = self.local[str(e)](inputs[e])
-        for party, out in zip(self.remote_parties(), remote, strict=True):
-            held = self.placement.held_by(party)
-            for e, part in zip(
-                held, torch.split(out, [routing.counts[e] for e in held]), strict=True
-            ):
-                outputs[e] = part
-        y = combine([o for o in outputs if o is not None], routing, b * t).to(x.dtype)
-        out: Tensor = self.drop(y.view(b, t, c))
+        self._check(routing, b * t)
+        rounds = Rounds(
+            transport=self.transport,
+            hosts=self.placement.holders(),
+            party=self.party,
+            step=step,
+            micro_batch=micro_batch,
+            deadline_s=self.deadline_s,
+            routing=routing,
+            top_k=self.router.top_k,
+            lost=self.lost,
+            total=self.total,
+        )
+        remote = remote_experts(rounds, flat)  # every host computes at once
+        self.last = rounds.report
+        outs = [remote[pc.offset : pc.offset + len(pc.tokens)] for pc in rounds.pieces]
+        pieces = list(rounds.pieces)
+        for pc in rounds.local_pieces():
+            pieces.append(pc)
+            outs.append(self.local[str(pc.expert)](flat.index_select(0, pc.tokens)))
+        order = sorted(range(len(pieces)), key=lambda i: (pieces[i].expert, pieces[i].round))
+        y = self._combine([pieces[i] for i in order], [outs[i] for i in order], rounds, flat)
+        out: Tensor = self.drop(y.to(x.dtype).view(b, t, c))
         return out
+
+    @staticmethod
+    def _combine(pieces: list[Piece], outs: list[Tensor], rounds: Rounds, flat: Tensor) -> Tensor:
+        """(tokens, width): each piece's outputs times its tokens' gates in the final routing,
+        summed per token (protocol.moe.combine's order when nothing was re-routed)."""
+        final = rounds.final
+        tokens, width = int(flat.shape[0]), int(flat.shape[1])
+        if not pieces:  # no expert left to any token: the residual carries them all
+            return flat.new_zeros(tokens, width)
+        gate = final.gates.new_zeros(tokens, len(final.counts)).index_put(
+            (final.tokens, expert_of(final)), final.gates
+        )  # (tokens, experts)
+        out = torch.cat(outs)
+        idx = torch.cat([pc.tokens for pc in pieces])
+        gates = torch.cat([gate[pc.tokens, pc.expert] for pc in pieces])
+        weighted = out * gates.unsqueeze(1).to(out.dtype)
+        return weighted.new_zeros(tokens, width).index_add(0, idx, weighted)

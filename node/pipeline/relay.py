@@ -30,7 +30,7 @@ from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
 from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
 from gpuflex.protocol.tensors import TensorSpec, encode_state
 
-from ..errors import PipelineError, StaleGeneration
+from ..errors import MessageLate, PipelineError, StaleGeneration
 from .sealed import open_body, open_header
 from .transport import MessageKey
 
@@ -191,7 +191,7 @@ class RelayTransport:
         while True:
             left = give_up - time.monotonic()
             if left <= 0:
-                raise PipelineError(f"{key.describe()} did not arrive within {timeout_s:g} s")
+                raise MessageLate(f"{key.describe()} did not arrive within {timeout_s:g} s")
             take = RelayTake(
                 job_id=self.job_id,
                 step=key.step,

@@ -8,7 +8,9 @@ and the callee answers with the input's gradient (its parameters' gradients stay
 
 On the caller's side :func:`exchange` is one autograd function over every callee of a layer: it
 sends to all of them before it waits for any, so the callees compute at the same time; the
-caller's own share of the layer runs as ordinary autograd around it. On a callee's side a
+caller's own share of the layer runs as ordinary autograd around it (a mixture of experts' router
+runs its calls in rounds of its own, node/pipeline/expertrounds.py, to route around a host that
+does not answer; it keeps these keys and kinds). On a callee's side a
 :class:`Server` answers one call at a time (``forward``, later ``backward``) and keeps the graph
 in between. Every received tensor is checked against the shape and dtype its receiver expects
 (transport.check_received); a header that asks for more than the callee allows is refused in one

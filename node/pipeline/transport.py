@@ -22,7 +22,7 @@ import torch
 from gpuflex.protocol.messages import RELAY_KINDS
 from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec
 
-from ..errors import PipelineError
+from ..errors import MessageLate, PipelineError
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class MemoryTransport:
         try:
             tensor = self.network.box(key).get(timeout=timeout_s)
         except queue.Empty:
-            raise PipelineError(f"{key.describe()} did not arrive within {timeout_s:g} s") from None
+            raise MessageLate(f"{key.describe()} did not arrive within {timeout_s:g} s") from None
         self.network.drop(key)
         return check_received(key, tensor, expected)
 
