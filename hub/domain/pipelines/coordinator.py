@@ -44,6 +44,7 @@ from .liveness import lost_stage
 from .offers import ModelCut, cut_model, offer_of, reference_flops_per_sample
 from .planning import choose_pipeline
 from .resharding import state_bytes_moved
+from .speeds import note_step
 from .verify import StageChecks
 
 log = logging.getLogger("gpuflex.hub.pipelines")
@@ -523,6 +524,7 @@ class Pipelines:
             )
         state.reports[msg.stage] = report
         state.last_report[msg.stage] = now
+        note_step(node, self.known_cut(job.id), g, report, job.spec.train.batch_size)
         return Ack(ok=True, detail=f"step {msg.steps_done} recorded", deadline=0.0)
 
     async def _record_last(self, node: NodeState, msg: StageReport, g: Generation) -> None:

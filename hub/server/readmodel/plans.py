@@ -35,6 +35,7 @@ from ...domain.pipelines.offers import (
 )
 from ...domain.pipelines.planning import choose_pipeline
 from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, Refusal, plan_pipelines
+from ...policy.stage_speed import StageSpeed
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
 from .access import job_row, spec_of
@@ -73,7 +74,8 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             "flops_per_sample": sum(c.flops for c in cut.costs),
         },
         "offers": _offers_doc(offers, online, unsaid, flops, frozenset(
-            o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0)),
+            o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0),
+            {o.node_id: scheduler.nodes[o.node_id].stage_speed for o in offers}),
     }
     if not offers and online:
         doc["refused"] = (
@@ -117,11 +119,13 @@ async def _cached_cut(app: web.Application, job_id: str, spec: JobSpec) -> Model
 
 
 def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
-                measured: frozenset[str]) -> dict[str, Any]:
+                measured: frozenset[str], speeds: dict[str, StageSpeed]) -> dict[str, Any]:
     return {
         "online": online,
         "nodes": [
             {"node_id": o.node_id, "memory_bytes": o.memory_bytes, "flops_per_s": o.flops_per_s,
+             "speed_from": "benchmark" if speeds[o.node_id].flops_per_s is None else "stage_reports",
+             "speed_steps": speeds[o.node_id].steps,
              "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured}
             for o in offers
         ],
