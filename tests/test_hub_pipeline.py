@@ -485,8 +485,13 @@ def test_a_stages_reported_compute_time_is_its_nodes_speed_in_the_offers(hub, tm
     assert measured["flops_per_s"] != pytest.approx(benchmark["flops_per_s"], rel=0.1)
     doc = plan_of(hub, job["id"])
     assert f"speed of {node}: measured on its stage, median of 4 step(s)" in plan_lines(doc)
+    # the node not measured: its benchmark (the same as the measured node's) on the measured scale
     other = next(n for n in doc["offers"]["nodes"] if n["node_id"] != node)
-    assert other["speed_from"] == "benchmark"
+    assert other["speed_from"] == "benchmark" and other["speed_steps"] == 0
+    scale = doc["offers"]["speed"]["benchmark_scale"]
+    assert scale == pytest.approx(measured["flops_per_s"] / benchmark["flops_per_s"])
+    assert other["flops_per_s"] == pytest.approx(measured["flops_per_s"])
+    assert f"benchmarks scaled x{scale:.3g} to the measured nodes' speeds" in plan_lines(doc)
 
 
 def test_serve_takes_a_stage_timeout_and_refuses_a_bad_one_in_one_line(tmp_path, capsys) -> None:

@@ -1,11 +1,12 @@
 """A node's speed measured on its pipeline stage (hub/policy/stage_speed.py): each generation's
 warm-up steps are left out, the median holds against outliers, too few steps leave the
-benchmark's speed standing, and the offer of a node (offers.py) reads whichever applies."""
+benchmark's speed standing, the offer of a node (offers.py) reads whichever applies, and a node
+not measured is offered its benchmark on the measured nodes' scale."""
 
 from __future__ import annotations
 
 import pytest
-from gpuflex.hub.domain.pipelines.offers import offer_of
+from gpuflex.hub.domain.pipelines.offers import benchmark_flops, offer_of
 from gpuflex.hub.model.node import NodeState
 from gpuflex.hub.policy.pipeline_plan import UPDATE_FLOPS_PER_BYTE
 from gpuflex.hub.policy.stage_speed import (
@@ -13,6 +14,7 @@ from gpuflex.hub.policy.stage_speed import (
     WARMUP_STEPS,
     WINDOW,
     StageSpeed,
+    benchmark_scale,
     stage_step_flops,
     with_step,
 )
@@ -76,3 +78,20 @@ def test_a_steps_work_is_its_samples_through_its_units_and_the_optimizer_step() 
     assert stage_step_flops(costs, 1, 3, 32) == pytest.approx(
         32 * (20.0 + 40.0) + UPDATE_FLOPS_PER_BYTE * 11_000
     )
+
+
+def test_an_unmeasured_node_is_offered_its_benchmark_on_the_measured_nodes_scale() -> None:
+    assert benchmark_scale([]) == 1.0
+    # three measured nodes run 8, 10 and 40 times their benchmark: the median, not the mean
+    assert benchmark_scale([(8.0, 1.0), (20.0, 2.0), (40.0, 1.0)]) == pytest.approx(10.0)
+    assert benchmark_scale([(1.0, 0.0), (float("inf"), 1.0), (0.0, 1.0)]) == 1.0
+    nodes = [
+        NodeState(id=n, public_key=b"k", bench_sps=sps, ema_sps=sps, last_seen=0.0)
+        for n, sps in (("a", 100.0), ("b", 300.0))
+    ]
+    assert benchmark_flops(nodes, 4e4) == 4e4
+    nodes[0].stage_speed = steps([1.0] * 5, work=100.0 * 4e4 * 10)  # 10 times its benchmark
+    per_sample = benchmark_flops(nodes, 4e4)
+    assert per_sample == pytest.approx(4e5)
+    assert offer_of(nodes[1], per_sample).flops_per_s == pytest.approx(300.0 * 4e4 * 10)
+    assert offer_of(nodes[0], per_sample).flops_per_s == pytest.approx(100.0 * 4e4 * 10)

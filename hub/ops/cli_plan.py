@@ -88,6 +88,11 @@ def _offer_notes(offers: dict[str, Any]) -> list[str]:
             for n in offers["nodes"]
             if n.get("speed_from") == "stage_reports"
         ),
+        *(
+            [f"benchmarks scaled x{scale:.3g} to the measured nodes' speeds"]
+            if (scale := offers["speed"].get("benchmark_scale", 1.0)) != 1.0
+            else []
+        ),
         f"link: {'assumed ' if link.get('assumed') else ''}{size(link['bandwidth_bytes_per_s'])}/s,"
         f" round trip {link['rtt_s'] * 1e3:.0f} ms",
     ]

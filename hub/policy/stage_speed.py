@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -80,4 +80,23 @@ def with_step(speed: StageSpeed, *, step_flops: float, compute_s: float, step: i
     return StageSpeed((*speed.samples, step_flops / compute_s)[-WINDOW:])
 
 
-__all__ = ["MIN_STEPS", "WARMUP_STEPS", "WINDOW", "StageSpeed", "stage_step_flops", "with_step"]
+def benchmark_scale(pairs: Iterable[tuple[float, float]]) -> float:
+    """How many times its benchmark's speed a measured node computes its stages at: the median
+    over ``pairs`` of (measured FLOP/s, benchmark FLOP/s), 1 when there is none. A node not yet
+    measured is offered its benchmark's speed times this, on the scale of the measured ones: the
+    benchmark's small model misjudges every node's speed on a job's units in the same direction,
+    and planning measured nodes against raw benchmarks would rank the unmeasured ones by that
+    error. The median keeps one node's odd ratio (or false reports) from setting the scale."""
+    ratios = [m / b for m, b in pairs if b > 0 and math.isfinite(m / b) and m / b > 0]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+__all__ = [
+    "MIN_STEPS",
+    "WARMUP_STEPS",
+    "WINDOW",
+    "StageSpeed",
+    "benchmark_scale",
+    "stage_step_flops",
+    "with_step",
+]

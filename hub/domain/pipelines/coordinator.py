@@ -41,7 +41,7 @@ from .checkpoints import Entries, committed_after, is_checkpoint_step, max_state
 from .generations import new_generation, relay_plan, stage_assignment, stage_units
 from .joins import JoinWatch
 from .liveness import lost_stage
-from .offers import ModelCut, cut_model, offer_of, reference_flops_per_sample
+from .offers import ModelCut, benchmark_flops, cut_model, offer_of, reference_flops_per_sample
 from .planning import choose_pipeline
 from .resharding import state_bytes_moved
 from .speeds import note_step
@@ -244,7 +244,7 @@ class Pipelines:
             return
         state.units = len(cut.costs)
         flops = await asyncio.to_thread(reference_flops_per_sample)
-        offers = self.idle_offers(flops, now)
+        offers = self.idle_offers(benchmark_flops(self.scheduler.nodes.values(), flops), now)
         over = tuple((o.node_id, o.memory_bytes) for o in offers)
         if state.refusal is not None and over == state.refused_over:
             return  # the same nodes the planner refused a moment ago

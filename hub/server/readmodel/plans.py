@@ -29,6 +29,7 @@ from ...domain.pipelines.offers import (
     REFERENCE_SPEC,
     SPEED_DERIVATION,
     ModelCut,
+    benchmark_flops,
     cut_model,
     node_offers,
     reference_flops_per_sample,
@@ -61,8 +62,9 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
     cut = await _cached_cut(app, job_id, spec)
     flops = await asyncio.to_thread(reference_flops_per_sample)
     scheduler = app[LEDGER].scheduler
+    per_sample = benchmark_flops(scheduler.nodes.values(), flops)
     offers, online, unsaid = node_offers(
-        scheduler.nodes.values(), time.time(), scheduler.presence.online_window_s, flops
+        scheduler.nodes.values(), time.time(), scheduler.presence.online_window_s, per_sample
     )
     doc: dict[str, Any] = {
         "id": job_id,
@@ -73,7 +75,7 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             "state_bytes": sum(c.state_bytes for c in cut.costs),
             "flops_per_sample": sum(c.flops for c in cut.costs),
         },
-        "offers": _offers_doc(offers, online, unsaid, flops, frozenset(
+        "offers": _offers_doc(offers, online, unsaid, (flops, per_sample / flops), frozenset(
             o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0),
             {o.node_id: scheduler.nodes[o.node_id].stage_speed for o in offers}),
     }
@@ -118,8 +120,9 @@ async def _cached_cut(app: web.Application, job_id: str, spec: JobSpec) -> Model
     return cut
 
 
-def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
+def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: tuple[float, float],
                 measured: frozenset[str], speeds: dict[str, StageSpeed]) -> dict[str, Any]:
+    """``flops``: the reference model's FLOPs per sample and the benchmarks' scale."""
     return {
         "online": online,
         "nodes": [
@@ -136,7 +139,8 @@ def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
         "speed": {
             "derived": SPEED_DERIVATION,
             "reference_model": REFERENCE_MODEL,
-            "reference_flops_per_sample": flops,
+            "reference_flops_per_sample": flops[0],
+            "benchmark_scale": flops[1],
         },
         "link": dict(ASSUMED_LINK) | {"assumed": True, "why": LINK_ASSUMED},
     }
