@@ -28,7 +28,12 @@ planned by the product's planner from what the node processes measured of themse
 relay, run through a hub's relay, and ``ratios.step_time_predicted_vs_measured`` holds each one's
 predicted over measured step time (``figures.step_time_ratio_median`` / ``_worst``);
 ``figures.peak_bytes_over_cap_max`` is the largest measured stage peak over its memory offer and
-``figures.model_bytes_over_largest_cap`` the model's state over the largest offer.
+``figures.model_bytes_over_largest_cap`` the model's state over the largest offer. Two more
+passes plan the configurations as the hub's offers would: on each node's benchmark speed
+(``figures.step_time_ratio_median_benchmarks`` / ``_worst_benchmarks``), then on the speed
+hub/policy/stage_speed.py measures from that pass's stages (``..._stage_speeds``);
+``ratios.measured_step_stage_speeds_vs_benchmarks`` is each configuration's measured step on the
+second over the first.
 
 Usage: python bench/pipeline.py [--stages 4] [--micro 8] [--batch 64] [--width 512] [--layers 8]
     [--steps 10] [--repeat 1] [--planner-steps 4] [--planner-configs 0,3] [--planner-only | --no-planner]
@@ -44,6 +49,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -438,32 +444,51 @@ def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dic
         link = pp.fit_link([json.loads(_wait_file(work / "link-0.json", procs).read_text())])
         state = pp.state_bytes()
         chosen = [pp.CONFIGS[i] for i in configs] if configs else pp.CONFIGS
+        benchmarked = {k: s["bench_flops_per_s"] for k, s in enumerate(speeds)}
+        first = [pp.plan_doc(c, pp.plan(c, speeds, link, benchmarked), state) for c in chosen]
+        results0 = _run_pass(work, jobs, procs, "bench", first)
         plans = [pp.plan_doc(c, pp.plan(c, speeds, link), state) for c in chosen]
-        for n, doc in enumerate(plans):
-            b = pp.BATCH // doc["micro"]
-            write_job(
-                jobs,
-                f"plan-{n}",
-                [_seed(k) for k in doc["nodes"]],
-                doc["micro"],
-                [[b, pp.WIDTH]] * (len(doc["nodes"]) - 1),
-            )
-        time.sleep(0.2)
-        (work / "plans.tmp").write_text(json.dumps(plans))
-        (work / "plans.tmp").rename(work / "plans.json")
+        results = _run_pass(work, jobs, procs, "plan", plans)
+        # the same configurations planned on the speeds the hub measures from the first pass
+        measured = pp.stage_speeds(first, results0)
+        replans = [pp.plan_doc(c, pp.plan(c, speeds, link, measured), state) for c in chosen]
+        results2 = _run_pass(work, jobs, procs, "replan", replans)
         _wait_all(procs, "planner configurations")
     finally:
         hub.terminate()
         hub.wait(30)
-    results = {
-        (n, k): json.loads((work / f"stage-{n}-{k}.json").read_text())
-        for n, doc in enumerate(plans)
-        for k in doc["nodes"]
-    }
     out = pp.figures(plans, results, state)
     out["link"] = link
     out["speeds"] = speeds
+    out["stage_speeds"] = {f"node{k}": f for k, f in sorted(measured.items())}
+    out["replan"] = pp.figures(replans, results2, state)
+    out["bench"] = pp.figures(first, results0, state)
     return out
+
+
+def _run_pass(
+    work: Path, jobs: Path, procs: list[subprocess.Popen[bytes]], tag: str, plans: list[Any]
+) -> dict[tuple[int, int], Any]:
+    """The node processes run ``plans`` (relay jobs ``<tag>-<n>``): each stage's result."""
+    import pipeline_planner as pp
+
+    for n, doc in enumerate(plans):
+        b = pp.BATCH // doc["micro"]
+        write_job(
+            jobs,
+            f"{tag}-{n}",
+            [_seed(k) for k in doc["nodes"]],
+            doc["micro"],
+            [[b, pp.WIDTH]] * (len(doc["nodes"]) - 1),
+        )
+    time.sleep(0.2)
+    (work / f"{tag}s.tmp").write_text(json.dumps(plans))
+    (work / f"{tag}s.tmp").rename(work / f"{tag}s.json")
+    return {
+        (n, k): json.loads(_wait_file(work / f"stage-{tag}-{n}-{k}.json", procs).read_text())
+        for n, doc in enumerate(plans)
+        for k in doc["nodes"]
+    }
 
 
 def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]]) -> Path:
@@ -876,20 +901,46 @@ def report(
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 
-def report_planner(result: dict[str, Any], planner: dict[str, Any], wall_s: float) -> None:
-    """Prints the planner's predictions against the measurements and adds them to ``result``."""
+def _planner_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'configuration':<26} {'stages':>6} {'nodes':<14} {'predicted s':>11} {'measured s':>10}"
         f" {'ratio':>6} {'peak/cap':>8}"
     )
-    for row in planner["rows"]:
+    for row in rows:
         print(
             f"{row['name']:<26} {row['stages']:>6} {','.join(map(str, row['nodes'])):<14}"
             f" {row['predicted_step_s']:>11.3f} {row['measured_step_s']:>10.3f} {row['ratio']:>6.2f}"
             f" {row['peak_over_cap']:>8.2f}"
         )
+
+
+def report_planner(result: dict[str, Any], planner: dict[str, Any], wall_s: float) -> None:
+    """Prints the planner's predictions against the measurements and adds them to ``result``:
+    planned on the probed speeds, then again on the speeds the hub measured from those stages."""
+    print("planned on each node's benchmark speed (the hub's offer before it measured a stage):")
+    _planner_table(planner["bench"]["rows"])
+    print("planned on each node's probed speed:")
+    _planner_table(planner["rows"])
+    replan, bench = planner["replan"], planner["bench"]
+    print(
+        "planned again on each node's speed measured from its stages (hub/policy/stage_speed.py):"
+    )
+    _planner_table(replan["rows"])
     figures = result.setdefault("figures", {})
     ratios = result.setdefault("ratios", {})
+    figures["step_time_ratio_median_benchmarks"] = bench["step_time_ratio_median"]
+    figures["step_time_ratio_worst_benchmarks"] = bench["step_time_ratio_worst"]
+    ratios["step_time_predicted_vs_measured_benchmarks"] = bench["ratios"]
+    figures["step_time_ratio_median_stage_speeds"] = replan["step_time_ratio_median"]
+    figures["step_time_ratio_worst_stage_speeds"] = replan["step_time_ratio_worst"]
+    ratios["step_time_predicted_vs_measured_stage_speeds"] = replan["ratios"]
+    # the measured step of each configuration planned on stage speeds over planned on benchmarks
+    faster = [
+        round(b["measured_step_s"] / a["measured_step_s"], 3)
+        for a, b in zip(bench["rows"], replan["rows"], strict=True)
+    ]
+    ratios["measured_step_stage_speeds_vs_benchmarks"] = faster
+    figures["measured_step_stage_speeds_vs_benchmarks_median"] = statistics.median(faster)
     for key in (
         "step_time_ratio_median",
         "step_time_ratio_worst",
@@ -901,13 +952,21 @@ def report_planner(result: dict[str, Any], planner: dict[str, Any], wall_s: floa
     ratios["step_time_predicted_vs_measured"] = planner["ratios"]
     result["planner"] = {
         "configurations": planner["rows"],
+        "configurations_on_benchmarks": bench["rows"],
+        "configurations_on_stage_speeds": replan["rows"],
         "link": planner["link"],
         "node_speeds": planner["speeds"],
+        "stage_speeds": planner["stage_speeds"],
         "notes": PLANNER_NOTES,
     }
     print(
         f"predicted / measured step time: median {planner['step_time_ratio_median']:.2f}, worst"
-        f" {planner['step_time_ratio_worst']:.2f}; model state / largest cap"
+        f" {planner['step_time_ratio_worst']:.2f}; on benchmarks: median"
+        f" {bench['step_time_ratio_median']:.2f}, worst {bench['step_time_ratio_worst']:.2f};"
+        f" on stage speeds: median"
+        f" {replan['step_time_ratio_median']:.2f}, worst {replan['step_time_ratio_worst']:.2f};"
+        f" measured step on stage speeds / on benchmarks: median"
+        f" {figures['measured_step_stage_speeds_vs_benchmarks_median']:.2f}; model state / largest cap"
         f" {planner['model_bytes_over_largest_cap']:.2f}; peak / cap at most"
         f" {planner['peak_bytes_over_cap_max']:.2f}; {wall_s:.0f} s"
     )
@@ -921,7 +980,14 @@ PLANNER_NOTES = (
     " micro-batch, optimizer bytes/s) it measured on the model's units under its throttle; the link"
     " is one message through this hub's relay (POST + GET) at two sizes; measured step = median of"
     " the last stage's timed steps; peak = the bytes of the tensors a stage holds (parameters,"
-    " gradients, optimizer state, saved activations and held outputs, each storage once)"
+    " gradients, optimizer state, saved activations and held outputs, each storage once);"
+    " configurations_on_benchmarks: the same configurations planned on the speed the hub offers"
+    " before a node ran a stage (node/benchmark.py's reference-model samples/s under the node's"
+    " throttle times the reference model's FLOPs per sample); configurations_on_stage_speeds:"
+    " planned again, each node offering the speed hub/policy/stage_speed.py derives from its"
+    " stages' compute times in the benchmark-planned pass (its stage steps' FLOPs over their time"
+    " less sending and waiting; median, warm-up left out); both with no fixed time per unit and the"
+    " update priced in FLOPs, as the hub's offers are"
 )
 
 

@@ -17,6 +17,11 @@ What the planner is given is measured, the way the hub would measure it:
   pipeline's stages do); the intercept is split into the two nodes' round trips and the slope
   gives the bandwidth.
 
+The configurations run three times: planned on the speeds probed above, on each node's
+benchmark speed as the hub offers it before a node ran a stage, and on the speeds the hub
+measures from the stages of the benchmark-planned pass (``stage_speeds``), the last two priced
+as the hub's offers are (no fixed time per unit, the update in FLOPs).
+
 A node is slowed by a throttle (``Throttle``): every aten op it runs takes ``factor`` times as
 long, the difference slept. A throttled node uses no more CPU than an unthrottled one, so the
 stages of a pipeline on this 2-core machine slow each other less than equally busy processes
@@ -275,6 +280,7 @@ def probe_node(factor: float, repeats: int = 5) -> dict[str, Any]:
 
             times[b] = _median_s(once, repeats)
         update = _median_s(opt.step, repeats)
+        bench_flops = benchmark_flops_per_s()
     small, large = PROBE_SIZES
     per_sample = (times[large] - times[small]) / (large - small)
     overhead = max(0.0, times[small] - small * per_sample)
@@ -282,8 +288,20 @@ def probe_node(factor: float, repeats: int = 5) -> dict[str, Any]:
         "flops_per_s": flops / per_sample,
         "unit_overhead_s": overhead / len(model),
         "update_bytes_per_s": state_bytes() / update,
+        "bench_flops_per_s": bench_flops,
         "probe_s": times,
     }
+
+
+def benchmark_flops_per_s() -> float:
+    """The speed the hub offers a node that has run no stage: its benchmark's training samples/s
+    on the reference model (node/benchmark.py, on the CPU as ``gpuflex-node bench`` runs it)
+    times that model's FLOPs per sample (hub/domain/pipelines/offers.py)."""
+    from gpuflex.hub.domain.pipelines.offers import REFERENCE_SPEC, reference_flops_per_sample
+    from gpuflex.node.benchmark import training_samples_per_s
+
+    sps = training_samples_per_s(torch.device("cpu"), dict(REFERENCE_SPEC), 2048, 32, 3)
+    return sps * reference_flops_per_sample()
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -348,28 +366,59 @@ def fit_link(times: Sequence[dict[str, list[float]]]) -> dict[str, Any]:
 
 
 def offers(
-    config: Config, speeds: Sequence[dict[str, float]], link: dict[str, float], state: int
+    config: Config,
+    speeds: Sequence[dict[str, float]],
+    link: dict[str, float],
+    state: int,
+    measured: dict[int, float] | None = None,
 ) -> list[Any]:
     """The planner's offers for ``config``'s nodes: the memory the config gives each, the speed
     its probe measured, and the relay's measured link (its fixed cost split into two round trips,
-    its cost per byte into the two crossings of the sender's and receiver's links)."""
+    its cost per byte into the two crossings of the sender's and receiver's links). A node in
+    ``measured`` offers the speed the hub measured on its stages instead, alone (no fixed time
+    per unit, the update priced in FLOPs), as the hub's offers are."""
     from gpuflex.hub.policy.pipeline_plan import NodeOffer
 
+    measured = measured or {}
     return [
         NodeOffer(
             node_id=f"node{k}",
             memory_bytes=int(cap * state),
-            flops_per_s=speeds[k]["flops_per_s"],
+            flops_per_s=measured.get(k, speeds[k]["flops_per_s"]),
             bandwidth_bytes_per_s=2.0 / link["per_byte_s"],
             rtt_s=link["message_s"] / 2.0,
-            unit_overhead_s=speeds[k]["unit_overhead_s"],
-            update_bytes_per_s=speeds[k]["update_bytes_per_s"],
+            unit_overhead_s=0.0 if k in measured else speeds[k]["unit_overhead_s"],
+            update_bytes_per_s=0.0 if k in measured else speeds[k]["update_bytes_per_s"],
         )
         for k, cap in zip(config.nodes, config.caps, strict=True)
     ]
 
 
-def plan(config: Config, speeds: Sequence[dict[str, float]], link: dict[str, float]) -> Any:
+def stage_speeds(
+    plans: Sequence[dict[str, Any]], results: dict[tuple[int, int], Any]
+) -> dict[int, float]:
+    """Each node's speed as the hub measures it from its stages' reports
+    (hub/policy/stage_speed.py), over the configurations it ran in order (each a generation):
+    node index -> FLOP/s, for the nodes with enough steps."""
+    from gpuflex.hub.policy.stage_speed import StageSpeed, stage_step_flops, with_step
+
+    speeds: dict[int, StageSpeed] = {}
+    for n, doc in enumerate(plans):
+        ends = [*doc["starts"][1:], len(unit_costs())]
+        for s, k in enumerate(doc["nodes"]):
+            work = stage_step_flops(unit_costs(), doc["starts"][s], ends[s], BATCH)
+            for i, compute_s in enumerate(results[(n, k)]["compute_s"]):
+                speed = speeds.get(k, StageSpeed())
+                speeds[k] = with_step(speed, step_flops=work, compute_s=compute_s, step=i + 1)
+    return {k: f for k, speed in speeds.items() if (f := speed.flops_per_s) is not None}
+
+
+def plan(
+    config: Config,
+    speeds: Sequence[dict[str, float]],
+    link: dict[str, float],
+    measured: dict[int, float] | None = None,
+) -> Any:
     """The product's plan for ``config`` (one pipeline, the config's micro-batch count and
     schedule); SystemExit when the planner refuses it (a configuration that cannot be run)."""
     from gpuflex.hub.policy.pipeline_plan import Plan, plan_pipelines
@@ -377,7 +426,7 @@ def plan(config: Config, speeds: Sequence[dict[str, float]], link: dict[str, flo
     state = state_bytes()
     result = plan_pipelines(
         unit_costs(),
-        offers(config, speeds, link, state),
+        offers(config, speeds, link, state, measured),
         batch_size=BATCH,
         micro_batches=(config.micro,),
         schedules=(config.schedule,),
@@ -413,24 +462,33 @@ def plan_doc(config: Config, pipeline: Any, state: int) -> dict[str, Any]:
 # -- one node process --------------------------------------------------------------------------------
 
 
+#: the passes: the configurations planned on the speeds the hub offers before a node ran a stage
+#: (its benchmark's), on the probed speeds, then on the speeds the hub measures from the first
+#: pass's stages
+PASSES = ("bench", "plan", "replan")
+
+
 def run_node(node: int, url: str, work: Path, seed: Callable[[int], bytes], steps: int) -> None:
     """Node ``node``: probe its speed, then run its stage of every planned configuration in turn
-    (each configuration its own relay job ``plan-<n>``), waiting for every node between two."""
+    (each configuration its own relay job ``<pass>-<n>``), waiting for every node between two;
+    each of `PASSES` in turn."""
     torch.set_num_threads(1)
     if node:  # one node at a time, as each would measure itself on its own machine
         _wait_for(work / f"speed-{node - 1}.json")
     _write(work / f"speed-{node}.json", probe_node(THROTTLES[node]))
     _wait_for(work / f"speed-{len(THROTTLES) - 1}.json")
     _write(work / f"link-{node}.json", probe_link(node, url, seed))
-    plans = json.loads(_wait_for(work / "plans.json").read_text())
-    for n, doc in enumerate(plans):
-        if n:
-            for other in range(len(THROTTLES)):
-                _wait_for(work / f"done-{n - 1}-{other}")
-        if node in doc["nodes"]:
-            result = run_stage(doc, doc["nodes"].index(node), url, f"plan-{n}", seed(node), steps)
-            (work / f"stage-{n}-{node}.json").write_text(json.dumps(result))
-        (work / f"done-{n}-{node}").write_text("")
+    for tag in PASSES:
+        plans = json.loads(_wait_for(work / f"{tag}s.json").read_text())
+        for n, doc in enumerate(plans):
+            if n:
+                for other in range(len(THROTTLES)):
+                    _wait_for(work / f"done-{tag}-{n - 1}-{other}")
+            if node in doc["nodes"]:
+                stage = doc["nodes"].index(node)
+                result = run_stage(doc, stage, url, f"{tag}-{n}", seed(node), steps)
+                _write(work / f"stage-{tag}-{n}-{node}.json", result)
+            (work / f"done-{tag}-{n}-{node}").write_text("")
 
 
 def run_stage(
@@ -462,17 +520,22 @@ def run_stage(
         loss_fn=nn.CrossEntropyLoss() if last else None,
         schedule=doc["schedule"],
     )
-    ends = []
+    ends, compute = [], []
     with Throttle(doc["throttles"][stage]), meter.hooks():
         for n, (xs, ys) in enumerate(step_batches(micro, steps + 1)):
             if n == 1:
                 transport.send_s = transport.receive_s = 0.0
+            waited, started = transport.send_s + transport.receive_s, time.perf_counter()
             runner.run_step(n, micro, inputs=xs if stage == 0 else (), targets=ys if last else ())
+            # what a node reports as compute_s: the step less its sending and waiting
+            took = time.perf_counter() - started
+            compute.append(took - (transport.send_s + transport.receive_s - waited))
             meter.sample()
             ends.append(time.perf_counter())
     relay.close()
     return {
         "step_s": [b - a for a, b in itertools.pairwise(ends)],
+        "compute_s": compute,
         "send_s": transport.send_s / steps,
         "receive_s": transport.receive_s / steps,
         "peak_bytes": meter.peak,

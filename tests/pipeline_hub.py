@@ -236,6 +236,7 @@ def send_report(
     generation: int | None = None,
     stage: int | None = None,
     job_id: str | None = None,
+    compute_s: float = 0.01,
 ) -> tuple[int, bytes]:
     msg = StageReport(
         job_id=job_id or sa.job_id,
@@ -243,7 +244,7 @@ def send_report(
         stage=sa.stage if stage is None else stage,
         steps_done=steps_done,
         step_s=0.05,
-        compute_s=0.01,
+        compute_s=compute_s,
         loss=loss,
         failed=failed,
         timestamp=time.time(),
@@ -385,10 +386,12 @@ def drive(
     report_last: bool = True,
     timeout_s: float = 30.0,
     tamper: Any = None,
+    compute_s: float = 0.01,
 ) -> StageRun:
     """Run ``sa``'s steps (up to ``stop_at`` steps done, then stop silently; the report of that
     last step only when ``report_last``). ``tamper(runner)``: changes the stage's engine before
     its first step (a faulty stage: its checkpoints still hold its own parameters and optimizer).
+    ``compute_s``: the compute time each report says (the hub measures the node's speed by it).
     Blocking: run it in a thread per stage."""
     run = StageRun()
     url = hub.url
@@ -450,7 +453,7 @@ def drive(
                     assert status == 200, (status, body[:300])
             if stop_at is not None and done >= stop_at and not report_last:
                 return run
-            status, body = send_report(url, key, sa, done, loss=loss)
+            status, body = send_report(url, key, sa, done, loss=loss, compute_s=compute_s)
             assert status == 200, body
             run.acks.append(ack_of(hub, body).ok)
             if not run.acks[-1] or (stop_at is not None and done >= stop_at):

@@ -488,6 +488,56 @@ def test_a_pipelined_job_waits_for_nodes_with_the_planners_line(
     assert "step 0/4 committed" in out and f"waiting: {p['waiting']}" in out
 
 
+def plan_of(hub: HubThread, job_id: str) -> dict:
+    code, _, body = request(
+        hub.url,
+        "GET",
+        f"/v1/jobs/{job_id}/plan",
+        None,
+        {"Authorization": f"Bearer {hub.tokens['owner']}"},
+    )
+    assert code == 200, body
+    return json.loads(body)
+
+
+def test_a_stages_reported_compute_time_is_its_nodes_speed_in_the_offers(hub, tmp_path) -> None:
+    from gpuflex.hub.ops.cli_plan import plan_lines
+
+    keys = [register(hub.url), register(hub.url)]
+    code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=8, every=4))
+    assert code == 201, job
+    sa = poll_until(hub, keys)[0]
+    node = keys[0].fingerprint
+
+    def offer() -> dict:
+        nodes = plan_of(hub, job["id"])["offers"]["nodes"]
+        return next(n for n in nodes if n["node_id"] == node)
+
+    benchmark = offer()
+    assert benchmark["speed_from"] == "benchmark" and benchmark["speed_steps"] == 0
+    # two slow warm-up steps, then 0.5 s steps with one outlier (a step that says it took 1 ms)
+    for done, compute_s in enumerate((9.0, 9.0, 0.5, 0.5, 0.001, 0.5), 1):
+        code, answer = send_report(hub.url, keys[0], sa, done, compute_s=compute_s)
+        assert code == 200 and ack_of(hub, answer).ok, answer
+    cut = hub.call(lambda: hub.hub.app[LEDGER].pipelines.known_cut(job["id"]))
+    units = cut.costs[sa.unit_start : sa.unit_end]
+    # the step's 32 samples through the stage's units, and its optimizer step over their state
+    work = 32 * sum(u.flops for u in units) + 0.5 * sum(u.state_bytes for u in units)
+    measured = offer()
+    assert measured["speed_from"] == "stage_reports" and measured["speed_steps"] == 4
+    assert measured["flops_per_s"] == pytest.approx(work / 0.5)
+    assert measured["flops_per_s"] != pytest.approx(benchmark["flops_per_s"], rel=0.1)
+    doc = plan_of(hub, job["id"])
+    assert f"speed of {node}: measured on its stage, median of 4 step(s)" in plan_lines(doc)
+    # the node not measured: its benchmark (the same as the measured node's) on the measured scale
+    other = next(n for n in doc["offers"]["nodes"] if n["node_id"] != node)
+    assert other["speed_from"] == "benchmark" and other["speed_steps"] == 0
+    scale = doc["offers"]["speed"]["benchmark_scale"]
+    assert scale == pytest.approx(measured["flops_per_s"] / benchmark["flops_per_s"])
+    assert other["flops_per_s"] == pytest.approx(measured["flops_per_s"])
+    assert f"benchmarks scaled x{scale:.3g} to the measured nodes' speeds" in plan_lines(doc)
+
+
 def test_serve_takes_a_stage_timeout_and_refuses_a_bad_one_in_one_line(tmp_path, capsys) -> None:
     from gpuflex.hub.ops import cli
 

@@ -262,7 +262,10 @@ def _run_first_generation_while_a_node_joins(
     data = job_data(hub.url, keys[s0], first[s0])
     newcomer = register(hub.url, samples_per_s=newcomer_sps)
     runs: list = []
-    driver = threading.Thread(target=lambda: runs.extend(drive_all(hub, keys, first)))
+    # each stage's reported compute time as slow as its benchmark says (20 times apart): the hub
+    # plans with the measured speeds once the stages have reported a few steps
+    slow = {"options": {1: {"compute_s": 0.2}}}
+    driver = threading.Thread(target=lambda: runs.extend(drive_all(hub, keys, first, **slow)))
     driver.start()
     _wait(hub, job["id"], lambda d: d["pipeline"]["committed_step"] >= 2)
     # the poll wakes the hub, which may re-plan before it answers

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from gpuflex.protocol.compute import class_key, resolve_precision
 from gpuflex.protocol.messages import UNKNOWN_CLASS, ComputeClass
 
+from ..policy.stage_speed import StageSpeed
 from ..policy.verification import Reputation
 
 
@@ -54,6 +55,9 @@ class NodeState:
     #: when an agreement last counted for it (memory only: a restarted hub counts from its start);
     #: how long ago that was raises the rate its trusted work is spot-checked at (hub/policy/spot_checks.py)
     checked_at: float = field(default_factory=time.time)
+    #: its speed measured on the pipeline stages it ran (hub/policy/stage_speed.py; memory only:
+    #: a restarted hub plans with its benchmark until its stage reports again)
+    stage_speed: StageSpeed = field(default_factory=StageSpeed)
 
     def reputation_at(self, now: float) -> Reputation:
         """Its reputation as the spot-check policy reads it at ``now``: with ``unchecked_s``."""

@@ -83,6 +83,16 @@ def _offer_notes(offers: dict[str, Any]) -> list[str]:
     lines = [
         f"offers: {len(offers['nodes'])} of {offers['online']} online node(s)",
         f"speed: {offers['speed']['derived']}",
+        *(
+            f"speed of {n['node_id']}: measured on its stage, median of {n['speed_steps']} step(s)"
+            for n in offers["nodes"]
+            if n.get("speed_from") == "stage_reports"
+        ),
+        *(
+            [f"benchmarks scaled x{scale:.3g} to the measured nodes' speeds"]
+            if (scale := offers["speed"].get("benchmark_scale", 1.0)) != 1.0
+            else []
+        ),
         f"link: {'assumed ' if link.get('assumed') else ''}{size(link['bandwidth_bytes_per_s'])}/s,"
         f" round trip {link['rtt_s'] * 1e3:.0f} ms",
     ]

@@ -41,9 +41,10 @@ from .checkpoints import Entries, committed_after, is_checkpoint_step, max_state
 from .generations import new_generation, relay_plan, stage_assignment, stage_units
 from .joins import JoinWatch
 from .liveness import lost_stage
-from .offers import ModelCut, cut_model, offer_of, reference_flops_per_sample
+from .offers import ModelCut, benchmark_flops, cut_model, offer_of, reference_flops_per_sample
 from .planning import choose_pipeline
 from .resharding import state_bytes_moved
+from .speeds import note_step
 from .verify import StageChecks
 
 log = logging.getLogger("gpuflex.hub.pipelines")
@@ -243,7 +244,7 @@ class Pipelines:
             return
         state.units = len(cut.costs)
         flops = await asyncio.to_thread(reference_flops_per_sample)
-        offers = self.idle_offers(flops, now)
+        offers = self.idle_offers(benchmark_flops(self.scheduler.nodes.values(), flops), now)
         over = tuple((o.node_id, o.memory_bytes) for o in offers)
         if state.refusal is not None and over == state.refused_over:
             return  # the same nodes the planner refused a moment ago
@@ -529,6 +530,7 @@ class Pipelines:
             )
         state.reports[msg.stage] = report
         state.last_report[msg.stage] = now
+        note_step(node, self.known_cut(job.id), g, report, job.spec.train.batch_size)
         return Ack(ok=True, detail=f"step {msg.steps_done} recorded", deadline=0.0)
 
     async def _record_last(self, node: NodeState, msg: StageReport, g: Generation) -> None:

@@ -24,7 +24,7 @@ from ...model.job import JobState
 from ...model.node import NodeState
 from ...model.pipeline import Generation, PipelineState
 from ...policy.pipeline_plan import NodeOffer, Pipeline
-from .offers import ModelCut, offer_of, reference_flops_per_sample
+from .offers import ModelCut, benchmark_flops, offer_of, reference_flops_per_sample
 from .planning import Lanes, faster_with
 
 
@@ -69,7 +69,7 @@ class JoinWatch:
         spec = job.spec.pipeline
         if spec is None or cut is None:
             return None
-        flops = await asyncio.to_thread(reference_flops_per_sample)
+        flops = benchmark_flops(nodes.values(), await asyncio.to_thread(reference_flops_per_sample))
         idle = idle_offers(flops, now)
         key = (g.number, tuple(o.node_id for o in idle))
         if self._seen.get(job.id) != key:

@@ -5,9 +5,11 @@ A node's offer is built from what the hub already keeps of it:
 
 - memory: its ``--max-memory`` (``NodeState.max_memory_bytes``). A node that said 0 (an older
   node, which does not say) is left out, and the plan preview counts it.
-- speed: its benchmark's training samples/s on the reference model (``NodeState.bench_sps``, what
-  ``gpuflex-node bench`` measures on ``REFERENCE_MODEL``) times that model's forward and backward
-  FLOPs per sample, measured by the same analysis as the job's units.
+- speed: measured on the pipeline stages it ran, once it has (``NodeState.stage_speed``: the
+  median FLOP/s of its recent stage steps, speeds.py); else its benchmark's training samples/s on
+  the reference model (``NodeState.bench_sps``, what ``gpuflex-node bench`` measures on
+  ``REFERENCE_MODEL``) times that model's forward and backward FLOPs per sample, measured by the
+  same analysis as the job's units, scaled to the measured nodes (``benchmark_flops``).
 - link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
   kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
   not measured yet, so every node gets ``ASSUMED_LINK``'s (a home line).
@@ -32,6 +34,7 @@ from gpuflex.protocol.pipeline import Units, pipeline_units
 
 from ...model.node import NodeState
 from ...policy.pipeline_plan import NodeOffer
+from ...policy.stage_speed import MIN_STEPS, WARMUP_STEPS, WINDOW, benchmark_scale
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +46,14 @@ REFERENCE_SPEC: Final = {"kind": "mlp", "input": 64, "hidden": [128], "outputs":
 ASSUMED_LINK: Final = {"bandwidth_bytes_per_s": 2.5e6, "rtt_s": 0.03}
 
 SPEED_DERIVATION: Final = (
-    f"each node's benchmark samples/s on the reference model {REFERENCE_MODEL} (batch 32) times that"
-    " model's forward + backward FLOPs per sample, measured by the same analysis as the job's units"
+    "a node whose pipeline stage has reported: the median FLOP/s of its last"
+    f" {WINDOW} stage steps (the stage's units' forward + backward FLOPs of the step's samples and"
+    f" its optimizer step, over the step's compute time; each generation's first {WARMUP_STEPS}"
+    f' steps left out), once it has {MIN_STEPS} (nodes[].speed_from "stage_reports");'
+    f" any other: its benchmark samples/s on the reference model {REFERENCE_MODEL} (batch 32) times"
+    " that model's forward + backward FLOPs per sample, measured by the same analysis as the job's"
+    " units, times benchmark_scale: the median over the measured nodes of their measured speed over"
+    ' their benchmark\'s (1 while none is measured) (nodes[].speed_from "benchmark")'
 )
 LINK_ASSUMED: Final = (
     "the hub measures no node's bandwidth yet: every node is assumed to have this one; a node's"
@@ -187,10 +196,29 @@ def offer_of(node: NodeState, flops_per_sample: float) -> NodeOffer:
     return NodeOffer(
         node_id=node.id,
         memory_bytes=node.max_memory_bytes,
-        flops_per_s=max(node.bench_sps, 1e-3) * flops_per_sample,
+        flops_per_s=speed_of(node, flops_per_sample),
         bandwidth_bytes_per_s=ASSUMED_LINK["bandwidth_bytes_per_s"],
         rtt_s=node.rtt_s if node.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
     )
+
+
+def benchmark_flops(nodes: Iterable[NodeState], flops_per_sample: float) -> float:
+    """The FLOPs one sample of a node's benchmark stands for: the reference model's
+    ``flops_per_sample`` times how far the measured nodes' stage speeds are from their
+    benchmarks' (hub/policy/stage_speed.py's ``benchmark_scale``); ``flops_per_sample`` while no
+    node is measured. What the offers of ``nodes`` take as their ``flops_per_sample``."""
+    return flops_per_sample * benchmark_scale(
+        (f, max(n.bench_sps, 1e-3) * flops_per_sample)
+        for n in nodes
+        if (f := n.stage_speed.flops_per_s) is not None
+    )
+
+
+def speed_of(node: NodeState, flops_per_sample: float) -> float:
+    """The node's FLOP/s: measured on its stages once it has enough steps, else its benchmark's
+    samples/s times the reference model's ``flops_per_sample``."""
+    measured = node.stage_speed.flops_per_s
+    return measured if measured is not None else max(node.bench_sps, 1e-3) * flops_per_sample
 
 
 __all__ = [
@@ -201,8 +229,10 @@ __all__ = [
     "SPEED_DERIVATION",
     "ModelCut",
     "TiedCut",
+    "benchmark_flops",
     "cut_model",
     "node_offers",
     "offer_of",
     "reference_flops_per_sample",
+    "speed_of",
 ]

@@ -29,12 +29,14 @@ from ...domain.pipelines.offers import (
     REFERENCE_SPEC,
     SPEED_DERIVATION,
     ModelCut,
+    benchmark_flops,
     cut_model,
     node_offers,
     reference_flops_per_sample,
 )
 from ...domain.pipelines.planning import Lanes, choose_pipeline
 from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, Refusal, plan_pipelines
+from ...policy.stage_speed import StageSpeed
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
 from .access import job_row, spec_of
@@ -60,8 +62,9 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
     cut = await _cached_cut(app, job_id, spec)
     flops = await asyncio.to_thread(reference_flops_per_sample)
     scheduler = app[LEDGER].scheduler
+    per_sample = benchmark_flops(scheduler.nodes.values(), flops)
     offers, online, unsaid = node_offers(
-        scheduler.nodes.values(), time.time(), scheduler.presence.online_window_s, flops
+        scheduler.nodes.values(), time.time(), scheduler.presence.online_window_s, per_sample
     )
     doc: dict[str, Any] = {
         "id": job_id,
@@ -72,8 +75,9 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
             "state_bytes": sum(c.state_bytes for c in cut.costs),
             "flops_per_sample": sum(c.flops for c in cut.costs),
         },
-        "offers": _offers_doc(offers, online, unsaid, flops, frozenset(
-            o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0)),
+        "offers": _offers_doc(offers, online, unsaid, (flops, per_sample / flops), frozenset(
+            o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0),
+            {o.node_id: scheduler.nodes[o.node_id].stage_speed for o in offers}),
     }
     if not offers and online:
         doc["refused"] = (
@@ -119,12 +123,15 @@ async def _cached_cut(app: web.Application, job_id: str, spec: JobSpec) -> Model
     return cut
 
 
-def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
-                measured: frozenset[str]) -> dict[str, Any]:
+def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: tuple[float, float],
+                measured: frozenset[str], speeds: dict[str, StageSpeed]) -> dict[str, Any]:
+    """``flops``: the reference model's FLOPs per sample and the benchmarks' scale."""
     return {
         "online": online,
         "nodes": [
             {"node_id": o.node_id, "memory_bytes": o.memory_bytes, "flops_per_s": o.flops_per_s,
+             "speed_from": "benchmark" if speeds[o.node_id].flops_per_s is None else "stage_reports",
+             "speed_steps": speeds[o.node_id].steps,
              "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured}
             for o in offers
         ],
@@ -135,7 +142,8 @@ def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: float,
         "speed": {
             "derived": SPEED_DERIVATION,
             "reference_model": REFERENCE_MODEL,
-            "reference_flops_per_sample": flops,
+            "reference_flops_per_sample": flops[0],
+            "benchmark_scale": flops[1],
         },
         "link": dict(ASSUMED_LINK) | {"assumed": True, "why": LINK_ASSUMED},
     }

@@ -1,0 +1,97 @@
+"""A node's speed measured on its pipeline stage (hub/policy/stage_speed.py): each generation's
+warm-up steps are left out, the median holds against outliers, too few steps leave the
+benchmark's speed standing, the offer of a node (offers.py) reads whichever applies, and a node
+not measured is offered its benchmark on the measured nodes' scale."""
+
+from __future__ import annotations
+
+import pytest
+from gpuflex.hub.domain.pipelines.offers import benchmark_flops, offer_of
+from gpuflex.hub.model.node import NodeState
+from gpuflex.hub.policy.pipeline_plan import UPDATE_FLOPS_PER_BYTE
+from gpuflex.hub.policy.stage_speed import (
+    MIN_STEPS,
+    WARMUP_STEPS,
+    WINDOW,
+    StageSpeed,
+    benchmark_scale,
+    stage_step_flops,
+    with_step,
+)
+from gpuflex.protocol.modelanalysis import UnitCost
+
+
+def steps(times: list[float], *, work: float = 1e9, first: int = 1) -> StageSpeed:
+    """The speed after steps ``first``, ``first + 1``, ... of one generation took ``times``."""
+    speed = StageSpeed()
+    for k, t in enumerate(times):
+        speed = with_step(speed, step_flops=work, compute_s=t, step=first + k)
+    return speed
+
+
+def unit(flops: float, state: int) -> UnitCost:
+    return UnitCost(0, "Linear", state, 0, 0, 0, 0, flops / 3, 2 * flops / 3)
+
+
+def test_the_warm_up_steps_are_left_out() -> None:
+    speed = steps([50.0, 20.0, 1.0, 1.0, 1.0])
+    assert WARMUP_STEPS == 2 and speed.steps == 3
+    assert speed.flops_per_s == pytest.approx(1e9)
+    # the same steps counted from step 3 of a generation all count
+    assert steps([50.0, 20.0, 1.0], first=WARMUP_STEPS + 1).samples == (2e7, 5e7, 1e9)
+
+
+def test_too_few_steps_leave_the_benchmark_standing() -> None:
+    speed = steps([1.0] * (WARMUP_STEPS + MIN_STEPS - 1))
+    assert speed.steps == MIN_STEPS - 1 and speed.flops_per_s is None
+    node = NodeState(id="n", public_key=b"k", bench_sps=100.0, ema_sps=100.0, last_seen=0.0)
+    node.max_memory_bytes = 1 << 30
+    node.stage_speed = speed
+    assert offer_of(node, 4e4).flops_per_s == pytest.approx(100.0 * 4e4)
+    node.stage_speed = with_step(speed, step_flops=1e9, compute_s=1.0, step=99)
+    assert offer_of(node, 4e4).flops_per_s == pytest.approx(1e9)
+
+
+def test_the_median_ignores_outliers_and_bad_times() -> None:
+    # a paused step (100x slow) and a short one (100x fast) among 1-second steps
+    speed = steps([1.0, 1.0, 1.0, 100.0, 1.0, 0.01, 1.0], first=WARMUP_STEPS + 1)
+    assert speed.flops_per_s == pytest.approx(1e9)
+    # a zero, negative or non-finite compute time or work is no measurement
+    for t, w in (
+        (0.0, 1e9),
+        (float("nan"), 1e9),
+        (float("inf"), 1e9),
+        (1.0, 0.0),
+        (1.0, float("nan")),
+    ):
+        assert with_step(speed, step_flops=w, compute_s=t, step=10) is speed
+
+
+def test_only_the_last_window_of_steps_counts() -> None:
+    # a node that slowed down (throttled): once the window holds only slow steps, its speed is theirs
+    speed = steps([1.0] * WINDOW + [4.0] * WINDOW, first=WARMUP_STEPS + 1)
+    assert speed.steps == WINDOW and speed.flops_per_s == pytest.approx(2.5e8)
+
+
+def test_a_steps_work_is_its_samples_through_its_units_and_the_optimizer_step() -> None:
+    costs = (unit(10.0, 100), unit(20.0, 1000), unit(40.0, 10_000), unit(80.0, 100_000))
+    assert stage_step_flops(costs, 1, 3, 32) == pytest.approx(
+        32 * (20.0 + 40.0) + UPDATE_FLOPS_PER_BYTE * 11_000
+    )
+
+
+def test_an_unmeasured_node_is_offered_its_benchmark_on_the_measured_nodes_scale() -> None:
+    assert benchmark_scale([]) == 1.0
+    # three measured nodes run 8, 10 and 40 times their benchmark: the median, not the mean
+    assert benchmark_scale([(8.0, 1.0), (20.0, 2.0), (40.0, 1.0)]) == pytest.approx(10.0)
+    assert benchmark_scale([(1.0, 0.0), (float("inf"), 1.0), (0.0, 1.0)]) == 1.0
+    nodes = [
+        NodeState(id=n, public_key=b"k", bench_sps=sps, ema_sps=sps, last_seen=0.0)
+        for n, sps in (("a", 100.0), ("b", 300.0))
+    ]
+    assert benchmark_flops(nodes, 4e4) == 4e4
+    nodes[0].stage_speed = steps([1.0] * 5, work=100.0 * 4e4 * 10)  # 10 times its benchmark
+    per_sample = benchmark_flops(nodes, 4e4)
+    assert per_sample == pytest.approx(4e5)
+    assert offer_of(nodes[1], per_sample).flops_per_s == pytest.approx(300.0 * 4e4 * 10)
+    assert offer_of(nodes[0], per_sample).flops_per_s == pytest.approx(100.0 * 4e4 * 10)
