@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from gpuflex.protocol.messages import StageAssignment
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import lane_place, pipeline_units
+from gpuflex.protocol.pipeline import lane_counts, lane_place, pipeline_units
 from gpuflex.protocol.tensors import DTYPE_NAMES, TensorSpec, max_encoded_size
 from torch import nn
 
@@ -53,7 +53,7 @@ def largest_message_bytes(a: StageAssignment) -> int:
         copy.deepcopy(nn.Sequential(*(u.module for u in units.units[lo:hi]))).eval()
         for lo, hi in itertools.pairwise(bounds)
     ]
-    micro = a.batch_size // (a.micro_batches * a.lanes)
+    micro = a.batch_size // sum(lane_counts(a.micro_batches, a.lanes, a.lane_micro_batches))
     example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
     specs = list(boundary_specs(stages, example))
     for group in units.tied:

@@ -31,7 +31,7 @@ from gpuflex.protocol.messages import (
     UnitCheckpoint,
 )
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import lane_place, pipeline_units
+from gpuflex.protocol.pipeline import lane_counts, lane_place, pipeline_units
 from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import Buffer
 
@@ -117,6 +117,7 @@ def check_stage_assignment(
             f"{what}: units {a.unit_start}-{a.unit_end - 1} are not stage {a.stage} of a "
             f"{units}-unit model cut at {list(a.stage_starts)}"
         )
+    _check_lanes(a, what, place.lane)
     _check_steps(a, what, reads_data=place.stage in (0, place.stages - 1))
     if a.train.precision not in STAGE_PRECISIONS or a.train.precision not in precisions:
         raise AssignmentRejected(
@@ -135,12 +136,22 @@ def check_stage_assignment(
     return spec
 
 
-def _check_steps(a: StageAssignment, what: str, *, reads_data: bool) -> None:
-    if a.batch_size % (a.micro_batches * a.lanes):
+def _check_lanes(a: StageAssignment, what: str, lane: int) -> None:
+    counts = lane_counts(a.micro_batches, a.lanes, a.lane_micro_batches)
+    if len(counts) != a.lanes or counts[lane] != a.micro_batches:
         raise AssignmentRejected(
-            f"{what}: {a.lanes} pipeline(s) of {a.micro_batches} micro-batches do not divide the"
-            f" batch of {a.batch_size}"
+            f"{what}: micro-batch counts {list(counts)} for {a.lanes} pipeline(s) do not give"
+            f" pipeline {lane} its {a.micro_batches}"
         )
+    if a.batch_size % sum(counts):
+        raise AssignmentRejected(
+            f"{what}: {sum(counts)} micro-batches"
+            + (f" ({a.lanes} pipelines)" if a.lanes > 1 else "")
+            + f" do not divide the batch of {a.batch_size}"
+        )
+
+
+def _check_steps(a: StageAssignment, what: str, *, reads_data: bool) -> None:
     if a.end_step <= a.first_step:
         raise AssignmentRejected(f"{what}: steps {a.first_step} up to {a.end_step} run backwards")
     held = sorted(s.unit for s in a.unit_states)

@@ -556,10 +556,14 @@ class StageAssignment:
     boundary_rank: Annotated[int, Int(0, 1 << 16)] = 0
     #: pipelines sharing each step (hybrid parallelism): ``stage_nodes``, ``stage_keys``,
     #: ``stage_starts`` and ``stage_addresses`` list every pipeline's stages, pipeline after
-    #: pipeline (each cut the same), ``stage`` indexes that list, and pipeline ``p`` trains
-    #: micro-batches ``p * micro_batches`` up to ``(p + 1) * micro_batches`` of the step's
-    #: ``lanes * micro_batches`` (protocol/pipeline.py's ``lane_slices``)
+    #: pipeline (each cut the same), ``stage`` indexes that list, and pipeline ``p`` trains its
+    #: share of the step's micro-batches, after the pipelines before it (protocol/pipeline.py's
+    #: ``lane_slices``)
     lanes: Annotated[int, Int(1, 256)] = 1
+    #: each pipeline's micro-batch count when they differ (faster pipelines run more of the
+    #: step's micro-batches; ``micro_batches`` is this stage's pipeline's); empty: each runs
+    #: ``micro_batches``
+    lane_micro_batches: Annotated[tuple[int, ...], Seq(Int(1, 1 << 16), 256)] = ()
 
 
 @dataclass(frozen=True)

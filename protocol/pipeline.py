@@ -38,6 +38,7 @@ __all__ = [
     "Unit",
     "Units",
     "cut_state",
+    "lane_counts",
     "lane_place",
     "lane_slices",
     "load_unit",
@@ -224,17 +225,22 @@ def micro_batch_slices(batch_size: int, micro_batches: int) -> list[tuple[int, i
     return bounds
 
 
-def lane_slices(
-    batch_size: int, micro_batches: int, lanes: int, lane: int
-) -> list[tuple[int, int]]:
-    """The micro-batches pipeline ``lane`` of ``lanes`` trains in a step (hybrid parallelism):
-    the step's ``batch_size`` samples cut into ``lanes * micro_batches`` micro-batches, and this
-    lane's ``micro_batches`` consecutive ones of them. One pipeline (``lanes`` 1) trains them all.
-    ValueError for a lane outside ``lanes`` or a micro-batch that would be empty."""
-    if not 0 <= lane < lanes:
-        raise ValueError(f"pipeline {lane} is not one of {lanes}")
-    every = micro_batch_slices(batch_size, lanes * micro_batches)
-    return every[lane * micro_batches : (lane + 1) * micro_batches]
+def lane_slices(batch_size: int, counts: Sequence[int], lane: int) -> list[tuple[int, int]]:
+    """The micro-batches pipeline ``lane`` trains in a step (hybrid parallelism): the step's
+    ``batch_size`` samples cut into ``sum(counts)`` micro-batches, pipeline ``p`` taking
+    ``counts[p]`` consecutive ones after those of the pipelines before it. One pipeline
+    (``counts`` of one) trains them all. ValueError for a lane outside ``counts``, a count below
+    1, or a micro-batch that would be empty."""
+    if not 0 <= lane < len(counts) or min(counts) < 1:
+        raise ValueError(f"pipeline {lane} is not one of {list(counts)} (each at least 1)")
+    first = sum(counts[:lane])
+    return micro_batch_slices(batch_size, sum(counts))[first : first + counts[lane]]
+
+
+def lane_counts(micro_batches: int, lanes: int, given: Sequence[int] = ()) -> tuple[int, ...]:
+    """Each pipeline's micro-batch count in a step: ``given`` (a StageAssignment's
+    ``lane_micro_batches``), or ``micro_batches`` for each of ``lanes`` when it says none."""
+    return tuple(given) if given else (micro_batches,) * lanes
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from gpuflex.protocol.messages import (
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.pipeline import (
     cut_state,
+    lane_counts,
     lane_place,
     lane_slices,
     load_unit,
@@ -400,7 +401,8 @@ def drive(
     stages, local = place.stages, place.stage
     last = local == stages - 1
     x, y = job_data(url, key, sa) if sa.chunks else (None, None)
-    mb = sa.batch_size // (sa.micro_batches * sa.lanes)
+    counts = lane_counts(sa.micro_batches, sa.lanes, sa.lane_micro_batches)
+    mb = sa.batch_size // sum(counts)
     widths = boundary_shapes(sa, mb)
     inbound = TensorSpec("activation", "float32", widths[local - 1]) if local else None
     outbound = None if last else TensorSpec("activation", "float32", widths[local])
@@ -428,6 +430,7 @@ def drive(
         lane=place.lane,
         lanes=sa.lanes,
         batch_samples=sa.batch_size,
+        first_micro_batch=sum(counts[: place.lane]),
     )
     if tamper is not None:
         tamper(runner)
@@ -497,10 +500,11 @@ def _micro_batches(
         return [], []
     idx = torch.tensor(step_samples(sa.seed, step, sa.batch_size, len(x)))
     bx, by = x[idx], y[idx]
+    counts = lane_counts(sa.micro_batches, sa.lanes, sa.lane_micro_batches)
     if lane is None:
-        slices = lane_slices(sa.batch_size, sa.micro_batches * sa.lanes, 1, 0)
+        slices = lane_slices(sa.batch_size, (sum(counts),), 0)
     else:
-        slices = lane_slices(sa.batch_size, sa.micro_batches, sa.lanes, lane)
+        slices = lane_slices(sa.batch_size, counts, lane)
     return [bx[a:b] for a, b in slices], [by[a:b] for a, b in slices]
 
 

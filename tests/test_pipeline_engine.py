@@ -198,6 +198,36 @@ def test_pipelines_sharing_a_step_equal_gradient_accumulation(
             )
 
 
+def test_pipelines_running_different_shares_of_a_step_equal_gradient_accumulation() -> None:
+    """A faster pipeline runs more of the step's micro-batches (3 and 1 of 4): the same result
+    as one process accumulating all 4, dropout keyed by each micro-batch's place in the step."""
+    from gpuflex.protocol.dropout import KeyedDropout, dropout_step
+
+    units = mlp_units()
+    units[2:2] = [KeyedDropout(0.2, slot=2)]
+    reference = nn.Sequential(*copy.deepcopy(units))
+    data = step_data(steps=5)
+    opt = make_optimizer(list(reference.parameters()), ADAM)
+    want = []
+    for step, (xs, ys) in enumerate(data):
+        opt.zero_grad()
+        want.append(0.0)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            with dropout_step(3, step, part=i):
+                loss = nn.CrossEntropyLoss()(reference(x), y) * (y.shape[0] / (BATCH * MICRO))
+            loss.backward()
+            want[-1] += float(loss.detach())
+        opt.step()
+    network = MemoryNetwork()
+    runners = []
+    for lane, first in ((0, 0), (1, 3)):
+        for r in runners_for(units, [0, 3], ADAM, "1f1b", network, lane=lane, lanes=2, seed=3):
+            r.first_micro_batch = first
+            runners.append(r)
+    assert run_stages(runners, data, counts=(3, 1)) == pytest.approx(want, rel=1e-5)
+    assert max_rel_diff([r.module for r in runners[:2]], reference) <= 1e-5
+
+
 class Tied(nn.Module):
     """Uses a shared weight: ``Tied(lin)`` computes x @ lin.weight (its transpose's layer)."""
 

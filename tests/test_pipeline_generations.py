@@ -288,6 +288,55 @@ def test_the_planner_shares_the_steps_between_pipelines_when_asked_or_faster() -
         )
 
 
+def test_a_faster_pipeline_runs_more_of_the_steps_micro_batches() -> None:
+    """Two pipelines on nodes 4x apart in speed: the step's 8 micro-batches are shared out so
+    the slowest finishes first (the fast one runs more), which beats the even split; the
+    generation, the relay plan and each stage's assignment carry the counts."""
+    import dataclasses
+
+    from gpuflex.hub.base.errors import BadRequest
+    from gpuflex.hub.domain.pipelines.planning import Lanes
+
+    fast = [NodeOffer(n, GB, 4e9, 1e9, 0.001) for n in ("gf1-a", "gf1-b")]
+    slow = [NodeOffer(n, GB, 1e9, 1e9, 0.001) for n in ("gf1-c", "gf1-d")]
+    got = choose_pipeline(
+        _costs(),
+        [*fast, *slow],
+        PipelineSpec(stages=2, micro_batches=8, pipelines=2),
+        batch_size=32,
+    )
+    assert isinstance(got, Lanes)
+    counts = [p.micro_batches for p in got.pipelines]
+    quick = next(p for p in got.pipelines if p.stages[0].node_id in ("gf1-a", "gf1-b"))
+    assert sum(counts) == 8 and quick.micro_batches >= 5 and min(counts) >= 1, counts
+    assert {p.micro_batch_size for p in got.pipelines} == {4}
+    from gpuflex.hub.domain.pipelines.generations import new_generation
+    from gpuflex.hub.model.pipeline import PipelineState
+
+    class _Job:
+        id = "j-1"
+
+    g = new_generation(_Job(), PipelineState("j-1", 4, 10), got, reason="r", now=0.0)  # type: ignore[arg-type]
+    assert g.counts == tuple(counts) and g.lane_range(1) == (counts[0], counts[1])
+    spec = parse_job_spec(
+        '[job]\nname = "x"\n[model]\nkind = "mlp"\ninput = 4\nhidden = [4, 4, 4]\noutputs = 2\n'
+        "[train]\nbatch_size = 32\n[pipeline]\nstages = 2\n"
+    )
+    cut = cut_model(spec)
+    assert not isinstance(cut, str)
+    g = dataclasses.replace(
+        g,
+        stages=tuple(
+            dataclasses.replace(s, unit_end=min(s.unit_end, len(cut.costs))) for s in g.stages
+        ),
+    )
+    plan = relay_plan(g, cut)
+    last = counts[0] + counts[1] - 1
+    plan.crossing(step=0, micro_batch=last, carries="activation", stage=2, to_stage=3)
+    with pytest.raises(BadRequest, match=f"not one of the plan's 0 to {counts[0] - 1}"):
+        plan.crossing(step=0, micro_batch=counts[0], carries="activation", stage=0, to_stage=1)
+
+
 def test_a_relay_plan_refuses_another_generation_in_one_line() -> None:
     from gpuflex.hub.base.errors import Conflict
     from gpuflex.hub.model.relay import RelayPlan

@@ -270,10 +270,12 @@ def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, s
 
 
 @pytest.mark.parametrize(
-    ("spec", "cfg"), [(TRANSFORMER, SGD_LM), (STACK, ADAM)], ids=["lm", "stack"]
+    ("spec", "cfg", "counts"),
+    [(TRANSFORMER, SGD_LM, (2, 2)), (STACK, ADAM, (3, 1))],
+    ids=["lm-even", "stack-3-1"],
 )
 def test_two_pipelines_sharing_the_steps_equal_gradient_accumulation(
-    spec: ModelSpec, cfg: TrainConfig
+    spec: ModelSpec, cfg: TrainConfig, counts: tuple[int, int]
 ) -> None:
     """Hybrid parallelism on the node's own worker: 2 pipelines of 2 stages (the transformer's
     tied embedding on both ends), each running 2 of a step's 4 micro-batches and summing its
@@ -294,8 +296,9 @@ def test_two_pipelines_sharing_the_steps_equal_gradient_accumulation(
             stage_nodes=tuple(f"node-{s}" for s in range(4)),
             stage_keys=tuple(bytes([s]) * 32 for s in range(4)),
             stage_starts=tuple(flat),
-            micro_batches=MICRO // 2,
+            micro_batches=counts[slot // 2],
             lanes=2,
+            lane_micro_batches=counts if counts[0] != counts[1] else (),
         )
         check_stage_assignment(a, node_id=f"node-{slot}")
         workers[slot] = StageWorker(a, hub=NodeSide(job.hub), transport=network.transport())
@@ -432,7 +435,11 @@ def _refusals(job: Job) -> list[tuple[StageAssignment, str]]:
         (_bad(job, stage_starts=(0, 5)), "are not stage 1 of a 4-unit model cut at [0, 5]"),
         (
             _bad(job, micro_batches=3),
-            "1 pipeline(s) of 3 micro-batches do not divide the batch of 8",
+            "3 micro-batches do not divide the batch of 8",
+        ),
+        (
+            _bad(job, lane_micro_batches=(4, 4)),
+            "micro-batch counts [4, 4] for 1 pipeline(s) do not give pipeline 0 its 4",
         ),
         (
             _bad(job, lanes=2),

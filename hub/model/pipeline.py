@@ -46,6 +46,18 @@ class Generation:
     #: pipeline after pipeline, each cut the same; pipeline ``p`` runs ``micro_batches`` of the
     #: step's ``lanes * micro_batches`` micro-batches, and only pipeline 0 checkpoints
     lanes: int = 1
+    #: each pipeline's micro-batch count when they differ (a faster pipeline runs more of the
+    #: step's micro-batches, all of one size); empty: each runs ``micro_batches``
+    lane_micro_batches: tuple[int, ...] = ()
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Each pipeline's micro-batches in a step."""
+        return self.lane_micro_batches or (self.micro_batches,) * self.lanes
+
+    def lane_range(self, lane: int) -> tuple[int, int]:
+        """(first micro-batch of the step, count) of pipeline ``lane``."""
+        return sum(self.counts[:lane]), self.counts[lane]
 
     @property
     def per_lane(self) -> int:

@@ -52,6 +52,8 @@ class RelayPlan:
     generation: int = 0
     lanes: int = 1
     replicas: tuple[tuple[Crossing, ...], ...] = ()
+    #: each pipeline's micro-batch count when they differ (empty: ``micro_batches`` each)
+    lane_micro_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.stages) < 2 * self.lanes or len(self.stages) != self.lanes * (
@@ -106,11 +108,12 @@ class RelayPlan:
                 f"stages {stage} and {to_stage} share no tied group {micro_batch}",
                 code="not_in_plan",
             )
-        first = lane * self.micro_batches
-        if not first <= micro_batch < first + self.micro_batches:
+        counts = self.lane_micro_batches or (self.micro_batches,) * self.lanes
+        first, count = sum(counts[:lane]), counts[lane]
+        if not first <= micro_batch < first + count:
             raise BadRequest(
                 f"micro-batch {micro_batch} is not one of the plan's"
-                f" {first} to {first + self.micro_batches - 1}"
+                f" {first} to {first + count - 1}"
                 + (f" (pipeline {lane}'s)" if self.lanes > 1 else ""),
                 code="not_in_plan",
             )

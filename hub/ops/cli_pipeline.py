@@ -68,7 +68,9 @@ def _shape(g: dict[str, Any]) -> str:
     lanes = g.get("pipelines", 1)
     if lanes == 1:
         return f"{len(g['stages'])} stages"
-    return f"{lanes} pipelines of {len(g['stages']) // lanes} stages"
+    counts = g.get("lane_micro_batches") or []
+    share = f" running {'+'.join(map(str, counts))} micro-batches" if len(set(counts)) > 1 else ""
+    return f"{lanes} pipelines of {len(g['stages']) // lanes} stages{share}"
 
 
 def _stage_row(st: dict[str, Any], lane: dict[str, int] | None) -> tuple[str, ...]:

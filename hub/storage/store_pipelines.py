@@ -29,6 +29,7 @@ def generation_json(g: Generation) -> str:
             "step_s": g.step_s,
             "bubble_fraction": g.bubble_fraction,
             "lanes": g.lanes,
+            "lane_micro_batches": list(g.lane_micro_batches),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -52,6 +53,7 @@ def generation_from_row(row: Any) -> Generation:
         reason=row["reason"],
         created_at=float(row["created_at"]),
         lanes=int(plan.get("lanes", 1)),
+        lane_micro_batches=tuple(int(m) for m in plan.get("lane_micro_batches", ())),
     )
 
 

@@ -16,12 +16,16 @@ StepData = tuple[Sequence[Tensor], Sequence[Tensor]]
 
 
 def run_stages(
-    runners: Sequence[StageRunner], steps: Sequence[StepData], *, first_step: int = 0
+    runners: Sequence[StageRunner],
+    steps: Sequence[StepData],
+    *,
+    first_step: int = 0,
+    counts: Sequence[int] = (),
 ) -> list[float]:
     """Train ``steps`` on ``runners`` (every pipeline's stages; each step's micro-batches shared
-    by the pipelines as ``StageRunner.lane`` says), each in its own thread; each step's loss
-    (summed over the pipelines' last stages). The first error, if any, is raised once every
-    thread has ended."""
+    by the pipelines as ``StageRunner.lane`` says: ``counts[p]`` to pipeline ``p``, evenly when
+    ``counts`` is empty), each in its own thread; each step's loss (summed over the pipelines'
+    last stages). The first error, if any, is raised once every thread has ended."""
     losses: dict[int, float] = {}
     reached: dict[int, int] = {}
     errors: list[BaseException] = []
@@ -30,8 +34,10 @@ def run_stages(
     def work(runner: StageRunner) -> None:
         try:
             for n, (inputs, targets) in enumerate(steps):
-                m = len(targets) // runner.lanes
-                mine = slice(runner.lane * m, (runner.lane + 1) * m)
+                share = counts or (len(targets) // runner.lanes,) * runner.lanes
+                m = share[runner.lane]
+                first = sum(share[: runner.lane])
+                mine = slice(first, first + m)
                 loss = runner.run_step(
                     first_step + n,
                     m,

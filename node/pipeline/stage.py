@@ -116,6 +116,9 @@ class StageRunner:
     #: the samples of the whole step (every pipeline's), which weigh each micro-batch's loss;
     #: 0: the last stage's own targets (one pipeline)
     batch_samples: int = 0
+    #: this pipeline's first micro-batch of the step when pipelines run different counts
+    #: (None: ``lane * micro_batches``)
+    first_micro_batch: int | None = None
     _first: int = field(default=0, repr=False)  # this lane's first micro-batch of the step
     _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
@@ -154,7 +157,7 @@ class StageRunner:
                 f"stage {self.stage} needs {micro_batches} micro-batches of its data"
             )
         samples = self.batch_samples or sum(int(t.shape[0]) for t in targets)
-        self._first = self.lane * micro_batches
+        self._first = self._first_of(micro_batches)
         self.optimizer.zero_grad()
         self._held.clear()
         ahead = getattr(self.transport, "expect", None)
@@ -184,7 +187,7 @@ class StageRunner:
         after (the schedule's order), then each tied group's gradients from the other stages, then
         the other pipelines' gradients of this stage's units."""
         keys: list[MessageKey] = []
-        first = self.lane * micro_batches
+        first = self._first_of(micro_batches)
         for action in stage_actions(
             self.schedule, stage=self.stage, stages=self.stages, micro_batches=micro_batches
         ):
@@ -207,6 +210,12 @@ class StageRunner:
     def _device(self) -> torch.device:
         first = next(self.module.parameters(), None)
         return first.device if first is not None else torch.device("cpu")
+
+    def _first_of(self, micro_batches: int) -> int:
+        """This pipeline's first micro-batch of a step."""
+        if self.first_micro_batch is not None:
+            return self.first_micro_batch
+        return self.lane * micro_batches
 
     def _at(self, stage: int, lane: int | None = None) -> int:
         """Stage ``stage`` of pipeline ``lane`` (this one's by default) as messages name it."""

@@ -41,6 +41,7 @@ from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.pipeline import (
     LanePlace,
     Units,
+    lane_counts,
     lane_place,
     lane_slices,
     pipeline_units,
@@ -181,6 +182,11 @@ class StageWorker:
             )
         except ValueError:  # prepare() refuses it
             self.place = LanePlace(tuple(assignment.stage_starts), 0, assignment.stage)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Each pipeline's micro-batches in a step."""
+        return lane_counts(self.a.micro_batches, self.a.lanes, self.a.lane_micro_batches)
 
     @property
     def first(self) -> bool:
@@ -344,6 +350,7 @@ class StageWorker:
             lane=self.place.lane,
             lanes=a.lanes,
             batch_samples=a.batch_size,
+            first_micro_batch=sum(self.counts[: self.place.lane]),
         )
         if self.first or self.last:
             self._read_data(spec)
@@ -385,7 +392,7 @@ class StageWorker:
             copy.deepcopy(nn.Sequential(*(u.module for u in units.units[lo:hi]))).eval()
             for lo, hi in itertools.pairwise(bounds)
         ]
-        micro = self.a.batch_size // (self.a.micro_batches * self.a.lanes)
+        micro = self.a.batch_size // sum(self.counts)
         example = torch.zeros((micro, *spec.input_shape), dtype=spec.input_dtype)
         return boundary_specs(stages, example)
 
@@ -431,10 +438,7 @@ class StageWorker:
         total = int(self._x.shape[0])
         index = torch.tensor(step_samples(self.a.seed, step, self.a.batch_size, total))
         a = self.a
-        parts = [
-            index[lo:hi]
-            for lo, hi in lane_slices(a.batch_size, a.micro_batches, a.lanes, self.place.lane)
-        ]
+        parts = [index[lo:hi] for lo, hi in lane_slices(a.batch_size, self.counts, self.place.lane)]
         inputs = [self._x[p].to(self.device) for p in parts] if self.first else []
         targets = [self._y[p].to(self.device) for p in parts] if self.last else []
         return inputs, targets

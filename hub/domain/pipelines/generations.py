@@ -51,6 +51,11 @@ def new_generation(
         reason=reason,
         created_at=now,
         lanes=len(lanes),
+        lane_micro_batches=(
+            tuple(p.micro_batches for p in lanes)
+            if len({p.micro_batches for p in lanes}) > 1
+            else ()
+        ),
     )
 
 
@@ -87,6 +92,7 @@ def relay_plan(g: Generation, cut: ModelCut, boundary: str = "fp32", rank: int =
         generation=g.number,
         lanes=g.lanes,
         replicas=replicas if g.lanes > 1 else (),
+        lane_micro_batches=g.lane_micro_batches,
     )
 
 
@@ -133,7 +139,7 @@ def stage_assignment(
         train=job.spec.train.train_config(),
         seed=job.spec.train.seed,
         batch_size=job.spec.train.batch_size,
-        micro_batches=g.micro_batches,
+        micro_batches=g.counts[g.lane_of(stage)[0]],
         schedule=g.schedule,
         first_step=g.first_step,
         end_step=g.end_step,
@@ -143,6 +149,7 @@ def stage_assignment(
         boundary=pipeline.boundary,
         boundary_rank=pipeline.boundary_rank,
         lanes=g.lanes,
+        lane_micro_batches=g.lane_micro_batches,
     )
 
 

@@ -159,10 +159,49 @@ def _choose_lanes(
             left = [o for o in left if o.node_id not in {s.node_id for s in more.stages}]
         if len(lanes) < count:
             continue
+        lanes = balance(costs, offers, lanes)
         step = max(p.step_s for p in lanes) + exchange_s(costs, first, lanes, offers)
         if best is None or spec.pipelines > 1 or step < best.step_s:
             best = Lanes(tuple(lanes), step)
     return best
+
+
+def balance(
+    costs: Sequence[UnitCost], offers: Sequence[NodeOffer], lanes: Sequence[Pipeline]
+) -> list[Pipeline]:
+    """``lanes`` with the step's micro-batches (their sum, all of one size) shared out so the
+    slowest pipeline finishes first: each at least one, each next one to the pipeline whose step
+    it lengthens least (a faster pipeline runs more). The even split when it is as fast."""
+    by_id = {o.node_id: o for o in offers}
+    size = lanes[0].micro_batch_size
+    total = sum(p.micro_batches for p in lanes)
+
+    def run(lane: Pipeline, count: int) -> Pipeline | None:
+        return evaluate_pipeline(
+            costs,
+            [by_id[s.node_id] for s in lane.stages],
+            [s.end_unit for s in lane.stages],
+            micro_batches=count,
+            schedule=lane.schedule,
+            batch_size=count * size,
+        )
+
+    shared = [run(lane, 1) for lane in lanes]
+    counts = [1] * len(lanes)
+    for _ in range(total - len(lanes)):
+        grown = [run(lane, k + 1) for lane, k in zip(lanes, counts, strict=True)]
+        steps = [math.inf if p is None else p.step_s for p in grown]
+        best = min(range(len(lanes)), key=lambda i: (steps[i], i))
+        if steps[best] == math.inf:
+            return list(lanes)
+        counts[best] += 1
+        shared[best] = grown[best]
+    if any(p is None for p in shared):
+        return list(lanes)
+    balanced = [p for p in shared if p is not None]
+    if max(p.step_s for p in balanced) < max(p.step_s for p in lanes):
+        return balanced
+    return list(lanes)
 
 
 def _same_cut(

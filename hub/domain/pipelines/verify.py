@@ -161,10 +161,8 @@ class StageChecks:
             for s, slot in enumerate(g.stages):
                 if self._draw(job.id, g.number, s, step) >= spec.verify_rate:
                     continue
-                lane = g.lane_of(s)[0]
-                mb = lane * g.micro_batches + int(
-                    self._draw(job.id, g.number, s, step, "mb") * g.micro_batches
-                )
+                lo, count = g.lane_range(g.lane_of(s)[0])
+                mb = lo + int(self._draw(job.id, g.number, s, step, "mb") * count)
                 pick = Pick(
                     job.id,
                     g.number,
@@ -172,7 +170,7 @@ class StageChecks:
                     g.per_lane,
                     step,
                     mb,
-                    g.micro_batches * g.lanes,
+                    sum(g.counts),
                     slot.node_id,
                     (slot.unit_start, slot.unit_end),
                 )

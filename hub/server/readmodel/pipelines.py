@@ -147,10 +147,11 @@ def _lanes_doc(g: Generation) -> dict[str, Any]:
     if g.lanes == 1:
         return {}
     return {
+        "lane_micro_batches": list(g.counts),
         "lanes": [
             dict(zip(("pipeline", "stage"), g.lane_of(s), strict=True))
             for s in range(len(g.stages))
-        ]
+        ],
     }
 
 
