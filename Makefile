@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) bench/pipeline.py
 	$(PY) bench/pipeline_recovery.py
 	$(PY) bench/pipeline_hybrid.py
+	$(PY) bench/pipeline_replicas.py
 	-$(PY) bench/pipeline_shaped.py  # needs root for ip netns: says so and exits 2 without
 	$(PY) bench/experts.py
 	$(PY) bench/pipeline_wan.py

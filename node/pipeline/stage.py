@@ -352,9 +352,9 @@ class StageRunner:
         for u, (params, own) in enumerate(zip(units, owns, strict=True)):
             if own is None:
                 continue
-            total = torch.zeros_like(own)
+            total: Tensor | None = None
             for lane in range(self.lanes):  # the same order on every pipeline: identical sums
-                total.add_(
+                part = (
                     own
                     if lane == self.lane
                     else self.transport.receive(
@@ -363,9 +363,15 @@ class StageRunner:
                         timeout_s=self.timeout_s,
                     ).to(own.device)
                 )
+                if total is None:  # a received tensor is this stage's own; its own was sent
+                    total = part.clone() if part is own else part
+                else:
+                    total.add_(part)
+            if total is None:
+                continue
             offset = 0
-            for p in params:
-                p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            for p in params:  # views of the sum: one pass over the gradients, no copies
+                p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
 
 

@@ -1,0 +1,304 @@
+"""Two replicas of every stage, 4x apart in speed: how much of their joint capacity a step uses.
+
+The model is bench/pipeline_planner.py's (16 Linear units of width 512, batch 128, Adam), cut
+into 2 stages. Two pipelines of those 2 stages share each step (the product's hybrid
+parallelism: node/pipeline/stage.StageRunner with ``lane``/``lanes``, each stage summing its
+units' gradients with the other pipeline's same stage before its optimizer steps). Pipeline A's
+stages are slowed 5x, pipeline B's 20x (bench/pipeline_planner.Throttle: every aten op takes
+that many times its CPU time, the difference slept), so B is 4x slower. Every stage runs in a
+process of its own (a node, one thread) and the stages meet over the product's direct transport
+(signed frames over TCP on 127.0.0.1, node/pipeline/direct.py): what is measured is the schedule,
+the split and the gradient exchange on a fast link, not a home line (bench/pipeline_hybrid.py
+measures the hub's relay).
+
+In one run:
+
+1. each pipeline alone trains the whole step (16 micro-batches of 8): its samples per second;
+   the **capacity bound** is their sum (each replica of a stage as busy as it can be on its own);
+2. both pipelines share each step, the micro-batches split evenly (8 + 8);
+3. both share it, split by the product's planner (hub/domain/pipelines/planning.balance) from
+   each pipeline's speed measured in step 1, as the hub splits it from measured stage speeds.
+
+``ratios.throughput_vs_capacity_bound`` is run 3's samples per second over the bound (issue
+36's target: >= 0.85 with 2 replicas per stage and a 4x speed spread); the even split's is
+beside it. Every pipeline's parameters after the shared steps equal one process accumulating
+the same micro-batches (``equivalence_max_rel_diff``).
+
+    python bench/pipeline_replicas.py [--steps 6] [--out bench/results/pipeline_replicas.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpuflex.hub.domain.pipelines.planning import balance  # noqa: E402
+from gpuflex.hub.policy.pipeline_plan import NodeOffer, evaluate_pipeline  # noqa: E402
+from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut  # noqa: E402
+
+from bench.pipeline_planner import (  # noqa: E402
+    BATCH,
+    WIDTH,
+    Throttle,
+    optimizer_for,
+    step_batches,
+    unit_costs,
+    units,
+)
+
+MICRO = 16
+STARTS = [0, 16]  # 31 units: 8 Linear+GELU pairs on each stage
+THROTTLES = {"A": 5.0, "B": 20.0}
+
+
+def _seed(slot: int) -> bytes:
+    return bytes([slot + 1]) * 32
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_stage(
+    slot: int, lanes: list[str], counts: list[int], ports: list[int], steps: int, out: Path
+) -> None:
+    """One stage in its own process (a node): its runner over the direct transport to the other
+    stages (TCP on 127.0.0.1), under its pipeline's throttle. Writes its step ends (JSON) and
+    its parameters (GFT1) under ``out``; waits for ``out/go`` before its first step."""
+    from gpuflex.node.pipeline.direct import DirectTransport, StageListener
+    from gpuflex.protocol.signing import SigningKey
+    from gpuflex.protocol.tensors import encode_state
+
+    torch.set_num_threads(1)
+    lane, s = divmod(slot, 2)
+    stages = cut(units(), STARTS)
+    specs = boundary_specs(stages, torch.zeros(BATCH // MICRO, WIDTH))
+    module = stages[s]
+    listener = StageListener("127.0.0.1", ports[slot])
+    peers = {i: SigningKey.from_seed(_seed(i)).public_bytes for i in range(len(ports))}
+    transport = DirectTransport(
+        SigningKey.from_seed(_seed(slot)),
+        "bench-replicas",
+        slot,
+        addresses={i: f"127.0.0.1:{port}" for i, port in enumerate(ports)},
+        peers=peers,
+        listener=listener,
+        max_message_bytes=64 << 20,
+    )
+    runner = StageRunner(
+        module=module,
+        stage=s,
+        stages=2,
+        transport=transport,
+        optimizer=optimizer_for(module),
+        inbound=specs[0] if s else None,
+        outbound=None if s else specs[0],
+        loss_fn=nn.CrossEntropyLoss() if s else None,
+        schedule="1f1b",
+        lane=lane,
+        lanes=len(lanes),
+        batch_samples=BATCH,
+        first_micro_batch=sum(counts[:lane]),
+        timeout_s=600.0,
+    )
+    first, count = sum(counts[:lane]), counts[lane]
+    data = step_batches(MICRO, steps + 1)
+    exchange = [0.0]
+    summed = runner._sum_lanes
+
+    def timed(step: int) -> None:  # the gradient exchange's share of the step, for the table
+        t0 = time.perf_counter()
+        summed(step)
+        exchange[0] += time.perf_counter() - t0
+
+    runner._sum_lanes = timed  # type: ignore[method-assign]
+    (out / f"ready-{slot}").touch()
+    while not (out / "go").exists():
+        time.sleep(0.01)
+    ends: list[float] = []
+    try:
+        with Throttle(THROTTLES[lanes[lane]]):
+            for n, (xs, ys) in enumerate(data):
+                mine = slice(first, first + count)
+                runner.run_step(
+                    n, count, inputs=xs[mine] if s == 0 else (), targets=ys[mine] if s else ()
+                )
+                ends.append(time.perf_counter())
+        params = {str(i): p.detach().contiguous() for i, p in enumerate(module.parameters())}
+        (out / f"params-{slot}.gft").write_bytes(encode_state(params))
+    finally:
+        transport.close()
+        listener.close()
+    (out / f"ends-{slot}.json").write_text(json.dumps({"ends": ends, "exchange_s": exchange[0]}))
+
+
+def train(lanes: list[str], counts: list[int], steps: int, work: Path) -> dict[str, Any]:
+    """1 warm-up step and ``steps`` timed ones on ``lanes`` sharing each step as ``counts``,
+    every stage a process of its own."""
+    from gpuflex.protocol.tensors import decode_state
+
+    out = work / f"run-{'-'.join(lanes)}-{'-'.join(map(str, counts))}"
+    out.mkdir(parents=True)
+    slots = 2 * len(lanes)
+    ports = [_free_port() for _ in range(slots)]
+    cfg = json.dumps({"lanes": lanes, "counts": counts, "ports": ports, "steps": steps})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--stage", str(i), "--cfg", cfg, "--work", str(out)]
+        )
+        for i in range(slots)
+    ]
+    try:
+        give_up = time.monotonic() + 300
+        while not all((out / f"ready-{i}").exists() for i in range(slots)):
+            if time.monotonic() > give_up or any(p.poll() is not None for p in procs):
+                raise SystemExit("a stage process did not start")
+            time.sleep(0.05)
+        (out / "go").touch()
+        for i, proc in enumerate(procs):
+            if proc.wait(1800) != 0:
+                raise SystemExit(f"stage process {i} failed (exit {proc.returncode})")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    timing = [json.loads((out / f"ends-{i}.json").read_text()) for i in range(slots)]
+    ends = timing[1]["ends"]  # the first pipeline's last stage
+    step_s = (ends[-1] - ends[0]) / steps
+    params = [decode_state((out / f"params-{i}.gft").read_bytes()) for i in range(slots)]
+    return {
+        "counts": counts,
+        "step_s": round(step_s, 4),
+        "samples_per_s": round(BATCH / step_s, 2),
+        "exchange_s_per_step": [round(t["exchange_s"] / (steps + 1), 4) for t in timing],
+        "params": [[p[str(k)] for k in range(len(p))] for p in params],
+    }
+
+
+def reference(data: list[Any]) -> list[torch.Tensor]:
+    """One process accumulating every micro-batch of each step."""
+    model = nn.Sequential(*copy.deepcopy(units()))
+    optimizer = optimizer_for(model)
+    for xs, ys in data:
+        optimizer.zero_grad()
+        for x, y in zip(xs, ys, strict=True):
+            (nn.CrossEntropyLoss()(model(x), y) * (y.shape[0] / BATCH)).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def max_rel_diff(got: list[list[torch.Tensor]], want: list[torch.Tensor]) -> float:
+    params = [p for stage in got for p in stage]
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        for a, b in zip(params, want, strict=True)
+    )
+
+
+def planner_counts(alone: dict[str, dict[str, Any]]) -> list[int]:
+    """The product's split of the step between the two pipelines, from their measured speeds:
+    each node's offer is the FLOP/s its pipeline reached alone (the hub's measured stage speed)."""
+    costs = unit_costs()
+    flops = sum(c.flops for c in costs) * BATCH
+    offers = []
+    lanes = []
+    for name in ("A", "B"):
+        speed = flops / alone[name]["step_s"]
+        nodes = [NodeOffer(f"{name}{s}", 1 << 40, speed, 1e12, 1e-4) for s in range(2)]
+        offers += nodes
+        lane = evaluate_pipeline(
+            costs, nodes, [STARTS[1], len(costs)], micro_batches=MICRO // 2, schedule="1f1b",
+            batch_size=BATCH // 2,
+        )  # fmt: skip
+        if lane is None:
+            raise SystemExit("the model does not fit the offers")
+        lanes.append(lane)
+    return [p.micro_batches for p in balance(costs, offers, lanes)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline_replicas.json"))
+    parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)  # a stage's own process
+    parser.add_argument("--cfg", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stage is not None:
+        cfg = json.loads(args.cfg)
+        run_stage(
+            args.stage, cfg["lanes"], cfg["counts"], cfg["ports"], cfg["steps"], Path(args.work)
+        )
+        return
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpuflex-replicas-") as tmp:
+        work = Path(tmp)
+        alone = {name: train([name], [MICRO], args.steps, work) for name in ("A", "B")}
+        bound = alone["A"]["samples_per_s"] + alone["B"]["samples_per_s"]
+        even = train(["A", "B"], [MICRO // 2, MICRO // 2], args.steps, work)
+        counts = planner_counts(alone)
+        split = train(["A", "B"], counts, args.steps, work)
+    want = reference(step_batches(MICRO, args.steps + 1))
+    diff = max(max_rel_diff(split["params"][:2], want), max_rel_diff(split["params"][2:], want))
+    runs = {"A_alone": alone["A"], "B_alone": alone["B"], "even": even, "planner": split}
+    for run in runs.values():
+        run.pop("params")
+    result = {
+        "name": "pipeline_replicas",
+        "figures": {
+            "capacity_bound_samples_per_s": round(bound, 2),
+            "planner_counts": counts,
+            "equivalence_max_rel_diff": diff,
+            "speed_spread": round(alone["A"]["samples_per_s"] / alone["B"]["samples_per_s"], 2),
+        },
+        "ratios": {
+            "throughput_vs_capacity_bound": round(split["samples_per_s"] / bound, 3),
+            "throughput_vs_capacity_bound_even_split": round(even["samples_per_s"] / bound, 3),
+            "planner_split_vs_even": round(split["samples_per_s"] / even["samples_per_s"], 3),
+        },
+        "runs": runs,
+        "setup": {
+            "model": "16 Linear units of width 512 (GELU between), batch 128 in 16 micro-batches,"
+            " Adam, 2 stages per pipeline, 1F1B",
+            "throttles": THROTTLES,
+            "transport": "direct (TCP on 127.0.0.1, node/pipeline/direct.py), one process per stage",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+            "seconds": round(time.monotonic() - started, 1),
+        },
+    }
+    f, r = result["figures"], result["ratios"]
+    print(f"{'run':<10} {'micro-batches':>14} {'step':>9} {'samples/s':>10}")
+    for name, run in runs.items():
+        print(
+            f"{name:<10} {'+'.join(map(str, run['counts'])):>14} {run['step_s']:>8.3f}s"
+            f" {run['samples_per_s']:>10}"
+        )
+    print(f"\ncapacity bound (A alone + B alone): {f['capacity_bound_samples_per_s']} samples/s")
+    print(f"{'throughput / capacity bound, planner split':<46} {r['throughput_vs_capacity_bound']:>7}  target >= 0.85")
+    print(f"{'throughput / capacity bound, even split':<46} {r['throughput_vs_capacity_bound_even_split']:>7}")
+    print(f"{'equivalence with one process (max rel diff)':<46} {f['equivalence_max_rel_diff']:>7.1e}  target <= 1e-5")
+    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
