@@ -84,6 +84,7 @@ def run_stage(
     stages (TCP on 127.0.0.1), under its pipeline's throttle. Writes its step ends (JSON) and
     its parameters (GFT1) under ``out``; waits for ``out/go`` before its first step."""
     from gpuflex.node.pipeline.direct import DirectTransport, StageListener
+    from gpuflex.node.pipeline.transport import SendAhead
     from gpuflex.protocol.signing import SigningKey
     from gpuflex.protocol.tensors import encode_state
 
@@ -94,7 +95,7 @@ def run_stage(
     module = stages[s]
     listener = StageListener("127.0.0.1", ports[slot])
     peers = {i: SigningKey.from_seed(_seed(i)).public_bytes for i in range(len(ports))}
-    transport = DirectTransport(
+    direct = DirectTransport(
         SigningKey.from_seed(_seed(slot)),
         "bench-replicas",
         slot,
@@ -103,6 +104,7 @@ def run_stage(
         listener=listener,
         max_message_bytes=64 << 20,
     )
+    transport = SendAhead([direct], direct)  # as a node's links: sends on a thread of their own
     runner = StageRunner(
         module=module,
         stage=s,
@@ -141,11 +143,13 @@ def run_stage(
                 runner.run_step(
                     n, count, inputs=xs[mine] if s == 0 else (), targets=ys[mine] if s else ()
                 )
+                transport.flush()  # as a node ends a step: what it sent has gone
                 ends.append(time.perf_counter())
         params = {str(i): p.detach().contiguous() for i, p in enumerate(module.parameters())}
         (out / f"params-{slot}.gft").write_bytes(encode_state(params))
     finally:
         transport.close()
+        direct.close()
         listener.close()
     (out / f"ends-{slot}.json").write_text(json.dumps({"ends": ends, "exchange_s": exchange[0]}))
 

@@ -5,7 +5,7 @@ carried in ``StageAssignment.stage_addresses``), with the relay for the rest.
 The relay's sends go out on threads of their own (``SendAhead``, ``SEND_POOL`` of them in flight),
 so the next micro-batch starts at once, and its receives are asked for ahead of need
 (``Prefetch``, ``RECEIVE_AHEAD`` at a time) from the stage's schedule. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
-both ends of every message agree; this node listens on its own address for its stage's tensors,
+both ends of every message agree, and the sends go out on a thread of their own as well; this node listens on its own address for its stage's tensors,
 refusing any larger than the largest tensor its pipeline can send (a boundary's activation for
 one micro-batch, or a tied parameter's gradient).
 
@@ -113,12 +113,17 @@ def stage_links(
         max_message_bytes=largest_message_bytes(a),
         generation=a.generation,
     )
-    through = relay()
-    closers: list[Callable[[], Any]] = [direct.close, through.close]
+    # sends go out on a thread of their own (one: each link's frames stay in order), so the
+    # stage computes, and receives, while a tensor is on its way; each side its own relay
+    send_relay, receive_relay = relay(), relay()
+    sender = RoutedTransport(direct, send_relay, relayed=lambda step: checked_step(a, step))
+    receiver = RoutedTransport(direct, receive_relay, relayed=lambda step: checked_step(a, step))
+    ahead = SendAhead([sender], receiver)
+    closers: list[Callable[[], Any]] = [ahead.close, direct.close, send_relay.close]
+    closers.append(receive_relay.close)
     if listener is not None:
         closers.append(listener.close)
-    routed = RoutedTransport(direct, through, relayed=lambda step: checked_step(a, step))
-    return StageLinks(routed, closers)
+    return StageLinks(ahead, closers)
 
 
 __all__ = ["StageLinks", "checked_step", "largest_message_bytes", "stage_links"]
