@@ -335,8 +335,11 @@ def _register(url: str, seed: bytes) -> None:
 
 def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> None:
     """One stage of this engine: each schedule in turn (its own job), on a fresh copy of its stage."""
+    from gpuflex.node.pipeline.prefetch import Prefetch
     from gpuflex.node.pipeline.relay import RelayTransport
     from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut
+    from gpuflex.node.pipeline.transport import SendAhead
+    from gpuflex.node.stagelinks import RECEIVE_AHEAD, SEND_POOL
     from gpuflex.protocol.signing import SigningKey
 
     torch.set_num_threads(1)
@@ -345,9 +348,15 @@ def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> Non
         stages = cut(units(cfg), starts(cfg))
         specs = boundary_specs(stages, torch.zeros(cfg["batch"], cfg["width"]))
         module = stages[stage]
-        transport = RelayTransport(
-            url, SigningKey.from_seed(_seed(stage)), f"{JOB}-{schedule}", wait_s=5.0
-        )
+
+        def relay(schedule: str = schedule) -> RelayTransport:
+            key = SigningKey.from_seed(_seed(stage))
+            return RelayTransport(url, key, f"{JOB}-{schedule}", wait_s=5.0)
+
+        # the node's relay links (node/stagelinks.py): sends on a pool, receives asked ahead
+        senders = [relay() for _ in range(SEND_POOL)]
+        receiver = Prefetch(relay, depth=RECEIVE_AHEAD)
+        transport = SendAhead(senders, receiver)
         runner = StageRunner(
             module=module,
             stage=stage,
@@ -366,8 +375,13 @@ def gpuflex_stage(cfg: dict[str, Any], stage: int, url: str, result: str) -> Non
             runner.run_step(
                 n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
             )
+            transport.flush()  # a node's step ends once what it sent has gone
+        elapsed = time.perf_counter() - started
         transport.close()
-        _write_stage(Path(result.format(schedule=schedule)), module, time.perf_counter() - started)
+        for sender in senders:
+            sender.close()
+        receiver.close()
+        _write_stage(Path(result.format(schedule=schedule)), module, elapsed)
 
 
 def _seed(stage: int) -> bytes:
@@ -512,6 +526,7 @@ def gpuflex_direct_stage(cfg: dict[str, Any], stage: int, addresses: str, result
     each schedule in turn (its own job), on a fresh copy of its stage."""
     from gpuflex.node.pipeline.direct import DirectTransport, StageListener, parse_address
     from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut
+    from gpuflex.node.pipeline.transport import SendAhead
     from gpuflex.protocol.signing import SigningKey
     from gpuflex.protocol.tensors import max_encoded_size
 
@@ -524,7 +539,7 @@ def gpuflex_direct_stage(cfg: dict[str, Any], stage: int, addresses: str, result
         stages = cut(units(cfg), starts(cfg))
         specs = boundary_specs(stages, torch.zeros(cfg["batch"], cfg["width"]))
         module = stages[stage]
-        transport = DirectTransport(
+        direct = DirectTransport(
             SigningKey.from_seed(_seed(stage)),
             f"{JOB}-{schedule}",
             stage,
@@ -533,6 +548,7 @@ def gpuflex_direct_stage(cfg: dict[str, Any], stage: int, addresses: str, result
             listener=listener,
             max_message_bytes=max(max_encoded_size((spec,)) for spec in specs),
         )
+        transport = SendAhead([direct], direct)  # a node's direct links send on their own thread
         runner = StageRunner(
             module=module,
             stage=stage,
@@ -551,8 +567,10 @@ def gpuflex_direct_stage(cfg: dict[str, Any], stage: int, addresses: str, result
             runner.run_step(
                 n, cfg["micro"], inputs=xs if stage == 0 else (), targets=ys if last else ()
             )
+            transport.flush()  # a node's step ends once what it sent has gone
         elapsed = time.perf_counter() - started
         transport.close()
+        direct.close()
         _write_stage(Path(result.format(schedule=schedule)), module, elapsed)
     listener.close()
 
