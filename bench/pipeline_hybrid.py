@@ -9,7 +9,10 @@ steps, one after another, on one hub, in one run:
 2. **two pipelines** (`pipelines = 2`) on 4 nodes: each pipeline runs half of every step's
    micro-batches, and each stage sums its units' gradients with the other pipeline's same stage
    (relay messages of kind "replica") before its optimizer steps;
-3. **auto** (`pipelines = 0`) on the same 4 nodes: what the planner chooses by itself.
+3. **auto** (`pipelines = 0`) on the same 4 nodes: what the planner chooses by itself;
+4. **kill**: `pipelines = 2` on the 4 nodes with a spare online; once a step is committed, kill -9
+   of the node of the second pipeline's first stage (``stall_s``: the kill to the first step of
+   the new generation; the hub runs `--stage-timeout 8`).
 
 Figures: each run's samples per second (the step's samples over the mean step time its stages
 reported; each stage's mean step and compute time, the rest being waits on other stages and
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpuflex.hub.ops.localcluster import LocalCluster  # noqa: E402
 
-from bench.pipeline_recovery import _rows, final_loss, max_rel_diff  # noqa: E402
+from bench.pipeline_recovery import _generation, _rows, _stepped, final_loss, max_rel_diff  # noqa: E402
 from tests.tooling.text import stdlib_text, transformer_pipeline_spec  # noqa: E402
 
 BATCH, MICRO, EVERY = 16, 8, 4
@@ -133,8 +137,59 @@ def start_nodes(cluster: LocalCluster, names: list[str]) -> None:
     time.sleep(6.0)  # every node has polled since: the hub counts it as asking for work
 
 
-def measure(steps: int, work: Path) -> dict[str, Any]:
-    hub_args = ("--long-poll-max", "2", "--min-deadline", "4", "--stage-timeout", "30")
+def run_kill(cluster: LocalCluster, owner: Owner, steps: int) -> dict[str, Any]:
+    """Two pipelines and a spare node online; once a step is committed, kill -9 of the node of
+    the second pipeline's first stage. ``stall_s``: the kill to the first step done by the new
+    generation (the hub notices the silence after --stage-timeout, re-plans on the survivors and
+    the spare, which fetches the lost units' committed state)."""
+    start_nodes(cluster, ["spare"])
+    job_id = owner.submit(spec_for(2, steps))
+    give_up = time.monotonic() + 600
+    while True:
+        doc = owner.job(job_id)
+        g = _generation(doc)
+        if doc["pipeline"]["committed_step"] >= EVERY and g and g.get("pipelines") == 2:
+            break
+        if time.monotonic() > give_up:
+            raise SystemExit(f"no committed step with two pipelines: {doc.get('pipeline')}")
+        time.sleep(0.1)
+    committed = doc["pipeline"]["committed_step"]
+    victim = g["stages"][g["stages"].__len__() // 2]["node_id"]
+    (proc,) = [n for n in cluster.nodes() if n.node_id == victim]
+    killed = time.monotonic()
+    proc.signal(signal.SIGKILL)
+    while not _stepped(doc := owner.job(job_id), g["number"]):
+        if time.monotonic() > give_up:
+            raise SystemExit(f"no step after the kill: {doc.get('pipeline')}")
+        time.sleep(0.05)
+    stall = time.monotonic() - killed
+    after = _generation(doc)
+    while (doc := owner.job(job_id))["state"] != "done":
+        if time.monotonic() > give_up:
+            raise SystemExit(f"the job did not end: {doc.get('pipeline')}")
+        time.sleep(0.2)
+    loss, tensors = final_loss(cluster.hub_dir, job_id)
+    return {
+        "job": job_id,
+        "killed_after_committed_step": committed,
+        "resumed_from_step": after["first_step"],
+        "pipelines_after": after.get("pipelines", 1),
+        "reason": after["reason"],
+        "stall_s": round(stall, 2),
+        "final_loss": loss,
+        "tensors": tensors,
+    }
+
+
+def measure(steps: int, work: Path, stage_timeout_s: float) -> dict[str, Any]:
+    hub_args = (
+        "--long-poll-max",
+        "2",
+        "--min-deadline",
+        "4",
+        "--stage-timeout",
+        f"{stage_timeout_s:g}",
+    )
     with LocalCluster(workdir=work, hub_args=hub_args) as cluster:
         cluster.start_hub()
         owner = Owner(cluster, work)
@@ -143,9 +198,19 @@ def measure(steps: int, work: Path) -> dict[str, Any]:
         start_nodes(cluster, ["c", "d"])
         two = owner.run(spec_for(2, steps))
         auto = owner.run(spec_for(0, steps))
+        kill = run_kill(cluster, owner, steps)
+    kill["final_model_max_rel_diff_vs_uninterrupted"] = max_rel_diff(
+        kill.pop("tensors"), two["tensors"]
+    )
     diff = max_rel_diff(two.pop("tensors"), one.pop("tensors"))
     auto.pop("tensors")
-    return {"one_pipeline": one, "two_pipelines": two, "auto": auto, "max_rel_diff": diff}
+    return {
+        "one_pipeline": one,
+        "two_pipelines": two,
+        "auto": auto,
+        "kill": kill,
+        "max_rel_diff": diff,
+    }
 
 
 def report(result: dict[str, Any]) -> list[str]:
@@ -168,6 +233,11 @@ def report(result: dict[str, Any]) -> list[str]:
         f"{'final model, two pipelines vs one (max rel diff)':<48}"
         f" {f['equivalence_max_rel_diff']:>10.2e} {'<= 1e-5':>8}",
         f"{'pipelines the planner chose on its own (auto)':<48} {f['auto_pipelines']:>10} {'':>8}",
+        f"{'kill -9 of a second-pipeline node: stall s':<48}"
+        f" {f['stall_s_after_replica_kill']:>10} {'<= 10':>8}",
+        f"{'  pipelines after it (a spare online)':<48} {f['pipelines_after_kill']:>10} {'':>8}",
+        f"{'  final model vs uninterrupted (max rel diff)':<48}"
+        f" {f['final_model_after_kill_max_rel_diff']:>10.2e} {'':>8}",
     ]
     return lines
 
@@ -175,16 +245,24 @@ def report(result: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--stage-timeout", type=float, default=8.0, metavar="S")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline_hybrid.json"))
     args = parser.parse_args()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpuflex-pipeline-hybrid-") as tmp:
-        measured = measure(args.steps, Path(tmp))
+        measured = measure(args.steps, Path(tmp), args.stage_timeout)
     runs = {k: measured[k] for k in ("one_pipeline", "two_pipelines", "auto")}
     one, two = runs["one_pipeline"], runs["two_pipelines"]
+    kill = measured["kill"]
     result: dict[str, Any] = {
         "name": "pipeline_hybrid",
         "figures": {
+            "stall_s_after_replica_kill": kill["stall_s"],
+            "stage_timeout_s": args.stage_timeout,
+            "pipelines_after_kill": kill["pipelines_after"],
+            "final_model_after_kill_max_rel_diff": kill[
+                "final_model_max_rel_diff_vs_uninterrupted"
+            ],
             "equivalence_max_rel_diff": measured["max_rel_diff"],
             "auto_pipelines": runs["auto"]["pipelines"],
             "predicted_vs_measured_step": {
@@ -201,6 +279,7 @@ def main() -> None:
             "final_loss_hybrid_vs_one": round(two["final_loss"] / one["final_loss"], 5),
         },
         "runs": runs,
+        "kill": kill,
         "setup": {
             "spec_two_pipelines": spec_for(2, args.steps),
             "nodes": f"one thread each, --max-memory {CAP}, relay only",

@@ -124,6 +124,32 @@ def test_the_lost_stage_is_the_one_behind() -> None:
     assert node == "gf1-c" and "banned or suspended" in why
 
 
+def test_a_stage_silent_for_ten_of_its_steps_mid_step_is_lost_before_the_timeout() -> None:
+    """A stage that reported steps of 0.2 s and runs a step with no checkpoint is lost after 5 s
+    of silence (20 steps, at least 5 s), not the 30 s timeout; before its first report, and while
+    it runs a checkpoint step (it uploads its states first), the full timeout holds."""
+    from gpuflex.hub.domain.pipelines.liveness import silence_limit
+
+    g = _generation((StageSlot("gf1-a", 0, 1), StageSlot("gf1-b", 1, 2)))
+    running = {s: StepReport(1, s, f"gf1-{'ab'[s]}", 5, 0.2, 0.1, 1, None, 10.0) for s in (0, 1)}
+    last = {0: 10.0, 1: 14.0}
+    assert silence_limit(g, running[0], 30.0, 4) == 5.0
+    assert silence_limit(g, None, 30.0, 4) == 30.0  # no step reported yet
+    assert silence_limit(g, running[0], 30.0, 0) == 30.0  # checkpoints unknown
+    slow = StepReport(1, 0, "gf1-a", 5, 1.25, 1.0, 1, None, 10.0)
+    assert silence_limit(g, slow, 30.0, 4) == 25.0  # twenty of its own steps
+    at_checkpoint = StepReport(1, 0, "gf1-a", 7, 0.2, 0.1, 1, None, 10.0)  # step 8 uploads
+    assert silence_limit(g, at_checkpoint, 30.0, 4) == 30.0
+    assert silence_limit(g, at_checkpoint, 30.0, 5) == 5.0
+    assert lost_stage(g, last, running, 14.9, 30.0, lambda n: False, checkpoint_every=4) is None
+    node, why = lost_stage(g, last, running, 15.5, 30.0, lambda n: False, checkpoint_every=4)
+    assert node == "gf1-a" and why == (
+        "stage 0's node gf1-a sent no report for 6 s after step 5 (its steps took 0.2 s: the hub"
+        " waits 5 s)"
+    )
+    assert lost_stage(g, last, running, 15.5, 30.0, lambda n: False) is None  # full timeout
+
+
 def test_checkpoint_steps() -> None:
     assert [s for s in range(12) if is_checkpoint_step(s, first_step=2, end_step=10, every=3)] == [
         3,

@@ -157,8 +157,15 @@ class Pipelines:
             return
         g = state.generation
         if g is not None:
+            spec = job.spec.pipeline
             lost = lost_stage(
-                g, state.last_report, state.reports, now, self.config.stage_timeout_s, self._barred
+                g,
+                state.last_report,
+                state.reports,
+                now,
+                self.config.stage_timeout_s,
+                self._barred,
+                checkpoint_every=spec.checkpoint_every if spec is not None else 0,
             )
             if lost is not None:
                 await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
