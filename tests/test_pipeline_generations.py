@@ -148,6 +148,12 @@ def test_a_stage_silent_for_ten_of_its_steps_mid_step_is_lost_before_the_timeout
         " waits 5 s)"
     )
     assert lost_stage(g, last, running, 15.5, 30.0, lambda n: False) is None  # full timeout
+    # both silent, at the same step: the one whose node the hub has not heard from is lost
+    heard = {"gf1-a": 15.4, "gf1-b": 9.0}
+    node, _ = lost_stage(
+        g, last, running, 25.0, 30.0, lambda n: False, checkpoint_every=4, seen=heard.__getitem__
+    )
+    assert node == "gf1-b"
 
 
 def test_checkpoint_steps() -> None:

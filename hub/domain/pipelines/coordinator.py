@@ -166,6 +166,7 @@ class Pipelines:
                 self.config.stage_timeout_s,
                 self._barred,
                 checkpoint_every=spec.checkpoint_every if spec is not None else 0,
+                seen=self._seen,
             )
             if lost is not None:
                 await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
@@ -204,6 +205,10 @@ class Pipelines:
         if self.jobs.pop(job_id, None) is not None:
             self.relay.drop(job_id)
             self.checks.drop(job_id)
+
+    def _seen(self, node_id: str) -> float:
+        node = self.scheduler.nodes.get(node_id)
+        return 0.0 if node is None else node.last_seen
 
     def _barred(self, node_id: str) -> bool:
         node = self.scheduler.nodes.get(node_id)

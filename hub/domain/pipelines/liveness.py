@@ -9,9 +9,11 @@ killed mid-step is replaced in seconds rather than after the whole timeout. A st
 step (it may still be fetching its units) and a checkpoint step (it uploads its units' states
 before it reports) keep the full timeout.
 
-When a stage dies its neighbours stop too (they wait for its tensors), so several stages fall
-silent together; the one that is lost is the one behind: the fewest steps reported, then the
-longest silence."""
+When a stage dies its neighbours stop too (they wait for its tensors; with pipelines sharing
+the steps, every pipeline waits for its gradients), so several stages fall silent together; the
+one that is lost is the one behind: the fewest steps reported, then the node the hub heard from
+least recently (a blocked stage's node keeps asking the relay for its tensors, a dead one asks
+nothing), then the longest silence."""
 
 from __future__ import annotations
 
@@ -50,8 +52,10 @@ def lost_stage(
     timeout_s: float,
     barred: Callable[[str], bool],
     checkpoint_every: int = 0,
+    seen: Callable[[str], float] | None = None,
 ) -> tuple[str, str] | None:
-    """(the lost node, why: one line naming its stage) for generation ``g``, or None."""
+    """(the lost node, why: one line naming its stage) for generation ``g``, or None.
+    ``seen(node)``: when the hub last heard from the node, any request (None: not known)."""
     for s, slot in enumerate(g.stages):
         if barred(slot.node_id):
             return slot.node_id, f"stage {s}'s node {slot.node_id} was banned or suspended"
@@ -65,9 +69,10 @@ def lost_stage(
     if not silent:
         return None
 
-    def behind(s: int) -> tuple[int, float]:
+    def behind(s: int) -> tuple[int, float, float]:
         done = reports[s].steps_done if s in reports else g.first_step
-        return done, last_report.get(s, g.created_at)
+        heard = 0.0 if seen is None else seen(g.stages[s].node_id)
+        return done, heard, last_report.get(s, g.created_at)
 
     s = min(silent, key=behind)
     node = g.stages[s].node_id
