@@ -327,3 +327,53 @@ def test_a_faulty_stage_of_the_second_of_two_pipelines_is_caught_and_the_rest_ar
     ev = found[0]["evidence"]
     assert ev["stage"] == 2 and 2 <= ev["micro_batch"] < 4, ev
     assert all(f["node_id"] == got[slot].node_id for f in flags(hub))
+
+
+def test_the_referee_decodes_what_a_stage_received_and_measures_what_it_sent_by_its_code() -> None:
+    """Pure (judge_stage): the middle stage of the digits MLP behind int8 cuts. Its honest wire
+    forms reproduce; an output 1e-2 off, and an input whose scale is NaN, do not."""
+    import dataclasses
+
+    from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage
+    from gpuflex.protocol.boundarycodec import BoundaryCode
+    from gpuflex.protocol.modelspec import ModelSpec, build_model
+    from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
+    from gpuflex.protocol.tensors import TensorSpec
+
+    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
+    units = pipeline_units(spec).units[1:2]
+    states = [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+    before, after = (
+        BoundaryCode("int8", 0, raw=TensorSpec("activation", "float32", (8, w)), seed=0, cut=c)
+        for c, w in ((0, 32), (1, 16))
+    )
+    g = torch.Generator().manual_seed(0)
+    x = before.encode(torch.randn(8, 32, generator=g))
+    grad_out = after.encode(torch.randn(8, 16, generator=g))
+    stage = load_unit(units[0], states[0])
+    received = before.decode(x).requires_grad_(True)
+    out = stage(received)
+    out.backward(after.decode(grad_out))
+    honest = StageEvidence(
+        x=x,
+        out=after.encode(out),
+        grad_out=grad_out,
+        grad_in=before.encode(received.grad),
+        inbound=before,
+        outbound=after,
+    )
+
+    def judge(evidence: StageEvidence) -> Any:
+        return judge_stage(units, states, evidence, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+
+    verdict = judge(honest)
+    assert (
+        verdict.ok
+        and max(verdict.evidence["forward_distance"], verdict.evidence["backward_distance"]) < 1e-6
+    )
+    off = judge(dataclasses.replace(honest, out=after.encode(out * 1.01)))
+    assert not off.ok and off.evidence["forward_distance"] > 1e-4, off.evidence
+    nan = x.clone()
+    nan[0, -4:] = torch.tensor([0, 0, -64, 127], dtype=torch.int8)  # the row's scale: NaN
+    refused = judge(dataclasses.replace(honest, x=nan))
+    assert not refused.ok and "does not decode" in refused.evidence["why"], refused.evidence
