@@ -22,13 +22,19 @@ hub/domain/pipelines/verify.py runs it (states decoded from their blobs, units b
   (every stage's compute per step, from its reports), at the default ``verify_rate`` (0.05 of
   (stage, checkpoint step) pairs) and ``checkpoint_every`` (10), and at the worst (1.0 and 1).
 
-Usage: python bench/stage_checks.py [--steps 30] [--out bench/results/stage_checks.json]
+``--boundary`` (int8, subspace, ...; ``--rank`` for the subspace codes) runs it all with the cuts
+encoded, as a job's ``[pipeline] boundary``: the recorder keeps the wire forms, the check gets
+each cut's code (as hub/domain/pipelines/verify.py builds it) and writes
+``bench/results/stage_checks_<boundary>.json``.
+
+Usage: python bench/stage_checks.py [--steps 30] [--boundary int8] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import platform
 import sys
@@ -46,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage, stage_loss  # noqa: E402
 from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey  # noqa: E402
 from gpuflex.node.pipeline.worker import StageWorker  # noqa: E402
+from gpuflex.protocol.boundarycodec import BoundaryCode  # noqa: E402
 from gpuflex.protocol.dataset import text_windows  # noqa: E402
 from gpuflex.protocol.messages import ChunkRef, StageAssignment, TrainConfig  # noqa: E402
 from gpuflex.protocol.modelspec import ModelSpec, build_model  # noqa: E402
@@ -63,6 +70,7 @@ from tests.tooling.text import stdlib_text  # noqa: E402
 SEED, BATCH, MICRO, CONTEXT = 7, 16, 4, 32
 STARTS = [0, 2, 4]  # embed + block 0 | blocks 1-2 | block 3 + head
 TOLERANCE = 1e-4  # the job's [verification] tolerance: the threshold of an fp32 stage
+TIGHTER = (1e-5, 1e-6)  # tolerances a job may set instead: the faults each would catch
 CLASSES = {"1 thread, oneDNN on": (1, True), "2 threads, oneDNN off": (2, False)}
 FAULTS = (
     "perturbed_1e-3",
@@ -87,23 +95,15 @@ def compute_class(name: str) -> Iterator[None]:
 
 
 class Recorder:
-    """The in-memory transport, keeping a copy of every tensor sent (what the relay sees);
-    ``craft`` changes the gradients this stage sends back."""
+    """The in-memory transport, keeping a copy of every tensor sent (what the relay sees: the
+    wire form under an encoded boundary)."""
 
-    def __init__(
-        self,
-        network: MemoryNetwork,
-        sent: dict[MessageKey, torch.Tensor],
-        craft: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, network: MemoryNetwork, sent: dict[MessageKey, torch.Tensor]) -> None:
         self.inner = network.transport()
         self.sent = sent
-        self.craft = craft
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         t = tensor.detach().to("cpu").clone()
-        if self.craft is not None and key.carries == "gradient":
-            t = self.craft(t)
         self.sent[key] = t
         self.inner.send(key, t)
 
@@ -142,6 +142,8 @@ class FaultyWorker(StageWorker):
 
     fault: str | None = None
     trial: int = 0
+    #: crafted gradients: what the stage does to each input gradient before it is encoded and sent
+    craft: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def prepare(self) -> None:
         super().prepare()
@@ -159,6 +161,13 @@ class FaultyWorker(StageWorker):
             )
         elif self.fault == "stale_parameters":
             runner.optimizer = Stale(runner.optimizer, list(runner.module.parameters()))  # type: ignore[assignment]
+        elif self.craft is not None:
+            send, craft = runner._send, self.craft
+
+            def crafted(key: MessageKey, tensor: torch.Tensor, code: Any) -> None:
+                send(key, craft(tensor) if key.carries == "gradient" else tensor, code)
+
+            runner._send = crafted  # type: ignore[method-assign]
 
     def unit_states(self) -> list[dict[str, torch.Tensor]]:
         states = super().unit_states()
@@ -200,8 +209,10 @@ def train(
     fault: str | None = None,
     stage: int = -1,
     trial: int = 0,
+    boundary: tuple[str, int] = ("fp32", 0),
 ) -> dict[str, Any]:
-    """``steps`` steps over 3 stage workers (``fault`` in stage ``stage``), checkpointing each step."""
+    """``steps`` steps over 3 stage workers (``fault`` in stage ``stage``), checkpointing each
+    step, the cuts encoded by ``boundary`` (encoding, rank)."""
     hub = BenchHub()
     model_hash, model_size = hub.put(encode_state(build_model(spec, SEED).state_dict()))
     x, y = data
@@ -221,9 +232,11 @@ def train(
             (chunk,) if s in (0, len(STARTS) - 1) else (), cfg, SEED, BATCH, MICRO, "1f1b",
             0, steps, 1, time.time(),
         )  # fmt: skip
-        craft = CRAFTS[trial % len(CRAFTS)] if fault == "crafted_gradients" and s == stage else None
-        worker = FaultyWorker(a, hub=hub, transport=Recorder(network, sent, craft))
+        a = dataclasses.replace(a, boundary=boundary[0], boundary_rank=boundary[1])
+        worker = FaultyWorker(a, hub=hub, transport=Recorder(network, sent))
         worker.fault, worker.trial = (fault, trial) if s == stage else (None, 0)
+        if fault == "crafted_gradients" and s == stage:
+            worker.craft = CRAFTS[trial % len(CRAFTS)]
         original = worker._report
 
         def report(step_s: float, compute_s: float, loss: float | None, failed: str = "") -> Any:
@@ -252,6 +265,7 @@ def check(
     stage: int,
     step: int,
     mb: int,
+    boundary: tuple[str, int] = ("fp32", 0),
 ) -> tuple[bool, dict[str, Any], float]:
     """The hub's check of (stage, step, micro-batch): ok, evidence, seconds."""
     t0 = time.perf_counter()
@@ -275,6 +289,8 @@ def check(
         grad_in=sent[MessageKey(step, mb, "gradient", stage, stage - 1)] if stage else None,
         y=y if last else None,
         weight=weight,
+        inbound=code_of(boundary, stage - 1) if stage else None,
+        outbound=None if last else code_of(boundary, stage),
     )
     verdict = judge_stage(
         units,
@@ -287,6 +303,14 @@ def check(
         loss_fn=stage_loss(spec, cfg.loss) if last else None,
     )
     return verdict.ok, dict(verdict.evidence), time.perf_counter() - t0
+
+
+def code_of(boundary: tuple[str, int], cut: int) -> BoundaryCode | None:
+    """Cut ``cut``'s code (None for fp32): every cut carries (micro-batch, context, width)."""
+    if boundary[0] == "fp32":
+        return None
+    raw = TensorSpec("activation", "float32", (BATCH // MICRO, CONTEXT, 64))
+    return BoundaryCode(*boundary, raw=raw, seed=SEED, cut=cut)
 
 
 def data_of(
@@ -302,21 +326,23 @@ def largest(evidence: dict[str, Any]) -> float:
     return max((v for k, v in evidence.items() if k.endswith("_distance")), default=0.0)
 
 
-def honest(spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int) -> dict[str, Any]:
+def honest(
+    spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int, boundary: tuple[str, int]
+) -> dict[str, Any]:
     checked = flagged = 0
     worst = 0.0
     seconds: list[float] = []
     compute: list[float] = []
     for node_class in CLASSES:
         with compute_class(node_class):
-            run = train(spec, cfg, data, steps)
+            run = train(spec, cfg, data, steps, boundary=boundary)
         compute += run["compute_s"]
         for referee_class in CLASSES:
             with compute_class(referee_class):
                 for step in range(steps):
                     for stage in range(len(STARTS)):
                         for mb in range(MICRO):
-                            ok, ev, s = check(spec, cfg, run, data, stage, step, mb)
+                            ok, ev, s = check(spec, cfg, run, data, stage, step, mb, boundary)
                             checked += 1
                             flagged += not ok
                             worst = max(worst, largest(ev))
@@ -336,29 +362,38 @@ def honest(spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int) -> dict[str
 
 
 def faults(
-    spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int, per_kind: int
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    data: Any,
+    steps: int,
+    per_kind: int,
+    boundary: tuple[str, int],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     beside = beside_flagged = 0
+    beside_worst = 0.0
     for kind in FAULTS:
         caught = injected = trial = 0
         smallest = float("inf")
+        distances: list[float] = []
         while injected < per_kind:
             stage = (1, 2)[trial % 2] if kind == "crafted_gradients" else trial % len(STARTS)
-            run = train(spec, cfg, data, steps, kind, stage, trial)
+            run = train(spec, cfg, data, steps, kind, stage, trial, boundary)
             # a perturbed or stale state exists only from step 1 on (step 0 is the job's model)
             first = 1 if kind in ("perturbed_1e-3", "stale_parameters") else 0
             for s in range(len(STARTS)):
                 for step in range(first if s == stage else 0, steps):
                     for mb in range(MICRO):
-                        ok, ev, _ = check(spec, cfg, run, data, s, step, mb)
+                        ok, ev, _ = check(spec, cfg, run, data, s, step, mb, boundary)
                         if s == stage:
                             injected += 1
                             caught += not ok
                             smallest = min(smallest, largest(ev))
+                            distances.append(largest(ev))
                         else:
                             beside += 1
                             beside_flagged += not ok
+                            beside_worst = max(beside_worst, largest(ev))
             trial += 1
         out[kind] = {
             "injected": injected,
@@ -366,11 +401,19 @@ def faults(
             "rate": caught / injected,
             "smallest_distance": smallest,
             "runs": trial,
+            # what a job's tighter [verification] tolerance would catch (the honest side: the
+            # largest honest distance in the figures)
+            "caught_at": {f"{t:g}": sum(d > t for d in distances) for t in TIGHTER},
         }
         print(
             f"{kind:18s} caught {caught}/{injected}  smallest distance {smallest:.3g}", flush=True
         )
-    return {"by_kind": out, "honest_beside": beside, "honest_beside_flagged": beside_flagged}
+    return {
+        "by_kind": out,
+        "honest_beside": beside,
+        "honest_beside_flagged": beside_flagged,
+        "honest_beside_largest_distance": beside_worst,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -389,8 +432,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = TrainConfig(1, BATCH, "adam", 1e-3, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0)
     windows = text_windows(stdlib_text(args.text_bytes), CONTEXT, what="text")
     data = (torch.from_numpy(windows.x), torch.from_numpy(windows.y))
-    h = honest(spec, cfg, data, args.steps)
-    f = faults(spec, cfg, data, args.fault_steps, args.per_kind)
+    boundary = (args.boundary, args.rank)
+    h = honest(spec, cfg, data, args.steps, boundary)
+    f = faults(spec, cfg, data, args.fault_steps, args.per_kind, boundary)
     check_s = sorted(h.pop("check_s"))
     stage_s = h.pop("stage_step_compute_s")
     per_check = sum(check_s) / len(check_s)
@@ -402,7 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     rates = [k["rate"] for k in f["by_kind"].values()]
     return {
-        "name": "stage_checks",
+        "name": "stage_checks" if args.boundary == "fp32" else f"stage_checks_{args.boundary}",
         "figures": {
             "fault_detection_rate": min(rates),
             "honest_flagged": h["flagged"] + f["honest_beside_flagged"],
@@ -418,6 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {"model": spec.to_dict(), "stages": len(STARTS), "stage_starts": STARTS,
                          "batch": BATCH, "micro_batches": MICRO, "optimizer": "adam", "honest_steps": args.steps,
                          "fault_steps": args.fault_steps, "threshold": TOLERANCE,
+                         "boundary": args.boundary, "boundary_rank": args.rank,
                          "classes": list(CLASSES), "transport": "in-process (MemoryNetwork)"},
         },
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
@@ -436,8 +481,13 @@ def main() -> None:
     p.add_argument("--fault-steps", type=int, default=4)
     p.add_argument("--per-kind", type=int, default=50)
     p.add_argument("--text-bytes", type=int, default=200_000)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stage_checks.json")
+    p.add_argument("--boundary", default="fp32", help="the cuts' encoding (int8, subspace, ...)")
+    p.add_argument("--rank", type=int, default=0, help="the subspace codes' rank")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.out is None:
+        name = "stage_checks" if args.boundary == "fp32" else f"stage_checks_{args.boundary}"
+        args.out = ROOT / "bench" / "results" / f"{name}.json"
     t0 = time.perf_counter()
     result = run(args)
     result["figures"]["wall_s"] = round(time.perf_counter() - t0, 1)

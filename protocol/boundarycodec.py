@@ -1,7 +1,9 @@
 """The torch codec of a pipeline cut's encoding (protocol/boundary.py says what each one is).
 
 ``BoundaryCode.encode`` turns an activation or a gradient into its encoded form before it is
-sent; ``decode`` turns the received, checked form back into a tensor of the raw shape and dtype.
+sent; ``decode`` turns the received, checked form back into a tensor of the raw shape and dtype;
+``distance`` says how far a raw tensor lies from every tensor that encodes to a given wire form
+(what the hub's referee compares a recomputed stage output with).
 """
 
 from __future__ import annotations
@@ -121,6 +123,81 @@ def _values(packed: Tensor, scale: Tensor, width: int, bits: int) -> Tensor:
     return q.to(torch.float32) * scale
 
 
+def _outside(v: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """Each value's distance to its interval [lo, hi] (0 inside)."""
+    return (lo - v).clamp_min(0) + (v - hi).clamp_min(0)
+
+
+def _cast_cells(wire: Tensor) -> tuple[Tensor, Tensor]:
+    """The float64 interval of raw values that round (to nearest) to each finite half-precision
+    value of ``wire``: half the spacing to each neighbour, which is half as far below a power
+    of two as above it, and never under the format's smallest subnormal spacing."""
+    info = torch.finfo(wire.dtype)
+    w = wire.to(torch.float64)
+    mantissa, exponent = torch.frexp(w)  # |w| = |mantissa| * 2**exponent, |mantissa| in [0.5, 1)
+    smallest = info.smallest_normal * info.eps
+    above = (torch.exp2(exponent.to(torch.float64) - 1) * info.eps).clamp_min(smallest)
+    below = torch.where(mantissa.abs() == 0.5, above / 2, above).clamp_min(smallest)
+    up, down = torch.where(w < 0, below, above), torch.where(w < 0, above, below)
+    return w - down / 2, w + up / 2
+
+
+#: the bytes of a subspace_log scale that mark the ends of its range: the smallest scale (a row
+#: may be smaller still) and the largest (a larger row saturates)
+_LOG_FLOOR, _LOG_CEILING = 0, 254
+
+
+def _row_cells(
+    wire: Tensor, boundary: str, width: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """An int8-rows wire's (rows, ``width``) levels, each row's (rows, 1) scale, smallest and
+    largest possible largest magnitude (float64), and the outermost level; TensorError for bytes
+    no encoder makes."""
+    if boundary == "subspace_log":
+        kept = wire.shape[-1] - LOG_SCALE_BYTES
+        rows = wire.reshape(-1, kept + LOG_SCALE_BYTES)
+        byte = rows[:, kept:].to(torch.int16) & 0xFF  # (rows, 1): 0..255
+        if bool((byte == 255).any()):
+            raise TensorError("a subspace_log row carries the scale byte 255")
+        scale = torch.exp2((byte.to(torch.float64) - LOG_SCALE_ZERO) / LOG_SCALE_STEPS)
+    else:
+        kept = wire.shape[-1] - SCALE_BYTES
+        rows = wire.reshape(-1, kept + SCALE_BYTES)
+        scale = rows[:, kept:].contiguous().view(torch.float32).to(torch.float64)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise TensorError("an int8 boundary row carries a bad scale")
+    bits = 8 if boundary == "int8" else SUBSPACE_BITS
+    top = float((1 << (bits - 1)) - 1)
+    levels = _values(rows[:, :kept], torch.ones_like(scale, dtype=torch.float32), width, bits)
+    if bool((levels.abs() > top).any()):
+        raise TensorError("a boundary row carries a level out of range")
+    high, low = top * scale, top * scale  # the row's largest magnitude: exactly ``top`` levels
+    if boundary == "subspace_log":  # the scale rounds the largest magnitude up, to 2**(1/4)
+        low = torch.where(byte == _LOG_FLOOR, 0.0, high * 2.0 ** (-1 / LOG_SCALE_STEPS))
+        high = torch.where(byte == _LOG_CEILING, math.inf, high)
+    return levels.to(torch.float64), scale, low, high, top
+
+
+def _cells_distance(
+    v: Tensor, levels: Tensor, scale: Tensor, low: Tensor, high: Tensor, top: float
+) -> float:
+    """The least L2 change of ``v`` (rows, n) after which each value rounds to its level (the
+    outermost, +-``top``, takes every value out to +-high) and each row's largest magnitude lies
+    in [low, high]: every value moved into its level's cell (clipped to +-high), plus, per row,
+    the least extra cost of one value reaching ``low``."""
+    lo = torch.where(levels <= -top, -high, (levels - 0.5) * scale).maximum(-high)
+    hi = torch.where(levels >= top, high, (levels + 0.5) * scale).minimum(high)
+    gap = _outside(v, lo, hi)  # (rows, n)
+    # one value of the row at least ``low`` in magnitude, within its cell
+    up_lo, down_hi = lo.maximum(low), hi.minimum(-low)
+    up = torch.where(hi >= up_lo, _outside(v, up_lo, hi), math.inf)
+    down = torch.where(down_hi >= lo, _outside(v, lo, down_hi), math.inf)
+    reach = torch.minimum(up, down)
+    extra = (reach.square() - gap.square()).amin(dim=1, keepdim=True)
+    extra = torch.where(low > 0, extra, 0.0)
+    return math.sqrt(float(gap.square().sum() + extra.sum()))
+
+
 class BoundaryCode:
     """The encoding of one cut (``cut``: between stage ``cut`` and ``cut + 1``) for a raw tensor
     like ``raw``: ``encode`` before a tensor is sent (either way), ``decode`` after it is received
@@ -172,6 +249,37 @@ class BoundaryCode:
             values = _log_scaled_values(wire, basis.shape[1])
             return (values @ basis.T).to(raw_dtype)  # (..., width)
         return _int8_values(wire, self.raw.shape[-1]).to(raw_dtype)
+
+    def distance(self, wire: Tensor, raw: Tensor) -> float:
+        """How far ``raw`` lies from the nearest raw tensor this code encodes to ``wire``: the L2
+        norm of the least change of ``raw`` after which ``encode`` gives ``wire`` (0 when it does
+        already; a value rounded to the next level costs only its distance to the level's edge).
+        The subspace codes measure in their basis's coordinates (what lies outside the subspace
+        is not sent). Infinite for a wire or raw tensor of another shape, or a wire no encoder
+        makes (a non-finite value, a bad scale, a level out of range). Float64, on the CPU."""
+        if tuple(wire.shape) != self.wire.shape or tuple(raw.shape) != self.raw.shape:
+            return math.inf
+        v = raw.detach().to("cpu", torch.float64)
+        w = wire.detach().to("cpu")
+        if self.boundary == "fp32":
+            gap = (w.to(torch.float64) - v).flatten()
+            return (
+                float(torch.linalg.vector_norm(gap))
+                if bool(torch.isfinite(gap).all())
+                else math.inf
+            )
+        if self.boundary in CASTS:
+            if not bool(torch.isfinite(w).all()):
+                return math.inf
+            lo, hi = _cast_cells(w)
+            return float(torch.linalg.vector_norm(_outside(v, lo, hi).flatten()))
+        if self.boundary in ("subspace", "subspace_log"):
+            v = v @ self._basis[torch.device("cpu")].to(torch.float64)  # (..., rank)
+        try:
+            cells = _row_cells(w, self.boundary, v.shape[-1])
+        except TensorError:
+            return math.inf
+        return _cells_distance(v.reshape(-1, v.shape[-1]), *cells)
 
     def ratio(self) -> float:
         """The raw tensor's bytes over the encoded one's."""

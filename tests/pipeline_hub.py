@@ -25,6 +25,7 @@ from gpuflex.node.errors import PipelineError
 from gpuflex.node.pipeline.relay import RelayTransport
 from gpuflex.node.pipeline.stage import StageRunner
 from gpuflex.node.trainer import make_optimizer
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.messages import (
     Ack,
     Benchmark,
@@ -406,6 +407,10 @@ def drive(
     widths = boundary_shapes(sa, mb)
     inbound = TensorSpec("activation", "float32", widths[local - 1]) if local else None
     outbound = None if last else TensorSpec("activation", "float32", widths[local])
+    codes = [
+        boundary_code(sa, TensorSpec("activation", "float32", w), c)
+        for c, w in enumerate(widths[:-1])
+    ]
     transport = RelayTransport(
         url,
         key,
@@ -431,6 +436,8 @@ def drive(
         lanes=sa.lanes,
         batch_samples=sa.batch_size,
         first_micro_batch=sum(counts[: place.lane]),
+        inbound_code=codes[local - 1] if local else None,
+        outbound_code=None if last else codes[local],
     )
     if tamper is not None:
         tamper(runner)
@@ -467,6 +474,14 @@ def drive(
     finally:
         transport.close()
     return run
+
+
+def boundary_code(sa: StageAssignment, raw: TensorSpec, cut: int) -> BoundaryCode | None:
+    """How cut ``cut`` travels under the assignment's boundary, as the node builds it
+    (node/pipeline/worker.py): None for fp32."""
+    if sa.boundary == "fp32":
+        return None
+    return BoundaryCode(sa.boundary, sa.boundary_rank, raw=raw, seed=sa.seed, cut=cut)
 
 
 def boundary_shapes(sa: StageAssignment, mb: int) -> list[tuple[int, ...]]:

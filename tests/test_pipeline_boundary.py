@@ -5,6 +5,7 @@ stage refuses an encoded tensor of the wrong form, or one no encoder makes, in o
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -273,3 +274,62 @@ def test_a_stage_assignment_with_an_inconsistent_boundary_is_refused_in_one_line
         with pytest.raises(AssignmentRejected, match=says) as info:
             check_stage_assignment(job.assignment([0, 2], 1, **over), node_id="node-1")
         assert "\n" not in str(info.value)
+
+
+# -- how far a raw tensor lies from a wire form (what the hub's referee measures) --------------
+
+CODES = [("fp32", 0), ("fp16", 0), ("bf16", 0), ("int8", 0), ("subspace", 8), ("subspace_log", 8)]
+
+
+@pytest.mark.parametrize(("boundary", "rank"), CODES, ids=[b for b, _ in CODES])
+def test_a_recomputed_tensor_is_measured_against_its_wire_form_rounding_and_all(
+    boundary: str, rank: int
+) -> None:
+    """The tensor that was encoded, and its decoded form, lie in what the wire stands for; a
+    recomputation off by rounding noise (1e-7 relative, what compute classes differ by) stays
+    far below the 1e-4 threshold even where it rounds to a neighbouring level; a 1e-2 change of
+    every value does not."""
+    x = _x(1)
+    code = _code(boundary, rank)
+    wire = code.encode(x)
+    norm = float(x.norm())
+    assert code.distance(wire, x) / norm < 1e-6
+    assert code.distance(wire, code.decode(wire)) / norm < 1e-6
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    assert code.distance(wire, x * (1 + 1e-7 * noise)) / norm < 1e-6
+    signs = torch.sign(torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+    assert code.distance(wire, x * (1 + 1e-2 * signs)) / norm > 1e-4
+
+
+def test_a_value_rounded_to_the_next_level_costs_only_its_distance_to_the_edge() -> None:
+    """int8: a row of 1.0 and a value just under the edge between levels 63 and 64 (63.5/127);
+    recomputed just over it, it encodes to 64: the gap is what it lies past the edge, not the
+    level's width; a row whose largest value moves moves the scale, which the wire holds exactly."""
+    raw = TensorSpec("activation", "float32", (1, 4))
+    code = BoundaryCode("int8", 0, raw=raw, seed=0, cut=0)
+    edge = 63.5 / 127
+    sent = torch.tensor([[1.0, edge - 1e-6, 0.25, -0.5]])
+    wire = code.encode(sent)
+    recomputed = torch.tensor([[1.0, edge + 1e-6, 0.25, -0.5]])
+    assert code.encode(recomputed)[0, 1] != wire[0, 1]  # the rounding flipped
+    assert code.distance(wire, recomputed) == pytest.approx(1e-6, rel=0.1)
+    bigger = torch.tensor([[1.001, edge - 1e-6, 0.25, -0.5]])
+    assert code.distance(wire, bigger) == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_wire_form_no_encoder_makes_is_infinitely_far() -> None:
+    x = _x(4)
+    for boundary, rank in (("int8", 0), ("subspace", 8), ("subspace_log", 8), ("fp16", 0)):
+        code = _code(boundary, rank)
+        wire = code.encode(x)
+        bad = wire.clone()
+        if boundary == "int8":
+            bad[..., 0] = -128  # a level out of range
+        elif boundary == "subspace":
+            bad[..., -4:] = torch.tensor([0, 0, -64, 127], dtype=torch.int8)  # a NaN scale
+        elif boundary == "subspace_log":
+            bad[..., -1] = -1  # the scale byte 255
+        else:
+            bad[0, 0, 0] = float("inf")
+        assert math.isinf(code.distance(bad, x)), boundary
+        assert math.isinf(code.distance(wire, x[..., :1, :])), boundary  # another shape

@@ -6,7 +6,10 @@ a real hub on 127.0.0.1 and SQLite, three real StageRunners over the relay, ``ve
 - each injected fault is caught, and its flag (``stage_mismatch``) names the stage, the step and
   the micro-batch, and suspends the node: weights perturbed by 1e-3 relative while the
   checkpoints hold the honest ones, a skipped layer, stale parameters, a bf16 forward, crafted
-  gradients sent back.
+  gradients sent back;
+- the same with the boundary encoded (int8, subspace): the relay keeps wire forms, the referee
+  decodes what the stage received and measures what it sent by ``BoundaryCode.distance``
+  (honest runs and a few of the faults here; bench/stage_checks.py runs every fault).
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ def wait_for(what: Any, timeout_s: float = 30.0) -> Any:
     return got
 
 
-def run_pipeline(hub: HubThread, tmp_path, tamper: dict[int, Any]) -> tuple[list, list]:
+def run_pipeline(
+    hub: HubThread, tmp_path, tamper: dict[int, Any], boundary: str = ""
+) -> tuple[list, list]:
+    """The three stages of SPEC (its [pipeline] section plus ``boundary``'s lines), each stage
+    in ``tamper`` changed by its fault."""
     keys = [register(hub.url) for _ in range(3)]
-    code, job = submit(hub, tmp_path, SPEC)
+    code, job = submit(hub, tmp_path, SPEC + boundary)
     assert code == 201, job
     got = poll_until(hub, keys)
     options = {
@@ -77,8 +84,17 @@ def run_pipeline(hub: HubThread, tmp_path, tamper: dict[int, Any]) -> tuple[list
     return keys, got
 
 
-def test_an_honest_three_stage_pipeline_is_checked_and_never_flagged(hub, tmp_path) -> None:
-    run_pipeline(hub, tmp_path, {})
+#: the encoded boundaries the checks run under: each cut's tensors travel int8 per row, or
+#: projected onto 8 directions at 4 bits (the cuts are 32 and 16 wide)
+INT8 = 'boundary = "int8"\n'
+SUBSPACE = 'boundary = "subspace"\nboundary_rank = 8\n'
+
+
+@pytest.mark.parametrize("boundary", ["", INT8, SUBSPACE], ids=["fp32", "int8", "subspace"])
+def test_an_honest_three_stage_pipeline_is_checked_and_never_flagged(
+    hub, tmp_path, boundary
+) -> None:
+    run_pipeline(hub, tmp_path, {}, boundary)
     done = wait_for(lambda: (c := checks(hub))["checked"] == c["drawn"] and c)
     assert done["drawn"] == 6 and done["flagged"] == 0, done  # 3 stages x steps 0 and 2
     assert flags(hub) == []
@@ -167,34 +183,27 @@ def stale(runner: Any) -> None:
     runner.optimizer = Stale(runner)
 
 
-class Crafted:
-    """Sends back the negated gradient of its input."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def send(self, key: Any, tensor: Tensor) -> None:
-        self.inner.send(key, -tensor if key.carries == "gradient" else tensor)
-
-    def receive(self, key: Any, expected: Any, *, timeout_s: float) -> Tensor:
-        return self.inner.receive(key, expected, timeout_s=timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def crafted(runner: Any) -> None:
-    runner.transport = Crafted(runner.transport)
+    """Sends back the negated gradient of its input (before its boundary code encodes it)."""
+    send = runner._send
+
+    def negated(key: Any, tensor: Tensor, code: Any) -> None:
+        send(key, -tensor if key.carries == "gradient" else tensor, code)
+
+    runner._send = negated
 
 
 @pytest.mark.parametrize(
-    ("fault", "stage", "first_step"),
+    ("fault", "stage", "first_step", "boundary"),
     [
-        (perturbed, 1, 0),
-        (skipped_layer, 0, 0),
-        (stale, 1, 2),  # at step 0 the step before is the same model
-        (bf16, 2, 0),
-        (crafted, 2, 0),
+        (perturbed, 1, 0, ""),
+        (skipped_layer, 0, 0, ""),
+        (stale, 1, 2, ""),  # at step 0 the step before is the same model
+        (bf16, 2, 0, ""),
+        (crafted, 2, 0, ""),
+        # the same faults behind encoded boundaries: what the stage sent is its output's wire form
+        (perturbed, 1, 0, INT8),
+        (stale, 1, 2, SUBSPACE),
     ],
     ids=[
         "perturbed_1e-3",
@@ -202,12 +211,14 @@ def crafted(runner: Any) -> None:
         "stale_parameters",
         "bf16_forward",
         "crafted_gradients",
+        "perturbed_1e-3-int8",
+        "stale_parameters-subspace",
     ],
 )
 def test_each_injected_fault_is_caught_with_its_evidence(
-    hub, tmp_path, fault, stage, first_step
+    hub, tmp_path, fault, stage, first_step, boundary
 ) -> None:
-    _, got = run_pipeline(hub, tmp_path, {stage: fault})
+    _, got = run_pipeline(hub, tmp_path, {stage: fault}, boundary)
     found = wait_for(lambda: [f for f in flags(hub) if f["reason"] == "stage_mismatch"])
     node = got[[sa.stage for sa in got].index(stage)].node_id
     assert {f["node_id"] for f in found} == {node}, found
@@ -215,6 +226,7 @@ def test_each_injected_fault_is_caught_with_its_evidence(
     ev = f["evidence"]
     assert ev["stage"] == stage and ev["step"] >= first_step and 0 <= ev["micro_batch"] < 4, ev
     assert ev["check"] == "stage_replay" and ev["threshold"] == 1e-4
+    assert ev["boundary"] == (boundary.split('"')[1] if boundary else "fp32"), ev
     distances = [v for k, v in ev.items() if k.endswith("_distance")]
     assert max(distances) > ev["threshold"], ev
     assert f["suspends"] is True
@@ -315,3 +327,53 @@ def test_a_faulty_stage_of_the_second_of_two_pipelines_is_caught_and_the_rest_ar
     ev = found[0]["evidence"]
     assert ev["stage"] == 2 and 2 <= ev["micro_batch"] < 4, ev
     assert all(f["node_id"] == got[slot].node_id for f in flags(hub))
+
+
+def test_the_referee_decodes_what_a_stage_received_and_measures_what_it_sent_by_its_code() -> None:
+    """Pure (judge_stage): the middle stage of the digits MLP behind int8 cuts. Its honest wire
+    forms reproduce; an output 1e-2 off, and an input whose scale is NaN, do not."""
+    import dataclasses
+
+    from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage
+    from gpuflex.protocol.boundarycodec import BoundaryCode
+    from gpuflex.protocol.modelspec import ModelSpec, build_model
+    from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
+    from gpuflex.protocol.tensors import TensorSpec
+
+    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
+    units = pipeline_units(spec).units[1:2]
+    states = [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+    before, after = (
+        BoundaryCode("int8", 0, raw=TensorSpec("activation", "float32", (8, w)), seed=0, cut=c)
+        for c, w in ((0, 32), (1, 16))
+    )
+    g = torch.Generator().manual_seed(0)
+    x = before.encode(torch.randn(8, 32, generator=g))
+    grad_out = after.encode(torch.randn(8, 16, generator=g))
+    stage = load_unit(units[0], states[0])
+    received = before.decode(x).requires_grad_(True)
+    out = stage(received)
+    out.backward(after.decode(grad_out))
+    honest = StageEvidence(
+        x=x,
+        out=after.encode(out),
+        grad_out=grad_out,
+        grad_in=before.encode(received.grad),
+        inbound=before,
+        outbound=after,
+    )
+
+    def judge(evidence: StageEvidence) -> Any:
+        return judge_stage(units, states, evidence, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+
+    verdict = judge(honest)
+    assert (
+        verdict.ok
+        and max(verdict.evidence["forward_distance"], verdict.evidence["backward_distance"]) < 1e-6
+    )
+    off = judge(dataclasses.replace(honest, out=after.encode(out * 1.01)))
+    assert not off.ok and off.evidence["forward_distance"] > 1e-4, off.evidence
+    nan = x.clone()
+    nan[0, -4:] = torch.tensor([0, 0, -64, 127], dtype=torch.int8)  # the row's scale: NaN
+    refused = judge(dataclasses.replace(honest, x=nan))
+    assert not refused.ok and "does not decode" in refused.evidence["why"], refused.evidence

@@ -15,6 +15,16 @@ compares:
   the last stage's is the gradient of its weighted loss on the step's targets).
 
 A distance over ``tolerance`` (or a tensor of another shape, or a non-finite one) is a mismatch.
+
+With an encoded boundary (``[pipeline] boundary``, protocol/boundary.py) what the relay kept is
+the wire form. The referee decodes the input and the gradient that came back exactly as the
+receiving stage did, re-runs the stage on those, and measures each tensor the stage sent by
+``BoundaryCode.distance``: the least change of the recomputed tensor after which the same code
+(same basis, same cut) encodes it to what was sent, over the recomputed tensor's norm. Honest
+work is a recomputed tensor within the class's deviation of one that encodes to the wire, so the
+threshold stays the class tolerance, and a value that the two sides round to neighbouring levels
+costs only its distance to the level's edge; what the code throws away (below a level, outside
+the subspace) cannot be seen and is not held against anyone.
 Pure: tensors in, a verdict out; blocking (the hub runs it in a worker thread).
 """
 
@@ -26,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.pipeline import Unit, load_unit
 from gpuflex.protocol.transformer import NextTokenLoss
@@ -49,7 +61,10 @@ class StageEvidence:
     """What the relay kept of one micro-batch of one stage. ``x``: its input (the activation it
     received, or stage 0's samples); ``out``: the activation it sent on (None on the last stage);
     ``grad_out``: the gradient of its output it received (None on the last stage); ``grad_in``:
-    its input's gradient it sent back (None on stage 0); ``y``: the targets (last stage)."""
+    its input's gradient it sent back (None on stage 0); ``y``: the targets (last stage).
+    ``inbound``/``outbound``: the codes of the cuts before and after the stage (None: fp32, or no
+    such cut): ``x`` and ``grad_in`` are then in ``inbound``'s wire form, ``out`` and ``grad_out``
+    in ``outbound``'s."""
 
     x: Tensor
     out: Tensor | None = None
@@ -58,6 +73,8 @@ class StageEvidence:
     y: Tensor | None = None
     #: the last stage's loss weight: the micro-batch's share of the step's samples
     weight: float = 1.0
+    inbound: BoundaryCode | None = None
+    outbound: BoundaryCode | None = None
 
 
 @dataclass(frozen=True)
@@ -82,14 +99,33 @@ def stage_loss(spec: ModelSpec, loss: str) -> nn.Module:
     return nn.CrossEntropyLoss() if loss == "cross_entropy" else nn.MSELoss()
 
 
-def _distance(sent: Tensor, recomputed: Tensor) -> float:
-    if sent.shape != recomputed.shape or not bool(torch.isfinite(sent).all()):
+def _distance(sent: Tensor, recomputed: Tensor, code: BoundaryCode | None = None) -> float:
+    """||what was sent - recomputed|| / ||recomputed||; with ``code``, ``sent`` is its wire form
+    and the gap is ``code.distance`` (module docstring)."""
+    if code is not None:
+        diff = code.distance(sent, recomputed)
+    elif sent.shape != recomputed.shape or not bool(torch.isfinite(sent).all()):
         return math.inf
-    diff = float(torch.linalg.vector_norm((sent.double() - recomputed.double()).flatten()))
+    else:
+        diff = float(torch.linalg.vector_norm((sent.double() - recomputed.double()).flatten()))
+    if not math.isfinite(diff):
+        return math.inf
     scale = float(torch.linalg.vector_norm(recomputed.double().flatten()))
     if scale == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / scale
+
+
+def _received(evidence: StageEvidence) -> tuple[Tensor, Tensor | None]:
+    """The stage's input and its output's gradient as the stage had them: decoded from their
+    wire forms as the receiving stage decodes them (ProtocolError or RuntimeError for a form no
+    encoder makes)."""
+    x, grad_out = evidence.x, evidence.grad_out
+    if evidence.inbound is not None and evidence.grad_in is not None:  # not stage 0
+        x = evidence.inbound.decode(x)
+    if evidence.outbound is not None and grad_out is not None:
+        grad_out = evidence.outbound.decode(grad_out)
+    return x.clone(), grad_out
 
 
 def judge_stage(
@@ -112,7 +148,11 @@ def judge_stage(
         return StageVerdict(False, {"why": f"the stage's states do not load: {exc}"[:200]})
     module.train()
     first = evidence.grad_in is None
-    x = evidence.x.clone()
+    try:
+        x, grad_out = _received(evidence)
+    except (ProtocolError, RuntimeError) as exc:  # a wire form no encoder makes
+        why = f"a received tensor does not decode: {exc}"[:200]
+        return StageVerdict(False, {"threshold": tolerance, "why": why})
     if not first:
         x.requires_grad_(True)
     with torch.random.fork_rng(devices=[]), dropout_step(seed, step, part=micro_batch):
@@ -128,15 +168,15 @@ def judge_stage(
             return StageVerdict(
                 False, {**found, "why": "the stage's output or its gradient is missing"}
             )
-        found["forward_distance"] = _distance(evidence.out, out.detach())
-        root, grad = out, evidence.grad_out
+        found["forward_distance"] = _distance(evidence.out, out.detach(), evidence.outbound)
+        root, grad = out, grad_out
     if not first and evidence.grad_in is not None:
         if grad is not None and grad.shape != out.shape:
             found["backward_distance"] = math.inf
         else:
             torch.autograd.backward(root, grad)
             recomputed = x.grad if x.grad is not None else torch.zeros_like(x)
-            found["backward_distance"] = _distance(evidence.grad_in, recomputed)
+            found["backward_distance"] = _distance(evidence.grad_in, recomputed, evidence.inbound)
     distances = [v for k, v in found.items() if k.endswith("_distance")]
     ok = all(d <= tolerance for d in distances)
     shown = {k: (v if math.isfinite(v) else 1e300) for k, v in found.items()}

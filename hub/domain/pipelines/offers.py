@@ -101,7 +101,7 @@ def cut_model(spec: JobSpec) -> ModelCut | str:
             optimizer=spec.train.optimizer,
             momentum=spec.train.momentum,
         )
-        outputs = _outputs(units, spec.model.input_shape, spec.model.input_dtype)
+        outputs = unit_outputs(units, spec.model.input_shape, spec.model.input_dtype)
     except SpecError as exc:
         return f"the model cannot be cut into pipeline stages: {exc}"
     return ModelCut(
@@ -113,7 +113,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _outputs(
+def unit_outputs(
     units: Units, input_shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[tuple[tuple[int, ...], str], ...]:
     """Each unit's output for one sample (its shape without the batch, its dtype), run on the

@@ -18,6 +18,12 @@ stage's node ``stage_mismatch`` with the evidence (stage, step, micro-batch, dis
 threshold), which suspends it (hub/policy/suspension.py); the pipeline then loses the stage and
 re-plans without the node.
 
+With an encoded boundary (``[pipeline] boundary`` other than fp32) the relay carries, and the
+pick keeps, each tensor's wire form: the referee decodes what the stage received as the stage
+did and measures what it sent against its own recomputation under the same code (each cut's, as
+the node builds it: the job's seed, the cut's index within the pipeline), within the same
+tolerance (hub/policy/stage_check.py says how, docs/pipeline.md what that can and cannot see).
+
 What is not checked: tensors that travel directly between stages (``--stage-listen``) never pass
 the relay, so a pick whose tensors do not all come through it stays incomplete and is dropped
 when its generation ends (``unobserved``); tied parameters' gradient sums and the optimizer step
@@ -36,10 +42,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.messages import RelayHeader
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.pipeline import cut_state, micro_batch_slices, pipeline_units, step_samples
-from gpuflex.protocol.tensors import decode_state
+from gpuflex.protocol.pipeline import (
+    Units,
+    cut_state,
+    micro_batch_slices,
+    pipeline_units,
+    step_samples,
+)
+from gpuflex.protocol.tensors import TensorSpec, decode_state
 from torch import Tensor
 
 from ...model.job import JobState
@@ -57,6 +70,7 @@ from ...policy.verification import Flag
 from ...storage.blobs import BlobStore
 from ...storage.store import Store
 from ..scheduler import Scheduler
+from .offers import unit_outputs
 
 log = logging.getLogger("gpuflex.hub.pipelines.verify")
 
@@ -155,8 +169,8 @@ class StageChecks:
         """Generation ``g`` goes live: draw its picks. ``first``: the units' states at its first
         step (empty at step 0: the job's model)."""
         spec = job.spec.pipeline
-        if spec is None or spec.verify_rate <= 0 or spec.boundary != "fp32":
-            return  # an encoded boundary's tensors are not what the stage computed: not checked
+        if spec is None or spec.verify_rate <= 0:
+            return
         for step in verifiable_steps(g, spec.checkpoint_every):
             for s, slot in enumerate(g.stages):
                 if self._draw(job.id, g.number, s, step) >= spec.verify_rate:
@@ -259,6 +273,7 @@ class StageChecks:
             "micro_batch": pick.micro_batch,
             "units": list(pick.units),
             "precision": job.spec.train.train_config().precision,
+            "boundary": job.spec.pipeline.boundary if job.spec.pipeline else "fp32",
             **verdict.evidence,
         }
         checked = f"{pick.job_id}/g{pick.generation}/stage{pick.stage}/step{pick.step}/mb{pick.micro_batch}"
@@ -274,7 +289,8 @@ class StageChecks:
     def _judge(self, job: JobState, pick: Pick) -> StageVerdict:
         """Blocking (a worker thread): rebuild the stage from its durable states and compare."""
         spec: ModelSpec = job.spec.model
-        units = pipeline_units(spec).units[pick.units[0] : pick.units[1]]
+        every = pipeline_units(spec)
+        units = every.units[pick.units[0] : pick.units[1]]
         states: list[dict[str, Tensor]] = []
         model: dict[str, Tensor] | None = None
         for index, unit in enumerate(units, start=pick.units[0]):
@@ -289,6 +305,7 @@ class StageChecks:
                 states.append({k: v for k, v in blob.items() if not k.startswith("optim.")})
         kept = {role: decode_state(body)[role_name(role)] for role, body in pick.kept.items()}
         x, y, weight = self._data(job, pick)
+        inbound, outbound = self._codes(job, pick, every, kept)
         evidence = StageEvidence(
             x=kept.get("x", x),
             out=kept.get("out"),
@@ -296,6 +313,8 @@ class StageChecks:
             grad_in=kept.get("grad_in"),
             y=y,
             weight=weight,
+            inbound=inbound,
+            outbound=outbound,
         )
         train = job.spec.train
         tolerance = stage_tolerance(
@@ -314,6 +333,35 @@ class StageChecks:
             tolerance=tolerance,
             loss_fn=stage_loss(spec, train.loss) if last else None,
         )
+
+    @staticmethod
+    def _codes(
+        job: JobState, pick: Pick, units: Units, kept: Mapping[str, Tensor]
+    ) -> tuple[BoundaryCode | None, BoundaryCode | None]:
+        """The codes of the cuts before and after the pick's stage, as its node builds them
+        (node/pipeline/worker.py): the job's boundary over the raw tensor crossing each cut
+        (the unit's output before it, one micro-batch: the kept wire's leading dimensions), the
+        job's seed, the cut's index within the pipeline. None for fp32, or where no cut is."""
+        pipeline = job.spec.pipeline
+        if pipeline is None or pipeline.boundary == "fp32":
+            return None, None
+        spec = job.spec.model
+        outputs = unit_outputs(units, spec.input_shape, spec.input_dtype)
+
+        def code(cut: int, unit: int, wire: Tensor) -> BoundaryCode:
+            shape, dtype = outputs[unit]
+            raw = TensorSpec("activation", dtype, (int(wire.shape[0]), *shape))
+            return BoundaryCode(
+                pipeline.boundary,
+                pipeline.boundary_rank,
+                raw=raw,
+                seed=job.spec.train.seed,
+                cut=cut,
+            )
+
+        before = code(pick.local - 1, pick.units[0] - 1, kept["x"]) if "x" in kept else None
+        after = code(pick.local, pick.units[1] - 1, kept["out"]) if "out" in kept else None
+        return before, after
 
     def _data(self, job: JobState, pick: Pick) -> tuple[Tensor, Tensor | None, float]:
         """Stage 0's samples and the last stage's targets of the pick's micro-batch, from the
