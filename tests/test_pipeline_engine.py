@@ -155,22 +155,15 @@ def test_dropout_in_a_pipeline_draws_what_one_process_draws(schedule: str) -> No
     assert max_rel_diff([r.module for r in other], reference) > 1e-3, "other seed, other masks"
 
 
-@pytest.mark.parametrize(
-    ("lanes", "starts", "schedule"), [(2, [0, 3], "1f1b"), (4, [0, 2, 4, 6], "gpipe")]
-)
-def test_pipelines_sharing_a_step_equal_gradient_accumulation(
-    lanes: int, starts: list[int], schedule: str
-) -> None:
-    """Hybrid parallelism: ``lanes`` pipelines each train their share of a step's micro-batches
-    and sum their stages' gradients before the optimizer steps: one process accumulating every
-    micro-batch of the step gets the same parameters, dropout included (keyed by the micro-batch's
-    place in the whole step), and every pipeline holds the same parameters, bit for bit."""
+def _dropout_reference(steps: int) -> tuple[list[nn.Module], nn.Module, list, list[float]]:
+    """The MLP with keyed dropout (seed 3), ``steps`` steps of data, and one process accumulating
+    every micro-batch of each step: (units, the trained reference, the data, each step's loss)."""
     from gpuflex.protocol.dropout import KeyedDropout, dropout_step
 
     units = mlp_units()
     units[2:2] = [KeyedDropout(0.2, slot=2)]
     reference = nn.Sequential(*copy.deepcopy(units))
-    data = step_data(steps=6)
+    data = step_data(steps=steps)
     opt = make_optimizer(list(reference.parameters()), ADAM)
     want = []
     for step, (xs, ys) in enumerate(data):
@@ -182,6 +175,20 @@ def test_pipelines_sharing_a_step_equal_gradient_accumulation(
             loss.backward()
             want[-1] += float(loss.detach())
         opt.step()
+    return units, reference, data, want
+
+
+@pytest.mark.parametrize(
+    ("lanes", "starts", "schedule"), [(2, [0, 3], "1f1b"), (4, [0, 2, 4, 6], "gpipe")]
+)
+def test_pipelines_sharing_a_step_equal_gradient_accumulation(
+    lanes: int, starts: list[int], schedule: str
+) -> None:
+    """Hybrid parallelism: ``lanes`` pipelines each train their share of a step's micro-batches
+    and sum their stages' gradients before the optimizer steps: one process accumulating every
+    micro-batch of the step gets the same parameters, dropout included (keyed by the micro-batch's
+    place in the whole step), and every pipeline holds the same parameters, bit for bit."""
+    units, reference, data, want = _dropout_reference(steps=6)
     network = MemoryNetwork()
     runners = [
         r
@@ -201,23 +208,7 @@ def test_pipelines_sharing_a_step_equal_gradient_accumulation(
 def test_pipelines_running_different_shares_of_a_step_equal_gradient_accumulation() -> None:
     """A faster pipeline runs more of the step's micro-batches (3 and 1 of 4): the same result
     as one process accumulating all 4, dropout keyed by each micro-batch's place in the step."""
-    from gpuflex.protocol.dropout import KeyedDropout, dropout_step
-
-    units = mlp_units()
-    units[2:2] = [KeyedDropout(0.2, slot=2)]
-    reference = nn.Sequential(*copy.deepcopy(units))
-    data = step_data(steps=5)
-    opt = make_optimizer(list(reference.parameters()), ADAM)
-    want = []
-    for step, (xs, ys) in enumerate(data):
-        opt.zero_grad()
-        want.append(0.0)
-        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            with dropout_step(3, step, part=i):
-                loss = nn.CrossEntropyLoss()(reference(x), y) * (y.shape[0] / (BATCH * MICRO))
-            loss.backward()
-            want[-1] += float(loss.detach())
-        opt.step()
+    units, reference, data, want = _dropout_reference(steps=5)
     network = MemoryNetwork()
     runners = []
     for lane, first in ((0, 0), (1, 3)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from gpuflex.hub.domain.pipelines.planning import bytes_moved, choose_pipeline, faster_with
@@ -117,6 +118,17 @@ def test_a_node_that_joins_without_making_the_step_faster_changes_nothing() -> N
         assert got is None, newcomer
 
 
+def _generation_of(plan: Any) -> Generation:
+    """The generation the hub makes of ``plan`` (one pipeline, or pipelines sharing the steps)."""
+    from gpuflex.hub.domain.pipelines.generations import new_generation
+    from gpuflex.hub.model.pipeline import PipelineState
+
+    class Job:
+        id = "j-1"
+
+    return new_generation(Job(), PipelineState("j-1", 8, 100), plan, reason="r", now=0.0)  # type: ignore[arg-type]
+
+
 def test_nodes_that_join_a_job_asking_for_two_pipelines_make_the_second_one() -> None:
     """A job asking ``pipelines = 2`` runs one pipeline on the 4 nodes it had; 4 more join: the
     re-plan runs two pipelines, the first on the live nodes with the units they hold (nothing of
@@ -145,23 +157,8 @@ def test_nodes_that_join_a_job_asking_for_two_pipelines_make_the_second_one() ->
     assert {s.node_id for s in second.stages} == {o.node_id for o in new}
     assert [s.end_unit for s in first.stages] == [s.end_unit for s in second.stages]
     assert first.micro_batches == second.micro_batches == 2
-    two = dataclasses.replace(
-        g,
-        stages=tuple(
-            dataclasses.replace(
-                g.stages[0], node_id=s.node_id, unit_start=s.first_unit, unit_end=s.end_unit
-            )
-            for p in got.pipelines
-            for s in p.stages
-        ),
-        lanes=2,
-    )
-    assert lane_zero(two).stages == tuple(
-        dataclasses.replace(
-            g.stages[0], node_id=s.node_id, unit_start=s.first_unit, unit_end=s.end_unit
-        )
-        for s in first.stages
-    )
+    two = _generation_of(got)
+    assert lane_zero(two).stages == _generation_of(first).stages
     again = faster_with(
         _costs(), [*live_nodes, *new], spec, batch_size=32, live=two, joining=[], gain=0.2
     )
@@ -176,7 +173,6 @@ def test_nodes_that_join_a_job_asking_for_two_pipelines_make_the_second_one() ->
 def test_a_job_asking_for_two_pipelines_keeps_two_after_a_loss_when_a_spare_is_online() -> None:
     """Two pipelines of 2 stages; a node of the first is lost and a spare is idle: the re-plan
     runs two pipelines again, and the survivors of the first keep their units."""
-    import dataclasses
 
     from gpuflex.hub.domain.pipelines.planning import Lanes, lane_zero
 
@@ -184,18 +180,7 @@ def test_a_job_asking_for_two_pipelines_keeps_two_after_a_loss_when_a_spare_is_o
     offers = [_offer(n) for n in ("gf1-a", "gf1-b", "gf1-c", "gf1-d")]
     first = choose_pipeline(_costs(4), offers, spec, batch_size=32)
     assert isinstance(first, Lanes)
-    g, _ = _live(offers[:2], (2, 4))
-    g = dataclasses.replace(
-        g,
-        stages=tuple(
-            dataclasses.replace(
-                g.stages[0], node_id=s.node_id, unit_start=s.first_unit, unit_end=s.end_unit
-            )
-            for p in first.pipelines
-            for s in p.stages
-        ),
-        lanes=2,
-    )
+    g = _generation_of(first)
     lost = g.stages[1].node_id
     left = [o for o in offers if o.node_id != lost] + [_offer("gf1-spare")]
     again = choose_pipeline(_costs(4), left, spec, batch_size=32, previous=g)
