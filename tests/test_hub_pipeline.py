@@ -87,6 +87,23 @@ def final_model(hub: HubThread, doc: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def _trains_like_one_process(hub: HubThread, keys, got, job_id: str, *, steps: int) -> dict:
+    """Drive every stage of ``got`` to the job's end; the job's final model equals one process
+    accumulating the same micro-batches (<= 1e-5). The finished job's status."""
+    start = model_of(hub, keys[0], got[0])
+    first = next(i for i, sa in enumerate(got) if sa.stage == 0)
+    x, y = job_data(hub.url, keys[first], got[first])
+    runs = drive_all(hub, keys, got)
+    assert all(r.error is None for r in runs), [r.error for r in runs]
+    doc = wait_state(hub, job_id, "done")
+    want = reference(got[0].model_spec, start, got[0], x, y, steps)
+    assert (
+        max_rel_diff(final_model(hub, doc), {k: v.detach() for k, v in want.state_dict().items()})
+        <= 1e-5
+    )
+    return doc
+
+
 @pytest.fixture
 def hub(tmp_path, request):
     h = HubThread(tmp_path / "hub", stage_timeout_s=getattr(request, "param", 10.0))
@@ -141,17 +158,7 @@ def test_a_two_stage_pipeline_equals_one_process_and_its_model_is_the_jobs(hub, 
         doc["pipeline"]["generation"]["number"] == 1
         and len(doc["pipeline"]["generation"]["stages"]) == 2
     )
-    start = model_of(hub, keys[0], got[0])
-    first = next(i for i, sa in enumerate(got) if sa.stage == 0)
-    x, y = job_data(hub.url, keys[first], got[first])
-    runs = drive_all(hub, keys, got)
-    assert all(r.error is None for r in runs), [r.error for r in runs]
-    doc = wait_state(hub, job["id"], "done")
-    want = reference(got[0].model_spec, start, got[0], x, y, 6)
-    assert (
-        max_rel_diff(final_model(hub, doc), {k: v.detach() for k, v in want.state_dict().items()})
-        <= 1e-5
-    )
+    doc = _trains_like_one_process(hub, keys, got, job["id"], steps=6)
     p = doc["pipeline"]
     assert p["committed_step"] == 6 and p["steps"] == 6
     assert [r["generation"] for r in p["generations"]] == [1] and p["generations"][0][
@@ -193,17 +200,7 @@ def test_two_pipelines_share_each_step_and_train_what_one_process_does(
         "stage 2 is in pipeline 1 of 2: every pipeline holds the same state, and pipeline 0"
         " checkpoints it",
     )
-    start = model_of(hub, keys[0], got[0])
-    first = next(i for i, sa in enumerate(got) if sa.stage == 0)
-    x, y = job_data(hub.url, keys[first], got[first])
-    runs = drive_all(hub, keys, got)
-    assert all(r.error is None for r in runs), [r.error for r in runs]
-    doc = wait_state(hub, job["id"], "done")
-    want = reference(got[0].model_spec, start, got[0], x, y, 6)
-    assert (
-        max_rel_diff(final_model(hub, doc), {k: v.detach() for k, v in want.state_dict().items()})
-        <= 1e-5
-    )
+    doc = _trains_like_one_process(hub, keys, got, job["id"], steps=6)
     (past,) = doc["pipeline"]["generations"]
     assert (past["pipelines"], past["stages"]) == (2, 2) and past["loss"] > 0
     out = cli_status(hub, job["id"], monkeypatch, capsys)
