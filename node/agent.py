@@ -14,6 +14,7 @@ The concerns around the loop live in their own modules, none of which imports th
     transfers.py     downloads checked by sha256, the upload with retries and re-signing
     control.py       the local control endpoint (status, pause, resume)
     gpuyield.py      pausing while another process uses the GPU
+    computeshare.py  --compute-share: resting after each piece of training; the speed offered
     datadir.py       the data dir's lock (one node per folder)
     silos.py         node-local data: a chunk that is one of this node's silos is read from its disk
     totals.py        the counters and their file
@@ -67,6 +68,7 @@ from .assignment_run import AssignmentRun, Current
 from .cache import BlobCache
 from .checkpoints import CheckpointStore
 from .client import Backoff, HubClient, json_error_detail
+from .computeshare import ComputeShare, check_share, offered
 from .control import ControlServer
 from .datadir import DataDirLock
 from .device import apply_limits, compute_class, offered_memory, select_device, set_onednn
@@ -146,6 +148,8 @@ class NodeConfig:
     devices: str | None = None
     offload: str | None = None  # --offload optimizer: the optimizer state in host memory
     worker_restarts: int = 1  # fresh workers for an assignment whose worker process died, then hand it back
+    #: --compute-share: the share of its wall time the node computes (node/computeshare.py)
+    compute_share: float = 1.0
 
 
 class NodeAgent:
@@ -167,6 +171,7 @@ class NodeAgent:
         # One node per data dir, taken before the key or the cache is touched; run() frees it.
         self.lock = DataDirLock(config.data_dir).acquire()
         try:
+            self.compute_share = check_share(config.compute_share)
             self.device = select_device(config.device) if config.devices is None else torch.device("cpu")
             apply_limits(self.device, threads=config.threads, max_gpu_memory_gb=config.max_gpu_memory_gb)
             self.workers: WorkerGroup | None = None  # the node's devices, when it trains on several
@@ -174,7 +179,8 @@ class NodeAgent:
                 self.device, self.workers = worker_group(
                     config.devices, offload=config.offload, work_dir=config.data_dir / "devices",
                     max_memory_bytes=config.max_memory_bytes, threads=torch.get_num_threads(),
-                    restarts=config.worker_restarts, on_event=self.output.event)
+                    restarts=config.worker_restarts, compute_share=config.compute_share,
+                    on_event=self.output.event)
             self.key = key or load_or_create_key(config.data_dir)
             set_onednn(config.onednn)
             self.compute: ComputeClass = compute_class(self.device, precisions=config.precisions)
@@ -246,10 +252,12 @@ class NodeAgent:
                 if cur is not None:
                     cur.stop_reason = str(exc)[:200]
                 raise
+        pace = ComputeShare(self.compute_share, self.device)
         if not assignment.train.commit:  # the job never asks the referee: no checkpoint to pay for
             return train_assignment(
                 spec, global_state, chunks, assignment.train, assignment.seed,
                 device=self.device, progress=progress, should_stop=self.stop_training.is_set, on_loss=on_loss,
+                pace=pace,
             )
         n = sum(int(c["x"].shape[0]) for c in chunks)
         recorder = self.checkpoints.recorder(assignment, n, feedback=cur.residual if cur is not None else None)
@@ -257,7 +265,7 @@ class NodeAgent:
             result = train_assignment(
                 spec, global_state, chunks, assignment.train, assignment.seed,
                 device=self.device, progress=progress, should_stop=self.stop_training.is_set,
-                on_step=recorder, on_loss=on_loss,
+                on_step=recorder, on_loss=on_loss, pace=pace,
             )
         except BaseException:
             recorder.abandon()
@@ -338,6 +346,7 @@ class NodeAgent:
             "assignment": assignment,
             "stage": _stage_status(self.stage_in_hand),
             "samples_per_s": round(self.last_samples_per_s, 2),
+            "compute_share": self.compute_share,
             "cache_bytes": self.cache.size_bytes(),
             "cache_cap_bytes": self.cache.max_bytes,
             "totals": self.totals.as_dict(),
@@ -406,6 +415,7 @@ class NodeAgent:
             await asyncio.to_thread(self.silos.prune)
         benchmark = self.config.benchmark or await asyncio.to_thread(
             _registration_benchmark, self.config, self.device, self.output, self.workers)
+        benchmark = offered(benchmark, self.compute_share)  # the node as it will run
         local = (self.config.source_address, 0) if self.config.source_address else None
         connector = aiohttp.TCPConnector(limit=8, local_addr=local)
 

@@ -103,6 +103,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--precisions", metavar="LIST",
                      help="comma-separated precisions to offer, a subset of what the device trains "
                           "(fp32, tf32, bf16, fp16; default: all it supports)")
+    run.add_argument("--compute-share", type=float, default=1.0, metavar="F",
+                     help="compute at most this share of the time (0.05 to 1, default 1): after each piece of "
+                          "training the node rests, and it offers the hub its speed times F")
     run.add_argument("--yield-gpu", action=argparse.BooleanOptionalAction, default=True,
                      help="pause while another process uses the GPU (needs nvidia-ml-py; default on)")
     run.add_argument("--once", action="store_true", help="exit after one assignment")
@@ -172,6 +175,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
     output = Output(json_lines=True if args.json else None)
     with output.status("loading torch…"):
         from .agent import NodeAgent, NodeConfig
+        from .computeshare import check_share
     if not 0 < args.poll_wait <= 60:
         raise NodeError("--poll-wait must be in (0, 60] seconds")
     if args.max_cache_gb <= 0:
@@ -194,7 +198,7 @@ def _cmd_run(args: argparse.Namespace, agent_cls: type[NodeAgent] | None = None)
         onednn=args.onednn == "on", precisions=precisions,
         enroll_token=args.enroll_token or os.environ.get("GPUFLEX_ENROLL_TOKEN", ""),
         source_address=args.source_address, max_memory_bytes=max_memory, stage_address=stage_address,
-        devices=args.devices, offload=args.offload,
+        devices=args.devices, offload=args.offload, compute_share=check_share(args.compute_share),
     )
     agent = (agent_cls or NodeAgent)(config, output=output)
     code = asyncio.run(agent.run())

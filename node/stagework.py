@@ -260,6 +260,7 @@ class StageHost(Protocol):
     pause_state: PauseState
     seen_stages: set[tuple[str, int, int]]
     stage_in_hand: StageAssignment | None
+    compute_share: float
 
     def _client(self) -> HubClient: ...
 
@@ -318,6 +319,7 @@ async def run_stage(host: StageHost, a: StageAssignment, *, should_stop: Any) ->
         device=host.device,
         should_stop=should_stop,
         clock=client.now,
+        compute_share=host.compute_share,
     )
     try:
         outcome = await asyncio.to_thread(worker.run)

@@ -40,6 +40,7 @@ from gpuflex.protocol.transformer import NextTokenLoss
 from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
+from .computeshare import ComputeShare
 from .errors import TrainError, TrainingStopped
 from .optim import SGD, Adam, LocalOptimizer, clip_grad_norm
 
@@ -157,17 +158,18 @@ def train_assignment(
     should_stop: Callable[[], bool] | None = None,
     on_step: Callable[[int, nn.Module, LocalOptimizer, LossScaler | None], None] | None = None,
     on_loss: Callable[[int, float], None] | None = None,
+    pace: ComputeShare | None = None,
 ) -> TrainResult:
-    """Train ``cfg.local_epochs`` epochs on the concatenated chunks (or exactly
-    ``cfg.local_steps`` steps through the same per-epoch permutations when it is set,
-    protocol/workload.py); return the delta.
+    """Train ``cfg.local_epochs`` epochs on the concatenated chunks (or exactly ``cfg.local_steps``
+    steps through the same per-epoch permutations when it is set, protocol/workload.py); the delta.
 
     Raises TrainError when the data or the state does not fit the spec, TrainingStopped
     when ``should_stop()`` turns true (checked between batches). ``on_step(step, model,
     optimizer, scaler)`` (the fp16 loss scaler, else None), before the first step (0) and after
     each one, is the checkpoint commitments' hook (node/checkpoints.py); ``on_loss(step, loss)``,
     at each progress report, the heartbeats' proof of progress (protocol.messages.progress_digest).
-    ``cfg.precision``: what the forward pass runs in (autocast over fp32 master weights)."""
+    ``cfg.precision``: what the forward pass runs in (autocast over fp32 master weights); ``pace``:
+    the node's compute share, rested for after each step (node/computeshare.py)."""
     if cfg.local_epochs < 1 or cfg.batch_size < 1:
         raise TrainError("local_epochs and batch_size must be >= 1")
     loss_fn = loss_for(spec, cfg)
@@ -187,13 +189,12 @@ def train_assignment(
     x, y = x_cpu.to(device), y_cpu.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    stop = should_stop if should_stop is not None else (lambda: False)
+    stop, computing = should_stop or (lambda: False), pace.computing if pace else contextlib.nullcontext
     scaler = LossScaler(device) if precision == "fp16" else None
 
     batch_step = _Step(model, loss_fn, optimizer, params, device.type, autocast_dtype, scaler, float(cfg.grad_clip))
     fork_devices = [device] if device.type == "cuda" else []
-    started = time.perf_counter()
-    step = 0
+    started, step = time.perf_counter(), 0
     acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     loss_sum = torch.zeros((), dtype=acc_dtype, device=device)
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
@@ -205,7 +206,7 @@ def train_assignment(
             if stop():
                 raise TrainingStopped("training stopped between batches")
             # x: (batch, *input_shape); y: (batch,) or (batch, outputs)
-            with dropout_step(seed, step):  # the referee replays step ``step`` with the same masks
+            with computing(), dropout_step(seed, step):  # the referee replays step ``step``'s masks
                 loss = batch_step(x.index_select(0, idx), y.index_select(0, idx))
             if last_epoch:
                 loss_sum += loss.detach().float() * idx.shape[0]

@@ -58,6 +58,7 @@ class WorkerJob:
     threads: int = 1  # torch threads per CPU worker
     commit: CommitSettings | None = None
     timeout_s: float = 600.0  # a collective that waits longer fails
+    compute_share: float = 1.0  # the node's --compute-share: rest after each step
 
     @property
     def world(self) -> int:

@@ -87,6 +87,7 @@ class WorkerGroup:
     engine: str = "auto"  # auto (from the model's size), or ddp / fsdp
     on_event: Callable[..., None] | None = None
     timeout_s: float = 600.0
+    compute_share: float = 1.0  # --compute-share: every worker rests after each step (node/computeshare.py)
     #: the most training state (bytes) a worker held on its device in the last assignment
     held_bytes: int = 0
 
@@ -117,7 +118,7 @@ class WorkerGroup:
             job = WorkerJob(spec=spec.to_dict(), train=_fields(cfg), seed=seed, engine=engine,
                             devices=self.plan.names(), store_port=0, offload=self.plan.offload,
                             threads=max(1, self.threads // self.plan.workers), commit=commit,
-                            timeout_s=self.timeout_s)
+                            timeout_s=self.timeout_s, compute_share=self.compute_share)
             watch = _Watch(total, progress, should_stop or (lambda: False), on_loss)
             for attempt in range(self.restarts + 1):
                 try:
@@ -183,7 +184,7 @@ class WorkerGroup:
 
 
 def worker_group(devices: str, *, offload: str | None, work_dir: Path, max_memory_bytes: int | None,
-                 threads: int, restarts: int = 1,
+                 threads: int, restarts: int = 1, compute_share: float = 1.0,
                  on_event: Callable[..., None] | None = None) -> tuple[torch.device, WorkerGroup | None]:
     """The node's first device and, when it trains on more than one (or offloads), its worker
     group; ConfigError, one line, for devices this machine lacks or an offload without room."""
@@ -192,7 +193,7 @@ def worker_group(devices: str, *, offload: str | None, work_dir: Path, max_memor
         return plan.devices[0], None
     check_offload(plan, device_budget(plan, max_memory_bytes))
     group = WorkerGroup(plan, work_dir, max_memory_bytes=max_memory_bytes, threads=threads, restarts=restarts,
-                        on_event=on_event)
+                        on_event=on_event, compute_share=compute_share)
     return plan.devices[0], group
 
 

@@ -35,6 +35,7 @@ from gpuflex.protocol.workload import assignment_steps
 from torch import Tensor, nn
 
 from ..checkpoints import CheckpointRecorder, CheckpointStore
+from ..computeshare import ComputeShare
 from ..errors import NodeError
 from ..trainer import AUTOCAST_DTYPES, _batches, _load_model, loss_for, prepare_device
 from .job import DATA, DELTA, FEEDBACK, STATE, WorkerJob, read_tensors, write_result, write_tensors
@@ -151,8 +152,10 @@ def train(folder: Path, rank: int) -> None:
     loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
     last_seen = step = 0
     held = torch.zeros(1, dtype=torch.int64)
+    pace = ComputeShare(job.compute_share, w.device)
     for idx, last_epoch in _batches(n, bs, epochs, total, job.seed, w.device):
-        summed = w.step(x, y, idx, step)
+        with pace.computing():
+            summed = w.step(x, y, idx, step)
         step += 1
         if step == 1:  # the state is whole now (gradients held, optimizer state made): its size
             held = torch.tensor([w.optimizer.held_bytes()], dtype=torch.int64, device=w.device)

@@ -19,9 +19,11 @@ transport has checked the encoded form.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,7 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
+from ..computeshare import ComputeShare
 from ..errors import PipelineError
 from ..optim import LocalOptimizer
 from .schedule import stage_actions
@@ -119,6 +122,9 @@ class StageRunner:
     #: this pipeline's first micro-batch of the step when pipelines run different counts
     #: (None: ``lane * micro_batches``)
     first_micro_batch: int | None = None
+    #: the node's ``--compute-share``: each forward, backward and optimizer step is followed by
+    #: its rest (None or a share of 1: none)
+    pace: ComputeShare | None = None
     _first: int = field(default=0, repr=False)  # this lane's first micro-batch of the step
     _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
 
@@ -178,7 +184,8 @@ class StageRunner:
                 self._backward(step, i)
         self._sum_tied(step)
         self._sum_lanes(step)
-        self.optimizer.step()
+        with self._computing():
+            self.optimizer.step()
         return loss_sum if last else None
 
     def receives(self, step: int, micro_batches: int) -> list[MessageKey]:
@@ -206,6 +213,10 @@ class StageRunner:
                     for u in range(len(self._lane_units()))
                 ]
         return keys
+
+    def _computing(self) -> AbstractContextManager[None]:
+        """A piece of this stage's compute, rested for under the node's compute share."""
+        return contextlib.nullcontext() if self.pace is None else self.pace.computing()
 
     def _device(self) -> torch.device:
         first = next(self.module.parameters(), None)
@@ -259,11 +270,11 @@ class StageRunner:
             key = self._from(step, self._first + i, "activation", self.stage - 1)
             received = self._receive(key, self.inbound, self.inbound_code)
             x_in: Tensor | None = received.requires_grad_(True)
-            with dropout_step(self.seed, step, part=self._first + i):
+            with self._computing(), dropout_step(self.seed, step, part=self._first + i):
                 out = self.module(x_in)
         else:
             x_in = None  # stage 0's inputs need no gradient
-            with dropout_step(self.seed, step, part=self._first + i):
+            with self._computing(), dropout_step(self.seed, step, part=self._first + i):
                 out = self.module(x)
         if y is None:
             key = self._key(step, self._first + i, "activation", self.stage + 1)
@@ -273,18 +284,21 @@ class StageRunner:
         if self.loss_fn is None:
             raise PipelineError("the last stage needs its loss")
         # (micro-batch's mean loss) x (its share of the step's samples): the step's mean, summed
-        loss = self.loss_fn(out, y) * (int(y.shape[0]) / samples)
+        with self._computing():
+            loss = self.loss_fn(out, y) * (int(y.shape[0]) / samples)
         self._held[i] = (x_in, loss)
         return loss
 
     def _backward(self, step: int, i: int) -> None:
         x_in, out = self._held.pop(i)
         if self.outbound is None:  # the last stage: ``out`` is the weighted loss
-            out.backward()
+            with self._computing():
+                out.backward()
         else:
             key = self._from(step, self._first + i, "gradient", self.stage + 1)
             grad = self._receive(key, self.outbound, self.outbound_code)
-            torch.autograd.backward(out, grad.to(out.device))
+            with self._computing():
+                torch.autograd.backward(out, grad.to(out.device))
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")

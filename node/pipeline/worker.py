@@ -51,6 +51,7 @@ from gpuflex.protocol.signing import new_nonce
 from gpuflex.protocol.tensors import Buffer, TensorSpec, decode_state, encode_state, sha256_hex
 from torch import Tensor, nn
 
+from ..computeshare import ComputeShare
 from ..errors import NodeError, PipelineError, StaleGeneration
 from ..trainer import loss_for, make_optimizer, prepare_device, stack_chunks
 from .stage import StageRunner, boundary_specs
@@ -147,7 +148,8 @@ class StageWorker:
     ``should_stop``: polled before each step (the node pausing or exiting); ``clock``: the hub's
     time, for the messages' timestamps; ``peer_timeout_s``: how long a neighbour's tensor may
     take, ``start_timeout_s`` in the first step (the other stages may still be downloading their
-    state); ``on_step(steps_done, loss)`` after each step (loss on the last stage only)."""
+    state); ``on_step(steps_done, loss)`` after each step (loss on the last stage only);
+    ``compute_share``: the node's ``--compute-share`` (node/computeshare.py)."""
 
     def __init__(
         self,
@@ -161,11 +163,13 @@ class StageWorker:
         peer_timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
         on_step: Callable[[int, float | None], None] | None = None,
+        compute_share: float = 1.0,
     ) -> None:
         self.a = assignment
         self.hub = hub
         self.transport = _TimedTransport(transport)
         self.device = device or torch.device("cpu")
+        self.pace = ComputeShare(compute_share, self.device)
         self.should_stop = should_stop or (lambda: False)
         self.clock = clock
         self.peer_timeout_s = peer_timeout_s
@@ -351,6 +355,7 @@ class StageWorker:
             lanes=a.lanes,
             batch_samples=a.batch_size,
             first_micro_batch=sum(self.counts[: self.place.lane]),
+            pace=None if self.pace.full else self.pace,
         )
         if self.first or self.last:
             self._read_data(spec)
