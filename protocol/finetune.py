@@ -14,8 +14,8 @@ dotted name, a pattern with * or ? matched against the whole name), ``frozen_pre
 ("int8" or "fp32"). The LoRA keys are refused without ``finetune = "lora"``.
 
 Refused with LoRA: secure aggregation (its masked sum runs over the node's whole model manifest,
-which a LoRA update is not; not in this release), and ``[pipeline]`` (a LoRA job trains on one
-node). Pure data: torch is imported only where the targets are checked against the model.
+which a LoRA update is not; not in this release). A LoRA job may be pipelined: each stage holds
+its units' frozen weights (int8 when asked) and trains their adapters. Pure data: torch is imported only where the targets are checked against the model.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def with_lora(model: ModelSpec, config: LoraConfig, *, where: str) -> ModelSpec:
     return spec
 
 
-def check_finetune(model: ModelSpec, *, secure_aggregation: bool, pipelined: bool) -> None:
+def check_finetune(model: ModelSpec, *, secure_aggregation: bool) -> None:
     """What a LoRA job cannot be combined with, in one line."""
     if model.lora is None:
         return
@@ -161,8 +161,6 @@ def check_finetune(model: ModelSpec, *, secure_aggregation: bool, pipelined: boo
             'train.finetune: "lora" with [privacy] secure_aggregation is not supported in this '
             "release (the masked sum covers the whole model, a LoRA update only its adapters)"
         )
-    if pipelined:
-        raise SpecError('train.finetune: a "lora" job trains on one node; remove [pipeline]')
 
 
 __all__ = [

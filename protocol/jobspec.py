@@ -727,7 +727,7 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
             # the routers' balancing loss rides on the logits of a whole model's forward
             raise SpecError("pipeline: a mixture-of-experts model (model.experts > 0) trains on one "
                             "node; remove [pipeline]")
-    check_finetune(model, secure_aggregation=privacy.secure_aggregation, pipelined=pipeline is not None)
+    check_finetune(model, secure_aggregation=privacy.secure_aggregation)
     for section in sections.values():
         section.finish()
     if communication.tolerance:

@@ -48,8 +48,9 @@ __all__ = [
     "step_samples",
 ]
 
-#: layers that start a unit of a stack: the ones with weights
-WEIGHTED: Final = ("Linear", "Conv1d", "Conv2d", "Embedding")
+#: layers that start a unit of a stack: the ones with weights (a LoRA job's Linear layers are
+#: LoraLinear: protocol/lora.py)
+WEIGHTED: Final = ("Linear", "LoraLinear", "Conv1d", "Conv2d", "Embedding")
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,8 @@ def unit_state_blob(unit_module: nn.Module, optimizer: Any, params: list[torch.T
         held = getattr(optimizer, attr, None)
         if held is not None:
             for name, p in unit_module.named_parameters():
-                state[f"optim.{slot}.{name}"] = held[index[id(p)]].detach().clone()
+                if id(p) in index:  # a trainable one (a LoRA job's frozen weights hold no state)
+                    state[f"optim.{slot}.{name}"] = held[index[id(p)]].detach().clone()
     if getattr(optimizer, "exp_avg", None) is not None:
         state["optim.step"] = torch.tensor([optimizer.t], dtype=torch.int64)
     return encode_state(state)
@@ -359,7 +360,7 @@ def load_stage(
             own = cut_state(unit, model)
         modules.append(load_unit(unit, own))
     stage = nn.Sequential(*modules)
-    params = list(stage.parameters())
+    params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, sa.train)
     if optim_state:  # the optimizer's state, in the order of the parameters
         first = optim_state[sa.unit_start]
@@ -371,7 +372,8 @@ def load_stage(
                     [
                         optim_state[sa.unit_start + k][f"optim.{slot}.{name}"]
                         for k, m in enumerate(modules)
-                        for name, _ in m.named_parameters()
+                        for name, p in m.named_parameters()
+                        if p.requires_grad
                     ],
                 )
         if "optim.step" in first:
@@ -562,7 +564,7 @@ def reference(
     spec = ModelSpec.from_dict(spec_dict)
     net = build_model(spec, seed=0)
     net.load_state_dict({k: v.clone() for k, v in model.items()})
-    params = [p for p in net.parameters()]
+    params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(params, sa.train)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
@@ -576,7 +578,12 @@ def reference(
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+    return max(
+        float(
+            (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12)
+        )
+        for k in a
+    )
 
 
 def submit(hub: HubThread, tmp_path: Path, spec: str) -> tuple[int, dict[str, Any]]:

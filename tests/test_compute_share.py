@@ -35,7 +35,9 @@ from tests.test_pipeline_engine import (
 
 @pytest.mark.parametrize("share", [0.0, 0.04, -0.5, 1.01, 7.0, math.nan, math.inf])
 def test_a_share_the_node_cannot_run_at_is_one_line(share: float) -> None:
-    with pytest.raises(ConfigError, match=r"^--compute-share .*: expected a fraction from 0.05 to 1$"):
+    with pytest.raises(
+        ConfigError, match=r"^--compute-share .*: expected a fraction from 0.05 to 1$"
+    ):
         check_share(share)
     with pytest.raises(ConfigError):
         ComputeShare(share)
@@ -92,7 +94,9 @@ def test_the_offer_is_the_speed_times_the_share() -> None:
     half = offered(FAST_BENCH, 0.5)
     assert half.samples_per_s == pytest.approx(FAST_BENCH.samples_per_s / 2)
     assert half.matmul_tflops_fp32 == pytest.approx(FAST_BENCH.matmul_tflops_fp32 / 2)
-    assert half.precision_sps == {k: pytest.approx(v / 2) for k, v in FAST_BENCH.precision_sps.items()}
+    assert half.precision_sps == {
+        k: pytest.approx(v / 2) for k, v in FAST_BENCH.precision_sps.items()
+    }
     assert half.mem_bandwidth_gbs == FAST_BENCH.mem_bandwidth_gbs  # a bandwidth is what it is
     assert offered(FAST_BENCH, 1.0) is FAST_BENCH
 
@@ -106,7 +110,9 @@ async def test_a_real_node_offers_the_hub_its_share_of_its_speed(tmp_path) -> No
         await hub.stop()
     assert full["benchmark"]["samples_per_s"] == pytest.approx(FAST_BENCH.samples_per_s)
     assert quarter["benchmark"]["samples_per_s"] == pytest.approx(FAST_BENCH.samples_per_s / 4)
-    assert quarter["benchmark"]["matmul_tflops_fp32"] == pytest.approx(FAST_BENCH.matmul_tflops_fp32 / 4)
+    assert quarter["benchmark"]["matmul_tflops_fp32"] == pytest.approx(
+        FAST_BENCH.matmul_tflops_fp32 / 4
+    )
 
 
 def test_training_under_a_share_changes_no_number(tmp_path) -> None:

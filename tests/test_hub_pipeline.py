@@ -208,6 +208,31 @@ def test_two_pipelines_share_each_step_and_train_what_one_process_does(
     assert "generation 1 (from step 0, 2 stages" in out
 
 
+def test_a_lora_job_with_int8_frozen_weights_pipelines_and_trains_only_its_adapters(
+    hub, tmp_path
+) -> None:
+    """``finetune = "lora"`` with ``[pipeline]``: each stage holds its units' frozen weights in
+    int8 and trains their adapters; the final model equals one process accumulating the same
+    micro-batches, its frozen weights are the initial ones, and the owner downloads it merged."""
+    keys = [register(hub.url), register(hub.url)]
+    lora = 'momentum = 0.9\nfinetune = "lora"\nlora_rank = 4\nfrozen_precision = "int8"\n'
+    code, job = submit(hub, tmp_path, SPEC.format(stages=2, steps=4, every=2).replace("momentum = 0.9\n", lora))
+    assert code == 201, job
+    got = poll_until(hub, keys)
+    start = model_of(hub, keys[0], got[0])
+    doc = _trains_like_one_process(hub, keys, got, job["id"], steps=4)
+    final = final_model(hub, doc)
+    frozen = [k for k in final if k.endswith("weight_q")]
+    assert len(frozen) == 3 and all(final[k].dtype == torch.int8 for k in frozen)
+    assert all(torch.equal(final[k], start[k]) for k in final if not k.endswith(("lora_a", "lora_b")))
+    assert all(not torch.equal(final[k], start[k]) for k in final if k.endswith("lora_b"))
+    code, _, body = request(
+        hub.url, "GET", f"/v1/jobs/{job['id']}/model", None,
+        {"Authorization": f"Bearer {hub.tokens['owner']}"},
+    )  # fmt: skip
+    assert code == 200 and b"lora_a" not in body and b"weight_q" not in body  # the merged plain model
+
+
 def _stale_answers(hub: HubThread, key, sa) -> None:
     """Generation ``sa.generation`` is over: the relay, the reports and the checkpoints say so."""
     body = encode_state({"activation": torch.zeros(8, 32)})

@@ -21,6 +21,7 @@ from gpuflex.node.pipeline.worker import StageOutcome, StageWorker
 from gpuflex.node.stagework import check_stage_assignment, stage_line
 from gpuflex.node.trainer import loss_for, make_optimizer
 from gpuflex.protocol.dropout import dropout_step
+from gpuflex.protocol.finetune import LoraConfig, with_lora
 from gpuflex.protocol.messages import (
     ChunkRef,
     StageAssignment,
@@ -242,10 +243,23 @@ def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 CUTS = {2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 2, 3]}
 
 
+#: LoRA jobs (protocol/finetune.py): frozen weights in int8 (the transformer's tied embedding
+#: frozen on both end stages), adapters trained in fp32
+LORA_TRANSFORMER = with_lora(TRANSFORMER, LoraConfig(rank=2, alpha=4.0), where="train")
+LORA_STACK = with_lora(STACK, LoraConfig(rank=3, alpha=6.0, targets=("Linear",)), where="train")
+
+
 @pytest.mark.parametrize(
     ("spec", "cfg", "stages"),
-    [(TRANSFORMER, SGD_LM, 2), (TRANSFORMER, SGD_LM, 4), (STACK, SGD, 3), (STACK, ADAM, 2)],
-    ids=["transformer-2", "transformer-4", "stack-3", "stack-2"],
+    [
+        (TRANSFORMER, SGD_LM, 2),
+        (TRANSFORMER, SGD_LM, 4),
+        (STACK, SGD, 3),
+        (STACK, ADAM, 2),
+        (LORA_TRANSFORMER, ADAM, 3),
+        (LORA_STACK, ADAM, 2),
+    ],
+    ids=["transformer-2", "transformer-4", "stack-3", "stack-2", "lora-int8-lm-3", "lora-int8-2"],
 )
 def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, stages: int) -> None:
     """The transformer trains with SGD here: the gradient of an attention key's bias is zero up
@@ -267,6 +281,20 @@ def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, s
         assert all((r.loss is not None) == (s == stages - 1) for r in mine)
     losses = [r.loss for r in job.hub.reports if r.stage == stages - 1]
     assert losses[-1] < losses[0]  # it trains
+    if (
+        spec.lora is not None
+    ):  # the stages held the frozen weights in int8, untouched; adapters trained
+        final = job.hub.model_at(spec, STEPS)
+        frozen = [k for k in final if k.endswith("weight_q")]
+        assert frozen and all(final[k].dtype == torch.int8 for k in frozen)
+        assert all(
+            torch.equal(final[k], job.model[k])
+            for k in final
+            if not k.endswith(("lora_a", "lora_b"))
+        )
+        assert all(
+            final[k].abs().max() > 0 for k in final if k.endswith("lora_b")
+        )  # B starts at zero
 
 
 @pytest.mark.parametrize(

@@ -203,9 +203,8 @@ class StageRunner:
                 keys.append(self._from(step, i, "activation", self.stage - 1))
             elif action.op == "B" and self.stage < self.stages - 1:
                 keys.append(self._from(step, i, "gradient", self.stage + 1))
-        for g, group in enumerate(self.tied):
-            if any(stage == self.stage for stage, _ in group.members):
-                keys += [self._from(step, g, "tied", s) for s in group.stages() if s != self.stage]
+        for g, group in self._trained_ties():
+            keys += [self._from(step, g, "tied", s) for s in group.stages() if s != self.stage]
         for lane in range(self.lanes):
             if lane != self.lane:
                 keys += [
@@ -297,20 +296,32 @@ class StageRunner:
         else:
             key = self._from(step, self._first + i, "gradient", self.stage + 1)
             grad = self._receive(key, self.outbound, self.outbound_code)
-            with self._computing():
-                torch.autograd.backward(out, grad.to(out.device))
+            if out.requires_grad:  # else nothing before it trains (a LoRA job's frozen embedding)
+                with self._computing():
+                    torch.autograd.backward(out, grad.to(out.device))
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")
             key = self._key(step, self._first + i, "gradient", self.stage - 1)
             self._send(key, x_in.grad, self.inbound_code)
 
-    def _sum_tied(self, step: int) -> None:
+    def _trained_ties(self) -> list[tuple[int, TiedGroup]]:
+        """The tied groups this stage holds a member of, with their index, when that member
+        trains (a LoRA job's frozen embedding is tied and frozen on every stage alike: its
+        stages sum nothing)."""
         params = dict(self.module.named_parameters())
+        out = []
         for g, group in enumerate(self.tied):
             mine = [name for stage, name in group.members if stage == self.stage]
-            if not mine:
-                continue
+            param = params.get(mine[0]) if mine else None
+            if mine and (param is None or param.requires_grad):
+                out.append((g, group))
+        return out
+
+    def _sum_tied(self, step: int) -> None:
+        params = dict(self.module.named_parameters())
+        for g, group in self._trained_ties():
+            mine = [name for stage, name in group.members if stage == self.stage]
             param = params.get(mine[0])
             if param is None or param.grad is None:
                 raise PipelineError(
