@@ -4,7 +4,8 @@ status lists the rounds its unverified work went into, and `gpuflex-hub job roll
 the kept model of the round before its first one and continues the job, across a kill -9.
 
 The forger F trains honestly with checkpoint commitments. Round 0: it is the only node, so the
-referee stands in for the replica and reproduces its segment (verified). Rounds 1 and 2: a
+referee stands in for the replica and reproduces one segment of its update (verified, but a
+rollback counts it unverified: the replay proved that segment, not the update). Rounds 1 and 2: a
 second node H takes each replica and never delivers, so F's update settles unverified when the
 replica wait runs out. Round 3: H is offline, F uploads a crafted update (x3.5) over an honest
 commitment, the referee stands in again, it does not reproduce: F is suspended."""
@@ -139,15 +140,16 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
             doc = await _job(s, hub, job_id)
             verified = [[u["verified"] for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
             assert verified == [[True], [False], [False]]
-            assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
-                                               "rollback_to": 1, "kept": True}]
+            assert doc["history"][0]["updates"][0]["verified_by"] == {"replicas": [], "referee": "segment"}
+            assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [0, 1, 2],
+                                               "rollback_to": 0, "kept": True}]
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
             text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
                                                        "--token", hub.owner_token])
-            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 1, 2:"
-                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 1's model") in text
+            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 0, 1, 2:"
+                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 0's model") in text
             # the refusals, each one line, nothing changed
             for body, status, code in (({"before_node": "n-nobody"}, 404, "unknown_node"),
                                        ({"to_round": 3}, 400, "bad_round"),
@@ -168,7 +170,7 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
     # the same data on `gpuflex-hub serve`: the owner rolls back from the command line, the hub is
     # killed with -9 right after the answer, and the rollback is there when it comes back
     tokens = (hub.owner_token, hub.url)
-    kept = _model_sha(hub.data_dir, job_id, 1)
+    kept = _model_sha(hub.data_dir, job_id, 0)
     assert kept is not None
     proc, url = _serve(hub.data_dir)
     try:
@@ -176,7 +178,7 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
                                              "--hub", url, "--token", tokens[0]])
         proc.kill()
         proc.wait(timeout=30)
-        assert out == {"job_id": job_id, "restored_round": 1, "round": 4, "rounds": 9, "rolled_back": [1, 2, 3],
+        assert out == {"job_id": job_id, "restored_round": 0, "round": 4, "rounds": 10, "rolled_back": [0, 1, 2, 3],
                        "model_hash": kept, "before_node": forger.node_id, "by": "alice"}
     finally:
         proc.kill()
@@ -196,14 +198,14 @@ async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{url}/v1/jobs/{job_id}", headers=auth) as r:
             doc = await r.json()
-        assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 4, 9, kept)
+        assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 4, 10, kept)
         assert [(h["round"], h["rolled_back"]) for h in doc["history"]] == [
-            (0, False), (1, True), (2, True), (3, True)]
+            (0, True), (1, True), (2, True), (3, True)]
         assert doc["unverified_work"] == []  # nothing of F's is in the model any more
-        # the model, bit for bit: the current one is round 1's kept model
+        # the model, bit for bit: the current one is round 0's kept model (the initial one)
         async with s.get(f"{url}/v1/jobs/{job_id}/model", headers=auth) as r:
             now = await r.read()
-        async with s.get(f"{url}/v1/jobs/{job_id}/model?round=1", headers=auth) as r:
+        async with s.get(f"{url}/v1/jobs/{job_id}/model?round=0", headers=auth) as r:
             then = await r.read()
         now_t, then_t = safetensors.torch.load(now), safetensors.torch.load(then)  # (their metadata name the round)
         assert now_t.keys() == then_t.keys()
@@ -219,7 +221,7 @@ async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode
         assert r.status == 403 and (await r.json())["error"] == "banned"
     lines = [json.loads(x) for x in (data_dir / "audit.jsonl").read_text().splitlines() if x]
     (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
-    assert (entry["restored_round"], entry["before_node"], entry["by"]) == (1, forger.node_id, "alice")
+    assert (entry["restored_round"], entry["before_node"], entry["by"]) == (0, forger.node_id, "alice")
 
 
 async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_path: Path) -> None:
@@ -245,7 +247,7 @@ async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_
             try:
                 await owner.login(hub.owner_token)
                 status, html, _ = await owner.get(f"/console/jobs/{job_id}")
-                assert status == 200 and "Roll back to round 1" in html
+                assert status == 200 and "Roll back to round 0" in html
                 status, _, r = await owner.post(f"/console/jobs/{job_id}/rollback",
                                                 {"csrf_token": owner.csrf_in(html), "before_node": forger.node_id})
                 assert status == 303 and r.headers["Location"] == f"/console/jobs/{job_id}"
@@ -254,7 +256,7 @@ async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_
             finally:
                 await owner.close()
             doc = await _job(s, hub, job_id)
-            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 1))
+            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 0))
     finally:
         await hub.stop()
 
@@ -269,8 +271,8 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
                 assert time.monotonic() < deadline, doc["round"]
                 await asyncio.sleep(0.05)
             assert (doc["rounds"], doc["model_hash"], doc["unverified_work"]) == (
-                9, _model_sha(hub.data_dir, job_id, 1), [])
-            assert [h["rolled_back"] for h in doc["history"]] == [False, True, True, True]
+                10, _model_sha(hub.data_dir, job_id, 0), [])
+            assert [h["rolled_back"] for h in doc["history"]] == [True, True, True, True]
         lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
         (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
         assert (entry["before_node"], entry["by"]) == (forger.node_id, "hub (auto_rollback)")
@@ -353,7 +355,7 @@ def _history(**over: Any) -> rollback.JobHistory:
     base = dict(job_id="j", state="running", round=5, rounds=10, keep_rounds=3,
                 aggregated=(rollback.Aggregated(1, "u1", "a", True), rollback.Aggregated(2, "u2", "f", False),
                             rollback.Aggregated(3, "u3", "f", False), rollback.Aggregated(4, "u4", "f", True)),
-                kept=frozenset({0, 2, 3, 4, 5}), rolled_back=frozenset())
+                kept=frozenset({0, 2, 3, 4, 5}), rolled_back=frozenset(), stopped=frozenset({"f"}))
     return rollback.JobHistory(**(base | over))  # type: ignore[arg-type]
 
 
@@ -376,6 +378,38 @@ def test_the_policy_picks_the_round_before_the_first_unverified_update_and_refus
     # rounds already rolled back hold nothing to undo
     assert rollback.decide(_history(rolled_back=frozenset({2, 3})), before_node="f").code == "nothing_to_roll_back"
     assert rollback.prune_below(10, 3) == 8 and rollback.prune_below(10, 0) is None and rollback.prune_below(2, 3) is None
+
+
+def test_a_verification_counts_for_a_rollback_only_while_its_verifier_stands() -> None:
+    """F's round-2 update was verified by C's agreeing replica, its round-3 update by a replay of
+    one segment, its round-4 one by the referee's replay of the whole update; round 5 unverified."""
+    marks = (rollback.Aggregated(1, "u1", "f", True, rollback.Verifier(("h",))),
+             rollback.Aggregated(2, "u2", "f", True, rollback.Verifier(("c",))),
+             rollback.Aggregated(3, "u3", "f", True, rollback.Verifier((), rollback.SEGMENT)),
+             rollback.Aggregated(4, "u4", "f", True, rollback.Verifier((), rollback.WHOLE)),
+             rollback.Aggregated(5, "u5", "f", False))
+    h = _history(round=6, aggregated=marks, kept=frozenset(range(7)))
+    # a partial replay does not count; an honest partner's agreement and a whole replay do
+    assert rollback.unverified_rounds(h, "f") == [3, 5]
+    assert rollback.decide(h, before_node="f").to_round == 3  # type: ignore[union-attr]
+    # once the colluder C is suspended too, what it vouched for is undone: the rollback point moves earlier
+    both = _history(round=6, aggregated=marks, kept=frozenset(range(7)), stopped=frozenset({"f", "c"}))
+    assert rollback.unverified_rounds(both, "f") == [2, 3, 5]
+    assert rollback.decide(both, before_node="f") == rollback.Rollback(
+        to_round=2, new_round=7, rounds=15, undone=(2, 3, 4, 5, 6), node_id="f")
+    # one honest agreeing replica beside a stopped one still verifies; a record naming no verifier stands
+    assert rollback.Verifier(("c", "h")).holds({"c"}) and not rollback.Verifier(("c",), rollback.SEGMENT).holds({"c"})
+    assert rollback.Aggregated(1, "u", "f", True).stands({"f"})
+    # as a round's evidence records them, and as a referee verdict's evidence says how far it replayed
+    evidence = {"aggregated": {"u1": "verified", "u2": "verified", "u3": "unverified"},
+                "verified_by": {"u1": {"replicas": ["c"], "referee": "segment"}}}
+    assert rollback.verifiers_of(evidence, ["u1", "u2", "u3"]) == {
+        "u1": rollback.Verifier(("c",), rollback.SEGMENT), "u2": None, "u3": None}
+    assert rollback.Verifier.of_doc(rollback.Verifier(("c",), rollback.WHOLE).doc()) == rollback.Verifier(
+        ("c",), rollback.WHOLE)
+    assert rollback.replay_reach({"steps": [0, 63], "last_step": 63}) == rollback.WHOLE
+    assert rollback.replay_reach({"steps": [8, 16], "last_step": 63}) == rollback.SEGMENT
+    assert rollback.replay_reach({}) == rollback.SEGMENT
 
 
 @pytest.mark.parametrize("keep", ["1", "10"])
