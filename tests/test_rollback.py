@@ -8,7 +8,11 @@ referee stands in for the replica and reproduces one segment of its update (veri
 rollback counts it unverified: the replay proved that segment, not the update). Rounds 1 and 2: a
 second node H takes each replica and never delivers, so F's update settles unverified when the
 replica wait runs out. Round 3: H is offline, F uploads a crafted update (x3.5) over an honest
-commitment, the referee stands in again, it does not reproduce: F is suspended."""
+commitment, the referee stands in again, it does not reproduce: F is suspended.
+
+In the first test, round 0 is instead a group of three: F and two partners whose replicas agree
+with F's update. It counts as verified until the partners are caught too; then a rollback before
+F undoes it as well."""
 
 from __future__ import annotations
 
@@ -90,18 +94,33 @@ async def _round_closes(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, 
     return doc
 
 
-async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path,
-                         extra: str = "") -> tuple[str, SimNode, SimNode]:
-    """The module docstring's rounds 0-3. Returns the job id, F and H."""
+async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path, extra: str = "",
+                         partners: list[SimNode] | None = None) -> tuple[str, SimNode, SimNode]:
+    """The module docstring's rounds 0-3. Returns the job id, F and H. With ``partners`` (two
+    nodes, registered here): round 0 is a group of three replicas, F's update and theirs, a hair
+    apart on either side of F's (so F's is the medoid, the one aggregated): all agree, and F's
+    update is verified by the partners' nodes, not by the referee."""
     train, val, spec_path = write_digits(tmp_path / "d", **SPEC, extra=EXTRA + extra)
     job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
     forger, helper = SimNode(s, hub.url), SimNode(s, hub.url)
     store = CheckpointStore(tmp_path / "states")
     await forger.register()
+    for p in partners or ():
+        await p.register()
     a0 = await forger.work(2.0)
     assert isinstance(a0, Assignment) and a0.round == 0
-    await _upload(forger, a0, store)
-    await _hand_states(forger, store)  # the referee stands in: reproduced
+    if partners:
+        (j, k) = partners
+        aj = await j.work(2.0)
+        assert isinstance(aj, Assignment) and (aj.round, aj.seed) == (0, a0.seed)
+        await _upload(forger, a0, store)
+        await _upload(j, aj, store, scale=1 + 2e-5)
+        ak = await k.work(2.0)  # the unanimous untrusted pair wants a third replica
+        assert isinstance(ak, Assignment) and (ak.round, ak.seed) == (0, a0.seed)
+        await _upload(k, ak, store, scale=1 - 2e-5)
+    else:
+        await _upload(forger, a0, store)
+        await _hand_states(forger, store)  # the referee stands in: reproduced
     await _round_closes(s, hub, job_id, 0)
     await helper.register()
     for rnd in (1, 2):
@@ -110,7 +129,7 @@ async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Pa
         assert isinstance(a, Assignment) and isinstance(replica, Assignment) and a.round == replica.round == rnd
         await _upload(forger, a, store)  # the replica never comes: unverified once the wait runs out
         await _round_closes(s, hub, job_id, rnd)
-    await asyncio.sleep(HUB["online_window_s"] + 0.2)  # H is offline now
+    await asyncio.sleep(HUB["online_window_s"] + 0.2)  # H is offline now (and the partners)
     a3 = await forger.work(2.0)
     assert isinstance(a3, Assignment) and a3.round == 3
     await _upload(forger, a3, store, scale=3.5)
@@ -120,6 +139,16 @@ async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Pa
         assert time.monotonic() < deadline, "no flag"
         await asyncio.sleep(0.05)
     return job_id, forger, helper
+
+
+async def _suspend(hub: RunningHub, job_id: str, nodes: list[SimNode]) -> None:
+    """Each node caught as a forger would be: an open referee_mismatch flag, through the store's own insert."""
+    from gpuflex.hub.policy.update_record import Flag
+    from gpuflex.hub.server.appkeys import DB
+    from gpuflex.hub.storage.store_sqlite import insert_flags
+
+    flags = [Flag(f"u-{n.node_id}", n.node_id, "referee_mismatch", {"referee": {"outcome": "mismatch"}}) for n in nodes]
+    await hub.app[DB].write(lambda conn: insert_flags(conn, job_id, 0, flags, time.time()))
 
 
 def _model_sha(data_dir: Path, job_id: str, version: int) -> str | None:
@@ -136,16 +165,23 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
     hub = await start_hub(tmp_path / "hub", **HUB)
     try:
         async with aiohttp.ClientSession() as s:
-            job_id, forger, helper = await _forger_caught(s, hub, tmp_path)
+            partners = [SimNode(s, hub.url), SimNode(s, hub.url)]
+            job_id, forger, helper = await _forger_caught(s, hub, tmp_path, partners=partners)
             doc = await _job(s, hub, job_id)
-            verified = [[u["verified"] for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
-            assert verified == [[True], [False], [False]]
-            assert doc["history"][0]["updates"][0]["verified_by"] == {"replicas": [], "referee": "segment"}
-            assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [0, 1, 2],
-                                               "rollback_to": 0, "kept": True}]
+            included = [[u for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
+            assert [[u["verified"] for u in us] for us in included] == [[True], [False], [False]]
+            (first,) = included[0]
+            assert (first["node_id"], first["verified_by"]) == (
+                forger.node_id, {"replicas": sorted(p.node_id for p in partners)})
+            assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
+                                               "rollback_to": 1, "kept": True}]
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
+            # the partners that vouched for F's round-0 update are caught too: it no longer counts
+            await _suspend(hub, job_id, partners)
+            assert (await _job(s, hub, job_id))["unverified_work"] == [
+                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True}]
             text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
                                                        "--token", hub.owner_token])
             assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 0, 1, 2:"
