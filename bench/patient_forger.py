@@ -36,7 +36,9 @@ one shard a round) and drives the hub's own policy code for every decision, neve
 - the node's record: ``reputation.record_agreement`` / ``record_flag`` for the nodes a decision
   names, and ``suspension.suspends`` on every flag (a suspended node gets no further work);
 - what a rollback would undo: ``rollback.decide(before_node=...)`` on the forger's aggregated
-  updates (verified or not, as hub/domain/aggregating.py marks them) when it is suspended.
+  updates, each verified or not and by whom as hub/domain/aggregating.py records it
+  (``rollback.verifier_of``: the referee's verdict, on the whole update or one segment, else the
+  nodes of the agreeing replicas), with the nodes stopped by then, when it is suspended.
 
 Not modelled: the round's review (``judge_round``: the forger is built to pass it), compute
 classes (one class: honest replicas agree bit for bit), nodes going offline.
@@ -56,18 +58,24 @@ disagreement's segment found from the committed norms alone, as for replicas of 
 classes (``*_norms_pointer``, ``--no-hash-pointer``: what the hashes add). Each run
 (``runs``) also has ``replication_overhead`` (replica trainings / shards, the trust-earning
 rounds included), ``forged_aggregated_verified`` (crafted updates aggregated and marked verified:
-a fellow member's replica agreed, or a replay drew one of its honest segments; a rollback before
-the node does not list those rounds) and what ``rollback.decide`` answers for each stopped forger
-(``rollback_rounds_undone_mean``, ``rollback_refused``: ``round_not_kept`` once its first
-unverified round is older than ``keep_rounds``).
+a fellow member's replica agreed, or a replay drew one of its honest segments),
+``forged_aggregated_unlisted`` (those of stopped forgers that ``rollback.unverified_rounds`` still
+does not list, with the nodes stopped when the forger was; ``_end``: with the nodes stopped by the
+end of the run, as a later rollback or ``auto_rollback``'s next look sees them),
+``forged_kept_after_rollback`` (crafted updates a rollback at the forger's suspension leaves in the
+model: those before the round it restores, or all when it is refused) and what
+``rollback.decide`` answers for each stopped forger (``rollback_rounds_undone_mean``,
+``rollback_refused``: ``round_not_kept`` once its first unverified round is older than
+``keep_rounds``).
 
 ``accuracy_after_rollback_vs_clean_points`` comes from a small real run (``rollback_accuracy``):
 10 nodes, 3 of them forgers, train the digits MLP with the node's own trainer
 (``train_assignment``) for 30 rounds, FedAvg by the hub's ``aggregate``; the forgers send
 heterogeneity.py's crafted update (``craft``) from round 8, 15 of them each (the p99 target),
-aggregated unverified, and are then suspended; ``rollback.decide(before_node=...)`` picks the
-model to restore, and the job continues on it with the honest nodes for the rounds the rollback
-gives back. Beside it: the clean run (all 10 honest), the clean run of the 7 honest nodes alone
+the first 2 verified by a fellow forger's agreeing replica and the rest unverified, and are then
+suspended; ``rollback.decide(before_node=...)`` picks the model to restore, and the job continues
+on it with the honest nodes for the rounds the rollback gives back (``*_partners_active``: the
+same with only the first forger stopped, its partners' word still standing). Beside it: the clean run (all 10 honest), the clean run of the 7 honest nodes alone
 (fewer, larger shards a round: what the job after a rollback trains like), and the forged run
 continued without a rollback.
 
@@ -101,7 +109,7 @@ from gpuflex.hub.policy import reputation as rp
 from gpuflex.hub.policy import rollback, suspension
 from gpuflex.hub.policy import round_policy as policy
 from gpuflex.hub.policy.aggregation import aggregate
-from gpuflex.hub.policy.referee import SegmentVerdict, pick_segment
+from gpuflex.hub.policy.referee import SegmentVerdict, fetch_steps, pick_segment
 from gpuflex.hub.policy.update_record import UpdateRecord
 from gpuflex.node.trainer import train_assignment
 from gpuflex.protocol.jobspec import AggregationSpec, VerificationSpec
@@ -146,6 +154,7 @@ class Identity:
     forged_verified: int = 0
     forged_caught_at: int | None = None
     aggregated: list[rollback.Aggregated] = field(default_factory=list)
+    crafted: set[str] = field(default_factory=set)  # its crafted updates that were aggregated
 
     def reputation_at(self, now: float) -> rp.Reputation:
         """As the hub reads it (NodeState.reputation_at, and the probation its age sets)."""
@@ -365,11 +374,12 @@ class Simulation:
             same_class=self.args.hash_pointer,
         )
         bad = w.crafted and seg in self.world.forged_segments()
+        start, end, last = fetch_steps(w.commitment, seg)  # as judge_segment's evidence says them
         return SegmentVerdict(
             w.update_id,
             w.node.node_id,
             "mismatch" if bad else "reproduced",
-            {"segment": seg, "reason": reason},
+            {"segment": seg, "reason": reason, "steps": [start, end], "last_step": last},
         )
 
     def apply(
@@ -386,19 +396,24 @@ class Simulation:
                 nodes[nid].rep = rp.record_agreement(nodes[nid].rep)
                 nodes[nid].checked_at = now
             rep = work_of[decision.representative]
-            # verified as hub/domain/aggregating.py marks it: the referee reproduced it, or a replica agreed
-            verified = decision.unverified is None and (
-                verdicts[rep.update_id].ok
-                if rep.update_id in verdicts
-                else any(s == "redundant" for s in decision.statuses.values())
+            # who verified it, as hub/domain/aggregating.py records it: the referee's verdict on it
+            # (the whole update or one segment), else the nodes of the replicas that agreed
+            agreed = (
+                work_of[u].node.node_id
+                for u, st in decision.statuses.items()
+                if st == "redundant" and u != rep.update_id
+            )
+            by = rollback.verifier_of(
+                verdicts.get(rep.update_id), agreed, unverified=decision.unverified is not None
             )
             rep.node.aggregated.append(
-                rollback.Aggregated(r, rep.update_id, rep.node.node_id, verified)
+                rollback.Aggregated(r, rep.update_id, rep.node.node_id, by is not None, by)
             )
             if rep.crafted:
                 self.tally.forged_aggregated += 1
                 rep.node.forged_aggregated += 1
-                rep.node.forged_verified += verified
+                rep.node.forged_verified += by is not None
+                rep.node.crafted.add(rep.update_id)
         flags = () if isinstance(decision, policy.WaitForMore) else decision.flags
         for f in flags:
             n = nodes[f.node_id]
@@ -408,22 +423,41 @@ class Simulation:
             if suspension.suspends(f.reason, f.evidence) and not n.suspended:
                 n.suspended, n.forged_caught_at = True, r
 
-    def rollback_of(self, n: Identity) -> rollback.Rollback | rollback.Refused:
-        """What ``job rollback --before-node`` would do when the forger is stopped."""
+    def stopped_by(self, r: int) -> frozenset[str]:
+        """The nodes suspended by the end of round ``r``."""
+        return frozenset(
+            n.node_id for n in self.nodes if n.forged_caught_at is not None and n.forged_caught_at <= r
+        )
+
+    def history_of(self, n: Identity, stopped: frozenset[str]) -> rollback.JobHistory:
+        """The job's rollback history as the store gives it when the forger is stopped: its
+        aggregated updates, the models kept then, and the nodes ``stopped``."""
         at = n.forged_caught_at if n.forged_caught_at is not None else self.args.rounds
         keep = int(self.spec.keep_rounds)
-        kept = frozenset({0, *range(max(1, at - keep + 1) if keep else 1, at + 1)})
-        history = rollback.JobHistory(
+        return rollback.JobHistory(
             job_id="job",
             state="running",
             round=at + 1,
             rounds=self.args.rounds,
             keep_rounds=keep,
             aggregated=tuple(n.aggregated),
-            kept=kept,
+            kept=frozenset({0, *range(max(1, at - keep + 1) if keep else 1, at + 1)}),
             rolled_back=frozenset(),
+            stopped=stopped,
         )
-        return rollback.decide(history, before_node=n.node_id)
+
+    def unlisted(self, n: Identity, stopped: frozenset[str]) -> int:
+        """The forger's crafted updates that ``rollback.unverified_rounds`` does not list."""
+        listed = set(rollback.unverified_rounds(self.history_of(n, stopped), n.node_id))
+        return sum(a.update_id in n.crafted and a.round not in listed for a in n.aggregated)
+
+    def rollback_of(self, n: Identity) -> tuple[rollback.Rollback | rollback.Refused, int]:
+        """What ``job rollback --before-node`` would do when the forger is stopped (seeing the
+        nodes stopped by then), and how many of its crafted updates stay in the model after it."""
+        at = n.forged_caught_at if n.forged_caught_at is not None else self.args.rounds
+        d = rollback.decide(self.history_of(n, self.stopped_by(at)), before_node=n.node_id)
+        first = d.to_round if isinstance(d, rollback.Rollback) else at + 1
+        return d, sum(a.update_id in n.crafted and a.round < first for a in n.aggregated)
 
     def summary(self) -> dict[str, Any]:
         t = self.tally
@@ -431,9 +465,13 @@ class Simulation:
         counts = sorted(n.forged_aggregated for n in forgers)
         undone: list[int] = []
         refused: dict[str, int] = {}
+        unlisted = unlisted_end = kept_after = 0
         for n in forgers:
             if n.forged_aggregated and n.suspended:
-                d = self.rollback_of(n)
+                d, left = self.rollback_of(n)
+                kept_after += left
+                unlisted += self.unlisted(n, self.stopped_by(n.forged_caught_at or 0))
+                unlisted_end += self.unlisted(n, self.stopped_by(self.args.rounds))
                 if isinstance(d, rollback.Rollback):
                     undone.append(len(d.undone))
                 else:
@@ -466,6 +504,9 @@ class Simulation:
             "forged_submitted": t.forged_submitted,
             "forged_aggregated": t.forged_aggregated,
             "forged_aggregated_verified": sum(n.forged_verified for n in forgers),
+            "forged_aggregated_unlisted": unlisted,
+            "forged_aggregated_unlisted_end": unlisted_end,
+            "forged_kept_after_rollback": kept_after,
             "reexecutions_by_reason": dict(sorted(t.reexec_by_reason.items())),
             "rollback_rounds_undone_mean": statistics.fmean(undone) if undone else None,
             "rollback_refused": refused,
@@ -490,13 +531,15 @@ class RollbackRun:
     """The small real run: ``nodes`` nodes (30 % forgers) train the digits MLP with the node's own
     trainer, one shard each a round, FedAvg by the hub's ``aggregate``; the forgers train honestly
     until round ``forge_from``, then send heterogeneity.py's crafted update (output layer
-    sign-flipped, x COLLUDE_SCALE), aggregated unverified, until they are suspended after
-    ``forged`` of them each."""
+    sign-flipped, x COLLUDE_SCALE) until they are suspended after ``forged`` of them each: the
+    first ``vouched`` of each aggregated as verified by a fellow forger's agreeing replica (as the
+    coalition's replicas do in the simulation), the rest unverified."""
 
     nodes: int = 10
     rounds: int = 30
     forge_from: int = 8
     forged: int = 15
+    vouched: int = 2
 
 
 def _fedavg_round(
@@ -547,38 +590,55 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
     # the forged run, every model kept (keep_rounds = 0 in this short job) and every aggregate recorded
     models, aggregated, state = {0: state0}, [], state0
     stop = run.forge_from + run.forged
+    ring = sorted(forgers)
+    partner = {n: f"n{ring[(i + 1) % len(ring)]}" for i, n in enumerate(ring)}
     for r in range(stop):
         forging = forgers if r >= run.forge_from else set()
         state = _fedavg_round(world, state, r, everyone, forging)
-        aggregated += [
-            rollback.Aggregated(r, f"u{r}-{n}", f"n{n}", n not in forging) for n in everyone
-        ]
+        for n in everyone:
+            if n not in forging:  # honest work: an honest node's replica agreed
+                by: rollback.Verifier | None = rollback.Verifier((f"n{next(h for h in honest if h != n)}",))
+            else:  # the coalition vouches for the first ones, the rest go in unverified
+                by = rollback.Verifier((partner[n],)) if r < run.forge_from + run.vouched else None
+            aggregated.append(rollback.Aggregated(r, f"u{r}-{n}", f"n{n}", by is not None, by))
         models[r + 1] = state
     # suspended at round `stop`: the rest of the job without them, no rollback
     kept_going = state
     for r in range(stop, run.rounds):
         kept_going = _fedavg_round(world, kept_going, r, honest, set())
-    history = rollback.JobHistory(
-        job_id="job",
-        state="running",
-        round=stop,
-        rounds=run.rounds,
-        keep_rounds=0,
-        aggregated=tuple(aggregated),
-        kept=frozenset(models),
-        rolled_back=frozenset(),
-    )
-    decision = rollback.decide(history, before_node=f"n{min(forgers)}")
-    if not isinstance(decision, rollback.Rollback):
-        raise RuntimeError(f"rollback refused: {decision.detail}")
-    restored = models[decision.to_round]
-    for r in range(decision.new_round, decision.rounds):
-        restored = _fedavg_round(world, restored, r, honest, set())
+
+
+    def rolled_back(stopped: frozenset[str]) -> tuple[rollback.Rollback, dict[str, torch.Tensor]]:
+        """``rollback.decide(before_node=...)`` with the nodes ``stopped``, and the job continued from it."""
+        history = rollback.JobHistory(
+            job_id="job",
+            state="running",
+            round=stop,
+            rounds=run.rounds,
+            keep_rounds=0,
+            aggregated=tuple(aggregated),
+            kept=frozenset(models),
+            rolled_back=frozenset(),
+            stopped=stopped,
+        )
+        decision = rollback.decide(history, before_node=f"n{min(forgers)}")
+        if not isinstance(decision, rollback.Rollback):
+            raise RuntimeError(f"rollback refused: {decision.detail}")
+        restored = models[decision.to_round]
+        for r in range(decision.new_round, decision.rounds):
+            restored = _fedavg_round(world, restored, r, honest, set())
+        return decision, restored
+
+    # every forger suspended, and (beside it) only the first one: its partners' word still stands
+    decision, restored = rolled_back(frozenset(f"n{n}" for n in forgers))
+    alone, restored_alone = rolled_back(frozenset({f"n{min(forgers)}"}))
     return {
         "config": dataclasses.asdict(run),
         "rolled_back_to_round": decision.to_round,
         "rounds_undone": len(decision.undone),
         "rounds_after": decision.rounds,
+        "rolled_back_to_round_partners_active": alone.to_round,
+        "accuracy_after_rollback_partners_active": accuracy(restored_alone),
         "accuracy_clean": accuracy(clean),
         "accuracy_clean_honest_nodes_only": accuracy(clean_honest),
         "accuracy_forged_no_rollback": accuracy(kept_going),
@@ -603,6 +663,9 @@ ROWS = (
     "verification_cost_fraction",
     "replication_overhead",
     "forged_aggregated_verified",
+    "forged_aggregated_unlisted",
+    "forged_aggregated_unlisted_end",
+    "forged_kept_after_rollback",
     "rollback_rounds_undone_mean",
 )
 
@@ -707,6 +770,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" clean {rolled['accuracy_clean']:.2f}%, honest nodes only {rolled['accuracy_clean_honest_nodes_only']:.2f}%,"
             f" forged without rollback {rolled['accuracy_forged_no_rollback']:.2f}%,"
             f" rolled back to round {rolled['rolled_back_to_round']} and continued {rolled['accuracy_after_rollback']:.2f}%"
+            f" (with the partners not yet stopped: to round {rolled['rolled_back_to_round_partners_active']},"
+            f" {rolled['accuracy_after_rollback_partners_active']:.2f}%)"
         )
     print()
     for k, c in met.items():

@@ -395,7 +395,7 @@ def test_the_owner_view_hides_silos_from_the_owner_only_and_job_status_prints_wh
     from rich.console import Console
 
     up = {"update_id": "u-1", "node_id": "gf1-aaaa", "chunks": 1, "samples": 120, "loss": 0.5, "status": "included",
-          "replica_group": ""}
+          "replica_group": "", "verified_by": {"replicas": ["gf1-bbbb"]}}
     doc = {"id": "j-1", "name": "x", "state": "done", "round": 1, "rounds": 1,
            "silos": [{"node_id": "gf1-aaaa", "samples": 120, "blob": "ab" * 32, "size": 4000, "label_histogram": None,
                       "attached_at": 1.0}],
@@ -415,6 +415,7 @@ def test_the_owner_view_hides_silos_from_the_owner_only_and_job_status_prints_wh
     assert owner_view(doc, plain, owner) is doc and owner_view(doc, None, owner) is doc
     hidden = owner_view(doc, dp, owner)
     assert "gf1-aaaa" not in json.dumps(hidden) and json.dumps(doc) == before  # a copy is redacted
+    assert "gf1-bbbb" not in json.dumps(hidden)  # nor who verified an update
     assert hidden["silos"][0]["node_id"] == hidden["history"][0]["updates"][0]["node_id"] == "silo-1"
     assert hidden["history"][0]["flags"][0]["node_id"] == "silo-1" and hidden["history"][0]["node_shares"] == {}
     assert hidden["history"][0]["train_loss"] == 0.7 and hidden["history"][0]["updates"][0]["loss"] is None

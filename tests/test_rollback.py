@@ -4,10 +4,15 @@ status lists the rounds its unverified work went into, and `gpuflex-hub job roll
 the kept model of the round before its first one and continues the job, across a kill -9.
 
 The forger F trains honestly with checkpoint commitments. Round 0: it is the only node, so the
-referee stands in for the replica and reproduces its segment (verified). Rounds 1 and 2: a
+referee stands in for the replica and reproduces one segment of its update (verified, but a
+rollback counts it unverified: the replay proved that segment, not the update). Rounds 1 and 2: a
 second node H takes each replica and never delivers, so F's update settles unverified when the
 replica wait runs out. Round 3: H is offline, F uploads a crafted update (x3.5) over an honest
-commitment, the referee stands in again, it does not reproduce: F is suspended."""
+commitment, the referee stands in again, it does not reproduce: F is suspended.
+
+In the first test, round 0 is instead a group of three: F and two partners whose replicas agree
+with F's update. It counts as verified until the partners are caught too; then a rollback before
+F undoes it as well."""
 
 from __future__ import annotations
 
@@ -89,18 +94,33 @@ async def _round_closes(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, 
     return doc
 
 
-async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path,
-                         extra: str = "") -> tuple[str, SimNode, SimNode]:
-    """The module docstring's rounds 0-3. Returns the job id, F and H."""
+async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Path, extra: str = "",
+                         partners: list[SimNode] | None = None) -> tuple[str, SimNode, SimNode]:
+    """The module docstring's rounds 0-3. Returns the job id, F and H. With ``partners`` (two
+    nodes, registered here): round 0 is a group of three replicas, F's update and theirs, a hair
+    apart on either side of F's (so F's is the medoid, the one aggregated): all agree, and F's
+    update is verified by the partners' nodes, not by the referee."""
     train, val, spec_path = write_digits(tmp_path / "d", **SPEC, extra=EXTRA + extra)
     job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
     forger, helper = SimNode(s, hub.url), SimNode(s, hub.url)
     store = CheckpointStore(tmp_path / "states")
     await forger.register()
+    for p in partners or ():
+        await p.register()
     a0 = await forger.work(2.0)
     assert isinstance(a0, Assignment) and a0.round == 0
-    await _upload(forger, a0, store)
-    await _hand_states(forger, store)  # the referee stands in: reproduced
+    if partners:
+        (j, k) = partners
+        aj = await j.work(2.0)
+        assert isinstance(aj, Assignment) and (aj.round, aj.seed) == (0, a0.seed)
+        await _upload(forger, a0, store)
+        await _upload(j, aj, store, scale=1 + 2e-5)
+        ak = await k.work(2.0)  # the unanimous untrusted pair wants a third replica
+        assert isinstance(ak, Assignment) and (ak.round, ak.seed) == (0, a0.seed)
+        await _upload(k, ak, store, scale=1 - 2e-5)
+    else:
+        await _upload(forger, a0, store)
+        await _hand_states(forger, store)  # the referee stands in: reproduced
     await _round_closes(s, hub, job_id, 0)
     await helper.register()
     for rnd in (1, 2):
@@ -109,7 +129,7 @@ async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Pa
         assert isinstance(a, Assignment) and isinstance(replica, Assignment) and a.round == replica.round == rnd
         await _upload(forger, a, store)  # the replica never comes: unverified once the wait runs out
         await _round_closes(s, hub, job_id, rnd)
-    await asyncio.sleep(HUB["online_window_s"] + 0.2)  # H is offline now
+    await asyncio.sleep(HUB["online_window_s"] + 0.2)  # H is offline now (and the partners)
     a3 = await forger.work(2.0)
     assert isinstance(a3, Assignment) and a3.round == 3
     await _upload(forger, a3, store, scale=3.5)
@@ -119,6 +139,16 @@ async def _forger_caught(s: aiohttp.ClientSession, hub: RunningHub, tmp_path: Pa
         assert time.monotonic() < deadline, "no flag"
         await asyncio.sleep(0.05)
     return job_id, forger, helper
+
+
+async def _suspend(hub: RunningHub, job_id: str, nodes: list[SimNode]) -> None:
+    """Each node caught as a forger would be: an open referee_mismatch flag, through the store's own insert."""
+    from gpuflex.hub.policy.update_record import Flag
+    from gpuflex.hub.server.appkeys import DB
+    from gpuflex.hub.storage.store_sqlite import insert_flags
+
+    flags = [Flag(f"u-{n.node_id}", n.node_id, "referee_mismatch", {"referee": {"outcome": "mismatch"}}) for n in nodes]
+    await hub.app[DB].write(lambda conn: insert_flags(conn, job_id, 0, flags, time.time()))
 
 
 def _model_sha(data_dir: Path, job_id: str, version: int) -> str | None:
@@ -135,19 +165,27 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
     hub = await start_hub(tmp_path / "hub", **HUB)
     try:
         async with aiohttp.ClientSession() as s:
-            job_id, forger, helper = await _forger_caught(s, hub, tmp_path)
+            partners = [SimNode(s, hub.url), SimNode(s, hub.url)]
+            job_id, forger, helper = await _forger_caught(s, hub, tmp_path, partners=partners)
             doc = await _job(s, hub, job_id)
-            verified = [[u["verified"] for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
-            assert verified == [[True], [False], [False]]
+            included = [[u for u in h["updates"] if u["status"] == "included"] for h in doc["history"]]
+            assert [[u["verified"] for u in us] for us in included] == [[True], [False], [False]]
+            (first,) = included[0]
+            assert (first["node_id"], first["verified_by"]) == (
+                forger.node_id, {"replicas": sorted(p.node_id for p in partners)})
             assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
                                                "rollback_to": 1, "kept": True}]
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
+            # the partners that vouched for F's round-0 update are caught too: it no longer counts
+            await _suspend(hub, job_id, partners)
+            assert (await _job(s, hub, job_id))["unverified_work"] == [
+                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True}]
             text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
                                                        "--token", hub.owner_token])
-            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 1, 2:"
-                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 1's model") in text
+            assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 0, 1, 2:"
+                    f" gpuflex-hub job rollback {job_id} --before-node {forger.node_id} restores round 0's model") in text
             # the refusals, each one line, nothing changed
             for body, status, code in (({"before_node": "n-nobody"}, 404, "unknown_node"),
                                        ({"to_round": 3}, 400, "bad_round"),
@@ -168,7 +206,7 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
     # the same data on `gpuflex-hub serve`: the owner rolls back from the command line, the hub is
     # killed with -9 right after the answer, and the rollback is there when it comes back
     tokens = (hub.owner_token, hub.url)
-    kept = _model_sha(hub.data_dir, job_id, 1)
+    kept = _model_sha(hub.data_dir, job_id, 0)
     assert kept is not None
     proc, url = _serve(hub.data_dir)
     try:
@@ -176,7 +214,7 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
                                              "--hub", url, "--token", tokens[0]])
         proc.kill()
         proc.wait(timeout=30)
-        assert out == {"job_id": job_id, "restored_round": 1, "round": 4, "rounds": 9, "rolled_back": [1, 2, 3],
+        assert out == {"job_id": job_id, "restored_round": 0, "round": 4, "rounds": 10, "rolled_back": [0, 1, 2, 3],
                        "model_hash": kept, "before_node": forger.node_id, "by": "alice"}
     finally:
         proc.kill()
@@ -196,14 +234,14 @@ async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{url}/v1/jobs/{job_id}", headers=auth) as r:
             doc = await r.json()
-        assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 4, 9, kept)
+        assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 4, 10, kept)
         assert [(h["round"], h["rolled_back"]) for h in doc["history"]] == [
-            (0, False), (1, True), (2, True), (3, True)]
+            (0, True), (1, True), (2, True), (3, True)]
         assert doc["unverified_work"] == []  # nothing of F's is in the model any more
-        # the model, bit for bit: the current one is round 1's kept model
+        # the model, bit for bit: the current one is round 0's kept model (the initial one)
         async with s.get(f"{url}/v1/jobs/{job_id}/model", headers=auth) as r:
             now = await r.read()
-        async with s.get(f"{url}/v1/jobs/{job_id}/model?round=1", headers=auth) as r:
+        async with s.get(f"{url}/v1/jobs/{job_id}/model?round=0", headers=auth) as r:
             then = await r.read()
         now_t, then_t = safetensors.torch.load(now), safetensors.torch.load(then)  # (their metadata name the round)
         assert now_t.keys() == then_t.keys()
@@ -219,7 +257,7 @@ async def _after_restart(url: str, owner: str, job_id: str, nodes: tuple[SimNode
         assert r.status == 403 and (await r.json())["error"] == "banned"
     lines = [json.loads(x) for x in (data_dir / "audit.jsonl").read_text().splitlines() if x]
     (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
-    assert (entry["restored_round"], entry["before_node"], entry["by"]) == (1, forger.node_id, "alice")
+    assert (entry["restored_round"], entry["before_node"], entry["by"]) == (0, forger.node_id, "alice")
 
 
 async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_path: Path) -> None:
@@ -245,7 +283,7 @@ async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_
             try:
                 await owner.login(hub.owner_token)
                 status, html, _ = await owner.get(f"/console/jobs/{job_id}")
-                assert status == 200 and "Roll back to round 1" in html
+                assert status == 200 and "Roll back to round 0" in html
                 status, _, r = await owner.post(f"/console/jobs/{job_id}/rollback",
                                                 {"csrf_token": owner.csrf_in(html), "before_node": forger.node_id})
                 assert status == 303 and r.headers["Location"] == f"/console/jobs/{job_id}"
@@ -254,7 +292,7 @@ async def test_the_owners_console_button_rolls_back_before_the_stopped_node(tmp_
             finally:
                 await owner.close()
             doc = await _job(s, hub, job_id)
-            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 1))
+            assert (doc["round"], doc["model_hash"]) == (4, _model_sha(hub.data_dir, job_id, 0))
     finally:
         await hub.stop()
 
@@ -269,8 +307,8 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
                 assert time.monotonic() < deadline, doc["round"]
                 await asyncio.sleep(0.05)
             assert (doc["rounds"], doc["model_hash"], doc["unverified_work"]) == (
-                9, _model_sha(hub.data_dir, job_id, 1), [])
-            assert [h["rolled_back"] for h in doc["history"]] == [False, True, True, True]
+                10, _model_sha(hub.data_dir, job_id, 0), [])
+            assert [h["rolled_back"] for h in doc["history"]] == [True, True, True, True]
         lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
         (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
         assert (entry["before_node"], entry["by"]) == (forger.node_id, "hub (auto_rollback)")
@@ -353,7 +391,7 @@ def _history(**over: Any) -> rollback.JobHistory:
     base = dict(job_id="j", state="running", round=5, rounds=10, keep_rounds=3,
                 aggregated=(rollback.Aggregated(1, "u1", "a", True), rollback.Aggregated(2, "u2", "f", False),
                             rollback.Aggregated(3, "u3", "f", False), rollback.Aggregated(4, "u4", "f", True)),
-                kept=frozenset({0, 2, 3, 4, 5}), rolled_back=frozenset())
+                kept=frozenset({0, 2, 3, 4, 5}), rolled_back=frozenset(), stopped=frozenset({"f"}))
     return rollback.JobHistory(**(base | over))  # type: ignore[arg-type]
 
 
@@ -376,6 +414,38 @@ def test_the_policy_picks_the_round_before_the_first_unverified_update_and_refus
     # rounds already rolled back hold nothing to undo
     assert rollback.decide(_history(rolled_back=frozenset({2, 3})), before_node="f").code == "nothing_to_roll_back"
     assert rollback.prune_below(10, 3) == 8 and rollback.prune_below(10, 0) is None and rollback.prune_below(2, 3) is None
+
+
+def test_a_verification_counts_for_a_rollback_only_while_its_verifier_stands() -> None:
+    """F's round-2 update was verified by C's agreeing replica, its round-3 update by a replay of
+    one segment, its round-4 one by the referee's replay of the whole update; round 5 unverified."""
+    marks = (rollback.Aggregated(1, "u1", "f", True, rollback.Verifier(("h",))),
+             rollback.Aggregated(2, "u2", "f", True, rollback.Verifier(("c",))),
+             rollback.Aggregated(3, "u3", "f", True, rollback.Verifier((), rollback.SEGMENT)),
+             rollback.Aggregated(4, "u4", "f", True, rollback.Verifier((), rollback.WHOLE)),
+             rollback.Aggregated(5, "u5", "f", False))
+    h = _history(round=6, aggregated=marks, kept=frozenset(range(7)))
+    # a partial replay does not count; an honest partner's agreement and a whole replay do
+    assert rollback.unverified_rounds(h, "f") == [3, 5]
+    assert rollback.decide(h, before_node="f").to_round == 3  # type: ignore[union-attr]
+    # once the colluder C is suspended too, what it vouched for is undone: the rollback point moves earlier
+    both = _history(round=6, aggregated=marks, kept=frozenset(range(7)), stopped=frozenset({"f", "c"}))
+    assert rollback.unverified_rounds(both, "f") == [2, 3, 5]
+    assert rollback.decide(both, before_node="f") == rollback.Rollback(
+        to_round=2, new_round=7, rounds=15, undone=(2, 3, 4, 5, 6), node_id="f")
+    # one honest agreeing replica beside a stopped one still verifies; a record naming no verifier stands
+    assert rollback.Verifier(("c", "h")).holds({"c"}) and not rollback.Verifier(("c",), rollback.SEGMENT).holds({"c"})
+    assert rollback.Aggregated(1, "u", "f", True).stands({"f"})
+    # as a round's evidence records them, and as a referee verdict's evidence says how far it replayed
+    evidence = {"aggregated": {"u1": "verified", "u2": "verified", "u3": "unverified"},
+                "verified_by": {"u1": {"replicas": ["c"], "referee": "segment"}}}
+    assert rollback.verifiers_of(evidence, ["u1", "u2", "u3"]) == {
+        "u1": rollback.Verifier(("c",), rollback.SEGMENT), "u2": None, "u3": None}
+    assert rollback.Verifier.of_doc(rollback.Verifier(("c",), rollback.WHOLE).doc()) == rollback.Verifier(
+        ("c",), rollback.WHOLE)
+    assert rollback.replay_reach({"steps": [0, 63], "last_step": 63}) == rollback.WHOLE
+    assert rollback.replay_reach({"steps": [8, 16], "last_step": 63}) == rollback.SEGMENT
+    assert rollback.replay_reach({}) == rollback.SEGMENT
 
 
 @pytest.mark.parametrize("keep", ["1", "10"])

@@ -80,15 +80,11 @@ def _all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _verified(shard: ShardState, update_id: str) -> bool:
-    """Was this aggregated update verified: the referee reproduced it, or a replica agreed with it
-    (a redundant member of a group that did not settle unverified)?"""
-    if shard.unverified:
-        return False
-    verdict = shard.verdicts.get(update_id)
-    if verdict is not None:
-        return verdict.ok
-    return any(u.id != update_id and u.status == "redundant" for u in shard.accepted)
+def _verifier(shard: ShardState, update_id: str) -> rollback.Verifier | None:
+    """Who verified this aggregated update (rollback.verifier_of): the referee's verdict on it, else
+    the redundant members of its replica group; nobody in a group that settled unverified."""
+    agreed = (u.node_id for u in shard.accepted if u.id != update_id and u.status == "redundant")
+    return rollback.verifier_of(shard.verdicts.get(update_id), agreed, unverified=bool(shard.unverified))
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -186,8 +182,10 @@ class RoundAggregation:
         if unverified:  # aggregated without a replica's confirmation (verification.unverified = "accept")
             evidence["unverified"] = unverified
         # each aggregated update, verified or not: what a rollback undoes (hub/policy/rollback.py)
-        evidence["aggregated"] = {reps[i].id: rollback.VERIFIED if _verified(shard_of[reps[i].id], reps[i].id)
-                                  else rollback.UNVERIFIED for i in included}
+        verifiers = {reps[i].id: _verifier(shard_of[reps[i].id], reps[i].id) for i in included}
+        evidence["aggregated"] = {u: rollback.UNVERIFIED if v is None else rollback.VERIFIED for u, v in verifiers.items()}
+        # who verified each: a rollback counts it unverified once they are stopped (or a segment's replay)
+        evidence["verified_by"] = {u: v.doc() for u, v in verifiers.items() if v is not None}
         # the owner's probe set (Templar's Gauntlet); not under central DP, where a per-update
         # loss change would tell the owner what the noise is there to hide
         if job.node_local and job.val_sha and reps and not job.spec.privacy.central:

@@ -4,9 +4,14 @@ Every round's model is kept with its server optimizer state (the ``models`` rows
 ``[verification] keep_rounds`` of them (0: all; version 0, the initial model, always), and each
 closed round records which updates it aggregated and whether each was verified: a replica agreed
 with it or the referee reproduced it (``verified``), or neither (``unverified``: a lone update, a
-replica that never came, secure aggregation's blind sum). A node caught forging (suspended or
-banned, hub/policy/suspension.py) may have written into the model through its unverified updates
-before it was caught; a rollback undoes that.
+replica that never came, secure aggregation's blind sum), and who verified it (``Verifier``: the
+nodes whose replicas agreed, and whether the referee re-executed the whole update or one
+segment of it). A node caught forging (suspended or banned, hub/policy/suspension.py) may have
+written into the model through its unverified updates before it was caught; a rollback undoes
+that. A verification is only as good as its verifier: for a rollback an update counts as
+unverified unless a replica of a node that is not suspended or banned agreed with it, or the
+referee re-executed all of it (a replay of one segment proves that segment, not the update), so
+what a forger's fellow colluders vouched for is undone with the rest of its work.
 
 ``decide`` picks the model: ``before_node`` restores the model of the round where the node's
 first unverified update was aggregated (the model that round trained from, before the update),
@@ -22,29 +27,96 @@ Pure: the caller gathers ``JobHistory`` from the store and applies the decision.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 VERIFIED = "verified"
 UNVERIFIED = "unverified"
+#: how much of an update the referee re-executed when it reproduced it
+WHOLE = "whole"
+SEGMENT = "segment"
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """Who verified an aggregated update: ``replicas``, the nodes whose replicas agreed with it, or
+    ``referee``, the referee's re-execution that reproduced it (``WHOLE``: every step of it;
+    ``SEGMENT``: one committed segment; None: no re-execution)."""
+
+    replicas: tuple[str, ...] = ()
+    referee: str | None = None
+
+    def holds(self, stopped: Set[str]) -> bool:
+        """Does the verification stand while the nodes ``stopped`` are suspended or banned: the
+        referee re-executed the whole update, or a node not stopped agreed with it."""
+        return self.referee == WHOLE or any(n not in stopped for n in self.replicas)
+
+    def doc(self) -> dict[str, Any]:
+        """As a round's evidence records it (``verified_by``)."""
+        return {"replicas": list(self.replicas), **({"referee": self.referee} if self.referee else {})}
+
+    @classmethod
+    def of_doc(cls, doc: Any) -> Verifier | None:
+        """The recorded verifier; None for a record that names none."""
+        if not isinstance(doc, Mapping):
+            return None
+        replicas, referee = doc.get("replicas") or (), doc.get("referee")
+        return cls(tuple(str(n) for n in replicas), referee if referee in (WHOLE, SEGMENT) else None)
+
+
+class ReplayVerdict(Protocol):
+    """The referee's verdict on an update (hub/policy/referee.py's ``SegmentVerdict``)."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def evidence(self) -> Mapping[str, Any]: ...
+
+
+def verifier_of(verdict: ReplayVerdict | None, agreed: Iterable[str], *, unverified: bool) -> Verifier | None:
+    """Who verified an aggregated update, None when nobody did: the referee when it judged the
+    update (its verdict decides; its evidence says how much it re-executed), else the nodes whose
+    replicas agreed with it (``agreed``); nobody when its shard settled ``unverified``."""
+    if unverified:
+        return None
+    if verdict is not None:
+        return Verifier(referee=replay_reach(verdict.evidence)) if verdict.ok else None
+    nodes = tuple(sorted(set(agreed)))
+    return Verifier(nodes) if nodes else None
+
+
+def replay_reach(evidence: Mapping[str, Any]) -> str:
+    """``WHOLE`` when a referee verdict's evidence says the replay ran from step 0 to the update's
+    last step (its one segment is the whole update), else ``SEGMENT``."""
+    steps, last = evidence.get("steps"), evidence.get("last_step")
+    whole = isinstance(steps, Sequence) and len(steps) == 2 and steps[0] == 0 and last is not None and steps[1] == last
+    return WHOLE if whole else SEGMENT
 
 
 @dataclass(frozen=True)
 class Aggregated:
-    """An update a closed round aggregated."""
+    """An update a closed round aggregated: ``verified`` as the round recorded it, by
+    ``verified_by`` (None: the record names no verifier, and the mark stands alone)."""
 
     round: int
     update_id: str
     node_id: str
     verified: bool
+    verified_by: Verifier | None = None
+
+    def stands(self, stopped: Set[str]) -> bool:
+        """Is it verified for a rollback while the nodes ``stopped`` are suspended or banned."""
+        return self.verified and (self.verified_by is None or self.verified_by.holds(stopped))
 
 
 @dataclass(frozen=True)
 class JobHistory:
     """What a rollback is decided from. ``round``: the job's round counter (its open round while
     it runs; its closed rounds count when done); ``kept``: the model versions still kept (version
-    R is the model round R trained from); ``rolled_back``: rounds a rollback already undid."""
+    R is the model round R trained from); ``rolled_back``: rounds a rollback already undid;
+    ``stopped``: the nodes suspended or banned now (a verification they gave does not stand)."""
 
     job_id: str
     state: str
@@ -54,6 +126,7 @@ class JobHistory:
     aggregated: tuple[Aggregated, ...]
     kept: frozenset[int]
     rolled_back: frozenset[int]
+    stopped: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -87,10 +160,30 @@ def verification_of(evidence: Mapping[str, Any], included: Sequence[str]) -> dic
     return {u: u not in unverified for u in included}
 
 
+def verifiers_of(evidence: Mapping[str, Any], included: Sequence[str]) -> dict[str, Verifier | None]:
+    """Update id -> who verified it, for a closed round's aggregated updates, from its evidence
+    (``verified_by``); None for an update it names no verifier of."""
+    by = evidence.get("verified_by")
+    marks = by if isinstance(by, Mapping) else {}
+    return {u: Verifier.of_doc(marks.get(u)) for u in included}
+
+
+def unverified_by_node(aggregated: Iterable[Aggregated], *, rolled_back: Set[int],
+                       stopped: Set[str]) -> dict[str, list[int]]:
+    """Node id -> the rounds, not rolled back, where its updates were aggregated unverified: never
+    verified, or verified only by nodes ``stopped`` now or by a replay of one segment."""
+    rounds: dict[str, set[int]] = {}
+    for a in aggregated:
+        if a.round not in rolled_back and not a.stands(stopped):
+            rounds.setdefault(a.node_id, set()).add(a.round)
+    return {node: sorted(rs) for node, rs in rounds.items()}
+
+
 def unverified_rounds(history: JobHistory, node_id: str) -> list[int]:
-    """The rounds, not rolled back, where the node's unverified updates were aggregated."""
-    return sorted({a.round for a in history.aggregated
-                   if a.node_id == node_id and not a.verified and a.round not in history.rolled_back})
+    """The rounds, not rolled back, where the node's unverified updates were aggregated
+    (``unverified_by_node``)."""
+    mine = (a for a in history.aggregated if a.node_id == node_id)
+    return unverified_by_node(mine, rolled_back=history.rolled_back, stopped=history.stopped).get(node_id, [])
 
 
 def decide(history: JobHistory, *, before_node: str | None = None, to_round: int | None = None) -> Rollback | Refused:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.jobspec import parse_job_spec
 
-from ..policy.rollback import Aggregated, JobHistory, Rollback, verification_of
+from ..policy.rollback import Aggregated, JobHistory, Rollback, verification_of, verifiers_of
 from .db import Database
 from .store import RollbackStore
 
@@ -21,6 +21,14 @@ def _keep_rounds(spec_toml: str) -> int:
         return int(parse_job_spec(spec_toml).verification.keep_rounds)
     except ProtocolError:  # a job that cannot be resumed: nothing is pruned
         return 0
+
+
+def stopped_nodes(conn: sqlite3.Connection) -> dict[str, str]:
+    """node id -> banned | suspended (an open flag that suspends it), for every node stopped now."""
+    out = {str(r[0]): "suspended" for r in conn.execute(
+        "SELECT DISTINCT node_id FROM flags WHERE status = 'open' AND suspends = 1")}
+    out.update({str(r[0]): "banned" for r in conn.execute("SELECT id FROM nodes WHERE banned = 1")})
+    return out
 
 
 def _history(conn: sqlite3.Connection, job_id: str) -> JobHistory | None:
@@ -39,12 +47,14 @@ def _history(conn: sqlite3.Connection, job_id: str) -> JobHistory | None:
         if r["rolled_back_at"] is not None:
             rolled_back.add(rnd)
         ups = included.get(rnd, [])
-        verified = verification_of(json.loads(r["evidence"] or "{}"), [uid for uid, _ in ups])
-        aggregated += [Aggregated(rnd, uid, node, verified[uid]) for uid, node in ups]
+        evidence = json.loads(r["evidence"] or "{}")
+        verified = verification_of(evidence, [uid for uid, _ in ups])
+        by = verifiers_of(evidence, [uid for uid, _ in ups])
+        aggregated += [Aggregated(rnd, uid, node, verified[uid], by[uid]) for uid, node in ups]
     kept = {int(m[0]) for m in conn.execute("SELECT version FROM models WHERE job_id = ?", (job_id,))}
     return JobHistory(job_id=job_id, state=job["state"], round=int(job["round"]), rounds=int(job["rounds"]),
                       keep_rounds=_keep_rounds(job["spec_toml"]), aggregated=tuple(aggregated),
-                      kept=frozenset(kept), rolled_back=frozenset(rolled_back))
+                      kept=frozenset(kept), rolled_back=frozenset(rolled_back), stopped=frozenset(stopped_nodes(conn)))
 
 
 def _unreferenced(conn: sqlite3.Connection, shas: set[str]) -> list[str]:

@@ -331,7 +331,7 @@ REVIEW_ROUND_FIELDS = (
     "node_shares",
     "parallel",
 )
-REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "verified", "replica_group", "chunks")
+REVIEW_UPDATE_FIELDS = ("update_id", "node_id", "status", "verified", "verified_by", "replica_group", "chunks")
 
 
 def review_doc(doc: dict[str, Any]) -> dict[str, Any]:

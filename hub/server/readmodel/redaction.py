@@ -69,6 +69,8 @@ def _pseudonymize(doc: dict[str, Any], extras: dict[str, Any] | None) -> None:
     for h in doc["history"]:
         for u in h["updates"]:
             u.update(node_id=alias(u["node_id"]), samples=None, loss=None, chunks=None)
+            if u.get("verified_by"):
+                u["verified_by"] = {**u["verified_by"], "replicas": [alias(n) for n in u["verified_by"]["replicas"]]}
         for f in h["flags"]:
             f["node_id"] = alias(f["node_id"])
         for sh in h.get("shards", []):

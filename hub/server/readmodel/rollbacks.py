@@ -1,6 +1,7 @@
 """What a rollback would undo, as the job status shows it (hub/policy/rollback.py): for each node
 that is suspended or banned now, the rounds (not rolled back) where its unverified updates were
-aggregated, and the round whose kept model a rollback before it restores."""
+aggregated (verified only by a node stopped now, or by a replay of one segment, counts as
+unverified), and the round whose kept model a rollback before it restores."""
 
 from __future__ import annotations
 
@@ -8,33 +9,23 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from ...policy.rollback import Aggregated, Verifier, unverified_by_node
+from ...storage.store_rollback import stopped_nodes
+
 
 def unverified_work(conn: sqlite3.Connection, job_id: str, history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``history``: the job's closed rounds (rounds.history). One entry a stopped node, in the
     order of its first such round: node_id, state (suspended|banned), rounds, rollback_to (the
     round whose model ``job rollback --before-node`` restores) and kept (is that model still kept)."""
-    rounds: dict[str, set[int]] = {}
-    for h in history:
-        if h.get("rolled_back"):
-            continue
-        for u in h["updates"]:
-            if u.get("verified") is False:
-                rounds.setdefault(u["node_id"], set()).add(int(h["round"]))
-    if not rounds:
+    stopped = stopped_nodes(conn)
+    if not stopped:
         return []
-    stopped = _stopped(conn, list(rounds))
+    aggregated = [Aggregated(int(h["round"]), u["update_id"], u["node_id"], bool(u["verified"]),
+                             Verifier.of_doc(u.get("verified_by")))
+                  for h in history for u in h["updates"] if u["status"] == "included"]
+    rolled_back = {int(h["round"]) for h in history if h.get("rolled_back")}
+    rounds = unverified_by_node(aggregated, rolled_back=rolled_back, stopped=set(stopped))
     kept = {int(r[0]) for r in conn.execute("SELECT version FROM models WHERE job_id = ?", (job_id,))}
-    out = [{"node_id": node, "state": stopped[node], "rounds": sorted(rs), "rollback_to": min(rs),
-            "kept": min(rs) in kept} for node, rs in rounds.items() if node in stopped]
+    out = [{"node_id": node, "state": stopped[node], "rounds": rs, "rollback_to": rs[0],
+            "kept": rs[0] in kept} for node, rs in rounds.items() if node in stopped]
     return sorted(out, key=lambda w: (w["rollback_to"], w["node_id"]))
-
-
-def _stopped(conn: sqlite3.Connection, nodes: list[str]) -> dict[str, str]:
-    """node id -> banned | suspended (an open flag that suspends it), for those of ``nodes`` stopped."""
-    marks = ",".join("?" * len(nodes))
-    out = {r[0]: "suspended" for r in conn.execute(
-        f"SELECT DISTINCT node_id FROM flags WHERE status = 'open' AND suspends = 1 AND node_id IN ({marks})",  # noqa: S608
-        nodes)}
-    out.update({r[0]: "banned" for r in conn.execute(
-        f"SELECT id FROM nodes WHERE banned = 1 AND id IN ({marks})", nodes)})  # noqa: S608
-    return out

@@ -8,7 +8,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ...policy.rollback import verification_of
+from ...policy.rollback import verification_of, verifiers_of
 
 
 def history(conn: sqlite3.Connection, job: sqlite3.Row, chunk_samples: int) -> list[dict[str, Any]]:
@@ -43,7 +43,10 @@ def round_entry(
     metrics = json.loads(r["metrics"] or "{}")
     ev = json.loads(r["evidence"] or "{}")
     # each aggregated update: verified (a replica agreed, the referee reproduced it) or not
-    verified = verification_of(ev, [u["id"] for u in ups if u["status"] == "included"])
+    included = [u["id"] for u in ups if u["status"] == "included"]
+    verified = verification_of(ev, included)
+    # who: the nodes whose replicas agreed, the referee's replay (whole or one segment)
+    verifiers = verifiers_of(ev, included)
     return {
         "round": r["round"],
         "loss": r["loss"],
@@ -74,6 +77,7 @@ def round_entry(
                 "loss": u["loss"],
                 "status": u["status"],
                 "verified": verified.get(u["id"]),
+                "verified_by": v.doc() if (v := verifiers.get(u["id"])) is not None else None,
                 "replica_group": u["replica_group"],
             }
             for u in ups
