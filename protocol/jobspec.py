@@ -723,10 +723,6 @@ def parse_job_spec(text: str | bytes) -> JobSpec:
         pipeline_section = _Section(doc["pipeline"], "pipeline")
         pipeline = parse_pipeline(pipeline_section, model, train, data, privacy)
         pipeline_section.finish()
-        if model.transformer is not None and model.transformer.experts:
-            # the routers' balancing loss rides on the logits of a whole model's forward
-            raise SpecError("pipeline: a mixture-of-experts model (model.experts > 0) trains on one "
-                            "node; remove [pipeline]")
     check_finetune(model, secure_aggregation=privacy.secure_aggregation)
     for section in sections.values():
         section.finish()

@@ -20,7 +20,9 @@ Routing (Switch Transformer / GShard):
   ``aux_loss_weight`` is recorded on the router each forward (``Router.aux_loss``); the
   transformer attaches the sum over its routers to its logits (:func:`attach_aux_loss`) and
   :class:`~.transformer.NextTokenLoss` adds it, so every trainer that uses that loss (the
-  node's, the referee's replay) trains with it. Evaluation reports the language-model loss alone.
+  node's, the referee's replay) trains with it. A pipeline stage holds only some of the blocks:
+  it adds its own routers' loss (:func:`routers_aux_loss`), weighted by the micro-batch's share
+  of the step, to what it differentiates. Evaluation reports the language-model loss alone.
 
 The router also records, each forward, how many assignments each expert was given
 (``routed``) and how many it kept (``kept``): the tokens dropped by capacity are
@@ -55,6 +57,7 @@ __all__ = [
     "aux_loss_of",
     "combine",
     "route",
+    "routers_aux_loss",
 ]
 
 #: router jitter of MoE block i draws from keyed slot JITTER_SLOT + i (dropout uses small slots)
@@ -132,6 +135,16 @@ def aux_loss_of(logits: Tensor) -> Tensor | None:
     """The auxiliary loss the model attached to ``logits``; None when it attached none."""
     aux = getattr(logits, _AUX_ATTR, None)
     return aux if isinstance(aux, Tensor) else None
+
+
+def routers_aux_loss(module: nn.Module) -> Tensor | None:
+    """The weighted balancing loss of ``module``'s last forward, summed over the routers it holds
+    (taken from them: asked again, None); None when it holds no router. A whole transformer
+    attaches it to its logits; a pipeline stage, which holds some of the blocks, adds its own
+    routers' share to what it differentiates (node/pipeline/stage.py, the referee's replay)."""
+    taken = [m.take_aux_loss() for m in module.modules() if isinstance(m, Router)]
+    losses = [aux for aux in taken if aux is not None]
+    return torch.stack(losses).sum() if losses else None
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .dropout import KeyedDropout
 from .modelspec import TransformerConfig
-from .moe import JITTER_SLOT, ExpertMLP, MoE, Router, attach_aux_loss, aux_loss_of
+from .moe import JITTER_SLOT, ExpertMLP, MoE, Router, attach_aux_loss, aux_loss_of, routers_aux_loss
 
 __all__ = ["MLP", "Block", "Embed", "Head", "NextTokenLoss", "SelfAttention", "Transformer"]
 
@@ -186,9 +186,7 @@ class Transformer(nn.Module):
     def aux_loss(self) -> Tensor | None:
         """The weighted load-balancing loss of the last forward, summed over the routers (taken
         from them: asked again, None); None for a dense model."""
-        taken = [m.take_aux_loss() for m in self.modules() if isinstance(m, Router)]
-        losses = [aux for aux in taken if aux is not None]
-        return torch.stack(losses).sum() if losses else None
+        return routers_aux_loss(self)
 
 
 class NextTokenLoss(nn.Module):

@@ -243,6 +243,23 @@ def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 CUTS = {2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 2, 3]}
 
 
+#: a mixture of experts in every block (router jitter and capacity drops on): each stage adds its
+#: own routers' balancing loss, as one process adds them all to the logits' loss
+MOE = ModelSpec.from_dict(
+    {
+        "kind": "transformer",
+        "vocab": 13,
+        "context": 6,
+        "layers": 2,
+        "width": 8,
+        "heads": 2,
+        "experts": 4,
+        "top_k": 2,
+        "capacity_factor": 1.0,
+        "router_jitter": 0.1,
+        "aux_loss_weight": 0.05,
+    }
+)
 #: LoRA jobs (protocol/finetune.py): frozen weights in int8 (the transformer's tied embedding
 #: frozen on both end stages), adapters trained in fp32
 LORA_TRANSFORMER = with_lora(TRANSFORMER, LoraConfig(rank=2, alpha=4.0), where="train")
@@ -258,8 +275,19 @@ LORA_STACK = with_lora(STACK, LoraConfig(rank=3, alpha=6.0, targets=("Linear",))
         (STACK, ADAM, 2),
         (LORA_TRANSFORMER, ADAM, 3),
         (LORA_STACK, ADAM, 2),
+        (MOE, SGD_LM, 2),
+        (MOE, SGD_LM, 4),
     ],
-    ids=["transformer-2", "transformer-4", "stack-3", "stack-2", "lora-int8-lm-3", "lora-int8-2"],
+    ids=[
+        "transformer-2",
+        "transformer-4",
+        "stack-3",
+        "stack-2",
+        "lora-int8-lm-3",
+        "lora-int8-2",
+        "moe-2",
+        "moe-4",
+    ],
 )
 def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, stages: int) -> None:
     """The transformer trains with SGD here: the gradient of an attention key's bias is zero up

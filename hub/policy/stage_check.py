@@ -40,6 +40,7 @@ from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.modelspec import ModelSpec
+from gpuflex.protocol.moe import routers_aux_loss
 from gpuflex.protocol.pipeline import Unit, load_unit
 from gpuflex.protocol.transformer import NextTokenLoss
 from torch import Tensor, nn
@@ -71,7 +72,8 @@ class StageEvidence:
     grad_out: Tensor | None = None
     grad_in: Tensor | None = None
     y: Tensor | None = None
-    #: the last stage's loss weight: the micro-batch's share of the step's samples
+    #: the micro-batch's share of the step's samples: the last stage's loss weight, and every
+    #: stage's weight of its routers' balancing loss (a mixture of experts)
     weight: float = 1.0
     inbound: BoundaryCode | None = None
     outbound: BoundaryCode | None = None
@@ -157,6 +159,7 @@ def judge_stage(
         x.requires_grad_(True)
     with torch.random.fork_rng(devices=[]), dropout_step(seed, step, part=micro_batch):
         out = module(x)
+    aux = routers_aux_loss(module)  # a mixture of experts' routers: their balancing loss
     found: dict[str, Any] = {"threshold": tolerance}
     if loss_fn is not None:
         if evidence.y is None:
@@ -174,7 +177,11 @@ def judge_stage(
         if grad is not None and grad.shape != out.shape:
             found["backward_distance"] = math.inf
         else:
-            torch.autograd.backward(root, grad)
+            roots, grads = [root], [grad if grad is not None else torch.ones_like(root)]
+            if aux is not None:  # weighted as the stage weighs it: the micro-batch's share
+                roots.append(aux * evidence.weight)
+                grads.append(torch.ones_like(aux))
+            torch.autograd.backward(roots, grads)
             recomputed = x.grad if x.grad is not None else torch.zeros_like(x)
             found["backward_distance"] = _distance(evidence.grad_in, recomputed, evidence.inbound)
     distances = [v for k, v in found.items() if k.endswith("_distance")]

@@ -30,6 +30,7 @@ import torch
 from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.moe import routers_aux_loss
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -70,18 +71,35 @@ class TiedGroup:
 
 def boundary_specs(stages: Sequence[nn.Module], example: Tensor) -> list[TensorSpec]:
     """What passes between stage i and i+1 for one micro-batch like ``example``: found by running
-    the stages on the meta device (no memory, no compute)."""
+    the stages on the meta device (no memory, no compute); a unit with an op torch cannot run
+    there (a mixture of experts' routing picks tokens by value) runs on zeros on the CPU."""
     specs: list[TensorSpec] = []
     x = example.to("meta")
     with torch.no_grad():
         for module in stages[:-1]:
-            x = copy.deepcopy(module).to("meta")(x)
+            units = list(module.children()) if isinstance(module, nn.Sequential) else [module]
+            for unit in units:
+                x = _output_of(unit, x)
             if not isinstance(x, Tensor) or not x.is_floating_point():
                 raise PipelineError(
                     "a stage must hand the next one a floating-point tensor (a gradient flows back)"
                 )
             specs.append(spec_of(x, "activation"))
     return specs
+
+
+def _output_of(unit: nn.Module, x: Tensor) -> Tensor:
+    """``unit``'s output for the meta tensor ``x``, as a meta tensor: run on the meta device, or
+    when an op has no meta kernel, on zeros of its tensors and of ``x`` on the CPU (one unit's
+    worth of memory, for a moment)."""
+    try:
+        out = copy.deepcopy(unit).to("meta")(x)
+    except NotImplementedError:
+        state = {n: torch.zeros_like(t, device="cpu") for n, t in unit.state_dict().items()}
+        out = torch.func.functional_call(unit, state, (torch.zeros_like(x, device="cpu"),))
+    if not isinstance(out, Tensor):
+        raise PipelineError(f"a pipeline unit returns {type(out).__name__}, not one tensor")
+    return out.to("meta")
 
 
 @dataclass
@@ -126,7 +144,11 @@ class StageRunner:
     #: its rest (None or a share of 1: none)
     pace: ComputeShare | None = None
     _first: int = field(default=0, repr=False)  # this lane's first micro-batch of the step
-    _held: dict[int, tuple[Tensor | None, Tensor]] = field(default_factory=dict, repr=False)
+    #: per micro-batch in flight: its input (None on stage 0), what its backward starts from (the
+    #: output, or the last stage's weighted loss) and this stage's routers' weighted balancing loss
+    _held: dict[int, tuple[Tensor | None, Tensor, Tensor | None]] = field(
+        default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         last = self.stage == self.stages - 1
@@ -275,30 +297,51 @@ class StageRunner:
             x_in = None  # stage 0's inputs need no gradient
             with self._computing(), dropout_step(self.seed, step, part=self._first + i):
                 out = self.module(x)
+        aux = self._aux_loss(out, samples)
         if y is None:
             key = self._key(step, self._first + i, "activation", self.stage + 1)
             self._send(key, out, self.outbound_code)
-            self._held[i] = (x_in, out)
+            self._held[i] = (x_in, out, aux)
             return None
         if self.loss_fn is None:
             raise PipelineError("the last stage needs its loss")
         # (micro-batch's mean loss) x (its share of the step's samples): the step's mean, summed
         with self._computing():
             loss = self.loss_fn(out, y) * (int(y.shape[0]) / samples)
-        self._held[i] = (x_in, loss)
+        self._held[i] = (x_in, loss, aux)
         return loss
 
+    def _aux_loss(self, out: Tensor, samples: int) -> Tensor | None:
+        """This stage's routers' balancing loss of the forward just run (a mixture of experts'
+        blocks), weighted as one process weighs it: by the micro-batch's share of the step."""
+        aux = routers_aux_loss(self.module)
+        if aux is None:
+            return None
+        if samples <= 0:
+            raise PipelineError(
+                f"stage {self.stage} holds experts' routers and needs the step's sample count"
+            )
+        return aux * (int(out.shape[0]) / samples)
+
     def _backward(self, step: int, i: int) -> None:
-        x_in, out = self._held.pop(i)
+        x_in, out, aux = self._held.pop(i)
+        roots: list[Tensor] = []
+        grads: list[Tensor] = []
         if self.outbound is None:  # the last stage: ``out`` is the weighted loss
-            with self._computing():
-                out.backward()
+            roots.append(out)
+            grads.append(torch.ones_like(out))
         else:
             key = self._from(step, self._first + i, "gradient", self.stage + 1)
             grad = self._receive(key, self.outbound, self.outbound_code)
             if out.requires_grad:  # else nothing before it trains (a LoRA job's frozen embedding)
-                with self._computing():
-                    torch.autograd.backward(out, grad.to(out.device))
+                roots.append(out)
+                grads.append(grad.to(out.device))
+        if aux is not None and aux.requires_grad:
+            roots.append(aux)
+            grads.append(torch.ones_like(aux))
+        if roots:
+            with self._computing():
+                torch.autograd.backward(roots, grads)
         if x_in is not None:
             if x_in.grad is None:
                 raise PipelineError(f"stage {self.stage}'s input received no gradient")

@@ -367,14 +367,14 @@ class StageChecks:
         """Stage 0's samples and the last stage's targets of the pick's micro-batch, from the
         job's chunks (step_samples, micro_batch_slices), and the micro-batch's loss weight."""
         last = pick.local == pick.stages - 1
+        batch = job.spec.train.batch_size
+        lo, hi = micro_batch_slices(batch, pick.micro_batches)[pick.micro_batch]
         if pick.local > 0 and not last:
-            return torch.empty(0), None, 1.0
+            return torch.empty(0), None, (hi - lo) / batch
         chunks = [decode_state(self.blobs.read(c.sha)) for c in job.chunks]
         x = torch.cat([c["x"] for c in chunks])
         y = torch.cat([c["y"] for c in chunks])
-        batch = job.spec.train.batch_size
         index = torch.tensor(step_samples(job.spec.train.seed, pick.step, batch, int(x.shape[0])))
-        lo, hi = micro_batch_slices(batch, pick.micro_batches)[pick.micro_batch]
         part = index[lo:hi]
         return x[part], (y[part] if last else None), (hi - lo) / batch
 
