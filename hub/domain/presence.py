@@ -170,6 +170,15 @@ class Presence:
         node.rtt_s = rtt_s if node.rtt_s <= 0 else (1 - alpha) * node.rtt_s + alpha * rtt_s
 
     @staticmethod
+    def observe_uplink(node: NodeState, bytes_per_s: float | None, alpha: float = 0.2) -> None:
+        """The rate a body of the node's came in at (None: too small to say): a moving average,
+        the first sample taken whole."""
+        if bytes_per_s is None or not 0 < bytes_per_s < float("inf"):
+            return
+        old = node.uplink_bytes_per_s
+        node.uplink_bytes_per_s = bytes_per_s if old <= 0 else (1 - alpha) * old + alpha * bytes_per_s
+
+    @staticmethod
     def count_delivery(node: NodeState, shard: ShardState) -> None:
         """A node's update of ``shard`` was accepted: what its chunk cap grows by."""
         node.updates_accepted += 1

@@ -46,6 +46,10 @@ class NodeState:
     #: the round trip of its connection to the hub, a moving average of the kernel's measure
     #: (hub/server/linkmeter.py) taken as it asks for work; 0 until measured. Memory only
     rtt_s: float = 0.0
+    #: the rate its bodies come in at (bytes/s), a moving average over the relayed tensors,
+    #: checkpoints and updates large enough to time (hub/server/linkmeter.py); 0 until measured.
+    #: Memory only
+    uplink_bytes_per_s: float = 0.0
     #: "host:port" where it accepts other stages' tensors directly (Hello.stage_address; "":
     #: through the hub's relay only); kept in its device facts
     stage_address: str = ""

@@ -93,7 +93,13 @@ def _offer_notes(offers: dict[str, Any]) -> list[str]:
             if (scale := offers["speed"].get("benchmark_scale", 1.0)) != 1.0
             else []
         ),
-        f"link: {'assumed ' if link.get('assumed') else ''}{size(link['bandwidth_bytes_per_s'])}/s,"
+        *(
+            f"link of {n['node_id']}: {size(n['bandwidth_bytes_per_s'])}/s as its bodies came in"
+            for n in offers["nodes"]
+            if n.get("bandwidth_measured")
+        ),
+        f"link{' (a node not timed yet)' if not link.get('assumed') else ''}: "
+        f"{'assumed ' if link.get('assumed') else ''}{size(link['bandwidth_bytes_per_s'])}/s,"
         f" round trip {link['rtt_s'] * 1e3:.0f} ms",
     ]
     left = offers["left_out"]

@@ -475,9 +475,10 @@ def _job_plan_schema() -> dict[str, Any]:
         "id": {"type": "string"}, "state": {"type": "string"}, "batch_size": integer,
         "model": {"type": "object", "description": "units, state_bytes (parameters, gradients, optimizer "
                   "state), flops_per_sample (forward + backward)"},
-        "offers": {"type": "object", "description": "online (count), nodes (node_id, memory_bytes, flops_per_s), "
-                   "left_out (count, why), speed (how flops_per_s was derived), link (bandwidth_bytes_per_s, "
-                   "rtt_s, assumed)"},
+        "offers": {"type": "object", "description": "online (count), nodes (node_id, memory_bytes, flops_per_s, "
+                   "speed_from, rtt_s, rtt_measured, bandwidth_bytes_per_s, bandwidth_measured), left_out "
+                   "(count, why), speed (how flops_per_s was derived), link (the bandwidth_bytes_per_s and "
+                   "rtt_s of a node not measured, assumed: no node measured, why)"},
         "plan": {"type": "object", "properties": {
             "replicas": integer, "step_s": num, "samples_per_s": {"type": ["number", "null"]},
             "pipelines": {"type": "array", "items": pipeline}}},

@@ -27,6 +27,7 @@ from gpuflex.protocol.tensors import TensorSpec, check_blob, max_encoded_size
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
 from ..model.relay import Crossing, RelayPlan
 from .appkeys import CONFIG, IO_POOL, LEDGER, METRICS, RELAY
+from .linkmeter import BodyClock
 from .relaybox import RelayKey
 from .wire import b64_header, open_node_message, protocol_to_hub, read_body, sealed_response
 
@@ -97,7 +98,9 @@ async def relay_put(request: web.Request) -> web.Response:
             f"Content-Length {request.content_length} differs from the signed size {hdr.size}",
             code="size_mismatch",
         )
-    body = await read_body(request, hdr.size)
+    clock = BodyClock()
+    body = await read_body(request, hdr.size, clock)
+    app[LEDGER].scheduler.presence.observe_uplink(node, clock.rate())
     if len(body) <= CHECK_ON_LOOP:
         _check_body(body, hdr, spec)
     else:

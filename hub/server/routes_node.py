@@ -64,7 +64,7 @@ from ..model.node import NodeState
 from ..storage.blobs import HOT_BLOB_MAX, BlobStore, check_blob_id
 from ..storage.tokens import enrollment_operator
 from .appkeys import BLOBS, CONFIG, DB, DELTAS, HUB_KEY, IO_POOL, LEDGER, METRICS
-from .linkmeter import tcp_rtt_s
+from .linkmeter import BodyClock, tcp_rtt_s
 from .manifests import check_streamed_manifest
 from .wire import (
     b64_header,
@@ -484,7 +484,9 @@ async def _update(request: web.Request) -> web.Response:
             raise Conflict(f"the hub holds {held} bytes of this update; send it from offset {held}",
                            code="offset_mismatch")
         keep = resumable
-        await _receive_update(request, hdr, job.layout, tmp)
+        clock = BodyClock()
+        await _receive_update(request, hdr, job.layout, tmp, clock)
+        ledger.scheduler.presence.observe_uplink(node, clock.rate())
         upd = await ledger.uploads.accept_update(node, a, job, hdr)
     except BaseException as exc:
         # a temp file goes; what an interrupted upload left stays, unless its bytes were refused
@@ -538,7 +540,8 @@ def _interrupted(exc: BaseException) -> bool:
     return not (isinstance(exc, HubError) and exc.code in _CONTENT_CODES)
 
 
-async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: UpdateLayout, tmp: Path) -> None:
+async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: UpdateLayout, tmp: Path,
+                          clock: BodyClock) -> None:
     """Read the body, hash it and check it against the model's manifest, then store it durably.
 
     Hashing, file writes, the manifest and finiteness checks and the fsync run in the I/O
@@ -558,7 +561,8 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
     digest = hashlib.sha256()
     fh = None if small else await loop.run_in_executor(pool, _open_for_append, tmp, hdr.offset, digest)
     want = size - hdr.offset
-    pieces, received = await _read_body(request, want, digest, fh, field="update_size", long_code="body_too_long")
+    pieces, received = await _read_body(request, want, digest, fh, field="update_size", long_code="body_too_long",
+                                        clock=clock)
     if received != want:
         raise BadRequest(f"body has {received} bytes, update_size - offset says {want}", code="size_mismatch")
     if small:
@@ -577,12 +581,12 @@ async def _receive_update(request: web.Request, hdr: UpdateHeader, layout: Updat
 
 
 async def _read_body(request: web.Request, want: int, digest: hashlib._Hash, fh: BinaryIO | None, *,
-                     field: str, long_code: str) -> tuple[list[bytes], int]:
+                     field: str, long_code: str, clock: BodyClock | None = None) -> tuple[list[bytes], int]:
     """Read a body of at most ``want`` bytes: into ``fh`` (then closed), hashed into ``digest``
     and written about a MiB at a time in the I/O pool, so that only that much is held in memory;
     with no file, into memory (the pieces returned, for the caller to hash). Returns the pieces
     held and the bytes received. A body that stops short has what came written before the error
-    goes up (a resumed upload starts after it)."""
+    goes up (a resumed upload starts after it). ``clock``: told of each piece (linkmeter.py)."""
     app = request.app
     pool = app[IO_POOL]
     loop = asyncio.get_running_loop()
@@ -591,6 +595,8 @@ async def _read_body(request: web.Request, want: int, digest: hashlib._Hash, fh:
     try:
         while True:
             piece = await request.content.read(UPLOAD_READ)
+            if clock is not None:
+                clock.piece(len(piece))
             received += len(piece)
             if received > want:
                 raise BadRequest(f"body is longer than {field}", code=long_code)

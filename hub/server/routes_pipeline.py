@@ -26,6 +26,7 @@ from ..domain.pipelines import CheckpointTarget
 from ..domain.pipelines.checkpoints import check_unit_state
 from ..storage.blobs import BlobStore
 from .appkeys import BLOBS, CONFIG, IO_POOL, LEDGER
+from .linkmeter import BodyClock
 from .wire import b64_header, open_node_message, read_body, sealed_response
 
 routes = web.RouteTableDef()
@@ -54,7 +55,9 @@ async def checkpoint(request: web.Request) -> web.Response:
             f"Content-Length {request.content_length} differs from the signed size {msg.size}",
             code="size_mismatch",
         )
-    body = await read_body(request, msg.size)
+    clock = BodyClock()
+    body = await read_body(request, msg.size, clock)
+    ledger.scheduler.presence.observe_uplink(node, clock.rate())
     if len(body) != msg.size:
         raise BadRequest(
             f"body has {len(body)} bytes, the signed size says {msg.size}", code="size_mismatch"

@@ -29,6 +29,7 @@ from ..base.errors import (
 )
 from ..storage.tokens import Principal, lookup
 from .appkeys import DB, HUB_KEY, METRICS, REPLAY
+from .linkmeter import BodyClock
 
 #: the header that carries a request's client address when a worker forwards it to the leader
 #: (hub/server/workers.py; believed on leader.sock only, hub/server/app.py)
@@ -86,16 +87,19 @@ def b64_header(request: web.Request, name: str, *, limit: int = 16384) -> bytes:
         raise BadRequest(f"{name} header is not urlsafe base64", code="bad_message") from None
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, clock: BodyClock | None = None) -> bytes:
     """The whole body, up to ``limit`` bytes (PayloadTooLarge beyond). ``StreamReader.read(n)``
     returns what has arrived so far, not the whole body: on a real line a body that spans TCP
-    segments arrives in pieces (on loopback it never does), so read until the end."""
+    segments arrives in pieces (on loopback it never does), so read until the end. ``clock``:
+    told of each piece as it arrives (linkmeter.py)."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the {limit}-byte limit")
     parts: list[bytes] = []
     size = 0
     while size <= limit:
         piece = await request.content.read(limit + 1 - size)
+        if clock is not None:
+            clock.piece(len(piece))
         if not piece:
             break
         parts.append(piece)

@@ -12,7 +12,9 @@ A node's offer is built from what the hub already keeps of it:
   same analysis as the job's units, scaled to the measured nodes (``benchmark_flops``).
 - link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
   kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
-  not measured yet, so every node gets ``ASSUMED_LINK``'s (a home line).
+  the rate its bodies came in at (``NodeState.uplink_bytes_per_s``: relayed tensors, stage
+  checkpoints and updates, timed as they arrive), taken for both directions, else
+  ``ASSUMED_LINK``'s (a home line) until it has sent a body large enough to time.
 
 ``cut_model`` and ``reference_flops_per_sample`` block (torch on the meta device): callers run
 them in a worker thread.
@@ -56,8 +58,9 @@ SPEED_DERIVATION: Final = (
     ' their benchmark\'s (1 while none is measured) (nodes[].speed_from "benchmark")'
 )
 LINK_ASSUMED: Final = (
-    "the hub measures no node's bandwidth yet: every node is assumed to have this one; a node's"
-    " round trip is the kernel's TCP measure of its connection where the hub has one"
+    "a node's bandwidth is the rate the hub timed its bodies at (relayed tensors, stage"
+    " checkpoints, updates: nodes[].bandwidth_measured), taken for both directions, else this"
+    " one; its round trip is the kernel's TCP measure of its connection where the hub has one"
     " (nodes[].rtt_measured), else this one"
 )
 
@@ -197,7 +200,9 @@ def offer_of(node: NodeState, flops_per_sample: float) -> NodeOffer:
         node_id=node.id,
         memory_bytes=node.max_memory_bytes,
         flops_per_s=speed_of(node, flops_per_sample),
-        bandwidth_bytes_per_s=ASSUMED_LINK["bandwidth_bytes_per_s"],
+        bandwidth_bytes_per_s=node.uplink_bytes_per_s
+        if node.uplink_bytes_per_s > 0
+        else ASSUMED_LINK["bandwidth_bytes_per_s"],
         rtt_s=node.rtt_s if node.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
     )
 

@@ -77,7 +77,8 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
         },
         "offers": _offers_doc(offers, online, unsaid, (flops, per_sample / flops), frozenset(
             o.node_id for o in offers if scheduler.nodes[o.node_id].rtt_s > 0),
-            {o.node_id: scheduler.nodes[o.node_id].stage_speed for o in offers}),
+            {o.node_id: scheduler.nodes[o.node_id].stage_speed for o in offers},
+            frozenset(o.node_id for o in offers if scheduler.nodes[o.node_id].uplink_bytes_per_s > 0)),
     }
     if not offers and online:
         doc["refused"] = (
@@ -124,15 +125,19 @@ async def _cached_cut(app: web.Application, job_id: str, spec: JobSpec) -> Model
 
 
 def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: tuple[float, float],
-                measured: frozenset[str], speeds: dict[str, StageSpeed]) -> dict[str, Any]:
-    """``flops``: the reference model's FLOPs per sample and the benchmarks' scale."""
+                measured: frozenset[str], speeds: dict[str, StageSpeed],
+                timed: frozenset[str]) -> dict[str, Any]:
+    """``flops``: the reference model's FLOPs per sample and the benchmarks' scale; ``measured``:
+    the nodes whose round trip the hub measured, ``timed``: those whose bodies it timed."""
     return {
         "online": online,
         "nodes": [
             {"node_id": o.node_id, "memory_bytes": o.memory_bytes, "flops_per_s": o.flops_per_s,
              "speed_from": "benchmark" if speeds[o.node_id].flops_per_s is None else "stage_reports",
              "speed_steps": speeds[o.node_id].steps,
-             "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured}
+             "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured,
+             "bandwidth_bytes_per_s": o.bandwidth_bytes_per_s,
+             "bandwidth_measured": o.node_id in timed}
             for o in offers
         ],
         "left_out": {
@@ -145,7 +150,8 @@ def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: tuple[
             "reference_flops_per_sample": flops[0],
             "benchmark_scale": flops[1],
         },
-        "link": dict(ASSUMED_LINK) | {"assumed": True, "why": LINK_ASSUMED},
+        # what a node without a measure of its own is taken to have; assumed while none has one
+        "link": dict(ASSUMED_LINK) | {"assumed": not timed, "why": LINK_ASSUMED},
     }
 
 
