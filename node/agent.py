@@ -98,7 +98,7 @@ from .heartbeat import heartbeat_loop
 from .identity import PIN_FILE, load_or_create_key
 from .output import Output
 from .pause import Interrupted, PauseState
-from .registration import register
+from .registration import probe_link, register
 from .signals import EXIT_SECOND_INTERRUPT, exit_on_signals
 from .silos import SiloError, SiloStore
 from .stagework import take_stage
@@ -543,6 +543,11 @@ class NodeAgent:
             hub_fingerprint=pin.fingerprint, device=str(self.device),
             samples_per_s=round(benchmark.samples_per_s, 1),
         )
+        try:  # the hub times this node's uplink; a hub that cannot, or a failed probe, changes nothing
+            ack = await probe_link(self._client())
+            self.output.event("note", detail=f"link probe: {ack.detail[:200]}")
+        except (NodeError, aiohttp.ClientError, TimeoutError) as exc:
+            self.output.event("note", detail=f"link probe not timed: {str(exc)[:200]}")
 
     async def _reregister(self) -> bool:
         """The hub forgot this node: register again (False before a first registration)."""

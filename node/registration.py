@@ -1,5 +1,5 @@
 """Joining a hub: check its key against the pin, then a signed hello with the benchmark and
-the compute class.
+the compute class, then a link probe for the hub to time this node's uplink.
 
 The hub's key is checked (and pinned on first use) before anything is sent; from then on
 every answer must verify with that key. The welcome must name this node under the pinned
@@ -8,12 +8,22 @@ hub fingerprint, or the answer is treated as not coming from the hub.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from pathlib import Path
 
 import torch
-from gpuflex.protocol.messages import Benchmark, ComputeClass, DeviceInfo, Hello
-from gpuflex.protocol.signing import new_nonce
+from gpuflex.protocol.messages import (
+    LINK_PROBE_BYTES,
+    Ack,
+    Benchmark,
+    ComputeClass,
+    DeviceInfo,
+    Hello,
+    LinkProbe,
+)
+from gpuflex.protocol.signing import new_nonce, seal
 from gpuflex.protocol.version import PROTOCOL_VERSION, SOFTWARE_VERSION
 
 from .client import HubClient
@@ -64,4 +74,16 @@ async def register(
     return pin
 
 
-__all__ = ["register"]
+__all__ = ["probe_link", "register"]
+
+
+async def probe_link(client: HubClient, size: int = LINK_PROBE_BYTES) -> Ack:
+    """POST /v1/nodes/probe: ``size`` random bytes for the hub to time this node's uplink, what a
+    pipeline plan takes as its link (the Ack's detail says the rate the hub measured)."""
+    body = os.urandom(size)
+    msg = LinkProbe(
+        sha256=hashlib.sha256(body).hexdigest(), size=size, timestamp=client.now(), nonce=new_nonce()
+    )
+    return await client._post_sealed(
+        "/v1/nodes/probe", "X-GPUFlex-Auth", seal(client.key, msg), body, "link probe"
+    )

@@ -585,6 +585,24 @@ class UnitCheckpoint:
     nonce: Nonce
 
 
+#: the size of the link probe a node sends after registering, and the most a probe may be
+LINK_PROBE_BYTES: Final = 256 << 10
+MAX_LINK_PROBE_BYTES: Final = 1 << 20
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """Node -> hub, POST /v1/nodes/probe (header X-GPUFlex-Auth; the body: ``size`` bytes of
+    SHA-256 ``sha256``): sent after registering so that the hub times the node's uplink before it
+    plans a pipeline stage on it. Answered with a sealed Ack."""
+
+    KIND: ClassVar[str] = "link_probe"
+    sha256: BlobIdStr
+    size: Annotated[int, Int(1, MAX_LINK_PROBE_BYTES)]
+    timestamp: Timestamp
+    nonce: Nonce
+
+
 @dataclass(frozen=True)
 class StageReport:
     """Node -> hub, POST /v1/pipeline/report: stage ``stage`` finished ``steps_done`` steps (the
@@ -611,7 +629,7 @@ Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Aba
            | StateRequest | StateUpload | StateUnavailable | UploadOffset | SiloQuery | SiloSchema | SiloRegistration
            | SiloWithdrawal
            | SecAggKeys | SecAggPoll | SecAggState | SecAggShares | SecAggMasked | SecAggUnmask
-           | RelayHeader | RelayTake | StageAssignment | UnitCheckpoint | StageReport)
+           | RelayHeader | RelayTake | StageAssignment | UnitCheckpoint | StageReport | LinkProbe)
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
     Welcome,
@@ -642,6 +660,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     StageAssignment,
     UnitCheckpoint,
     StageReport,
+    LinkProbe,
 )
 MESSAGE_KINDS: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 
@@ -710,7 +729,9 @@ def decode_message(data: bytes | bytearray | memoryview, expected: type[M]) -> M
 __all__ = [
     "BLOB_ID_RE",
     "ID_RE",
+    "LINK_PROBE_BYTES",
     "MAX_CHECKPOINTS",
+    "MAX_LINK_PROBE_BYTES",
     "MAX_LIST",
     "MAX_MESSAGE_BYTES",
     "MESSAGE_KINDS",
@@ -731,6 +752,7 @@ __all__ = [
     "DeviceInfo",
     "Heartbeat",
     "Hello",
+    "LinkProbe",
     "Message",
     "NoWork",
     "RelayHeader",

@@ -23,6 +23,7 @@ from gpuflex.protocol.messages import (
     DeviceInfo,
     Heartbeat,
     Hello,
+    LinkProbe,
     SiloQuery,
     SiloRegistration,
     SiloWithdrawal,
@@ -116,6 +117,8 @@ def _message(kind: str):
     if kind == "unit_checkpoint":
         return "/v1/pipeline/checkpoint", UnitCheckpoint(job_id="j-1", generation=1, stage=0, unit=0, step=2,
                                                          sha256="c" * 64, size=4, timestamp=now, nonce=new_nonce())
+    if kind == "link_probe":
+        return "/v1/nodes/probe", LinkProbe(sha256="c" * 64, size=4, timestamp=now, nonce=new_nonce())
     if kind == "state":
         return "/v1/states", StateUpload(request_id="sr-1", step=3, state_sha256="c" * 64, state_size=4,
                                          timestamp=now, nonce=new_nonce())
@@ -153,7 +156,7 @@ def _mutate(data: bytes, m) -> bytes:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["register", "work", "heartbeat", "abandon", "blob", "update", "update_committed",
                              "update_offset", "state", "state_unavailable", "silo_schema", "silo", "silo_withdrawal",
-                             "stage_report", "unit_checkpoint"]),
+                             "stage_report", "unit_checkpoint", "link_probe"]),
        m=mutation)
 def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
     hub, key = hub_thread
@@ -174,7 +177,7 @@ def test_mutated_signed_messages_get_clean_4xx(hub_thread, kind, m):
         elif kind == "state":
             status, body = _post(conn, path, b"\x00" * 4,
                                  {"X-GPUFlex-State": base64.urlsafe_b64encode(data).decode()})
-        elif kind == "unit_checkpoint":
+        elif kind in ("unit_checkpoint", "link_probe"):
             status, body = _post(conn, path, b"\x00" * 4,
                                  {"X-GPUFlex-Auth": base64.urlsafe_b64encode(data).decode()})
         else:

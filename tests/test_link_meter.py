@@ -15,8 +15,8 @@ import pytest
 import torch
 from gpuflex.hub.server.appkeys import LEDGER
 from gpuflex.hub.server.linkmeter import MIN_SAMPLE_BYTES, BodyClock
-from gpuflex.protocol.messages import RelayHeader
-from gpuflex.protocol.signing import new_nonce, seal
+from gpuflex.protocol.messages import LinkProbe, RelayHeader
+from gpuflex.protocol.signing import SigningKey, new_nonce, seal
 from gpuflex.protocol.tensors import encode_state
 
 from tests.pipeline_hub import (
@@ -24,6 +24,7 @@ from tests.pipeline_hub import (
     HubThread,
     ack_of,
     b64,
+    error_of,
     poll_until,
     register,
     request,
@@ -33,7 +34,9 @@ from tests.pipeline_hub import (
 torch.set_num_threads(1)
 
 #: a digits MLP whose first cut carries (8, 4096) float32: 128 KiB a micro-batch
-WIDE = DIGITS_SPEC.format(stages=2, steps=4, every=2).replace("hidden = [32, 16]", "hidden = [4096]")
+WIDE = DIGITS_SPEC.format(stages=2, steps=4, every=2).replace(
+    "hidden = [32, 16]", "hidden = [4096]"
+)
 CHUNK, CHUNKS, GAP_S = 8 << 10, 16, 0.01
 
 
@@ -96,7 +99,66 @@ def test_a_paced_relay_body_measures_the_senders_uplink_and_the_plan_uses_it(hub
     assert code == 200, raw
     offers = json.loads(raw)["offers"]
     shown = {n["node_id"]: n for n in offers["nodes"]}
-    assert shown[sender]["bandwidth_measured"] and shown[sender]["bandwidth_bytes_per_s"] == pytest.approx(measured)
+    assert shown[sender]["bandwidth_measured"] and shown[sender][
+        "bandwidth_bytes_per_s"
+    ] == pytest.approx(measured)
     assert not shown[receiver]["bandwidth_measured"]
-    assert shown[receiver]["bandwidth_bytes_per_s"] == offers["link"]["bandwidth_bytes_per_s"] == 2.5e6
+    assert (
+        shown[receiver]["bandwidth_bytes_per_s"] == offers["link"]["bandwidth_bytes_per_s"] == 2.5e6
+    )
     assert offers["link"]["assumed"] is False  # one node is measured
+
+
+def _probe(hub, key, body: bytes, **over) -> tuple[int, bytes]:
+    fields = dict(
+        sha256=hashlib.sha256(body).hexdigest(),
+        size=len(body),
+        timestamp=time.time(),
+        nonce=new_nonce(),
+    )
+    msg = LinkProbe(**{**fields, **over})
+    code, _, answer = request(
+        hub.url, "POST", "/v1/nodes/probe", body, {"X-GPUFlex-Auth": b64(seal(key, msg))}
+    )
+    return code, answer
+
+
+def test_a_bad_probe_is_refused_in_one_line_and_measures_nothing(hub) -> None:
+    key = register(hub.url)
+    body = bytes(64 << 10)
+    for over, code, error in (
+        ({"sha256": "0" * 64}, 422, "hash_mismatch"),
+        ({"size": len(body) + 1}, 400, "size_mismatch"),
+    ):
+        got, answer = _probe(hub, key, body, **over)
+        assert got == code and error_of(answer)[0] == error, answer
+    stranger = SigningKey.generate()  # never registered
+    got, answer = _probe(hub, stranger, body)
+    assert got in (401, 403, 404) and "\n" not in json.loads(answer)["detail"], answer
+    nodes = hub.call(lambda: hub.hub.app[LEDGER].scheduler.nodes)
+    assert nodes[key.fingerprint].uplink_bytes_per_s == 0
+
+
+async def test_a_node_probes_its_link_when_it_registers(tmp_path) -> None:
+    """A real NodeAgent: after its hello it sends the hub a link probe, which the hub times."""
+    from tests.helpers import start_hub
+    from tests.test_node_support import EventLog, agent, wait_for
+
+    hub = await start_hub(tmp_path / "hub")
+    events = EventLog()
+    node = agent(tmp_path / "node", hub.url, events)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(node.run())
+            notes = lambda: [e for e in events.of("note") if "link probe" in e.get("detail", "")]  # noqa: E731
+            try:
+                await wait_for(lambda: notes() or task.done())
+            finally:
+                node.request_exit("test")
+        (note,) = notes()
+        assert note["detail"].startswith("link probe: "), note
+        measured = hub.app[LEDGER].scheduler.nodes[node.node_id].uplink_bytes_per_s
+        # timed, or in one piece on loopback (then nothing is measured, and the note says so)
+        assert (measured > 0) == ("timed at" in note["detail"]), (measured, note)
+    finally:
+        await hub.stop()

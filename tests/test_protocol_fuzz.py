@@ -22,6 +22,7 @@ from gpuflex.protocol import (
     DeviceInfo,
     Heartbeat,
     Hello,
+    LinkProbe,
     ModelSpec,
     NoWork,
     ProtocolError,
@@ -145,6 +146,7 @@ SAMPLES: list[Any] = [
         20, 100, 10, 1000.0, ("", "", ""), "subspace", 8,
     ),
     UnitCheckpoint("job-1", 3, 1, 2, 30, "d" * 64, 4096, 1000.0, NONCE),
+    LinkProbe("e" * 64, 256 << 10, 1000.0, NONCE),
     StageReport("job-1", 3, 2, 31, 0.25, 0.2, 2.5, "", 1000.0, NONCE),
 ]
 WIRE = [encode_message(m) for m in SAMPLES]

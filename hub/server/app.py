@@ -33,7 +33,7 @@ from ..storage.deltas import ModelDeltas
 from ..storage.hub_key import load_or_create_hub_key
 from ..storage.migrate import refuse_if_migrated
 from ..storage.store import Store
-from . import relay, routes_audit, routes_node, routes_owner, routes_pipeline
+from . import relay, routes_audit, routes_link, routes_node, routes_owner, routes_pipeline
 from .appkeys import (
     AUDIT,
     AUDIT_STATUS_CACHE,
@@ -188,11 +188,8 @@ def create_app(config: HubConfig, lease: Lease | None = None) -> web.Application
     app[LEDGER] = Ledger(config=config, store=store, blobs=blobs, key=key, scheduler=scheduler,
                          signal=WorkSignal(), metrics=metrics, audit=audit, relay=plans)
     app[LEDGER].rounds.on_new_model = deltas.published  # its delta made at once, if nodes take deltas
-    app.add_routes(routes_node.routes)
-    app.add_routes(routes_owner.routes)
-    app.add_routes(routes_audit.routes)
-    app.add_routes(relay.routes)
-    app.add_routes(routes_pipeline.routes)
+    for module in (routes_node, routes_owner, routes_audit, relay, routes_pipeline, routes_link):
+        app.add_routes(module.routes)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/openapi.json", openapi)

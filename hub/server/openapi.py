@@ -220,6 +220,17 @@ def _relay_paths() -> dict[str, Any]:
 def _pipeline_paths() -> dict[str, Any]:
     """A pipelined job's stage nodes: unit checkpoints and step reports (hub/server/routes_pipeline.py)."""
     return {
+        "/v1/nodes/probe": {"post": {
+            "summary": "a node's link probe: the hub times the body to measure the node's uplink",
+            "tags": ["node"],
+            "parameters": [{"name": "X-GPUFlex-Auth", "in": "header", "required": True,
+                            "schema": {"type": "string"}, "description": "urlsafe base64 of a sealed LinkProbe"}],
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 413, 422)},
+            "description": "The body is size bytes (at most 1 MiB) hashing to the signed sha256; the node sends one "
+                           "after it registers. The Ack's detail says the rate measured. 400 size_mismatch; "
+                           "413 too_large; 422 hash_mismatch"}},
         "/v1/pipeline/checkpoint": {"post": {
             "summary": "a pipeline stage's unit state at a checkpoint step, stored durably before the 200",
             "tags": ["node"],
