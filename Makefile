@@ -57,7 +57,7 @@ bench: $(STAMP)
 	$(PY) bench/simulation.py
 	$(PY) bench/vs_flower.py
 	$(PY) bench/pipeline.py
-	$(PY) bench/pipeline_recovery.py --no-join
+	$(PY) bench/pipeline_recovery.py
 	$(PY) bench/pipeline_hybrid.py
 	$(PY) bench/pipeline_replicas.py
 	-$(PY) bench/pipeline_shaped.py  # needs root for ip netns: says so and exits 2 without

@@ -11,17 +11,18 @@ Three jobs of the same spec, one after another, on one hub, in one run:
    ``steps_applied_twice`` counts steps inside the committed ranges of two generations (each
    generation counts the steps from its first step up to the next one's, which resumes from
    the committed step); the final model's loss is compared with the uninterrupted one's;
-3. **join**: three nodes and one the planner sees as 10x slower (its benchmark cache says a
-   tenth of this machine's samples/s; the process is as fast as the others) run the job;
-   once a step is committed, a fifth node (started with them, paused) resumes asking for work,
-   and the hub re-plans it in.
+3. **join**: three nodes and a slow one (`gpuflex-node run --compute-share 0.1`: it rests nine
+   times as long as each piece of its training took, and offers a tenth of its benchmark) run
+   the job; once a step is committed, a fifth node (started with them, paused) resumes asking
+   for work, and the hub, which by then measured the slow stage from its step reports, re-plans
+   the fifth node in.
 
 After each re-plan, ``resharding_bytes_vs_minimum`` is the unit-state bytes the new
 generation's nodes downloaded from the hub (``state_bytes_served``: the hub counts each blob
 GET of a unit state a StageAssignment names) over the bytes of the unit states whose node
 changed (``state_bytes_moved``), read once the new generation completed a step.
 
-    python bench/pipeline_recovery.py [--stage-timeout 8] [--out bench/results/pipeline_recovery.json]
+    python bench/pipeline_recovery.py [--stage-timeout 12] [--out bench/results/pipeline_recovery.json]
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ TEXT_BYTES = 24_000
 #: how long the hub counts a node as asking for work after its last poll (--long-poll-max 2, the
 #: nodes' poll interval 5 s, 5 s of grace), and a second
 ASK_WINDOW_S = 13.0
-#: the node the planner sees as slower: its benchmark's samples/s times this
-SLOW_FACTOR = 0.1
+#: the slow node's --compute-share
+SLOW_SHARE = 0.1
 
 
 # -- the hub, as its owner sees it --------------------------------------------------------------
@@ -203,22 +204,6 @@ def start_nodes(cluster: LocalCluster, names: list[str], extra: tuple[str, ...] 
     cluster.wait_registered(procs)
 
 
-def slow_bench_cache(cluster: LocalCluster, work: Path) -> Path:
-    """The shared benchmark cache with every samples/s figure times SLOW_FACTOR."""
-    doc = json.loads(cluster.bench_cache.read_text())
-
-    def scale(entry: dict[str, Any]) -> None:
-        entry["samples_per_s"] = entry["samples_per_s"] * SLOW_FACTOR
-        entry["precision_sps"] = {k: v * SLOW_FACTOR for k, v in entry["precision_sps"].items()}
-
-    scale(doc)
-    for entry in doc.get("by_fingerprint", {}).values():
-        scale(entry)
-    path = work / "slow-bench.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def resharding(doc: dict[str, Any]) -> dict[str, Any]:
     g = _generation(doc)
     moved, served = g["state_bytes_moved"], g["state_bytes_served"]
@@ -290,14 +275,14 @@ def node_control(cluster: LocalCluster, name: str, command: str) -> None:
     subprocess.run(argv, capture_output=True, check=True, cwd=str(ROOT))
 
 
-def run_join(cluster: LocalCluster, owner: Owner, work: Path) -> dict[str, Any]:
-    """Three of the four nodes online and one the planner sees as slow; then a fifth joins: it
-    started with them (a process takes seconds to start) and waited paused, asking for nothing."""
+def run_join(cluster: LocalCluster, owner: Owner) -> dict[str, Any]:
+    """Three of the four nodes online and a slow one; then a fifth joins: it started with them (a
+    process takes seconds to start) and waited paused, asking for nothing."""
     idle = [p for p in cluster.nodes() if p.alive()]
     for proc in idle[3:]:
         proc.signal(signal.SIGTERM)
         proc.popen.wait(30)
-    start_nodes(cluster, ["slow"], ("--bench-cache", str(slow_bench_cache(cluster, work))))
+    start_nodes(cluster, ["slow"], ("--compute-share", str(SLOW_SHARE)))
     start_nodes(cluster, ["late"])
     node_control(cluster, "late", "pause")
     time.sleep(ASK_WINDOW_S)  # the stopped and the paused node no longer count as asking for work
@@ -345,7 +330,7 @@ def measure(stage_timeout_s: float, work: Path, *, join: bool = True) -> dict[st
         leave = run_leave(cluster, owner)
         runs = {"uninterrupted": base, "leave": leave}
         if join:
-            runs["join"] = run_join(cluster, owner, work)
+            runs["join"] = run_join(cluster, owner)
     for name in [n for n in ("leave", "join") if n in runs]:
         runs[name]["final_model_max_rel_diff_vs_uninterrupted"] = max_rel_diff(
             runs[name].pop("tensors"), base["tensors"]
@@ -401,13 +386,12 @@ def report(result: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage-timeout", type=float, default=8.0, metavar="S")
+    parser.add_argument("--stage-timeout", type=float, default=12.0, metavar="S")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline_recovery.json"))
     parser.add_argument(
         "--no-join",
         action="store_true",
-        help="leave the join run out (its slow node is slow only in its benchmark cache, and the"
-        " hub now measures each node's speed from its stage reports: see docs/pipeline.md)",
+        help="leave the join run out (a quicker run: the uninterrupted and the leave runs only)",
     )
     args = parser.parse_args()
     started = time.monotonic()
@@ -432,7 +416,7 @@ def main() -> None:
         "spec": SPEC,
         "nodes": "one thread each, --max-memory " + CAP,
         "text": f"the first {TEXT_BYTES} bytes of the standard library's sources (tests/tooling/text.py)",
-        "slow_node": f"its benchmark cache says {SLOW_FACTOR}x this machine's samples/s",
+        "slow_node": f"gpuflex-node run --compute-share {SLOW_SHARE}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": platform.machine(),
