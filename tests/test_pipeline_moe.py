@@ -16,28 +16,15 @@ from gpuflex.node.pipeline.stage import StageRunner, boundary_specs
 from gpuflex.node.pipeline.transport import MemoryNetwork, MemoryTransport, MessageKey
 from gpuflex.node.trainer import make_optimizer
 from gpuflex.protocol.messages import TrainConfig
-from gpuflex.protocol.modelspec import ModelSpec, build_model
+from gpuflex.protocol.modelspec import build_model
 from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
 from gpuflex.protocol.tensors import TensorSpec
 from torch import nn
 
+from tests.test_stage_worker import MOE  # every block 4 experts, top-2, jitter, capacity drops
+
 torch.set_num_threads(1)
 
-MOE = ModelSpec.from_dict(
-    {
-        "kind": "transformer",
-        "vocab": 11,
-        "context": 5,
-        "layers": 2,
-        "width": 8,
-        "heads": 2,
-        "experts": 4,
-        "top_k": 2,
-        "capacity_factor": 1.0,
-        "router_jitter": 0.1,
-        "aux_loss_weight": 0.5,
-    }
-)
 SGD = TrainConfig(1, 8, "sgd", 0.1, 0.0, 0.0, 0.9, 0.999, "cross_entropy", 0.0)
 MICRO, BATCH, SEED, STARTS = 2, 8, 3, (0, 1, 3)
 
@@ -68,7 +55,7 @@ def test_the_referee_replays_a_middle_moe_stage_with_its_routers_loss() -> None:
         nn.Sequential(*(load_unit(units[u], states[u]) for u in range(a, b)))
         for a, b in itertools.pairwise(bounds)
     ]
-    specs = boundary_specs(stages, torch.zeros(BATCH // MICRO, 5, dtype=torch.int64))
+    specs = boundary_specs(stages, torch.zeros(BATCH // MICRO, 6, dtype=torch.int64))
     network = MemoryNetwork()
     taps = [Tap(network) for _ in stages]
     runners = [
@@ -87,8 +74,8 @@ def test_the_referee_replays_a_middle_moe_stage_with_its_routers_loss() -> None:
         for s, module in enumerate(stages)
     ]
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 11, (BATCH, 6), generator=g)
-    xs, ys = list(ids[:, :5].chunk(MICRO)), list(ids[:, 1:].chunk(MICRO))
+    ids = torch.randint(0, 13, (BATCH, 7), generator=g)
+    xs, ys = list(ids[:, :6].chunk(MICRO)), list(ids[:, 1:].chunk(MICRO))
     run_stages(runners, [(xs, ys)])
     mid = taps[1].kept
     honest = StageEvidence(

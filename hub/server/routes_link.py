@@ -16,10 +16,10 @@ import hashlib
 from aiohttp import web
 from gpuflex.protocol.messages import Ack, LinkProbe
 
-from ..base.errors import BadRequest, Unprocessable
+from ..base.errors import Unprocessable
 from .appkeys import LEDGER
 from .linkmeter import BodyClock
-from .wire import b64_header, open_node_message, read_body, sealed_response
+from .wire import b64_header, open_node_message, read_signed_body, sealed_response
 
 routes = web.RouteTableDef()
 
@@ -30,17 +30,8 @@ async def link_probe(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     msg, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), LinkProbe)
     node = await ledger.registry.known_node(signer, request.remote)
-    if request.content_length is not None and request.content_length != msg.size:
-        raise BadRequest(
-            f"Content-Length {request.content_length} differs from the signed size {msg.size}",
-            code="size_mismatch",
-        )
     clock = BodyClock()
-    body = await read_body(request, msg.size, clock)
-    if len(body) != msg.size:
-        raise BadRequest(
-            f"body has {len(body)} bytes, the signed size says {msg.size}", code="size_mismatch"
-        )
+    body = await read_signed_body(request, msg.size, clock)
     if hashlib.sha256(body).hexdigest() != msg.sha256:
         raise Unprocessable("the probe's bytes do not hash to its signed SHA-256", code="hash_mismatch")
     rate = clock.rate()

@@ -21,13 +21,13 @@ from functools import partial
 from aiohttp import web
 from gpuflex.protocol.messages import Ack, StageReport, UnitCheckpoint
 
-from ..base.errors import BadRequest, Unprocessable
+from ..base.errors import Unprocessable
 from ..domain.pipelines import CheckpointTarget
 from ..domain.pipelines.checkpoints import check_unit_state
 from ..storage.blobs import BlobStore
 from .appkeys import BLOBS, CONFIG, IO_POOL, LEDGER
 from .linkmeter import BodyClock
-from .wire import b64_header, open_node_message, read_body, sealed_response
+from .wire import b64_header, open_node_message, read_body, read_signed_body, sealed_response
 
 routes = web.RouteTableDef()
 
@@ -50,18 +50,9 @@ async def checkpoint(request: web.Request) -> web.Response:
     msg, signer = open_node_message(request, b64_header(request, "X-GPUFlex-Auth"), UnitCheckpoint)
     node = await ledger.registry.known_node(signer, request.remote)
     target = ledger.pipelines.checkpoint_target(node, msg)
-    if request.content_length is not None and request.content_length != msg.size:
-        raise BadRequest(
-            f"Content-Length {request.content_length} differs from the signed size {msg.size}",
-            code="size_mismatch",
-        )
     clock = BodyClock()
-    body = await read_body(request, msg.size, clock)
+    body = await read_signed_body(request, msg.size, clock)
     ledger.scheduler.presence.observe_uplink(node, clock.rate())
-    if len(body) != msg.size:
-        raise BadRequest(
-            f"body has {len(body)} bytes, the signed size says {msg.size}", code="size_mismatch"
-        )
     await asyncio.get_running_loop().run_in_executor(
         app[IO_POOL], partial(_ingest_state, body, msg.sha256, target, app[BLOBS])
     )

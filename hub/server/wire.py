@@ -111,6 +111,21 @@ async def read_body(request: web.Request, limit: int, clock: BodyClock | None = 
     return body
 
 
+async def read_signed_body(request: web.Request, size: int, clock: BodyClock | None = None) -> bytes:
+    """The body of exactly the ``size`` bytes its signed header says: a Content-Length that
+    differs is refused before a byte is read, a body of another length after (400
+    ``size_mismatch``)."""
+    if request.content_length is not None and request.content_length != size:
+        raise BadRequest(
+            f"Content-Length {request.content_length} differs from the signed size {size}",
+            code="size_mismatch",
+        )
+    body = await read_body(request, size, clock)
+    if len(body) != size:
+        raise BadRequest(f"body has {len(body)} bytes, the signed size says {size}", code="size_mismatch")
+    return body
+
+
 def open_node_message(request: web.Request, data: bytes, cls: type[M]) -> tuple[M, bytes]:
     """Verify signature, then freshness (timestamp window + nonce); returns (message, signer)."""
     try:
