@@ -124,6 +124,8 @@ TABLE: dict[tuple[str, str], dict[str, Any]] = {
                                                other_node=(404, "unknown_job")),
     ("POST", "/v1/pipeline/report"): _node(unsigned=(400, "bad_message"), node=(404, "unknown_job"),
                                            other_node=(404, "unknown_job")),
+    # any registered node may have its link timed
+    ("POST", "/v1/nodes/probe"): _node(unsigned=(401, "missing_auth"), node=(200, None), other_node=(200, None)),
     ("POST", "/v1/jobs"): _bearer(owner=(201, None), other=(201, None), auditor=WRONG_ROLE, admin=(201, None)),
     ("GET", "/v1/jobs"): _bearer(owner=(200, "sees"), other=(200, "blind"), auditor=WRONG_ROLE,
                                  admin=(200, "sees")),
@@ -283,7 +285,7 @@ async def _node_request(w: World, route: tuple[str, str], role: str) -> dict[str
         return {"method": method, "path": path, "headers": headers, "data": b"\0" * 4}
     if path == "/v1/relay":
         return _relay_request(w, method, headers, signer, now)
-    if path.startswith("/v1/pipeline/"):
+    if path.startswith("/v1/pipeline/") or path == "/v1/nodes/probe":
         return _pipeline_request(w, path, headers, signer, now)
     if path == "/v1/secagg/masked":
         if signer is not None:
@@ -367,7 +369,7 @@ def _relay_request(w: World, method: str, headers: dict[str, str], signer: SimNo
 
 def _pipeline_request(w: World, path: str, headers: dict[str, str], signer: SimNode | None,
                       now: float) -> dict[str, Any]:
-    from gpuflex.protocol.messages import StageReport, UnitCheckpoint
+    from gpuflex.protocol.messages import LinkProbe, StageReport, UnitCheckpoint
 
     if path == "/v1/pipeline/report":
         body = b"" if signer is None else seal(signer.key, StageReport(
@@ -375,6 +377,12 @@ def _pipeline_request(w: World, path: str, headers: dict[str, str], signer: SimN
             timestamp=now, nonce=new_nonce()))
         return {"method": "POST", "path": path, "headers": headers, "data": body}
     data = b"\0" * 8
+    if path == "/v1/nodes/probe":
+        if signer is not None:
+            headers["X-GPUFlex-Auth"] = _b64(seal(signer.key, LinkProbe(
+                sha256=hashlib.sha256(data).hexdigest(), size=len(data), timestamp=now, nonce=new_nonce())))
+        headers["Content-Type"] = "application/octet-stream"
+        return {"method": "POST", "path": path, "headers": headers, "data": data}
     if signer is not None:
         headers["X-GPUFlex-Auth"] = _b64(seal(signer.key, UnitCheckpoint(
             job_id=w.job, generation=1, stage=0, unit=0, step=1, sha256=hashlib.sha256(data).hexdigest(),
@@ -442,7 +450,7 @@ async def test_route_by_role(world: World, route: tuple[str, str], role: str) ->
     status, detail = TABLE[route][role]
     builder = _node_request if any(route[1].startswith(p) for p in (
         "/v1/nodes/register", "/v1/work", "/v1/heartbeat", "/v1/abandon", "/v1/blobs", "/v1/updates",
-        "/v1/states", "/v1/silos", "/v1/secagg", "/v1/relay", "/v1/pipeline")) \
+        "/v1/states", "/v1/silos", "/v1/secagg", "/v1/relay", "/v1/pipeline", "/v1/nodes/probe")) \
         else _bearer_request
     kw = await builder(world, route, role)
     path = kw.pop("path")
