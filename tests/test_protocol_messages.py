@@ -34,6 +34,7 @@ from gpuflex.protocol import (
 )
 from gpuflex.protocol.boundary import BOUNDARIES
 from gpuflex.protocol.messages import (
+    MAX_LINK_PROBE_BYTES,
     MESSAGE_TYPES,
     PIPELINE_SCHEDULES,
     PRECISIONS,
@@ -42,6 +43,7 @@ from gpuflex.protocol.messages import (
     UNKNOWN_CLASS,
     Commitment,
     ComputeClass,
+    LinkProbe,
     RelayHeader,
     RelayTake,
     RosterMember,
@@ -279,6 +281,8 @@ MESSAGES = {
         UnitCheckpoint, job_id=ids, generation=st.integers(1, 1 << 31), stage=st.integers(0, 1 << 10),
         unit=st.integers(0, 1 << 16), step=st.integers(1, 1 << 40), sha256=blob_ids, size=counts,
         timestamp=timestamps, nonce=nonces),
+    LinkProbe: st.builds(
+        LinkProbe, sha256=blob_ids, size=st.integers(1, MAX_LINK_PROBE_BYTES), timestamp=timestamps, nonce=nonces),
     StageReport: st.builds(
         StageReport, job_id=ids, generation=st.integers(1, 1 << 31), stage=st.integers(0, 1 << 10),
         steps_done=st.integers(0, 1 << 40), step_s=st.floats(0.0, 1e6), compute_s=st.floats(0.0, 1e6),
