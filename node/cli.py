@@ -407,7 +407,8 @@ def _cmd_control(args: argparse.Namespace) -> int:
         f"node       {result['node_id']}  (gpuflex {result['version']})",
         f"hub        {result['hub']}  key {result['hub_fingerprint'] or '(not yet pinned)'}",
         f"state      {result['state']}" + (f"  (paused: {result['pause_reason']})" if result["paused"] else ""),
-        f"device     {result['device']}   last throughput {result['samples_per_s']:,.1f} samples/s",
+        f"device     {result['device']}   last throughput {result['samples_per_s']:,.1f} samples/s"
+        + (f"   computing {share:.0%} of the time" if (share := result.get("compute_share", 1.0)) < 1 else ""),
         f"class      {_class_line(result.get('compute_class') or {})}",
         f"cache      {result['cache_bytes'] / 1e6:,.1f} MB of {result['cache_cap_bytes'] / 1e9:,.1f} GB",
     ]

@@ -129,3 +129,26 @@ def test_training_under_a_share_changes_no_number(tmp_path) -> None:
     assert plain.loss == rested.loss and plain.steps == rested.steps == 4
     assert all(torch.equal(plain.delta[k], rested.delta[k]) for k in plain.delta)
     assert pace.rested_s + pace.owed_s > 0
+
+
+async def test_status_says_the_share(tmp_path, capsys) -> None:
+    """`gpuflex-node status` of a running node started with a share says so."""
+    import asyncio
+
+    from tests.test_node_support import EventLog, agent, wait_for
+
+    hub = await start_hub(tmp_path / "hub")
+    events = EventLog()
+    node = agent(tmp_path / "node", hub.url, events, compute_share=0.5, control=True)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(node.run())
+            try:
+                await wait_for(lambda: events.of("registered") or task.done())
+                code = await asyncio.to_thread(main, ["status", "--data-dir", str(tmp_path / "node")])
+            finally:
+                node.request_exit("test")
+    finally:
+        await hub.stop()
+    out = capsys.readouterr().out
+    assert code == 0 and "computing 50% of the time" in out, out
