@@ -132,7 +132,12 @@ def test_the_benchmark_measures_the_whole_node_through_its_workers(tmp_path):
     path = tmp_path / "bench.json"
     results = measure_and_cache(CPU, path, quick=True, group=group)
     trained = len(results["precision_sps"])  # one worker group run per training figure (quick)
-    assert results["workers"] == ["cpu", "cpu"] and len(events.of("workers")) == trained >= 1
+    # a worker lost on the way (gloo can abort) is restarted once, as for an assignment: a
+    # group more, each said
+    retried = [e for e in events.of("workers_lost") if e["action"] == "retry"]
+    assert len(retried) == len(events.of("workers_lost")), events.of("workers_lost")
+    started = len(events.of("workers")) - len(retried)
+    assert results["workers"] == ["cpu", "cpu"] and started == trained >= 1
     assert results["samples_per_s"] == results["precision_sps"]["fp32"] > 0
     assert results["fingerprint"] == bench_fingerprint(CPU, group) != bench_fingerprint(CPU)
     assert load_cached(CPU, path) is None and load_cached(CPU, path, group) == results
