@@ -609,8 +609,10 @@ class StageReport:
     number applied, counted from step 0), its last step took ``step_s`` (wall clock, waits
     included) and ``compute_s`` of it computing; ``loss`` is that step's mean loss on the last
     stage (None elsewhere). ``failed`` (non-empty): the stage stopped, and why (a peer's tensor
-    did not come, a bad tensor); the hub re-plans. The answer is a sealed Ack: ok=False means
-    this generation is over (re-planned or the job ended): stop and ask for work again."""
+    did not come, a bad tensor); the hub re-plans. ``update_s``: the part of ``compute_s`` the
+    step's end took (summing shared gradients, the optimizer step), which does not grow with the
+    micro-batches (0: not measured). The answer is a sealed Ack: ok=False means this generation
+    is over (re-planned or the job ended): stop and ask for work again."""
 
     KIND: ClassVar[str] = "stage_report"
     job_id: IdStr
@@ -623,6 +625,7 @@ class StageReport:
     failed: ShortText
     timestamp: Timestamp
     nonce: Nonce
+    update_s: Annotated[float, Float(0.0, 1e6)] = 0.0
 
 
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack

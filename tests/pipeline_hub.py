@@ -239,6 +239,7 @@ def send_report(
     stage: int | None = None,
     job_id: str | None = None,
     compute_s: float = 0.01,
+    update_s: float = 0.0,
 ) -> tuple[int, bytes]:
     msg = StageReport(
         job_id=job_id or sa.job_id,
@@ -251,6 +252,7 @@ def send_report(
         failed=failed,
         timestamp=time.time(),
         nonce=new_nonce(),
+        update_s=update_s,
     )
     status, _, body = request(url, "POST", "/v1/pipeline/report", seal(key, msg), MSGPACK)
     return status, body

@@ -476,6 +476,7 @@ def _bad_inputs(hub: HubThread, tmp_path) -> None:
         (dict(key=stranger), 403, "not_your_stage"),
         (dict(job_id="j-0000000000000000"), 404, "unknown_job"),
         (dict(steps_done=99), 400, "bad_step"),
+        (dict(compute_s=0.01, update_s=0.02), 400, "bad_report"),
     ):
         args = dict(key=k0, steps_done=1) | change
         code, answer = send_report(hub.url, args.pop("key"), a0, args.pop("steps_done"), **args)
@@ -537,23 +538,28 @@ def test_a_stages_reported_compute_time_is_its_nodes_speed_in_the_offers(hub, tm
 
     benchmark = offer()
     assert benchmark["speed_from"] == "benchmark" and benchmark["speed_steps"] == 0
-    # two slow warm-up steps, then 0.5 s steps with one outlier (a step that says it took 1 ms)
+    # two slow warm-up steps, then 0.5 s steps with one outlier (a step that says it took 1 ms);
+    # 0.1 s of each 0.5 s step was its end (the optimizer step), which the outlier does not say
     for done, compute_s in enumerate((9.0, 9.0, 0.5, 0.5, 0.001, 0.5), 1):
-        code, answer = send_report(hub.url, keys[0], sa, done, compute_s=compute_s)
+        update_s = 0.1 if compute_s == 0.5 else 0.0
+        code, answer = send_report(hub.url, keys[0], sa, done, compute_s=compute_s, update_s=update_s)
         assert code == 200 and ack_of(hub, answer).ok, answer
     cut = hub.call(lambda: hub.hub.app[LEDGER].pipelines.known_cut(job["id"]))
     units = cut.costs[sa.unit_start : sa.unit_end]
-    # the step's 32 samples through the stage's units, and its optimizer step over their state
-    work = 32 * sum(u.flops for u in units) + 0.5 * sum(u.state_bytes for u in units)
+    # the step's 32 samples through the stage's units in the 0.4 s before its end; the update:
+    # the units' state in 0.1 s
+    work = 32 * sum(u.flops for u in units)
     measured = offer()
     assert measured["speed_from"] == "stage_reports" and measured["speed_steps"] == 4
-    assert measured["flops_per_s"] == pytest.approx(work / 0.5)
+    assert measured["flops_per_s"] == pytest.approx(work / 0.4)
+    assert measured["update_bytes_per_s"] == pytest.approx(sum(u.state_bytes for u in units) / 0.1)
     assert measured["flops_per_s"] != pytest.approx(benchmark["flops_per_s"], rel=0.1)
     doc = plan_of(hub, job["id"])
     assert f"speed of {node}: measured on its stage, median of 4 step(s)" in plan_lines(doc)
     # the node not measured: its benchmark (the same as the measured node's) on the measured scale
     other = next(n for n in doc["offers"]["nodes"] if n["node_id"] != node)
     assert other["speed_from"] == "benchmark" and other["speed_steps"] == 0
+    assert other["update_bytes_per_s"] is None
     scale = doc["offers"]["speed"]["benchmark_scale"]
     assert scale == pytest.approx(measured["flops_per_s"] / benchmark["flops_per_s"])
     assert other["flops_per_s"] == pytest.approx(measured["flops_per_s"])

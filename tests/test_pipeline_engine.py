@@ -217,6 +217,8 @@ def test_pipelines_running_different_shares_of_a_step_equal_gradient_accumulatio
             runners.append(r)
     assert run_stages(runners, data, counts=(3, 1)) == pytest.approx(want, rel=1e-5)
     assert max_rel_diff([r.module for r in runners[:2]], reference) <= 1e-5
+    # each stage timed its step's end (the gradient sum and the optimizer step) for its report
+    assert all(r.update_s > 0 for r in runners)
 
 
 class Tied(nn.Module):

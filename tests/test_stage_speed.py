@@ -80,6 +80,33 @@ def test_a_steps_work_is_its_samples_through_its_units_and_the_optimizer_step() 
     )
 
 
+def test_a_measured_update_is_kept_apart_and_offered_as_bytes_per_second() -> None:
+    # 1e9 FLOPs of samples and 1e4 bytes of state: 1.5 s of compute, 0.5 s of it the update
+    state = 10_000
+    work = 1e9 + UPDATE_FLOPS_PER_BYTE * state
+    speed = StageSpeed()
+    for k in range(WARMUP_STEPS + MIN_STEPS):
+        speed = with_step(
+            speed, step_flops=work, compute_s=1.5, step=k + 1, update_s=0.5, state_bytes=state
+        )
+    assert speed.flops_per_s == pytest.approx(1e9)  # the samples' work over the other second
+    assert speed.update_bytes_per_s == pytest.approx(2e4)
+    node = NodeState(id="n", public_key=b"k", bench_sps=1.0, ema_sps=1.0, last_seen=0.0)
+    node.max_memory_bytes = 1 << 30
+    node.stage_speed = speed
+    offer = offer_of(node, 4e4)
+    assert (offer.flops_per_s, offer.update_bytes_per_s) == (pytest.approx(1e9), pytest.approx(2e4))
+    # not measured (0), or more than the compute: the whole step at one speed, no update rate
+    for update_s in (0.0, 1.5, 2.0, float("nan")):
+        alone = with_step(
+            StageSpeed(), step_flops=work, compute_s=1.5, step=9, update_s=update_s, state_bytes=state
+        )
+        assert alone.samples == (pytest.approx(work / 1.5),) and alone.updates == ()
+    assert StageSpeed().update_bytes_per_s is None
+    node.stage_speed = StageSpeed()
+    assert offer_of(node, 4e4).update_bytes_per_s == 0.0
+
+
 def test_an_unmeasured_node_is_offered_its_benchmark_on_the_measured_nodes_scale() -> None:
     assert benchmark_scale([]) == 1.0
     # three measured nodes run 8, 10 and 40 times their benchmark: the median, not the mean

@@ -307,6 +307,8 @@ def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, s
         assert [r.steps_done for r in mine] == list(range(1, STEPS + 1))
         assert all(not r.failed and r.generation == 1 for r in mine)
         assert all((r.loss is not None) == (s == stages - 1) for r in mine)
+        # each step's end (the optimizer step) timed apart, a part of its compute
+        assert all(0 < r.update_s <= r.compute_s for r in mine)
     losses = [r.loss for r in job.hub.reports if r.stage == stages - 1]
     assert losses[-1] < losses[0]  # it trains
     if (

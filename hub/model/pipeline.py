@@ -105,6 +105,7 @@ class StepReport:
     predicted_s: float
     loss: float | None
     reported_at: float
+    update_s: float = 0.0
 
 
 @dataclass

@@ -41,9 +41,11 @@ WINDOW: Final = 16
 @dataclass(frozen=True)
 class StageSpeed:
     """The FLOP/s each of a node's recent stage steps computed at, oldest first (at most
-    `WINDOW`)."""
+    `WINDOW`), and the bytes of state per second its optimizer steps updated at, from the steps
+    that measured their end apart (``StageReport.update_s``)."""
 
     samples: tuple[float, ...] = ()
+    updates: tuple[float, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -57,6 +59,14 @@ class StageSpeed:
             return None
         return statistics.median(self.samples)
 
+    @property
+    def update_bytes_per_s(self) -> float | None:
+        """The median update rate, once `MIN_STEPS` steps measured it; None before (the planner
+        counts the update as `UPDATE_FLOPS_PER_BYTE` at the node's speed)."""
+        if len(self.updates) < MIN_STEPS:
+            return None
+        return statistics.median(self.updates)
+
 
 def stage_step_flops(
     costs: Sequence[UnitCost], unit_start: int, unit_end: int, samples: int
@@ -69,15 +79,36 @@ def stage_step_flops(
     )
 
 
-def with_step(speed: StageSpeed, *, step_flops: float, compute_s: float, step: int) -> StageSpeed:
-    """``speed`` with one stage step added: ``step_flops`` of work computed in ``compute_s``,
-    the ``step``-th step of its generation (from 1). A warm-up step, or one whose time or work
-    is not a positive finite number, leaves it as it is."""
+def with_step(
+    speed: StageSpeed,
+    *,
+    step_flops: float,
+    compute_s: float,
+    step: int,
+    update_s: float = 0.0,
+    state_bytes: int = 0,
+) -> StageSpeed:
+    """``speed`` with one stage step added: ``step_flops`` of work (`stage_step_flops`) computed
+    in ``compute_s``, the ``step``-th step of its generation (from 1). A warm-up step, or one
+    whose time or work is not a positive finite number, leaves it as it is.
+
+    ``update_s``: the part of ``compute_s`` the step's end took (its optimizer step over
+    ``state_bytes`` of state, and the sums of gradients shared with other stages or pipelines).
+    When it is measured (between 0 and ``compute_s``), the speed is the samples' work over the
+    rest of the time and the update is counted apart, in bytes per second: an optimizer step is
+    bound by memory, and on a device whose matrix products are fast it takes many times what its
+    FLOPs say, a fixed cost per step that a slow replica pays whatever its share of the samples."""
     if step <= WARMUP_STEPS or not (
         math.isfinite(compute_s) and compute_s > 0 and math.isfinite(step_flops) and step_flops > 0
     ):
         return speed
-    return StageSpeed((*speed.samples, step_flops / compute_s)[-WINDOW:])
+    update_flops = UPDATE_FLOPS_PER_BYTE * state_bytes
+    if 0 < update_s < compute_s and state_bytes > 0 and step_flops > update_flops:
+        return StageSpeed(
+            (*speed.samples, (step_flops - update_flops) / (compute_s - update_s))[-WINDOW:],
+            (*speed.updates, state_bytes / update_s)[-WINDOW:],
+        )
+    return StageSpeed((*speed.samples, step_flops / compute_s)[-WINDOW:], speed.updates)
 
 
 def benchmark_scale(pairs: Iterable[tuple[float, float]]) -> float:

@@ -252,7 +252,7 @@ def _pipeline_paths() -> dict[str, Any]:
             "responses": {"200": _sealed("Ack"), **_errors(400, 401, 403, 404, 409, 413)},
             "description": "The answer's ok is false once the generation is over (a re-plan, the job's end): "
                            "the stage stops and asks for work. 404 unknown_job; 403 not_your_stage; 400 "
-                           "bad_step; 409 replay"}},
+                           "bad_step / bad_report (update_s above compute_s); 409 replay"}},
     }
 
 
@@ -487,7 +487,7 @@ def _job_plan_schema() -> dict[str, Any]:
         "model": {"type": "object", "description": "units, state_bytes (parameters, gradients, optimizer "
                   "state), flops_per_sample (forward + backward)"},
         "offers": {"type": "object", "description": "online (count), nodes (node_id, memory_bytes, flops_per_s, "
-                   "speed_from, rtt_s, rtt_measured, bandwidth_bytes_per_s, bandwidth_measured), left_out "
+                   "speed_from, update_bytes_per_s, rtt_s, rtt_measured, bandwidth_bytes_per_s, bandwidth_measured), left_out "
                    "(count, why), speed (how flops_per_s was derived), link (the bandwidth_bytes_per_s and "
                    "rtt_s of a node not measured, assumed: no node measured, why)"},
         "plan": {"type": "object", "properties": {

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -143,6 +144,10 @@ class StageRunner:
     #: the node's ``--compute-share``: each forward, backward and optimizer step is followed by
     #: its rest (None or a share of 1: none)
     pace: ComputeShare | None = None
+    #: the last step's end, in seconds: summing the gradients shared with other stages and
+    #: pipelines and the optimizer step, less the transport's waits (work that does not grow
+    #: with the step's micro-batches; the hub's planner keeps it apart from the per-sample work)
+    update_s: float = field(default=0.0, init=False)
     _first: int = field(default=0, repr=False)  # this lane's first micro-batch of the step
     #: per micro-batch in flight: its input (None on stage 0), what its backward starts from (the
     #: output, or the last stage's weighted loss) and this stage's routers' weighted balancing loss
@@ -204,10 +209,13 @@ class StageRunner:
                     loss_sum += float(loss.detach())
             else:
                 self._backward(step, i)
+        started, waited = time.perf_counter(), getattr(self.transport, "waited", 0.0)
         self._sum_tied(step)
         self._sum_lanes(step)
         with self._computing():
             self.optimizer.step()
+        waits = getattr(self.transport, "waited", 0.0) - waited
+        self.update_s = max(time.perf_counter() - started - waits, 0.0)
         return loss_sum if last else None
 
     def receives(self, step: int, micro_batches: int) -> list[MessageKey]:

@@ -103,7 +103,7 @@ class StageOutcome:
     detail: str = ""
 
 
-class _TimedTransport:
+class TimedTransport:
     """The stage's transport, counting the seconds spent sending and waiting: a step's wall
     time less these is its compute."""
 
@@ -167,7 +167,7 @@ class StageWorker:
     ) -> None:
         self.a = assignment
         self.hub = hub
-        self.transport = _TimedTransport(transport)
+        self.transport = TimedTransport(transport)
         self.device = device or torch.device("cpu")
         self.pace = ComputeShare(compute_share, self.device)
         self.should_stop = should_stop or (lambda: False)
@@ -250,10 +250,11 @@ class StageWorker:
         if self.on_step is not None:
             self.on_step(done, loss)
         compute_s = max(step_s - self.transport.waited, 0.0)
-        return self.hub.report(self._report(step_s, compute_s, loss))
+        return self.hub.report(self._report(step_s, compute_s, loss, update_s=runner.update_s))
 
     def _report(
-        self, step_s: float, compute_s: float, loss: float | None, failed: str = ""
+        self, step_s: float, compute_s: float, loss: float | None, failed: str = "",
+        *, update_s: float = 0.0,
     ) -> StageReport:
         return StageReport(
             job_id=self.a.job_id,
@@ -262,6 +263,7 @@ class StageWorker:
             steps_done=self.steps_done,
             step_s=min(step_s, 1e6),
             compute_s=min(compute_s, 1e6),
+            update_s=min(update_s, compute_s, 1e6),
             loss=loss,
             failed=" ".join(failed.split())[:200],
             timestamp=self.clock(),
@@ -449,4 +451,4 @@ class StageWorker:
         return inputs, targets
 
 
-__all__ = ["ENDINGS", "StageHub", "StageOutcome", "StageWorker"]
+__all__ = ["ENDINGS", "StageHub", "StageOutcome", "StageWorker", "TimedTransport"]

@@ -516,6 +516,11 @@ class Pipelines:
                 f" ({g.first_step} to {g.end_step})",
                 code="bad_step",
             )
+        if msg.update_s > msg.compute_s:
+            raise BadRequest(
+                f"update_s {msg.update_s:g} is more than the step's compute_s {msg.compute_s:g}",
+                code="bad_report",
+            )
         now = time.time()
         if msg.failed:
             await self._end_generation(
@@ -534,6 +539,7 @@ class Pipelines:
             g.step_s,
             msg.loss,
             now,
+            msg.update_s,
         )
         await self.store.save_stage_report(job.id, report)
         if state.generation is not g:

@@ -34,6 +34,8 @@ def note_step(
         step_flops=stage_step_flops(cut.costs, slot.unit_start, slot.unit_end, samples),
         compute_s=report.compute_s,
         step=report.steps_done - g.first_step,
+        update_s=report.update_s,
+        state_bytes=sum(u.state_bytes for u in cut.costs[slot.unit_start : slot.unit_end]),
     )
 
 
