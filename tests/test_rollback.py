@@ -191,6 +191,8 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
                                        ({"to_round": 3}, 400, "bad_round"),
                                        ({"to_round": 1, "before_node": forger.node_id}, 400, "bad_rollback"),
                                        ({"to_round": "1"}, 400, "bad_round"),
+                                       ({"before_node": forger.node_id, "oldest_kept": "yes"}, 400, "bad_rollback"),
+                                       ({"to_round": 1, "oldest_kept": True}, 400, "bad_rollback"),
                                        ({}, 400, "bad_rollback")):
                 async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json=body, headers=hub.auth()) as r:
                     assert (r.status, (await r.json())["error"]) == (status, code), body
@@ -215,7 +217,8 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
         proc.kill()
         proc.wait(timeout=30)
         assert out == {"job_id": job_id, "restored_round": 0, "round": 4, "rounds": 10, "rolled_back": [0, 1, 2, 3],
-                       "model_hash": kept, "before_node": forger.node_id, "by": "alice"}
+                       "model_hash": kept, "before_node": forger.node_id, "partial": False,
+                       "unverified_left": [], "by": "alice"}
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -316,7 +319,12 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
         await hub.stop()
 
 
-async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_restored(tmp_path: Path) -> None:
+async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_falls_back_to_the_oldest_kept(
+        tmp_path: Path) -> None:
+    """Node A trains round 0, node B rounds 1-4 (lone updates: unverified); keep_rounds = 3 keeps
+    versions 0, 3, 4, 5. B is suspended: the model before its first round (version 1) is gone, so a
+    rollback before B is refused unless it asks for the oldest kept model, which undoes rounds 3
+    and 4 and says rounds 1 and 2 stay in the model."""
     from gpuflex.hub.server.appkeys import BLOBS
 
     train, val, spec_path = write_digits(tmp_path / "d", rounds=5, chunk_size=2000, extra=EXTRA)
@@ -324,12 +332,14 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_resto
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
-            node = SimNode(s, hub.url)
+            first, node = SimNode(s, hub.url), SimNode(s, hub.url)
+            await first.register()
             await node.register()
             for rnd in range(5):
-                a = await node.work(2.0)
+                who = first if rnd == 0 else node
+                a = await who.work(2.0)
                 assert isinstance(a, Assignment) and a.round == rnd
-                await node.upload(a, *await node.train(a))
+                await who.upload(a, *await who.train(a))
                 doc = await _round_closes(s, hub, job_id, rnd)
             assert doc["state"] == "done"
             made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
@@ -344,13 +354,28 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_resto
             assert [blobs.has(sha) for sha in made] == [False, False, True, True, True]
             async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 2}, headers=hub.auth()) as r:
                 assert (r.status, (await r.json())["error"]) == (409, "round_not_kept")
-            # a done job rolls back and runs again, with the rounds it lost given back
-            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 3}, headers=hub.auth()) as r:
-                assert r.status == 200, await r.text()
+            await _suspend(hub, job_id, [node])
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"before_node": node.node_id},
+                              headers=hub.auth()) as r:
+                refused = await r.json()
+            assert (r.status, refused["error"]) == (409, "round_not_kept")
+            assert "--or-oldest-kept" in refused["detail"] and "rounds 1, 2 in the model" in refused["detail"]
+            assert (await _job(s, hub, job_id))["state"] == "done"  # nothing changed
+            # a done job rolls back and runs again, with the rounds it lost given back: partially
+            text = await asyncio.to_thread(_cli_text, ["job", "rollback", job_id, "--before-node", node.node_id,
+                                                       "--or-oldest-kept", "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert f"partial: the oldest kept model; {node.node_id}'s unverified rounds 1, 2 stay in the model" in text
             doc = await _job(s, hub, job_id)
             assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 5, 7, made[2])
-            a = await node.work(2.0)
+            assert [h["rolled_back"] for h in doc["history"]] == [False, False, False, True, True]
+            assert doc["unverified_work"][0]["rounds"] == [1, 2]  # what stays in the model is still listed
+            a = await first.work(2.0)  # (B is suspended)
             assert isinstance(a, Assignment) and a.round == 5 and a.model_hash == made[2]
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["restored_round"], entry["rolled_back"], entry["partial"], entry["unverified_left"]) == (
+            3, [3, 4], True, [1, 2])
     finally:
         await hub.stop()
 
@@ -414,6 +439,37 @@ def test_the_policy_picks_the_round_before_the_first_unverified_update_and_refus
     # rounds already rolled back hold nothing to undo
     assert rollback.decide(_history(rolled_back=frozenset({2, 3})), before_node="f").code == "nothing_to_roll_back"
     assert rollback.prune_below(10, 3) == 8 and rollback.prune_below(10, 0) is None and rollback.prune_below(2, 3) is None
+
+
+def test_a_rollback_before_a_node_whose_model_is_gone_falls_back_to_the_oldest_kept_only_when_asked() -> None:
+    """F's unverified rounds are 2, 3 and 4; keep_rounds has let version 2 go."""
+    marks = (*_history().aggregated[:3], rollback.Aggregated(4, "u4", "f", False))
+    h = _history(aggregated=marks, kept=frozenset({0, 3, 4, 5}))
+    refused = rollback.decide(h, before_node="f")
+    assert isinstance(refused, rollback.Refused) and refused.code == "round_not_kept"
+    assert "--or-oldest-kept" in refused.detail and "restores round 3's model" in refused.detail
+    assert "unverified rounds 2 in the model" in refused.detail and "\n" not in refused.detail
+    partial = rollback.decide(h, before_node="f", oldest_kept=True)
+    assert partial == rollback.Rollback(to_round=3, new_round=6, rounds=13, undone=(3, 4, 5), node_id="f",
+                                        unverified_left=(2,))
+    assert isinstance(partial, rollback.Rollback) and partial.partial
+    # the model before its first round kept: the option changes nothing
+    assert rollback.decide(_history(), before_node="f", oldest_kept=True) == rollback.decide(
+        _history(), before_node="f")
+    # a kept model older than its first round undoes all of it (not partial)
+    older = rollback.decide(_history(kept=frozenset({0, 1, 4, 5})), before_node="f", oldest_kept=True)
+    assert isinstance(older, rollback.Rollback) and (older.to_round, older.partial) == (1, False)
+    # no kept model of a closed round but the initial one: the initial model
+    initial = rollback.decide(_history(kept=frozenset({0, 5})), before_node="f", oldest_kept=True)
+    assert isinstance(initial, rollback.Rollback) and (initial.to_round, initial.undone, initial.partial) == (
+        0, (0, 1, 2, 3, 4, 5), False)
+    # the oldest kept comes after all of its rounds: it would undo none of them, refused
+    late = rollback.decide(_history(kept=frozenset({0, 4, 5})), before_node="f", oldest_kept=True)
+    assert isinstance(late, rollback.Refused) and late.code == "round_not_kept" and "--to-round 0" in late.detail
+    # rounds already rolled back are no fallback (their models hold what a rollback undid)
+    assert rollback.fallback_round(_history(kept=frozenset({0, 3, 4, 5}), rolled_back=frozenset({3})), [2, 4]) == 4
+    # a round names its model: the option goes with before_node only
+    assert rollback.decide(h, to_round=3, oldest_kept=True).code == "bad_rollback"  # type: ignore[union-attr]
 
 
 def test_a_verification_counts_for_a_rollback_only_while_its_verifier_stands() -> None:
