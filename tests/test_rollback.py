@@ -174,14 +174,15 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
             assert (first["node_id"], first["verified_by"]) == (
                 forger.node_id, {"replicas": sorted(p.node_id for p in partners)})
             assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
-                                               "rollback_to": 1, "kept": True}]
+                                               "rollback_to": 1, "kept": True, "fallback_to": None}]
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
             # the partners that vouched for F's round-0 update are caught too: it no longer counts
             await _suspend(hub, job_id, partners)
             assert (await _job(s, hub, job_id))["unverified_work"] == [
-                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True}]
+                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True,
+                 "fallback_to": None}]
             text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
                                                        "--token", hub.owner_token])
             assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 0, 1, 2:"
@@ -327,6 +328,8 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_fall
     and 4 and says rounds 1 and 2 stay in the model."""
     from gpuflex.hub.server.appkeys import BLOBS
 
+    from tests.test_console_helpers import Browserish
+
     train, val, spec_path = write_digits(tmp_path / "d", rounds=5, chunk_size=2000, extra=EXTRA)
     hub = await start_hub(tmp_path / "hub")
     try:
@@ -360,7 +363,22 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_fall
                 refused = await r.json()
             assert (r.status, refused["error"]) == (409, "round_not_kept")
             assert "--or-oldest-kept" in refused["detail"] and "rounds 1, 2 in the model" in refused["detail"]
-            assert (await _job(s, hub, job_id))["state"] == "done"  # nothing changed
+            doc = await _job(s, hub, job_id)
+            assert (doc["state"], doc["unverified_work"]) == ("done", [  # nothing changed
+                {"node_id": node.node_id, "state": "suspended", "rounds": [1, 2, 3, 4], "rollback_to": 1,
+                 "kept": False, "fallback_to": 3}])
+            text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert (f"round 1's model is no longer kept; gpuflex-hub job rollback {job_id} --before-node"
+                    f" {node.node_id} --or-oldest-kept restores round 3's, leaving rounds 1, 2 in the model") in text
+            owner = Browserish(hub.url)
+            try:  # the console's button says the same
+                await owner.login(hub.owner_token)
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Roll back to round 3 (partial: rounds 1, 2 stay)" in html
+                assert 'name="oldest_kept" value="1"' in html
+            finally:
+                await owner.close()
             # a done job rolls back and runs again, with the rounds it lost given back: partially
             text = await asyncio.to_thread(_cli_text, ["job", "rollback", job_id, "--before-node", node.node_id,
                                                        "--or-oldest-kept", "--hub", hub.url,
@@ -467,7 +485,7 @@ def test_a_rollback_before_a_node_whose_model_is_gone_falls_back_to_the_oldest_k
     late = rollback.decide(_history(kept=frozenset({0, 4, 5})), before_node="f", oldest_kept=True)
     assert isinstance(late, rollback.Refused) and late.code == "round_not_kept" and "--to-round 0" in late.detail
     # rounds already rolled back are no fallback (their models hold what a rollback undid)
-    assert rollback.fallback_round(_history(kept=frozenset({0, 3, 4, 5}), rolled_back=frozenset({3})), [2, 4]) == 4
+    assert rollback.fallback_round([2, 4], kept={0, 3, 4, 5}, rolled_back={3}, closed=5) == 4
     # a round names its model: the option goes with before_node only
     assert rollback.decide(h, to_round=3, oldest_kept=True).code == "bad_rollback"  # type: ignore[union-attr]
 

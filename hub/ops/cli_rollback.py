@@ -54,6 +54,10 @@ def rollback_notes(doc: dict[str, Any]) -> list[tuple[str, str]]:
         rounds = ", ".join(str(r) for r in w["rounds"])
         how = (f"gpuflex-hub job rollback {doc['id']} --before-node {w['node_id']} restores round"
                f" {w['rollback_to']}'s model" if w["kept"] else f"round {w['rollback_to']}'s model is no longer kept")
+        if not w["kept"] and w.get("fallback_to") is not None:
+            left = ", ".join(str(r) for r in w["rounds"] if r < w["fallback_to"]) or "none"
+            how += (f"; gpuflex-hub job rollback {doc['id']} --before-node {w['node_id']} --or-oldest-kept"
+                    f" restores round {w['fallback_to']}'s, leaving rounds {left} in the model")
         out.append(("unverified", f"{w['node_id']} ({w['state']}) had unverified updates aggregated in"
                                   f" rounds {rounds}: {how}"))
     return out

@@ -232,7 +232,7 @@ def decide(history: JobHistory, *, before_node: str | None = None, to_round: int
     else:  # (neither: refused above)
         return which
     if target not in h.kept:
-        fallback = fallback_round(h, found)
+        fallback = fallback_round(found, kept=h.kept, rolled_back=h.rolled_back, closed=h.round)
         if not oldest_kept or fallback is None:
             return _not_kept(h, target, before_node, found, fallback)
         target = fallback
@@ -243,22 +243,22 @@ def decide(history: JobHistory, *, before_node: str | None = None, to_round: int
                     undone=undone, node_id=before_node, unverified_left=tuple(r for r in found if r < target))
 
 
-def fallback_round(history: JobHistory, found: Sequence[int]) -> int | None:
+def fallback_round(found: Sequence[int], *, kept: Set[int], rolled_back: Set[int], closed: int) -> int | None:
     """The kept model a rollback before a node falls back to when the one before its first
-    unverified round is no longer kept (``found``: its unverified rounds, in order). Of the kept
-    models of closed rounds after the initial one, not rolled back: the newest before its first
-    round (undoes them all), else the oldest (undoes those from it on), else the initial model
-    when no other is kept; None when the oldest kept comes after all of them (undoes none)."""
-    h = history
+    unverified round is no longer kept (``found``: its unverified rounds, in order; ``closed``: the
+    job's round counter, rounds under it closed). Of the kept models of closed rounds after the
+    initial one, not rolled back: the newest before its first round (undoes them all), else the
+    oldest (undoes those from it on), else the initial model when no other is kept; None when the
+    oldest kept comes after all of them (undoes none)."""
     if not found:
         return None
-    kept = sorted(v for v in h.kept if 0 < v < h.round and v not in h.rolled_back)
-    if not kept:
+    candidates = sorted(v for v in kept if 0 < v < closed and v not in rolled_back)
+    if not candidates:
         return 0
-    before = [v for v in kept if v <= found[0]]
+    before = [v for v in candidates if v <= found[0]]
     if before:
         return before[-1]
-    return kept[0] if kept[0] <= found[-1] else None
+    return candidates[0] if candidates[0] <= found[-1] else None
 
 
 def _not_kept(h: JobHistory, target: int, before_node: str | None, found: Sequence[int],
