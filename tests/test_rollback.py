@@ -320,6 +320,53 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
         await hub.stop()
 
 
+async def _a_then_b(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, first: SimNode,
+                    node: SimNode) -> dict[str, Any]:
+    """Rounds 0-4, one lone (unverified) update each: ``first`` trains round 0, ``node`` the rest."""
+    await first.register()
+    await node.register()
+    for rnd in range(5):
+        who = first if rnd == 0 else node
+        a = await who.work(2.0)
+        assert isinstance(a, Assignment) and a.round == rnd
+        await who.upload(a, *await who.train(a))
+        doc = await _round_closes(s, hub, job_id, rnd)
+    return doc
+
+
+async def test_a_job_that_opts_in_falls_back_to_the_oldest_kept_model_when_the_one_before_the_forger_is_gone(
+        tmp_path: Path) -> None:
+    """As below, on a running job that opted in to auto_rollback: B is banned while round 5 is
+    open; when A's round-5 update closes it (versions 0, 4, 5, 6 kept), the hub rolls back to the
+    oldest kept model, round 4, by itself, and says rounds 1-3 of B's stay in the model."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=8, chunk_size=2000,
+                                         extra=EXTRA + "auto_rollback = true\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            first, node = SimNode(s, hub.url), SimNode(s, hub.url)
+            await _a_then_b(s, hub, job_id, first, node)
+            await _suspend(hub, job_id, [node])
+            (flag,) = await _flags(s, hub)
+            await _verdict(s, hub, flag["id"], "confirm")  # banned
+            a = await first.work(2.0)
+            assert isinstance(a, Assignment) and a.round == 5
+            await first.upload(a, *await first.train(a))
+            deadline = time.monotonic() + 10
+            while (doc := await _job(s, hub, job_id))["round"] != 7:
+                assert time.monotonic() < deadline, doc["round"]
+                await asyncio.sleep(0.05)
+            assert (doc["rounds"], doc["model_hash"]) == (11, doc["history"][3]["model_hash"])
+            assert [h["rolled_back"] for h in doc["history"]] == [False] * 4 + [True] * 3  # (6: abandoned open)
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["restored_round"], entry["rolled_back"], entry["partial"], entry["unverified_left"],
+                entry["by"]) == (4, [4, 5, 6], True, [1, 2, 3], "hub (auto_rollback)")
+    finally:
+        await hub.stop()
+
+
 async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_falls_back_to_the_oldest_kept(
         tmp_path: Path) -> None:
     """Node A trains round 0, node B rounds 1-4 (lone updates: unverified); keep_rounds = 3 keeps
@@ -336,14 +383,7 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_fall
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
             first, node = SimNode(s, hub.url), SimNode(s, hub.url)
-            await first.register()
-            await node.register()
-            for rnd in range(5):
-                who = first if rnd == 0 else node
-                a = await who.work(2.0)
-                assert isinstance(a, Assignment) and a.round == rnd
-                await who.upload(a, *await who.train(a))
-                doc = await _round_closes(s, hub, job_id, rnd)
+            doc = await _a_then_b(s, hub, job_id, first, node)
             assert doc["state"] == "done"
             made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
             assert len(set(made)) == 5
