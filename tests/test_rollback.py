@@ -320,13 +320,12 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
         await hub.stop()
 
 
-async def _a_then_b(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, first: SimNode,
-                    node: SimNode) -> dict[str, Any]:
-    """Rounds 0-4, one lone (unverified) update each: ``first`` trains round 0, ``node`` the rest."""
-    await first.register()
-    await node.register()
-    for rnd in range(5):
-        who = first if rnd == 0 else node
+async def _lone_rounds(s: aiohttp.ClientSession, hub: RunningHub, job_id: str,
+                       trainers: list[SimNode]) -> dict[str, Any]:
+    """Rounds 0, 1, ..., one lone (unverified) update each, trained by ``trainers[r]``."""
+    for n in dict.fromkeys(trainers):
+        await n.register()
+    for rnd, who in enumerate(trainers):
         a = await who.work(2.0)
         assert isinstance(a, Assignment) and a.round == rnd
         await who.upload(a, *await who.train(a))
@@ -336,20 +335,22 @@ async def _a_then_b(s: aiohttp.ClientSession, hub: RunningHub, job_id: str, firs
 
 async def test_a_job_that_opts_in_falls_back_to_the_oldest_kept_model_when_the_one_before_the_forger_is_gone(
         tmp_path: Path) -> None:
-    """As below, on a running job that opted in to auto_rollback: B is banned while round 5 is
-    open; when A's round-5 update closes it (versions 0, 4, 5, 6 kept), the hub rolls back to the
-    oldest kept model, round 4, by itself, and says rounds 1-3 of B's stay in the model."""
+    """A running job that opted in to auto_rollback, keep_rounds = 3, lone (unverified) updates:
+    A trains round 0, X round 1, B rounds 2-4. X and B are banned while round 5 is open; when A's
+    round-5 update closes it (versions 0, 4, 5, 6 kept), the hub looks at X first (its round 1 is
+    before every kept model but the initial one: nothing of it can be undone), then at B: it rolls
+    back to the oldest kept model, round 4's, by itself, and says B's rounds 2 and 3 stay."""
     train, val, spec_path = write_digits(tmp_path / "d", rounds=8, chunk_size=2000,
                                          extra=EXTRA + "auto_rollback = true\n")
     hub = await start_hub(tmp_path / "hub")
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
-            first, node = SimNode(s, hub.url), SimNode(s, hub.url)
-            await _a_then_b(s, hub, job_id, first, node)
-            await _suspend(hub, job_id, [node])
-            (flag,) = await _flags(s, hub)
-            await _verdict(s, hub, flag["id"], "confirm")  # banned
+            first, early, node = SimNode(s, hub.url), SimNode(s, hub.url), SimNode(s, hub.url)
+            await _lone_rounds(s, hub, job_id, [first, early, node, node, node])
+            await _suspend(hub, job_id, [early, node])
+            for flag in await _flags(s, hub):
+                await _verdict(s, hub, flag["id"], "confirm")  # banned
             a = await first.work(2.0)
             assert isinstance(a, Assignment) and a.round == 5
             await first.upload(a, *await first.train(a))
@@ -359,10 +360,13 @@ async def test_a_job_that_opts_in_falls_back_to_the_oldest_kept_model_when_the_o
                 await asyncio.sleep(0.05)
             assert (doc["rounds"], doc["model_hash"]) == (11, doc["history"][3]["model_hash"])
             assert [h["rolled_back"] for h in doc["history"]] == [False] * 4 + [True] * 3  # (6: abandoned open)
+            assert [(w["node_id"], w["rounds"], w["fallback_to"]) for w in doc["unverified_work"]] == [
+                (early.node_id, [1], None), (node.node_id, [2, 3], None)]
         lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
         (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
         assert (entry["restored_round"], entry["rolled_back"], entry["partial"], entry["unverified_left"],
-                entry["by"]) == (4, [4, 5, 6], True, [1, 2, 3], "hub (auto_rollback)")
+                entry["before_node"], entry["by"]) == (4, [4, 5, 6], True, [2, 3], node.node_id,
+                                                       "hub (auto_rollback)")
     finally:
         await hub.stop()
 
@@ -383,7 +387,7 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_fall
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
             first, node = SimNode(s, hub.url), SimNode(s, hub.url)
-            doc = await _a_then_b(s, hub, job_id, first, node)
+            doc = await _lone_rounds(s, hub, job_id, [first, node, node, node, node])
             assert doc["state"] == "done"
             made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
             assert len(set(made)) == 5
@@ -517,13 +521,15 @@ def test_a_rollback_before_a_node_whose_model_is_gone_falls_back_to_the_oldest_k
     # a kept model older than its first round undoes all of it (not partial)
     older = rollback.decide(_history(kept=frozenset({0, 1, 4, 5})), before_node="f", oldest_kept=True)
     assert isinstance(older, rollback.Rollback) and (older.to_round, older.partial) == (1, False)
-    # no kept model of a closed round but the initial one: the initial model
-    initial = rollback.decide(_history(kept=frozenset({0, 5})), before_node="f", oldest_kept=True)
+    # no kept model but the initial one: the initial model
+    initial = rollback.decide(_history(kept=frozenset({0})), before_node="f", oldest_kept=True)
     assert isinstance(initial, rollback.Rollback) and (initial.to_round, initial.undone, initial.partial) == (
         0, (0, 1, 2, 3, 4, 5), False)
-    # the oldest kept comes after all of its rounds: it would undo none of them, refused
-    late = rollback.decide(_history(kept=frozenset({0, 4, 5})), before_node="f", oldest_kept=True)
-    assert isinstance(late, rollback.Refused) and late.code == "round_not_kept" and "--to-round 0" in late.detail
+    # the oldest kept comes after all of its rounds: it would undo none of them, refused (also when
+    # the only one kept after the initial model is the one the open round trains from)
+    for kept in ({0, 4, 5}, {0, 5}):
+        late = rollback.decide(_history(kept=frozenset(kept)), before_node="f", oldest_kept=True)
+        assert isinstance(late, rollback.Refused) and late.code == "round_not_kept" and "--to-round 0" in late.detail
     # rounds already rolled back are no fallback (their models hold what a rollback undid)
     assert rollback.fallback_round([2, 4], kept={0, 3, 4, 5}, rolled_back={3}, closed=5) == 4
     # a round names its model: the option goes with before_node only

@@ -246,19 +246,20 @@ def decide(history: JobHistory, *, before_node: str | None = None, to_round: int
 def fallback_round(found: Sequence[int], *, kept: Set[int], rolled_back: Set[int], closed: int) -> int | None:
     """The kept model a rollback before a node falls back to when the one before its first
     unverified round is no longer kept (``found``: its unverified rounds, in order; ``closed``: the
-    job's round counter, rounds under it closed). Of the kept models of closed rounds after the
-    initial one, not rolled back: the newest before its first round (undoes them all), else the
-    oldest (undoes those from it on), else the initial model when no other is kept; None when the
-    oldest kept comes after all of them (undoes none)."""
+    job's round counter, rounds under it closed). Of the kept models after the initial one, not
+    rolled back, those of closed rounds: the newest before its first round (undoes them all), else
+    the oldest (undoes those from it on); the initial model when no model after it is kept at
+    all; None when the oldest kept comes after all of its rounds (undoes none of them)."""
     if not found:
         return None
-    candidates = sorted(v for v in kept if 0 < v < closed and v not in rolled_back)
-    if not candidates:
+    after_initial = sorted(v for v in kept if v > 0 and v not in rolled_back)
+    if not after_initial:
         return 0
-    before = [v for v in candidates if v <= found[0]]
+    closed_rounds = [v for v in after_initial if v < closed]
+    before = [v for v in closed_rounds if v <= found[0]]
     if before:
         return before[-1]
-    return candidates[0] if candidates[0] <= found[-1] else None
+    return closed_rounds[0] if closed_rounds and closed_rounds[0] <= found[-1] else None
 
 
 def _not_kept(h: JobHistory, target: int, before_node: str | None, found: Sequence[int],

@@ -89,8 +89,9 @@ class AutoRollback:
     job rolled back before its first one, by the hub (the audit entry says so). The job opted in
     to have forged work undone, so when that round's model is no longer kept it falls back to the
     oldest kept model (``oldest_kept``: a partial rollback, logged with the rounds it leaves in).
-    One look per change of the set of stopped nodes; a refusal (nothing of theirs in the model, no
-    kept model that undoes any of it) is logged, never the job's failure."""
+    One look per change of the set of stopped nodes, at the node whose unverified work starts
+    earliest (and, when no kept model undoes any of it, at the next one); a refusal is logged, never
+    the job's failure."""
 
     #: who an automatic rollback is recorded as
     HUB = Principal(token_id=0, role="admin", name="hub (auto_rollback)")
@@ -111,17 +112,19 @@ class AutoRollback:
         if history is None:
             return
         first = sorted((rounds[0], node) for node in stopped if (rounds := rollback.unverified_rounds(history, node)))
-        if not first:
+        for round_, node in first:  # the earliest first: it undoes the later ones' rounds after it too
+            try:
+                done = await self.rollbacks.roll_back(self.HUB, job.id, before_node=node, oldest_kept=True)
+            except HubError as exc:
+                log.warning("automatic rollback of job %s before node %s refused: %s", job.id, node, exc)
+                if exc.code == "round_not_kept":
+                    continue  # none of its rounds within a kept model's reach: the next node's may be
+                return
+            if done["partial"]:
+                log.warning("automatic rollback of job %s before node %s is partial: round %d's model is no longer"
+                            " kept, restored round %d's; its unverified rounds %s stay in the model", job.id,
+                            node, round_, done["restored_round"], done["unverified_left"])
             return
-        try:
-            done = await self.rollbacks.roll_back(self.HUB, job.id, before_node=first[0][1], oldest_kept=True)
-        except HubError as exc:
-            log.warning("automatic rollback of job %s before node %s refused: %s", job.id, first[0][1], exc)
-            return
-        if done["partial"]:
-            log.warning("automatic rollback of job %s before node %s is partial: round %d's model is no longer"
-                        " kept, restored round %d's; its unverified rounds %s stay in the model", job.id,
-                        first[0][1], first[0][0], done["restored_round"], done["unverified_left"])
 
 
 def _reopen(job: JobState, plan: rollback.Rollback, model_hash: str, opt_state_sha: str | None) -> None:
