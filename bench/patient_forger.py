@@ -62,26 +62,33 @@ a fellow member's replica agreed, or a replay drew one of its honest segments),
 ``forged_aggregated_unlisted`` (those of stopped forgers that ``rollback.unverified_rounds`` still
 does not list, with the nodes stopped when the forger was; ``_end``: with the nodes stopped by the
 end of the run, as a later rollback or ``auto_rollback``'s next look sees them),
-``forged_kept_after_rollback`` (crafted updates a rollback at the forger's suspension leaves in the
-model: those before the round it restores, or all when it is refused) and what
-``rollback.decide`` answers for each stopped forger (``rollback_rounds_undone_mean``,
-``rollback_refused``: ``round_not_kept`` once its first unverified round is older than
-``keep_rounds``).
+``forged_kept_after_rollback`` (crafted updates the rollback at the forger's suspension leaves in
+the model: those before the round it restores, or all when it is refused). That rollback is
+``auto_rollback``'s: ``rollback.decide(before_node=..., oldest_kept=True)``, which falls back to
+the oldest kept model when the one before the forger's first unverified round is older than
+``keep_rounds`` (``rollback_partial``: rollbacks that left some of the forger's unverified rounds in
+the model). Beside it, a plain ``job rollback --before-node`` (no fallback):
+``forged_kept_after_rollback_without_fallback`` and ``rollback_refused_without_fallback``
+(``round_not_kept``). ``rollback_rounds_undone_mean`` / ``_total`` and ``rollback_refused`` count
+what the rollbacks with the fallback do; the figures repeat them for the default run.
 
 ``accuracy_after_rollback_vs_clean_points`` comes from a small real run (``rollback_accuracy``):
 10 nodes, 3 of them forgers, train the digits MLP with the node's own trainer
 (``train_assignment``) for 30 rounds, FedAvg by the hub's ``aggregate``; the forgers send
 heterogeneity.py's crafted update (``craft``) from round 8, 15 of them each (the p99 target),
 the first 2 verified by a fellow forger's agreeing replica and the rest unverified, and are then
-suspended; ``rollback.decide(before_node=...)`` picks the model to restore, and the job continues
-on it with the honest nodes for the rounds the rollback gives back (``*_partners_active``: the
-same with only the first forger stopped, its partners' word still standing). Beside it: the clean run (all 10 honest), the clean run of the 7 honest nodes alone
+suspended; ``rollback.decide(before_node=..., oldest_kept=True)`` picks the model to restore, and
+the job continues on it with the honest nodes for the rounds the rollback gives back
+(``*_partners_active``: the same with only the first forger stopped, its partners' word still
+standing). Beside it: the clean run (all 10 honest), the clean run of the 7 honest nodes alone
 (fewer, larger shards a round: what the job after a rollback trains like), and the forged run
-continued without a rollback.
+continued without a rollback. One seed of it is noisy at the 1-point level, so it runs at
+``--rollback-seeds`` seeds (initial model, chunk order, training seeds) and the
+figure is their mean; ``rollback_run.runs`` has each seed's values.
 
 Run (2 cores, 4-7 min): .venv/bin/python bench/patient_forger.py [--identities 700]
     [--rounds 160] [--round-s 300] [--segments 8] [--forged-segments 1|all] [--rates 0.1,0.3,1]
-    [--no-hash-pointer] [--no-rollback] [--seed 1] [--out PATH]
+    [--no-hash-pointer] [--no-rollback] [--rollback-seeds 5] [--seed 1] [--out PATH]
 -> bench/results/patient_forger.json, and a table on stdout.
 """
 
@@ -426,7 +433,9 @@ class Simulation:
     def stopped_by(self, r: int) -> frozenset[str]:
         """The nodes suspended by the end of round ``r``."""
         return frozenset(
-            n.node_id for n in self.nodes if n.forged_caught_at is not None and n.forged_caught_at <= r
+            n.node_id
+            for n in self.nodes
+            if n.forged_caught_at is not None and n.forged_caught_at <= r
         )
 
     def history_of(self, n: Identity, stopped: frozenset[str]) -> rollback.JobHistory:
@@ -451,11 +460,17 @@ class Simulation:
         listed = set(rollback.unverified_rounds(self.history_of(n, stopped), n.node_id))
         return sum(a.update_id in n.crafted and a.round not in listed for a in n.aggregated)
 
-    def rollback_of(self, n: Identity) -> tuple[rollback.Rollback | rollback.Refused, int]:
-        """What ``job rollback --before-node`` would do when the forger is stopped (seeing the
-        nodes stopped by then), and how many of its crafted updates stay in the model after it."""
+    def rollback_of(
+        self, n: Identity, *, oldest_kept: bool
+    ) -> tuple[rollback.Rollback | rollback.Refused, int]:
+        """What a rollback before the forger would do when it is stopped (seeing the nodes stopped
+        by then): ``auto_rollback``'s (``oldest_kept``: the oldest kept model when the one before
+        its first unverified round is gone) or a plain ``job rollback --before-node``'s, and how
+        many of its crafted updates stay in the model after it (all of them when refused)."""
         at = n.forged_caught_at if n.forged_caught_at is not None else self.args.rounds
-        d = rollback.decide(self.history_of(n, self.stopped_by(at)), before_node=n.node_id)
+        d = rollback.decide(
+            self.history_of(n, self.stopped_by(at)), before_node=n.node_id, oldest_kept=oldest_kept
+        )
         first = d.to_round if isinstance(d, rollback.Rollback) else at + 1
         return d, sum(a.update_id in n.crafted and a.round < first for a in n.aggregated)
 
@@ -465,17 +480,23 @@ class Simulation:
         counts = sorted(n.forged_aggregated for n in forgers)
         undone: list[int] = []
         refused: dict[str, int] = {}
-        unlisted = unlisted_end = kept_after = 0
+        refused_plain: dict[str, int] = {}
+        unlisted = unlisted_end = kept_after = kept_after_plain = partial = 0
         for n in forgers:
             if n.forged_aggregated and n.suspended:
-                d, left = self.rollback_of(n)
+                d, left = self.rollback_of(n, oldest_kept=True)
                 kept_after += left
                 unlisted += self.unlisted(n, self.stopped_by(n.forged_caught_at or 0))
                 unlisted_end += self.unlisted(n, self.stopped_by(self.args.rounds))
                 if isinstance(d, rollback.Rollback):
                     undone.append(len(d.undone))
+                    partial += d.partial
                 else:
                     refused[d.code] = refused.get(d.code, 0) + 1
+                plain, left = self.rollback_of(n, oldest_kept=False)
+                kept_after_plain += left
+                if isinstance(plain, rollback.Refused):
+                    refused_plain[plain.code] = refused_plain.get(plain.code, 0) + 1
         trained_steps = t.trainings * self.args.segments * STEPS_PER_SEGMENT
         replayed_steps = t.reexecutions * STEPS_PER_SEGMENT
         caught = [
@@ -507,9 +528,13 @@ class Simulation:
             "forged_aggregated_unlisted": unlisted,
             "forged_aggregated_unlisted_end": unlisted_end,
             "forged_kept_after_rollback": kept_after,
+            "forged_kept_after_rollback_without_fallback": kept_after_plain,
             "reexecutions_by_reason": dict(sorted(t.reexec_by_reason.items())),
             "rollback_rounds_undone_mean": statistics.fmean(undone) if undone else None,
+            "rollback_rounds_undone_total": sum(undone),
+            "rollback_partial": partial,
             "rollback_refused": refused,
+            "rollback_refused_without_fallback": refused_plain,
             "shards": t.shards,
             "trainings": t.trainings,
             "policy_cpu_s": round(t.decide_s, 2),
@@ -555,7 +580,12 @@ def _fedavg_round(
     for i, n in enumerate(active):
         shard = chunks[i :: len(active)]
         res = train_assignment(
-            world["spec"], state, shard, world["cfg"], 1000 * r + n, device=torch.device("cpu")
+            world["spec"],
+            state,
+            shard,
+            world["cfg"],
+            100_000 * world["seed"] + 1000 * r + n,
+            device=torch.device("cpu"),
         )
         deltas.append(craft(dict(res.delta)) if n in forging else dict(res.delta))
         weights.append(float(sum(int(c["x"].shape[0]) for c in shard)))
@@ -563,19 +593,22 @@ def _fedavg_round(
     return {k: (v + agg[k]) if k in agg else v for k, v in state.items()}
 
 
-def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
+def rollback_accuracy(run: RollbackRun = RollbackRun(), seed: int = 0) -> dict[str, Any]:
     """Final accuracy of a clean run, of a run where the forgers wrote ``run.forged`` crafted updates
     each before their suspension (no rollback), and of that run rolled back by the hub's
-    ``rollback.decide(before_node=...)`` to the model of the round before a forger's first
-    unverified update and continued, honest nodes only, for the rounds the rollback gives back."""
+    ``rollback.decide(before_node=..., oldest_kept=True)`` (as ``auto_rollback`` asks) to the model
+    of the round before a forger's first unverified update and continued, honest nodes only, for
+    the rounds the rollback gives back. ``seed``: the initial model, the chunks' order and every
+    training's seed."""
     spec = atk.digits_spec()
     xtr, ytr, xva, yva = atk.digits_data()
     world = {
         "spec": spec,
         "cfg": atk.train_config(),
-        "chunks": atk.make_chunks(xtr, ytr, split="stratified"),
+        "chunks": atk.make_chunks(xtr, ytr, split="stratified", seed=seed),
+        "seed": seed,
     }
-    state0 = atk.initial_state(spec)
+    state0 = atk.initial_state(spec, seed)
     everyone = list(range(run.nodes))
     forgers = set(everyone[: round(COALITION * run.nodes)])
     honest = [n for n in everyone if n not in forgers]
@@ -597,7 +630,9 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
         state = _fedavg_round(world, state, r, everyone, forging)
         for n in everyone:
             if n not in forging:  # honest work: an honest node's replica agreed
-                by: rollback.Verifier | None = rollback.Verifier((f"n{next(h for h in honest if h != n)}",))
+                by: rollback.Verifier | None = rollback.Verifier(
+                    (f"n{next(h for h in honest if h != n)}",)
+                )
             else:  # the coalition vouches for the first ones, the rest go in unverified
                 by = rollback.Verifier((partner[n],)) if r < run.forge_from + run.vouched else None
             aggregated.append(rollback.Aggregated(r, f"u{r}-{n}", f"n{n}", by is not None, by))
@@ -606,7 +641,6 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
     kept_going = state
     for r in range(stop, run.rounds):
         kept_going = _fedavg_round(world, kept_going, r, honest, set())
-
 
     def rolled_back(stopped: frozenset[str]) -> tuple[rollback.Rollback, dict[str, torch.Tensor]]:
         """``rollback.decide(before_node=...)`` with the nodes ``stopped``, and the job continued from it."""
@@ -621,7 +655,7 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
             rolled_back=frozenset(),
             stopped=stopped,
         )
-        decision = rollback.decide(history, before_node=f"n{min(forgers)}")
+        decision = rollback.decide(history, before_node=f"n{min(forgers)}", oldest_kept=True)
         if not isinstance(decision, rollback.Rollback):
             raise RuntimeError(f"rollback refused: {decision.detail}")
         restored = models[decision.to_round]
@@ -633,7 +667,7 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
     decision, restored = rolled_back(frozenset(f"n{n}" for n in forgers))
     alone, restored_alone = rolled_back(frozenset({f"n{min(forgers)}"}))
     return {
-        "config": dataclasses.asdict(run),
+        "seed": seed,
         "rolled_back_to_round": decision.to_round,
         "rounds_undone": len(decision.undone),
         "rounds_after": decision.rounds,
@@ -647,6 +681,47 @@ def rollback_accuracy(run: RollbackRun = RollbackRun()) -> dict[str, Any]:
         "accuracy_forged_no_rollback_vs_clean_points": accuracy(kept_going) - accuracy(clean),
         "accuracy_after_rollback_vs_clean_honest_nodes_only_points": accuracy(restored)
         - accuracy(clean_honest),
+    }
+
+
+#: the main run's rollback figures reported beside the targets
+ROLLBACK_FIGURES = (
+    "forged_kept_after_rollback",
+    "forged_kept_after_rollback_without_fallback",
+    "rollback_rounds_undone_total",
+    "rollback_partial",
+    "rollback_refused",
+    "rollback_refused_without_fallback",
+)
+
+#: the per-seed figures averaged over the seeds of ``rollback_accuracy_seeds``
+SEED_MEANS = (
+    "accuracy_clean",
+    "accuracy_clean_honest_nodes_only",
+    "accuracy_forged_no_rollback",
+    "accuracy_after_rollback",
+    "accuracy_after_rollback_partners_active",
+    "accuracy_after_rollback_vs_clean_points",
+    "accuracy_forged_no_rollback_vs_clean_points",
+    "accuracy_after_rollback_vs_clean_honest_nodes_only_points",
+)
+
+
+def rollback_accuracy_seeds(run: RollbackRun, seeds: Sequence[int]) -> dict[str, Any]:
+    """``rollback_accuracy`` at each seed: one seed of a 30-round digits run is noisy at the 1-point
+    level, so its figures are the means over the seeds (``runs``: each seed's own)."""
+    runs = [rollback_accuracy(run, seed) for seed in seeds]
+    means = {k: statistics.fmean(r[k] for r in runs) for k in SEED_MEANS}
+    spread = {
+        f"{k}_stdev": statistics.stdev(r[k] for r in runs) if len(runs) > 1 else 0.0
+        for k in ("accuracy_after_rollback_vs_clean_points", "accuracy_clean")
+    }
+    return {
+        "config": dataclasses.asdict(run),
+        "seeds": list(seeds),
+        **means,
+        **spread,
+        "runs": runs,
     }
 
 
@@ -666,7 +741,10 @@ ROWS = (
     "forged_aggregated_unlisted",
     "forged_aggregated_unlisted_end",
     "forged_kept_after_rollback",
+    "forged_kept_after_rollback_without_fallback",
     "rollback_rounds_undone_mean",
+    "rollback_rounds_undone_total",
+    "rollback_partial",
 )
 
 
@@ -714,6 +792,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="the small real run of a rollback (digits, the node's trainer; about 1-2 min)",
     )
+    ap.add_argument(
+        "--rollback-seeds",
+        type=int,
+        default=5,
+        help="seeds of the small real run of a rollback (its figures are their means)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -744,7 +828,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         fig |= {
             f"{k}_full_audit": runs[f"trusted1_forged_{args.forged_segments}"][k] for k in TARGETS
         }
-    rolled = rollback_accuracy() if args.rollback else None
+    # what auto_rollback leaves in the model (the oldest kept model when the one it wants is gone),
+    # beside a plain rollback's refusals
+    fig |= {k: main_run[k] for k in ROLLBACK_FIGURES}
+    seeds = range(args.rollback_seeds)
+    rolled = rollback_accuracy_seeds(RollbackRun(), seeds) if args.rollback else None
     fig["accuracy_after_rollback_vs_clean_points"] = (
         None if rolled is None else rolled["accuracy_after_rollback_vs_clean_points"]
     )
@@ -766,13 +854,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "met": abs(acc) <= 0.5,
         }
         print(
-            f"\nrollback (digits, {rolled['config']['nodes']} nodes, {rolled['config']['rounds']} rounds):"
-            f" clean {rolled['accuracy_clean']:.2f}%, honest nodes only {rolled['accuracy_clean_honest_nodes_only']:.2f}%,"
+            f"\nrollback (digits, {rolled['config']['nodes']} nodes, {rolled['config']['rounds']} rounds,"
+            f" mean of {len(rolled['runs'])} seeds): clean {rolled['accuracy_clean']:.2f}%,"
+            f" honest nodes only {rolled['accuracy_clean_honest_nodes_only']:.2f}%,"
             f" forged without rollback {rolled['accuracy_forged_no_rollback']:.2f}%,"
-            f" rolled back to round {rolled['rolled_back_to_round']} and continued {rolled['accuracy_after_rollback']:.2f}%"
-            f" (with the partners not yet stopped: to round {rolled['rolled_back_to_round_partners_active']},"
-            f" {rolled['accuracy_after_rollback_partners_active']:.2f}%)"
+            f" rolled back and continued {rolled['accuracy_after_rollback']:.2f}%"
+            f" (with the partners not yet stopped: {rolled['accuracy_after_rollback_partners_active']:.2f}%)"
         )
+        print(
+            f"{'seed':>4} {'to round':>8} {'clean':>7} {'honest only':>11} {'rolled back':>11}"
+            f" {'vs clean':>8} {'vs honest only':>14}"
+        )
+        for r in rolled["runs"]:
+            print(
+                f"{r['seed']:>4} {r['rolled_back_to_round']:>8} {r['accuracy_clean']:>7.2f}"
+                f" {r['accuracy_clean_honest_nodes_only']:>11.2f} {r['accuracy_after_rollback']:>11.2f}"
+                f" {r['accuracy_after_rollback_vs_clean_points']:>+8.2f}"
+                f" {r['accuracy_after_rollback_vs_clean_honest_nodes_only_points']:>+14.2f}"
+            )
     print()
     for k, c in met.items():
         print(

@@ -234,7 +234,8 @@ class VerificationSpec:
     #: of them (hub/policy/rollback.py); older ones leave the blob store. 0 keeps every round's
     keep_rounds: int = 50
     #: roll the job back by itself when a node is suspended or banned whose unverified updates are
-    #: in the model (to the round before its first one, as ``job rollback --before-node`` does)
+    #: in the model (to the round before its first one, or the oldest kept model when that one is
+    #: gone, as ``job rollback --before-node --or-oldest-kept`` does)
     auto_rollback: bool = False
 
     def asks_referee(self) -> bool:

@@ -174,14 +174,15 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
             assert (first["node_id"], first["verified_by"]) == (
                 forger.node_id, {"replicas": sorted(p.node_id for p in partners)})
             assert doc["unverified_work"] == [{"node_id": forger.node_id, "state": "suspended", "rounds": [1, 2],
-                                               "rollback_to": 1, "kept": True}]
+                                               "rollback_to": 1, "kept": True, "fallback_to": None}]
             (flag,) = await _flags(s, hub)
             await _verdict(s, hub, flag["id"], "confirm")  # banned: still listed
             assert (await _job(s, hub, job_id))["unverified_work"][0]["state"] == "banned"
             # the partners that vouched for F's round-0 update are caught too: it no longer counts
             await _suspend(hub, job_id, partners)
             assert (await _job(s, hub, job_id))["unverified_work"] == [
-                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True}]
+                {"node_id": forger.node_id, "state": "banned", "rounds": [0, 1, 2], "rollback_to": 0, "kept": True,
+                 "fallback_to": None}]
             text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
                                                        "--token", hub.owner_token])
             assert (f"unverified: {forger.node_id} (banned) had unverified updates aggregated in rounds 0, 1, 2:"
@@ -191,6 +192,8 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
                                        ({"to_round": 3}, 400, "bad_round"),
                                        ({"to_round": 1, "before_node": forger.node_id}, 400, "bad_rollback"),
                                        ({"to_round": "1"}, 400, "bad_round"),
+                                       ({"before_node": forger.node_id, "oldest_kept": "yes"}, 400, "bad_rollback"),
+                                       ({"to_round": 1, "oldest_kept": True}, 400, "bad_rollback"),
                                        ({}, 400, "bad_rollback")):
                 async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json=body, headers=hub.auth()) as r:
                     assert (r.status, (await r.json())["error"]) == (status, code), body
@@ -215,7 +218,8 @@ async def test_the_status_lists_a_stopped_forgers_unverified_rounds_and_a_rollba
         proc.kill()
         proc.wait(timeout=30)
         assert out == {"job_id": job_id, "restored_round": 0, "round": 4, "rounds": 10, "rolled_back": [0, 1, 2, 3],
-                       "model_hash": kept, "before_node": forger.node_id, "by": "alice"}
+                       "model_hash": kept, "before_node": forger.node_id, "partial": False,
+                       "unverified_left": [], "by": "alice"}
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -316,21 +320,74 @@ async def test_a_job_that_opts_in_rolls_itself_back_when_the_forger_is_suspended
         await hub.stop()
 
 
-async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_restored(tmp_path: Path) -> None:
+async def _lone_rounds(s: aiohttp.ClientSession, hub: RunningHub, job_id: str,
+                       trainers: list[SimNode]) -> dict[str, Any]:
+    """Rounds 0, 1, ..., one lone (unverified) update each, trained by ``trainers[r]``."""
+    for n in dict.fromkeys(trainers):
+        await n.register()
+    for rnd, who in enumerate(trainers):
+        a = await who.work(2.0)
+        assert isinstance(a, Assignment) and a.round == rnd
+        await who.upload(a, *await who.train(a))
+        doc = await _round_closes(s, hub, job_id, rnd)
+    return doc
+
+
+async def test_a_job_that_opts_in_falls_back_to_the_oldest_kept_model_when_the_one_before_the_forger_is_gone(
+        tmp_path: Path) -> None:
+    """A running job that opted in to auto_rollback, keep_rounds = 3, lone (unverified) updates:
+    A trains round 0, X round 1, B rounds 2-4. X and B are banned while round 5 is open; when A's
+    round-5 update closes it (versions 0, 4, 5, 6 kept), the hub looks at X first (its round 1 is
+    before every kept model but the initial one: nothing of it can be undone), then at B: it rolls
+    back to the oldest kept model, round 4's, by itself, and says B's rounds 2 and 3 stay."""
+    train, val, spec_path = write_digits(tmp_path / "d", rounds=8, chunk_size=2000,
+                                         extra=EXTRA + "auto_rollback = true\n")
+    hub = await start_hub(tmp_path / "hub")
+    try:
+        async with aiohttp.ClientSession() as s:
+            job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
+            first, early, node = SimNode(s, hub.url), SimNode(s, hub.url), SimNode(s, hub.url)
+            await _lone_rounds(s, hub, job_id, [first, early, node, node, node])
+            await _suspend(hub, job_id, [early, node])
+            for flag in await _flags(s, hub):
+                await _verdict(s, hub, flag["id"], "confirm")  # banned
+            a = await first.work(2.0)
+            assert isinstance(a, Assignment) and a.round == 5
+            await first.upload(a, *await first.train(a))
+            deadline = time.monotonic() + 10
+            while (doc := await _job(s, hub, job_id))["round"] != 7:
+                assert time.monotonic() < deadline, doc["round"]
+                await asyncio.sleep(0.05)
+            assert (doc["rounds"], doc["model_hash"]) == (11, doc["history"][3]["model_hash"])
+            assert [h["rolled_back"] for h in doc["history"]] == [False] * 4 + [True] * 3  # (6: abandoned open)
+            assert [(w["node_id"], w["rounds"], w["fallback_to"]) for w in doc["unverified_work"]] == [
+                (early.node_id, [1], None), (node.node_id, [2, 3], None)]
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["restored_round"], entry["rolled_back"], entry["partial"], entry["unverified_left"],
+                entry["before_node"], entry["by"]) == (4, [4, 5, 6], True, [2, 3], node.node_id,
+                                                       "hub (auto_rollback)")
+    finally:
+        await hub.stop()
+
+
+async def test_models_older_than_keep_rounds_leave_the_store_and_a_rollback_falls_back_to_the_oldest_kept(
+        tmp_path: Path) -> None:
+    """Node A trains round 0, node B rounds 1-4 (lone updates: unverified); keep_rounds = 3 keeps
+    versions 0, 3, 4, 5. B is suspended: the model before its first round (version 1) is gone, so a
+    rollback before B is refused unless it asks for the oldest kept model, which undoes rounds 3
+    and 4 and says rounds 1 and 2 stay in the model."""
     from gpuflex.hub.server.appkeys import BLOBS
+
+    from tests.test_console_helpers import Browserish
 
     train, val, spec_path = write_digits(tmp_path / "d", rounds=5, chunk_size=2000, extra=EXTRA)
     hub = await start_hub(tmp_path / "hub")
     try:
         async with aiohttp.ClientSession() as s:
             job_id = (await (await submit_job(s, hub, spec_path, train, val)).json())["id"]
-            node = SimNode(s, hub.url)
-            await node.register()
-            for rnd in range(5):
-                a = await node.work(2.0)
-                assert isinstance(a, Assignment) and a.round == rnd
-                await node.upload(a, *await node.train(a))
-                doc = await _round_closes(s, hub, job_id, rnd)
+            first, node = SimNode(s, hub.url), SimNode(s, hub.url)
+            doc = await _lone_rounds(s, hub, job_id, [first, node, node, node, node])
             assert doc["state"] == "done"
             made = [h["model_hash"] for h in doc["history"]]  # versions 1..5
             assert len(set(made)) == 5
@@ -344,13 +401,43 @@ async def test_models_older_than_keep_rounds_leave_the_store_and_cannot_be_resto
             assert [blobs.has(sha) for sha in made] == [False, False, True, True, True]
             async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 2}, headers=hub.auth()) as r:
                 assert (r.status, (await r.json())["error"]) == (409, "round_not_kept")
-            # a done job rolls back and runs again, with the rounds it lost given back
-            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"to_round": 3}, headers=hub.auth()) as r:
-                assert r.status == 200, await r.text()
+            await _suspend(hub, job_id, [node])
+            async with s.post(f"{hub.url}/v1/jobs/{job_id}/rollback", json={"before_node": node.node_id},
+                              headers=hub.auth()) as r:
+                refused = await r.json()
+            assert (r.status, refused["error"]) == (409, "round_not_kept")
+            assert "--or-oldest-kept" in refused["detail"] and "rounds 1, 2 in the model" in refused["detail"]
+            doc = await _job(s, hub, job_id)
+            assert (doc["state"], doc["unverified_work"]) == ("done", [  # nothing changed
+                {"node_id": node.node_id, "state": "suspended", "rounds": [1, 2, 3, 4], "rollback_to": 1,
+                 "kept": False, "fallback_to": 3}])
+            text = await asyncio.to_thread(_cli_text, ["job", "status", job_id, "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert (f"round 1's model is no longer kept; gpuflex-hub job rollback {job_id} --before-node"
+                    f" {node.node_id} --or-oldest-kept restores round 3's, leaving rounds 1, 2 in the model") in text
+            owner = Browserish(hub.url)
+            try:  # the console's button says the same
+                await owner.login(hub.owner_token)
+                status, html, _ = await owner.get(f"/console/jobs/{job_id}")
+                assert status == 200 and "Roll back to round 3 (partial: rounds 1, 2 stay)" in html
+                assert 'name="oldest_kept" value="1"' in html
+            finally:
+                await owner.close()
+            # a done job rolls back and runs again, with the rounds it lost given back: partially
+            text = await asyncio.to_thread(_cli_text, ["job", "rollback", job_id, "--before-node", node.node_id,
+                                                       "--or-oldest-kept", "--hub", hub.url,
+                                                       "--token", hub.owner_token])
+            assert f"partial: the oldest kept model; {node.node_id}'s unverified rounds 1, 2 stay in the model" in text
             doc = await _job(s, hub, job_id)
             assert (doc["state"], doc["round"], doc["rounds"], doc["model_hash"]) == ("running", 5, 7, made[2])
-            a = await node.work(2.0)
+            assert [h["rolled_back"] for h in doc["history"]] == [False, False, False, True, True]
+            assert doc["unverified_work"][0]["rounds"] == [1, 2]  # what stays in the model is still listed
+            a = await first.work(2.0)  # (B is suspended)
             assert isinstance(a, Assignment) and a.round == 5 and a.model_hash == made[2]
+        lines = [json.loads(x) for x in (hub.data_dir / "audit.jsonl").read_text().splitlines() if x]
+        (entry,) = [e["body"] for e in lines if e["kind"] == "rollback"]
+        assert (entry["restored_round"], entry["rolled_back"], entry["partial"], entry["unverified_left"]) == (
+            3, [3, 4], True, [1, 2])
     finally:
         await hub.stop()
 
@@ -414,6 +501,39 @@ def test_the_policy_picks_the_round_before_the_first_unverified_update_and_refus
     # rounds already rolled back hold nothing to undo
     assert rollback.decide(_history(rolled_back=frozenset({2, 3})), before_node="f").code == "nothing_to_roll_back"
     assert rollback.prune_below(10, 3) == 8 and rollback.prune_below(10, 0) is None and rollback.prune_below(2, 3) is None
+
+
+def test_a_rollback_before_a_node_whose_model_is_gone_falls_back_to_the_oldest_kept_only_when_asked() -> None:
+    """F's unverified rounds are 2, 3 and 4; keep_rounds has let version 2 go."""
+    marks = (*_history().aggregated[:3], rollback.Aggregated(4, "u4", "f", False))
+    h = _history(aggregated=marks, kept=frozenset({0, 3, 4, 5}))
+    refused = rollback.decide(h, before_node="f")
+    assert isinstance(refused, rollback.Refused) and refused.code == "round_not_kept"
+    assert "--or-oldest-kept" in refused.detail and "restores round 3's model" in refused.detail
+    assert "unverified rounds 2 in the model" in refused.detail and "\n" not in refused.detail
+    partial = rollback.decide(h, before_node="f", oldest_kept=True)
+    assert partial == rollback.Rollback(to_round=3, new_round=6, rounds=13, undone=(3, 4, 5), node_id="f",
+                                        unverified_left=(2,))
+    assert isinstance(partial, rollback.Rollback) and partial.partial
+    # the model before its first round kept: the option changes nothing
+    assert rollback.decide(_history(), before_node="f", oldest_kept=True) == rollback.decide(
+        _history(), before_node="f")
+    # a kept model older than its first round undoes all of it (not partial)
+    older = rollback.decide(_history(kept=frozenset({0, 1, 4, 5})), before_node="f", oldest_kept=True)
+    assert isinstance(older, rollback.Rollback) and (older.to_round, older.partial) == (1, False)
+    # no kept model but the initial one: the initial model
+    initial = rollback.decide(_history(kept=frozenset({0})), before_node="f", oldest_kept=True)
+    assert isinstance(initial, rollback.Rollback) and (initial.to_round, initial.undone, initial.partial) == (
+        0, (0, 1, 2, 3, 4, 5), False)
+    # the oldest kept comes after all of its rounds: it would undo none of them, refused (also when
+    # the only one kept after the initial model is the one the open round trains from)
+    for kept in ({0, 4, 5}, {0, 5}):
+        late = rollback.decide(_history(kept=frozenset(kept)), before_node="f", oldest_kept=True)
+        assert isinstance(late, rollback.Refused) and late.code == "round_not_kept" and "--to-round 0" in late.detail
+    # rounds already rolled back are no fallback (their models hold what a rollback undid)
+    assert rollback.fallback_round([2, 4], kept={0, 3, 4, 5}, rolled_back={3}, closed=5) == 4
+    # a round names its model: the option goes with before_node only
+    assert rollback.decide(h, to_round=3, oldest_kept=True).code == "bad_rollback"  # type: ignore[union-attr]
 
 
 def test_a_verification_counts_for_a_rollback_only_while_its_verifier_stands() -> None:

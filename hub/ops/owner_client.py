@@ -108,7 +108,9 @@ async def cancel_job(hub: str, token: str, job_id: str) -> dict[str, Any]:
 
 
 async def rollback_job(hub: str, token: str, job_id: str, *, before_node: str | None = None,
-                       to_round: int | None = None) -> dict[str, Any]:
+                       to_round: int | None = None, oldest_kept: bool = False) -> dict[str, Any]:
     """POST /v1/jobs/{id}/rollback: what was restored and undone."""
-    body = {k: v for k, v in (("before_node", before_node), ("to_round", to_round)) if v is not None}
+    body: dict[str, Any] = {k: v for k, v in (("before_node", before_node), ("to_round", to_round)) if v is not None}
+    if oldest_kept:
+        body["oldest_kept"] = True
     return dict(await request_json(hub, token, "POST", f"/v1/jobs/{job_id}/rollback", data=json.dumps(body)))

@@ -22,6 +22,12 @@ marked rolled back, and the job gains as many rounds as it lost, so it still tra
 its spec asks. A done job can be rolled back: a forger is often confirmed after the job ended,
 and its final model is the one the owner takes away. A cancelled or failed job cannot.
 
+When the model before the node's first unverified round is no longer kept, a rollback before it
+is refused unless it asks for ``oldest_kept``: then it restores the oldest kept model after the
+initial one (or the initial model when no other is kept; ``fallback_round``), undoing what can
+still be undone. That rollback is partial: ``unverified_left`` names the node's unverified rounds
+before the restored one, which stay in the model.
+
 Pure: the caller gathers ``JobHistory`` from the store and applies the decision.
 """
 
@@ -132,13 +138,21 @@ class JobHistory:
 @dataclass(frozen=True)
 class Rollback:
     """Restore model version ``to_round`` and open round ``new_round`` on it; the rounds
-    ``undone`` are marked rolled back; the job's rounds become ``rounds``."""
+    ``undone`` are marked rolled back; the job's rounds become ``rounds``. ``unverified_left``: the node's
+    unverified rounds that stay in the model, before ``to_round`` (a partial rollback to the
+    oldest kept model; empty when all of them are undone)."""
 
     to_round: int
     new_round: int
     rounds: int
     undone: tuple[int, ...]
     node_id: str | None
+    unverified_left: tuple[int, ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        """Does some of the node's unverified work stay in the model."""
+        return bool(self.unverified_left)
 
 
 @dataclass(frozen=True)
@@ -186,16 +200,22 @@ def unverified_rounds(history: JobHistory, node_id: str) -> list[int]:
     return unverified_by_node(mine, rolled_back=history.rolled_back, stopped=history.stopped).get(node_id, [])
 
 
-def decide(history: JobHistory, *, before_node: str | None = None, to_round: int | None = None) -> Rollback | Refused:
-    """The rollback asked for, or why not (the module docstring says which model)."""
+def decide(history: JobHistory, *, before_node: str | None = None, to_round: int | None = None,
+           oldest_kept: bool = False) -> Rollback | Refused:
+    """The rollback asked for, or why not (the module docstring says which model). ``oldest_kept``
+    (with ``before_node`` only): when the model before the node's first unverified round is no
+    longer kept, fall back to the oldest kept one that undoes some of its rounds."""
     h = history
     which = Refused("bad_rollback", "say which model, one of: before a node (before_node) or a round (to_round)")
     if (before_node is None) == (to_round is None):
         return which
+    if oldest_kept and before_node is None:
+        return Refused("bad_rollback", "oldest_kept goes with before_node: a round (to_round) names its model")
     if h.round == 0:
         return Refused("no_closed_round", f"job {h.job_id} has no closed round to roll back")
     if h.state not in ("running", "done"):
         return Refused("job_ended", f"job {h.job_id} is {h.state}: only a running or done job can be rolled back")
+    found: list[int] = []
     if to_round is not None:
         target = to_round
         if not 0 <= target < h.round:
@@ -212,15 +232,50 @@ def decide(history: JobHistory, *, before_node: str | None = None, to_round: int
     else:  # (neither: refused above)
         return which
     if target not in h.kept:
-        oldest = min((v for v in h.kept if v > 0), default=0)
-        return Refused("round_not_kept", f"the model of round {target} of job {h.job_id} is no longer kept"
-                                         f" (keep_rounds = {h.keep_rounds}; the oldest kept after the"
-                                         f" initial one is round {oldest})")
+        fallback = fallback_round(found, kept=h.kept, rolled_back=h.rolled_back, closed=h.round)
+        if not oldest_kept or fallback is None:
+            return _not_kept(h, target, before_node, found, fallback)
+        target = fallback
     # a running job's open round is abandoned (undone too) and the next opens; a done job reopens
     new_round = h.round + 1 if h.state == "running" else h.round
     undone = tuple(r for r in range(target, new_round) if r not in h.rolled_back)
     return Rollback(to_round=target, new_round=new_round, rounds=h.rounds + new_round - target,
-                    undone=undone, node_id=before_node)
+                    undone=undone, node_id=before_node, unverified_left=tuple(r for r in found if r < target))
+
+
+def fallback_round(found: Sequence[int], *, kept: Set[int], rolled_back: Set[int], closed: int) -> int | None:
+    """The kept model a rollback before a node falls back to when the one before its first
+    unverified round is no longer kept (``found``: its unverified rounds, in order; ``closed``: the
+    job's round counter, rounds under it closed). Of the kept models after the initial one, not
+    rolled back, those of closed rounds: the newest before its first round (undoes them all), else
+    the oldest (undoes those from it on); the initial model when no model after it is kept at
+    all; None when the oldest kept comes after all of its rounds (undoes none of them)."""
+    if not found:
+        return None
+    after_initial = sorted(v for v in kept if v > 0 and v not in rolled_back)
+    if not after_initial:
+        return 0
+    closed_rounds = [v for v in after_initial if v < closed]
+    before = [v for v in closed_rounds if v <= found[0]]
+    if before:
+        return before[-1]
+    return closed_rounds[0] if closed_rounds and closed_rounds[0] <= found[-1] else None
+
+
+def _not_kept(h: JobHistory, target: int, before_node: str | None, found: Sequence[int],
+              fallback: int | None) -> Refused:
+    """``round_not_kept`` in one line, naming the fallback a rollback before the node could take."""
+    oldest = min((v for v in h.kept if v > 0), default=0)
+    detail = (f"the model of round {target} of job {h.job_id} is no longer kept (keep_rounds = {h.keep_rounds};"
+              f" the oldest kept after the initial one is round {oldest})")
+    if before_node is not None and fallback is not None:
+        left = ", ".join(str(r) for r in found if r < fallback) or "none"
+        detail += (f"; oldest_kept (--or-oldest-kept) restores round {fallback}'s model, leaving node"
+                   f" {before_node}'s unverified rounds {left} in the model")
+    elif before_node is not None:
+        detail += (f"; no kept model after the initial one undoes any of node {before_node}'s unverified rounds"
+                   f" ({found[0]} to {found[-1]}): --to-round 0 restores the initial model")
+    return Refused("round_not_kept", detail)
 
 
 def prune_below(model_version: int, keep_rounds: int) -> int | None:

@@ -357,6 +357,9 @@ def _owner_paths() -> dict[str, Any]:
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "properties": {
                 "before_node": {"type": "string", "maxLength": 128},
+                "oldest_kept": {"type": "boolean", "description": "with before_node: when the model before "
+                                "the node's first unverified round is no longer kept, restore the oldest kept "
+                                "one (a partial rollback: the response's unverified_left stay in the model)"},
                 "to_round": {"type": "integer", "minimum": 0, "maximum": 999_999_999}}}}}},
         "responses": {"200": _json(_OBJ), **_errors(400, 401, 403, 404, 409)}}},
     }

@@ -149,28 +149,31 @@ async def cancel_job(request: web.Request) -> web.Response:
 @routes.post("/v1/jobs/{job_id}/rollback")
 async def rollback_job(request: web.Request) -> web.Response:
     """Restore a kept model and continue the job from it (hub/policy/rollback.py): JSON
-    {"before_node": NODE} (the round before the node's first unverified update) or {"to_round": R}."""
+    {"before_node": NODE} (the round before the node's first unverified update; with
+    "oldest_kept": true, the oldest kept model when that one is gone) or {"to_round": R}."""
     who = await principal(request)
     who.require("owner")
     job_id = request.match_info["job_id"]
     await request.app[STORE].query(lambda c: job_row(c, who, job_id))  # visible to `who`, or 404
-    before_node, to_round = rollback_target(await read_body(request, 4096))
+    before_node, to_round, oldest_kept = rollback_target(await read_body(request, 4096))
     return json_response(await request.app[LEDGER].rollbacks.roll_back(who, job_id, before_node=before_node,
-                                                                       to_round=to_round))
+                                                                       to_round=to_round, oldest_kept=oldest_kept))
 
 
-def rollback_target(body: bytes) -> tuple[str | None, int | None]:
-    """(before_node, to_round) of a rollback's JSON body (an empty body names neither)."""
-    usage = 'body must be JSON {"before_node": "NODE"} or {"to_round": R}'
+def rollback_target(body: bytes) -> tuple[str | None, int | None, bool]:
+    """(before_node, to_round, oldest_kept) of a rollback's JSON body (an empty body names neither)."""
+    usage = 'body must be JSON {"before_node": "NODE"} (optionally "oldest_kept": true) or {"to_round": R}'
     try:
         doc = json.loads(body) if body.strip() else {}
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(usage, code="bad_json") from None
-    if not isinstance(doc, dict) or set(doc) - {"before_node", "to_round"}:
+    if not isinstance(doc, dict) or set(doc) - {"before_node", "to_round", "oldest_kept"}:
         raise BadRequest(usage, code="bad_json")
-    node, rnd = doc.get("before_node"), doc.get("to_round")
+    node, rnd, oldest = doc.get("before_node"), doc.get("to_round"), doc.get("oldest_kept", False)
     if node is not None and not (isinstance(node, str) and 0 < len(node) <= 128):
         raise BadRequest("before_node must be a node id", code="bad_rollback")
     if rnd is not None and (isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd <= 999_999_999):
         raise BadRequest("to_round must be a round number (0 or more)", code="bad_round")
-    return node, rnd
+    if not isinstance(oldest, bool):
+        raise BadRequest("oldest_kept must be true or false", code="bad_rollback")
+    return node, rnd, oldest

@@ -39,9 +39,12 @@ class Rollbacks:
         self.audit = audit
 
     async def roll_back(self, who: Principal, job_id: str, *, before_node: str | None = None,
-                        to_round: int | None = None) -> dict[str, Any]:
-        """Restore the kept model (policy.decide says which) and continue the job from it. The
-        caller has checked that ``who`` may act on the job. Returns what was done, as the API shows it."""
+                        to_round: int | None = None, oldest_kept: bool = False) -> dict[str, Any]:
+        """Restore the kept model (policy.decide says which; ``oldest_kept``: fall back to the oldest
+        kept model when the one before the node's first unverified round is gone) and continue the
+        job from it. The caller has checked that ``who`` may act on the job. Returns what was done,
+        as the API shows it (``partial``: some of the node's unverified rounds, ``unverified_left``,
+        stay in the model)."""
         who.require("owner")
         if before_node is not None and before_node not in self.scheduler.nodes:
             raise NotFound(f"no node {before_node}", code="unknown_node")
@@ -49,7 +52,7 @@ class Rollbacks:
             history = await self.store.rollback_history(job_id)
             if history is None:
                 raise NotFound(f"no job {job_id}", code="unknown_job")
-            plan = rollback.decide(history, before_node=before_node, to_round=to_round)
+            plan = rollback.decide(history, before_node=before_node, to_round=to_round, oldest_kept=oldest_kept)
             if isinstance(plan, rollback.Refused):
                 raise (BadRequest if plan.code in _BAD_REQUEST else Conflict)(plan.detail, code=plan.code)
             kept = await self.store.kept_model(job_id, plan.to_round)
@@ -61,7 +64,8 @@ class Rollbacks:
             leftovers = [a for s in job.shards.values() for a in s.live.values()] if job is not None else []
             done = {"job_id": job_id, "restored_round": plan.to_round, "round": plan.new_round,
                     "rounds": plan.rounds, "rolled_back": list(plan.undone), "model_hash": model_hash,
-                    "before_node": plan.node_id, "by": who.name}
+                    "before_node": plan.node_id, "partial": plan.partial,
+                    "unverified_left": list(plan.unverified_left), "by": who.name}
             await asyncio.to_thread(self.audit.append, "rollback", done)
             await self.store.roll_back(job_id, plan, model_hash=model_hash, opt_state_sha=opt_state_sha,
                                        cancelled=[a.id for a in leftovers], now=time.time())
@@ -82,9 +86,12 @@ class Rollbacks:
 class AutoRollback:
     """``[verification] auto_rollback``: after the engine advanced a job that opted in, a node
     suspended or banned since it last looked whose unverified updates are in the model has the
-    job rolled back before its first one, by the hub (the audit entry says so). One look per
-    change of the set of stopped nodes; a refusal (nothing of theirs in the model, the model no
-    longer kept) is logged, never the job's failure."""
+    job rolled back before its first one, by the hub (the audit entry says so). The job opted in
+    to have forged work undone, so when that round's model is no longer kept it falls back to the
+    oldest kept model (``oldest_kept``: a partial rollback, logged with the rounds it leaves in).
+    One look per change of the set of stopped nodes, at the node whose unverified work starts
+    earliest (and, when no kept model undoes any of it, at the next one); a refusal is logged, never
+    the job's failure."""
 
     #: who an automatic rollback is recorded as
     HUB = Principal(token_id=0, role="admin", name="hub (auto_rollback)")
@@ -105,12 +112,19 @@ class AutoRollback:
         if history is None:
             return
         first = sorted((rounds[0], node) for node in stopped if (rounds := rollback.unverified_rounds(history, node)))
-        if not first:
+        for round_, node in first:  # the earliest first: it undoes the later ones' rounds after it too
+            try:
+                done = await self.rollbacks.roll_back(self.HUB, job.id, before_node=node, oldest_kept=True)
+            except HubError as exc:
+                log.warning("automatic rollback of job %s before node %s refused: %s", job.id, node, exc)
+                if exc.code == "round_not_kept":
+                    continue  # none of its rounds within a kept model's reach: the next node's may be
+                return
+            if done["partial"]:
+                log.warning("automatic rollback of job %s before node %s is partial: round %d's model is no longer"
+                            " kept, restored round %d's; its unverified rounds %s stay in the model", job.id,
+                            node, round_, done["restored_round"], done["unverified_left"])
             return
-        try:
-            await self.rollbacks.roll_back(self.HUB, job.id, before_node=first[0][1])
-        except HubError as exc:
-            log.warning("automatic rollback of job %s before node %s refused: %s", job.id, first[0][1], exc)
 
 
 def _reopen(job: JobState, plan: rollback.Rollback, model_hash: str, opt_state_sha: str | None) -> None:

@@ -50,8 +50,10 @@ async def give_verdict(
     await app[appkeys.LEDGER].flags.verdict(who, flag_id, verdict, note)
 
 
-async def roll_back(app: web.Application, who: tokens.Principal, job_id: str, before_node: str) -> dict[str, Any]:
+async def roll_back(app: web.Application, who: tokens.Principal, job_id: str, before_node: str, *,
+                    oldest_kept: bool = False) -> dict[str, Any]:
     """Roll the job back before the node's first unverified update, as POST /v1/jobs/{id}/rollback
     does: the same visibility (404 for a job ``who`` may not see) and the same ledger call."""
     await app[appkeys.STORE].query(lambda c: job_row(c, who, job_id))
-    return await app[appkeys.LEDGER].rollbacks.roll_back(who, job_id, before_node=before_node)
+    return await app[appkeys.LEDGER].rollbacks.roll_back(who, job_id, before_node=before_node,
+                                                         oldest_kept=oldest_kept)

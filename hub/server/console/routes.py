@@ -612,15 +612,17 @@ async def flag_verdict(request: web.Request) -> web.StreamResponse:
 
 
 async def job_rollback(request: web.Request) -> web.StreamResponse:
-    """The owner's button on the job page: roll back before a stopped node's unverified work."""
+    """The owner's button on the job page: roll back before a stopped node's unverified work (to the
+    oldest kept model when the one before it is gone: ``oldest_kept``)."""
     s = _session(request)
     if s.role == "auditor":
         raise web.HTTPForbidden(text="only the job's owner or an admin rolls a job back")
     job_id = request.match_info["job_id"]
-    node = _field(await _form(request), "before_node")
+    form = await _form(request)
+    node = _field(form, "before_node")
     if not node:
         raise web.HTTPBadRequest(text="say which node to roll back before")
-    await bridge.roll_back(request.app, bridge.principal(s), job_id, node)
+    await bridge.roll_back(request.app, bridge.principal(s), job_id, node, oldest_kept=_field(form, "oldest_kept") == "1")
     raise web.HTTPSeeOther(f"{CONSOLE_PREFIX}/jobs/{quote(job_id)}")
 
 
