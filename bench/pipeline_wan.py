@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             spec, cfg, state, val_data, boundary, rank, through_cuts=False
         )
         rows[boundary] = r
-        print(f"{boundary:12s} {r['boundary_bytes']:>12,d} B  held-out {r['held_out_loss']:.4f}  "
+        print(f"{boundary:16s} {r['boundary_bytes']:>12,d} B  held-out {r['held_out_loss']:.4f}  "
               f"assembled {r['assembled_loss']:.4f}  train {r['train_loss_tail']:.4f}  {r['wall_s']} s",
               flush=True)  # fmt: skip
     base = rows["fp32"]
@@ -312,11 +312,11 @@ def other_seeds(
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'encoding':12s} {'boundary bytes':>15s} {'vs fp32':>8s} {'held-out':>9s} "
+    lines = [f"{'encoding':16s} {'boundary bytes':>15s} {'vs fp32':>8s} {'held-out':>9s} "
              f"{'vs fp32':>8s} {'assembled':>9s} {'vs fp32':>8s}"]  # fmt: skip
     for name, r in result["figures"]["by_encoding"].items():
         lines.append(
-            f"{name:12s} {r['boundary_bytes']:>15,d} {r['bytes_vs_fp32']:>8.4f} "
+            f"{name:16s} {r['boundary_bytes']:>15,d} {r['bytes_vs_fp32']:>8.4f} "
             f"{r['held_out_loss']:>9.4f} {r['held_out_loss_vs_fp32']:>8.4f} "
             f"{r['assembled_loss']:>9.4f} {r['assembled_loss_vs_fp32']:>8.4f}"
         )
