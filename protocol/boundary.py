@@ -20,6 +20,12 @@ The hub's relay checks that form, the receiving stage checks it again and then d
   ``ceil(rank / 2) + 1`` bytes a row, so three more bytes of each row go to six more directions;
   and one basis for every cut of the same width (``shared_basis``, keyed by the job's seed), so
   the residual stream keeps the same directions from cut to cut.
+- ``subspace_scaled``: subspace_log's wire (the same basis, values and scale byte), decoded
+  ``width / rank`` times larger. A random basis's projection is on average ``rank / width``
+  times the identity, so subspace_log hands the next stage a residual stream shrunk by that
+  much against what the stage adds to it; scaled back, the projection is on average the
+  identity. The gradient comes back through the same scaled map, which is its exact chain rule:
+  the model trained has the fixed linear map ``width / rank`` times the projection at each cut.
 
 This module is pure (no torch): the job spec and the hub's relay plan use it; the torch codec,
 encoder beside decoder, is protocol/boundarycodec.py's ``BoundaryCode``.
@@ -31,9 +37,13 @@ from typing import Final
 
 from .errors import SpecError
 
-BOUNDARIES: Final = ("fp32", "fp16", "bf16", "int8", "subspace", "subspace_log")
+BOUNDARIES: Final = (
+    "fp32", "fp16", "bf16", "int8", "subspace", "subspace_log", "subspace_scaled"
+)  # fmt: skip
 #: the encodings that project onto a subspace, and so take a ``boundary_rank``
-RANKED: Final = ("subspace", "subspace_log")
+RANKED: Final = ("subspace", "subspace_log", "subspace_scaled")
+#: the subspace encodings with subspace_log's wire: one basis for every cut, a scale byte a row
+LOG_SCALED: Final = ("subspace_log", "subspace_scaled")
 #: the bytes of an int8 row's float32 scale, appended to the row
 SCALE_BYTES: Final = 4
 #: the bits of each of the subspace code's values (two a byte)
@@ -58,8 +68,8 @@ def check_boundary(boundary: str, rank: int, width: int | None = None) -> None:
     if boundary not in RANKED:
         if rank != 0:
             raise SpecError(
-                f"pipeline.boundary_rank: only the subspace boundary has a rank (subspace, "
-                f"subspace_log); leave it out for {boundary!r}, got {rank}"
+                f"pipeline.boundary_rank: only the subspace boundary has a rank "
+                f"({', '.join(RANKED)}); leave it out for {boundary!r}, got {rank}"
             )
         return
     if rank < 1:
@@ -100,6 +110,7 @@ def encoded_crossing(
 __all__ = [
     "BOUNDARIES",
     "CASTS",
+    "LOG_SCALED",
     "LOG_SCALE_BYTES",
     "LOG_SCALE_STEPS",
     "LOG_SCALE_ZERO",

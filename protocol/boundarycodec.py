@@ -19,6 +19,7 @@ from .boundary import (
     LOG_SCALE_BYTES,
     LOG_SCALE_STEPS,
     LOG_SCALE_ZERO,
+    LOG_SCALED,
     SCALE_BYTES,
     SUBSPACE_BITS,
     check_boundary,
@@ -37,8 +38,9 @@ def subspace_basis(seed: int, cut: int, width: int, rank: int) -> Tensor:
 
 
 def shared_basis(seed: int, width: int, rank: int) -> Tensor:
-    """The subspace_log code's basis: ``subspace_basis`` of cut 0, at every cut of the same
-    width, so what the residual stream carries through one cut's directions passes the next."""
+    """The basis of subspace_log and subspace_scaled: ``subspace_basis`` of cut 0, at every cut
+    of the same width, so what the residual stream carries through one cut's directions passes
+    the next."""
     check_boundary("subspace_log", rank, width)
     return _orthonormal([seed & 0xFFFFFFFFFFFFFFFF, 0, width, rank], width, rank)
 
@@ -101,14 +103,14 @@ def _int8_values(wire: Tensor, width: int, bits: int = 8) -> Tensor:
     return _values(rows[:, :kept], scale, width, bits).reshape(*wire.shape[:-1], width)
 
 
-def _log_scaled_values(wire: Tensor, width: int) -> Tensor:
+def _log_scaled_values(wire: Tensor, width: int, boundary: str) -> Tensor:
     """The inverse of ``_log_scaled_rows`` (float32, rows ``width`` wide); TensorError for the
     scale byte 255 (a row the sender could not scale)."""
     kept = wire.shape[-1] - LOG_SCALE_BYTES
     rows = wire.reshape(-1, kept + LOG_SCALE_BYTES)
     byte = rows[:, kept:].to(torch.int16) & 0xFF  # (rows, 1): 0..255
     if bool((byte == 255).any()):
-        raise TensorError("a subspace_log row carries the scale byte 255 (NaN or infinite)")
+        raise TensorError(f"a {boundary} row carries the scale byte 255 (NaN or infinite)")
     scale = torch.exp2((byte.to(torch.float32) - LOG_SCALE_ZERO) / LOG_SCALE_STEPS)
     values = _values(rows[:, :kept], scale, width, SUBSPACE_BITS)
     return values.reshape(*wire.shape[:-1], width)
@@ -153,12 +155,12 @@ def _row_cells(
     """An int8-rows wire's (rows, ``width``) levels, each row's (rows, 1) scale, smallest and
     largest possible largest magnitude (float64), and the outermost level; TensorError for bytes
     no encoder makes."""
-    if boundary == "subspace_log":
+    if boundary in LOG_SCALED:
         kept = wire.shape[-1] - LOG_SCALE_BYTES
         rows = wire.reshape(-1, kept + LOG_SCALE_BYTES)
         byte = rows[:, kept:].to(torch.int16) & 0xFF  # (rows, 1): 0..255
         if bool((byte == 255).any()):
-            raise TensorError("a subspace_log row carries the scale byte 255")
+            raise TensorError(f"a {boundary} row carries the scale byte 255")
         scale = torch.exp2((byte.to(torch.float64) - LOG_SCALE_ZERO) / LOG_SCALE_STEPS)
     else:
         kept = wire.shape[-1] - SCALE_BYTES
@@ -172,7 +174,7 @@ def _row_cells(
     if bool((levels.abs() > top).any()):
         raise TensorError("a boundary row carries a level out of range")
     high, low = top * scale, top * scale  # the row's largest magnitude: exactly ``top`` levels
-    if boundary == "subspace_log":  # the scale rounds the largest magnitude up, to 2**(1/4)
+    if boundary in LOG_SCALED:  # the scale rounds the largest magnitude up, to 2**(1/4)
         low = torch.where(byte == _LOG_FLOOR, 0.0, high * 2.0 ** (-1 / LOG_SCALE_STEPS))
         high = torch.where(byte == _LOG_CEILING, math.inf, high)
     return levels.to(torch.float64), scale, low, high, top
@@ -209,9 +211,11 @@ class BoundaryCode:
         self.raw = raw
         self.wire = TensorSpec(raw.name, dtype, shape)
         self._basis: dict[torch.device, Tensor] = {}
+        #: what the decoder multiplies by: subspace_scaled's width / rank, 1 for the others
+        self.gain = raw.shape[-1] / rank if boundary == "subspace_scaled" else 1.0
         if boundary == "subspace":
             self._basis[torch.device("cpu")] = subspace_basis(seed, cut, raw.shape[-1], rank)
-        elif boundary == "subspace_log":
+        elif boundary in LOG_SCALED:
             self._basis[torch.device("cpu")] = shared_basis(seed, raw.shape[-1], rank)
 
     def _on(self, device: torch.device) -> Tensor:
@@ -229,7 +233,7 @@ class BoundaryCode:
         if self.boundary == "subspace":
             x = x.to(torch.float32) @ self._on(x.device)  # (..., rank)
             return _int8_rows(x, SUBSPACE_BITS)
-        if self.boundary == "subspace_log":
+        if self.boundary in LOG_SCALED:
             return _log_scaled_rows(x.to(torch.float32) @ self._on(x.device))
         return _int8_rows(x)
 
@@ -244,9 +248,11 @@ class BoundaryCode:
             basis = self._on(wire.device)
             values = _int8_values(wire, basis.shape[1], SUBSPACE_BITS)
             return (values @ basis.T).to(raw_dtype)  # (..., width)
-        if self.boundary == "subspace_log":
+        if self.boundary in LOG_SCALED:
             basis = self._on(wire.device)
-            values = _log_scaled_values(wire, basis.shape[1])
+            values = _log_scaled_values(wire, basis.shape[1], self.boundary)
+            if self.gain != 1.0:
+                values = values * self.gain
             return (values @ basis.T).to(raw_dtype)  # (..., width)
         return _int8_values(wire, self.raw.shape[-1]).to(raw_dtype)
 
@@ -273,7 +279,7 @@ class BoundaryCode:
                 return math.inf
             lo, hi = _cast_cells(w)
             return float(torch.linalg.vector_norm(_outside(v, lo, hi).flatten()))
-        if self.boundary in ("subspace", "subspace_log"):
+        if self.boundary in ("subspace", *LOG_SCALED):
             v = v @ self._basis[torch.device("cpu")].to(torch.float64)  # (..., rank)
         try:
             cells = _row_cells(w, self.boundary, v.shape[-1])

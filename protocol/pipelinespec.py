@@ -32,8 +32,8 @@ class PipelineSpec:
     #: every stage's state goes to the hub's blob store every this many steps (and at the end);
     #: a lost stage node sends every stage back to the last step all of them saved
     checkpoint_every: int = 10
-    #: how activations and their gradients cross a cut: fp32, fp16, bf16, int8 or subspace
-    #: (protocol/boundary.py); ``boundary_rank``: the subspace's rank (0 for the others)
+    #: how activations and their gradients cross a cut: one of protocol/boundary.py's
+    #: BOUNDARIES; ``boundary_rank``: a subspace code's rank (0 for the others)
     boundary: str = "fp32"
     boundary_rank: int = 0
     #: the share of (stage, checkpoint step) pairs whose work the hub re-executes: one micro-batch

@@ -15,11 +15,19 @@ from gpuflex.node.pipeline.stage import StageRunner
 from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey
 from gpuflex.node.stagework import check_stage_assignment
 from gpuflex.node.trainer import make_optimizer
-from gpuflex.protocol.boundary import BOUNDARIES, RANKED, check_boundary, encoded_crossing
+from gpuflex.protocol.boundary import (
+    BOUNDARIES,
+    LOG_SCALED,
+    RANKED,
+    check_boundary,
+    encoded_crossing,
+)
 from gpuflex.protocol.boundarycodec import BoundaryCode, shared_basis, subspace_basis
-from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.errors import SpecError, TensorError
 from gpuflex.protocol.jobspec import parse_job_spec
 from gpuflex.protocol.tensors import TensorSpec, encode_state
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tests.test_stage_worker import ADAM, SGD_LM, STACK, TRANSFORMER, Job, max_rel_diff
@@ -126,6 +134,56 @@ def test_the_subspace_log_scale_spans_gradients_and_activations(magnitude: float
     assert back.dtype == torch.float32 and bool(torch.isfinite(back).all())
 
 
+def test_the_subspace_scaled_code_sends_subspace_logs_wire_and_decodes_it_width_over_rank_larger() -> (
+    None
+):
+    code, log = _code("subspace_scaled", rank=28), _code("subspace_log", rank=28)
+    assert code.wire == log.wire == TensorSpec("activation", "int8", (4, 16, 15))
+    x = _x()
+    wire = code.encode(x)
+    assert torch.equal(wire, log.encode(x))  # the same bytes: the same basis, levels and scale
+    back = code.decode(wire)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    assert torch.allclose(back, log.decode(wire) * (64 / 28), rtol=1e-5, atol=1e-5)
+    assert torch.equal(back, _code("subspace_scaled", rank=28).decode(wire))  # either side's
+    # a linear map (up to the rounding) that is its own transpose: the gradient's chain rule
+    basis = shared_basis(11, 64, 28)
+    assert torch.allclose(back, (x @ basis @ basis.T) * (64 / 28), atol=float(x.abs().max()) / 5)
+    big = TensorSpec("activation", "float32", (4, 32, 64))
+    x = torch.randn(big.shape, generator=torch.Generator().manual_seed(1))
+    sent = _code("subspace_scaled", rank=28, raw=big).encode(x)
+    assert len(encode_state({"a": sent})) * 16 <= len(encode_state({"a": x}))
+
+
+def test_averaged_over_the_jobs_random_bases_the_subspace_scaled_code_returns_the_tensor() -> None:
+    """subspace_log keeps rank / width of a tensor on average over bases; subspace_scaled all of it."""
+    raw = TensorSpec("activation", "float32", (2, 64))
+    x = torch.randn(raw.shape, generator=torch.Generator().manual_seed(5))
+    mean = {b: torch.zeros(raw.shape) for b in LOG_SCALED}
+    for seed in range(48):
+        for b in LOG_SCALED:
+            code = BoundaryCode(b, 16, raw=raw, seed=seed, cut=0)
+            mean[b] += code.decode(code.encode(x)) / 48
+    assert float((mean["subspace_scaled"] - x).norm() / x.norm()) < 0.35
+    assert float((mean["subspace_log"] - x * 16 / 64).norm() / x.norm()) < 0.1
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(LOG_SCALED), st.binary(min_size=2 * 5, max_size=2 * 5))
+def test_any_bytes_a_log_scaled_receiver_gets_decode_finite_or_are_refused_in_one_line(
+    boundary: str, data: bytes
+) -> None:
+    code = BoundaryCode(boundary, 8, raw=TensorSpec("a", "float32", (2, 16)), seed=3, cut=0)
+    wire = torch.frombuffer(bytearray(data), dtype=torch.int8).reshape(2, 5)
+    try:
+        back = code.decode(wire)
+    except TensorError as exc:
+        assert "\n" not in str(exc) and "scale byte 255" in str(exc)
+        assert 255 in (data[4], data[9])
+        return
+    assert back.shape == (2, 16) and bool(torch.isfinite(back).all())
+
+
 def test_encoded_crossing_refuses_what_does_not_fit_in_one_line() -> None:
     assert encoded_crossing((2, 6, 8), "float32", "fp32", 0) == ("float32", (2, 6, 8))
     assert encoded_crossing((2, 6, 8), "float32", "subspace", 3) == ("int8", (2, 6, 6))
@@ -166,6 +224,8 @@ def test_the_job_spec_chooses_the_boundary_and_refuses_an_inconsistent_one() -> 
     assert spec is not None and (spec.boundary, spec.boundary_rank) == ("subspace", 4)
     spec = parse_job_spec(SPEC + 'boundary = "subspace_log"\nboundary_rank = 12\n').pipeline
     assert spec is not None and (spec.boundary, spec.boundary_rank) == ("subspace_log", 12)
+    spec = parse_job_spec(SPEC + 'boundary = "subspace_scaled"\nboundary_rank = 6\n').pipeline
+    assert spec is not None and (spec.boundary, spec.boundary_rank) == ("subspace_scaled", 6)
     for extra, says in [
         ('boundary = "fp64"', "pipeline.boundary: expected one of"),
         ('boundary = "subspace"\nboundary_rank = 16', "does not compress a cut 16 wide"),
@@ -173,6 +233,8 @@ def test_the_job_spec_chooses_the_boundary_and_refuses_an_inconsistent_one() -> 
         ('boundary = "int8"\nboundary_rank = 4', "only the subspace boundary has a rank"),
         ('boundary = "subspace_log"', "subspace_log boundary needs a rank"),
         ('boundary = "subspace_log"\nboundary_rank = 16', "does not compress a cut 16 wide"),
+        ('boundary = "subspace_scaled"', "subspace_scaled boundary needs a rank"),
+        ('boundary = "subspace_scaled"\nboundary_rank = 16', "does not compress a cut 16 wide"),
     ]:
         with pytest.raises(SpecError, match=says) as info:
             parse_job_spec(SPEC + extra + "\n")
@@ -248,6 +310,8 @@ def _log_scale_of_a_nan_row() -> torch.Tensor:
         ("int8", 0, _bad_int8_scale(), "carries a scale that is negative, NaN or infinite"),
         ("subspace_log", 2, torch.zeros(2, 5, dtype=torch.int8), "shape [2, 5], expected [2, 2]"),
         ("subspace_log", 2, _log_scale_of_a_nan_row(), "carries the scale byte 255"),
+        ("subspace_scaled", 2, torch.zeros(2, 2, dtype=torch.int16), "has dtype int16"),
+        ("subspace_scaled", 2, _log_scale_of_a_nan_row(), "subspace_scaled row carries"),
     ],
 )
 def test_a_malformed_encoded_boundary_is_refused_in_one_line(
@@ -270,6 +334,7 @@ def test_a_stage_assignment_with_an_inconsistent_boundary_is_refused_in_one_line
         ({"boundary": "int8", "boundary_rank": 4}, "only the subspace boundary has a rank"),
         ({"boundary": "subspace", "boundary_rank": 0}, "needs a rank of at least 1"),
         ({"boundary": "subspace_log", "boundary_rank": 0}, "needs a rank of at least 1"),
+        ({"boundary": "subspace_scaled", "boundary_rank": 0}, "needs a rank of at least 1"),
     ]:
         with pytest.raises(AssignmentRejected, match=says) as info:
             check_stage_assignment(job.assignment([0, 2], 1, **over), node_id="node-1")
@@ -278,7 +343,15 @@ def test_a_stage_assignment_with_an_inconsistent_boundary_is_refused_in_one_line
 
 # -- how far a raw tensor lies from a wire form (what the hub's referee measures) --------------
 
-CODES = [("fp32", 0), ("fp16", 0), ("bf16", 0), ("int8", 0), ("subspace", 8), ("subspace_log", 8)]
+CODES = [
+    ("fp32", 0),
+    ("fp16", 0),
+    ("bf16", 0),
+    ("int8", 0),
+    ("subspace", 8),
+    ("subspace_log", 8),
+    ("subspace_scaled", 8),
+]
 
 
 @pytest.mark.parametrize(("boundary", "rank"), CODES, ids=[b for b, _ in CODES])
@@ -294,7 +367,7 @@ def test_a_recomputed_tensor_is_measured_against_its_wire_form_rounding_and_all(
     wire = code.encode(x)
     norm = float(x.norm())
     assert code.distance(wire, x) / norm < 1e-6
-    assert code.distance(wire, code.decode(wire)) / norm < 1e-6
+    assert code.distance(wire, code.decode(wire) / code.gain) / norm < 1e-6  # gain: 1 but one
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
     assert code.distance(wire, x * (1 + 1e-7 * noise)) / norm < 1e-6
     signs = torch.sign(torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
@@ -319,7 +392,12 @@ def test_a_value_rounded_to_the_next_level_costs_only_its_distance_to_the_edge()
 
 def test_a_wire_form_no_encoder_makes_is_infinitely_far() -> None:
     x = _x(4)
-    for boundary, rank in (("int8", 0), ("subspace", 8), ("subspace_log", 8), ("fp16", 0)):
+    for boundary, rank in (
+        ("int8", 0),
+        ("subspace", 8),
+        *((b, 8) for b in LOG_SCALED),
+        ("fp16", 0),
+    ):
         code = _code(boundary, rank)
         wire = code.encode(x)
         bad = wire.clone()
@@ -327,7 +405,7 @@ def test_a_wire_form_no_encoder_makes_is_infinitely_far() -> None:
             bad[..., 0] = -128  # a level out of range
         elif boundary == "subspace":
             bad[..., -4:] = torch.tensor([0, 0, -64, 127], dtype=torch.int8)  # a NaN scale
-        elif boundary == "subspace_log":
+        elif boundary in LOG_SCALED:
             bad[..., -1] = -1  # the scale byte 255
         else:
             bad[0, 0, 0] = float("inf")

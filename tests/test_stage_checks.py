@@ -377,3 +377,57 @@ def test_the_referee_decodes_what_a_stage_received_and_measures_what_it_sent_by_
     nan[0, -4:] = torch.tensor([0, 0, -64, 127], dtype=torch.int8)  # the row's scale: NaN
     refused = judge(dataclasses.replace(honest, x=nan))
     assert not refused.ok and "does not decode" in refused.evidence["why"], refused.evidence
+
+
+def test_the_referee_decodes_subspace_scaled_cuts_with_their_gain() -> None:
+    """Pure (judge_stage): the middle stage of the digits MLP behind subspace_scaled cuts (rank 8,
+    decoded 32/8 and 16/8 times larger). Honest work reproduces; a stage that decoded the
+    gradient it got back without the gain (as subspace_log would) sends an input gradient the
+    referee does not reproduce."""
+    import dataclasses
+
+    from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage
+    from gpuflex.protocol.boundarycodec import BoundaryCode
+    from gpuflex.protocol.modelspec import ModelSpec, build_model
+    from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
+    from gpuflex.protocol.tensors import TensorSpec
+
+    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
+    units = pipeline_units(spec).units[1:2]
+    states = [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+    codes = [
+        BoundaryCode(b, 8, raw=TensorSpec("activation", "float32", (8, w)), seed=0, cut=c)
+        for b in ("subspace_scaled", "subspace_log")
+        for c, w in ((0, 32), (1, 16))
+    ]
+    before, after, _, after_unscaled = codes
+    g = torch.Generator().manual_seed(0)
+    x = before.encode(torch.randn(8, 32, generator=g))
+    grad_out = after.encode(torch.randn(8, 16, generator=g))
+
+    def evidence(decoded_grad_out: Tensor) -> StageEvidence:
+        stage = load_unit(units[0], states[0])
+        received = before.decode(x).requires_grad_(True)
+        out = stage(received)
+        out.backward(decoded_grad_out)
+        assert received.grad is not None
+        return StageEvidence(
+            x=x,
+            out=after.encode(out),
+            grad_out=grad_out,
+            grad_in=before.encode(received.grad),
+            inbound=before,
+            outbound=after,
+        )
+
+    def judge(e: StageEvidence) -> Any:
+        return judge_stage(units, states, e, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+
+    honest = judge(evidence(after.decode(grad_out)))
+    assert honest.ok and honest.evidence["backward_distance"] < 1e-6, honest.evidence
+    unscaled = judge(evidence(after_unscaled.decode(grad_out)))
+    assert not unscaled.ok and unscaled.evidence["backward_distance"] > 1e-2, unscaled.evidence
+    wrong = judge(dataclasses.replace(evidence(after.decode(grad_out)), out=after.encode(
+        load_unit(units[0], states[0])(before.decode(x) / before.gain)
+    )))  # fmt: skip
+    assert not wrong.ok and wrong.evidence["forward_distance"] > 1e-2, wrong.evidence
