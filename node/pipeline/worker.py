@@ -238,13 +238,19 @@ class StageWorker:
         self.transport.waited = 0.0
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
-        self.transport.flush()  # the step is done once what it sent has gone
+        done = step + 1
+        if done < self.a.end_step:  # the next step's tensors asked for while this one reports
+            self.transport.expect(runner.receives(done, self.a.micro_batches))
+        due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
+        if due:  # what the stage sent is delivered before its state is stored or its run ends
+            self.transport.flush()
+        # otherwise the next step starts while the last tensors are on their way (the tied
+        # gradients at a step's end): a send that fails is raised by the next send or receive
         step_s = time.perf_counter() - t0
         if loss is not None and not math.isfinite(loss):
             raise PipelineError(f"the loss of step {step} is {loss}: training diverged")
-        self.steps_done = done = step + 1
+        self.steps_done = done
         # every pipeline holds the same state after a step: the first pipeline's is stored
-        due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
         if due and self.place.lane == 0:
             self.checkpoint(done)
         if self.on_step is not None:
