@@ -660,3 +660,41 @@ def test_relay_links_keep_a_step_of_micro_batches_in_flight(micro, sends, receiv
         assert len(made) == sends + receives + 1  # one per fetching thread, and the caller's own
     finally:
         links.close()
+
+
+def test_a_stage_runs_its_next_step_while_its_report_is_on_its_way() -> None:
+    job = Job(STACK, SGD)
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    side = NodeSide(job.hub)
+    report = side.report
+
+    def slow(r: StageReport) -> bool:  # a hub a long round trip away
+        with lock:
+            events.append(("report", r.steps_done))
+        time.sleep(0.05)
+        with lock:
+            events.append(("answered", r.steps_done))
+        return report(r)
+
+    started = iter(range(STEPS))
+
+    def starting() -> bool:  # polled as each step starts
+        with lock:
+            events.append(("start", next(started)))
+        return False
+
+    side.report = slow  # type: ignore[method-assign]
+    worker = StageWorker(
+        job.assignment([0], 0),
+        hub=side,
+        transport=MemoryNetwork().transport(),
+        should_stop=starting,
+    )
+    assert worker.run() == StageOutcome("done", STEPS)
+    # every report reached the hub, in order, the last answered before the run returned
+    assert [d for what, d in events if what == "answered"] == list(range(1, STEPS + 1))
+    # step k (the one after k steps) started while the report of k steps was on its way
+    for k in range(1, STEPS):
+        assert events.index(("start", k)) < events.index(("answered", k))
+    assert max_rel_diff(job.hub.model_at(STACK, STEPS), job.reference()) < 1e-5
