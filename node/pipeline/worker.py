@@ -292,8 +292,13 @@ class StageWorker:
             log.debug("stage %d of job %s: its last report: %s", self.a.stage, self.a.job_id, exc)
 
     def _report(
-        self, step_s: float, compute_s: float, loss: float | None, failed: str = "",
-        *, update_s: float = 0.0,
+        self,
+        step_s: float,
+        compute_s: float,
+        loss: float | None,
+        failed: str = "",
+        *,
+        update_s: float = 0.0,
     ) -> StageReport:
         return StageReport(
             job_id=self.a.job_id,
