@@ -32,7 +32,14 @@ is the line's bound on the steps a second.
 Needs root (``ip netns``, ``tc``, ``/dev/net/tun``); every namespace, device and process it
 makes is removed on the way out, Ctrl+C and SIGTERM included.
 
+``--batch`` and ``--micro`` run the same job with other batches (the fill and the drain of a
+step cost the same latency whatever its micro-batches, so a longer step amortises them);
+``--max-memory`` raises the nodes' cap where a stage needs it (GPipe holds a whole step's
+micro-batches). ``--skip-loss0`` leaves out the set-up without packet loss.
+
     python bench/pipeline_shaped.py [--steps 10] [--out bench/results/pipeline_shaped.json]
+    python bench/pipeline_shaped.py --batch 64 --micro 32 --skip-loss0 \
+        --out bench/results/pipeline_shaped_micro32.json
 """
 
 from __future__ import annotations
@@ -377,7 +384,9 @@ def shaped_setups(
             )  # fmt: skip
 
 
-def measure(steps: int, labels: list[str], work: Path, skip_direct: bool) -> dict[str, Any]:
+def measure(
+    steps: int, labels: list[str], work: Path, skip_direct: bool, skip_loss0: bool = False
+) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     paths = ["relay"] if skip_direct else ["relay", "direct"]
     bench_cache = work / "bench.json"
@@ -391,6 +400,8 @@ def measure(steps: int, labels: list[str], work: Path, skip_direct: bool) -> dic
     shaped_setups(
         runs, work, steps, labels, paths, loss=LOSS, suffix="", first=1, bench_cache=bench_cache
     )
+    if skip_loss0:
+        return runs
     # the same lines without packet loss: how much of the shaped figure the lost packets cost
     shaped_setups(
         runs, work, steps, labels, ["relay"], loss=0.0, suffix="_loss0", first=1 + STAGES,
@@ -475,15 +486,23 @@ def table(result: dict[str, Any], labels: list[str]) -> list[str]:
                 f" {bound['busiest_uplink_bytes_per_step']:>13,} {bound['bound_samples_per_s']:>14.1f}"
                 f" {bound['measured_over_bound']:>8.3f}"
             )
+    best = result["ratios"]["throughput_shaped_vs_loopback_best"]
     rows.append(
-        f"ratios.throughput_shaped_vs_loopback (relay, best encoding under 1f1b,"
-        f" {f['best_encoding_relay']}): {result['ratios']['throughput_shaped_vs_loopback_best']}"
-        "  (issue 36's target: >= 0.8)"
+        f"{result['configuration']}: ratios.throughput_shaped_vs_loopback (relay, best encoding"
+        f" under 1f1b, {f['best_encoding_relay']}): {best}  (target >= 0.8:"
+        f" {'met' if best >= 0.8 else 'missed'})"
     )
+    for variant, ratios in result["ratios"]["throughput_shaped_vs_loopback"].items():
+        top = max(ratios, key=ratios.get)
+        rows.append(
+            f"  best of every encoding and schedule, {variant}: {top} {ratios[top]}"
+            f" (target >= 0.8: {'met' if ratios[top] >= 0.8 else 'missed'})"
+        )
     return rows
 
 
 def main() -> int:
+    global BATCH, MICRO, CAP  # the job's figures, as the options set them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps of each job (>= 4)")
     parser.add_argument(
@@ -492,9 +511,16 @@ def main() -> int:
         help="comma-separated, of " + ", ".join(CONFIGS),
     )
     parser.add_argument("--skip-direct", action="store_true", help="only the relay path")
+    parser.add_argument("--skip-loss0", action="store_true", help="no set-up without loss")
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples a step")
+    parser.add_argument("--micro", type=int, default=MICRO, help="micro-batches a step")
+    parser.add_argument("--max-memory", default=CAP, help="each node's --max-memory")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline_shaped.json"))
     args = parser.parse_args()
     labels = [x for x in args.encodings.split(",") if x]
+    if args.micro < 1 or args.batch % args.micro:
+        parser.error("--batch must be a multiple of --micro")
+    BATCH, MICRO, CAP = args.batch, args.micro, args.max_memory
     if "fp32" not in labels or any(x not in CONFIGS for x in labels) or args.steps < 4:
         parser.error("--encodings must include fp32 and name only known encodings; --steps >= 4")
     why = netshape.unavailable()
@@ -510,11 +536,12 @@ def main() -> int:
     )
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpuflex-pipeline-shaped-") as tmp:
-        runs = measure(args.steps, labels, Path(tmp), args.skip_direct)
+        runs = measure(args.steps, labels, Path(tmp), args.skip_direct, args.skip_loss0)
     ratios, figures = summarise(runs, labels)
     result: dict[str, Any] = {
         "name": "pipeline_shaped",
         "baseline": "the same job, nodes, stages and micro-batches on loopback, same path, same run",
+        "configuration": f"batches of {BATCH} in {MICRO} micro-batches",
         "ratios": ratios,
         "figures": figures,
         "runs": runs,

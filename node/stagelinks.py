@@ -2,9 +2,9 @@
 straight to the stages that advertise a direct address (``gpuflex-node run --stage-listen``,
 carried in ``StageAssignment.stage_addresses``), with the relay for the rest.
 
-The relay's sends go out on threads of their own (``SendAhead``, ``SEND_POOL`` of them in flight),
-so the next micro-batch starts at once, and its receives are asked for ahead of need
-(``Prefetch``, ``RECEIVE_AHEAD`` at a time) from the stage's schedule. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
+The relay's sends go out on threads of their own (``SendAhead``, ``relay_in_flight`` of them in
+flight), so the next micro-batch starts at once, and its receives are asked for ahead of need
+(``Prefetch``) from the stage's schedule. When any stage is direct, a ``RoutedTransport`` picks the way per receiving stage, so
 both ends of every message agree, and the sends go out on a thread of their own as well; this node listens on its own address for its stage's tensors,
 refusing any larger than the largest tensor its pipeline can send (a boundary's activation for
 one micro-batch, or a tied parameter's gradient).
@@ -37,9 +37,22 @@ from .pipeline.stage import boundary_specs, replica_length
 from .pipeline.transport import SendAhead, Transport
 
 #: relay sends in flight at once, each on its own connection (a relay send waits for the hub's
-#: answer), and relay receives asked for ahead of need (node/pipeline/prefetch.py)
+#: answer), and relay receives asked for ahead of need (node/pipeline/prefetch.py): at least
+#: these, and one of each per micro-batch of a step up to ``IN_FLIGHT_MAX`` (a GPipe stage sends
+#: a step's activations in one burst; on a line with a long round trip, a burst larger than the
+#: sends in flight waits a round trip for each answer)
 SEND_POOL = 4
 RECEIVE_AHEAD = 8
+IN_FLIGHT_MAX = 32
+
+
+def relay_in_flight(a: StageAssignment) -> tuple[int, int]:
+    """(sends, receives) of stage ``a`` kept in flight through the relay at once."""
+    per_step = max(lane_counts(a.micro_batches, a.lanes, a.lane_micro_batches))
+    return (
+        min(max(SEND_POOL, per_step), IN_FLIGHT_MAX),
+        min(max(RECEIVE_AHEAD, per_step), IN_FLIGHT_MAX),
+    )
 
 
 def largest_message_bytes(a: StageAssignment) -> int:
@@ -97,8 +110,9 @@ def stage_links(
     ``key`` signs the direct messages."""
     addresses = {s: addr for s, addr in enumerate(a.stage_addresses) if addr}
     if not addresses:
-        senders = [relay() for _ in range(SEND_POOL)]
-        receiver = Prefetch(relay, depth=RECEIVE_AHEAD)
+        sends, receives = relay_in_flight(a)
+        senders = [relay() for _ in range(sends)]
+        receiver = Prefetch(relay, depth=receives)
         ahead = SendAhead(senders, receiver)
         return StageLinks(ahead, [ahead.close, *(s.close for s in senders), receiver.close])
     own = addresses.get(a.stage)
@@ -126,4 +140,4 @@ def stage_links(
     return StageLinks(ahead, closers)
 
 
-__all__ = ["StageLinks", "checked_step", "largest_message_bytes", "stage_links"]
+__all__ = ["StageLinks", "checked_step", "largest_message_bytes", "relay_in_flight", "stage_links"]

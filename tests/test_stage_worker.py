@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from gpuflex.node.errors import AssignmentRejected, StaleGeneration
-from gpuflex.node.pipeline.transport import MemoryNetwork
+from gpuflex.node.pipeline.transport import MemoryNetwork, SendAhead
 from gpuflex.node.pipeline.worker import StageOutcome, StageWorker
 from gpuflex.node.stagework import check_stage_assignment, stage_line
 from gpuflex.node.trainer import loss_for, make_optimizer
@@ -577,3 +577,124 @@ def test_a_direct_listener_takes_the_largest_replica_gradient_of_pipelines_shari
     assert largest_message_bytes(two) == max_encoded_size(
         (TensorSpec("replica", "float32", (biggest,)),)
     )
+
+
+class SlowSends:
+    """An in-memory transport whose every send takes ``delay_s`` before it is delivered, and
+    which records the steps its stage asked to receive ahead (``expect``)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.expected_steps: set[int] = set()
+
+    def send(self, key, tensor) -> None:
+        time.sleep(self.delay_s)
+        self.inner.send(key, tensor)
+
+    def receive(self, key, expected, *, timeout_s):
+        return self.inner.receive(key, expected, timeout_s=timeout_s)
+
+    def expect(self, keys) -> None:
+        self.expected_steps |= {k.step for k in keys}
+
+
+def test_a_step_reports_before_its_last_sends_land_but_a_checkpoint_waits_for_them() -> None:
+    job = Job(STACK, SGD)
+    network = MemoryNetwork()
+    seen: list[tuple[int, int, set[int]]] = []  # (stage, steps_done, steps asked ahead) per report
+    pending: dict[int, list[int]] = {0: [], 1: []}  # sends not yet delivered, at each report
+    outcomes: list[StageOutcome | None] = [None, None]
+
+    def work(stage: int) -> None:
+        links = SlowSends(network.transport(), 0.02 if stage == 1 else 0.0)
+        ahead = SendAhead([links], links)
+        side = NodeSide(job.hub)
+        report = side.report
+
+        def watched(r: StageReport) -> bool:
+            pending[stage].append(ahead._queue.unfinished_tasks)
+            seen.append((stage, r.steps_done, set(links.expected_steps)))
+            return report(r)
+
+        side.report = watched  # type: ignore[method-assign]
+        worker = StageWorker(job.assignment([0, 2], stage), hub=side, transport=ahead)
+        try:
+            outcomes[stage] = worker.run()
+        finally:
+            ahead.close()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [o.ended for o in outcomes if o is not None] == ["done", "done"]
+    # stage 1's gradients of a step's last micro-batch are still on their way when it reports,
+    # except at the checkpoint steps (5 and 10), whose state is stored once they have landed
+    at = dict(zip(range(1, STEPS + 1), pending[1], strict=True))
+    assert at[5] == at[10] == 0
+    assert any(at[s] > 0 for s in at if s not in (5, 10))
+    # each step's receives were asked for before the step before it reported
+    for stage, done, asked in seen:
+        assert done == STEPS or done in asked, (stage, done, asked)
+    assert max_rel_diff(job.hub.model_at(STACK, STEPS), job.reference()) < 1e-5
+
+
+@pytest.mark.parametrize(("micro", "sends", "receives"), [(2, 4, 8), (16, 16, 16), (64, 32, 32)])
+def test_relay_links_keep_a_step_of_micro_batches_in_flight(micro, sends, receives) -> None:
+    from gpuflex.node.pipeline.relay import RelayTransport
+    from gpuflex.node.stagelinks import stage_links
+    from gpuflex.protocol.signing import SigningKey
+
+    job = Job(TRANSFORMER, SGD_LM)
+    a = job.assignment([0, 2], 1, micro_batches=micro, batch_size=2 * micro)
+    made: list[RelayTransport] = []
+
+    def relay() -> RelayTransport:  # connects on first use only: no hub needed here
+        made.append(RelayTransport("http://127.0.0.1:9", SigningKey.generate(), a.job_id))
+        return made[-1]
+
+    links = stage_links(a, relay, key=None)
+    try:
+        assert len(links.transport.senders) == sends
+        assert len(made) == sends + receives + 1  # one per fetching thread, and the caller's own
+    finally:
+        links.close()
+
+
+def test_a_stage_runs_its_next_step_while_its_report_is_on_its_way() -> None:
+    job = Job(STACK, SGD)
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    side = NodeSide(job.hub)
+    report = side.report
+
+    def slow(r: StageReport) -> bool:  # a hub a long round trip away
+        with lock:
+            events.append(("report", r.steps_done))
+        time.sleep(0.05)
+        with lock:
+            events.append(("answered", r.steps_done))
+        return report(r)
+
+    started = iter(range(STEPS))
+
+    def starting() -> bool:  # polled as each step starts
+        with lock:
+            events.append(("start", next(started)))
+        return False
+
+    side.report = slow  # type: ignore[method-assign]
+    worker = StageWorker(
+        job.assignment([0], 0),
+        hub=side,
+        transport=MemoryNetwork().transport(),
+        should_stop=starting,
+    )
+    assert worker.run() == StageOutcome("done", STEPS)
+    # every report reached the hub, in order, the last answered before the run returned
+    assert [d for what, d in events if what == "answered"] == list(range(1, STEPS + 1))
+    # step k (the one after k steps) started while the report of k steps was on its way
+    for k in range(1, STEPS):
+        assert events.index(("start", k)) < events.index(("answered", k))
+    assert max_rel_diff(job.hub.model_at(STACK, STEPS), job.reference()) < 1e-5

@@ -14,7 +14,9 @@ uploads checkpoints (every pipeline holds the same state after each step).
 Then it runs steps ``first_step`` up to ``end_step`` through its ``Transport``. After each step:
 every ``checkpoint_every`` steps and at ``end_step`` each unit's state goes to the node's blob
 cache and to the hub (UnitCheckpoint), then a StageReport says how far it is; an Ack with
-ok=False ends the generation. A ``PipelineError`` (a neighbour's tensor that does not come, a
+ok=False ends the generation. A report goes out on a thread of its own while the next step
+runs (its answer read before that step is reported, checkpointed or counted, so a step after
+the generation's end is never counted); the last step's report, and a failure's, are waited for. A ``PipelineError`` (a neighbour's tensor that does not come, a
 bad tensor, a NaN loss) is reported as the stage's failure; a ``StaleGeneration`` (the hub
 re-planned) ends it quietly.
 
@@ -30,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -177,6 +180,8 @@ class StageWorker:
         self.on_step = on_step
         self.steps_done = assignment.first_step
         self.runner: StageRunner | None = None
+        self._poster: ThreadPoolExecutor | None = None  # posts the reports, in order
+        self._pending: Future[bool] | None = None  # the last step's report, on its way
         self._x: Tensor | None = None
         self._y: Tensor | None = None
         self._states: list[UnitTensors] = []
@@ -204,6 +209,15 @@ class StageWorker:
 
     def run(self) -> StageOutcome:
         """Prepare the stage and run its steps; how it ended. Never raises a NodeError."""
+        with ThreadPoolExecutor(1, thread_name_prefix="gpuflex-stage-report") as poster:
+            self._poster = poster
+            try:
+                return self._run()
+            finally:
+                self._settle()
+                self._poster = None
+
+    def _run(self) -> StageOutcome:
         try:
             self.prepare()
             for step in range(self.a.first_step, self.a.end_step):
@@ -238,23 +252,53 @@ class StageWorker:
         self.transport.waited = 0.0
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
-        self.transport.flush()  # the step is done once what it sent has gone
+        if not self._answered():  # the hub ended the generation at the step before: not counted
+            return False
+        done = step + 1
+        if done < self.a.end_step:  # the next step's tensors asked for while this one reports
+            self.transport.expect(runner.receives(done, self.a.micro_batches))
+        due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
+        if due:  # what the stage sent is delivered before its state is stored or its run ends
+            self.transport.flush()
+        # otherwise the next step starts while the last tensors are on their way (the tied
+        # gradients at a step's end): a send that fails is raised by the next send or receive
         step_s = time.perf_counter() - t0
         if loss is not None and not math.isfinite(loss):
             raise PipelineError(f"the loss of step {step} is {loss}: training diverged")
-        self.steps_done = done = step + 1
+        self.steps_done = done
         # every pipeline holds the same state after a step: the first pipeline's is stored
-        due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
         if due and self.place.lane == 0:
             self.checkpoint(done)
         if self.on_step is not None:
             self.on_step(done, loss)
         compute_s = max(step_s - self.transport.waited, 0.0)
-        return self.hub.report(self._report(step_s, compute_s, loss, update_s=runner.update_s))
+        report = self._report(step_s, compute_s, loss, update_s=runner.update_s)
+        if done == self.a.end_step or self._poster is None:
+            return self.hub.report(report)
+        self._pending = self._poster.submit(self.hub.report, report)
+        return True
+
+    def _answered(self) -> bool:
+        """The hub's answer to the report on its way (True when none is): its Ack.ok, or what
+        it raised."""
+        pending, self._pending = self._pending, None
+        return True if pending is None else pending.result()
+
+    def _settle(self) -> None:
+        """Wait for the report on its way, whatever its answer (the stage is ending)."""
+        try:
+            self._answered()
+        except Exception as exc:  # the stage ends either way; its outcome says how
+            log.debug("stage %d of job %s: its last report: %s", self.a.stage, self.a.job_id, exc)
 
     def _report(
-        self, step_s: float, compute_s: float, loss: float | None, failed: str = "",
-        *, update_s: float = 0.0,
+        self,
+        step_s: float,
+        compute_s: float,
+        loss: float | None,
+        failed: str = "",
+        *,
+        update_s: float = 0.0,
     ) -> StageReport:
         return StageReport(
             job_id=self.a.job_id,
@@ -272,6 +316,7 @@ class StageWorker:
 
     def _tell_failed(self, why: str) -> None:
         """Tell the hub the stage stopped (best effort: the hub also notices its silence)."""
+        self._settle()  # after the report on its way, so the hub reads them in order
         try:
             self.hub.report(self._report(0.0, 0.0, None, failed=why or "stopped"))
         except NodeError:
