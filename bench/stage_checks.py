@@ -239,10 +239,12 @@ def train(
             worker.craft = CRAFTS[trial % len(CRAFTS)]
         original = worker._report
 
-        def report(step_s: float, compute_s: float, loss: float | None, failed: str = "") -> Any:
+        def report(
+            step_s: float, compute_s: float, loss: float | None, failed: str = "", **more: Any
+        ) -> Any:
             with lock:
                 compute.append(compute_s)
-            return original(step_s, compute_s, loss, failed)
+            return original(step_s, compute_s, loss, failed, **more)
 
         worker._report = report  # type: ignore[method-assign]
         outcomes[s] = worker.run()
