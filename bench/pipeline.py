@@ -464,8 +464,8 @@ def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dic
         plans = [pp.plan_doc(c, pp.plan(c, speeds, link), state) for c in chosen]
         results = _run_pass(work, jobs, procs, "plan", plans)
         # the same configurations planned on the speeds the hub measures from the first pass
-        measured = pp.stage_speeds(first, results0)
-        replans = [pp.plan_doc(c, pp.plan(c, speeds, link, measured), state) for c in chosen]
+        measured, updates = pp.stage_speeds(first, results0)
+        replans = [pp.plan_doc(c, pp.plan(c, speeds, link, measured, updates), state) for c in chosen]
         results2 = _run_pass(work, jobs, procs, "replan", replans)
         _wait_all(procs, "planner configurations")
     finally:
@@ -475,6 +475,7 @@ def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dic
     out["link"] = link
     out["speeds"] = speeds
     out["stage_speeds"] = {f"node{k}": f for k, f in sorted(measured.items())}
+    out["stage_update_bytes_per_s"] = {f"node{k}": u for k, u in sorted(updates.items())}
     out["replan"] = pp.figures(replans, results2, state)
     out["bench"] = pp.figures(first, results0, state)
     return out

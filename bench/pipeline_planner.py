@@ -371,15 +371,18 @@ def offers(
     link: dict[str, float],
     state: int,
     measured: dict[int, float] | None = None,
+    updates: dict[int, float] | None = None,
 ) -> list[Any]:
     """The planner's offers for ``config``'s nodes: the memory the config gives each, the speed
     its probe measured, and the relay's measured link (its fixed cost split into two round trips,
     its cost per byte into the two crossings of the sender's and receiver's links). A node in
-    ``measured`` offers the speed the hub measured on its stages instead, alone (no fixed time
-    per unit, the update priced in FLOPs), as the hub's offers are."""
+    ``measured`` offers the speed the hub measured on its stages instead, with no fixed time per
+    unit and the update rate in ``updates`` (the update priced in FLOPs where it has none), as
+    the hub's offers are."""
     from gpuflex.hub.policy.pipeline_plan import NodeOffer
 
     measured = measured or {}
+    updates = updates or {}
     return [
         NodeOffer(
             node_id=f"node{k}",
@@ -388,7 +391,9 @@ def offers(
             bandwidth_bytes_per_s=2.0 / link["per_byte_s"],
             rtt_s=link["message_s"] / 2.0,
             unit_overhead_s=0.0 if k in measured else speeds[k]["unit_overhead_s"],
-            update_bytes_per_s=0.0 if k in measured else speeds[k]["update_bytes_per_s"],
+            update_bytes_per_s=updates.get(k, 0.0)
+            if k in measured
+            else speeds[k]["update_bytes_per_s"],
         )
         for k, cap in zip(config.nodes, config.caps, strict=True)
     ]
@@ -396,21 +401,30 @@ def offers(
 
 def stage_speeds(
     plans: Sequence[dict[str, Any]], results: dict[tuple[int, int], Any]
-) -> dict[int, float]:
-    """Each node's speed as the hub measures it from its stages' reports
-    (hub/policy/stage_speed.py), over the configurations it ran in order (each a generation):
-    node index -> FLOP/s, for the nodes with enough steps."""
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Each node's speed and update rate as the hub measures them from its stages' reports
+    (hub/policy/stage_speed.py: each step's compute time and the part its end took, ``update_s``),
+    over the configurations it ran in order (each a generation): node index -> FLOP/s, and node
+    index -> bytes of state per second, for the nodes with enough steps."""
     from gpuflex.hub.policy.stage_speed import StageSpeed, stage_step_flops, with_step
 
     speeds: dict[int, StageSpeed] = {}
+    costs = unit_costs()
     for n, doc in enumerate(plans):
-        ends = [*doc["starts"][1:], len(unit_costs())]
+        ends = [*doc["starts"][1:], len(costs)]
         for s, k in enumerate(doc["nodes"]):
-            work = stage_step_flops(unit_costs(), doc["starts"][s], ends[s], BATCH)
-            for i, compute_s in enumerate(results[(n, k)]["compute_s"]):
-                speed = speeds.get(k, StageSpeed())
-                speeds[k] = with_step(speed, step_flops=work, compute_s=compute_s, step=i + 1)
-    return {k: f for k, speed in speeds.items() if (f := speed.flops_per_s) is not None}
+            work = stage_step_flops(costs, doc["starts"][s], ends[s], BATCH)
+            state = sum(c.state_bytes for c in costs[doc["starts"][s] : ends[s]])
+            run = results[(n, k)]
+            for i, (compute_s, update_s) in enumerate(zip(run["compute_s"], run["update_s"], strict=True)):
+                speeds[k] = with_step(
+                    speeds.get(k, StageSpeed()), step_flops=work, compute_s=compute_s, step=i + 1,
+                    update_s=update_s, state_bytes=state,
+                )  # fmt: skip
+    return (
+        {k: f for k, speed in speeds.items() if (f := speed.flops_per_s) is not None},
+        {k: u for k, speed in speeds.items() if (u := speed.update_bytes_per_s) is not None},
+    )
 
 
 def plan(
@@ -418,6 +432,7 @@ def plan(
     speeds: Sequence[dict[str, float]],
     link: dict[str, float],
     measured: dict[int, float] | None = None,
+    updates: dict[int, float] | None = None,
 ) -> Any:
     """The product's plan for ``config`` (one pipeline, the config's micro-batch count and
     schedule); SystemExit when the planner refuses it (a configuration that cannot be run)."""
@@ -426,7 +441,7 @@ def plan(
     state = state_bytes()
     result = plan_pipelines(
         unit_costs(),
-        offers(config, speeds, link, state, measured),
+        offers(config, speeds, link, state, measured, updates),
         batch_size=BATCH,
         micro_batches=(config.micro,),
         schedules=(config.schedule,),
@@ -520,7 +535,7 @@ def run_stage(
         loss_fn=nn.CrossEntropyLoss() if last else None,
         schedule=doc["schedule"],
     )
-    ends, compute = [], []
+    ends, compute, updates = [], [], []
     with Throttle(doc["throttles"][stage]), meter.hooks():
         for n, (xs, ys) in enumerate(step_batches(micro, steps + 1)):
             if n == 1:
@@ -530,12 +545,14 @@ def run_stage(
             # what a node reports as compute_s: the step less its sending and waiting
             took = time.perf_counter() - started
             compute.append(took - (transport.send_s + transport.receive_s - waited))
+            updates.append(min(runner.update_s, compute[-1]))
             meter.sample()
             ends.append(time.perf_counter())
     relay.close()
     return {
         "step_s": [b - a for a, b in itertools.pairwise(ends)],
         "compute_s": compute,
+        "update_s": updates,
         "send_s": transport.send_s / steps,
         "receive_s": transport.receive_s / steps,
         "peak_bytes": meter.peak,
