@@ -329,20 +329,51 @@ def test_a_faulty_stage_of_the_second_of_two_pipelines_is_caught_and_the_rest_ar
     assert all(f["node_id"] == got[slot].node_id for f in flags(hub))
 
 
+def _middle_mlp_stage() -> tuple[list[Any], list[dict[str, Tensor]]]:
+    """The digits MLP's middle unit and its state, seed 0: a stage behind two cuts."""
+    from gpuflex.protocol.modelspec import ModelSpec, build_model
+    from gpuflex.protocol.pipeline import cut_state, pipeline_units
+
+    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
+    units = pipeline_units(spec).units[1:2]
+    return units, [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+
+
+def _stage_work(
+    units: list[Any], states: list[dict[str, Tensor]], before: Any, after: Any, x: Tensor,
+    grad_out: Tensor, decoded_grad_out: Tensor,
+) -> Any:
+    """The evidence of a stage that ran ``x`` forward and ``decoded_grad_out`` backward."""
+    from gpuflex.hub.policy.stage_check import StageEvidence
+    from gpuflex.protocol.pipeline import load_unit
+
+    stage = load_unit(units[0], states[0])
+    received = before.decode(x).requires_grad_(True)
+    out = stage(received)
+    out.backward(decoded_grad_out)
+    assert received.grad is not None
+    return StageEvidence(
+        x=x, out=after.encode(out), grad_out=grad_out, grad_in=before.encode(received.grad),
+        inbound=before, outbound=after,
+    )  # fmt: skip
+
+
+def _judge(units: list[Any], states: list[dict[str, Tensor]], evidence: Any) -> Any:
+    from gpuflex.hub.policy.stage_check import judge_stage
+
+    return judge_stage(units, states, evidence, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+
+
 def test_the_referee_decodes_what_a_stage_received_and_measures_what_it_sent_by_its_code() -> None:
     """Pure (judge_stage): the middle stage of the digits MLP behind int8 cuts. Its honest wire
     forms reproduce; an output 1e-2 off, and an input whose scale is NaN, do not."""
     import dataclasses
 
-    from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage
     from gpuflex.protocol.boundarycodec import BoundaryCode
-    from gpuflex.protocol.modelspec import ModelSpec, build_model
-    from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
+    from gpuflex.protocol.pipeline import load_unit
     from gpuflex.protocol.tensors import TensorSpec
 
-    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
-    units = pipeline_units(spec).units[1:2]
-    states = [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+    units, states = _middle_mlp_stage()
     before, after = (
         BoundaryCode("int8", 0, raw=TensorSpec("activation", "float32", (8, w)), seed=0, cut=c)
         for c, w in ((0, 32), (1, 16))
@@ -350,21 +381,11 @@ def test_the_referee_decodes_what_a_stage_received_and_measures_what_it_sent_by_
     g = torch.Generator().manual_seed(0)
     x = before.encode(torch.randn(8, 32, generator=g))
     grad_out = after.encode(torch.randn(8, 16, generator=g))
-    stage = load_unit(units[0], states[0])
-    received = before.decode(x).requires_grad_(True)
-    out = stage(received)
-    out.backward(after.decode(grad_out))
-    honest = StageEvidence(
-        x=x,
-        out=after.encode(out),
-        grad_out=grad_out,
-        grad_in=before.encode(received.grad),
-        inbound=before,
-        outbound=after,
-    )
+    honest = _stage_work(units, states, before, after, x, grad_out, after.decode(grad_out))
+    out = load_unit(units[0], states[0])(before.decode(x))
 
-    def judge(evidence: StageEvidence) -> Any:
-        return judge_stage(units, states, evidence, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+    def judge(evidence: Any) -> Any:
+        return _judge(units, states, evidence)
 
     verdict = judge(honest)
     assert (
@@ -386,15 +407,11 @@ def test_the_referee_decodes_subspace_scaled_cuts_with_their_gain() -> None:
     referee does not reproduce."""
     import dataclasses
 
-    from gpuflex.hub.policy.stage_check import StageEvidence, judge_stage
     from gpuflex.protocol.boundarycodec import BoundaryCode
-    from gpuflex.protocol.modelspec import ModelSpec, build_model
-    from gpuflex.protocol.pipeline import cut_state, load_unit, pipeline_units
+    from gpuflex.protocol.pipeline import load_unit
     from gpuflex.protocol.tensors import TensorSpec
 
-    spec = ModelSpec.from_dict({"kind": "mlp", "input": 64, "hidden": [32, 16], "outputs": 10})
-    units = pipeline_units(spec).units[1:2]
-    states = [cut_state(u, build_model(spec, seed=0).state_dict()) for u in units]
+    units, states = _middle_mlp_stage()
     codes = [
         BoundaryCode(b, 8, raw=TensorSpec("activation", "float32", (8, w)), seed=0, cut=c)
         for b in ("subspace_scaled", "subspace_log")
@@ -405,23 +422,11 @@ def test_the_referee_decodes_subspace_scaled_cuts_with_their_gain() -> None:
     x = before.encode(torch.randn(8, 32, generator=g))
     grad_out = after.encode(torch.randn(8, 16, generator=g))
 
-    def evidence(decoded_grad_out: Tensor) -> StageEvidence:
-        stage = load_unit(units[0], states[0])
-        received = before.decode(x).requires_grad_(True)
-        out = stage(received)
-        out.backward(decoded_grad_out)
-        assert received.grad is not None
-        return StageEvidence(
-            x=x,
-            out=after.encode(out),
-            grad_out=grad_out,
-            grad_in=before.encode(received.grad),
-            inbound=before,
-            outbound=after,
-        )
+    def evidence(decoded_grad_out: Tensor) -> Any:
+        return _stage_work(units, states, before, after, x, grad_out, decoded_grad_out)
 
-    def judge(e: StageEvidence) -> Any:
-        return judge_stage(units, states, e, seed=0, step=0, micro_batch=0, tolerance=1e-4)
+    def judge(e: Any) -> Any:
+        return _judge(units, states, e)
 
     honest = judge(evidence(after.decode(grad_out)))
     assert honest.ok and honest.evidence["backward_distance"] < 1e-6, honest.evidence
