@@ -464,8 +464,11 @@ def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dic
         plans = [pp.plan_doc(c, pp.plan(c, speeds, link), state) for c in chosen]
         results = _run_pass(work, jobs, procs, "plan", plans)
         # the same configurations planned on the speeds the hub measures from the first pass
-        measured, updates = pp.stage_speeds(first, results0)
-        replans = [pp.plan_doc(c, pp.plan(c, speeds, link, measured, updates), state) for c in chosen]
+        measured, updates, overheads = pp.stage_speeds(first, results0)
+        replans = [
+            pp.plan_doc(c, pp.plan(c, speeds, link, measured, updates, overheads), state)
+            for c in chosen
+        ]
         results2 = _run_pass(work, jobs, procs, "replan", replans)
         _wait_all(procs, "planner configurations")
     finally:
@@ -476,6 +479,7 @@ def run_planner(work: Path, steps: int, configs: list[int] | None = None) -> dic
     out["speeds"] = speeds
     out["stage_speeds"] = {f"node{k}": f for k, f in sorted(measured.items())}
     out["stage_update_bytes_per_s"] = {f"node{k}": u for k, u in sorted(updates.items())}
+    out["stage_unit_overhead_s"] = {f"node{k}": o for k, o in sorted(overheads.items())}
     out["replan"] = pp.figures(replans, results2, state)
     out["bench"] = pp.figures(first, results0, state)
     return out

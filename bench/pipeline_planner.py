@@ -372,17 +372,19 @@ def offers(
     state: int,
     measured: dict[int, float] | None = None,
     updates: dict[int, float] | None = None,
+    overheads: dict[int, float] | None = None,
 ) -> list[Any]:
     """The planner's offers for ``config``'s nodes: the memory the config gives each, the speed
     its probe measured, and the relay's measured link (its fixed cost split into two round trips,
     its cost per byte into the two crossings of the sender's and receiver's links). A node in
-    ``measured`` offers the speed the hub measured on its stages instead, with no fixed time per
-    unit and the update rate in ``updates`` (the update priced in FLOPs where it has none), as
-    the hub's offers are."""
+    ``measured`` offers the speed the hub measured on its stages instead, with the fixed time per
+    unit its stages said in ``overheads`` (0 where none) and the update rate in ``updates`` (the
+    update priced in FLOPs where it has none), as the hub's offers are."""
     from gpuflex.hub.policy.pipeline_plan import NodeOffer
 
     measured = measured or {}
     updates = updates or {}
+    overheads = overheads or {}
     return [
         NodeOffer(
             node_id=f"node{k}",
@@ -390,7 +392,9 @@ def offers(
             flops_per_s=measured.get(k, speeds[k]["flops_per_s"]),
             bandwidth_bytes_per_s=2.0 / link["per_byte_s"],
             rtt_s=link["message_s"] / 2.0,
-            unit_overhead_s=0.0 if k in measured else speeds[k]["unit_overhead_s"],
+            unit_overhead_s=overheads.get(k, 0.0)
+            if k in measured
+            else speeds[k]["unit_overhead_s"],
             update_bytes_per_s=updates.get(k, 0.0)
             if k in measured
             else speeds[k]["update_bytes_per_s"],
@@ -401,11 +405,12 @@ def offers(
 
 def stage_speeds(
     plans: Sequence[dict[str, Any]], results: dict[tuple[int, int], Any]
-) -> tuple[dict[int, float], dict[int, float]]:
-    """Each node's speed and update rate as the hub measures them from its stages' reports
-    (hub/policy/stage_speed.py: each step's compute time and the part its end took, ``update_s``),
-    over the configurations it ran in order (each a generation): node index -> FLOP/s, and node
-    index -> bytes of state per second, for the nodes with enough steps."""
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Each node's speed, update rate and fixed time per unit and micro-batch as the hub
+    measures them from its stages' reports (hub/policy/stage_speed.py: each step's compute time,
+    the part its end took, ``update_s``, and the stage's ``unit_overhead_s``), over the
+    configurations it ran in order (each a generation): node index -> FLOP/s, node index ->
+    bytes of state per second, node index -> seconds, for the nodes with enough steps."""
     from gpuflex.hub.policy.stage_speed import StageSpeed, stage_step_flops, with_step
 
     speeds: dict[int, StageSpeed] = {}
@@ -416,14 +421,18 @@ def stage_speeds(
             work = stage_step_flops(costs, doc["starts"][s], ends[s], BATCH)
             state = sum(c.state_bytes for c in costs[doc["starts"][s] : ends[s]])
             run = results[(n, k)]
-            for i, (compute_s, update_s) in enumerate(zip(run["compute_s"], run["update_s"], strict=True)):
+            for i, (compute_s, update_s) in enumerate(
+                zip(run["compute_s"], run["update_s"], strict=True)
+            ):
                 speeds[k] = with_step(
                     speeds.get(k, StageSpeed()), step_flops=work, compute_s=compute_s, step=i + 1,
                     update_s=update_s, state_bytes=state,
+                    unit_overhead_s=run["unit_overhead_s"], unit_calls=doc["micro"] * (ends[s] - doc["starts"][s]),
                 )  # fmt: skip
     return (
         {k: f for k, speed in speeds.items() if (f := speed.flops_per_s) is not None},
         {k: u for k, speed in speeds.items() if (u := speed.update_bytes_per_s) is not None},
+        {k: o for k, speed in speeds.items() if (o := speed.unit_overhead_s) is not None},
     )
 
 
@@ -433,6 +442,7 @@ def plan(
     link: dict[str, float],
     measured: dict[int, float] | None = None,
     updates: dict[int, float] | None = None,
+    overheads: dict[int, float] | None = None,
 ) -> Any:
     """The product's plan for ``config`` (one pipeline, the config's micro-batch count and
     schedule); SystemExit when the planner refuses it (a configuration that cannot be run)."""
@@ -441,7 +451,7 @@ def plan(
     state = state_bytes()
     result = plan_pipelines(
         unit_costs(),
-        offers(config, speeds, link, state, measured, updates),
+        offers(config, speeds, link, state, measured, updates, overheads),
         batch_size=BATCH,
         micro_batches=(config.micro,),
         schedules=(config.schedule,),
@@ -511,6 +521,7 @@ def run_stage(
 ) -> dict[str, Any]:
     """One stage of a planned configuration: 1 warm-up step and ``steps`` timed ones; its step
     times (as this stage sees each step end) and its measured peak bytes."""
+    from gpuflex.node.pipeline.overhead import unit_overhead_s
     from gpuflex.node.pipeline.relay import RelayTransport
     from gpuflex.node.pipeline.stage import StageRunner, boundary_specs, cut
     from gpuflex.protocol.signing import SigningKey
@@ -537,6 +548,14 @@ def run_stage(
     )
     ends, compute, updates = [], [], []
     with Throttle(doc["throttles"][stage]), meter.hooks():
+        # the fixed time per unit and micro-batch, as the stage worker measures it before its
+        # first step (node/pipeline/worker.py) and says in each report
+        example = specs[stage - 1] if stage else None
+        overhead = unit_overhead_s(
+            module,
+            torch.zeros(example.shape) if example else torch.zeros(BATCH // micro, WIDTH),
+            units=len(module),
+        )
         for n, (xs, ys) in enumerate(step_batches(micro, steps + 1)):
             if n == 1:
                 transport.send_s = transport.receive_s = 0.0
@@ -553,6 +572,7 @@ def run_stage(
         "step_s": [b - a for a, b in itertools.pairwise(ends)],
         "compute_s": compute,
         "update_s": updates,
+        "unit_overhead_s": overhead,
         "send_s": transport.send_s / steps,
         "receive_s": transport.receive_s / steps,
         "peak_bytes": meter.peak,

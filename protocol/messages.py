@@ -611,8 +611,9 @@ class StageReport:
     stage (None elsewhere). ``failed`` (non-empty): the stage stopped, and why (a peer's tensor
     did not come, a bad tensor); the hub re-plans. ``update_s``: the part of ``compute_s`` the
     step's end took (summing shared gradients, the optimizer step), which does not grow with the
-    micro-batches (0: not measured). The answer is a sealed Ack: ok=False means this generation
-    is over (re-planned or the job ended): stop and ask for work again."""
+    micro-batches (0: not measured); ``unit_overhead_s``: the fixed time one unit's forward and
+    backward take per micro-batch whatever its size, as the stage measured it (0: not measured).
+    The answer is a sealed Ack: ok=False means this generation is over: stop and ask for work."""
 
     KIND: ClassVar[str] = "stage_report"
     job_id: IdStr
@@ -626,6 +627,7 @@ class StageReport:
     timestamp: Timestamp
     nonce: Nonce
     update_s: Annotated[float, Float(0.0, 1e6)] = 0.0
+    unit_overhead_s: Annotated[float, Float(0.0, 1e3)] = 0.0
 
 
 Message = (Hello | Welcome | WorkRequest | Assignment | NoWork | Heartbeat | Abandon | BlobRequest | UpdateHeader | Ack

@@ -240,6 +240,7 @@ def send_report(
     job_id: str | None = None,
     compute_s: float = 0.01,
     update_s: float = 0.0,
+    unit_overhead_s: float = 0.0,
 ) -> tuple[int, bytes]:
     msg = StageReport(
         job_id=job_id or sa.job_id,
@@ -253,6 +254,7 @@ def send_report(
         timestamp=time.time(),
         nonce=new_nonce(),
         update_s=update_s,
+        unit_overhead_s=unit_overhead_s,
     )
     status, _, body = request(url, "POST", "/v1/pipeline/report", seal(key, msg), MSGPACK)
     return status, body

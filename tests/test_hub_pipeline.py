@@ -539,19 +539,25 @@ def test_a_stages_reported_compute_time_is_its_nodes_speed_in_the_offers(hub, tm
     benchmark = offer()
     assert benchmark["speed_from"] == "benchmark" and benchmark["speed_steps"] == 0
     # two slow warm-up steps, then 0.5 s steps with one outlier (a step that says it took 1 ms);
-    # 0.1 s of each 0.5 s step was its end (the optimizer step), which the outlier does not say
+    # 0.1 s of each 0.5 s step was its end (the optimizer step), which the outlier does not say,
+    # and each unit took 2 ms per micro-batch whatever its size
     for done, compute_s in enumerate((9.0, 9.0, 0.5, 0.5, 0.001, 0.5), 1):
         update_s = 0.1 if compute_s == 0.5 else 0.0
-        code, answer = send_report(hub.url, keys[0], sa, done, compute_s=compute_s, update_s=update_s)
+        code, answer = send_report(
+            hub.url, keys[0], sa, done, compute_s=compute_s, update_s=update_s, unit_overhead_s=0.002
+        )
         assert code == 200 and ack_of(hub, answer).ok, answer
     cut = hub.call(lambda: hub.hub.app[LEDGER].pipelines.known_cut(job["id"]))
     units = cut.costs[sa.unit_start : sa.unit_end]
-    # the step's 32 samples through the stage's units in the 0.4 s before its end; the update:
-    # the units' state in 0.1 s
+    # the step's 32 samples through the stage's units in the 0.4 s before its end, less the
+    # fixed 2 ms per unit and micro-batch; the update: the units' state in 0.1 s
     work = 32 * sum(u.flops for u in units)
+    fixed = 0.002 * len(units) * sa.micro_batches
+    assert 0 < fixed < 0.2
     measured = offer()
     assert measured["speed_from"] == "stage_reports" and measured["speed_steps"] == 4
-    assert measured["flops_per_s"] == pytest.approx(work / 0.4)
+    assert measured["flops_per_s"] == pytest.approx(work / (0.4 - fixed))
+    assert measured["unit_overhead_s"] == pytest.approx(0.002)
     assert measured["update_bytes_per_s"] == pytest.approx(sum(u.state_bytes for u in units) / 0.1)
     assert measured["flops_per_s"] != pytest.approx(benchmark["flops_per_s"], rel=0.1)
     doc = plan_of(hub, job["id"])
@@ -559,7 +565,7 @@ def test_a_stages_reported_compute_time_is_its_nodes_speed_in_the_offers(hub, tm
     # the node not measured: its benchmark (the same as the measured node's) on the measured scale
     other = next(n for n in doc["offers"]["nodes"] if n["node_id"] != node)
     assert other["speed_from"] == "benchmark" and other["speed_steps"] == 0
-    assert other["update_bytes_per_s"] is None
+    assert other["update_bytes_per_s"] is None and other["unit_overhead_s"] is None
     scale = doc["offers"]["speed"]["benchmark_scale"]
     assert scale == pytest.approx(measured["flops_per_s"] / benchmark["flops_per_s"])
     assert other["flops_per_s"] == pytest.approx(measured["flops_per_s"])

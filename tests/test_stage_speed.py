@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from gpuflex.hub.domain.pipelines.offers import benchmark_flops, offer_of
 from gpuflex.hub.model.node import NodeState
-from gpuflex.hub.policy.pipeline_plan import UPDATE_FLOPS_PER_BYTE
+from gpuflex.hub.policy.pipeline_plan import UPDATE_FLOPS_PER_BYTE, NodeOffer, evaluate_pipeline
 from gpuflex.hub.policy.stage_speed import (
     MIN_STEPS,
     WARMUP_STEPS,
@@ -99,7 +99,12 @@ def test_a_measured_update_is_kept_apart_and_offered_as_bytes_per_second() -> No
     # not measured (0), or more than the compute: the whole step at one speed, no update rate
     for update_s in (0.0, 1.5, 2.0, float("nan")):
         alone = with_step(
-            StageSpeed(), step_flops=work, compute_s=1.5, step=9, update_s=update_s, state_bytes=state
+            StageSpeed(),
+            step_flops=work,
+            compute_s=1.5,
+            step=9,
+            update_s=update_s,
+            state_bytes=state,
         )
         assert alone.samples == (pytest.approx(work / 1.5),) and alone.updates == ()
     assert StageSpeed().update_bytes_per_s is None
@@ -122,3 +127,59 @@ def test_an_unmeasured_node_is_offered_its_benchmark_on_the_measured_nodes_scale
     assert per_sample == pytest.approx(4e5)
     assert offer_of(nodes[1], per_sample).flops_per_s == pytest.approx(300.0 * 4e4 * 10)
     assert offer_of(nodes[0], per_sample).flops_per_s == pytest.approx(100.0 * 4e4 * 10)
+
+
+def test_a_stages_fixed_time_per_unit_and_micro_batch_is_read_apart_and_offered() -> None:
+    """A stage of 3 units whose true cost is 1e9 FLOP/s on the samples plus 10 ms per unit and
+    micro-batch: measured at 8 micro-batches and read with the fixed time, the offer predicts
+    the stage's compute at 2 and at 32 micro-batches; read without it, it misses both."""
+    costs = (unit(3e6, 100), unit(3e6, 100), unit(3e6, 100))
+    batch, fixed, true_speed = 64, 0.01, 1e9
+
+    def true_s(micro: int) -> float:
+        return batch * 9e6 / true_speed + micro * len(costs) * fixed
+
+    def offer(with_fixed: bool) -> NodeOffer:
+        speed = StageSpeed()
+        for k in range(1, WARMUP_STEPS + MIN_STEPS + 1):
+            speed = with_step(
+                speed,
+                step_flops=batch * 9e6,
+                compute_s=true_s(8),
+                step=k,
+                unit_overhead_s=fixed if with_fixed else 0.0,
+                unit_calls=8 * len(costs),
+            )
+        assert (speed.unit_overhead_s is not None) == with_fixed
+        node = NodeState(id="n", public_key=b"k", bench_sps=1.0, ema_sps=1.0, last_seen=0.0)
+        node.max_memory_bytes = 1 << 30
+        node.stage_speed = speed
+        return offer_of(node, 1.0)
+
+    for with_fixed in (True, False):
+        o = offer(with_fixed)
+        assert o.unit_overhead_s == (fixed if with_fixed else 0.0)
+        for micro in (2, 8, 32):
+            p = evaluate_pipeline(
+                costs, [o], [len(costs)], micro_batches=micro, schedule="gpipe", batch_size=batch
+            )
+            assert p is not None
+            predicted = sum(s.compute_s for s in p.stages) * micro
+            if with_fixed or micro == 8:
+                assert predicted == pytest.approx(true_s(micro), rel=1e-9)
+            else:  # the fixed time priced as samples: too slow at 2 micro-batches, too fast at 32
+                assert (predicted > true_s(micro) * 1.2) == (micro == 2)
+                assert (predicted < true_s(micro) * 0.8) == (micro == 32)
+
+
+def test_a_fixed_time_not_below_the_samples_time_is_not_taken() -> None:
+    for overhead in (0.05, 0.2, float("nan"), float("inf")):
+        speed = with_step(
+            StageSpeed(),
+            step_flops=1e9,
+            compute_s=1.0,
+            step=9,
+            unit_overhead_s=overhead,
+            unit_calls=20,
+        )
+        assert speed.samples == (pytest.approx(1e9),) and speed.overheads == ()

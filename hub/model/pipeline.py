@@ -106,6 +106,7 @@ class StepReport:
     loss: float | None
     reported_at: float
     update_s: float = 0.0
+    unit_overhead_s: float = 0.0
 
 
 @dataclass

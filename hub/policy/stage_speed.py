@@ -41,11 +41,13 @@ WINDOW: Final = 16
 @dataclass(frozen=True)
 class StageSpeed:
     """The FLOP/s each of a node's recent stage steps computed at, oldest first (at most
-    `WINDOW`), and the bytes of state per second its optimizer steps updated at, from the steps
-    that measured their end apart (``StageReport.update_s``)."""
+    `WINDOW`), the bytes of state per second its optimizer steps updated at, from the steps
+    that measured their end apart (``StageReport.update_s``), and the fixed seconds per unit and
+    micro-batch its stage measured (``StageReport.unit_overhead_s``), from the steps that said."""
 
     samples: tuple[float, ...] = ()
     updates: tuple[float, ...] = ()
+    overheads: tuple[float, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -67,6 +69,14 @@ class StageSpeed:
             return None
         return statistics.median(self.updates)
 
+    @property
+    def unit_overhead_s(self) -> float | None:
+        """The median fixed time per unit and micro-batch, once `MIN_STEPS` steps said it; None
+        before (the planner counts a unit's FLOPs alone)."""
+        if len(self.overheads) < MIN_STEPS:
+            return None
+        return statistics.median(self.overheads)
+
 
 def stage_step_flops(
     costs: Sequence[UnitCost], unit_start: int, unit_end: int, samples: int
@@ -87,6 +97,8 @@ def with_step(
     step: int,
     update_s: float = 0.0,
     state_bytes: int = 0,
+    unit_overhead_s: float = 0.0,
+    unit_calls: int = 0,
 ) -> StageSpeed:
     """``speed`` with one stage step added: ``step_flops`` of work (`stage_step_flops`) computed
     in ``compute_s``, the ``step``-th step of its generation (from 1). A warm-up step, or one
@@ -97,18 +109,34 @@ def with_step(
     When it is measured (between 0 and ``compute_s``), the speed is the samples' work over the
     rest of the time and the update is counted apart, in bytes per second: an optimizer step is
     bound by memory, and on a device whose matrix products are fast it takes many times what its
-    FLOPs say, a fixed cost per step that a slow replica pays whatever its share of the samples."""
+    FLOPs say, a fixed cost per step that a slow replica pays whatever its share of the samples.
+
+    ``unit_overhead_s``: the fixed time the stage measured a unit's forward and backward to
+    take per micro-batch whatever its size, and ``unit_calls`` how many times the step paid it
+    (its units times its micro-batches). When both are given and their product is less than the
+    samples' time, the speed is the samples' work over what is left: a speed read with the
+    fixed time in it is too slow for larger micro-batches and too fast for smaller ones, so a
+    plan that changes the micro-batch count would mispredict by it. The planner then adds the
+    same fixed time back per unit and micro-batch (hub/policy/pipeline_plan.py)."""
     if step <= WARMUP_STEPS or not (
         math.isfinite(compute_s) and compute_s > 0 and math.isfinite(step_flops) and step_flops > 0
     ):
         return speed
     update_flops = UPDATE_FLOPS_PER_BYTE * state_bytes
-    if 0 < update_s < compute_s and state_bytes > 0 and step_flops > update_flops:
-        return StageSpeed(
-            (*speed.samples, (step_flops - update_flops) / (compute_s - update_s))[-WINDOW:],
-            (*speed.updates, state_bytes / update_s)[-WINDOW:],
-        )
-    return StageSpeed((*speed.samples, step_flops / compute_s)[-WINDOW:], speed.updates)
+    measured_update = 0 < update_s < compute_s and state_bytes > 0 and step_flops > update_flops
+    work, took = (
+        (step_flops - update_flops, compute_s - update_s) if measured_update else (step_flops, compute_s)
+    )
+    fixed = unit_overhead_s * unit_calls
+    overheads = speed.overheads
+    if math.isfinite(fixed) and 0 < fixed < took:
+        took -= fixed
+        overheads = (*overheads, unit_overhead_s)[-WINDOW:]
+    return StageSpeed(
+        (*speed.samples, work / took)[-WINDOW:],
+        (*speed.updates, state_bytes / update_s)[-WINDOW:] if measured_update else speed.updates,
+        overheads,
+    )
 
 
 def benchmark_scale(pairs: Iterable[tuple[float, float]]) -> float:

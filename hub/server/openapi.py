@@ -490,7 +490,7 @@ def _job_plan_schema() -> dict[str, Any]:
         "model": {"type": "object", "description": "units, state_bytes (parameters, gradients, optimizer "
                   "state), flops_per_sample (forward + backward)"},
         "offers": {"type": "object", "description": "online (count), nodes (node_id, memory_bytes, flops_per_s, "
-                   "speed_from, update_bytes_per_s, rtt_s, rtt_measured, bandwidth_bytes_per_s, bandwidth_measured), left_out "
+                   "speed_from, update_bytes_per_s, unit_overhead_s, rtt_s, rtt_measured, bandwidth_bytes_per_s, bandwidth_measured), left_out "
                    "(count, why), speed (how flops_per_s was derived), link (the bandwidth_bytes_per_s and "
                    "rtt_s of a node not measured, assumed: no node measured, why)"},
         "plan": {"type": "object", "properties": {

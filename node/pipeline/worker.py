@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from ..computeshare import ComputeShare
 from ..errors import NodeError, PipelineError, StaleGeneration
 from ..trainer import loss_for, make_optimizer, prepare_device, stack_chunks
+from .overhead import unit_overhead_s
 from .stage import StageRunner, boundary_specs
 from .transport import MessageKey, SendAhead, Transport
 from .unitstate import (
@@ -180,6 +181,8 @@ class StageWorker:
         self.on_step = on_step
         self.steps_done = assignment.first_step
         self.runner: StageRunner | None = None
+        #: the fixed seconds per unit and micro-batch the stage measured before its first step
+        self.unit_overhead_s = 0.0
         self._poster: ThreadPoolExecutor | None = None  # posts the reports, in order
         self._pending: Future[bool] | None = None  # the last step's report, on its way
         self._x: Tensor | None = None
@@ -308,6 +311,7 @@ class StageWorker:
             step_s=min(step_s, 1e6),
             compute_s=min(compute_s, 1e6),
             update_s=min(update_s, compute_s, 1e6),
+            unit_overhead_s=min(self.unit_overhead_s, 1e3),
             loss=loss,
             failed=" ".join(failed.split())[:200],
             timestamp=self.clock(),
@@ -406,6 +410,33 @@ class StageWorker:
         )
         if self.first or self.last:
             self._read_data(spec)
+        self.unit_overhead_s = self._measure_overhead(module, spec, specs)
+
+    def _measure_overhead(
+        self, module: nn.Module, spec: ModelSpec, specs: Sequence[TensorSpec]
+    ) -> float:
+        """The stage's fixed seconds per unit and micro-batch (node/pipeline/overhead.py), on
+        zeros of one micro-batch of its input; at a compute share below 1 the step rests in
+        proportion to its compute, so the fixed time it reports grows with it. 0 when torch
+        cannot run the measure (the stage itself then fails in its first step, saying why)."""
+        if self.first:
+            micro = self.a.batch_size // sum(self.counts)
+            shape, dtype = (micro, *spec.input_shape), spec.input_dtype
+        else:
+            inbound = specs[self.place.stage - 1]
+            shape, dtype = inbound.shape, getattr(torch, inbound.dtype)
+        example = torch.zeros(shape, dtype=dtype, device=self.device)
+        try:
+            took = unit_overhead_s(module, example, units=self.a.unit_end - self.a.unit_start)
+        except RuntimeError as exc:
+            log.warning(
+                "stage %d of job %s: its fixed time not measured: %s",
+                self.a.stage,
+                self.a.job_id,
+                exc,
+            )
+            return 0.0
+        return took / min(max(self.pace.share, 1e-3), 1.0)
 
     def _range(self, units: int) -> tuple[int, int]:
         bounds = [*self.place.starts, units]

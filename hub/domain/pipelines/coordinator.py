@@ -540,6 +540,7 @@ class Pipelines:
             msg.loss,
             now,
             msg.update_s,
+            msg.unit_overhead_s,
         )
         await self.store.save_stage_report(job.id, report)
         if state.generation is not g:
@@ -548,7 +549,7 @@ class Pipelines:
             )
         state.reports[msg.stage] = report
         state.last_report[msg.stage] = now
-        note_step(node, self.known_cut(job.id), g, report, job.spec.train.batch_size)
+        note_step(node, self.known_cut(job.id), g, report)
         return Ack(ok=True, detail=f"step {msg.steps_done} recorded", deadline=0.0)
 
     async def _record_last(self, node: NodeState, msg: StageReport, g: Generation) -> None:

@@ -13,6 +13,8 @@ A node's offer is built from what the hub already keeps of it:
 - update: the bytes of state per second its optimizer steps updated at on those stages, once it
   has reported them apart (``StageSpeed.update_bytes_per_s``); else the planner counts an update
   as ``UPDATE_FLOPS_PER_BYTE`` at its speed.
+- fixed time per unit and micro-batch: what its stages measured (``StageSpeed.unit_overhead_s``,
+  node/pipeline/overhead.py), its speed read without it; else 0 (a unit costs its FLOPs alone).
 - link: its round trip is what the hub measured on its connection (``NodeState.rtt_s``, the
   kernel's TCP round trip, hub/server/linkmeter.py), else ``ASSUMED_LINK``'s; its bandwidth is
   the rate its bodies came in at (``NodeState.uplink_bytes_per_s``: relayed tensors, stage
@@ -208,6 +210,7 @@ def offer_of(node: NodeState, flops_per_sample: float) -> NodeOffer:
         else ASSUMED_LINK["bandwidth_bytes_per_s"],
         rtt_s=node.rtt_s if node.rtt_s > 0 else ASSUMED_LINK["rtt_s"],
         update_bytes_per_s=node.stage_speed.update_bytes_per_s or 0.0,
+        unit_overhead_s=node.stage_speed.unit_overhead_s or 0.0,
     )
 
 

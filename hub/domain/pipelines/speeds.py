@@ -21,21 +21,25 @@ from ...policy.stage_speed import stage_step_flops, with_step
 from .offers import ModelCut
 
 
-def note_step(
-    node: NodeState, cut: ModelCut | None, g: Generation, report: StepReport, samples: int
-) -> None:
-    """Add ``report`` (an accepted report of ``node``'s stage in ``g``, each step ``samples``
-    samples) to the node's measured speed; nothing without the job's model cut."""
+def note_step(node: NodeState, cut: ModelCut | None, g: Generation, report: StepReport) -> None:
+    """Add ``report`` (an accepted report of ``node``'s stage in ``g``) to the node's measured
+    speed; nothing without the job's model cut. The stage's step ran its pipeline's share of the
+    step's micro-batches (all of them with one pipeline), each through each of its units."""
     if cut is None or not 0 <= report.stage < len(g.stages):
         return
     slot = g.stages[report.stage]
+    micro_batches = g.counts[g.lane_of(report.stage)[0]]
     node.stage_speed = with_step(
         node.stage_speed,
-        step_flops=stage_step_flops(cut.costs, slot.unit_start, slot.unit_end, samples),
+        step_flops=stage_step_flops(
+            cut.costs, slot.unit_start, slot.unit_end, micro_batches * g.micro_batch_size
+        ),
         compute_s=report.compute_s,
         step=report.steps_done - g.first_step,
         update_s=report.update_s,
         state_bytes=sum(u.state_bytes for u in cut.costs[slot.unit_start : slot.unit_end]),
+        unit_overhead_s=report.unit_overhead_s,
+        unit_calls=micro_batches * (slot.unit_end - slot.unit_start),
     )
 
 

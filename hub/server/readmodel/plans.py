@@ -136,6 +136,7 @@ def _offers_doc(offers: list[NodeOffer], online: int, unsaid: int, flops: tuple[
              "speed_from": "benchmark" if speeds[o.node_id].flops_per_s is None else "stage_reports",
              "speed_steps": speeds[o.node_id].steps,
              "update_bytes_per_s": o.update_bytes_per_s or None,
+             "unit_overhead_s": o.unit_overhead_s or None,
              "rtt_s": o.rtt_s, "rtt_measured": o.node_id in measured,
              "bandwidth_bytes_per_s": o.bandwidth_bytes_per_s,
              "bandwidth_measured": o.node_id in timed}
