@@ -183,3 +183,28 @@ def test_a_fixed_time_not_below_the_samples_time_is_not_taken() -> None:
             unit_calls=20,
         )
         assert speed.samples == (pytest.approx(1e9),) and speed.overheads == ()
+
+
+def test_a_stage_of_one_pipeline_of_several_is_credited_with_its_own_micro_batches() -> None:
+    """Two pipelines share a 64-sample step 12 + 4 micro-batches of 4 samples: pipeline 1's
+    stage ran 16 samples, not 64, and paid its fixed time 4 times per unit."""
+    from gpuflex.hub.domain.pipelines.offers import ModelCut
+    from gpuflex.hub.domain.pipelines.speeds import note_step
+    from gpuflex.hub.model.pipeline import Generation, StageSlot, StepReport
+
+    costs = (unit(3e6, 100), unit(3e6, 100))
+    slots = tuple(StageSlot(f"n{k}", u, u + 1) for k in range(2) for u in range(2))
+    g = Generation(
+        "job", 1, 0, 10, slots, 8, 4, "1f1b", 0.1, 0.0, "first", 0.0, lanes=2,
+        lane_micro_batches=(12, 4),
+    )  # fmt: skip
+    cut = ModelCut(("a", "b"), costs)
+    node = NodeState(id="n1", public_key=b"k", bench_sps=1.0, ema_sps=1.0, last_seen=0.0)
+    for done in range(1, WARMUP_STEPS + MIN_STEPS + 1):
+        note_step(
+            node, cut, g, StepReport(1, 3, "n1", done, 0.5, 0.5, 0.1, None, 0.0, 0.0, 0.01)
+        )  # fmt: skip
+    # slot 3: pipeline 1's second stage, one unit, 4 micro-batches: 0.04 s of fixed time
+    work = 16 * costs[1].flops + UPDATE_FLOPS_PER_BYTE * costs[1].state_bytes
+    assert node.stage_speed.flops_per_s == pytest.approx(work / (0.5 - 0.04))
+    assert node.stage_speed.unit_overhead_s == pytest.approx(0.01)
