@@ -9,8 +9,9 @@ one fp32 scale per output channel when ``frozen = "int8"``), beside two trained 
 
 Keys (``[train]``): ``finetune`` ("full" or "lora"), ``lora_rank``, ``lora_alpha`` (the adapters'
 product is scaled by alpha / rank), ``lora_targets`` (layer kinds or name patterns: "Linear" is
-every Linear layer, a name such as "attn" or "mlp" every Linear layer with that part in its
-dotted name, a pattern with * or ? matched against the whole name), ``frozen_precision``
+every Linear layer, a name such as "attn", "mlp" or "experts.1" every Linear layer whose dotted
+name has those parts in a row (a mixture's expert 1 in every block: ``blocks.0.mlp.experts.1.fc``),
+a pattern with * or ? matched against the whole name), ``frozen_precision``
 ("int8" or "fp32"). The LoRA keys are refused without ``finetune = "lora"``.
 
 Refused with LoRA: secure aggregation (its masked sum runs over the node's whole model manifest,
