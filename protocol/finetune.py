@@ -16,7 +16,9 @@ a pattern with * or ? matched against the whole name), ``frozen_precision``
 
 Refused with LoRA: secure aggregation (its masked sum runs over the node's whole model manifest,
 which a LoRA update is not; not in this release). A LoRA job may be pipelined: each stage holds
-its units' frozen weights (int8 when asked) and trains their adapters. Pure data: torch is imported only where the targets are checked against the model.
+its units' frozen weights (int8 when asked) and trains their adapters, and so does an expert
+host for its experts (node/pipeline/experts.py). Pure data: torch is imported only where the
+targets are checked against the model.
 """
 
 from __future__ import annotations

@@ -53,15 +53,20 @@ def _lora(config: LoraConfig = INT8) -> ModelSpec:
     return with_lora(PLAIN, config, where="train")
 
 
-def _state(spec: ModelSpec) -> dict[str, Tensor]:
-    """The model's state with its adapters' B drawn (B is zero untrained, and A would get no
+def _model(spec: ModelSpec) -> nn.Module:
+    """The model with its adapters' B drawn (B is zero untrained, and A would get no
     gradient)."""
-    state = build_model(spec, seed=1).state_dict()
+    model = build_model(spec, seed=1)
     gen = torch.Generator().manual_seed(7)
-    for name, t in state.items():
-        if name.endswith(".lora_b"):
-            t.copy_(0.1 * torch.randn(t.shape, generator=gen))
-    return state
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".lora_b"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _state(spec: ModelSpec) -> dict[str, Tensor]:
+    return _model(spec).state_dict()
 
 
 def _bytes(module: nn.Module) -> int:
@@ -81,9 +86,8 @@ def test_int8_experts_on_other_parties_match_the_one_process_lora_mixture(
     hosts: tuple[int, ...],
 ) -> None:
     spec = _lora()
-    state = _state(spec)
-    whole = build_model(spec, seed=1)
-    whole.load_state_dict(state)
+    whole = _model(spec)
+    state = whole.state_dict()
     moe = whole.blocks[1].mlp
     assert isinstance(moe, MoE) and isinstance(moe.experts[3].fc, LoraLinear)
     x = torch.randn(3, 8, WIDTH, generator=torch.Generator().manual_seed(2), requires_grad=True)
@@ -174,8 +178,13 @@ def test_a_host_refuses_a_block_or_expert_or_state_it_cannot_load_in_one_line() 
     with pytest.raises(PipelineError, match=r"experts \[4\] are not distinct experts of block 1"):
         load_expert_shard(spec, 1, (4,), state)
     del state["blocks.1.mlp.experts.2.proj.weight_scale"]
-    with pytest.raises(
-        PipelineError, match=r"has no 'blocks\.1\.mlp\.experts\.2\.proj\.weight_scale'"
-    ):
+    with pytest.raises(PipelineError, match=r"has no tensor '.*experts\.2\.proj\.weight_scale'"):
         load_expert_shard(spec, 1, (2,), state)
+    state["blocks.1.mlp.experts.3.fc.weight_q"] = state[
+        "blocks.1.mlp.experts.3.fc.weight_q"
+    ].float()
+    with pytest.raises(PipelineError, match=r"does not fit unit experts\.3"):  # fp32 for the int8
+        load_expert_shard(spec, 1, (3,), state)
+    with pytest.raises(PipelineError, match="the placement names 3 experts; block 1 has 4"):
+        load_distributed_moe(spec, 1, state, Placement((0, 1, 1)), 0, MemoryNetwork().transport())
     assert isinstance(load_expert_shard(spec, 1, (1,), state), ExpertShard)

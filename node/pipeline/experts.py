@@ -16,6 +16,11 @@ calls skip it without waiting until :meth:`DistributedMoE.restore`. Each call's
 A host runs an :class:`ExpertShard` (its experts) under an :class:`ExpertServer`: it refuses a
 header that names more tokens than it allows, and the transport refuses tokens or outputs of any
 other shape than the counts say, so an answer for tokens that were not sent cannot be applied.
+
+:func:`load_expert_shard` and :func:`load_distributed_moe` build a host and the router's party
+from the job's model spec and state, as a stage is built (protocol.pipeline.moe_units): a LoRA
+job's experts hold their frozen weights in int8 with per-channel scales (protocol/lora.py) and
+train only their adapters, which are all that ``trained_state`` hands back.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from gpuflex.protocol.dropout import KeyedDropout
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.moe import Router, Routing
-from gpuflex.protocol.pipeline import MoEUnits, Unit, cut_state, load_unit, moe_units
+from gpuflex.protocol.pipeline import MoEUnits, Unit, load_unit, moe_units
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -37,6 +42,7 @@ from .expertrounds import REROUTE, CallCounts, Piece, Rerouting, Rounds, remote_
 from .remote import EXPERTS, TIMEOUT_S, Call, Kinds
 from .reroute import expert_of
 from .transport import Transport, spec_of
+from .unitstate import state_from_model
 
 __all__ = [
     "DistributedMoE",
@@ -47,7 +53,6 @@ __all__ = [
     "load_distributed_moe",
     "load_expert_shard",
 ]
-
 
 #: the most tokens a host takes in one call by default
 MAX_TOKENS = 1 << 20
@@ -373,12 +378,11 @@ def _units(spec: ModelSpec, block: int) -> MoEUnits:
 
 
 def _load(unit: Unit, state: Mapping[str, Tensor], device: torch.device | None) -> nn.Module:
-    """``unit`` holding its tensors of the model's ``state`` on ``device`` (a copy), as a
-    stage's unit is loaded (protocol.pipeline.load_unit)."""
+    """``unit`` holding its tensors of the model's ``state`` on ``device`` (a copy), checked
+    and loaded as a stage's unit is (names, dtypes, shapes, finite: PipelineError)."""
+    params = state_from_model(unit, state).params
     try:
-        return load_unit(unit, cut_state(unit, state), device=device)
-    except KeyError as exc:
-        raise PipelineError(f"the model's state has no {exc.args[0]!r}; refused") from None
+        return load_unit(unit, params, device=device)
     except RuntimeError as exc:
         first = " ".join(str(exc).split())[:200]
         raise PipelineError(f"{unit.name}'s state does not load: {first}") from None
@@ -426,6 +430,11 @@ def load_distributed_moe(
     :func:`load_expert_shard` loads a host's (a LoRA job's: int8 frozen weights, trained
     adapters), with the block's own output dropout."""
     units = _units(spec, block)
+    if len(placement.hosts) != len(units.experts):
+        raise PipelineError(
+            f"the placement names {len(placement.hosts)} experts; block {block} has "
+            f"{len(units.experts)}"
+        )
     router = _load(units.router, state, device)
     if not isinstance(router, Router):
         raise PipelineError(f"block {block}'s router is a {type(router).__name__}")
