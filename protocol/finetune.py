@@ -9,13 +9,16 @@ one fp32 scale per output channel when ``frozen = "int8"``), beside two trained 
 
 Keys (``[train]``): ``finetune`` ("full" or "lora"), ``lora_rank``, ``lora_alpha`` (the adapters'
 product is scaled by alpha / rank), ``lora_targets`` (layer kinds or name patterns: "Linear" is
-every Linear layer, a name such as "attn" or "mlp" every Linear layer with that part in its
-dotted name, a pattern with * or ? matched against the whole name), ``frozen_precision``
+every Linear layer, a name such as "attn", "mlp" or "experts.1" every Linear layer whose dotted
+name has those parts in a row (a mixture's expert 1 in every block: ``blocks.0.mlp.experts.1.fc``),
+a pattern with * or ? matched against the whole name), ``frozen_precision``
 ("int8" or "fp32"). The LoRA keys are refused without ``finetune = "lora"``.
 
 Refused with LoRA: secure aggregation (its masked sum runs over the node's whole model manifest,
 which a LoRA update is not; not in this release). A LoRA job may be pipelined: each stage holds
-its units' frozen weights (int8 when asked) and trains their adapters. Pure data: torch is imported only where the targets are checked against the model.
+its units' frozen weights (int8 when asked) and trains their adapters, and so does an expert
+host for its experts (node/pipeline/experts.py). Pure data: torch is imported only where the
+targets are checked against the model.
 """
 
 from __future__ import annotations

@@ -114,11 +114,14 @@ class LoraLinear(nn.Module):
 
 
 def _matches(target: str, name: str) -> bool:
+    """ "Linear": every layer; a pattern with * ? [: the whole dotted name; a plain name: a run
+    of whole parts of the dotted name ("mlp", "experts.1", "blocks.0.mlp.experts.1.fc")."""
     if target == "Linear":
         return True
     if any(c in target for c in "*?["):
         return fnmatch.fnmatchcase(name, target)
-    return target in name.split(".")
+    parts, run = name.split("."), target.split(".")
+    return any(parts[i : i + len(run)] == run for i in range(len(parts) - len(run) + 1))
 
 
 def attach_adapters(module: nn.Module, config: LoraConfig) -> nn.Module:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LanePlace",
+    "MoEUnits",
     "TiedGroup",
     "Unit",
     "Units",
@@ -43,6 +44,7 @@ __all__ = [
     "lane_slices",
     "load_unit",
     "micro_batch_slices",
+    "moe_units",
     "pipeline_units",
     "put_state",
     "step_samples",
@@ -111,6 +113,53 @@ def pipeline_units(spec: ModelSpec) -> Units:
         TiedGroup(name, tuple(members)) for name, members in holders.items() if len(members) > 1
     )
     return Units(units, tied)
+
+
+@dataclass(frozen=True)
+class MoEUnits:
+    """One block's mixture of experts as units named as the whole model names their tensors
+    (``blocks.<b>.mlp.router.weight``, ``blocks.<b>.mlp.experts.<e>.fc.weight_q``, ...): what an
+    expert host and the router's party load their share from (node/pipeline/experts.py), built
+    like a stage's units, so a LoRA job's experts come with their frozen weights in int8 and
+    their adapters. ``prefix`` is the block's mixture (``blocks.<b>.mlp.``), ``width`` the
+    tokens' width, ``dropout`` and ``slot`` its output dropout's."""
+
+    prefix: str
+    width: int
+    router: Unit
+    experts: tuple[Unit, ...]
+    dropout: float
+    slot: int
+
+
+def moe_units(spec: ModelSpec, block: int) -> MoEUnits:
+    """Block ``block``'s mixture of experts in ``spec``'s model; SpecError when the model has
+    no such block or that block's MLP is dense."""
+    from .errors import SpecError
+    from .moe import MoE
+
+    model = construct_meta(spec)
+    blocks = getattr(model, "blocks", ())
+    moe = blocks[block].mlp if 0 <= block < len(blocks) else None
+    if not isinstance(moe, MoE):
+        raise SpecError(
+            f"block {block} of this {spec.kind} model is not a mixture of experts "
+            f"(it has {len(blocks)} blocks; experts = {getattr(spec.transformer, 'experts', 0)})"
+        )
+    prefix = f"blocks.{block}.mlp."
+
+    def unit(name: str, module: nn.Module) -> Unit:
+        keys = module.state_dict(keep_vars=True)
+        return Unit(name, module, tuple((k, f"{prefix}{name}.{k}") for k in keys))
+
+    return MoEUnits(
+        prefix=prefix,
+        width=int(moe.router.weight.shape[1]),
+        router=unit("router", moe.router),
+        experts=tuple(unit(f"experts.{e}", m) for e, m in enumerate(moe.experts)),
+        dropout=float(moe.drop.p),
+        slot=moe.drop.slot,
+    )
 
 
 def _transformer_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -16,16 +16,24 @@ calls skip it without waiting until :meth:`DistributedMoE.restore`. Each call's
 A host runs an :class:`ExpertShard` (its experts) under an :class:`ExpertServer`: it refuses a
 header that names more tokens than it allows, and the transport refuses tokens or outputs of any
 other shape than the counts say, so an answer for tokens that were not sent cannot be applied.
+
+:func:`load_expert_shard` and :func:`load_distributed_moe` build a host and the router's party
+from the job's model spec and state, as a stage is built (protocol.pipeline.moe_units): a LoRA
+job's experts hold their frozen weights in int8 with per-channel scales (protocol/lora.py) and
+train only their adapters, which are all that ``trained_state`` hands back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from gpuflex.protocol.dropout import KeyedDropout
+from gpuflex.protocol.errors import SpecError
+from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.moe import Router, Routing
+from gpuflex.protocol.pipeline import MoEUnits, Unit, load_unit, moe_units
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -34,8 +42,17 @@ from .expertrounds import REROUTE, CallCounts, Piece, Rerouting, Rounds, remote_
 from .remote import EXPERTS, TIMEOUT_S, Call, Kinds
 from .reroute import expert_of
 from .transport import Transport, spec_of
+from .unitstate import state_from_model
 
-__all__ = ["DistributedMoE", "ExpertServer", "ExpertShard", "Placement", "expert_server"]
+__all__ = [
+    "DistributedMoE",
+    "ExpertServer",
+    "ExpertShard",
+    "Placement",
+    "expert_server",
+    "load_distributed_moe",
+    "load_expert_shard",
+]
 
 #: the most tokens a host takes in one call by default
 MAX_TOKENS = 1 << 20
@@ -79,10 +96,17 @@ class Placement:
 
 class ExpertShard(nn.Module):
     """The experts one host holds (``experts``: expert index -> module), run on the tokens a
-    router sent: ``header`` counts each one's tokens, in expert order; ``x`` holds them."""
+    router sent: ``header`` counts each one's tokens, in expert order; ``x`` holds them.
+    ``prefix`` is the model's name of their mixture (``blocks.<b>.mlp.``), for
+    :meth:`trained_state`; :func:`load_expert_shard` makes a host from the job's spec."""
 
     def __init__(
-        self, experts: Mapping[int, nn.Module], width: int, *, max_tokens: int = MAX_TOKENS
+        self,
+        experts: Mapping[int, nn.Module],
+        width: int,
+        *,
+        max_tokens: int = MAX_TOKENS,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         if not experts:
@@ -92,6 +116,16 @@ class ExpertShard(nn.Module):
         self.width = width
         self.max_tokens = max_tokens
         self.header_len = len(self.index)
+        self.prefix = prefix
+
+    def trained_parameters(self) -> dict[str, nn.Parameter]:
+        """Its experts' trained parameters under the model's names (a LoRA job's adapters)."""
+        return _trained(dict(zip(self.index, self.experts, strict=True)), self.prefix)
+
+    def trained_state(self) -> dict[str, Tensor]:
+        """What the host hands back: its trained tensors, copied to the CPU (a LoRA job's
+        adapters alone, as a node's update carries them; the frozen weights never travel)."""
+        return _copies(self.trained_parameters())
 
     def input_shape(self, header: Tensor) -> tuple[int, ...]:
         counts = [int(c) for c in header.tolist()]
@@ -220,6 +254,7 @@ class DistributedMoE(nn.Module):
         slot: int = 0,
         deadline_s: float = DEADLINE_S,
         lost: set[int] | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         if len(placement.hosts) != router.experts:
@@ -247,6 +282,17 @@ class DistributedMoE(nn.Module):
         #: the last call's re-routing, and every call's counts added up
         self.last: Rerouting | None = None
         self.total = CallCounts()
+        self.prefix = prefix
+
+    def trained_parameters(self) -> dict[str, nn.Parameter]:
+        """The trained parameters of its router and its own experts under the model's names
+        (``prefix``: the mixture's); a LoRA job's: the experts' adapters (the router is frozen)."""
+        local = {int(e): m for e, m in self.local.items()}
+        return {**_trained({"router": self.router}, self.prefix), **_trained(local, self.prefix)}
+
+    def trained_state(self) -> dict[str, Tensor]:
+        """What the router's party hands back for this layer: its trained tensors on the CPU."""
+        return _copies(self.trained_parameters())
 
     def remote_parties(self) -> tuple[int, ...]:
         return tuple(p for p in self.placement.parties() if p != self.party)
@@ -319,3 +365,105 @@ class DistributedMoE(nn.Module):
         gates = torch.cat([gate[pc.tokens, pc.expert] for pc in pieces])
         weighted = out * gates.unsqueeze(1).to(out.dtype)
         return weighted.new_zeros(tokens, width).index_add(0, idx, weighted)
+
+
+# -- a host's and the router's party's share of a job's model --------------------------------
+
+
+def _units(spec: ModelSpec, block: int) -> MoEUnits:
+    try:
+        return moe_units(spec, block)
+    except SpecError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def _load(unit: Unit, state: Mapping[str, Tensor], device: torch.device | None) -> nn.Module:
+    """``unit`` holding its tensors of the model's ``state`` on ``device`` (a copy), checked
+    and loaded as a stage's unit is (names, dtypes, shapes, finite: PipelineError)."""
+    params = state_from_model(unit, state).params
+    try:
+        return load_unit(unit, params, device=device)
+    except RuntimeError as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise PipelineError(f"{unit.name}'s state does not load: {first}") from None
+
+
+def load_expert_shard(
+    spec: ModelSpec,
+    block: int,
+    experts: Sequence[int],
+    state: Mapping[str, Tensor],
+    *,
+    device: torch.device | None = None,
+    max_tokens: int = MAX_TOKENS,
+) -> ExpertShard:
+    """The host of ``experts`` of block ``block``'s mixture in ``spec``'s model, holding their
+    tensors of the model's ``state`` (the whole model's names; only theirs are read) on
+    ``device``. The spec says how a job trains, as it tells a stage: for a LoRA job each
+    targeted Linear of an expert is a ``LoraLinear`` (protocol/lora.py), its frozen weight in
+    int8 with per-channel scales when ``frozen = "int8"``, and only the adapters train."""
+    units = _units(spec, block)
+    wrong = [e for e in experts if not 0 <= e < len(units.experts)]
+    if wrong or len(set(experts)) != len(experts):
+        raise PipelineError(
+            f"experts {list(experts)[:8]} are not distinct experts of block {block}, which has "
+            f"{len(units.experts)}; refused"
+        )
+    modules = {e: _load(units.experts[e], state, device) for e in experts}
+    return ExpertShard(modules, units.width, max_tokens=max_tokens, prefix=units.prefix)
+
+
+def load_distributed_moe(
+    spec: ModelSpec,
+    block: int,
+    state: Mapping[str, Tensor],
+    placement: Placement,
+    party: int,
+    transport: Transport,
+    *,
+    device: torch.device | None = None,
+    deadline_s: float = DEADLINE_S,
+    lost: set[int] | None = None,
+) -> DistributedMoE:
+    """The router's party of block ``block``'s mixture in ``spec``'s model: its router and the
+    experts ``placement`` gives ``party``, loaded from the model's ``state`` as
+    :func:`load_expert_shard` loads a host's (a LoRA job's: int8 frozen weights, trained
+    adapters), with the block's own output dropout."""
+    units = _units(spec, block)
+    if len(placement.hosts) != len(units.experts):
+        raise PipelineError(
+            f"the placement names {len(placement.hosts)} experts; block {block} has "
+            f"{len(units.experts)}"
+        )
+    router = _load(units.router, state, device)
+    if not isinstance(router, Router):
+        raise PipelineError(f"block {block}'s router is a {type(router).__name__}")
+    local = {e: _load(units.experts[e], state, device) for e in placement.held_by(party)}
+    return DistributedMoE(
+        router,
+        local,
+        placement,
+        party,
+        transport,
+        dropout=units.dropout,
+        slot=units.slot,
+        deadline_s=deadline_s,
+        lost=lost,
+        prefix=units.prefix,
+    )
+
+
+def _trained(
+    modules: Mapping[int, nn.Module] | Mapping[str, nn.Module], prefix: str
+) -> dict[str, nn.Parameter]:
+    """Each module's trainable parameters, named ``prefix`` + ``experts.<e>.`` (an int key) or
+    ``<key>.`` + their own name."""
+    out: dict[str, nn.Parameter] = {}
+    for key, module in modules.items():
+        head = f"{prefix}experts.{key}." if isinstance(key, int) else f"{prefix}{key}."
+        out.update({head + n: p for n, p in module.named_parameters() if p.requires_grad})
+    return out
+
+
+def _copies(params: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
