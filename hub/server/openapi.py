@@ -480,8 +480,9 @@ def _job_plan_schema() -> dict[str, Any]:
     stage = {"type": "object", "properties": {
         "stage": integer, "first_unit": integer, "end_unit": {**integer, "description": "exclusive"},
         "unit_names": {"type": "array", "items": {"type": "string"}}, "node_id": {"type": "string"},
-        "memory_bytes": integer, "offered_bytes": integer, "compute_s": num, "transfer_s": num,
-        "update_s": num}}
+        "memory_bytes": integer, "offered_bytes": integer,
+        "micro_batch_s": {**num, "description": "the predicted time of one micro-batch: compute_s + transfer_s"},
+        "compute_s": num, "transfer_s": num, "update_s": num}}
     pipeline = {"type": "object", "properties": {
         "micro_batches": integer, "micro_batch_size": integer, "schedule": {"enum": ["gpipe", "1f1b"]},
         "step_s": num, "bubble_fraction": num, "stages": {"type": "array", "items": stage}}}

@@ -89,6 +89,17 @@ def f_size(v: Any) -> str:
     return f"{x:.0f} B"
 
 
+def f_flops(v: Any) -> str:
+    """A speed in FLOP/s, in the decimal unit that keeps it readable (the plan's node offers)."""
+    x = _finite(v)
+    if x is None:
+        return "—"
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("kFLOP/s", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} FLOP/s"
+
+
 def f_secs(v: Any) -> str:
     """A duration as `job status` prints it: milliseconds under a second."""
     x = _finite(v)
@@ -165,6 +176,7 @@ def setup_console(app: web.Application) -> None:
             "bytes": f_bytes,
             "size": f_size,
             "secs": f_secs,
+            "flops": f_flops,
             "ago": f_ago,
             "dt": f_dt,
             "short": f_short,

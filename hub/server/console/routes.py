@@ -4,7 +4,8 @@ Authorisation mirrors the API: an owner sees only jobs whose owner is their
 token name; admins see every job; auditors and admins see the nodes and the audit queue;
 only auditors and admins give verdicts (through the hub's verdict function). An auditor
 starts at the audit queue and reads any job's page as a review (the read model's job_review: rounds,
-updates, nodes, shard map, flags), never an owner's metrics, data or models.
+updates, nodes, shard map, flags; a pipelined job's plan from plans.plan_review), never an owner's
+metrics, data or models.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from aiohttp import web
 from gpuflex.protocol.jobspec import VerificationSpec
 from markupsafe import Markup
 
-from ...base.errors import BadRequest
+from ...base.errors import BadRequest, Conflict
 from ...base.numbers import parse_count
+from ...model.job import ACTIVE_STATES
 from ..readmodel.audit import audit_log_status
 from ..readmodel.evidence import referee_rows, threshold_scores
 from ..readmodel.flags import flag_document, flags_overview
 from ..readmodel.jobs import job_review, job_view, jobs_overview
 from ..readmodel.models import export_model, model_file_name
 from ..readmodel.nodes import node_history, nodes_with_assignments
+from ..readmodel.plans import job_plan, plan_review
 from . import bridge, charts
 from .console_keys import SESSION, SESSIONS, TEMPLATES
 from .security import (
@@ -206,7 +209,22 @@ async def job_page(request: web.Request) -> web.StreamResponse:
     ctx = _job_context(d, review=review)
     ctx["can_audit"] = s.role in AUDIT_ROLES
     ctx["nav"] = "flags" if review else "jobs"
+    if ctx["pipeline"] is not None and ctx["job"]["state"] in ACTIVE_STATES:
+        ctx["plan"] = await _job_plan(request.app, s, job_id, review=review)
     return render(request, "job.html", ctx)
+
+
+async def _job_plan(
+    app: web.Application, s: Session, job_id: str, *, review: bool
+) -> dict[str, Any]:
+    """The plan a pipelined job would get on the nodes online now: GET /v1/jobs/{id}/plan's
+    document, from the same read model (an auditor's review without the model's size and the
+    batch). A model the hub will not cut shows its one-line reason, as a refusal does."""
+    plan = plan_review if review else job_plan
+    try:
+        return await plan(app, bridge.principal(s), job_id)
+    except Conflict as exc:
+        return {"refused": exc.detail}
 
 
 def _round_row(h: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 (protocol/pipeline.py), each unit's cost measured (protocol/modelanalysis.py), and the planner
 (hub/policy/pipeline_plan.py) run over what the online nodes offer. Nothing is applied: the
 answer shows its owner the stages, their nodes and the predicted step time, or the planner's
-one-line refusal.
+one-line refusal. The console's job page shows the same document (an auditor's review without the
+model's size and the batch: ``plan_review``).
 
 A node's offer and the model's cut are hub/domain/pipelines/offers.py's (the pipeline's planning
 builds the same).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 import time
 from typing import Any, Final
 
@@ -39,10 +41,17 @@ from ...policy.pipeline_plan import NodeOffer, Pipeline, Plan, Refusal, plan_pip
 from ...policy.stage_speed import StageSpeed
 from ...storage.tokens import Principal
 from ..appkeys import LEDGER, PLAN_CACHE, STORE
-from .access import job_row, spec_of
+from .access import any_job_row, job_row, spec_of
 
 # re-exported: the plan preview's names for the offers it shows
-__all__ = ["ASSUMED_LINK", "REFERENCE_MODEL", "REFERENCE_SPEC", "job_plan", "reference_flops_per_sample"]
+__all__ = [
+    "ASSUMED_LINK",
+    "REFERENCE_MODEL",
+    "REFERENCE_SPEC",
+    "job_plan",
+    "plan_review",
+    "reference_flops_per_sample",
+]
 
 #: the micro-batch counts the planner weighs (those up to the job's batch size)
 MICRO_BATCHES: Final = (1, 2, 4, 8, 16, 32)
@@ -54,6 +63,28 @@ async def job_plan(app: web.Application, who: Principal, job_id: str) -> dict[st
     """The plan document (docs/http-api.md). NotFound for a job ``who`` may not read, Conflict
     (409 not_pipelined) for a model that does not pipeline."""
     row = await app[STORE].query(lambda c: job_row(c, who, job_id))
+    return await _plan_document(app, row)
+
+
+#: what an auditor's review leaves out of the plan: the owner's model and batch
+NOT_REVIEWED: Final = ("model", "batch_size")
+
+
+async def plan_review(app: web.Application, who: Principal, job_id: str) -> dict[str, Any]:
+    """What an auditor's review of any job shows of its plan (the console's job page; the API's
+    plan route stays the owner's and admins'): ``job_plan``'s document without the model's size
+    and the batch (``NOT_REVIEWED``): the stages, their nodes and times, the offers, or the
+    planner's refusal."""
+    who.require("auditor")
+    row = await app[STORE].query(lambda c: any_job_row(c, job_id))
+    doc = await _plan_document(app, row)
+    for key in NOT_REVIEWED:
+        doc.pop(key, None)
+    return doc
+
+
+async def _plan_document(app: web.Application, row: sqlite3.Row) -> dict[str, Any]:
+    job_id = str(row["id"])
     spec = spec_of(row)
     if spec is None:
         raise Conflict(
@@ -182,6 +213,7 @@ def _pipeline_doc(p: Pipeline, names: tuple[str, ...], offered: dict[str, int]) 
                 "node_id": st.node_id,
                 "memory_bytes": st.memory_bytes,
                 "offered_bytes": offered[st.node_id],
+                "micro_batch_s": st.micro_batch_s,
                 "compute_s": st.compute_s,
                 "transfer_s": st.transfer_s,
                 "update_s": st.update_s,
