@@ -186,6 +186,35 @@ def test_honest_expert_hosts_reproduce_and_only_the_chosen_micro_batch_is_record
         assert "reproduced" in verdict.evidence["why"]
 
 
+def test_an_expert_host_recorded_across_the_rerouting_round_reproduces() -> None:
+    """Party 2 (expert 3) never answers: its tokens go to their next-best live experts in a
+    second round, so party 1's experts are sent tokens in both rounds; each expert's call joins
+    them, and the referee reproduces it."""
+    moe = build_model(SPEC, seed=1).blocks[0].mlp
+    assert isinstance(moe, MoE)
+    durable = {k: v.detach().clone() for k, v in moe.state_dict().items()}
+    placement = Placement((0, 1, 1, 2))
+    net = MemoryNetwork()
+    witness = Witness([(STEP, PICKED)])
+    shard = ExpertShard({e: moe.experts[e] for e in (1, 2)}, 32)
+    server = expert_server(net.transport(), 1, shard, placement=placement, witness=witness)
+    join = in_threads(lambda: (server.forward(STEP, PICKED, 0), server.backward(STEP, PICKED, 0)))
+    layer = DistributedMoE(
+        moe.router, {0: moe.experts[0]}, placement, 0, net.transport(), deadline_s=0.3
+    )
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(11))
+    (layer(x, step=STEP, micro_batch=PICKED) * g).sum().backward()
+    join()
+    assert layer.last is not None and layer.last.found_lost == (2,)
+    assert moe.router.kept is not None
+    first_round = int(moe.router.kept[1] + moe.router.kept[2])
+    assert sum(len(c.x) for c in witness.calls) > first_round  # tokens came in the second round
+    for call in witness.calls:
+        verdict = judge_expert(SPEC, durable, call, tolerance=TOL, held=(1, 2))
+        assert verdict.ok, verdict.evidence
+
+
 @pytest.mark.parametrize(("mode", "parties"), [("columns", 3), ("rows", 3), ("heads", 2)])
 def test_honest_slice_hosts_reproduce(mode: str, parties: int) -> None:
     state, calls = _slice_calls(mode, parties)
