@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-import torch
 from torch import Tensor
 
 from .tensors import encode_state, sha256_hex
@@ -53,6 +52,5 @@ class PieceCall:
 def piece_hash(state: Mapping[str, Tensor]) -> str:
     """The content hash of one piece's parameters (its own names: ``fc.weight``, ``bias``...):
     sha256 of their GFT1 encoding, names in sorted order, each tensor detached on the CPU."""
-    ordered = {k: state[k].detach().to("cpu", copy=False).contiguous() for k in sorted(state)}
-    with torch.no_grad():
-        return sha256_hex(encode_state(ordered))
+    ordered = {k: state[k].detach().to("cpu").contiguous() for k in sorted(state)}
+    return sha256_hex(encode_state(ordered))
