@@ -52,6 +52,7 @@ __all__ = [
     "StageEvidence",
     "StageVerdict",
     "judge_stage",
+    "relative_distance",
     "stage_loss",
     "stage_tolerance",
 ]
@@ -101,7 +102,7 @@ def stage_loss(spec: ModelSpec, loss: str) -> nn.Module:
     return nn.CrossEntropyLoss() if loss == "cross_entropy" else nn.MSELoss()
 
 
-def _distance(sent: Tensor, recomputed: Tensor, code: BoundaryCode | None = None) -> float:
+def relative_distance(sent: Tensor, recomputed: Tensor, code: BoundaryCode | None = None) -> float:
     """||what was sent - recomputed|| / ||recomputed||; with ``code``, ``sent`` is its wire form
     and the gap is ``code.distance`` (module docstring)."""
     if code is not None:
@@ -171,7 +172,7 @@ def judge_stage(
             return StageVerdict(
                 False, {**found, "why": "the stage's output or its gradient is missing"}
             )
-        found["forward_distance"] = _distance(evidence.out, out.detach(), evidence.outbound)
+        found["forward_distance"] = relative_distance(evidence.out, out.detach(), evidence.outbound)
         root, grad = out, grad_out
     if not first and evidence.grad_in is not None:
         if grad is not None and grad.shape != out.shape:
@@ -183,7 +184,9 @@ def judge_stage(
                 grads.append(torch.ones_like(aux))
             torch.autograd.backward(roots, grads)
             recomputed = x.grad if x.grad is not None else torch.zeros_like(x)
-            found["backward_distance"] = _distance(evidence.grad_in, recomputed, evidence.inbound)
+            found["backward_distance"] = relative_distance(
+                evidence.grad_in, recomputed, evidence.inbound
+            )
     distances = [v for k, v in found.items() if k.endswith("_distance")]
     ok = all(d <= tolerance for d in distances)
     shown = {k: (v if math.isfinite(v) else 1e300) for k, v in found.items()}

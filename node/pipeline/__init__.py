@@ -8,5 +8,6 @@ here; through the hub's relay in ``relay``; straight from stage to stage in ``di
 ``remote`` computes a piece of one layer on another party through a transport, which ``experts``
 (a mixture of experts whose experts live on other parties) and ``tensorsplit`` (Linear and
 attention split by width) build on; ``expertrounds`` and ``reroute`` are how the experts' router
-routes around a lost host.
+routes around a lost host; ``witness`` records a host's calls on the micro-batches its caller
+chose, for the referee to re-execute (protocol/piececall.py).
 """

@@ -20,7 +20,9 @@ other shape than the counts say, so an answer for tokens that were not sent cann
 :func:`load_expert_shard` and :func:`load_distributed_moe` build a host and the router's party
 from the job's model spec and state, as a stage is built (protocol.pipeline.moe_units): a LoRA
 job's experts hold their frozen weights in int8 with per-channel scales (protocol/lora.py) and
-train only their adapters, which are all that ``trained_state`` hands back.
+train only their adapters, which are all that ``trained_state`` hands back. With a
+:class:`~.witness.Witness` a host records, for the micro-batches its caller chose, each
+expert's call (tokens, answer, gradients, the hash of the expert's parameters) for the referee.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpuflex.protocol.dropout import KeyedDropout
 from gpuflex.protocol.errors import SpecError
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.moe import Router, Routing
+from gpuflex.protocol.piececall import EXPERT, PieceCall, piece_hash
 from gpuflex.protocol.pipeline import MoEUnits, Unit, load_unit, moe_units
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
@@ -43,6 +46,7 @@ from .remote import EXPERTS, TIMEOUT_S, Call, Kinds
 from .reroute import expert_of
 from .transport import Transport, spec_of
 from .unitstate import state_from_model
+from .witness import Witness, per_expert
 
 __all__ = [
     "DistributedMoE",
@@ -144,6 +148,7 @@ class ExpertShard(nn.Module):
 
 @dataclass
 class _Round:
+    header: Tensor
     x: Tensor
     out: Tensor
 
@@ -152,7 +157,9 @@ class ExpertServer:
     """A host's side of each call of one router (node/pipeline/expertrounds.py): ``forward``
     answers round one, then takes the second round's counts (zeros: nothing more) and answers
     that too; ``backward`` takes the gradient of everything it computed, accumulates its
-    experts' parameter gradients and sends the tokens' gradients back."""
+    experts' parameter gradients and sends the tokens' gradients back. With a ``witness``, the
+    calls of its chosen micro-batches are recorded, one per expert that was sent tokens
+    (node/pipeline/witness.py)."""
 
     def __init__(
         self,
@@ -162,12 +169,14 @@ class ExpertServer:
         *,
         timeout_s: float = TIMEOUT_S,
         device: torch.device | None = None,
+        witness: Witness | None = None,
     ) -> None:
         self.transport = transport
         self.party = party
         self.shard = shard
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
+        self.witness = witness
         self._open: dict[tuple[int, int, int], list[_Round]] = {}
 
     def _call(self, kinds: Kinds, step: int, micro_batch: int, caller: int) -> Call:
@@ -191,12 +200,29 @@ class ExpertServer:
         x = x.to(self.device).requires_grad_(True)
         out = self.shard(header, x)
         self.transport.send(call.back(kinds.tensor_out), out.detach())
-        return _Round(x, out)
+        return _Round(header, x, out)
 
     def forward(self, step: int, micro_batch: int, caller: int) -> None:
         first = self._round(self._call(EXPERTS, step, micro_batch, caller), always=True)
         more = self._round(self._call(REROUTE, step, micro_batch, caller), always=False)
-        self._open[(step, micro_batch, caller)] = [r for r in (first, more) if r is not None]
+        rounds = [r for r in (first, more) if r is not None]
+        self._open[(step, micro_batch, caller)] = rounds
+        if self.witness is not None and self.witness.wants(step, micro_batch):
+            self._witness(self.witness, rounds, step, micro_batch, caller)
+
+    def _witness(
+        self, witness: Witness, rounds: list[_Round], step: int, micro_batch: int, caller: int
+    ) -> None:
+        """Record each expert's call of this forward (its tokens of every round, joined)."""
+        headers, index = [r.header for r in rounds], self.shard.index
+        xs = per_expert(index, headers, [r.x.detach() for r in rounds])
+        outs = per_expert(index, headers, [r.out.detach() for r in rounds])
+        for e, expert in zip(index, self.shard.experts, strict=True):
+            if len(xs[e]):
+                params = piece_hash(expert.state_dict())
+                witness.forward(
+                    PieceCall(EXPERT, e, step, micro_batch, caller, xs[e], outs[e], params)
+                )
 
     def backward(self, step: int, micro_batch: int, caller: int) -> None:
         rounds = self._open.pop((step, micro_batch, caller), None)
@@ -211,9 +237,16 @@ class ExpertServer:
         grad = self.transport.receive(
             call.out(EXPERTS.grad), spec_of(whole, EXPERTS.grad), timeout_s=self.timeout_s
         ).to(whole.device)
-        torch.autograd.backward(outs, list(torch.split(grad, [len(o) for o in outs])))
+        grads = list(torch.split(grad, [len(o) for o in outs]))
+        torch.autograd.backward(outs, grads)
         x_grads = [r.x.grad if r.x.grad is not None else torch.zeros_like(r.x) for r in rounds]
         self.transport.send(call.back(EXPERTS.grad), torch.cat(x_grads))
+        if self.witness is not None and self.witness.wants(step, micro_batch):
+            headers, index = [r.header for r in rounds], self.shard.index
+            sent, answered = per_expert(index, headers, grads), per_expert(index, headers, x_grads)
+            self.witness.backward(
+                step, micro_batch, caller, {(EXPERT, e): (sent[e], answered[e]) for e in index}
+            )
 
 
 def expert_server(
@@ -223,16 +256,17 @@ def expert_server(
     *,
     timeout_s: float = TIMEOUT_S,
     placement: Placement | None = None,
+    witness: Witness | None = None,
 ) -> ExpertServer:
     """A host's side of the expert exchange for ``shard``; with ``placement``, refused unless
     the shard holds exactly the experts the placement gives ``party`` (a host's answers are
-    taken as its experts' outputs)."""
+    taken as its experts' outputs); with ``witness``, recording its chosen micro-batches."""
     if placement is not None and shard.index != placement.held_by(party):
         raise PipelineError(
             f"party {party} holds experts {list(shard.index)}; the placement gives it "
             f"{list(placement.held_by(party))}; refused"
         )
-    return ExpertServer(transport, party, shard, timeout_s=timeout_s)
+    return ExpertServer(transport, party, shard, timeout_s=timeout_s, witness=witness)
 
 
 class DistributedMoE(nn.Module):

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from gpuflex.protocol.piececall import PieceCall
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor
 
 from ..errors import PipelineError
 from .transport import MessageKey, Transport, spec_of
+from .witness import Witness
 
 __all__ = [
     "EXPERTS",
@@ -149,11 +151,16 @@ class Hosted(Protocol):
     def __call__(self, header: Tensor, x: Tensor) -> Tensor:
         """The piece's output for ``x`` (autograd on)."""
 
+    def witnessed_as(self) -> tuple[str, int, str]:
+        """What a witness records the piece as: its kind, its index and the hash of its
+        parameters now (protocol/piececall.py); PipelineError when it cannot say."""
+
 
 class Server:
     """One callee's side of the calls of one caller: ``forward`` takes a call's header and input,
     runs ``hosted`` and sends its output; ``backward`` takes the output's gradient, accumulates
-    the piece's parameter gradients and sends the input's gradient back."""
+    the piece's parameter gradients and sends the input's gradient back. With a ``witness``,
+    the calls of its chosen micro-batches are recorded (node/pipeline/witness.py)."""
 
     def __init__(
         self,
@@ -165,6 +172,7 @@ class Server:
         dtype: torch.dtype = torch.float32,
         timeout_s: float = TIMEOUT_S,
         device: torch.device | None = None,
+        witness: Witness | None = None,
     ) -> None:
         self.transport = transport
         self.kinds = kinds
@@ -173,6 +181,7 @@ class Server:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
+        self.witness = witness
         self._open: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
 
     def _call(self, step: int, micro_batch: int, caller: int) -> Call:
@@ -199,6 +208,11 @@ class Server:
         out = self.hosted(header, x)
         self._open[(step, micro_batch, caller)] = (x, out)
         self.transport.send(call.back(self.kinds.tensor_out), out.detach())
+        if self.witness is not None and self.witness.wants(step, micro_batch):
+            kind, index, params = self.hosted.witnessed_as()
+            self.witness.forward(
+                PieceCall(kind, index, step, micro_batch, caller, x.detach(), out.detach(), params)
+            )
 
     def backward(self, step: int, micro_batch: int, caller: int) -> None:
         opened = self._open.pop((step, micro_batch, caller), None)
@@ -215,3 +229,6 @@ class Server:
         out.backward(grad.to(out.device))
         x_grad = x.grad if x.grad is not None else torch.zeros_like(x)
         self.transport.send(call.back(self.kinds.grad), x_grad)
+        if self.witness is not None:
+            pieces = self.witness.recorded(step, micro_batch, caller)
+            self.witness.backward(step, micro_batch, caller, {p: (grad, x_grad) for p in pieces})

@@ -12,7 +12,8 @@
 
 :class:`SplitLayer` is the party that holds the layer's input (and the first slice); every
 other slice runs on its own party under a ``remote.Server`` serving a :class:`SliceHost`, the
-gather / reduce going through a ``Transport`` (node/pipeline/remote.py). A slice host refuses a
+gather / reduce going through a ``Transport`` (node/pipeline/remote.py). The cuts themselves are
+protocol/tensorslices.py's, which the referee uses to rebuild a slice. A slice host refuses a
 header whose input width is not its slice's, and the transport refuses a slice's output of any
 other shape than expected.
 """
@@ -20,16 +21,23 @@ other shape than expected.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
 
 import torch
-import torch.nn.functional as F
-from gpuflex.protocol.transformer import SelfAttention
+from gpuflex.protocol.piececall import piece_hash
+from gpuflex.protocol.tensorslices import (
+    MODES,
+    HeadSlice,
+    split_columns,
+    split_heads,
+    split_rows,
+    split_sizes,
+)
 from torch import Tensor, nn
 
 from ..errors import PipelineError
 from .remote import SLICES, TIMEOUT_S, Call, Server, exchange
 from .transport import Transport
+from .witness import Witness
 
 __all__ = [
     "MODES",
@@ -43,114 +51,34 @@ __all__ = [
     "split_sizes",
 ]
 
-MODES: Final = ("columns", "rows", "heads")
 #: the most positions (batch x time) a slice host takes in one call by default
 MAX_POSITIONS = 1 << 22
 
 
-def split_sizes(total: int, parties: int) -> list[int]:
-    """``total`` cut into ``parties`` contiguous sizes, as even as possible, larger ones first."""
-    if not 1 <= parties <= total:
-        raise PipelineError(f"{total} features or heads cannot be split {parties} ways")
-    size, extra = divmod(total, parties)
-    return [size + (1 if i < extra else 0) for i in range(parties)]
-
-
-def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, start + n))
-        start += n
-    return out
-
-
-def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    layer = nn.Linear(
-        int(weight.shape[1]), int(weight.shape[0]), bias=bias is not None, device="meta"
-    )
-    state = {"weight": weight.detach().clone()}
-    if bias is not None:
-        state["bias"] = bias.detach().clone()
-    layer.load_state_dict(state, assign=True)
-    return layer
-
-
-def split_columns(linear: nn.Linear, parties: int) -> list[nn.Linear]:
-    """``linear`` cut by output features: slice i computes outputs ``bounds[i]``."""
-    bias = linear.bias
-    return [
-        _linear(linear.weight[a:b], None if bias is None else bias[a:b])
-        for a, b in _bounds(split_sizes(linear.out_features, parties))
-    ]
-
-
-def split_rows(linear: nn.Linear, parties: int) -> list[nn.Linear]:
-    """``linear`` cut by input features: slice i takes inputs ``bounds[i]``; the first adds the bias."""
-    return [
-        _linear(linear.weight[:, a:b], linear.bias if i == 0 else None)
-        for i, (a, b) in enumerate(_bounds(split_sizes(linear.in_features, parties)))
-    ]
-
-
-class HeadSlice(nn.Module):
-    """Heads [first, first + heads) of a causal self-attention: their rows of the q, k, v
-    projection and their columns of the output projection (whose bias only slice 0 holds)."""
-
-    def __init__(
-        self,
-        qkv: nn.Linear,
-        proj_weight: Tensor,
-        proj_bias: Tensor | None,
-        heads: int,
-        head_width: int,
-    ) -> None:
-        super().__init__()
-        self.qkv = qkv
-        self.proj = _linear(proj_weight, proj_bias)
-        self.heads = heads
-        self.head_width = head_width
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape  # (batch, time, width)
-        h, hw = self.heads, self.head_width
-        q, k, v = self.qkv(x).split(h * hw, dim=2)  # each (batch, time, heads x head_width)
-        q = q.view(b, t, h, hw).transpose(1, 2)  # (batch, heads, time, head_width)
-        k = k.view(b, t, h, hw).transpose(1, 2)
-        v = v.view(b, t, h, hw).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, h * hw)
-        out: Tensor = self.proj(y)  # (batch, time, width): this slice's share
-        return out
-
-
-def split_heads(attn: SelfAttention, parties: int) -> list[HeadSlice]:
-    """``attn`` cut by heads into ``parties`` slices (module docstring)."""
-    width = attn.proj.in_features
-    hw = width // attn.heads
-    w, bias = attn.qkv.weight, attn.qkv.bias
-    slices = []
-    for i, (a, b) in enumerate(_bounds(split_sizes(attn.heads, parties))):
-        rows = torch.cat(
-            [torch.arange(part * width + a * hw, part * width + b * hw) for part in range(3)]
-        )
-        qkv = _linear(w[rows], None if bias is None else bias[rows])
-        proj_bias = attn.proj.bias if i == 0 else None
-        slices.append(HeadSlice(qkv, attn.proj.weight[:, a * hw : b * hw], proj_bias, b - a, hw))
-    return slices
-
-
 class SliceHost(nn.Module):
-    """One slice on its own party: its header is the input's shape (batch, time, features)."""
+    """One slice on its own party: its header is the input's shape (batch, time, features).
+    ``mode`` and ``index``: the layer's split and the slice's place in it, what a witness
+    records the slice's calls as (None: not said, and its calls cannot be witnessed)."""
 
     header_len = 3
 
     def __init__(
-        self, piece: nn.Module, in_features: int, *, max_positions: int = MAX_POSITIONS
+        self,
+        piece: nn.Module,
+        in_features: int,
+        *,
+        max_positions: int = MAX_POSITIONS,
+        mode: str | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
+        if mode is not None and mode not in MODES:
+            raise PipelineError(f"a layer splits by one of {', '.join(MODES)}, not {mode!r}")
         self.piece = piece
         self.in_features = in_features
         self.max_positions = max_positions
+        self.mode = mode
+        self.index = index
 
     def input_shape(self, header: Tensor) -> tuple[int, ...]:
         b, t, c = (int(v) for v in header.tolist())
@@ -165,12 +93,25 @@ class SliceHost(nn.Module):
         out: Tensor = self.piece(x)
         return out
 
+    def witnessed_as(self) -> tuple[str, int, str]:
+        if self.mode is None:
+            raise PipelineError("a slice host whose mode is not given cannot be witnessed")
+        return self.mode, self.index, piece_hash(self.piece.state_dict())
+
 
 def slice_server(
-    transport: Transport, party: int, host: SliceHost, *, timeout_s: float = TIMEOUT_S
+    transport: Transport,
+    party: int,
+    host: SliceHost,
+    *,
+    timeout_s: float = TIMEOUT_S,
+    witness: Witness | None = None,
 ) -> Server:
-    """A slice host's side of the exchange."""
-    return Server(transport, SLICES, party, host, timeout_s=timeout_s)
+    """A slice host's side of the exchange; with ``witness``, recording its chosen micro-batches
+    (refused for a host whose mode is not given)."""
+    if witness is not None:
+        host.witnessed_as()
+    return Server(transport, SLICES, party, host, timeout_s=timeout_s, witness=witness)
 
 
 class SplitLayer(nn.Module):
