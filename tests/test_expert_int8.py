@@ -188,3 +188,50 @@ def test_a_host_refuses_a_block_or_expert_or_state_it_cannot_load_in_one_line() 
     with pytest.raises(PipelineError, match="the placement names 3 experts; block 1 has 4"):
         load_distributed_moe(spec, 1, state, Placement((0, 1, 1)), 0, MemoryNetwork().transport())
     assert isinstance(load_expert_shard(spec, 1, (1,), state), ExpertShard)
+
+
+def test_the_referee_rebuilds_an_int8_expert_as_its_host_did_and_catches_moved_adapters() -> None:
+    """Hosts of a LoRA int8 mixture record one call each (node/pipeline/witness.py); the
+    referee (hub/policy/piece_check.judge_expert) builds each expert from the durable state as
+    the host built it: int8 frozen weights, fp32 adapters. Honest calls reproduce; a host whose
+    adapters moved by 1e-2 is caught on the parameters' hash and on its answer."""
+    from gpuflex.hub.policy.piece_check import judge_expert
+    from gpuflex.node.pipeline.witness import Witness
+
+    spec = _lora()
+    state = _model(spec).state_dict()
+    moe_state = {k.removeprefix("blocks.1.mlp."): v for k, v in state.items() if ".1.mlp." in k}
+    placement = Placement((0, 1, 1, 2))
+
+    def calls(moved: bool) -> list[object]:
+        net = MemoryNetwork()
+        shards = {p: load_expert_shard(spec, 1, placement.held_by(p), state) for p in (1, 2)}
+        if moved:
+            with torch.no_grad():
+                for name, p in shards[1].named_parameters():
+                    if name.endswith(".lora_b"):
+                        p.mul_(1.01)
+        witnesses = {p: Witness([(5, 1)]) for p in shards}
+        servers = [
+            expert_server(net.transport(), p, s, placement=placement, witness=witnesses[p])
+            for p, s in shards.items()
+        ]
+        join = in_threads(*[lambda s=s: (s.forward(5, 1, 0), s.backward(5, 1, 0)) for s in servers])
+        layer = load_distributed_moe(spec, 1, state, placement, 0, net.transport())
+        x = torch.randn(3, 8, WIDTH, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        (layer(x, step=5, micro_batch=1) * 2.0).sum().backward()
+        join()
+        return [*witnesses[1].calls, *witnesses[2].calls]
+
+    honest = calls(moved=False)
+    assert {c.index for c in honest} == {1, 2, 3}  # type: ignore[attr-defined]
+    for call in honest:
+        verdict = judge_expert(spec, moe_state, call, tolerance=1e-4, block=1)  # type: ignore[arg-type]
+        assert verdict.ok, verdict.evidence
+    caught = [
+        judge_expert(spec, moe_state, c, tolerance=1e-4, block=1)  # type: ignore[arg-type]
+        for c in calls(moved=True)
+        if c.index in (1, 2)  # type: ignore[attr-defined]
+    ]
+    assert caught and not any(v.ok for v in caught)
+    assert all(v.evidence["forward_distance"] > 1e-4 for v in caught)

@@ -27,10 +27,10 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
-from gpuflex.protocol.errors import ProtocolError
+from gpuflex.protocol.errors import ProtocolError, SpecError
 from gpuflex.protocol.modelspec import ModelSpec
-from gpuflex.protocol.moe import ExpertMLP
 from gpuflex.protocol.piececall import EXPERT, PieceCall, piece_hash
+from gpuflex.protocol.pipeline import load_unit, moe_units
 from gpuflex.protocol.tensors import is_blob_id
 from gpuflex.protocol.tensorslices import MODES, HeadSlice, cut_slice
 from torch import Tensor, nn
@@ -86,12 +86,16 @@ def judge_expert(
     *,
     tolerance: float,
     held: Collection[int] | None = None,
+    block: int | None = None,
 ) -> StageVerdict:
-    """Re-execute expert ``call.index`` of a mixture of experts of the transformer ``spec``,
-    whose durable state is ``moe_state`` (the MoE module's own names: ``router.weight``,
-    ``experts.<e>.fc.weight``...), on ``call`` (module docstring); ``held``: the experts the
-    placement gives the host (None: any of the layer's). Unprocessable for evidence that cannot
-    be judged."""
+    """Re-execute expert ``call.index`` of block ``block``'s mixture of experts of the
+    transformer ``spec`` (None: the first that is one; without LoRA targets naming blocks,
+    every block's experts are built alike), whose durable state is
+    ``moe_state`` (the MoE module's own names: ``router.weight``, ``experts.<e>.fc.weight``...),
+    on ``call`` (module docstring); ``held``: the experts the placement gives the host (None:
+    any of the layer's). The expert is built as a host builds it (protocol.pipeline.moe_units),
+    so a LoRA job's expert holds its frozen weights in int8 and its adapters as the host's did.
+    Unprocessable for evidence that cannot be judged."""
     config = spec.transformer
     if config is None or config.experts < 1:
         raise _refuse(f"a {spec.kind} model without experts has no expert {call.index}")
@@ -115,10 +119,13 @@ def judge_expert(
             f"{list(call.x.shape)} tokens it was sent"
         )
     _check_tensors(call)
-    expert = ExpertMLP(width, config.mlp_ratio * width, {"device": "meta"})
+    try:
+        unit = moe_units(spec, config.moe_every - 1 if block is None else block).experts[call.index]
+    except SpecError as exc:
+        raise _refuse(str(exc)) from None
     state = expert_state(moe_state, call.index)
     try:
-        expert.load_state_dict({k: v.detach().clone() for k, v in state.items()}, assign=True)
+        expert = load_unit(unit, state)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0][:160]
         raise _refuse(f"expert {call.index}'s durable state does not load: {first}") from None
