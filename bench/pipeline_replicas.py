@@ -19,11 +19,13 @@ In one run:
 3. both share it, split by the product's planner (hub/domain/pipelines/planning.balance) from
    what each stage measured in step 1, as the hub splits it from its stages' reports: each
    step's compute time (wall time less the transport's waits, node/pipeline/worker.py's
-   ``TimedTransport``) and the part of it the step's end took (``StageRunner.update_s``: the
-   optimizer step), read by hub/policy/stage_speed.py's ``with_step`` into the node's speed and
-   update rate, and offered as hub/domain/pipelines/offers.py offers them;
-4. the same with the update left unmeasured (each step's whole compute time at one speed: how
-   the hub read reports before they said ``update_s``), when its split differs.
+   ``TimedTransport``), the part of it the step's end took (``StageRunner.update_s``: the
+   optimizer step) and the fixed time per unit and micro-batch the stage measured before its
+   first step (node/pipeline/overhead.py), read by hub/policy/stage_speed.py's ``with_step``
+   into the node's speed, update rate and fixed time, and offered as
+   hub/domain/pipelines/offers.py offers them;
+4. the same with neither measured (each step's whole compute time at one speed: how the hub
+   read reports before they said ``update_s`` and ``unit_overhead_s``), when its split differs.
 
 The step holds ``--micro-batches`` micro-batches of 8 samples, for each count given (16 and 64 by
 default: a slow replica's fixed costs per step, its optimizer step and the pipeline's fill and
@@ -109,6 +111,7 @@ def run_stage(
     stages (TCP on 127.0.0.1), under its pipeline's throttle. Writes its step ends (JSON) and
     its parameters (GFT1) under ``out``; waits for ``out/go`` before its first step."""
     from gpuflex.node.pipeline.direct import DirectTransport, StageListener
+    from gpuflex.node.pipeline.overhead import unit_overhead_s
     from gpuflex.node.pipeline.transport import SendAhead
     from gpuflex.node.pipeline.worker import TimedTransport
     from gpuflex.protocol.signing import SigningKey
@@ -164,9 +167,15 @@ def run_stage(
     while not (out / "go").exists():
         time.sleep(0.01)
     ends: list[float] = []
-    reports: list[tuple[float, float]] = []  # each step's (compute_s, update_s), as reported
+    # each step's (compute_s, update_s, unit_overhead_s), as reported
+    reports: list[tuple[float, float, float]] = []
     try:
         with Throttle(THROTTLES[lanes[lane]]):
+            # the stage's fixed time per unit and micro-batch, measured before its first step
+            # as a stage worker measures it (node/pipeline/worker.py)
+            overhead = unit_overhead_s(
+                module, torch.zeros(specs[0].shape if s else (MICRO_SIZE, WIDTH)), units=len(module)
+            )
             for n, (xs, ys) in enumerate(data):
                 mine = slice(first, first + count)
                 transport.waited = 0.0
@@ -177,7 +186,7 @@ def run_stage(
                 transport.flush()  # as a node ends a step: what it sent has gone
                 ends.append(time.perf_counter())
                 compute_s = max(ends[-1] - t0 - transport.waited, 0.0)
-                reports.append((compute_s, min(runner.update_s, compute_s)))
+                reports.append((compute_s, min(runner.update_s, compute_s), overhead))
         params = {str(i): p.detach().contiguous() for i, p in enumerate(module.parameters())}
         (out / f"params-{slot}.gft").write_bytes(encode_state(params))
     finally:
@@ -255,16 +264,25 @@ def max_rel_diff(got: list[list[torch.Tensor]], want: list[torch.Tensor]) -> flo
 
 
 def measured_offer(
-    name: str, costs: Any, stage: int, reports: list[list[float]], batch: int, *, update: bool
+    name: str,
+    costs: Any,
+    stage: int,
+    reports: list[list[float]],
+    batch: int,
+    micro: int,
+    *,
+    update: bool,
 ) -> NodeOffer:
     """A stage node's offer as the hub makes it from the stage's reports of its steps alone
     (hub/domain/pipelines/speeds.py: ``with_step`` over each report, the first steps left out as
-    warm-up; offers.py: the median speed and update rate). ``update``: the reports say
-    ``update_s`` (False: as reports that do not, each step's compute at one speed)."""
+    warm-up; offers.py: the median speed, update rate and fixed time per unit and micro-batch).
+    ``update``: the reports say ``update_s`` and ``unit_overhead_s`` (False: as reports that say
+    neither, each step's compute at one speed). ``batch`` samples a step in ``micro``
+    micro-batches."""
     start, end = (0, STARTS[1]) if stage == 0 else (STARTS[1], len(costs))
     state = sum(c.state_bytes for c in costs[start:end])
     speed = StageSpeed()
-    for k, (compute_s, update_s) in enumerate(reports, 1):
+    for k, (compute_s, update_s, overhead) in enumerate(reports, 1):
         speed = with_step(
             speed,
             step_flops=stage_step_flops(costs, start, end, batch),
@@ -272,16 +290,21 @@ def measured_offer(
             step=k,
             update_s=update_s if update else 0.0,
             state_bytes=state,
+            unit_overhead_s=overhead if update else 0.0,
+            unit_calls=micro * (end - start),
         )
     if speed.flops_per_s is None:
         raise SystemExit(f"stage {stage} of pipeline {name} measured too few steps")
     return NodeOffer(
         f"{name}{stage}", 1 << 40, speed.flops_per_s, 1e12, 1e-4,
+        unit_overhead_s=speed.unit_overhead_s or 0.0,
         update_bytes_per_s=speed.update_bytes_per_s or 0.0,
     )  # fmt: skip
 
 
-def planner_counts(alone: dict[str, dict[str, Any]], micro: int, *, update: bool = True) -> list[int]:
+def planner_counts(
+    alone: dict[str, dict[str, Any]], micro: int, *, update: bool = True
+) -> list[int]:
     """The product's split of the step between the two pipelines, from what their stages
     measured alone (``measured_offer``), by hub/domain/pipelines/planning.balance."""
     costs = unit_costs()
@@ -290,7 +313,9 @@ def planner_counts(alone: dict[str, dict[str, Any]], micro: int, *, update: bool
     for name in ("A", "B"):
         run = alone[name]
         nodes = [
-            measured_offer(name, costs, s, run["reports"][s], MICRO_SIZE * micro, update=update)
+            measured_offer(
+                name, costs, s, run["reports"][s], MICRO_SIZE * micro, micro, update=update
+            )
             for s in range(2)
         ]
         offers += nodes
@@ -366,7 +391,9 @@ def main() -> None:
     for name, c in configs.items():
         ratios[f"throughput_vs_capacity_bound_{name}"] = c["vs_bound"]["planner"]
         if "planner_speed_only" in c["vs_bound"]:
-            ratios[f"throughput_vs_capacity_bound_{name}_speed_only"] = c["vs_bound"]["planner_speed_only"]
+            ratios[f"throughput_vs_capacity_bound_{name}_speed_only"] = c["vs_bound"][
+                "planner_speed_only"
+            ]
     result = {
         "name": "pipeline_replicas",
         "figures": {
