@@ -309,8 +309,9 @@ def test_stages_equal_gradient_accumulation(spec: ModelSpec, cfg: TrainConfig, s
         assert all((r.loss is not None) == (s == stages - 1) for r in mine)
         # each step's end (the optimizer step) timed apart, a part of its compute
         assert all(0 < r.update_s <= r.compute_s for r in mine)
-        # the fixed time per unit and micro-batch, measured once before the first step
-        assert len({r.unit_overhead_s for r in mine}) == 1 and 0 < mine[0].unit_overhead_s < 1
+        # the fixed time per unit and micro-batch, measured once before the first step and said
+        # in every report (on a loaded machine the intercept may come out at its floor, 0)
+        assert len({r.unit_overhead_s for r in mine}) == 1 and 0 <= mine[0].unit_overhead_s < 1
     losses = [r.loss for r in job.hub.reports if r.stage == stages - 1]
     assert losses[-1] < losses[0]  # it trains
     if (
