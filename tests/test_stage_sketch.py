@@ -207,3 +207,60 @@ def test_a_sketch_of_a_part_computed_honestly_is_caught_by_where_its_entries_are
     values, rank = sketch_distances(forged, t)
     assert values == 0.0 and rank > 0.1
     assert sketch_distances(row, t) == (float("inf"), float("inf"))  # another size
+
+
+# -- the sending stage -----------------------------------------------------------------------------
+
+
+class Recording:
+    """An in-memory transport that keeps each sketch sent with a tensor, and the tensor."""
+
+    def __init__(self, network: Any, sketches: dict[Any, tuple[bytes, Tensor]]) -> None:
+        self.inner, self.sketches = network.transport(), sketches
+
+    def send(self, key: Any, tensor: Tensor, sketch: bytes = b"") -> None:
+        if sketch:
+            self.sketches[key] = (sketch, tensor.detach().clone())
+        self.inner.send(key, tensor)
+
+    def receive(self, key: Any, expected: Any, *, timeout_s: float) -> Tensor:
+        return self.inner.receive(key, expected, timeout_s=timeout_s)
+
+
+def test_a_stage_sketches_what_it_sends_at_the_checked_steps_through_its_transports() -> None:
+    """StageRunner(sketched=...): each activation and gradient of step 0 (not step 1) carries the
+    sketch of the very tensor sent (fp32 cuts); it passes through the worker's transports
+    (TimedTransport, SendAhead, RoutedTransport to the relay at a relayed step)."""
+    from gpuflex.node.pipeline.direct import DirectTransport, RoutedTransport
+    from gpuflex.node.pipeline.local import run_stages
+    from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey, SendAhead
+    from gpuflex.node.pipeline.worker import TimedTransport
+    from gpuflex.protocol.signing import SigningKey
+
+    from tests.test_pipeline_engine import ADAM, CUTS, mlp_units, runners_for, step_data
+
+    network, sketches = MemoryNetwork(), dict[Any, tuple[bytes, Tensor]]()
+
+    class Net:
+        def transport(self) -> Recording:
+            return Recording(network, sketches)
+
+    runners = runners_for(mlp_units(), CUTS[3], ADAM, "1f1b", Net())
+    for r in runners:
+        r.sketched = lambda step: step == 0
+    run_stages(runners, step_data(steps=2))
+    kinds = {(k.step, k.carries) for k in sketches}
+    assert kinds == {(0, "activation"), (0, "gradient")}, kinds
+    for sketch, sent in sketches.values():
+        got = decode_sketch(sketch, numel=sent.numel())
+        assert torch.equal(got.values, sent.flatten()[got.indices])
+    # the wrappers a worker puts around its relay pass a sketch on
+    relay, sketches = Recording(network, {}), {}
+    relay.sketches = sketches
+    direct = DirectTransport(SigningKey.generate(), "j", 0, addresses={1: "127.0.0.1:9"}, peers={})
+    routed = RoutedTransport(direct, relay, relayed=lambda step: step == 0)
+    outer = TimedTransport(SendAhead([routed], routed))
+    key = MessageKey(0, 0, "activation", 0, 1)
+    outer.send(key, torch.ones(3), b"sketch")
+    outer.flush()
+    assert sketches[key][0] == b"sketch"
