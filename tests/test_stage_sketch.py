@@ -1,9 +1,10 @@
 """A stage's sketch of the raw tensor it sends (protocol/stagesketch.py) and the referee's use of it
 (hub/policy/stage_check.py): the bytes are at most 1 KiB, deterministic and strictly decoded (every
-malformed form one DecodeError line; a hypothesis fuzz never gets past the decoder with anything
-else); behind int8 and subspace_log cuts a stage whose weights are perturbed by 1e-3 sends wire
-forms the referee cannot tell from honest work, and its sketch gives it away; a sketch of a
-cheap part of the tensor (one row computed honestly) is caught by where its entries are."""
+malformed form one DecodeError line; tests/test_protocol_fuzz.py fuzzes the decoder); behind int8
+and subspace_log cuts a stage whose weights are perturbed by 1e-3 sends wire forms the referee
+cannot tell from honest work, and its sketch gives it away; a sketch of a cheap part of the
+tensor (one row computed honestly) is caught by where its entries are; a stage sketches what it
+sends at the steps it is told, through the transports a worker wraps around the relay."""
 
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ from gpuflex.protocol.stagesketch import (
     sketch_size,
 )
 from gpuflex.protocol.tensors import TensorSpec
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch import Tensor
 
 from tests.test_stage_checks import _judge, _middle_mlp_stage
@@ -93,27 +92,6 @@ def test_a_malformed_sketch_is_refused_in_one_line(how: str, words: str) -> None
     assert "\n" not in str(err.value)
     with pytest.raises(DecodeError, match="covers 256 elements, the tensor has 255"):
         decode_sketch(data, numel=255)
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_the_sketch_decoder_answers_hostile_bytes_with_a_decode_error_only(data: Any) -> None:
-    good = bytearray(encode_sketch(torch.randn(3, 50)))
-    how = data.draw(st.sampled_from(["flip", "cut", "random"]))
-    if how == "flip":
-        good[data.draw(st.integers(0, len(good) - 1))] ^= data.draw(st.integers(1, 255))
-        raw = bytes(good)
-    elif how == "cut":
-        raw = bytes(good[: data.draw(st.integers(0, len(good) - 1))])
-    else:
-        raw = data.draw(st.binary(max_size=1100))
-    try:
-        got = decode_sketch(raw)
-    except DecodeError as exc:
-        assert "\n" not in str(exc)
-        return
-    assert len(raw) == sketch_size(got.numel) <= MAX_SKETCH_BYTES  # decoded: a well-formed one
-    assert bool(torch.isfinite(got.values).all()) and bool((got.indices.diff() > 0).all())
 
 
 # -- the referee -----------------------------------------------------------------------------------
