@@ -175,8 +175,8 @@ def test_perturbed_weights_the_wire_hides_are_caught_by_the_sketch(boundary: str
 
 
 def test_a_sketch_of_a_part_computed_honestly_is_caught_by_where_its_entries_are() -> None:
-    """A stage that computed one row honestly and sketches that row's entries: their values are
-    right, but larger entries lie outside them."""
+    """A stage that computed one row honestly and sketches that row's entries, or sketches the
+    entries nearest zero: their values are right, but larger entries lie outside them."""
     t = torch.randn(8, 200, generator=torch.Generator().manual_seed(2))
     honest = decode_sketch(encode_sketch(t))
     assert sketch_distances(honest, t) == (0.0, 0.0)
@@ -185,6 +185,10 @@ def test_a_sketch_of_a_part_computed_honestly_is_caught_by_where_its_entries_are
     values, rank = sketch_distances(forged, t)
     assert values == 0.0 and rank > 0.1
     assert sketch_distances(row, t) == (float("inf"), float("inf"))  # another size
+    # the 126 entries nearest zero, with their true values
+    small = torch.topk(t.abs().flatten(), SKETCH_ENTRIES, largest=False).indices.sort().values
+    near_zero = dataclasses.replace(honest, indices=small, values=t.flatten()[small])
+    assert sketch_distances(near_zero, t)[1] > 0.5
 
 
 # -- the sending stage -----------------------------------------------------------------------------
