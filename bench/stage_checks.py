@@ -27,6 +27,12 @@ encoded, as a job's ``[pipeline] boundary``: the recorder keeps the wire forms, 
 each cut's code (as hub/domain/pipelines/verify.py builds it) and writes
 ``bench/results/stage_checks_<boundary>.json``.
 
+Every stage sketches what it sends at the steps the hub may check (here every step:
+protocol/stagesketch.py, the raw tensor's largest entries before the code), and each check gets
+those sketches as the relay keeps them. The same checks judged on the wire distances alone (what
+the referee has of a node that sends no sketch) are counted beside them: ``caught_wire_only`` per
+kind and ``figures.fault_detection_rate_wire_only``, the baseline of the same run.
+
 Usage: python bench/stage_checks.py [--steps 30] [--boundary int8] [--out FILE]
 """
 
@@ -62,6 +68,7 @@ from gpuflex.protocol.pipeline import (  # noqa: E402
     pipeline_units,
     step_samples,
 )
+from gpuflex.protocol.stagesketch import decode_sketch  # noqa: E402
 from gpuflex.protocol.tensors import TensorSpec, decode_state, encode_state  # noqa: E402
 
 from bench.pipeline_wan import BenchHub  # noqa: E402
@@ -98,13 +105,21 @@ class Recorder:
     """The in-memory transport, keeping a copy of every tensor sent (what the relay sees: the
     wire form under an encoded boundary)."""
 
-    def __init__(self, network: MemoryNetwork, sent: dict[MessageKey, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        network: MemoryNetwork,
+        sent: dict[MessageKey, torch.Tensor],
+        sketches: dict[MessageKey, bytes],
+    ) -> None:
         self.inner = network.transport()
         self.sent = sent
+        self.sketches = sketches
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
         t = tensor.detach().to("cpu").clone()
         self.sent[key] = t
+        if sketch:
+            self.sketches[key] = sketch
         self.inner.send(key, t)
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
@@ -219,6 +234,7 @@ def train(
     chunk = ChunkRef(*hub.put(encode_state({"x": x, "y": y})), int(x.shape[0]))
     bounds = [*STARTS, len(pipeline_units(spec))]
     network, sent = MemoryNetwork(), dict[MessageKey, torch.Tensor]()
+    sketches: dict[MessageKey, bytes] = {}
     compute: list[float] = []
     lock = threading.Lock()
     outcomes: list[Any] = [None] * len(STARTS)
@@ -233,7 +249,7 @@ def train(
             0, steps, 1, time.time(),
         )  # fmt: skip
         a = dataclasses.replace(a, boundary=boundary[0], boundary_rank=boundary[1])
-        worker = FaultyWorker(a, hub=hub, transport=Recorder(network, sent))
+        worker = FaultyWorker(a, hub=hub, transport=Recorder(network, sent, sketches))
         worker.fault, worker.trial = (fault, trial) if s == stage else (None, 0)
         if fault == "crafted_gradients" and s == stage:
             worker.craft = CRAFTS[trial % len(CRAFTS)]
@@ -256,7 +272,13 @@ def train(
         t.join()
     if any(o is None or o.ended != "done" for o in outcomes):
         raise SystemExit(f"{fault}: a stage did not finish: {outcomes}")
-    return {"hub": hub, "sent": sent, "model_hash": model_hash, "compute_s": compute[len(STARTS) :]}
+    return {
+        "hub": hub,
+        "sent": sent,
+        "sketches": sketches,
+        "model_hash": model_hash,
+        "compute_s": compute[len(STARTS) :],
+    }
 
 
 def check(
@@ -284,6 +306,11 @@ def check(
             states.append({k: v for k, v in blob.items() if not k.startswith("optim.")})
     last = stage == len(STARTS) - 1
     x, y, weight = data_of(data, step, mb) if stage == 0 or last else (None, None, 1.0)
+    out_key = MessageKey(step, mb, "activation", stage, stage + 1)
+    grad_in_key = MessageKey(step, mb, "gradient", stage, stage - 1)
+    sketches = {
+        k: decode_sketch(v) for k, v in run["sketches"].items() if k in (out_key, grad_in_key)
+    }
     evidence = StageEvidence(
         x=sent[MessageKey(step, mb, "activation", stage - 1, stage)] if stage else x,
         out=None if last else sent[MessageKey(step, mb, "activation", stage, stage + 1)],
@@ -293,6 +320,8 @@ def check(
         weight=weight,
         inbound=code_of(boundary, stage - 1) if stage else None,
         outbound=None if last else code_of(boundary, stage),
+        out_sketch=sketches.get(out_key),
+        grad_in_sketch=sketches.get(grad_in_key),
     )
     verdict = judge_stage(
         units,
@@ -324,15 +353,32 @@ def data_of(
     return x[index[lo:hi]], y[index[lo:hi]], (hi - lo) / BATCH
 
 
-def largest(evidence: dict[str, Any]) -> float:
-    return max((v for k, v in evidence.items() if k.endswith("_distance")), default=0.0)
+def largest(evidence: dict[str, Any], *, sketch: bool | None = None) -> float:
+    """The largest distance of a check (``sketch``: only the sketch's, only the wire's)."""
+    return max(
+        (
+            v
+            for k, v in evidence.items()
+            if k.endswith("_distance") and (sketch is None or ("_sketch" in k) == sketch)
+        ),
+        default=0.0,
+    )
+
+
+def wire_only_ok(ok: bool, evidence: dict[str, Any]) -> bool:
+    """The verdict on the wire distances alone: what the referee has of a node sending no sketch
+    (a check refused for another reason, without distances, stays refused)."""
+    wire = [v for k, v in evidence.items() if k.endswith("_distance") and "_sketch" not in k]
+    if not wire:
+        return ok
+    return all(v <= evidence["threshold"] for v in wire)
 
 
 def honest(
     spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int, boundary: tuple[str, int]
 ) -> dict[str, Any]:
     checked = flagged = 0
-    worst = 0.0
+    worst = worst_sketch = 0.0
     seconds: list[float] = []
     compute: list[float] = []
     for node_class in CLASSES:
@@ -348,6 +394,7 @@ def honest(
                             checked += 1
                             flagged += not ok
                             worst = max(worst, largest(ev))
+                            worst_sketch = max(worst_sketch, largest(ev, sketch=True))
                             seconds.append(s)
         print(
             f"honest, trained in {node_class}: {checked} checked, {flagged} flagged, "
@@ -358,6 +405,7 @@ def honest(
         "checked": checked,
         "flagged": flagged,
         "largest_distance": worst,
+        "largest_sketch_distance": worst_sketch,
         "check_s": seconds,
         "stage_step_compute_s": compute,
     }
@@ -375,8 +423,8 @@ def faults(
     beside = beside_flagged = 0
     beside_worst = 0.0
     for kind in FAULTS:
-        caught = injected = trial = 0
-        smallest = float("inf")
+        caught = caught_wire = injected = trial = 0
+        smallest = smallest_sketch = float("inf")
         distances: list[float] = []
         while injected < per_kind:
             stage = (1, 2)[trial % 2] if kind == "crafted_gradients" else trial % len(STARTS)
@@ -390,7 +438,9 @@ def faults(
                         if s == stage:
                             injected += 1
                             caught += not ok
+                            caught_wire += not wire_only_ok(ok, ev)
                             smallest = min(smallest, largest(ev))
+                            smallest_sketch = min(smallest_sketch, largest(ev, sketch=True))
                             distances.append(largest(ev))
                         else:
                             beside += 1
@@ -401,14 +451,19 @@ def faults(
             "injected": injected,
             "caught": caught,
             "rate": caught / injected,
+            "caught_wire_only": caught_wire,
+            "rate_wire_only": caught_wire / injected,
             "smallest_distance": smallest,
+            "smallest_sketch_distance": smallest_sketch,
             "runs": trial,
             # what a job's tighter [verification] tolerance would catch (the honest side: the
             # largest honest distance in the figures)
             "caught_at": {f"{t:g}": sum(d > t for d in distances) for t in TIGHTER},
         }
         print(
-            f"{kind:18s} caught {caught}/{injected}  smallest distance {smallest:.3g}", flush=True
+            f"{kind:18s} caught {caught}/{injected} (by the wire alone {caught_wire})  "
+            f"smallest distance {smallest:.3g}",
+            flush=True,
         )
     return {
         "by_kind": out,
@@ -451,6 +506,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "name": "stage_checks" if args.boundary == "fp32" else f"stage_checks_{args.boundary}",
         "figures": {
             "fault_detection_rate": min(rates),
+            "fault_detection_rate_wire_only": min(k["rate_wire_only"] for k in f["by_kind"].values()),
             "honest_flagged": h["flagged"] + f["honest_beside_flagged"],
             "honest_checked": h["checked"] + f["honest_beside"],
             "verification_cost_fraction": cost["rate 0.05, every 10"],

@@ -24,6 +24,7 @@ from gpuflex.hub.server.appkeys import HUB_KEY
 from gpuflex.node.errors import PipelineError
 from gpuflex.node.pipeline.relay import RelayTransport
 from gpuflex.node.pipeline.stage import StageRunner
+from gpuflex.node.stagelinks import checked_step
 from gpuflex.node.trainer import make_optimizer
 from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.messages import (
@@ -444,6 +445,7 @@ def drive(
         first_micro_batch=sum(counts[: place.lane]),
         inbound_code=codes[local - 1] if local else None,
         outbound_code=None if last else codes[local],
+        sketched=lambda step: checked_step(sa, step),
     )
     if tamper is not None:
         tamper(runner)

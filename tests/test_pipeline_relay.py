@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import itertools
 import json
+import struct
 import threading
 import time
 from urllib.parse import urlsplit
@@ -24,7 +25,8 @@ from gpuflex.node.pipeline.local import run_stages
 from gpuflex.node.pipeline.relay import RelayTransport
 from gpuflex.node.pipeline.transport import MemoryNetwork, MessageKey
 from gpuflex.protocol.messages import Benchmark, DeviceInfo, Hello, RelayHeader, RelayTake
-from gpuflex.protocol.signing import SigningKey, new_nonce, seal
+from gpuflex.protocol.signing import SigningKey, new_nonce, open_sealed, seal
+from gpuflex.protocol.stagesketch import encode_sketch
 from gpuflex.protocol.tensors import TensorSpec, encode_state
 from gpuflex.protocol.version import PROTOCOL_VERSION
 from hypothesis import HealthCheck, given, settings
@@ -354,6 +356,57 @@ def test_a_large_body_is_hashed_and_checked_beside_the_loop(hub) -> None:
         timeout_s=5,
     )
     assert torch.equal(taken, torch.full(shape, 0.5))
+
+
+def test_a_sketch_rides_in_the_header_and_must_match_an_fp32_payload(hub, two) -> None:
+    """The sender's sketch of the raw tensor (protocol/stagesketch.py): on an fp32 boundary its
+    values are the payload's at its indices, or the message is refused (400 bad_sketch) and
+    nothing is kept; a malformed one likewise."""
+    t = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(0))
+    body = encode_state({"activation": t})
+    sketch = encode_sketch(t)
+    for bad, words in (
+        (encode_sketch(t * (1 + 1e-3)), "does not match its payload"),
+        (encode_sketch(t[:, :31]), "covers 248 elements, the tensor has 256"),
+        (sketch[:-1], "sketch is refused: a sketch of 126 entries is 1020 bytes, not 1019"),
+        (b"GFS1" + struct.pack("<II", BATCH * 32, 0), "holds 126 entries, not 0"),
+    ):
+        detail = _refused(
+            hub, 400, "bad_sketch", _put(hub, _header(two[0], body, sketch=bad), body)
+        )
+        assert words in detail, detail
+    assert _put(hub, _header(two[0], body, sketch=sketch), body)[0] == 200
+    sealed_b64, got = RelayTransport(hub.url, two[1], "job-bad", wait_s=0.5).fetch(
+        MessageKey(1, 0, "activation", 0, 1), timeout_s=5
+    )
+    hdr, _ = open_sealed(
+        base64.urlsafe_b64decode(sealed_b64), RelayHeader, signer=two[0].public_bytes
+    )
+    assert got == body and hdr.sketch == sketch  # the receiving stage gets it as it was signed
+
+
+def test_a_sketch_behind_an_encoded_boundary_is_checked_for_its_form_and_whole_rows(hub) -> None:
+    keys = [register(hub), register(hub)]
+    plan = RelayPlan(
+        stages=tuple(k.fingerprint for k in keys),
+        boundaries=(Crossing("int8", (BATCH, 36)),),  # int8 rows of 32 values and their scale
+        micro_batches=1,
+    )
+    hub.call(lambda: hub.relay.registry.assign("job-int8", plan))
+    body = encode_state({"activation": torch.zeros(BATCH, 36, dtype=torch.int8)})
+    odd = encode_sketch(torch.randn(BATCH * 32 + 1))
+    detail = _refused(
+        hub,
+        400,
+        "bad_sketch",
+        _put(hub, _header(keys[0], body, job_id="job-int8", sketch=odd), body),
+    )
+    assert "not whole rows of its 8" in detail
+    sketch = encode_sketch(torch.randn(BATCH, 32))  # its values are not compared with the wire
+    assert _put(hub, _header(keys[0], body, job_id="job-int8", sketch=sketch), body)[0] == 200
+    RelayTransport(hub.url, keys[1], "job-int8", wait_s=0.5).fetch(
+        MessageKey(1, 0, "activation", 0, 1), timeout_s=5
+    )
 
 
 def test_only_the_receiving_stage_takes(hub, two) -> None:

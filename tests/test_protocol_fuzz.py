@@ -70,6 +70,7 @@ from gpuflex.protocol.messages import (
     UploadOffset,
 )
 from gpuflex.protocol.modelspec import LAYERS
+from gpuflex.protocol.stagesketch import decode_sketch, encode_sketch, sketch_size
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -78,6 +79,7 @@ torch.set_num_threads(1)
 FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 SPEC = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [4], "outputs": 3})
 NONCE = b"\x07" * 16
+SKETCH = encode_sketch(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)))
 SAMPLES: list[Any] = [
     Hello(
         "0.1.0",
@@ -137,7 +139,7 @@ SAMPLES: list[Any] = [
     UpdateHeader(
         "as-3", "6" * 64, 2_000_000, 64, {"loss": 0.3}, {"train_s": 1.5}, 1000.0, NONCE, None, 700_000,
     ),
-    RelayHeader("job-1", 7, 2, "activation", 1, 2, "a" * 64, 4096, 1000.0, NONCE),
+    RelayHeader("job-1", 7, 2, "activation", 1, 2, "a" * 64, 4096, 1000.0, NONCE, 3, SKETCH),
     RelayTake("job-1", 7, 2, "gradient", 2, 1, 30.0, 1000.0, NONCE, 3),
     StageAssignment(
         "job-1", 3, "gf1-a", 1, 2, 4, ("gf1-a", "gf1-b", "gf1-c"), (b"\x01" * 32, b"\x02" * 32, b"\x03" * 32),
@@ -398,8 +400,25 @@ def test_hostile_job_values(section: str, key: str, value: object) -> None:
     _only_protocol_errors(parse_job_spec, text)
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(SEEDS)
+def test_mutated_stage_sketches(seed: int) -> None:
+    """A sketch (protocol/stagesketch.py) mutated or random: a DecodeError line, or one that is
+    well formed (its size, indices strictly increasing within its elements, finite values)."""
+    r = random.Random(seed)
+    data = _mutate(r, SKETCH) if r.random() < 0.9 else r.randbytes(r.randint(0, 1100))
+    try:
+        got = decode_sketch(data)
+    except ProtocolError as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    assert len(data) == sketch_size(got.numel) and bool(torch.isfinite(got.values).all())
+    assert bool((got.indices.diff() > 0).all())
+    assert got.indices.numel() == 0 or int(got.indices.max()) < got.numel
+
+
 def test_total_generated_cases_at_least_10000() -> None:
-    counts = [1500] * 5 + [1500, 500, 1000, 800, 800, 500]
+    counts = [1500] * 5 + [1500, 500, 1000, 800, 800, 500, 500]
     assert sum(counts) >= 10_000
 
 

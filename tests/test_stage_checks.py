@@ -88,9 +88,12 @@ def run_pipeline(
 #: projected onto 8 directions at 4 bits (the cuts are 32 and 16 wide)
 INT8 = 'boundary = "int8"\n'
 SUBSPACE = 'boundary = "subspace"\nboundary_rank = 8\n'
+SUBSPACE_LOG = 'boundary = "subspace_log"\nboundary_rank = 8\n'
 
 
-@pytest.mark.parametrize("boundary", ["", INT8, SUBSPACE], ids=["fp32", "int8", "subspace"])
+@pytest.mark.parametrize(
+    "boundary", ["", INT8, SUBSPACE, SUBSPACE_LOG], ids=["fp32", "int8", "subspace", "subspace_log"]
+)
 def test_an_honest_three_stage_pipeline_is_checked_and_never_flagged(
     hub, tmp_path, boundary
 ) -> None:
@@ -100,8 +103,9 @@ def test_an_honest_three_stage_pipeline_is_checked_and_never_flagged(
     assert flags(hub) == []
     verdicts = hub.call(lambda: list(hub.hub.app[LEDGER].pipelines.checks.verdicts))
     assert all(v.ok for _, v in verdicts) and len(verdicts) == 6
-    # the checks are tight: honest work reproduces far below the threshold
+    # the checks are tight: honest work reproduces far below the threshold, its sketches too
     for _, v in verdicts:
+        assert any(k.endswith("_sketch_distance") for k in v.evidence), v.evidence
         for k, d in v.evidence.items():
             if k.endswith("_distance"):
                 assert d < 1e-6, v.evidence
@@ -204,6 +208,8 @@ def crafted(runner: Any) -> None:
         # the same faults behind encoded boundaries: what the stage sent is its output's wire form
         (perturbed, 1, 0, INT8),
         (stale, 1, 2, SUBSPACE),
+        # a 1e-3 perturbation the wire hides under subspace_log: the sketch shows it
+        (perturbed, 1, 0, SUBSPACE_LOG),
     ],
     ids=[
         "perturbed_1e-3",
@@ -213,6 +219,7 @@ def crafted(runner: Any) -> None:
         "crafted_gradients",
         "perturbed_1e-3-int8",
         "stale_parameters-subspace",
+        "perturbed_1e-3-subspace_log",
     ],
 )
 def test_each_injected_fault_is_caught_with_its_evidence(
@@ -244,6 +251,11 @@ def test_each_injected_fault_is_caught_with_its_evidence(
     assert code == 200 and json.loads(body)["evidence"]["stage"] == stage, body
     # honest stages are never flagged
     assert all(f["node_id"] == node for f in flags(hub))
+    if fault is perturbed:  # caught on every pick of the stage that was checked
+        verdicts = hub.call(lambda: list(hub.hub.app[LEDGER].pipelines.checks.verdicts))
+        mine = [v for what, v in verdicts if f" stage {stage} " in what]
+        assert mine and not any(v.ok for v in mine), mine
+        assert all(v.evidence["forward_sketch_distance"] > 1e-4 for v in mine), mine
 
 
 def test_verify_rate_is_a_share_and_defaults_to_five_percent() -> None:
@@ -340,8 +352,13 @@ def _middle_mlp_stage() -> tuple[list[Any], list[dict[str, Tensor]]]:
 
 
 def _stage_work(
-    units: list[Any], states: list[dict[str, Tensor]], before: Any, after: Any, x: Tensor,
-    grad_out: Tensor, decoded_grad_out: Tensor,
+    units: list[Any],
+    states: list[dict[str, Tensor]],
+    before: Any,
+    after: Any,
+    x: Tensor,
+    grad_out: Tensor,
+    decoded_grad_out: Tensor,
 ) -> Any:
     """The evidence of a stage that ran ``x`` forward and ``decoded_grad_out`` backward."""
     from gpuflex.hub.policy.stage_check import StageEvidence

@@ -434,7 +434,7 @@ def test_a_neighbour_that_never_sends_fails_the_stage() -> None:
 
 
 class StaleTransport:
-    def send(self, key, tensor) -> None:
+    def send(self, key, tensor, sketch=b"") -> None:
         raise StaleGeneration("the hub's relay refused it: 409 stale_generation")
 
     def receive(self, key, expected, *, timeout_s):
@@ -590,9 +590,9 @@ class SlowSends:
         self.inner, self.delay_s = inner, delay_s
         self.expected_steps: set[int] = set()
 
-    def send(self, key, tensor) -> None:
+    def send(self, key, tensor, sketch=b"") -> None:
         time.sleep(self.delay_s)
-        self.inner.send(key, tensor)
+        self.inner.send(key, tensor, sketch)
 
     def receive(self, key, expected, *, timeout_s):
         return self.inner.receive(key, expected, timeout_s=timeout_s)

@@ -24,7 +24,19 @@ receiving stage did, re-runs the stage on those, and measures each tensor the st
 work is a recomputed tensor within the class's deviation of one that encodes to the wire, so the
 threshold stays the class tolerance, and a value that the two sides round to neighbouring levels
 costs only its distance to the level's edge; what the code throws away (below a level, outside
-the subspace) cannot be seen and is not held against anyone.
+the subspace) cannot be seen in the wire.
+
+Where the stage sketched what it sent (protocol/stagesketch.py: the raw tensor's largest entries,
+before any code), the referee also compares its recomputed raw tensor there, whatever the code:
+
+- ``*_sketch_distance``: ||sketched values - recomputed values at those indices|| / ||recomputed
+  values there||;
+- ``*_sketch_rank_distance``: how far the largest recomputed magnitude outside the sketch's
+  indices exceeds the smallest inside them, over the recomputed tensor's largest magnitude (0
+  when the indices are its largest entries, as honest work's are up to near-ties).
+
+Each is held against the same threshold; a sketch covering another number of elements is
+infinitely far. Without a sketch (an older node) the wire distances alone decide.
 Pure: tensors in, a verdict out; blocking (the hub runs it in a worker thread).
 """
 
@@ -42,6 +54,7 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.moe import routers_aux_loss
 from gpuflex.protocol.pipeline import Unit, load_unit
+from gpuflex.protocol.stagesketch import StageSketch
 from gpuflex.protocol.transformer import NextTokenLoss
 from torch import Tensor, nn
 
@@ -53,6 +66,7 @@ __all__ = [
     "StageVerdict",
     "judge_stage",
     "relative_distance",
+    "sketch_distances",
     "stage_loss",
     "stage_tolerance",
 ]
@@ -66,7 +80,8 @@ class StageEvidence:
     its input's gradient it sent back (None on stage 0); ``y``: the targets (last stage).
     ``inbound``/``outbound``: the codes of the cuts before and after the stage (None: fp32, or no
     such cut): ``x`` and ``grad_in`` are then in ``inbound``'s wire form, ``out`` and ``grad_out``
-    in ``outbound``'s."""
+    in ``outbound``'s. ``out_sketch``/``grad_in_sketch``: the stage's sketches of the raw
+    tensors it sent (None: it sent none)."""
 
     x: Tensor
     out: Tensor | None = None
@@ -78,6 +93,8 @@ class StageEvidence:
     weight: float = 1.0
     inbound: BoundaryCode | None = None
     outbound: BoundaryCode | None = None
+    out_sketch: StageSketch | None = None
+    grad_in_sketch: StageSketch | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,32 @@ def relative_distance(sent: Tensor, recomputed: Tensor, code: BoundaryCode | Non
     if scale == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / scale
+
+
+def sketch_distances(sketch: StageSketch, recomputed: Tensor) -> tuple[float, float]:
+    """(values, rank) distances of ``sketch`` from the recomputed raw tensor (module
+    docstring); infinite for a sketch of another size or a non-finite recomputation."""
+    flat = recomputed.detach().reshape(-1).double()
+    if int(flat.numel()) != sketch.numel or not bool(torch.isfinite(flat).all()):
+        return math.inf, math.inf
+    if sketch.numel == 0:
+        return 0.0, 0.0
+    at = flat[sketch.indices]
+    diff = float(torch.linalg.vector_norm(sketch.values.double() - at))
+    scale = float(torch.linalg.vector_norm(at))
+    values = diff / scale if scale else (0.0 if diff == 0.0 else math.inf)
+    magnitude = flat.abs()
+    largest = float(magnitude.max())
+    magnitude[sketch.indices] = 0.0
+    gap = max(0.0, float(magnitude.max()) - float(at.abs().min()))
+    return values, (gap / largest if largest else 0.0)
+
+
+def _sketched(found: dict[str, Any], name: str, sketch: StageSketch | None, raw: Tensor) -> None:
+    if sketch is not None:
+        found[f"{name}_sketch_distance"], found[f"{name}_sketch_rank_distance"] = sketch_distances(
+            sketch, raw
+        )
 
 
 def _received(evidence: StageEvidence) -> tuple[Tensor, Tensor | None]:
@@ -173,6 +216,7 @@ def judge_stage(
                 False, {**found, "why": "the stage's output or its gradient is missing"}
             )
         found["forward_distance"] = relative_distance(evidence.out, out.detach(), evidence.outbound)
+        _sketched(found, "forward", evidence.out_sketch, out)
         root, grad = out, grad_out
     if not first and evidence.grad_in is not None:
         if grad is not None and grad.shape != out.shape:
@@ -187,6 +231,7 @@ def judge_stage(
             found["backward_distance"] = relative_distance(
                 evidence.grad_in, recomputed, evidence.inbound
             )
+            _sketched(found, "backward", evidence.grad_in_sketch, recomputed)
     distances = [v for k, v in found.items() if k.endswith("_distance")]
     ok = all(d <= tolerance for d in distances)
     shown = {k: (v if math.isfinite(v) else 1e300) for k, v in found.items()}

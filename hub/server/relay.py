@@ -9,8 +9,10 @@ Every refusal is one line and keeps nothing: a bad signature or a replayed nonce
 node, a job with no pipeline, a message of another generation than the job's current plan
 (409 ``stale_generation``), a step or stage the node does not own under the job's plan
 (hub/model/relay.py), a body larger than the plan's tensor can be or not matching its signed
-size and hash, a tensor of another shape or dtype, NaN or infinity. Messages live in memory
-only (hub/server/relaybox.py), never in the database.
+size and hash, a tensor of another shape or dtype, NaN or infinity, a sketch
+(protocol/stagesketch.py) that is malformed, on anything but an activation or a gradient, or,
+on an fp32 boundary, whose values are not the payload's at its indices (400 ``bad_sketch``).
+Messages live in memory only (hub/server/relaybox.py), never in the database.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import math
 
+import torch
 from aiohttp import web
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
-from gpuflex.protocol.tensors import TensorSpec, check_blob, max_encoded_size
+from gpuflex.protocol.stagesketch import decode_sketch
+from gpuflex.protocol.tensors import TensorSpec, check_blob, decode_state, max_encoded_size
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
 from ..model.relay import Crossing, RelayPlan
@@ -52,7 +57,15 @@ def _crossing(plan: RelayPlan, msg: RelayHeader | RelayTake) -> Crossing:
 
 
 def _key(msg: RelayHeader | RelayTake) -> RelayKey:
-    return (msg.job_id, msg.step, msg.micro_batch, msg.carries, msg.stage, msg.to_stage, msg.generation)
+    return (
+        msg.job_id,
+        msg.step,
+        msg.micro_batch,
+        msg.carries,
+        msg.stage,
+        msg.to_stage,
+        msg.generation,
+    )
 
 
 def _check_body(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
@@ -62,6 +75,42 @@ def _check_body(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
             "the relayed bytes do not match their signed size and SHA-256", code="hash_mismatch"
         )
     _check_tensor(body, spec)
+    _check_sketch(body, hdr, spec)
+
+
+def _check_sketch(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
+    """The sender's sketch of the raw tensor, where it can be checked here: its form, and on an
+    fp32 boundary (the payload is the raw tensor) its values against the payload's. Behind an
+    encoded boundary only that it covers whole rows of the wire's; the referee compares the
+    values with its recomputation (hub/policy/stage_check.py)."""
+    if not hdr.sketch:
+        return
+    if hdr.carries not in ("activation", "gradient"):
+        raise BadRequest(
+            f"a relayed {hdr.carries} carries no sketch, only an activation or a gradient",
+            code="bad_sketch",
+        )
+    numel = math.prod(spec.shape)
+    raw = spec.dtype == "float32"  # every encoded form is int8 or a half
+    try:
+        sketch = decode_sketch(hdr.sketch, numel=numel if raw else None)
+    except ProtocolError as exc:
+        raise BadRequest(
+            f"the relayed {hdr.carries}'s sketch is refused: {exc}", code="bad_sketch"
+        ) from None
+    rows = numel // spec.shape[-1] if spec.shape and spec.shape[-1] else 0
+    if not raw and (rows == 0 or sketch.numel % rows):
+        raise BadRequest(
+            f"the relayed {hdr.carries}'s sketch covers {sketch.numel} elements, not whole rows "
+            f"of its {rows}",
+            code="bad_sketch",
+        )
+    if raw:
+        payload = decode_state(body)[hdr.carries].reshape(-1)[sketch.indices]
+        if not torch.equal(payload, sketch.values):
+            raise BadRequest(
+                f"the relayed {hdr.carries}'s sketch does not match its payload", code="bad_sketch"
+            )
 
 
 def _check_tensor(body: bytes, spec: TensorSpec) -> None:

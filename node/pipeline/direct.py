@@ -495,7 +495,9 @@ class DirectTransport:
             self.key, self.job_id, key, body, generation=self.generation, clock=self.clock
         )
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
+        """``sketch`` is dropped: only the hub reads one, and the steps it may check go through
+        the relay (``RoutedTransport``'s ``relayed``)."""
         link = self._links.get(key.to_stage)
         if link is None:
             address = self.addresses.get(key.to_stage)
@@ -552,8 +554,12 @@ class RoutedTransport:
             return self.relay
         return self.direct if key.to_stage in self.direct.addresses else self.relay
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        self._via(key).send(key, tensor)
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
+        via = self._via(key)
+        if sketch:
+            via.send(key, tensor, sketch)
+        else:
+            via.send(key, tensor)
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
         return self._via(key).receive(key, expected, timeout_s=timeout_s)

@@ -133,7 +133,7 @@ class RelayTransport:
                     ) from None
         raise AssertionError("unreachable")
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
         body = encode_state({key.carries: tensor.detach().to("cpu").contiguous()})
         header = RelayHeader(
             job_id=self.job_id,
@@ -147,6 +147,7 @@ class RelayTransport:
             timestamp=self.clock(),
             nonce=new_nonce(),
             generation=self.generation,
+            sketch=sketch,
         )
         give_up = time.monotonic() + self.send_timeout_s
         delay = 0.02

@@ -14,7 +14,9 @@ accumulation over the same micro-batches.
 
 What crosses a cut may travel encoded (the job's ``[pipeline] boundary``): a ``BoundaryCode``
 for each of the stage's cuts encodes what it sends and decodes what it receives, after the
-transport has checked the encoded form.
+transport has checked the encoded form. At the steps the hub may check (``sketched``) each
+activation and gradient also carries the stage's sketch of the raw tensor before it is encoded
+(protocol/stagesketch.py), which the hub's referee compares with its own recomputation.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.dropout import dropout_step
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.moe import routers_aux_loss
+from gpuflex.protocol.stagesketch import encode_sketch
 from gpuflex.protocol.tensors import TensorSpec
 from torch import Tensor, nn
 
@@ -144,6 +147,9 @@ class StageRunner:
     #: the node's ``--compute-share``: each forward, backward and optimizer step is followed by
     #: its rest (None or a share of 1: none)
     pace: ComputeShare | None = None
+    #: the steps whose activations and gradients carry a sketch of the raw tensor (the steps the
+    #: hub may check, node/stagelinks.checked_step; None: none)
+    sketched: Callable[[int], bool] | None = None
     #: the last step's end, in seconds: summing the gradients shared with other stages and
     #: pipelines and the optimizer step, less the transport's waits (work that does not grow
     #: with the step's micro-batches; the hub's planner keeps it apart from the per-sample work)
@@ -275,7 +281,15 @@ class StageRunner:
         )
 
     def _send(self, key: MessageKey, tensor: Tensor, code: BoundaryCode | None) -> None:
-        self.transport.send(key, tensor if code is None else code.encode(tensor))
+        wire = tensor if code is None else code.encode(tensor)
+        if self.sketched is None or not self.sketched(key.step):
+            self.transport.send(key, wire)
+            return
+        try:
+            sketch = encode_sketch(tensor)
+        except ProtocolError as exc:
+            raise PipelineError(f"{key.describe()} cannot be sketched: {exc}") from None
+        self.transport.send(key, wire, sketch)
 
     def _receive(self, key: MessageKey, raw: TensorSpec, code: BoundaryCode | None) -> Tensor:
         """The tensor sent under ``key``, checked in its encoded form, decoded, on this device."""

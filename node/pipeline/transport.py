@@ -7,6 +7,10 @@ receiver; ``receive`` waits for the message, then checks it against what the rec
 (shape, dtype, finite values) and refuses it in one line otherwise. The relay through the hub
 (node/pipeline/relay.py) is the other implementation. ``SendAhead`` puts a transport's sends on
 threads of their own, so the next micro-batch's compute starts while a tensor is on its way.
+
+A send may carry the sending stage's ``sketch`` of the raw tensor (protocol/stagesketch.py), at the
+steps the hub may check: the relay puts it in the message's signed header; a transport that never
+passes the hub (in memory, direct) drops it (those steps go through the relay anyway).
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ class MessageKey:
 class Transport(Protocol):
     """Carries tensors between the stages of one job's pipeline."""
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        """Hand ``tensor`` on (it may be reused by the caller afterwards); does not wait for the receiver."""
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
+        """Hand ``tensor`` on (it may be reused by the caller afterwards), with ``sketch`` where
+        the transport carries one; does not wait for the receiver."""
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
         """The tensor sent under ``key``, checked against ``expected``; a fresh tensor the caller owns.
@@ -117,7 +122,7 @@ class SendAhead:
         if not self.senders:
             raise PipelineError("sending ahead needs at least one sender")
         self.receiver = receiver
-        self._queue: queue.Queue[tuple[MessageKey, torch.Tensor] | None] = queue.Queue(depth)
+        self._queue: queue.Queue[tuple[MessageKey, torch.Tensor, bytes] | None] = queue.Queue(depth)
         self._error: BaseException | None = None
         self._dropping = False
         self._threads = [
@@ -132,7 +137,11 @@ class SendAhead:
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None and not self._dropping:  # after a failure, none goes
-                    sender.send(*item)
+                    key, tensor, sketch = item
+                    if sketch:
+                        sender.send(key, tensor, sketch)
+                    else:
+                        sender.send(key, tensor)
             except BaseException as exc:  # raised on the caller's thread (``_raise``)
                 if self._error is None:
                     self._error = exc
@@ -144,11 +153,11 @@ class SendAhead:
         if self._error is not None:
             raise self._error
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
         self._raise()
         if self._dropping or not all(t.is_alive() for t in self._threads):
             raise PipelineError(f"{key.describe()} cannot be sent: the sender is closed")
-        self._queue.put((key, tensor.detach().to("cpu", copy=True)))
+        self._queue.put((key, tensor.detach().to("cpu", copy=True), sketch))
 
     def receive(self, key: MessageKey, expected: TensorSpec, *, timeout_s: float) -> torch.Tensor:
         self._raise()
@@ -200,7 +209,7 @@ class MemoryTransport:
     def __init__(self, network: MemoryNetwork) -> None:
         self.network = network
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: MessageKey, tensor: torch.Tensor, sketch: bytes = b"") -> None:
         try:
             self.network.box(key).put_nowait(tensor.detach().to("cpu", copy=True))
         except queue.Full:

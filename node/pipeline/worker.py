@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ..computeshare import ComputeShare
 from ..errors import NodeError, PipelineError, StaleGeneration
+from ..stagelinks import checked_step
 from ..trainer import loss_for, make_optimizer, prepare_device, stack_chunks
 from .overhead import unit_overhead_s
 from .stage import StageRunner, boundary_specs
@@ -115,10 +116,13 @@ class TimedTransport:
         self.inner = inner
         self.waited = 0.0
 
-    def send(self, key: MessageKey, tensor: Tensor) -> None:
+    def send(self, key: MessageKey, tensor: Tensor, sketch: bytes = b"") -> None:
         t0 = time.perf_counter()
         try:
-            self.inner.send(key, tensor)
+            if sketch:
+                self.inner.send(key, tensor, sketch)
+            else:
+                self.inner.send(key, tensor)
         finally:
             self.waited += time.perf_counter() - t0
 
@@ -407,6 +411,7 @@ class StageWorker:
             batch_samples=a.batch_size,
             first_micro_batch=sum(self.counts[: self.place.lane]),
             pace=None if self.pace.full else self.pace,
+            sketched=lambda step: checked_step(a, step),
         )
         if self.first or self.last:
             self._read_data(spec)

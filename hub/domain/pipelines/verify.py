@@ -23,6 +23,9 @@ pick keeps, each tensor's wire form: the referee decodes what the stage received
 did and measures what it sent against its own recomputation under the same code (each cut's, as
 the node builds it: the job's seed, the cut's index within the pipeline), within the same
 tolerance (hub/policy/stage_check.py says how, docs/pipeline.md what that can and cannot see).
+Where the stage sketched what it sent (the relay header's ``sketch``, protocol/stagesketch.py:
+the raw tensor's largest entries before any code), the pick keeps the sketch beside the tensor
+and the referee compares its recomputed raw tensor there too.
 
 What is not checked: tensors that travel directly between stages (``--stage-listen``) never pass
 the relay, so a pick whose tensors do not all come through it stays incomplete and is dropped
@@ -52,6 +55,7 @@ from gpuflex.protocol.pipeline import (
     pipeline_units,
     step_samples,
 )
+from gpuflex.protocol.stagesketch import decode_sketch
 from gpuflex.protocol.tensors import TensorSpec, decode_state
 from torch import Tensor
 
@@ -81,6 +85,8 @@ ROLES = {
     ("gradient", 1, 0): "grad_out",
     ("gradient", 0, -1): "grad_in",
 }
+#: the roles of what the checked stage itself sent: the ones whose sketch is its own
+SENT = ("out", "grad_in")
 #: (job, generation, step, micro-batch, stage)
 PickKey = tuple[str, int, int, int, int]
 
@@ -102,6 +108,8 @@ class Pick:
     node_id: str
     units: tuple[int, int]
     kept: dict[str, bytes] = field(default_factory=dict)
+    #: role -> the stage's sketch of what it sent (``out``, ``grad_in``), when it sent one
+    sketches: dict[str, bytes] = field(default_factory=dict)
     #: unit -> its state at ``step`` (None: the job's model at step 0; unset until durable)
     states: Mapping[int, UnitRecord] | None = None
     durable: bool = False
@@ -222,13 +230,16 @@ class StageChecks:
             pick = self.picks.get((hdr.job_id, hdr.generation, hdr.step, hdr.micro_batch, stage))
             if pick is None or role in pick.kept:
                 continue
-            if self.held_bytes + len(body) > self.max_bytes:
+            sketch = hdr.sketch if role in SENT else b""
+            if self.held_bytes + len(body) + len(sketch) > self.max_bytes:
                 self.picks.pop((hdr.job_id, hdr.generation, hdr.step, hdr.micro_batch, stage))
                 self._release(pick)
                 self.counts["dropped"] += 1
                 continue
             pick.kept[role] = body
-            self.held_bytes += len(body)
+            if sketch:
+                pick.sketches[role] = sketch
+            self.held_bytes += len(body) + len(sketch)
             self._maybe_ready(pick)
 
     def _maybe_ready(self, pick: Pick) -> None:
@@ -239,8 +250,9 @@ class StageChecks:
             self._ready.put_nowait(pick)
 
     def _release(self, pick: Pick) -> None:
-        self.held_bytes -= sum(len(b) for b in pick.kept.values())
+        self.held_bytes -= sum(len(b) for b in (*pick.kept.values(), *pick.sketches.values()))
         pick.kept.clear()
+        pick.sketches.clear()
 
     # -- the checks ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -304,6 +316,7 @@ class StageChecks:
                 blob = decode_state(self.blobs.read(record.sha))
                 states.append({k: v for k, v in blob.items() if not k.startswith("optim.")})
         kept = {role: decode_state(body)[role_name(role)] for role, body in pick.kept.items()}
+        sketches = {role: decode_sketch(b) for role, b in pick.sketches.items()}  # relay-checked
         x, y, weight = self._data(job, pick)
         inbound, outbound = self._codes(job, pick, every, kept)
         evidence = StageEvidence(
@@ -315,6 +328,8 @@ class StageChecks:
             weight=weight,
             inbound=inbound,
             outbound=outbound,
+            out_sketch=sketches.get("out"),
+            grad_in_sketch=sketches.get("grad_in"),
         )
         train = job.spec.train
         tolerance = stage_tolerance(
