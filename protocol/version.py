@@ -5,8 +5,10 @@ from importlib import metadata
 from .errors import VersionError
 
 #: 2: the compute class in Hello, precision in TrainConfig and Benchmark; 3: a StateRequest may
-#: name every checkpoint of a commitment (up to MAX_CHECKPOINTS; it was 8)
-PROTOCOL_VERSION = 3
+#: name every checkpoint of a commitment (up to MAX_CHECKPOINTS; it was 8); 4: a RelayHeader may
+#: carry a stage's sketch, and a StageReport its update_s and unit_overhead_s (a node of 3 would
+#: refuse a neighbour's sketched header, and a hub of 3 the new report fields)
+PROTOCOL_VERSION = 4
 
 try:
     SOFTWARE_VERSION: str = metadata.version("gpuflex")
