@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final
 
 from .fields import BlobIdStr, Bytes, Count, Float, IdStr, Int, Nonce, Text, Timestamp
-from .stagesketch import MAX_SKETCH_BYTES
+
+#: the largest stage sketch a relay header carries (protocol/stagesketch.py: its header and
+#: ``SKETCH_ENTRIES`` (index, value) pairs); here, so that the messages import without torch
+MAX_SKETCH_BYTES: Final = 1024
 
 #: what a relay message carries between two pipeline stages: a micro-batch's activation (stage
 #: s -> s+1), its gradient (s -> s-1), or a tied parameter's gradient (two stages of one tied group);

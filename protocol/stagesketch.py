@@ -30,13 +30,12 @@ import numpy as np
 import torch
 
 from .errors import DecodeError, EncodeError
+from .relaymessages import MAX_SKETCH_BYTES
 
 #: the entries a sketch holds (fewer only when the tensor has fewer elements)
 SKETCH_ENTRIES: Final = 126
 _MAGIC: Final = b"GFS1"
 _HEAD: Final = struct.Struct("<4sII")
-#: the largest sketch: the header and ``SKETCH_ENTRIES`` (index, value) pairs
-MAX_SKETCH_BYTES: Final = 1024
 _LIMIT: Final = 1 << 32
 
 
