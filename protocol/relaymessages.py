@@ -9,8 +9,9 @@ from typing import Annotated, ClassVar, Final
 
 from .fields import BlobIdStr, Bytes, Count, Float, IdStr, Int, Nonce, Text, Timestamp
 
-#: the largest stage sketch a relay header carries (protocol/stagesketch.py: its header and
-#: ``SKETCH_ENTRIES`` (index, value) pairs); here, so that the messages import without torch
+#: the largest stage sketch a relay header carries (protocol/stagesketch.py: its header,
+#: ``SKETCH_ENTRIES`` (index, value) pairs and ``SKETCH_PROJECTIONS`` sums); here, so that the
+#: messages import without torch
 MAX_SKETCH_BYTES: Final = 1024
 
 #: what a relay message carries between two pipeline stages: a micro-batch's activation (stage

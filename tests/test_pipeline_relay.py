@@ -368,7 +368,8 @@ def test_a_sketch_rides_in_the_header_and_must_match_an_fp32_payload(hub, two) -
     for bad, words in (
         (encode_sketch(t * (1 + 1e-3)), "does not match its payload"),
         (encode_sketch(t[:, :31]), "covers 248 elements, the tensor has 256"),
-        (sketch[:-1], "sketch is refused: a sketch of 126 entries is 1020 bytes, not 1019"),
+        (sketch[:-1], "sketch is refused: a sketch of 62 entries is 1020 bytes, not 1019"),
+        (b"GFS2" + struct.pack("<IHH", BATCH * 32, 0, 128), "holds 62 entries, not 0"),
         (b"GFS1" + struct.pack("<II", BATCH * 32, 0), "holds 126 entries, not 0"),
     ):
         detail = _refused(

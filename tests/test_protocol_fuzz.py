@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 from gpuflex.protocol import (
@@ -70,7 +72,13 @@ from gpuflex.protocol.messages import (
     UploadOffset,
 )
 from gpuflex.protocol.modelspec import LAYERS
-from gpuflex.protocol.stagesketch import decode_sketch, encode_sketch, sketch_size
+from gpuflex.protocol.stagesketch import (
+    GFS1_ENTRIES,
+    MAX_SKETCH_BYTES,
+    decode_sketch,
+    encode_sketch,
+    sketch_size,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,6 +88,13 @@ FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(Hea
 SPEC = ModelSpec.from_dict({"kind": "mlp", "input": 8, "hidden": [4], "outputs": 3})
 NONCE = b"\x07" * 16
 SKETCH = encode_sketch(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)))
+#: the sketch layouts a decoder takes: GFS2 (SKETCH), and GFS1 (the 126 largest of 200 entries)
+SKETCHES = (
+    SKETCH,
+    struct.pack("<4sII", b"GFS1", 200, 126)
+    + np.arange(0, 252, 2, dtype="<u4").tobytes()
+    + np.linspace(-1, 1, 126, dtype="<f4").tobytes(),
+)
 SAMPLES: list[Any] = [
     Hello(
         "0.1.0",
@@ -403,16 +418,21 @@ def test_hostile_job_values(section: str, key: str, value: object) -> None:
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(SEEDS)
 def test_mutated_stage_sketches(seed: int) -> None:
-    """A sketch (protocol/stagesketch.py) mutated or random: a DecodeError line, or one that is
-    well formed (its size, indices strictly increasing within its elements, finite values)."""
+    """A sketch (protocol/stagesketch.py, either layout) mutated or random: a DecodeError line,
+    or one that is well formed (its size, indices strictly increasing within its elements, finite
+    values and projections)."""
     r = random.Random(seed)
-    data = _mutate(r, SKETCH) if r.random() < 0.9 else r.randbytes(r.randint(0, 1100))
+    data = _mutate(r, r.choice(SKETCHES)) if r.random() < 0.9 else r.randbytes(r.randint(0, 1100))
     try:
         got = decode_sketch(data)
     except ProtocolError as exc:
         assert str(exc) and "\n" not in str(exc)
         return
-    assert len(data) == sketch_size(got.numel) and bool(torch.isfinite(got.values).all())
+    if got.projections is None:  # GFS1: its entries alone
+        assert len(data) == 12 + 8 * min(GFS1_ENTRIES, got.numel)
+    else:
+        assert len(data) == sketch_size(got.numel) and bool(torch.isfinite(got.projections).all())
+    assert len(data) <= MAX_SKETCH_BYTES and bool(torch.isfinite(got.values).all())
     assert bool((got.indices.diff() > 0).all())
     assert got.indices.numel() == 0 or int(got.indices.max()) < got.numel
 

@@ -255,7 +255,7 @@ def test_each_injected_fault_is_caught_with_its_evidence(
         verdicts = hub.call(lambda: list(hub.hub.app[LEDGER].pipelines.checks.verdicts))
         mine = [v for what, v in verdicts if f" stage {stage} " in what]
         assert mine and not any(v.ok for v in mine), mine
-        assert all(v.evidence["forward_sketch_distance"] > 1e-4 for v in mine), mine
+        assert all(v.evidence["forward_sketch_projection_distance"] > 1e-4 for v in mine), mine
 
 
 def test_verify_rate_is_a_share_and_defaults_to_five_percent() -> None:

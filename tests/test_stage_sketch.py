@@ -1,15 +1,18 @@
 """A stage's sketch of the raw tensor it sends (protocol/stagesketch.py) and the referee's use of it
 (hub/policy/stage_check.py): the bytes are at most 1 KiB, deterministic and strictly decoded (every
-malformed form one DecodeError line; tests/test_protocol_fuzz.py fuzzes the decoder); behind int8
-and subspace_log cuts a stage whose weights are perturbed by 1e-3 sends wire forms the referee
-cannot tell from honest work, and its sketch gives it away; a sketch of a cheap part of the
-tensor (one row computed honestly) is caught by where its entries are; a stage sketches what it
-sends at the steps it is told, through the transports a worker wraps around the relay."""
+malformed form one DecodeError line, of either layout; tests/test_protocol_fuzz.py fuzzes the
+decoder); behind int8 and subspace_log cuts a stage whose weights are perturbed by 1e-3 sends wire
+forms the referee cannot tell from honest work, and its sketch gives it away, its projections
+more clearly than its largest entries; projections that are not the tensor's are caught; a sketch
+of a cheap part of the tensor (one row computed honestly) is caught by where its entries are; a
+first-layout sketch is still judged, by its entries; a stage sketches what it sends at the steps
+it is told, through the transports a worker wraps around the relay."""
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,10 +23,13 @@ from gpuflex.protocol.boundarycodec import BoundaryCode
 from gpuflex.protocol.errors import DecodeError, EncodeError
 from gpuflex.protocol.pipeline import load_unit
 from gpuflex.protocol.stagesketch import (
+    GFS1_ENTRIES,
     MAX_SKETCH_BYTES,
     SKETCH_ENTRIES,
+    SKETCH_PROJECTIONS,
     decode_sketch,
     encode_sketch,
+    sketch_projections,
     sketch_size,
 )
 from gpuflex.protocol.tensors import TensorSpec
@@ -34,31 +40,63 @@ from tests.test_stage_checks import _judge, _middle_mlp_stage
 torch.set_num_threads(1)
 
 
-def test_a_sketch_is_the_largest_entries_in_at_most_one_kib_and_decodes_to_them() -> None:
+def test_a_sketch_is_the_largest_entries_and_projections_of_all_in_at_most_one_kib() -> None:
     g = torch.Generator().manual_seed(0)
     t = torch.randn(16, 8, 64, generator=g)
     data = encode_sketch(t)
-    assert len(data) == sketch_size(t.numel()) <= MAX_SKETCH_BYTES
+    assert len(data) == sketch_size(t.numel()) <= MAX_SKETCH_BYTES and data[:4] == b"GFS2"
     assert encode_sketch(t.clone()) == data  # deterministic
     got = decode_sketch(data, numel=t.numel())
     want = torch.topk(t.abs().flatten(), SKETCH_ENTRIES).indices.sort().values
     assert torch.equal(got.indices, want) and torch.equal(got.values, t.flatten()[want])
+    # the projections: signed sums covering every entry, drawn from the entries' bytes
+    assert got.projections is not None and got.projections.shape == (SKETCH_PROJECTIONS,)
+    flat = t.flatten().numpy()
+    sums = sketch_projections(flat, got.seed)
+    assert torch.equal(got.projections, torch.from_numpy(sums).float())
+    norm = np.square(flat.astype(np.float64)).sum()
+    assert abs(np.square(sums).sum() / norm - 1) < 0.5  # about the tensor's norm
+    moved = flat.copy()
+    moved[int(want[0])] *= 1.01  # another largest entry: other buckets and signs
+    assert decode_sketch(encode_sketch(torch.from_numpy(moved))).seed != got.seed
     small = torch.tensor([[3.0, -1.0], [0.5, 2.0]])  # fewer elements than entries: all of them
-    assert decode_sketch(encode_sketch(small)).values.tolist() == [3.0, -1.0, 0.5, 2.0]
+    tiny = decode_sketch(encode_sketch(small))
+    assert tiny.values.tolist() == [3.0, -1.0, 0.5, 2.0]
+    assert tiny.projections is not None and float(tiny.projections.abs().sum()) > 0
     with pytest.raises(EncodeError, match="NaN or infinite"):
         encode_sketch(torch.tensor([1.0, float("nan")]))
 
 
+def _gfs1(t: Tensor) -> bytes:
+    """A first-layout sketch of ``t``: its 126 largest entries, no projections."""
+    flat = t.flatten()
+    count = min(GFS1_ENTRIES, flat.numel())
+    idx = torch.topk(flat.abs(), count).indices.sort().values
+    head = struct.pack("<4sII", b"GFS1", flat.numel(), count)
+    return head + idx.numpy().astype("<u4").tobytes() + flat[idx].numpy().astype("<f4").tobytes()
+
+
 def _forged(data: bytes, how: str) -> bytes:
-    magic, numel, count = struct.unpack_from("<4sII", data)
-    idx = np.frombuffer(data, "<u4", count, 12).copy()
-    val = np.frombuffer(data, "<f4", count, 12 + 4 * count).copy()
+    """``data`` (GFS2, or GFS1 for the forms named ``gfs1-...``) made malformed ``how``."""
+    first = how.startswith("gfs1-")
+    head = struct.Struct("<4sII" if first else "<4sIHH")
+    magic, numel, count, *projections = head.unpack_from(data)
+    how = how.removeprefix("gfs1-")
+    idx = np.frombuffer(data, "<u4", count, head.size).copy()
+    val = np.frombuffer(data, "<f4", count, head.size + 4 * count).copy()
+    tail = data[head.size + 8 * count :]
+    sums = np.frombuffer(tail, "<f4").copy()
     if how == "short":
         return data[:-1]
+    if how == "long":
+        return data + b"\0\0\0\0"
     if how == "magic":
-        return b"GFS2" + data[4:]
+        return b"GFS3" + data[4:]
     if how == "count":
-        return struct.pack("<4sII", magic, numel, count - 1) + idx[1:].tobytes() + val[1:].tobytes()
+        fewer = head.pack(magic, numel, count - 1, *projections)
+        return fewer + idx[1:].tobytes() + val[1:].tobytes() + tail
+    if how == "projections":
+        return head.pack(magic, numel, count, projections[0] - 1) + data[head.size : -4]
     if how == "range":
         idx[-1] = numel
     elif how == "duplicate":
@@ -69,29 +107,45 @@ def _forged(data: bytes, how: str) -> bytes:
         val[3] = np.nan
     elif how == "inf":
         val[3] = -np.inf
-    return data[:12] + idx.tobytes() + val.tobytes()
+    elif how == "sum-nan":
+        sums[5] = np.nan
+    return data[: head.size] + idx.tobytes() + val.tobytes() + sums.tobytes()
 
 
 @pytest.mark.parametrize(
     ("how", "words"),
     [
         ("short", "bytes, not"),
-        ("magic", "starts with"),
-        ("count", "holds 126 entries, not 125"),
+        ("long", "is 1020 bytes, not 1024"),
+        ("magic", "starts with b'GFS2' \\(or b'GFS1'\\)"),
+        ("count", "holds 62 entries, not 61"),
+        ("projections", "holds 128 projections, not 127"),
         ("range", "out of its"),
         ("duplicate", "not strictly increasing"),
         ("unsorted", "not strictly increasing"),
         ("nan", "NaN or infinite"),
         ("inf", "NaN or infinite"),
+        ("sum-nan", "projections hold NaN or infinite"),
+        ("gfs1-short", "bytes, not"),
+        ("gfs1-long", "GFS1 sketch of 126 entries is 1020 bytes, not 1024"),
+        ("gfs1-count", "holds 126 entries, not 125"),
+        ("gfs1-range", "out of its"),
+        ("gfs1-unsorted", "not strictly increasing"),
+        ("gfs1-nan", "NaN or infinite"),
     ],
 )
 def test_a_malformed_sketch_is_refused_in_one_line(how: str, words: str) -> None:
-    data = encode_sketch(torch.randn(4, 64))
+    t = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    data = _gfs1(t) if how.startswith("gfs1-") else encode_sketch(t)
+    assert decode_sketch(data, numel=256).numel == 256  # well formed as it came
     with pytest.raises(DecodeError, match=words) as err:
         decode_sketch(_forged(data, how))
     assert "\n" not in str(err.value)
     with pytest.raises(DecodeError, match="covers 256 elements, the tensor has 255"):
         decode_sketch(data, numel=255)
+    for cut in (0, 3, 11):
+        with pytest.raises(DecodeError, match="at least 12 bytes"):
+            decode_sketch(data[:cut])
 
 
 # -- the referee -----------------------------------------------------------------------------------
@@ -108,9 +162,14 @@ def _codes(boundary: str) -> tuple[BoundaryCode | None, BoundaryCode | None]:
     return before, after
 
 
-def _sent(boundary: str, states: list[dict[str, Tensor]], units: list[Any]) -> StageEvidence:
+def _sent(
+    boundary: str,
+    states: list[dict[str, Tensor]],
+    units: list[Any],
+    sketch: Callable[[Tensor], bytes] = encode_sketch,
+) -> StageEvidence:
     """The middle MLP stage's work on one micro-batch with ``states``, as it sends it: the wire
-    forms and the sketches of the raw output and input gradient."""
+    forms and the sketches (``sketch``'s bytes) of the raw output and input gradient."""
     before, after = _codes(boundary)
 
     def encode(code: BoundaryCode | None, t: Tensor) -> Tensor:
@@ -129,8 +188,8 @@ def _sent(boundary: str, states: list[dict[str, Tensor]], units: list[Any]) -> S
     return StageEvidence(
         x=x, out=encode(after, out), grad_out=grad_out, grad_in=encode(before, received.grad),
         inbound=before, outbound=after,
-        out_sketch=decode_sketch(encode_sketch(out)),
-        grad_in_sketch=decode_sketch(encode_sketch(received.grad)),
+        out_sketch=decode_sketch(sketch(out.detach())),
+        grad_in_sketch=decode_sketch(sketch(received.grad)),
     )  # fmt: skip
 
 
@@ -151,14 +210,16 @@ def test_honest_work_reproduces_its_sketches(boundary: str) -> None:
     verdict = _judge(units, states, _sent(boundary, states, units))
     assert verdict.ok, verdict.evidence
     ev = verdict.evidence
-    keys = {f"{d}_sketch{r}_distance" for d in ("forward", "backward") for r in ("", "_rank")}
+    parts = ("", "_rank", "_projection")
+    keys = {f"{d}_sketch{r}_distance" for d in ("forward", "backward") for r in parts}
     assert keys <= set(ev) and all(ev[k] < 1e-6 for k in keys), ev
 
 
 @pytest.mark.parametrize("boundary", ["int8", "subspace_log"])
 def test_perturbed_weights_the_wire_hides_are_caught_by_the_sketch(boundary: str) -> None:
     """Under subspace_log the wire shows nothing of the perturbation; under int8 only the part
-    that crossed a level's edge or moved a row's scale. The sketch sees it in full."""
+    that crossed a level's edge or moved a row's scale. The sketch sees it in full, by its
+    entries and by its projections."""
     units, states = _middle_mlp_stage()
     sent = _sent(boundary, _perturbed(states), units)
     unsketched = _judge(
@@ -168,10 +229,65 @@ def test_perturbed_weights_the_wire_hides_are_caught_by_the_sketch(boundary: str
     ev = verdict.evidence
     assert not verdict.ok and ev["threshold"] == 1e-4, ev
     for way in ("forward", "backward"):
-        wire, sketch = ev[f"{way}_distance"], ev[f"{way}_sketch_distance"]
-        assert sketch > 3 * ev["threshold"] and sketch > 2 * wire, ev
+        wire = ev[f"{way}_distance"]
+        for part in ("sketch", "sketch_projection"):
+            assert ev[f"{way}_{part}_distance"] > max(3 * ev["threshold"], 2 * wire), ev
     if boundary == "subspace_log":  # what an older node's messages let the referee see: nothing
         assert unsketched.ok, unsketched.evidence
+
+
+def _residual(fault: float) -> Tensor:
+    """A residual stream's raw tensor: the stage's input passed through, with two outlier
+    channels (the largest entries), plus the stage's own contribution, off by ``fault``."""
+    g = torch.Generator().manual_seed(4)
+    passed = torch.randn(8, 32, 64, generator=g)
+    passed[..., :2] *= 4.0
+    own = 0.5 * torch.randn(8, 32, 64, generator=g)
+    return passed + own * (1 + fault * torch.sign(torch.randn(own.shape, generator=g)))
+
+
+def test_the_projections_show_a_fault_the_largest_entries_understate() -> None:
+    """A 1e-3 fault in what a stage adds to a residual stream: the largest entries are the input
+    passed through, so the entries part (either layout) shows a fraction of it; the projections
+    show it at about its size over the whole tensor, as the fp32 wire would."""
+    honest, faulty = _residual(0.0), _residual(1e-3)
+    whole = float((faulty - honest).norm() / honest.norm())
+    old = sketch_distances(decode_sketch(_gfs1(faulty)), honest)
+    new = sketch_distances(decode_sketch(encode_sketch(faulty)), honest)
+    assert set(old) == {"sketch", "sketch_rank"}  # a GFS1 sketch: its entries alone
+    assert old["sketch"] < 1e-4 and new["sketch"] < 1e-4, (old, new)
+    assert 0.7 * whole < new["sketch_projection"] < 1.4 * whole, (new, whole)
+    assert new["sketch_projection"] > 1e-4 and new["sketch_projection"] > 3 * old["sketch"]
+    same = sketch_distances(decode_sketch(encode_sketch(honest.clone())), honest)
+    assert max(same.values()) < 1e-7, same
+
+
+def test_projections_that_are_not_the_tensors_are_caught() -> None:
+    """A stage whose entries are the honest tensor's but whose projections are not: those of a
+    perturbed tensor under the same buckets and signs, zeros, or a tenth off."""
+    honest, faulty = _residual(0.0), _residual(1e-3)
+    data = encode_sketch(honest)
+    entries = data[: -4 * SKETCH_PROJECTIONS]
+    seed = decode_sketch(data).seed
+    forged = {
+        "perturbed": sketch_projections(faulty.flatten().numpy(), seed),
+        "zeros": np.zeros(SKETCH_PROJECTIONS),
+        "scaled": 1.1 * sketch_projections(honest.flatten().numpy(), seed),
+    }
+    for how, sums in forged.items():
+        got = sketch_distances(decode_sketch(entries + sums.astype("<f4").tobytes()), honest)
+        assert got["sketch"] == got["sketch_rank"] == 0.0, (how, got)
+        assert got["sketch_projection"] > 3e-4, (how, got)
+
+
+def test_a_first_layout_sketch_is_judged_by_its_entries() -> None:
+    """A GFS1 sketch (a node of the same protocol version may send one): honest work reproduces
+    it, without a projection distance."""
+    units, states = _middle_mlp_stage()
+    verdict = _judge(units, states, _sent("int8", states, units, _gfs1))
+    assert verdict.ok, verdict.evidence
+    assert "forward_sketch_distance" in verdict.evidence
+    assert not any("projection" in k for k in verdict.evidence), verdict.evidence
 
 
 def test_a_sketch_of_a_part_computed_honestly_is_caught_by_where_its_entries_are() -> None:
@@ -179,16 +295,17 @@ def test_a_sketch_of_a_part_computed_honestly_is_caught_by_where_its_entries_are
     entries nearest zero: their values are right, but larger entries lie outside them."""
     t = torch.randn(8, 200, generator=torch.Generator().manual_seed(2))
     honest = decode_sketch(encode_sketch(t))
-    assert sketch_distances(honest, t) == (0.0, 0.0)
+    same = sketch_distances(honest, t)
+    assert same["sketch"] == same["sketch_rank"] == 0.0 and same["sketch_projection"] < 1e-7
     row = decode_sketch(encode_sketch(t[0]))
     forged = dataclasses.replace(row, numel=t.numel())
-    values, rank = sketch_distances(forged, t)
-    assert values == 0.0 and rank > 0.1
-    assert sketch_distances(row, t) == (float("inf"), float("inf"))  # another size
-    # the 126 entries nearest zero, with their true values
+    got = sketch_distances(forged, t)
+    assert got["sketch"] == 0.0 and got["sketch_rank"] > 0.1 and got["sketch_projection"] > 0.1
+    assert set(sketch_distances(row, t).values()) == {float("inf")}  # another size
+    # the entries nearest zero, with their true values
     small = torch.topk(t.abs().flatten(), SKETCH_ENTRIES, largest=False).indices.sort().values
     near_zero = dataclasses.replace(honest, indices=small, values=t.flatten()[small])
-    assert sketch_distances(near_zero, t)[1] > 0.5
+    assert sketch_distances(near_zero, t)["sketch_rank"] > 0.5
 
 
 # -- the sending stage -----------------------------------------------------------------------------
@@ -236,6 +353,8 @@ def test_a_stage_sketches_what_it_sends_at_the_checked_steps_through_its_transpo
     for sketch, sent in sketches.values():
         got = decode_sketch(sketch, numel=sent.numel())
         assert torch.equal(got.values, sent.flatten()[got.indices])
+        sums = sketch_projections(sent.flatten().numpy(), got.seed)
+        assert torch.equal(got.projections, torch.from_numpy(sums).float())
     # the wrappers a worker puts around its relay pass a sketch on
     relay, sketches = Recording(network, {}), {}
     relay.sketches = sketches

@@ -26,17 +26,24 @@ threshold stays the class tolerance, and a value that the two sides round to nei
 costs only its distance to the level's edge; what the code throws away (below a level, outside
 the subspace) cannot be seen in the wire.
 
-Where the stage sketched what it sent (protocol/stagesketch.py: the raw tensor's largest entries,
-before any code), the referee also compares its recomputed raw tensor there, whatever the code:
+Where the stage sketched what it sent (protocol/stagesketch.py: the raw tensor's largest entries
+and signed sums over all of it, before any code), the referee also compares its recomputed raw
+tensor with each part, whatever the code:
 
 - ``*_sketch_distance``: ||sketched values - recomputed values at those indices|| / ||recomputed
   values there||;
 - ``*_sketch_rank_distance``: how far the largest recomputed magnitude outside the sketch's
   indices exceeds the smallest inside them, over the recomputed tensor's largest magnitude (0
-  when the indices are its largest entries, as honest work's are up to near-ties).
+  when the indices are its largest entries, as honest work's are up to near-ties);
+- ``*_sketch_projection_distance``: ||sketched sums - the recomputed tensor's sums (the buckets
+  and signs the sketch's entries draw)|| / ||the recomputed sums||: about the whole tensor's
+  relative distance, which the largest entries alone understate.
 
-Each is held against the same threshold; a sketch covering another number of elements is
-infinitely far. Without a sketch (an older node) the wire distances alone decide.
+Each is held against the same threshold on its own (a part's distance is not averaged into
+another's); a sketch covering another number of elements is infinitely far. A sketch of the first
+layout (GFS1) has no sums and is judged by its entries; without a sketch (an older node) the wire
+distances alone decide.
+
 Pure: tensors in, a verdict out; blocking (the hub runs it in a worker thread).
 """
 
@@ -54,7 +61,7 @@ from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.modelspec import ModelSpec
 from gpuflex.protocol.moe import routers_aux_loss
 from gpuflex.protocol.pipeline import Unit, load_unit
-from gpuflex.protocol.stagesketch import StageSketch
+from gpuflex.protocol.stagesketch import StageSketch, sketch_projections
 from gpuflex.protocol.transformer import NextTokenLoss
 from torch import Tensor, nn
 
@@ -136,30 +143,45 @@ def relative_distance(sent: Tensor, recomputed: Tensor, code: BoundaryCode | Non
     return diff / scale
 
 
-def sketch_distances(sketch: StageSketch, recomputed: Tensor) -> tuple[float, float]:
-    """(values, rank) distances of ``sketch`` from the recomputed raw tensor (module
-    docstring); infinite for a sketch of another size or a non-finite recomputation."""
+def sketch_distances(sketch: StageSketch, recomputed: Tensor) -> dict[str, float]:
+    """The distances of ``sketch`` from the recomputed raw tensor by part (module docstring):
+    ``sketch`` (its entries' values), ``sketch_rank`` (where they are) and, for a sketch with
+    projections, ``sketch_projection``; infinite for a sketch of another size or a non-finite
+    recomputation."""
+    parts = ("sketch", "sketch_rank", "sketch_projection")
+    if sketch.projections is None:  # a GFS1 sketch: entries only
+        parts = parts[:2]
     flat = recomputed.detach().reshape(-1).double()
     if int(flat.numel()) != sketch.numel or not bool(torch.isfinite(flat).all()):
-        return math.inf, math.inf
+        return dict.fromkeys(parts, math.inf)
     if sketch.numel == 0:
-        return 0.0, 0.0
+        return dict.fromkeys(parts, 0.0)
     at = flat[sketch.indices]
-    diff = float(torch.linalg.vector_norm(sketch.values.double() - at))
-    scale = float(torch.linalg.vector_norm(at))
-    values = diff / scale if scale else (0.0 if diff == 0.0 else math.inf)
+    found = {"sketch": _relative(sketch.values.double(), at)}
     magnitude = flat.abs()
     largest = float(magnitude.max())
     magnitude[sketch.indices] = 0.0
     gap = max(0.0, float(magnitude.max()) - float(at.abs().min()))
-    return values, (gap / largest if largest else 0.0)
+    found["sketch_rank"] = gap / largest if largest else 0.0
+    if sketch.projections is not None:
+        sums = sketch_projections(
+            recomputed.detach().reshape(-1).float().cpu().numpy(), sketch.seed
+        )
+        found["sketch_projection"] = _relative(sketch.projections.double(), torch.from_numpy(sums))
+    return found
+
+
+def _relative(sent: Tensor, recomputed: Tensor) -> float:
+    """||sent - recomputed|| / ||recomputed|| of two float64 vectors (0 for two zeros)."""
+    diff = float(torch.linalg.vector_norm(sent - recomputed))
+    scale = float(torch.linalg.vector_norm(recomputed))
+    return diff / scale if scale else (0.0 if diff == 0.0 else math.inf)
 
 
 def _sketched(found: dict[str, Any], name: str, sketch: StageSketch | None, raw: Tensor) -> None:
     if sketch is not None:
-        found[f"{name}_sketch_distance"], found[f"{name}_sketch_rank_distance"] = sketch_distances(
-            sketch, raw
-        )
+        for part, distance in sketch_distances(sketch, raw).items():
+            found[f"{name}_{part}_distance"] = distance
 
 
 def _received(evidence: StageEvidence) -> tuple[Tensor, Tensor | None]:
