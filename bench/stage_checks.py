@@ -28,8 +28,10 @@ each cut's code (as hub/domain/pipelines/verify.py builds it) and writes
 ``bench/results/stage_checks_<boundary>.json``.
 
 Every stage sketches what it sends at the steps the hub may check (here every step:
-protocol/stagesketch.py, the raw tensor's largest entries before the code), and each check gets
-those sketches as the relay keeps them. The same checks judged on the wire distances alone (what
+protocol/stagesketch.py, the raw tensor's largest entries and signed sums over all of it, before
+the code), and each check gets those sketches as the relay keeps them; the sums' distance
+(``*_sketch_projection_distance``) is counted on its own too (``smallest_projection_distance``,
+``largest_projection_distance``). The same checks judged on the wire distances alone (what
 the referee has of a node that sends no sketch) are counted beside them: ``caught_wire_only`` per
 kind and ``figures.fault_detection_rate_wire_only``, the baseline of the same run.
 
@@ -353,13 +355,16 @@ def data_of(
     return x[index[lo:hi]], y[index[lo:hi]], (hi - lo) / BATCH
 
 
-def largest(evidence: dict[str, Any], *, sketch: bool | None = None) -> float:
-    """The largest distance of a check (``sketch``: only the sketch's, only the wire's)."""
+def largest(evidence: dict[str, Any], *, sketch: bool | None = None, part: str = "") -> float:
+    """The largest distance of a check (``sketch``: only the sketch's, only the wire's;
+    ``part``: only those whose name holds it)."""
     return max(
         (
             v
             for k, v in evidence.items()
-            if k.endswith("_distance") and (sketch is None or ("_sketch" in k) == sketch)
+            if k.endswith("_distance")
+            and (sketch is None or ("_sketch" in k) == sketch)
+            and part in k
         ),
         default=0.0,
     )
@@ -378,7 +383,7 @@ def honest(
     spec: ModelSpec, cfg: TrainConfig, data: Any, steps: int, boundary: tuple[str, int]
 ) -> dict[str, Any]:
     checked = flagged = 0
-    worst = worst_sketch = 0.0
+    worst = worst_sketch = worst_projection = 0.0
     seconds: list[float] = []
     compute: list[float] = []
     for node_class in CLASSES:
@@ -395,6 +400,7 @@ def honest(
                             flagged += not ok
                             worst = max(worst, largest(ev))
                             worst_sketch = max(worst_sketch, largest(ev, sketch=True))
+                            worst_projection = max(worst_projection, largest(ev, part="projection"))
                             seconds.append(s)
         print(
             f"honest, trained in {node_class}: {checked} checked, {flagged} flagged, "
@@ -406,6 +412,7 @@ def honest(
         "flagged": flagged,
         "largest_distance": worst,
         "largest_sketch_distance": worst_sketch,
+        "largest_projection_distance": worst_projection,
         "check_s": seconds,
         "stage_step_compute_s": compute,
     }
@@ -424,7 +431,7 @@ def faults(
     beside_worst = 0.0
     for kind in FAULTS:
         caught = caught_wire = injected = trial = 0
-        smallest = smallest_sketch = float("inf")
+        smallest = smallest_sketch = smallest_projection = float("inf")
         distances: list[float] = []
         while injected < per_kind:
             stage = (1, 2)[trial % 2] if kind == "crafted_gradients" else trial % len(STARTS)
@@ -441,6 +448,9 @@ def faults(
                             caught_wire += not wire_only_ok(ok, ev)
                             smallest = min(smallest, largest(ev))
                             smallest_sketch = min(smallest_sketch, largest(ev, sketch=True))
+                            smallest_projection = min(
+                                smallest_projection, largest(ev, part="projection")
+                            )
                             distances.append(largest(ev))
                         else:
                             beside += 1
@@ -455,6 +465,7 @@ def faults(
             "rate_wire_only": caught_wire / injected,
             "smallest_distance": smallest,
             "smallest_sketch_distance": smallest_sketch,
+            "smallest_projection_distance": smallest_projection,
             "runs": trial,
             # what a job's tighter [verification] tolerance would catch (the honest side: the
             # largest honest distance in the figures)
@@ -462,7 +473,7 @@ def faults(
         }
         print(
             f"{kind:18s} caught {caught}/{injected} (by the wire alone {caught_wire})  "
-            f"smallest distance {smallest:.3g}",
+            f"smallest distance {smallest:.3g} (the sums' {smallest_projection:.3g})",
             flush=True,
         )
     return {
