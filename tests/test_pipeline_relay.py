@@ -360,13 +360,14 @@ def test_a_large_body_is_hashed_and_checked_beside_the_loop(hub) -> None:
 
 def test_a_sketch_rides_in_the_header_and_must_match_an_fp32_payload(hub, two) -> None:
     """The sender's sketch of the raw tensor (protocol/stagesketch.py): on an fp32 boundary its
-    values are the payload's at its indices, or the message is refused (400 bad_sketch) and
+    entries and signed sums are the payload's, or the message is refused (400 bad_sketch) and
     nothing is kept; a malformed one likewise."""
     t = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(0))
     body = encode_state({"activation": t})
     sketch = encode_sketch(t)
     for bad, words in (
         (encode_sketch(t * (1 + 1e-3)), "does not match its payload"),
+        (sketch[:-4] + struct.pack("<f", struct.unpack("<f", sketch[-4:])[0] + 1e-3), "match its"),
         (encode_sketch(t[:, :31]), "covers 248 elements, the tensor has 256"),
         (sketch[:-1], "sketch is refused: a sketch of 62 entries is 1020 bytes, not 1019"),
         (b"GFS2" + struct.pack("<IHH", BATCH * 32, 0, 128), "holds 62 entries, not 0"),

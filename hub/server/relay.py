@@ -11,7 +11,7 @@ node, a job with no pipeline, a message of another generation than the job's cur
 (hub/model/relay.py), a body larger than the plan's tensor can be or not matching its signed
 size and hash, a tensor of another shape or dtype, NaN or infinity, a sketch
 (protocol/stagesketch.py) that is malformed, on anything but an activation or a gradient, or,
-on an fp32 boundary, whose values are not the payload's at its indices (400 ``bad_sketch``).
+on an fp32 boundary, whose entries or signed sums are not the payload's (400 ``bad_sketch``).
 Messages live in memory only (hub/server/relaybox.py), never in the database.
 """
 
@@ -22,11 +22,12 @@ import base64
 import hashlib
 import math
 
+import numpy as np
 import torch
 from aiohttp import web
 from gpuflex.protocol.errors import ProtocolError
 from gpuflex.protocol.messages import Ack, RelayHeader, RelayTake
-from gpuflex.protocol.stagesketch import decode_sketch
+from gpuflex.protocol.stagesketch import decode_sketch, sketch_projections
 from gpuflex.protocol.tensors import TensorSpec, check_blob, decode_state, max_encoded_size
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
@@ -80,7 +81,8 @@ def _check_body(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
 
 def _check_sketch(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
     """The sender's sketch of the raw tensor, where it can be checked here: its form, and on an
-    fp32 boundary (the payload is the raw tensor) its values against the payload's. Behind an
+    fp32 boundary (the payload is the raw tensor) its entries and its signed sums against the
+    payload's (the same float64 sums, so equal bit for bit). Behind an
     encoded boundary only that it covers whole rows of the wire's; the referee compares the
     values with its recomputation (hub/policy/stage_check.py)."""
     if not hdr.sketch:
@@ -106,8 +108,14 @@ def _check_sketch(body: bytes, hdr: RelayHeader, spec: TensorSpec) -> None:
             code="bad_sketch",
         )
     if raw:
-        payload = decode_state(body)[hdr.carries].reshape(-1)[sketch.indices]
-        if not torch.equal(payload, sketch.values):
+        flat = decode_state(body)[hdr.carries].reshape(-1)
+        sums = sketch.projections
+        if not torch.equal(flat[sketch.indices], sketch.values) or (
+            sums is not None
+            and not np.array_equal(
+                sketch_projections(flat.numpy(), sketch.seed).astype(np.float32), sums.numpy()
+            )
+        ):
             raise BadRequest(
                 f"the relayed {hdr.carries}'s sketch does not match its payload", code="bad_sketch"
             )
