@@ -19,7 +19,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from gpuflex.protocol.jobspec import TrainSpec
 from gpuflex.protocol.messages import Ack, StageReport, UnitCheckpoint
@@ -28,7 +30,7 @@ from gpuflex.protocol.signing import SigningKey, seal
 from ...base.config import HubConfig
 from ...base.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge
 from ...model.job import JobState
-from ...model.node import NodeState
+from ...model.node import NodeState, RelayLink
 from ...model.pipeline import Generation, PipelineState, StepReport, UnitRecord
 from ...model.relay import RelayRegistry
 from ...policy.pipeline_plan import NodeOffer
@@ -52,6 +54,13 @@ log = logging.getLogger("gpuflex.hub.pipelines")
 FINISHED_KEPT = 256
 #: a node counts as asking for work this long past its poll's longest wait and the retry it is told
 ASK_GRACE_S = 5.0
+
+
+def relay_gone(nodes: Mapping[str, NodeState], node_id: str) -> float | None:
+    """When the node's relay connections went away with no request of it since
+    (``RelayLink.gone_at``), or None."""
+    node = nodes.get(node_id)
+    return None if node is None else node.relay.gone_at(node.last_seen)
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,7 @@ class Pipelines:
                 self._barred,
                 checkpoint_every=spec.checkpoint_every if spec is not None else 0,
                 seen=self._seen,
+                gone=partial(relay_gone, self.scheduler.nodes),
             )
             if lost is not None:
                 await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
@@ -356,6 +366,7 @@ class Pipelines:
                 continue
             if node.id in state.sealed and node.id not in state.handed:
                 state.handed.add(node.id)
+                node.relay = RelayLink()  # the takes of its last stage do not count for this one
                 stage = g.stage_of(node.id)
                 if stage is not None:
                     state.last_report[stage] = now  # its silence counts from now
