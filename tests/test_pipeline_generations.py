@@ -157,33 +157,36 @@ def test_a_stage_silent_for_ten_of_its_steps_mid_step_is_lost_before_the_timeout
     assert node == "gf1-b"
 
 
-def test_a_node_is_gone_once_its_parked_takes_all_hung_up_and_it_asked_nothing_since() -> None:
+def test_a_node_is_gone_once_a_hang_up_ended_its_last_parked_take_and_it_asked_nothing_since() -> (
+    None
+):
     link = RelayLink()
     assert link.gone_at(last_seen=1.0) is None  # never parked a take
-    link.park()  # its take's request: last_seen 1.0
+    link.park()  # its takes' requests: last_seen 1.0
     link.park()
     link.unpark(2.0, hung_up=True)
     assert link.gone_at(1.0) is None  # one take still parked
     link.unpark(2.1, hung_up=True)
     assert link.gone_at(1.0) == 2.1
     assert link.gone_at(2.5) is None  # a request since
-    # between two takes: the last one answered, the next not asked yet
-    between = RelayLink()
-    between.park()
-    between.unpark(2.0, hung_up=False)
-    assert between.gone_at(1.0) is None
-    # one answered since the last request, the other hung up: not gone (a live node asks again
-    # after an answer); answered before the last request: gone
+    # between two takes, or holding what it asked for: the last one ended answered
+    answered = RelayLink()
+    answered.park()
+    answered.unpark(2.0, hung_up=False)
+    assert answered.gone_at(1.0) is None
+    # one hung up while another was parked, which was then answered: not gone
     mixed = RelayLink()
     mixed.park()
     mixed.park()
-    mixed.unpark(2.0, hung_up=False)
-    mixed.unpark(2.1, hung_up=True)
+    mixed.unpark(2.0, hung_up=True)
+    mixed.unpark(2.1, hung_up=False)
     assert mixed.gone_at(1.0) is None
-    assert mixed.gone_at(1.5) is None
-    mixed.park()  # asked again at 2.05 (last_seen), then hung up
-    mixed.unpark(2.2, hung_up=True)
-    assert mixed.gone_at(2.05) == 2.2
+    # one answered (the node holds it), then the other hung up: gone
+    mixed.park()
+    mixed.park()
+    mixed.unpark(2.2, hung_up=False)
+    mixed.unpark(2.3, hung_up=True)
+    assert mixed.gone_at(1.0) == 2.3
 
 
 def test_a_stage_whose_node_closed_its_relay_connections_is_lost_after_the_grace() -> None:

@@ -116,21 +116,23 @@ async def test_a_take_whose_client_hangs_up_ends_and_marks_the_node_gone(tmp_pat
         await hub.stop()
 
 
-async def test_a_client_that_keeps_asking_or_was_answered_is_never_gone(tmp_path) -> None:
+async def test_a_client_that_keeps_asking_or_was_answered_last_is_never_gone(tmp_path) -> None:
     hub = await start_hub(tmp_path, long_poll_max_s=10.0)
     try:
         key, node = await _pipeline(hub)
         for _ in range(3):  # each take answered (204 after its wait), asked again at once
             assert await _ask(hub.url, key, 0.15) == 204
             assert _gone(node) is None
-        # one take parked, another answered since the node's last request: the first hanging
-        # up does not make it gone (a live node asks again after an answer)
+        # one take hung up while another was parked, which was then answered: not gone (the
+        # last take ended answered)
         writer = await _park(hub.url, key, micro_batch=1)
         await _until(lambda: node.relay.parked == 1)
-        assert await _ask(hub.url, key, 0.05) == 204
+        answered = asyncio.ensure_future(_ask(hub.url, key, 0.5))
+        await _until(lambda: node.relay.parked == 2)
         writer.close()
-        await _until(lambda: node.relay.parked == 0)
-        assert node.relay.hung_up_at is not None and _gone(node) is None
+        await _until(lambda: node.relay.parked == 1)
+        assert await answered == 204
+        assert node.relay.parked == 0 and _gone(node) is None
     finally:
         await hub.stop()
 

@@ -35,6 +35,7 @@ from gpuflex.protocol.stagesketch import decode_sketch
 from gpuflex.protocol.tensors import TensorSpec, check_blob, decode_state, max_encoded_size
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
+from ..domain.pipelines.liveness import GONE_S
 from ..model.relay import Crossing, RelayPlan
 from .appkeys import CONFIG, IO_POOL, LEDGER, METRICS, RELAY
 from .linkmeter import BodyClock
@@ -196,7 +197,10 @@ async def relay_take(request: web.Request) -> web.Response:
         )
         hung_up = message is None and _hung_up(request)
     finally:
-        link.unpark(time.time(), hung_up=hung_up)
+        now = time.time()
+        link.unpark(now, hung_up=hung_up)
+    if hung_up and not link.parked:  # the pipelines look again once it counts as gone
+        app[LEDGER].pipelines.poke(at=now + GONE_S + 0.05)  # a timer may fire a hair early
     if message is None:
         return web.Response(status=204)
     app[METRICS].bytes_out += len(message.body)

@@ -104,6 +104,7 @@ class Pipelines:
         self._finished: dict[str, Generation] = {}
         self.joins = JoinWatch(gain=config.replan_gain)
         self._wake = asyncio.Event()
+        self._due = math.inf  # a moment a poke asked to tick at
         self._lock = asyncio.Lock()
         #: the sampled stages' work re-executed by the referee (verify.py)
         self.checks = StageChecks(store=store, blobs=blobs, scheduler=scheduler, on_flag=self.poke)
@@ -128,17 +129,24 @@ class Pipelines:
                     f" from step {loaded.committed_step}"
                 )
 
-    def poke(self) -> None:
+    def poke(self, at: float | None = None) -> None:
+        """Tick now; or at ``at`` (``time.time()``), when that comes before the next sweep (a
+        node's relay connections closed: its stage is lost once they have been closed GONE_S)."""
+        if at is not None:
+            self._due = min(self._due, at)
         self._wake.set()
 
     async def run(self) -> None:
-        """Background loop: find lost stages and plan the jobs that wait, every sweep interval
-        and whenever poked."""
+        """Background loop: find lost stages and plan the jobs that wait, every sweep interval,
+        whenever poked, and at the moment a poke asked for."""
         while True:
+            wait = min(self.config.sweep_interval_s, max(0.0, self._due - time.time()))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.sweep_interval_s):
+                async with asyncio.timeout(wait):
                     await self._wake.wait()
             self._wake.clear()
+            if self._due <= time.time():
+                self._due = math.inf
             await self.tick()
 
     async def tick(self, now: float | None = None) -> None:
