@@ -3,17 +3,19 @@ whose node closed its relay connections is lost at once (below), a stage silent 
 its limit (counted from its last report, or from when it was handed its stage) is lost, and so is
 a stage whose node was banned or suspended meanwhile.
 
-A stage node behind the relay keeps GETs parked at the hub for the tensors it will receive; when
-its process dies the kernel closes their connections, and the hub sees every one end with its
-client gone (hub/model/node.py, ``RelayLink``). Once that is ``GONE_S`` old, and the node made no
-request since, its stage is lost: it is re-planned exactly as a silent one (never flagged). A live
-node does not close its takes while it runs a stage: an answered take (a tensor, or a 204 when
-none came in time) does not count, and it asks again within milliseconds; a slow step or a
-checkpoint upload leaves its takes parked. Hang-ups from before the stage was handed to the node
-(its last stage's takes, closed as that stage ended) do not count, nor do those of a stage that
-reported its last step (its run is over, its takes closed). A node without parked takes (the
-direct transport only, ``--stage-listen``), or one whose connections did not close (the machine
-lost power or its network), is found by its silence.
+A stage node behind the relay keeps GETs parked at the hub for the tensors it will receive, this
+step's and the next's (node/pipeline/prefetch.py); when its process dies the kernel closes their
+connections, and the hub sees the last of them end with its client gone (hub/model/node.py,
+``RelayLink``). Once that is ``GONE_S`` old, and the node made no request since, its stage is
+lost: it is re-planned exactly as a silent one (never flagged). A live node does not close its
+takes while it runs a stage: a take answered (a tensor, or a 204 when none came in time) is asked
+again or held until the stage uses it, and a node whose last take ended answered is not gone; a
+slow step or a checkpoint upload leaves its takes parked. Hang-ups from before the stage was
+handed to the node (its last stage's takes, closed as that stage ended) do not count, nor do
+those of a stage that reported its last step (its run is over, its takes closed). A node without
+parked takes (the direct transport only, ``--stage-listen``, or a prefetch holding every tensor
+it may ask for), or one whose connections did not close (the machine lost power or its network),
+is found by its silence.
 
 The limit is the hub's ``stage_timeout_s``, except for a stage that has reported a step and is
 running a step that uploads no checkpoint: it reports after every step, so a silence of
