@@ -14,7 +14,7 @@ from gpuflex.hub.domain.pipelines.checkpoints import (
     max_state_bytes,
 )
 from gpuflex.hub.domain.pipelines.generations import relay_plan
-from gpuflex.hub.domain.pipelines.liveness import lost_stage
+from gpuflex.hub.domain.pipelines.liveness import GONE_S, lost_stage
 from gpuflex.hub.domain.pipelines.offers import cut_model
 from gpuflex.hub.domain.pipelines.planning import (
     bytes_moved,
@@ -22,6 +22,7 @@ from gpuflex.hub.domain.pipelines.planning import (
     choose_pipeline,
     micro_batch_counts,
 )
+from gpuflex.hub.model.node import RelayLink
 from gpuflex.hub.model.pipeline import Generation, StageSlot, StepReport
 from gpuflex.hub.model.relay import Crossing
 from gpuflex.hub.policy.pipeline_plan import NodeOffer
@@ -154,6 +155,63 @@ def test_a_stage_silent_for_ten_of_its_steps_mid_step_is_lost_before_the_timeout
         g, last, running, 25.0, 30.0, lambda n: False, checkpoint_every=4, seen=heard.__getitem__
     )
     assert node == "gf1-b"
+
+
+def test_a_node_is_gone_once_a_hang_up_ended_its_last_parked_take_and_it_asked_nothing_since() -> (
+    None
+):
+    link = RelayLink()
+    assert link.gone_at(last_seen=1.0) is None  # never parked a take
+    link.park()  # its takes' requests: last_seen 1.0
+    link.park()
+    link.unpark(2.0, hung_up=True)
+    assert link.gone_at(1.0) is None  # one take still parked
+    link.unpark(2.1, hung_up=True)
+    assert link.gone_at(1.0) == 2.1
+    assert link.gone_at(2.5) is None  # a request since
+    # between two takes, or holding what it asked for: the last one ended answered
+    answered = RelayLink()
+    answered.park()
+    answered.unpark(2.0, hung_up=False)
+    assert answered.gone_at(1.0) is None
+    # one hung up while another was parked, which was then answered: not gone
+    mixed = RelayLink()
+    mixed.park()
+    mixed.park()
+    mixed.unpark(2.0, hung_up=True)
+    mixed.unpark(2.1, hung_up=False)
+    assert mixed.gone_at(1.0) is None
+    # one answered (the node holds it), then the other hung up: gone
+    mixed.park()
+    mixed.park()
+    mixed.unpark(2.2, hung_up=False)
+    mixed.unpark(2.3, hung_up=True)
+    assert mixed.gone_at(1.0) == 2.3
+
+
+def test_a_stage_whose_node_closed_its_relay_connections_is_lost_after_the_grace() -> None:
+    """Long before the silence limit (the full 30 s timeout here); never for connections closed
+    before the stage was handed to the node or last reported, nor after its last step."""
+    g = _generation((StageSlot("gf1-a", 0, 1), StageSlot("gf1-b", 1, 2), StageSlot("gf1-c", 2, 4)))
+    reports = {s: StepReport(1, s, f"gf1-{'abc'[s]}", 5, 0.2, 0.1, 1, None, 10.0) for s in range(3)}
+    last = dict.fromkeys(range(3), 10.0)
+    closed = {"gf1-b": 11.0}
+
+    def lost(now: float, last=last, reports=reports, closed=closed):
+        return lost_stage(g, last, reports, now, 30.0, lambda n: False, gone=closed.get)
+
+    assert GONE_S == 1.5
+    assert lost(12.4) is None  # within the grace
+    assert lost(12.6) == (
+        "gf1-b",
+        "stage 1's node gf1-b closed its relay connections 1.6 s ago and made no request since",
+    )
+    assert lost(20.0, last={**last, 1: 11.5}) is None  # its last stage's takes, closed before
+    done = {**reports, 1: StepReport(1, 1, "gf1-b", 10, 0.2, 0.1, 1, None, 10.5)}
+    assert lost(20.0, reports=done) is None  # its run is over
+    node, _ = lost(20.0, closed={"gf1-b": 11.0, "gf1-c": 10.5})
+    assert node == "gf1-c"  # the one closed longest ago
+    assert lost_stage(g, last, reports, 20.0, 30.0, lambda n: False) is None  # not known
 
 
 def test_checkpoint_steps() -> None:

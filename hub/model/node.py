@@ -15,6 +15,43 @@ from ..policy.verification import Reputation
 
 
 @dataclass
+class RelayLink:
+    """A node's relay takes (``GET /v1/relay``) parked at the hub, and how the last of them ended:
+    the hub learns that a stage node is gone when its process dies and the kernel closes its
+    connections, rather than by waiting out its silence (hub/domain/pipelines/liveness.py).
+    Memory only; on the event loop.
+
+    A take parks (``park``) and ends (``unpark``) answered (a tensor, or none in time) or because
+    its client hung up. The node is gone from the moment a hang-up ended the last take it had
+    parked, as long as it made no request since (``gone_at``). A live node closes no take while it
+    runs a stage; when one of its takes is answered it either asks again or holds what it asked
+    for (then it is not gone: the last take ended answered). A stage handed to the node starts a
+    fresh link (``NodeState.relay``): the takes parked before, which its last stage closed as it
+    ended, count on the old one."""
+
+    parked: int = 0
+    #: when a hang-up ended the last take it had parked; None while one is parked, or when the
+    #: last ended answered
+    hung_up_at: float | None = None
+
+    def park(self) -> None:
+        self.parked += 1
+
+    def unpark(self, now: float, *, hung_up: bool) -> None:
+        self.parked = max(0, self.parked - 1)
+        if self.parked == 0:
+            self.hung_up_at = now if hung_up else None
+
+    def gone_at(self, last_seen: float) -> float | None:
+        """When the node's relay connections went away: a hang-up ended the last take it had
+        parked, none is parked now, and it made no request since (``last_seen``: when its last
+        request came). None otherwise."""
+        if self.parked or self.hung_up_at is None or self.hung_up_at < last_seen:
+            return None
+        return self.hung_up_at
+
+
+@dataclass
 class NodeState:
     """A registered node as the hub works with it; its track record is a `Reputation`."""
 
@@ -62,6 +99,8 @@ class NodeState:
     #: its speed measured on the pipeline stages it ran (hub/policy/stage_speed.py; memory only:
     #: a restarted hub plans with its benchmark until its stage reports again)
     stage_speed: StageSpeed = field(default_factory=StageSpeed)
+    #: its relay takes parked at the hub and how they ended (memory only)
+    relay: RelayLink = field(default_factory=RelayLink)
 
     def reputation_at(self, now: float) -> Reputation:
         """Its reputation as the spot-check policy reads it at ``now``: with ``unchecked_s``."""

@@ -309,6 +309,8 @@ async def _loops(app: web.Application) -> None:
                        name="gpuflex-sweep")
         tg.create_task(supervise("pipelines", ledger.pipelines.run, health, first_delay_s=cfg.loop_restart_s),
                        name="gpuflex-pipelines")
+        tg.create_task(supervise("relay_hang_ups", app[RELAY].watch, health, first_delay_s=cfg.loop_restart_s),
+                       name="gpuflex-relay-hang-ups")
         tg.create_task(supervise("stage_checks", ledger.pipelines.checks.run, health,
                                  first_delay_s=cfg.loop_restart_s), name="gpuflex-stage-checks")
 

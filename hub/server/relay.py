@@ -13,6 +13,10 @@ size and hash, a tensor of another shape or dtype, NaN or infinity, a sketch
 (protocol/stagesketch.py) that is malformed, on anything but an activation or a gradient, or,
 on an fp32 boundary, whose entries or signed sums are not the payload's (400 ``bad_sketch``).
 Messages live in memory only (hub/server/relaybox.py), never in the database.
+
+A take whose client hangs up ends within a tenth of a second and takes nothing; the node's
+``RelayLink`` (hub/model/node.py) records how its takes ended, which is how the pipelines learn
+that a stage node's process died (hub/domain/pipelines/liveness.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import base64
 import hashlib
 import math
+import time
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ from gpuflex.protocol.stagesketch import decode_sketch, sketch_projections
 from gpuflex.protocol.tensors import TensorSpec, check_blob, decode_state, max_encoded_size
 
 from ..base.errors import BadRequest, PayloadTooLarge, Unprocessable
+from ..domain.pipelines.liveness import GONE_S
 from ..model.relay import Crossing, RelayPlan
 from .appkeys import CONFIG, IO_POOL, LEDGER, METRICS, RELAY
 from .linkmeter import BodyClock
@@ -170,6 +176,14 @@ async def relay_put(request: web.Request) -> web.Response:
     )
 
 
+def _hung_up(request: web.Request) -> bool:
+    """Whether the request's client went away: its connection is closed or closing. Behind a
+    forwarding worker (``serve --workers N``) the connection is the worker's, which closes it
+    when its client's closes (hub/server/workers.py)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 @routes.get("/v1/relay")
 async def relay_take(request: web.Request) -> web.Response:
     """Take the tensor sent to the caller's stage: 200 with it, or 204 when none came in time."""
@@ -180,9 +194,21 @@ async def relay_take(request: web.Request) -> web.Response:
     plan.check_generation(take.generation)
     _crossing(plan, take)
     plan.check_owner(node.id, take.to_stage, f"take what is sent to stage {take.to_stage}")
-    message = await app[RELAY].take(
-        _key(take), min(float(take.wait_s), app[CONFIG].long_poll_max_s)
-    )
+    link = node.relay  # the node's link now: a stage handed to it meanwhile starts a fresh one
+    link.park()
+    hung_up = False
+    try:
+        message = await app[RELAY].take(
+            _key(take),
+            min(float(take.wait_s), app[CONFIG].long_poll_max_s),
+            hung_up=lambda: _hung_up(request),
+        )
+        hung_up = message is None and _hung_up(request)
+    finally:
+        now = time.time()
+        link.unpark(now, hung_up=hung_up)
+    if hung_up and not link.parked:  # the pipelines look again once it counts as gone
+        app[LEDGER].pipelines.poke(at=now + GONE_S + 0.05)  # a timer may fire a hair early
     if message is None:
         return web.Response(status=204)
     app[METRICS].bytes_out += len(message.body)

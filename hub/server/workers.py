@@ -248,6 +248,14 @@ def forwarder(sock_path: Path) -> web.Application:
     return app
 
 
+def forwarding_runner(sock_path: Path) -> web.AppRunner:
+    """The runner of a worker in line. A client that hangs up cancels its forward (the forward
+    holds no state of the hub's), which closes the connection to the leader: the leader sees the
+    hang-up as if the client were its own, and a relay take parked there ends (hub/server/relaybox.py)."""
+    return web.AppRunner(forwarder(sock_path), handle_signals=False, access_log=None, shutdown_timeout=5.0,
+                         handler_cancellation=True)
+
+
 async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int, index: int) -> int:
     """One worker: forward to the leader until this process holds the lease, then lead."""
     from ..storage.lease import Lease, fence
@@ -268,7 +276,7 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
         return socket.socket(fileno=os.dup(fd))
 
     if not await asyncio.to_thread(lease.try_acquire):
-        runner = web.AppRunner(forwarder(sock_path), handle_signals=False, access_log=None, shutdown_timeout=5.0)
+        runner = forwarding_runner(sock_path)
         await runner.setup()
         settle_heap()
         await web.SockSite(runner, shared(), ssl_context=ssl_ctx).start()
@@ -309,5 +317,5 @@ async def run_worker(config: HubConfig, ssl_ctx: ssl.SSLContext | None, fd: int,
     return 0
 
 
-__all__ = ["LEADER_SOCKET", "PEER_HEADER", "SCHEME_HEADER", "WorkersError", "check", "forwarder", "leader_socket", "run_worker",
-           "supervise"]
+__all__ = ["LEADER_SOCKET", "PEER_HEADER", "SCHEME_HEADER", "WorkersError", "check", "forwarder", "forwarding_runner",
+           "leader_socket", "run_worker", "supervise"]

@@ -257,13 +257,17 @@ class StageWorker:
         first = step == self.a.first_step
         runner.timeout_s = self.start_timeout_s if first else self.peer_timeout_s
         self.transport.waited = 0.0
+        done = step + 1
+        if done < self.a.end_step:
+            # the next step's tensors asked for behind this step's (a prefetch asks in order),
+            # so the stage keeps relay GETs parked through its whole step, its update and its
+            # report included: the hub learns at once when their connections close
+            self.transport.expect(runner.receives(step, self.a.micro_batches))
+            self.transport.expect(runner.receives(done, self.a.micro_batches))
         t0 = time.perf_counter()
         loss = runner.run_step(step, self.a.micro_batches, inputs=inputs, targets=targets)
         if not self._answered():  # the hub ended the generation at the step before: not counted
             return False
-        done = step + 1
-        if done < self.a.end_step:  # the next step's tensors asked for while this one reports
-            self.transport.expect(runner.receives(done, self.a.micro_batches))
         due = done % self.a.checkpoint_every == 0 or done == self.a.end_step
         if due:  # what the stage sent is delivered before its state is stored or its run ends
             self.transport.flush()

@@ -19,7 +19,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from gpuflex.protocol.jobspec import TrainSpec
 from gpuflex.protocol.messages import Ack, StageReport, UnitCheckpoint
@@ -28,7 +30,7 @@ from gpuflex.protocol.signing import SigningKey, seal
 from ...base.config import HubConfig
 from ...base.errors import BadRequest, Conflict, Forbidden, NotFound, PayloadTooLarge
 from ...model.job import JobState
-from ...model.node import NodeState
+from ...model.node import NodeState, RelayLink
 from ...model.pipeline import Generation, PipelineState, StepReport, UnitRecord
 from ...model.relay import RelayRegistry
 from ...policy.pipeline_plan import NodeOffer
@@ -52,6 +54,13 @@ log = logging.getLogger("gpuflex.hub.pipelines")
 FINISHED_KEPT = 256
 #: a node counts as asking for work this long past its poll's longest wait and the retry it is told
 ASK_GRACE_S = 5.0
+
+
+def relay_gone(nodes: Mapping[str, NodeState], node_id: str) -> float | None:
+    """When the node's relay connections went away with no request of it since
+    (``RelayLink.gone_at``), or None."""
+    node = nodes.get(node_id)
+    return None if node is None else node.relay.gone_at(node.last_seen)
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class Pipelines:
         self._finished: dict[str, Generation] = {}
         self.joins = JoinWatch(gain=config.replan_gain)
         self._wake = asyncio.Event()
+        self._due = math.inf  # a moment a poke asked to tick at
         self._lock = asyncio.Lock()
         #: the sampled stages' work re-executed by the referee (verify.py)
         self.checks = StageChecks(store=store, blobs=blobs, scheduler=scheduler, on_flag=self.poke)
@@ -119,17 +129,24 @@ class Pipelines:
                     f" from step {loaded.committed_step}"
                 )
 
-    def poke(self) -> None:
+    def poke(self, at: float | None = None) -> None:
+        """Tick now; or at ``at`` (``time.time()``), when that comes before the next sweep (a
+        node's relay connections closed: its stage is lost once they have been closed GONE_S)."""
+        if at is not None:
+            self._due = min(self._due, at)
         self._wake.set()
 
     async def run(self) -> None:
-        """Background loop: find lost stages and plan the jobs that wait, every sweep interval
-        and whenever poked."""
+        """Background loop: find lost stages and plan the jobs that wait, every sweep interval,
+        whenever poked, and at the moment a poke asked for."""
         while True:
+            wait = min(self.config.sweep_interval_s, max(0.0, self._due - time.time()))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.sweep_interval_s):
+                async with asyncio.timeout(wait):
                     await self._wake.wait()
             self._wake.clear()
+            if self._due <= time.time():
+                self._due = math.inf
             await self.tick()
 
     async def tick(self, now: float | None = None) -> None:
@@ -167,6 +184,7 @@ class Pipelines:
                 self._barred,
                 checkpoint_every=spec.checkpoint_every if spec is not None else 0,
                 seen=self._seen,
+                gone=partial(relay_gone, self.scheduler.nodes),
             )
             if lost is not None:
                 await self._end_generation(job, state, lost[1], now, lost_node=lost[0])
@@ -356,6 +374,7 @@ class Pipelines:
                 continue
             if node.id in state.sealed and node.id not in state.handed:
                 state.handed.add(node.id)
+                node.relay = RelayLink()  # the takes of its last stage do not count for this one
                 stage = g.stage_of(node.id)
                 if stage is not None:
                     state.last_report[stage] = now  # its silence counts from now

@@ -1,6 +1,21 @@
-"""Loss detection: a stage node's reports are its liveness. A stage silent for longer than its
-limit (counted from its last report, or from when it was handed its stage) is lost, and so is a
-stage whose node was banned or suspended meanwhile.
+"""Loss detection: a stage node's relay connections and its reports are its liveness. A stage
+whose node closed its relay connections is lost at once (below), a stage silent for longer than
+its limit (counted from its last report, or from when it was handed its stage) is lost, and so is
+a stage whose node was banned or suspended meanwhile.
+
+A stage node behind the relay keeps GETs parked at the hub for the tensors it will receive, this
+step's and the next's (node/pipeline/prefetch.py); when its process dies the kernel closes their
+connections, and the hub sees the last of them end with its client gone (hub/model/node.py,
+``RelayLink``). Once that is ``GONE_S`` old, and the node made no request since, its stage is
+lost: it is re-planned exactly as a silent one (never flagged). A live node does not close its
+takes while it runs a stage: a take answered (a tensor, or a 204 when none came in time) is asked
+again or held until the stage uses it, and a node whose last take ended answered is not gone; a
+slow step or a checkpoint upload leaves its takes parked. Hang-ups from before the stage was
+handed to the node (its last stage's takes, closed as that stage ended) do not count, nor do
+those of a stage that reported its last step (its run is over, its takes closed). A node without
+parked takes (the direct transport only, ``--stage-listen``, or a prefetch holding every tensor
+it may ask for), or one whose connections did not close (the machine lost power or its network),
+is found by its silence.
 
 The limit is the hub's ``stage_timeout_s``, except for a stage that has reported a step and is
 running a step that uploads no checkpoint: it reports after every step, so a silence of
@@ -27,6 +42,13 @@ from .checkpoints import is_checkpoint_step
 SILENT_STEPS: Final = 20.0
 #: ... and at least this long
 SILENCE_MIN_S: Final = 5.0
+#: a stage whose node closed its relay connections is lost once they have been closed this long
+#: with no request from the node. The hub sees a closed connection within a tenth of a second; a
+#: live node whose connection broke (a home line's hiccup, a NAT rebinding: its take fails)
+#: connects again and asks at once, one to three round trips (TCP, then TLS), well under a second
+#: even over a slow line. Should one take longer, it costs a re-plan, never a flag, and a dead
+#: node is still replaced within about GONE_S instead of SILENCE_MIN_S
+GONE_S: Final = 1.5
 
 
 def silence_limit(
@@ -44,6 +66,40 @@ def silence_limit(
     return min(timeout_s, max(SILENCE_MIN_S, SILENT_STEPS * report.step_s))
 
 
+def gone_stage(
+    g: Generation,
+    last_report: Mapping[int, float],
+    reports: Mapping[int, StepReport],
+    now: float,
+    gone: Callable[[str], float | None],
+) -> tuple[str, str] | None:
+    """(the node, why) of the stage of ``g`` whose node closed its relay connections longest
+    ago, at least ``GONE_S`` ago and after the stage was handed to it or last reported, or None.
+    ``gone(node)``: when its relay connections went away with no request since (None: they did
+    not). A stage that reported its last step is never gone."""
+    found: tuple[float, int] | None = None
+    for s, slot in enumerate(g.stages):
+        at = gone(slot.node_id)
+        report = reports.get(s)
+        if (
+            at is None
+            or now - at < GONE_S
+            or at < last_report.get(s, g.created_at)
+            or (report is not None and report.steps_done >= g.end_step)
+        ):
+            continue
+        if found is None or at < found[0]:
+            found = (at, s)
+    if found is None:
+        return None
+    at, s = found
+    node = g.stages[s].node_id
+    return node, (
+        f"stage {s}'s node {node} closed its relay connections {now - at:.1f} s ago and made no"
+        " request since"
+    )
+
+
 def lost_stage(
     g: Generation,
     last_report: Mapping[int, float],
@@ -53,12 +109,16 @@ def lost_stage(
     barred: Callable[[str], bool],
     checkpoint_every: int = 0,
     seen: Callable[[str], float] | None = None,
+    gone: Callable[[str], float | None] | None = None,
 ) -> tuple[str, str] | None:
     """(the lost node, why: one line naming its stage) for generation ``g``, or None.
-    ``seen(node)``: when the hub last heard from the node, any request (None: not known)."""
+    ``seen(node)``: when the hub last heard from the node, any request (None: not known);
+    ``gone(node)``: when its relay connections went away (``gone_stage``; None: not known)."""
     for s, slot in enumerate(g.stages):
         if barred(slot.node_id):
             return slot.node_id, f"stage {s}'s node {slot.node_id} was banned or suspended"
+    if gone is not None and (closed := gone_stage(g, last_report, reports, now, gone)):
+        return closed
     limits = {
         s: silence_limit(g, reports.get(s), timeout_s, checkpoint_every)
         for s in range(len(g.stages))
@@ -88,4 +148,4 @@ def lost_stage(
     )
 
 
-__all__ = ["SILENCE_MIN_S", "SILENT_STEPS", "lost_stage", "silence_limit"]
+__all__ = ["GONE_S", "SILENCE_MIN_S", "SILENT_STEPS", "gone_stage", "lost_stage", "silence_limit"]
