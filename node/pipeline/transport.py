@@ -177,9 +177,10 @@ class SendAhead:
     def close(self) -> None:
         """Stop the sending threads, dropping what still waits (idempotent): the stage is over."""
         self._dropping = True
-        for thread in self._threads:
-            if thread.is_alive():
-                self._queue.put(None)
+        # one end marker per thread still running, counted before any is put: a thread ends only
+        # on a marker, and any thread may take any marker
+        for _ in [t for t in self._threads if t.is_alive()]:
+            self._queue.put(None)
         for thread in self._threads:
             thread.join()
 
