@@ -643,7 +643,7 @@ def test_a_step_reports_before_its_last_sends_land_but_a_checkpoint_waits_for_th
     assert max_rel_diff(job.hub.model_at(STACK, STEPS), job.reference()) < 1e-5
 
 
-@pytest.mark.parametrize(("micro", "sends", "receives"), [(2, 4, 8), (16, 16, 16), (64, 32, 32)])
+@pytest.mark.parametrize(("micro", "sends", "receives"), [(2, 4, 8), (16, 16, 16), (64, 64, 64), (128, 96, 96)])
 def test_relay_links_keep_a_step_of_micro_batches_in_flight(micro, sends, receives) -> None:
     from gpuflex.node.pipeline.relay import RelayTransport
     from gpuflex.node.stagelinks import stage_links
