@@ -103,6 +103,11 @@ async def _serve(args: argparse.Namespace) -> int:
     config = _serve_config(args)
     if config is None:
         return 2
+    from .openfiles import open_files_warning, raise_open_files
+
+    warning = open_files_warning(raise_open_files())
+    if warning and args.worker_index in (None, 0):
+        print(warning, file=sys.stderr, flush=True)
     ssl_ctx = None
     if config.tls_cert and config.tls_key:
         ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
