@@ -11,8 +11,12 @@ Worker processes (``serve --workers``) inherit the raised limit.
 
 from __future__ import annotations
 
-import resource
 from typing import Final
+
+try:
+    import resource
+except ImportError:  # Windows has no rlimits: nothing to raise there
+    resource = None  # type: ignore[assignment]
 
 #: the soft limit ``serve`` asks for (at most the hard limit)
 WANTED: Final = 65536
@@ -36,7 +40,7 @@ def raise_open_files(wanted: int = WANTED) -> int:
 
 def open_files_warning(limit: int) -> str | None:
     """One line for the operator when ``limit`` is below what the hub advises, else None."""
-    if limit == resource.RLIM_INFINITY or limit >= ADVISED:
+    if resource is None or limit == resource.RLIM_INFINITY or limit >= ADVISED:
         return None
     return (
         f"WARNING: the hub may hold only {limit} open files (ulimit -n); each connection a node"
