@@ -164,9 +164,7 @@ def sketch_distances(sketch: StageSketch, recomputed: Tensor) -> dict[str, float
     gap = max(0.0, float(magnitude.max()) - float(at.abs().min()))
     found["sketch_rank"] = gap / largest if largest else 0.0
     if sketch.projections is not None:
-        sums = sketch_projections(
-            recomputed.detach().reshape(-1).float().cpu().numpy(), sketch.seed
-        )
+        sums = sketch_projections(flat.cpu().numpy(), sketch.seed)  # float64 holds float32 exactly
         found["sketch_projection"] = _relative(sketch.projections.double(), torch.from_numpy(sums))
     return found
 
